@@ -1,0 +1,21 @@
+//! Compiles the wire contract with protox (no `protoc` needed) and writes the
+//! descriptor set the server serves through gRPC reflection.
+
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let files = [
+        "proto/corral/v1/types.proto",
+        "proto/corral/v1/events.proto",
+        "proto/corral/v1/execution.proto",
+        "proto/corral/v1/session.proto",
+        "proto/corral/v1/catalog.proto",
+    ];
+    println!("cargo:rerun-if-changed=proto");
+    let fds = protox::compile(files, ["proto"])?;
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    let bytes = prost::Message::encode_to_vec(&fds);
+    std::fs::write(out.join("corral_descriptor.bin"), bytes)?;
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
+    Ok(())
+}

@@ -1,0 +1,86 @@
+//! CatalogService: what the daemon knows, and dry runs of resolution and
+//! the gate with exactly the rules an execution uses.
+
+use std::sync::Arc;
+
+use tonic::{Code, Request, Response, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use super::{convert, status, validate};
+use crate::catalog::{check_actor, Catalog, Refusal};
+use crate::pb;
+use crate::pb::catalog_service_server::CatalogService;
+use crate::policy::{Gate, GateInput, Phase};
+
+pub struct CatalogApi {
+    pub catalog: Arc<Catalog>,
+    pub gate: Arc<Gate>,
+}
+
+/// A resolution refusal as a status: FAILED_PRECONDITION with the reason.
+fn refused(refusal: Refusal) -> Status {
+    let details = ErrorDetails::with_error_info(
+        "RESOLUTION_REFUSED",
+        status::DOMAIN,
+        [("reason".to_string(), refusal.0.clone())].into_iter().collect::<std::collections::HashMap<_, _>>(),
+    );
+    Status::with_error_details(Code::FailedPrecondition, refusal.0, details)
+}
+
+#[tonic::async_trait]
+impl CatalogService for CatalogApi {
+    async fn list_profiles(
+        &self,
+        _request: Request<pb::ListProfilesRequest>,
+    ) -> Result<Response<pb::ListProfilesResponse>, Status> {
+        let profiles = self.catalog.list().iter().map(|p| convert::profile(p)).collect();
+        Ok(Response::new(pb::ListProfilesResponse { profiles }))
+    }
+
+    async fn get_profile(&self, request: Request<pb::GetProfileRequest>) -> Result<Response<pb::Profile>, Status> {
+        let req = request.into_inner();
+        validate::profile_ref("ref", &req.r#ref)?;
+        let profile = self.catalog.lookup(&req.r#ref).map_err(|r| Status::not_found(r.0))?;
+        Ok(Response::new(convert::profile(&profile)))
+    }
+
+    async fn resolve_profile(
+        &self,
+        request: Request<pb::ResolveProfileRequest>,
+    ) -> Result<Response<pb::ResolveProfileResponse>, Status> {
+        let req = request.into_inner();
+        validate::profile_ref("ref", &req.r#ref)?;
+        if !req.actor.is_empty() {
+            check_actor(&req.actor).map_err(refused)?;
+        }
+        let profile = self.catalog.resolve(&req.r#ref).map_err(refused)?;
+        Ok(Response::new(pb::ResolveProfileResponse {
+            pinned_ref: profile.reference(),
+            profile: Some(convert::profile(&profile)),
+        }))
+    }
+
+    async fn evaluate_gate(
+        &self,
+        request: Request<pb::EvaluateGateRequest>,
+    ) -> Result<Response<pb::EvaluateGateResponse>, Status> {
+        let req = request.into_inner();
+        validate::profile_ref("profile_ref", &req.profile_ref)?;
+        check_actor(&req.actor).map_err(refused)?;
+        let profile = self.catalog.resolve(&req.profile_ref).map_err(refused)?;
+        let outcome = self.gate.evaluate(&GateInput {
+            phase: Phase::AgentStart,
+            profile_ref: &profile.reference(),
+            profile_policies: &profile.file.guardrails.policies,
+            actor: &req.actor,
+            project: &req.project,
+            repo: &req.repo,
+            sandbox: &profile.file.sandbox,
+        });
+        Ok(Response::new(pb::EvaluateGateResponse {
+            action: convert::action(outcome.action) as i32,
+            decisions: outcome.decisions.iter().map(convert::decision).collect(),
+            effective_sandbox: Some(convert::sandbox_spec(&outcome.effective_sandbox)),
+        }))
+    }
+}

@@ -1,0 +1,289 @@
+//! Domain → wire conversions. The only place that knows both shapes.
+
+use crate::catalog::{self, Profile, ReadinessState};
+use crate::events::{BusItem, EventKind, RawPart};
+use crate::evidence::{self, FailureStage, HubReportStatus, Outcome, TeardownResult};
+use crate::lifecycle::{ExecutionRecord, ExecutionState, RawResult};
+use crate::pb;
+use crate::policy::{self, Action};
+use crate::sandbox::{self, SandboxType};
+
+pub fn timestamp(ms: i64) -> prost_types::Timestamp {
+    prost_types::Timestamp { seconds: ms.div_euclid(1000), nanos: (ms.rem_euclid(1000) * 1_000_000) as i32 }
+}
+
+pub fn sandbox_type(t: SandboxType) -> pb::SandboxType {
+    match t {
+        SandboxType::LinuxBwrap => pb::SandboxType::LinuxBwrap,
+        SandboxType::None => pb::SandboxType::None,
+    }
+}
+
+pub fn sandbox_spec(s: &sandbox::SandboxSpec) -> pb::SandboxSpec {
+    pb::SandboxSpec {
+        r#type: sandbox_type(s.sandbox_type) as i32,
+        allow_network: s.allow_network,
+        write_paths: s.write_paths.clone(),
+        read_paths: s.read_paths.clone(),
+        env_passthrough: s.env_passthrough.clone(),
+    }
+}
+
+pub fn consumer(c: &sandbox::Consumer) -> pb::Consumer {
+    pb::Consumer {
+        actor: c.actor.clone(),
+        project: c.project.clone(),
+        run_id: c.run_id.clone(),
+        session_id: c.session_id.clone(),
+    }
+}
+
+pub fn readiness(r: &catalog::Readiness) -> pb::Readiness {
+    let state = match r.state {
+        ReadinessState::Ready => pb::ReadinessState::Ready,
+        ReadinessState::Unverified => pb::ReadinessState::Unverified,
+        ReadinessState::Blocked => pb::ReadinessState::Blocked,
+    };
+    pb::Readiness {
+        state: state as i32,
+        reason: r.reason.clone(),
+        owner: r.owner.clone(),
+        evidence_ref: r.evidence_ref.clone(),
+    }
+}
+
+pub fn action(a: Action) -> pb::GateAction {
+    match a {
+        Action::Allow => pb::GateAction::Allow,
+        Action::Deny => pb::GateAction::Deny,
+    }
+}
+
+pub fn decision(d: &policy::PolicyDecision) -> pb::PolicyDecision {
+    pb::PolicyDecision {
+        policy: d.policy.clone(),
+        source: d.source.clone(),
+        action: action(d.action) as i32,
+        reason: d.reason.clone(),
+    }
+}
+
+fn teardown(t: TeardownResult) -> i32 {
+    (match t {
+        TeardownResult::Succeeded => pb::TeardownResult::Succeeded,
+        TeardownResult::Failed => pb::TeardownResult::Failed,
+        TeardownResult::NotAttempted => pb::TeardownResult::NotAttempted,
+        TeardownResult::Unknown => pb::TeardownResult::Unknown,
+    }) as i32
+}
+
+fn outcome(o: Outcome) -> i32 {
+    (match o {
+        Outcome::Unknown => pb::Outcome::Unspecified,
+        Outcome::Succeeded => pb::Outcome::Succeeded,
+        Outcome::Failed => pb::Outcome::Failed,
+        Outcome::Refused => pb::Outcome::Refused,
+        Outcome::Cancelled => pb::Outcome::Cancelled,
+    }) as i32
+}
+
+fn stage(s: Option<FailureStage>) -> i32 {
+    (match s {
+        None => pb::FailureStage::Unspecified,
+        Some(FailureStage::Resolution) => pb::FailureStage::Resolution,
+        Some(FailureStage::Gate) => pb::FailureStage::Gate,
+        Some(FailureStage::SandboxCreate) => pb::FailureStage::SandboxCreate,
+        Some(FailureStage::SessionStart) => pb::FailureStage::SessionStart,
+        Some(FailureStage::Execution) => pb::FailureStage::Execution,
+        Some(FailureStage::Teardown) => pb::FailureStage::Teardown,
+    }) as i32
+}
+
+fn hub(h: HubReportStatus) -> i32 {
+    (match h {
+        HubReportStatus::NotRequested => pb::HubReportStatus::NotRequested,
+        HubReportStatus::Pending => pb::HubReportStatus::Pending,
+        HubReportStatus::Accepted => pb::HubReportStatus::Accepted,
+        HubReportStatus::Failed => pb::HubReportStatus::Failed,
+        HubReportStatus::Unknown => pb::HubReportStatus::Unknown,
+    }) as i32
+}
+
+pub fn execution_state(s: ExecutionState) -> pb::ExecutionState {
+    match s {
+        ExecutionState::Pending => pb::ExecutionState::Pending,
+        ExecutionState::Running => pb::ExecutionState::Running,
+        ExecutionState::Succeeded => pb::ExecutionState::Succeeded,
+        ExecutionState::Failed => pb::ExecutionState::Failed,
+        ExecutionState::Refused => pb::ExecutionState::Refused,
+        ExecutionState::Cancelled => pb::ExecutionState::Cancelled,
+    }
+}
+
+pub fn evidence(e: &evidence::Evidence) -> pb::Evidence {
+    pb::Evidence {
+        outcome: outcome(e.outcome),
+        failure_stage: stage(e.failure_stage),
+        error: e.error.clone(),
+        session_cleanup: teardown(e.session_cleanup),
+        sandbox_destroy: teardown(e.sandbox_destroy),
+        profile_ref: e.profile_ref.clone(),
+        profile_digest: e.profile_digest.clone(),
+        readiness: e.readiness.as_ref().map(readiness),
+        rein: e.rein.clone(),
+        sandbox_id: e.sandbox_id.clone(),
+        commit_sha: e.commit_sha.clone(),
+        tokens_spent: e.tokens_spent,
+        resolved_model: e.resolved_model.clone(),
+        gate_decisions: e.gate_decisions.iter().map(decision).collect(),
+        hub_report_status: hub(e.hub_report_status),
+        request_id: e.request_id.clone(),
+        correlation_id: e.correlation_id.clone(),
+        assignment_ref: e.assignment_ref.clone(),
+        notes: e.notes.clone(),
+        stage_timings: e
+            .stage_timings
+            .iter()
+            .map(|t| pb::StageTiming { stage: t.stage.clone(), micros: t.micros })
+            .collect(),
+    }
+}
+
+/// The record as anyone may see it; `raw` adds what only the direct
+/// caller may see.
+pub fn execution(r: &ExecutionRecord, raw: Option<&RawResult>) -> pb::Execution {
+    pb::Execution {
+        execution_id: r.execution_id.clone(),
+        request_id: r.request_id.clone(),
+        state: execution_state(r.state) as i32,
+        harness_profile_ref: r.harness_profile_ref.clone(),
+        title: r.title.clone(),
+        repo: r.repo.clone(),
+        consumer: Some(consumer(&r.consumer)),
+        correlation_id: r.correlation_id.clone(),
+        assignment_ref: r.assignment_ref.clone(),
+        report_to_hub: r.report_to_hub,
+        effective_sandbox: r.effective_sandbox.as_ref().map(sandbox_spec),
+        evidence: Some(evidence(&r.evidence)),
+        created_at: Some(timestamp(r.created_at_ms)),
+        finished_at: r.finished_at_ms.map(timestamp),
+        tool_output: raw.map(|r| r.tool_output.clone()).unwrap_or_default(),
+        tool_error: raw.map(|r| r.tool_error.clone()).unwrap_or_default(),
+    }
+}
+
+/// An event for the wire. Raw parts are present only on items that carry
+/// them (the direct caller's stream).
+pub fn event(item: &BusItem) -> pb::LifecycleEvent {
+    use pb::lifecycle_event::Kind;
+    let e = &item.event;
+    let raw = item.raw.as_deref();
+    let kind = match &e.kind {
+        EventKind::Accepted { execution_id, session_id, request_id, consumer: c } => Kind::Accepted(pb::Accepted {
+            execution_id: execution_id.clone(),
+            session_id: session_id.clone(),
+            request_id: request_id.clone(),
+            consumer: Some(consumer(c)),
+        }),
+        EventKind::Resolved { profile_ref, profile_digest, readiness: r } => Kind::Resolved(pb::Resolved {
+            profile_ref: profile_ref.clone(),
+            profile_digest: profile_digest.clone(),
+            readiness: Some(readiness(r)),
+        }),
+        EventKind::Gated { phase, action: a, decisions, effective_sandbox } => Kind::Gated(pb::Gated {
+            phase: phase.clone(),
+            action: action(*a) as i32,
+            decisions: decisions.iter().map(decision).collect(),
+            effective_sandbox: Some(sandbox_spec(effective_sandbox)),
+        }),
+        EventKind::SandboxReady { sandbox_id, backend, workspace_path, receipt } => {
+            Kind::SandboxReady(pb::SandboxReady {
+                sandbox_id: sandbox_id.clone(),
+                backend: sandbox_type(*backend) as i32,
+                workspace_path: workspace_path.clone(),
+                receipt: Some(pb::EnforcementReceipt {
+                    command_digest: receipt.command_digest.clone(),
+                    network_isolated: receipt.network_isolated,
+                    write_roots: receipt.write_roots.clone(),
+                }),
+            })
+        }
+        EventKind::Dispatched { tool } => Kind::Dispatched(pb::Dispatched { tool: tool.clone() }),
+        EventKind::Progress { progress_kind, tool, tokens_so_far } => Kind::Progress(pb::Progress {
+            kind: progress_kind.clone(),
+            tool: tool.clone(),
+            tokens_so_far: *tokens_so_far,
+            message: match raw {
+                Some(RawPart::ProgressMessage(m)) => m.clone(),
+                _ => String::new(),
+            },
+        }),
+        EventKind::OutputTruncated { stream, bytes_dropped } => {
+            Kind::OutputTruncated(pb::OutputTruncated { stream: stream.clone(), bytes_dropped: *bytes_dropped })
+        }
+        EventKind::Teardown { session_cleanup, sandbox_destroy } => Kind::Teardown(pb::Teardown {
+            session_cleanup: teardown(*session_cleanup),
+            sandbox_destroy: teardown(*sandbox_destroy),
+        }),
+        EventKind::Finished { execution: record } => {
+            let raw = match raw {
+                Some(RawPart::Finished(r)) => Some(r),
+                _ => None,
+            };
+            Kind::Finished(pb::Finished { record: Some(pb::finished::Record::Execution(execution(record, raw))) })
+        }
+    };
+    pb::LifecycleEvent {
+        subject_id: e.subject_id.clone(),
+        sequence: e.sequence,
+        time: Some(timestamp(e.time_ms)),
+        kind: Some(kind),
+    }
+}
+
+pub fn profile(p: &Profile) -> pb::Profile {
+    let f = &p.file;
+    pb::Profile {
+        id: f.id.clone(),
+        version: p.version.to_string(),
+        r#ref: p.reference(),
+        status: match f.status {
+            catalog::ProfileStatus::Enabled => "enabled".into(),
+            catalog::ProfileStatus::Disabled => "disabled".into(),
+        },
+        readiness: Some(readiness(&f.readiness)),
+        rein: Some(pb::Rein {
+            kind: f.rein.kind.clone(),
+            preset: enum_name(&f.rein.preset),
+            argv: f.rein.argv.clone(),
+            input: enum_name(&f.rein.input),
+        }),
+        sandbox: Some(sandbox_spec(&f.sandbox)),
+        limits: Some(pb::Limits {
+            timeout_seconds: f.limits.timeout_seconds,
+            max_output_bytes: f.limits.max_output_bytes,
+            max_processes: f.limits.max_processes,
+            memory_bytes: f.limits.memory_bytes,
+        }),
+        credential_route_refs: f.credential_route_refs.clone(),
+        policies: f
+            .guardrails
+            .policies
+            .iter()
+            .map(|p| pb::PolicySpec {
+                name: p.name.clone(),
+                kind: p.kind.clone(),
+                arguments_json: p.arguments.to_string(),
+                on: p.on.clone(),
+            })
+            .collect(),
+        digest: p.digest.clone(),
+        source: p.source.clone(),
+        description: f.description.clone(),
+    }
+}
+
+/// The snake_case name serde gives a unit enum variant.
+fn enum_name<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_value(value).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+}

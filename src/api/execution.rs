@@ -1,0 +1,144 @@
+//! ExecutionService: validate, call the engine once, convert back.
+
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use super::{convert, status, validate};
+use crate::lifecycle::{Engine, Subscription};
+use crate::pb;
+use crate::pb::execution_service_server::ExecutionService;
+use crate::store::ExecutionFilter;
+
+pub type EventStream = Pin<Box<dyn Stream<Item = Result<pb::LifecycleEvent, Status>> + Send>>;
+
+pub struct ExecutionApi {
+    pub engine: Arc<Engine>,
+    pub repo_roots: Vec<PathBuf>,
+    pub shutdown: CancellationToken,
+}
+
+const DEFAULT_PAGE: u32 = 50;
+const MAX_PAGE: u32 = 500;
+
+/// Pumps a subscription into a response stream on its own task. The
+/// subscription's bounded buffer decides when a slow client is ended; this
+/// channel only smooths delivery.
+pub fn event_stream(mut subscription: Subscription, shutdown: CancellationToken) -> EventStream {
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(async move {
+        loop {
+            let next = tokio::select! {
+                next = subscription.next() => next,
+                _ = shutdown.cancelled() => {
+                    let last = subscription.last_sequence();
+                    let _ = tx.try_send(Err(Status::unavailable(format!(
+                        "daemon shutting down; resume with after_sequence = {last}"
+                    ))));
+                    return;
+                }
+            };
+            let message = match next {
+                None => return,
+                Some(Ok(item)) => Ok(convert::event(&item)),
+                Some(Err(lag)) => Err(status::lagged(lag)),
+            };
+            let end = message.is_err();
+            // A client that went away drops the receiver: stop pumping.
+            if tx.send(message).await.is_err() || end {
+                return;
+            }
+        }
+    });
+    Box::pin(ReceiverStream::new(rx))
+}
+
+#[tonic::async_trait]
+impl ExecutionService for ExecutionApi {
+    type ExecuteStream = EventStream;
+    type WatchExecutionStream = EventStream;
+
+    async fn execute(&self, request: Request<pb::ExecuteRequest>) -> Result<Response<EventStream>, Status> {
+        let cmd = validate::execute_request(request.into_inner(), &self.repo_roots).await?;
+        let submitted = self.engine.submit(cmd).await?;
+        Ok(Response::new(event_stream(submitted.subscription, self.shutdown.clone())))
+    }
+
+    async fn start_execution(&self, request: Request<pb::ExecuteRequest>) -> Result<Response<pb::Execution>, Status> {
+        let cmd = validate::execute_request(request.into_inner(), &self.repo_roots).await?;
+        let submitted = self.engine.submit(cmd).await?;
+        Ok(Response::new(convert::execution(&submitted.record, None)))
+    }
+
+    async fn watch_execution(&self, request: Request<pb::WatchRequest>) -> Result<Response<EventStream>, Status> {
+        let req = request.into_inner();
+        validate::execution_id(&req.execution_id)?;
+        let subscription = self.engine.watch(&req.execution_id, req.after_sequence).await?;
+        Ok(Response::new(event_stream(subscription, self.shutdown.clone())))
+    }
+
+    async fn get_execution(
+        &self,
+        request: Request<pb::GetExecutionRequest>,
+    ) -> Result<Response<pb::Execution>, Status> {
+        let req = request.into_inner();
+        validate::execution_id(&req.execution_id)?;
+        let record = self.engine.get(&req.execution_id).await?;
+        Ok(Response::new(convert::execution(&record, None)))
+    }
+
+    async fn list_executions(
+        &self,
+        request: Request<pb::ListExecutionsRequest>,
+    ) -> Result<Response<pb::ListExecutionsResponse>, Status> {
+        let req = request.into_inner();
+        let state = validate::state_filter(req.state)?;
+        if req.page_size > MAX_PAGE {
+            return Err(status::invalid_argument("page_size", format!("at most {MAX_PAGE}")));
+        }
+        if !req.page_token.is_empty() {
+            validate::execution_id(&req.page_token)
+                .map_err(|_| status::invalid_argument("page_token", "not a page token"))?;
+        }
+        for (field, value) in [("profile", &req.profile), ("actor", &req.actor), ("project", &req.project)] {
+            if value.len() > validate::MAX_REF {
+                return Err(status::invalid_argument(field, format!("at most {} bytes", validate::MAX_REF)));
+            }
+        }
+        let limit = if req.page_size == 0 { DEFAULT_PAGE } else { req.page_size };
+        let filter = ExecutionFilter {
+            state,
+            profile: req.profile,
+            actor: req.actor,
+            project: req.project,
+            before_id: req.page_token,
+            limit,
+        };
+        let records = self.engine.list(&filter).await?;
+        let next_page_token = if records.len() == limit as usize {
+            records.last().map(|r| r.execution_id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(pb::ListExecutionsResponse {
+            executions: records.iter().map(|r| convert::execution(r, None)).collect(),
+            next_page_token,
+        }))
+    }
+
+    async fn cancel_execution(
+        &self,
+        request: Request<pb::CancelExecutionRequest>,
+    ) -> Result<Response<pb::Execution>, Status> {
+        let req = request.into_inner();
+        validate::execution_id(&req.execution_id)?;
+        let record = self.engine.cancel(&req.execution_id).await?;
+        Ok(Response::new(convert::execution(&record, None)))
+    }
+}

@@ -1,0 +1,98 @@
+//! The gRPC edge: thin services over the engine, one server builder that
+//! registers them with health and reflection (v1 and v1alpha, since
+//! grpcurl 1.8 speaks only v1alpha).
+
+mod catalog;
+mod convert;
+mod execution;
+mod session;
+pub mod status;
+mod validate;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Server;
+
+pub use catalog::CatalogApi;
+pub use execution::ExecutionApi;
+pub use session::SessionApi;
+
+use crate::catalog::Catalog;
+use crate::lifecycle::Engine;
+use crate::pb;
+use crate::pb::catalog_service_server::CatalogServiceServer;
+use crate::pb::execution_service_server::ExecutionServiceServer;
+use crate::pb::session_service_server::SessionServiceServer;
+use crate::policy::Gate;
+
+pub struct ApiParts {
+    pub engine: Arc<Engine>,
+    pub catalog: Arc<Catalog>,
+    pub gate: Arc<Gate>,
+    pub repo_roots: Vec<PathBuf>,
+    pub shutdown_grace: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves every service on `listener` until `shutdown` is cancelled, then
+/// drains: health goes NOT_SERVING, new work gets UNAVAILABLE, in-flight
+/// executions get the grace period, then are cancelled and torn down, and
+/// every stream ends.
+pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: CancellationToken) -> Result<(), ServeError> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<ExecutionServiceServer<ExecutionApi>>().await;
+    health.set_serving::<CatalogServiceServer<CatalogApi>>().await;
+    health.set_serving::<SessionServiceServer<SessionApi>>().await;
+
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection().build_v1()?;
+    let reflection_v1alpha = reflection().build_v1alpha()?;
+
+    let streams_end = CancellationToken::new();
+    let execution =
+        ExecutionApi { engine: parts.engine.clone(), repo_roots: parts.repo_roots, shutdown: streams_end.clone() };
+    let catalog = CatalogApi { catalog: parts.catalog, gate: parts.gate };
+
+    let engine = parts.engine;
+    let grace = parts.shutdown_grace;
+    let drained = async move {
+        shutdown.cancelled().await;
+        tracing::info!(grace_seconds = grace.as_secs(), "shutting down: draining");
+        health.set_not_serving::<ExecutionServiceServer<ExecutionApi>>().await;
+        health.set_not_serving::<CatalogServiceServer<CatalogApi>>().await;
+        health.set_not_serving::<SessionServiceServer<SessionApi>>().await;
+        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        engine.start_draining();
+        engine.shutdown(grace).await;
+        streams_end.cancel();
+        tracing::info!("drained");
+    };
+
+    Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(ExecutionServiceServer::new(execution))
+        .add_service(CatalogServiceServer::new(catalog))
+        .add_service(SessionServiceServer::new(SessionApi))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drained)
+        .await?;
+    Ok(())
+}

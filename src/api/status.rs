@@ -1,0 +1,63 @@
+//! The one mapping from domain errors to gRPC statuses, with a stable
+//! machine reason (`google.rpc.ErrorInfo`) and the offending field
+//! (`google.rpc.BadRequest`).
+
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, FieldViolation, StatusExt};
+
+use crate::lifecycle::{EngineError, Lagged};
+
+pub const DOMAIN: &str = "corral.dev";
+
+fn with_reason(code: Code, message: String, reason: &str, metadata: Vec<(String, String)>) -> Status {
+    let details = ErrorDetails::with_error_info(
+        reason,
+        DOMAIN,
+        metadata.into_iter().collect::<std::collections::HashMap<_, _>>(),
+    );
+    Status::with_error_details(code, message, details)
+}
+
+/// Bad input: INVALID_ARGUMENT naming the field.
+pub fn invalid_argument(field: &str, description: impl Into<String>) -> Status {
+    let description = description.into();
+    let mut details = ErrorDetails::new();
+    details.set_bad_request(vec![FieldViolation::new(field, description.clone())]);
+    details.set_error_info("INVALID_ARGUMENT", DOMAIN, [("field".to_string(), field.to_string())]);
+    Status::with_error_details(Code::InvalidArgument, format!("{field}: {description}"), details)
+}
+
+impl From<EngineError> for Status {
+    fn from(error: EngineError) -> Status {
+        let message = error.to_string();
+        match error {
+            EngineError::NotFound(_) => with_reason(Code::NotFound, message, "NOT_FOUND", vec![]),
+            EngineError::AlreadyExists(request_id) => {
+                with_reason(Code::AlreadyExists, message, "REQUEST_ID_REUSED", vec![("request_id".into(), request_id)])
+            }
+            EngineError::Unavailable(_) => with_reason(Code::Unavailable, message, "DRAINING", vec![]),
+            EngineError::OutOfRange { oldest, .. } => with_reason(
+                Code::OutOfRange,
+                message,
+                "SEQUENCE_COMPACTED",
+                vec![("oldest_sequence".into(), oldest.to_string())],
+            ),
+            EngineError::Store(e) => {
+                // The store's words may carry paths and SQL: log them, do
+                // not send them.
+                tracing::error!(error = %e, "store error");
+                with_reason(Code::Internal, "internal store error".into(), "STORE", vec![])
+            }
+        }
+    }
+}
+
+/// A watcher that fell behind: it can resume after `last_sequence`.
+pub fn lagged(lag: Lagged) -> Status {
+    with_reason(
+        Code::ResourceExhausted,
+        format!("watcher fell behind; resume with after_sequence = {}", lag.last_sequence),
+        "WATCHER_LAGGED",
+        vec![("last_sequence".into(), lag.last_sequence.to_string())],
+    )
+}

@@ -1,0 +1,198 @@
+//! The catalog: every profile the daemon knows, and the resolution rules
+//! that turn a reference into exactly one runnable profile.
+
+mod builtin;
+mod profile;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+pub use profile::{
+    Limits, Preset, Profile, ProfileFile, ProfileStatus, Readiness, ReadinessState, ReinSpec, TaskInput,
+};
+
+/// The sentence rule 1 prescribes for a bad actor.
+pub const ACTOR_REFUSAL: &str = "execution actor must be a governed consumer type: adm, agt, or atm; queue worker identifiers are not execution actors";
+
+/// Why a reference does not resolve; the text is shown to callers as is.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Refusal(pub String);
+
+#[derive(Debug, thiserror::Error)]
+pub enum CatalogError {
+    #[error("{file}: {message}")]
+    Invalid { file: String, message: String },
+    #[error("{reference} is defined twice: in {first} and in {second}")]
+    Duplicate { reference: String, first: String, second: String },
+}
+
+/// All profiles, keyed by id then version.
+#[derive(Debug, Default)]
+pub struct Catalog {
+    profiles: BTreeMap<String, BTreeMap<semver::Version, Arc<Profile>>>,
+}
+
+impl Catalog {
+    /// The built-in profiles plus every `*.toml` in `dirs`. A malformed file
+    /// is an error naming the file and the key.
+    pub fn load(dirs: &[impl AsRef<Path>]) -> Result<Catalog, CatalogError> {
+        let mut catalog = Catalog::default();
+        for file in builtin::builtin_profiles() {
+            let profile = Profile::from_file(file, "builtin".into())
+                .map_err(|message| CatalogError::Invalid { file: "builtin".into(), message })?;
+            catalog.insert(profile)?;
+        }
+        for dir in dirs {
+            catalog.load_dir(dir.as_ref())?;
+        }
+        Ok(catalog)
+    }
+
+    fn load_dir(&mut self, dir: &Path) -> Result<(), CatalogError> {
+        let invalid = |message: String| CatalogError::Invalid { file: dir.display().to_string(), message };
+        let entries = std::fs::read_dir(dir).map_err(|e| invalid(format!("cannot read profile directory: {e}")))?;
+        let mut paths: Vec<_> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|ext| ext == "toml"))
+            .collect();
+        paths.sort();
+        for path in paths {
+            let file = path.display().to_string();
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| CatalogError::Invalid { file: file.clone(), message: e.to_string() })?;
+            let parsed: ProfileFile = toml::from_str(&text)
+                .map_err(|e| CatalogError::Invalid { file: file.clone(), message: e.to_string() })?;
+            let profile =
+                Profile::from_file(parsed, file.clone()).map_err(|message| CatalogError::Invalid { file, message })?;
+            self.insert(profile)?;
+        }
+        Ok(())
+    }
+
+    fn insert(&mut self, profile: Profile) -> Result<(), CatalogError> {
+        let versions = self.profiles.entry(profile.id().to_string()).or_default();
+        if let Some(existing) = versions.get(&profile.version) {
+            return Err(CatalogError::Duplicate {
+                reference: profile.reference(),
+                first: existing.source.clone(),
+                second: profile.source.clone(),
+            });
+        }
+        versions.insert(profile.version.clone(), Arc::new(profile));
+        Ok(())
+    }
+
+    pub fn list(&self) -> Vec<Arc<Profile>> {
+        self.profiles.values().flat_map(|v| v.values().cloned()).collect()
+    }
+
+    /// Finds a profile by reference without judging whether it may run.
+    pub fn lookup(&self, reference: &str) -> Result<Arc<Profile>, Refusal> {
+        let unknown = || Refusal(format!("unknown harness profile: {reference}"));
+        match reference.split_once('@') {
+            Some((id, version)) => {
+                let version = semver::Version::parse(version).map_err(|_| unknown())?;
+                self.profiles.get(id).and_then(|v| v.get(&version)).cloned().ok_or_else(unknown)
+            }
+            None => {
+                let versions = self.profiles.get(reference).ok_or_else(unknown)?;
+                if versions.len() > 1 {
+                    let list: Vec<String> = versions.keys().map(|v| format!("{reference}@{v}")).collect();
+                    return Err(Refusal(format!(
+                        "harness profile {reference} has several versions; pin one of {}",
+                        list.join(", ")
+                    )));
+                }
+                versions.values().next().cloned().ok_or_else(unknown)
+            }
+        }
+    }
+
+    /// Rule 1: exactly one enabled profile whose readiness is not blocked.
+    /// `unverified` resolves; the caller labels it in the evidence.
+    pub fn resolve(&self, reference: &str) -> Result<Arc<Profile>, Refusal> {
+        let profile = self.lookup(reference)?;
+        if profile.file.status == ProfileStatus::Disabled {
+            return Err(Refusal(format!("profile disabled: {}", profile.reference())));
+        }
+        if profile.file.readiness.state == ReadinessState::Blocked {
+            return Err(Refusal(format!(
+                "profile {} is blocked: \"{}\"",
+                profile.reference(),
+                profile.file.readiness.reason
+            )));
+        }
+        Ok(profile)
+    }
+}
+
+/// Rule 1's actor check: only governed consumer types run executions.
+pub fn check_actor(actor: &str) -> Result<(), Refusal> {
+    match actor {
+        "adm" | "agt" | "atm" => Ok(()),
+        _ => Err(Refusal(ACTOR_REFUSAL.into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn catalog_with(files: &[(&str, &str)]) -> Result<Catalog, CatalogError> {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.path().join(name), text).unwrap();
+        }
+        Catalog::load(&[dir.path()])
+    }
+
+    const A1: &str = "id = \"team.a\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n";
+    const A2: &str = "id = \"team.a\"\nversion = \"2.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n";
+
+    #[test]
+    fn several_versions_must_be_pinned() {
+        let catalog = catalog_with(&[("a1.toml", A1), ("a2.toml", A2)]).unwrap();
+        let err = catalog.resolve("team.a").unwrap_err();
+        assert_eq!(err.0, "harness profile team.a has several versions; pin one of team.a@1.0.0, team.a@2.0.0");
+        assert_eq!(catalog.resolve("team.a@2.0.0").unwrap().reference(), "team.a@2.0.0");
+    }
+
+    #[test]
+    fn unpinned_single_version_resolves() {
+        let catalog = catalog_with(&[("a1.toml", A1)]).unwrap();
+        assert_eq!(catalog.resolve("team.a").unwrap().reference(), "team.a@1.0.0");
+        assert_eq!(catalog.resolve("team.b").unwrap_err().0, "unknown harness profile: team.b");
+    }
+
+    #[test]
+    fn blocked_reason_is_quoted_and_disabled_refused() {
+        let blocked = format!("{A1}[readiness]\nstate = \"blocked\"\nreason = \"OPS-1234 quota\"\n");
+        let disabled = A2.replace("version = \"2.0.0\"", "version = \"2.0.0\"\nstatus = \"disabled\"");
+        let catalog = catalog_with(&[("a1.toml", &blocked), ("a2.toml", &disabled)]).unwrap();
+        assert_eq!(
+            catalog.resolve("team.a@1.0.0").unwrap_err().0,
+            "profile team.a@1.0.0 is blocked: \"OPS-1234 quota\""
+        );
+        assert_eq!(catalog.resolve("team.a@2.0.0").unwrap_err().0, "profile disabled: team.a@2.0.0");
+    }
+
+    #[test]
+    fn malformed_file_names_file_and_key() {
+        let bad = A1.replace("[rein]", "colour = \"red\"\n[rein]");
+        let err = catalog_with(&[("bad.toml", &bad)]).unwrap_err().to_string();
+        assert!(err.contains("bad.toml"), "{err}");
+        assert!(err.contains("colour"), "{err}");
+        let err = catalog_with(&[("v.toml", &A1.replace("1.0.0", "one"))]).unwrap_err().to_string();
+        assert!(err.contains("v.toml") && err.contains("version"), "{err}");
+    }
+
+    #[test]
+    fn builtins_exist_and_actor_rule_holds() {
+        let catalog = Catalog::load(&[] as &[&Path]).unwrap();
+        assert!(catalog.resolve("builtin.shell@1.0.0").is_ok());
+        assert!(check_actor("agt").is_ok());
+        assert_eq!(check_actor("worker-7").unwrap_err().0, ACTOR_REFUSAL);
+    }
+}

@@ -1,0 +1,186 @@
+//! The harness profile: its TOML format and its validated, in-memory form.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::policy::PolicySpec;
+use crate::sandbox::SandboxSpec;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProfileStatus {
+    #[default]
+    Enabled,
+    Disabled,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReadinessState {
+    #[default]
+    Ready,
+    Unverified,
+    Blocked,
+}
+
+/// Operational readiness: whether a profile may run, and who says so.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Readiness {
+    pub state: ReadinessState,
+    pub reason: String,
+    pub owner: String,
+    pub evidence_ref: String,
+}
+
+/// How the harness's stdout maps to the JSON-lines protocol.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Preset {
+    /// corral's own protocol: progress, tool_use and result lines.
+    #[default]
+    Protocol,
+    /// Claude Code `--output-format stream-json`.
+    ClaudeStreamJson,
+    /// Codex `exec --json`.
+    CodexExecJson,
+}
+
+/// What the harness gets on stdin. Never on the command line: `/proc`
+/// shows command lines to every user of the host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskInput {
+    /// One JSON object: `{"type":"task", "title", "description", ...}`.
+    #[default]
+    TaskJson,
+    /// The description as-is (e.g. a shell script for `sh -s`).
+    Description,
+    /// Title and description as a plain prompt (Claude Code, Codex).
+    Prompt,
+    /// Nothing; stdin is closed at once.
+    Nothing,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReinSpec {
+    #[serde(default = "default_rein_kind")]
+    pub kind: String,
+    #[serde(default)]
+    pub preset: Preset,
+    pub argv: Vec<String>,
+    #[serde(default)]
+    pub input: TaskInput,
+}
+
+fn default_rein_kind() -> String {
+    "command".into()
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    pub timeout_seconds: u64,
+    /// Per stream (stdout, stderr); bytes past it are dropped and reported.
+    pub max_output_bytes: u64,
+    pub max_processes: u64,
+    pub memory_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { timeout_seconds: 600, max_output_bytes: 4 << 20, max_processes: 0, memory_bytes: 0 }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Guardrails {
+    pub policies: Vec<PolicySpec>,
+}
+
+/// A profile file exactly as written in TOML.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileFile {
+    pub id: String,
+    pub version: String,
+    #[serde(default)]
+    pub status: ProfileStatus,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub readiness: Readiness,
+    pub rein: ReinSpec,
+    #[serde(default)]
+    pub sandbox: SandboxSpec,
+    #[serde(default)]
+    pub limits: Limits,
+    #[serde(default)]
+    pub credential_route_refs: Vec<String>,
+    #[serde(default)]
+    pub guardrails: Guardrails,
+}
+
+/// A validated profile.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Profile {
+    pub file: ProfileFile,
+    pub version: semver::Version,
+    /// sha256 of the profile's canonical JSON form.
+    pub digest: String,
+    /// The file it came from, or `builtin`.
+    pub source: String,
+}
+
+impl Profile {
+    /// Validates a parsed profile; errors name the offending key.
+    pub fn from_file(file: ProfileFile, source: String) -> Result<Profile, String> {
+        if file.id.is_empty() || !file.id.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) {
+            return Err(format!("id: {:?} must be non-empty and use only letters, digits, '.', '_' and '-'", file.id));
+        }
+        let version = semver::Version::parse(&file.version)
+            .map_err(|e| format!("version: {:?} is not semver: {e}", file.version))?;
+        if file.rein.kind != "command" {
+            return Err(format!("rein.kind: unknown rein {:?} (known: command)", file.rein.kind));
+        }
+        if file.rein.argv.is_empty() || file.rein.argv[0].is_empty() {
+            return Err("rein.argv: must name a program".into());
+        }
+        if file.limits.timeout_seconds == 0 {
+            return Err("limits.timeout_seconds: must be greater than 0".into());
+        }
+        for (key, paths) in
+            [("sandbox.read_paths", &file.sandbox.read_paths), ("sandbox.write_paths", &file.sandbox.write_paths)]
+        {
+            for path in paths {
+                if path.split('/').any(|c| c == "..") {
+                    return Err(format!("{key}: {path:?} must not contain '..'"));
+                }
+            }
+        }
+        for path in &file.sandbox.read_paths {
+            if !path.starts_with('/') {
+                return Err(format!("sandbox.read_paths: {path:?} must be absolute"));
+            }
+        }
+        for (i, policy) in file.guardrails.policies.iter().enumerate() {
+            if policy.name.is_empty() {
+                return Err(format!("guardrails.policies[{i}].name: must not be empty"));
+            }
+        }
+        let canonical = serde_json::to_vec(&file).map_err(|e| format!("cannot encode profile: {e}"))?;
+        let digest = format!("sha256:{}", crate::sandbox::hex_digest(&Sha256::digest(&canonical)));
+        Ok(Profile { file, version, digest, source })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.file.id
+    }
+
+    /// The pinned reference, `id@version`.
+    pub fn reference(&self) -> String {
+        format!("{}@{}", self.file.id, self.version)
+    }
+}

@@ -1,0 +1,246 @@
+//! The client side of the `corral` binary: `exec`, `watch`, `get`, `ls` and
+//! `profiles` talk to a running daemon over gRPC and print what it answers,
+//! either as human lines or (`--json`) as canonical protobuf JSON.
+//!
+//! Exit codes: 0 on success (for `exec`/`watch`: the execution finished in
+//! state SUCCEEDED), 1 when the execution did not succeed, 2 when the RPC
+//! itself failed (transport error or a `Status` from the daemon), 130 when
+//! the user interrupted a stream.
+
+mod exec;
+mod json;
+mod output;
+mod query;
+mod record;
+mod render;
+mod table;
+
+use std::path::PathBuf;
+
+use tonic::transport::Channel;
+use tonic_types::StatusExt;
+
+use crate::pb;
+use output::Printer;
+
+/// Options shared by every client command.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ClientOpts {
+    /// Daemon address.
+    #[arg(long, env = "CORRAL_SERVER", default_value = "http://127.0.0.1:50051", global = true)]
+    pub server: String,
+    /// Machine output: one JSON object per line (canonical protobuf JSON).
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+/// The commands that talk to a running daemon.
+#[derive(clap::Subcommand, Debug)]
+pub enum ClientCommand {
+    /// Run one task in a sandbox and follow it live; exit 0 only on success.
+    Exec(ExecArgs),
+    /// Follow an execution's events (stored ones first, then live ones).
+    Watch(WatchArgs),
+    /// Print one execution record.
+    Get(GetArgs),
+    /// List executions.
+    Ls(LsArgs),
+    /// List the harness profiles the daemon knows.
+    Profiles(ProfilesArgs),
+}
+
+/// Arguments of `corral exec`.
+#[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("task_description")
+    .required(true)
+    .args(["description", "description_file"])))]
+pub struct ExecArgs {
+    /// Harness profile: `id@version`, or a bare `id` when only one version exists.
+    #[arg(long)]
+    pub profile: String,
+    /// A local git repository for the workspace (relative paths are resolved
+    /// against the current directory); without it the workspace starts empty.
+    #[arg(long)]
+    pub repo: Option<PathBuf>,
+    /// Task title.
+    #[arg(long)]
+    pub title: String,
+    /// Task description.
+    #[arg(long)]
+    pub description: Option<String>,
+    /// Read the task description from a file (`-` for stdin).
+    #[arg(long, value_name = "FILE")]
+    pub description_file: Option<PathBuf>,
+    /// Governed consumer type.
+    #[arg(long, default_value = "adm", value_parser = ["adm", "agt", "atm"])]
+    pub actor: String,
+    /// Project the execution is accounted to.
+    #[arg(long, default_value = "default")]
+    pub project: String,
+    /// Idempotency key: repeating a request id returns the same execution.
+    #[arg(long, value_name = "ID")]
+    pub request_id: Option<String>,
+    /// Caller's correlation id, recorded in the evidence.
+    #[arg(long, value_name = "ID")]
+    pub correlation_id: Option<String>,
+    /// Caller's assignment reference, recorded in the evidence.
+    #[arg(long, value_name = "REF")]
+    pub assignment_ref: Option<String>,
+    /// Report the evidence to the hub.
+    #[arg(long)]
+    pub report_to_hub: bool,
+}
+
+/// Arguments of `corral watch`.
+#[derive(clap::Args, Debug)]
+pub struct WatchArgs {
+    /// Execution id.
+    pub id: String,
+    /// Replay only the events after this sequence number.
+    #[arg(long, value_name = "SEQ", default_value_t = 0)]
+    pub after: u64,
+}
+
+/// Arguments of `corral get`.
+#[derive(clap::Args, Debug)]
+pub struct GetArgs {
+    /// Execution id.
+    pub id: String,
+}
+
+/// Arguments of `corral ls`.
+#[derive(clap::Args, Debug)]
+pub struct LsArgs {
+    /// Only executions in this state (e.g. `running`, `succeeded`, `failed`).
+    #[arg(long, value_name = "S", value_parser = parse_state)]
+    pub state: Option<pb::ExecutionState>,
+    /// Only executions of this profile.
+    #[arg(long, value_name = "P")]
+    pub profile: Option<String>,
+    /// Only executions of this actor.
+    #[arg(long, value_name = "A")]
+    pub actor: Option<String>,
+    /// Only executions of this project.
+    #[arg(long, value_name = "P")]
+    pub project: Option<String>,
+    /// At most this many executions (the daemon picks a default when absent).
+    #[arg(long, value_name = "N")]
+    pub page_size: Option<u32>,
+    /// Continue from the `next page` token of a previous listing.
+    #[arg(long, value_name = "T")]
+    pub page_token: Option<String>,
+}
+
+/// Arguments of `corral profiles` (none yet).
+#[derive(clap::Args, Debug)]
+pub struct ProfilesArgs {}
+
+/// Accepts `succeeded`, `SUCCEEDED` or `EXECUTION_STATE_SUCCEEDED`.
+fn parse_state(s: &str) -> Result<pb::ExecutionState, String> {
+    let upper = s.to_ascii_uppercase();
+    let full = if upper.starts_with("EXECUTION_STATE_") { upper } else { format!("EXECUTION_STATE_{upper}") };
+    match pb::ExecutionState::from_str_name(&full) {
+        Some(state) if state != pb::ExecutionState::Unspecified => Ok(state),
+        _ => Err(format!("unknown state `{s}` (expected pending, running, succeeded, failed, refused or cancelled)")),
+    }
+}
+
+/// Runs one client command; returns the process exit code.
+///
+/// RPC failures are reported on stderr and turned into exit code 2; any
+/// other error (a missing description file, a bad `--server` URL) is
+/// returned for `main` to print.
+pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
+    let printer = Printer::new(opts.json)?;
+    let result = match cmd {
+        ClientCommand::Exec(args) => exec::exec(&opts.server, args, &printer).await,
+        ClientCommand::Watch(args) => exec::watch(&opts.server, args, &printer).await,
+        ClientCommand::Get(args) => query::get(&opts.server, args, &printer).await,
+        ClientCommand::Ls(args) => query::ls(&opts.server, args, &printer).await,
+        ClientCommand::Profiles(_) => query::profiles(&opts.server, &printer).await,
+    };
+    match result {
+        Ok(code) => Ok(code),
+        Err(err) => {
+            // Status first: a Status can itself carry a transport error as
+            // its source, and its code is the more useful thing to show.
+            if let Some(status) = err.downcast_ref::<tonic::Status>() {
+                report_status(status);
+                Ok(2)
+            } else if err.downcast_ref::<tonic::transport::Error>().is_some() {
+                eprintln!("error: {err:#}");
+                Ok(2)
+            } else {
+                Err(err)
+            }
+        }
+    }
+}
+
+/// Opens a channel to the daemon.
+async fn connect(server: &str) -> anyhow::Result<Channel> {
+    use anyhow::Context as _;
+    let endpoint =
+        Channel::from_shared(server.to_owned()).with_context(|| format!("invalid --server address `{server}`"))?;
+    // The context keeps the transport error downcastable, so `run` still
+    // maps a refused connection to exit code 2.
+    endpoint.connect().await.with_context(|| format!("cannot connect to {server}"))
+}
+
+/// Prints a failed RPC: its code and message, plus the machine reason and
+/// offending fields the daemon attaches as `google.rpc` error details.
+fn report_status(status: &tonic::Status) {
+    eprintln!("error: {:?} ({}): {}", status.code(), status.code() as i32, status.message());
+    let details = status.get_error_details();
+    if let Some(info) = details.error_info() {
+        eprintln!("  reason: {} ({})", info.reason, info.domain);
+    }
+    if let Some(bad) = details.bad_request() {
+        for violation in &bad.field_violations {
+            eprintln!("  field {}: {}", violation.field, violation.description);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_names_are_accepted_in_every_spelling() {
+        for s in ["failed", "FAILED", "execution_state_failed", "EXECUTION_STATE_FAILED"] {
+            assert_eq!(parse_state(s), Ok(pb::ExecutionState::Failed));
+        }
+        assert!(parse_state("unspecified").is_err());
+        assert!(parse_state("done").is_err());
+    }
+
+    #[test]
+    fn exec_requires_exactly_one_description_source() {
+        use clap::Parser;
+        #[derive(clap::Parser, Debug)]
+        struct Cli {
+            #[command(flatten)]
+            opts: ClientOpts,
+            #[command(subcommand)]
+            cmd: ClientCommand,
+        }
+        let base = ["corral", "exec", "--profile", "p", "--title", "t"];
+        assert!(Cli::try_parse_from(base).is_err());
+        let both = [&base[..], &["--description", "d", "--description-file", "-"]].concat();
+        assert!(Cli::try_parse_from(both).is_err());
+        let one = [&base[..], &["--description", "d", "--json"]].concat();
+        let cli = Cli::try_parse_from(one).expect("valid command line");
+        assert!(cli.opts.json);
+        match cli.cmd {
+            ClientCommand::Exec(args) => {
+                assert_eq!(args.actor, "adm");
+                assert_eq!(args.project, "default");
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod daemon_tests;

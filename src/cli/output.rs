@@ -1,0 +1,69 @@
+//! Where a command's results go: human text or `--json` lines on stdout.
+
+use std::io::Write as _;
+
+use super::json::{JsonEncoder, WireMessage};
+use super::{record, render, table};
+use crate::pb;
+
+pub(super) enum Printer {
+    Human,
+    Json(JsonEncoder),
+}
+
+impl Printer {
+    pub(super) fn new(json: bool) -> anyhow::Result<Self> {
+        Ok(if json { Self::Json(JsonEncoder::new()?) } else { Self::Human })
+    }
+
+    /// One event as it arrives; `finished` also prints the raw output in
+    /// human mode (in JSON it is part of the message).
+    pub(super) fn event(&self, event: &pb::LifecycleEvent) -> anyhow::Result<()> {
+        match self {
+            Self::Json(encoder) => write_line(&encoder.line(event)?),
+            Self::Human => {
+                let mut text = render::event_line(event);
+                text.push('\n');
+                if let Some(pb::lifecycle_event::Kind::Finished(f)) = &event.kind {
+                    text.push_str(&render::raw_outputs(f));
+                }
+                write_text(&text)
+            }
+        }
+    }
+
+    pub(super) fn execution(&self, execution: &pb::Execution) -> anyhow::Result<()> {
+        self.either(execution, || record::execution(execution))
+    }
+
+    pub(super) fn executions(&self, response: &pb::ListExecutionsResponse) -> anyhow::Result<()> {
+        self.either(response, || table::executions(response))
+    }
+
+    pub(super) fn profiles(&self, response: &pb::ListProfilesResponse) -> anyhow::Result<()> {
+        self.either(response, || table::profiles(response))
+    }
+
+    fn either<M: WireMessage>(&self, message: &M, human: impl FnOnce() -> String) -> anyhow::Result<()> {
+        match self {
+            Self::Json(encoder) => write_line(&encoder.line(message)?),
+            Self::Human => write_text(&human()),
+        }
+    }
+}
+
+fn write_line(line: &str) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{line}")?;
+    // Streams are followed live and often piped (`| jq`): flush per
+    // message so a reader sees each event when it happens.
+    stdout.flush()?;
+    Ok(())
+}
+
+fn write_text(text: &str) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(text.as_bytes())?;
+    stdout.flush()?;
+    Ok(())
+}

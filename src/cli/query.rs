@@ -1,0 +1,39 @@
+//! `corral get`, `corral ls` and `corral profiles`: one unary call each.
+
+use super::output::Printer;
+use super::{connect, GetArgs, LsArgs};
+use crate::pb;
+use crate::pb::catalog_service_client::CatalogServiceClient;
+use crate::pb::execution_service_client::ExecutionServiceClient;
+
+pub(super) async fn get(server: &str, args: GetArgs, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = ExecutionServiceClient::new(connect(server).await?);
+    let request = pb::GetExecutionRequest { execution_id: args.id };
+    let execution = client.get_execution(request).await?.into_inner();
+    printer.execution(&execution)?;
+    Ok(0)
+}
+
+pub(super) async fn ls(server: &str, args: LsArgs, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = ExecutionServiceClient::new(connect(server).await?);
+    // Absent filters go as proto3 defaults, which the daemon reads as
+    // "no filter".
+    let request = pb::ListExecutionsRequest {
+        state: args.state.map_or(0, |s| s as i32),
+        profile: args.profile.unwrap_or_default(),
+        actor: args.actor.unwrap_or_default(),
+        project: args.project.unwrap_or_default(),
+        page_size: args.page_size.unwrap_or_default(),
+        page_token: args.page_token.unwrap_or_default(),
+    };
+    let response = client.list_executions(request).await?.into_inner();
+    printer.executions(&response)?;
+    Ok(0)
+}
+
+pub(super) async fn profiles(server: &str, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = CatalogServiceClient::new(connect(server).await?);
+    let response = client.list_profiles(pb::ListProfilesRequest {}).await?.into_inner();
+    printer.profiles(&response)?;
+    Ok(0)
+}

@@ -1,0 +1,129 @@
+//! Column-aligned tables for `corral ls` and `corral profiles`.
+
+use super::render;
+use crate::pb;
+
+/// Left-aligned columns separated by two spaces; the last column is not
+/// padded so lines carry no trailing blanks.
+pub(super) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    // Cells are flattened first so a newline in a title or a reason
+    // cannot break the grid, and widths are measured on what is printed.
+    let rows: Vec<Vec<String>> = rows.iter().map(|row| row.iter().map(|cell| flatten(cell)).collect()).collect();
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for row in &rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let header_row: Vec<String> = headers.iter().map(|h| h.to_string()).collect();
+    for row in std::iter::once(&header_row).chain(&rows) {
+        let last = row.len().min(widths.len()).saturating_sub(1);
+        for (i, (cell, width)) in row.iter().zip(&widths).enumerate() {
+            if i == last {
+                out.push_str(cell);
+            } else {
+                let pad = width - cell.chars().count();
+                out.push_str(cell);
+                out.push_str(&" ".repeat(pad + 2));
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// One-line, control-free cell text; `-` for empty so columns stay visible.
+fn flatten(cell: &str) -> String {
+    if cell.is_empty() {
+        return "-".to_owned();
+    }
+    cell.chars().map(|c| if c.is_control() { ' ' } else { c }).collect()
+}
+
+/// `corral ls`: id, state, profile, actor, project, created.
+pub(super) fn executions(response: &pb::ListExecutionsResponse) -> String {
+    let rows: Vec<Vec<String>> = response
+        .executions
+        .iter()
+        .map(|e| {
+            let (actor, project) = match &e.consumer {
+                Some(c) => (c.actor.clone(), c.project.clone()),
+                None => (String::new(), String::new()),
+            };
+            vec![
+                e.execution_id.clone(),
+                render::state(e.state),
+                e.harness_profile_ref.clone(),
+                actor,
+                project,
+                render::timestamp_seconds(e.created_at.as_ref()),
+            ]
+        })
+        .collect();
+    let mut out = table(&["ID", "STATE", "PROFILE", "ACTOR", "PROJECT", "CREATED"], &rows);
+    if !response.next_page_token.is_empty() {
+        out.push_str(&format!("next page: --page-token {}\n", response.next_page_token));
+    }
+    out
+}
+
+/// `corral profiles`: ref, status, readiness (+reason), sandbox type, source.
+pub(super) fn profiles(response: &pb::ListProfilesResponse) -> String {
+    let rows: Vec<Vec<String>> = response
+        .profiles
+        .iter()
+        .map(|p| {
+            vec![
+                p.r#ref.clone(),
+                p.status.clone(),
+                render::readiness(p.readiness.as_ref()),
+                p.sandbox.as_ref().map(|s| render::sandbox_type(s.r#type)).unwrap_or_default(),
+                p.source.clone(),
+            ]
+        })
+        .collect();
+    table(&["REF", "STATUS", "READINESS", "SANDBOX", "SOURCE"], &rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn columns_line_up_without_trailing_blanks() {
+        let rows = vec![
+            vec!["a".to_owned(), "long value".to_owned(), "x".to_owned()],
+            vec!["bbbb".to_owned(), "v\nw".to_owned(), String::new()],
+        ];
+        assert_eq!(
+            table(&["ID", "STATE", "END"], &rows),
+            "ID    STATE       END\n\
+             a     long value  x\n\
+             bbbb  v w         -\n"
+        );
+    }
+
+    #[test]
+    fn profiles_show_readiness_reason_and_sandbox() {
+        let response = pb::ListProfilesResponse {
+            profiles: vec![pb::Profile {
+                r#ref: "claude@1.0.0".into(),
+                status: "enabled".into(),
+                readiness: Some(pb::Readiness {
+                    state: pb::ReadinessState::Blocked as i32,
+                    reason: "no credentials".into(),
+                    ..Default::default()
+                }),
+                sandbox: Some(pb::SandboxSpec { r#type: pb::SandboxType::LinuxBwrap as i32, ..Default::default() }),
+                source: "builtin".into(),
+                ..Default::default()
+            }],
+        };
+        assert_eq!(
+            profiles(&response),
+            "REF           STATUS   READINESS                 SANDBOX      SOURCE\n\
+             claude@1.0.0  enabled  blocked (no credentials)  linux_bwrap  builtin\n"
+        );
+    }
+}

@@ -1,0 +1,173 @@
+//! Daemon configuration, layered: defaults → TOML file → `CORRAL_*`
+//! environment → command-line flags, validated once.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::policy::PolicySpec;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// gRPC listen address.
+    pub listen: String,
+    /// Where the store and the sandboxes' workspaces live.
+    pub data_dir: PathBuf,
+    /// Directories of profile TOML files, added to the built-in profiles.
+    pub profile_dirs: Vec<PathBuf>,
+    /// How long in-flight executions get on SIGTERM before they are cancelled.
+    pub shutdown_grace_seconds: u64,
+    /// How many events a watcher may fall behind before it is ended.
+    pub watch_buffer: usize,
+    /// Repositories an execution may name must be under one of these
+    /// (empty: any local repository).
+    pub repo_roots: Vec<PathBuf>,
+    /// The daemon's admin policies, evaluated after session and profile ones.
+    pub policies: Vec<PolicySpec>,
+    pub hub: Option<HubConfig>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HubConfig {
+    pub url: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: "127.0.0.1:50051".into(),
+            data_dir: default_data_dir(),
+            profile_dirs: Vec::new(),
+            shutdown_grace_seconds: 30,
+            watch_buffer: 4096,
+            repo_roots: Vec::new(),
+            policies: Vec::new(),
+            hub: None,
+        }
+    }
+}
+
+/// `$XDG_DATA_HOME/corral`, else `~/.local/share/corral`, else `./corral-data`.
+pub fn default_data_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir).join("corral");
+    }
+    if let Some(home) = std::env::var_os("HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(home).join(".local/share/corral");
+    }
+    PathBuf::from("corral-data")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: {message}")]
+    File { file: String, message: String },
+    #[error("environment variable {name}: {message}")]
+    Env { name: String, message: String },
+    #[error("config key {key}: {message}")]
+    Invalid { key: String, message: String },
+}
+
+/// Command-line values that override everything else.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub listen: Option<String>,
+    pub data_dir: Option<PathBuf>,
+    pub profile_dirs: Vec<PathBuf>,
+}
+
+impl Config {
+    pub fn load(file: Option<&Path>, overrides: Overrides) -> Result<Config, ConfigError> {
+        let mut config = match file {
+            Some(path) => Self::from_file(path)?,
+            None => Config::default(),
+        };
+        config.apply_env(|name| std::env::var(name).ok())?;
+        if let Some(listen) = overrides.listen {
+            config.listen = listen;
+        }
+        if let Some(dir) = overrides.data_dir {
+            config.data_dir = dir;
+        }
+        config.profile_dirs.extend(overrides.profile_dirs);
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::File { file: file.clone(), message: e.to_string() })?;
+        toml::from_str(&text).map_err(|e| ConfigError::File { file, message: e.to_string() })
+    }
+
+    fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        if let Some(v) = get("CORRAL_LISTEN") {
+            self.listen = v;
+        }
+        if let Some(v) = get("CORRAL_DATA_DIR") {
+            self.data_dir = v.into();
+        }
+        if let Some(v) = get("CORRAL_PROFILES") {
+            self.profile_dirs.extend(std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()));
+        }
+        if let Some(v) = get("CORRAL_SHUTDOWN_GRACE_SECONDS") {
+            self.shutdown_grace_seconds = v.parse().map_err(|e| ConfigError::Env {
+                name: "CORRAL_SHUTDOWN_GRACE_SECONDS".into(),
+                message: format!("{v:?}: {e}"),
+            })?;
+        }
+        Ok(())
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, message: String| ConfigError::Invalid { key: key.into(), message };
+        self.listen
+            .parse::<std::net::SocketAddr>()
+            .map_err(|e| invalid("listen", format!("{:?} is not an address: {e}", self.listen)))?;
+        if self.watch_buffer < 16 {
+            return Err(invalid("watch_buffer", "must be at least 16".into()));
+        }
+        for root in &self.repo_roots {
+            if !root.is_absolute() {
+                return Err(invalid("repo_roots", format!("{} must be absolute", root.display())));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_apply_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("corral.toml");
+        std::fs::write(&file, "listen = \"127.0.0.1:7000\"\nshutdown_grace_seconds = 5\n").unwrap();
+        let mut config = Config::from_file(&file).unwrap();
+        assert_eq!(config.listen, "127.0.0.1:7000");
+        config
+            .apply_env(|name| match name {
+                "CORRAL_LISTEN" => Some("127.0.0.1:7001".into()),
+                "CORRAL_SHUTDOWN_GRACE_SECONDS" => Some("9".into()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!((config.listen.as_str(), config.shutdown_grace_seconds), ("127.0.0.1:7001", 9));
+    }
+
+    #[test]
+    fn errors_name_the_file_and_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("bad.toml");
+        std::fs::write(&file, "lisen = \"x\"\n").unwrap();
+        let err = Config::from_file(&file).unwrap_err().to_string();
+        assert!(err.contains("bad.toml") && err.contains("lisen"), "{err}");
+        let config = Config { listen: "nowhere".into(), ..Config::default() };
+        assert!(config.validate().unwrap_err().to_string().contains("listen"));
+    }
+}

@@ -1,0 +1,88 @@
+//! Assembling a daemon from its config: store, catalog, host probe, gate,
+//! engine. Tests use the same path with fault-injecting backends or reins.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{self, ApiParts, ServeError};
+use crate::catalog::{Catalog, CatalogError};
+use crate::config::Config;
+use crate::lifecycle::{Engine, EngineParts};
+use crate::policy::{Gate, HostCapabilities};
+use crate::rein::{CommandRein, Rein};
+use crate::sandbox::Backends;
+use crate::store::{Store, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("data directory {path}: {source}")]
+    DataDir { path: String, source: std::io::Error },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("profiles: {0}")]
+    Catalog(#[from] CatalogError),
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+}
+
+pub struct Daemon {
+    pub config: Config,
+    pub engine: Arc<Engine>,
+    pub catalog: Arc<Catalog>,
+    pub gate: Arc<Gate>,
+}
+
+/// The reins a daemon ships with.
+pub fn default_reins() -> HashMap<String, Arc<dyn Rein>> {
+    let mut reins: HashMap<String, Arc<dyn Rein>> = HashMap::new();
+    reins.insert("command".into(), Arc::new(CommandRein));
+    reins
+}
+
+impl Daemon {
+    pub async fn build(
+        config: Config,
+        backends: Backends,
+        reins: HashMap<String, Arc<dyn Rein>>,
+    ) -> Result<Daemon, StartError> {
+        let data_dir = &config.data_dir;
+        std::fs::create_dir_all(data_dir.join("sandboxes"))
+            .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
+        let store = Store::open(data_dir).await?;
+        let catalog = Arc::new(Catalog::load(&config.profile_dirs)?);
+        // Probed once: a host that cannot run bwrap refuses bwrap profiles
+        // at the gate, with the reason, instead of running them unsandboxed.
+        let host = HostCapabilities { bwrap: backends.linux_bwrap.probe().await.map_err(|e| e.to_string()) };
+        if let Err(reason) = &host.bwrap {
+            tracing::warn!(%reason, "linux_bwrap is unavailable; profiles that need it will be refused");
+        }
+        let gate = Arc::new(Gate::new(config.policies.clone(), host));
+        let engine = Engine::new(EngineParts {
+            catalog: catalog.clone(),
+            gate: gate.clone(),
+            backends,
+            reins,
+            store,
+            data_dir: data_dir.clone(),
+            bus_capacity: config.watch_buffer,
+            hub_configured: config.hub.is_some(),
+        });
+        Ok(Daemon { config, engine, catalog, gate })
+    }
+
+    pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<(), StartError> {
+        let parts = ApiParts {
+            engine: self.engine,
+            catalog: self.catalog,
+            gate: self.gate,
+            repo_roots: self.config.repo_roots.clone(),
+            shutdown_grace: Duration::from_secs(self.config.shutdown_grace_seconds),
+        };
+        api::serve(parts, listener, shutdown).await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,70 @@
+//! Per-subject broadcast of stored events to live subscribers.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::broadcast;
+
+use super::Event;
+use crate::lifecycle::RawResult;
+
+/// What only the direct caller may see, riding alongside a stored event.
+#[derive(Clone, Debug)]
+pub enum RawPart {
+    /// The harness's own words on a progress line.
+    ProgressMessage(String),
+    /// The raw tool output and error of the finished execution.
+    Finished(RawResult),
+}
+
+#[derive(Clone, Debug)]
+pub struct BusItem {
+    pub event: Arc<Event>,
+    pub raw: Option<Arc<RawPart>>,
+}
+
+pub struct EventBus {
+    channels: Mutex<HashMap<String, broadcast::Sender<BusItem>>>,
+    /// How many events a subscriber may fall behind before it is ended.
+    capacity: usize,
+}
+
+impl EventBus {
+    pub fn new(capacity: usize) -> Self {
+        EventBus { channels: Mutex::new(HashMap::new()), capacity: capacity.max(16) }
+    }
+
+    fn channels(&self) -> std::sync::MutexGuard<'_, HashMap<String, broadcast::Sender<BusItem>>> {
+        self.channels.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Opens the live channel of a subject and subscribes to it, so the
+    /// first subscriber cannot miss the first event.
+    pub fn open(&self, subject: &str) -> broadcast::Receiver<BusItem> {
+        let mut channels = self.channels();
+        channels.entry(subject.to_string()).or_insert_with(|| broadcast::channel(self.capacity).0).subscribe()
+    }
+
+    /// Subscribes to a live subject; `None` when it is not live (finished,
+    /// or run by another daemon).
+    pub fn subscribe(&self, subject: &str) -> Option<broadcast::Receiver<BusItem>> {
+        self.channels().get(subject).map(|tx| tx.subscribe())
+    }
+
+    pub fn publish(&self, item: BusItem) {
+        let tx = self.channels().get(&item.event.subject_id).cloned();
+        if let Some(tx) = tx {
+            // No receiver is fine: events are in the store already.
+            let _ = tx.send(item);
+        }
+    }
+
+    /// Ends the live channel; subscribers drain what they have, then end.
+    pub fn close(&self, subject: &str) {
+        self.channels().remove(subject);
+    }
+
+    pub fn live_subjects(&self) -> usize {
+        self.channels().len()
+    }
+}

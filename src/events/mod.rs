@@ -1,0 +1,97 @@
+//! Lifecycle events: stored first, then fanned out to live subscribers.
+//!
+//! Each subject (execution or session) has one writer, its [`Recorder`],
+//! which numbers events 1..n without gaps. Subscribers get a bounded
+//! broadcast receiver: one that falls behind is told so (and ends with its
+//! last delivered sequence) instead of slowing the writer or the others.
+
+mod bus;
+mod recorder;
+
+use serde::{Deserialize, Serialize};
+
+pub use bus::{BusItem, EventBus, RawPart};
+pub use recorder::Recorder;
+
+use crate::catalog::Readiness;
+use crate::evidence::TeardownResult;
+use crate::lifecycle::ExecutionRecord;
+use crate::policy::{Action, PolicyDecision};
+use crate::sandbox::{Consumer, EnforcementReceipt, SandboxSpec, SandboxType};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    pub subject_id: String,
+    pub sequence: u64,
+    pub time_ms: i64,
+    pub kind: EventKind,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum EventKind {
+    Accepted {
+        execution_id: String,
+        session_id: String,
+        request_id: String,
+        consumer: Consumer,
+    },
+    Resolved {
+        profile_ref: String,
+        profile_digest: String,
+        readiness: Readiness,
+    },
+    Gated {
+        phase: String,
+        action: Action,
+        decisions: Vec<PolicyDecision>,
+        effective_sandbox: SandboxSpec,
+    },
+    SandboxReady {
+        sandbox_id: String,
+        backend: SandboxType,
+        workspace_path: String,
+        receipt: EnforcementReceipt,
+    },
+    Dispatched {
+        tool: String,
+    },
+    /// The harness's own message is not stored: it is raw output and only
+    /// reaches the direct caller (see [`RawPart`]).
+    Progress {
+        progress_kind: String,
+        tool: String,
+        tokens_so_far: u64,
+    },
+    OutputTruncated {
+        stream: String,
+        bytes_dropped: u64,
+    },
+    Teardown {
+        session_cleanup: TeardownResult,
+        sandbox_destroy: TeardownResult,
+    },
+    Finished {
+        execution: Box<ExecutionRecord>,
+    },
+}
+
+impl EventKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            EventKind::Accepted { .. } => "accepted",
+            EventKind::Resolved { .. } => "resolved",
+            EventKind::Gated { .. } => "gated",
+            EventKind::SandboxReady { .. } => "sandbox_ready",
+            EventKind::Dispatched { .. } => "dispatched",
+            EventKind::Progress { .. } => "progress",
+            EventKind::OutputTruncated { .. } => "output_truncated",
+            EventKind::Teardown { .. } => "teardown",
+            EventKind::Finished { .. } => "finished",
+        }
+    }
+
+    pub fn is_finished(&self) -> bool {
+        matches!(self, EventKind::Finished { .. })
+    }
+}

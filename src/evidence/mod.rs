@@ -1,0 +1,158 @@
+//! Evidence: the normalized, redacted record of what an execution did.
+//!
+//! Everything here is safe for watchers, hubs and logs: the error is a
+//! fixed sentence per failure stage, never the raw error, and there is no
+//! field for raw output. Records written by an older version load with
+//! `unknown` for the fields they lack (every field has a serde default).
+
+use serde::{Deserialize, Serialize};
+
+use crate::catalog::Readiness;
+use crate::policy::PolicyDecision;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    #[default]
+    Unknown,
+    Succeeded,
+    Failed,
+    Refused,
+    Cancelled,
+}
+
+/// The stage whose failure decided the outcome; the first failure wins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureStage {
+    Resolution,
+    Gate,
+    SandboxCreate,
+    SessionStart,
+    Execution,
+    Teardown,
+}
+
+impl FailureStage {
+    /// The sentence the evidence carries for a failure at this stage. Raw
+    /// errors go only to the direct caller.
+    pub fn fixed_error(self) -> &'static str {
+        match self {
+            FailureStage::Resolution => "resolution refused; inspect direct caller error",
+            FailureStage::Gate => "gate denied; inspect direct caller error",
+            FailureStage::SandboxCreate => "sandbox creation failed; inspect direct caller error",
+            FailureStage::SessionStart => "session start failed; inspect direct caller error",
+            FailureStage::Execution => "execution failed; inspect direct caller error",
+            FailureStage::Teardown => "teardown failed; inspect direct caller error",
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureStage::Resolution => "resolution",
+            FailureStage::Gate => "gate",
+            FailureStage::SandboxCreate => "sandbox_create",
+            FailureStage::SessionStart => "session_start",
+            FailureStage::Execution => "execution",
+            FailureStage::Teardown => "teardown",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TeardownResult {
+    Succeeded,
+    Failed,
+    NotAttempted,
+    #[default]
+    Unknown,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HubReportStatus {
+    NotRequested,
+    Pending,
+    Accepted,
+    Failed,
+    #[default]
+    Unknown,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageTiming {
+    pub stage: String,
+    pub micros: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Evidence {
+    pub outcome: Outcome,
+    pub failure_stage: Option<FailureStage>,
+    pub error: String,
+    pub session_cleanup: TeardownResult,
+    pub sandbox_destroy: TeardownResult,
+    pub profile_ref: String,
+    pub profile_digest: String,
+    pub readiness: Option<Readiness>,
+    pub rein: String,
+    pub sandbox_id: String,
+    pub commit_sha: String,
+    pub tokens_spent: u64,
+    pub resolved_model: String,
+    pub gate_decisions: Vec<PolicyDecision>,
+    pub hub_report_status: HubReportStatus,
+    pub request_id: String,
+    pub correlation_id: String,
+    pub assignment_ref: String,
+    pub notes: Vec<String>,
+    pub stage_timings: Vec<StageTiming>,
+}
+
+impl Evidence {
+    /// Records a failure unless an earlier one already decided the stage
+    /// (rule 6: the first failure decides `failure_stage`).
+    pub fn fail(&mut self, stage: FailureStage) {
+        if self.failure_stage.is_none() {
+            self.failure_stage = Some(stage);
+            self.error = stage.fixed_error().to_string();
+        }
+    }
+
+    /// A refusal: the reason is the daemon's own words (e.g. `unknown
+    /// harness profile`), never harness output, so it is kept.
+    pub fn refuse(&mut self, stage: FailureStage, reason: &str) {
+        if self.failure_stage.is_none() {
+            self.failure_stage = Some(stage);
+            self.error = reason.to_string();
+        }
+    }
+
+    pub fn time(&mut self, stage: &str, started: std::time::Instant) {
+        self.stage_timings.push(StageTiming { stage: stage.to_string(), micros: started.elapsed().as_micros() as u64 });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_failure_decides_the_stage() {
+        let mut evidence = Evidence::default();
+        evidence.fail(FailureStage::Execution);
+        evidence.fail(FailureStage::Teardown);
+        assert_eq!(evidence.failure_stage, Some(FailureStage::Execution));
+        assert_eq!(evidence.error, "execution failed; inspect direct caller error");
+    }
+
+    #[test]
+    fn older_records_load_with_unknown() {
+        let evidence: Evidence = serde_json::from_str(r#"{"outcome":"succeeded"}"#).unwrap();
+        assert_eq!(evidence.session_cleanup, TeardownResult::Unknown);
+        assert_eq!(evidence.sandbox_destroy, TeardownResult::Unknown);
+        assert_eq!(evidence.hub_report_status, HubReportStatus::Unknown);
+    }
+}

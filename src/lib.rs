@@ -1,0 +1,32 @@
+//! corral: a gRPC control plane that runs AI coding-agent harnesses inside
+//! sandboxes it creates and destroys itself. For each task it resolves a
+//! versioned harness profile, runs the policy gate, creates the sandbox,
+//! starts the harness, dispatches the task, tears everything down whatever
+//! failed, and records redacted evidence, streaming every step to the
+//! caller and to any number of watchers.
+//!
+//! The folders follow the lifecycle: `api` (the thin gRPC edge) →
+//! `lifecycle` (the engine) → `catalog`, `policy`, `sandbox`, `rein`,
+//! `events`, `store`, `evidence`. `cli` is the client side of the binary.
+
+pub mod api;
+pub mod catalog;
+pub mod cli;
+pub mod config;
+pub mod daemon;
+pub mod events;
+pub mod evidence;
+pub mod lifecycle;
+pub mod policy;
+pub mod rein;
+pub mod sandbox;
+pub mod store;
+
+/// The wire contract, generated from `proto/corral/v1`.
+pub mod pb {
+    tonic::include_proto!("corral.v1");
+
+    /// The encoded descriptor set of the corral protos (served through
+    /// reflection, and used by the CLI for canonical JSON output).
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("corral_descriptor");
+}

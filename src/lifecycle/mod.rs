@@ -1,0 +1,224 @@
+//! The lifecycle engine: accepts executions, runs each one on its own
+//! supervised task (a client that disconnects does not stop it), and tears
+//! down whatever it created, whatever failed.
+
+mod execution;
+mod record;
+mod watch;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use record::{now_ms, ExecuteCommand, ExecutionRecord, ExecutionState, RawResult};
+pub use watch::{Lagged, Subscription};
+
+use crate::catalog::Catalog;
+use crate::events::EventBus;
+use crate::evidence::HubReportStatus;
+use crate::policy::Gate;
+use crate::rein::Rein;
+use crate::sandbox::{Backends, Consumer};
+use crate::store::{ExecutionFilter, Inserted, Store, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0} not found")]
+    NotFound(String),
+    #[error("request_id {0} is already used by a different request")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("sequence {requested} is older than retention; oldest available is {oldest}")]
+    OutOfRange { requested: u64, oldest: u64 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// What `submit` gives back.
+pub struct Submitted {
+    pub record: ExecutionRecord,
+    /// The live stream for the direct caller; for an existing execution
+    /// (same request id), a replay of its stored events instead.
+    pub subscription: Subscription,
+    pub existing: bool,
+}
+
+pub struct Engine {
+    pub catalog: Arc<Catalog>,
+    pub gate: Arc<Gate>,
+    pub backends: Backends,
+    pub reins: HashMap<String, Arc<dyn Rein>>,
+    pub store: Store,
+    pub bus: Arc<EventBus>,
+    sandboxes_dir: PathBuf,
+    /// Identifies this daemon instance in the sandbox rows it writes.
+    epoch: String,
+    hub_configured: bool,
+    running: Mutex<HashMap<String, CancellationToken>>,
+    tasks: TaskTracker,
+    draining: CancellationToken,
+}
+
+pub struct EngineParts {
+    pub catalog: Arc<Catalog>,
+    pub gate: Arc<Gate>,
+    pub backends: Backends,
+    pub reins: HashMap<String, Arc<dyn Rein>>,
+    pub store: Store,
+    pub data_dir: PathBuf,
+    pub bus_capacity: usize,
+    pub hub_configured: bool,
+}
+
+impl Engine {
+    pub fn new(parts: EngineParts) -> Arc<Engine> {
+        Arc::new(Engine {
+            catalog: parts.catalog,
+            gate: parts.gate,
+            backends: parts.backends,
+            reins: parts.reins,
+            store: parts.store,
+            bus: Arc::new(EventBus::new(parts.bus_capacity)),
+            sandboxes_dir: parts.data_dir.join("sandboxes"),
+            epoch: uuid::Uuid::now_v7().to_string(),
+            hub_configured: parts.hub_configured,
+            running: Mutex::new(HashMap::new()),
+            tasks: TaskTracker::new(),
+            draining: CancellationToken::new(),
+        })
+    }
+
+    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Accepts an execution and starts it on its own task. The same
+    /// request id with the same request returns the existing execution.
+    pub async fn submit(self: &Arc<Self>, cmd: ExecuteCommand) -> Result<Submitted, EngineError> {
+        if self.is_draining() {
+            return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
+        }
+        let execution_id = uuid::Uuid::now_v7().to_string();
+        let mut record = ExecutionRecord {
+            execution_id: execution_id.clone(),
+            request_id: cmd.request_id.clone(),
+            // Nothing queues yet: an accepted execution starts at once.
+            state: ExecutionState::Running,
+            harness_profile_ref: cmd.harness_profile_ref.clone(),
+            title: cmd.title.clone(),
+            repo: cmd.repo.clone(),
+            consumer: Consumer {
+                actor: cmd.actor.clone(),
+                project: cmd.project.clone(),
+                run_id: execution_id.clone(),
+                session_id: String::new(),
+            },
+            correlation_id: cmd.correlation_id.clone(),
+            assignment_ref: cmd.assignment_ref.clone(),
+            report_to_hub: cmd.report_to_hub,
+            created_at_ms: now_ms(),
+            ..ExecutionRecord::default()
+        };
+        record.evidence.request_id = cmd.request_id.clone();
+        record.evidence.correlation_id = cmd.correlation_id.clone();
+        record.evidence.assignment_ref = cmd.assignment_ref.clone();
+        record.evidence.hub_report_status = match (cmd.report_to_hub, self.hub_configured) {
+            (false, _) => HubReportStatus::NotRequested,
+            (true, true) => HubReportStatus::Pending,
+            (true, false) => {
+                record.evidence.notes.push("report_to_hub was asked but no hub is configured".into());
+                HubReportStatus::Failed
+            }
+        };
+        // Subscribe before the task exists, so the caller sees event 1.
+        let live = self.bus.open(&execution_id);
+        match self.store.insert_execution(&record, &cmd.digest()).await {
+            Ok(Inserted::Created) => {}
+            Ok(Inserted::Existing { record, digest }) => {
+                self.bus.close(&execution_id);
+                if digest != cmd.digest() {
+                    return Err(EngineError::AlreadyExists(cmd.request_id));
+                }
+                let subscription = self.watch(&record.execution_id, 0).await?;
+                return Ok(Submitted { record: *record, subscription, existing: true });
+            }
+            Err(e) => {
+                self.bus.close(&execution_id);
+                return Err(e.into());
+            }
+        }
+        let cancel = self.draining.child_token();
+        self.running().insert(execution_id.clone(), cancel.clone());
+        let engine = self.clone();
+        let task_record = record.clone();
+        self.tasks.spawn(async move {
+            execution::run(&engine, task_record, cmd, cancel).await;
+            engine.bus.close(&execution_id);
+            engine.running().remove(&execution_id);
+        });
+        Ok(Submitted { record, subscription: Subscription::live(live, true), existing: false })
+    }
+
+    pub async fn get(&self, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
+        self.store
+            .get_execution(execution_id)
+            .await?
+            .ok_or_else(|| EngineError::NotFound(format!("execution {execution_id}")))
+    }
+
+    pub async fn list(&self, filter: &ExecutionFilter) -> Result<Vec<ExecutionRecord>, EngineError> {
+        Ok(self.store.list_executions(filter).await?)
+    }
+
+    /// Asks a running execution to stop; idempotent. Returns the record as
+    /// it is now (the execution reports `cancelled` when its teardown is
+    /// done).
+    pub async fn cancel(&self, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
+        let record = self.get(execution_id).await?;
+        if let Some(token) = self.running().get(execution_id) {
+            token.cancel();
+        }
+        Ok(record)
+    }
+
+    /// Replays stored events after `after`, then follows live ones.
+    pub async fn watch(&self, execution_id: &str, after: u64) -> Result<Subscription, EngineError> {
+        // Subscribe before reading the store: an event is stored before it
+        // is published, so every event is in one or the other.
+        let live = self.bus.subscribe(execution_id);
+        let replay = self.store.events_after(execution_id, after).await?;
+        if replay.is_empty() && live.is_none() && self.store.get_execution(execution_id).await?.is_none() {
+            return Err(EngineError::NotFound(format!("execution {execution_id}")));
+        }
+        Ok(Subscription::replay_then_live(replay, live, after))
+    }
+
+    /// Stops accepting work, gives in-flight executions `grace` to finish,
+    /// then cancels them and waits for their teardown.
+    pub async fn shutdown(&self, grace: Duration) {
+        self.tasks.close();
+        if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
+            tracing::warn!(running = self.running().len(), "grace period over; cancelling in-flight executions");
+            self.draining.cancel();
+            self.tasks.wait().await;
+        }
+        self.draining.cancel();
+        self.store.close().await;
+    }
+
+    /// Refuses new work from now on.
+    pub fn start_draining(&self) -> bool {
+        let was = self.tasks.is_closed();
+        self.tasks.close();
+        !was
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.tasks.is_closed() || self.draining.is_cancelled()
+    }
+}

@@ -1,0 +1,101 @@
+//! `corral`: the daemon (`corral serve`) and its client commands.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use corral::cli::{ClientCommand, ClientOpts};
+use corral::config::{Config, Overrides};
+use corral::daemon::{default_reins, Daemon};
+use corral::sandbox::Backends;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "corral",
+    version,
+    about = "Runs AI coding-agent harnesses in sandboxes it owns, under a policy gate."
+)]
+struct Cli {
+    #[command(flatten)]
+    client: ClientOpts,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the daemon.
+    Serve(ServeArgs),
+    #[command(flatten)]
+    Client(ClientCommand),
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// A TOML config file (layered: defaults, file, CORRAL_* env, flags).
+    #[arg(long, env = "CORRAL_CONFIG")]
+    config: Option<PathBuf>,
+    /// gRPC listen address [default: 127.0.0.1:50051].
+    #[arg(long)]
+    listen: Option<String>,
+    /// Data directory for the store and the workspaces [default: ~/.local/share/corral].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// A directory of profile TOML files (repeatable).
+    #[arg(long = "profiles")]
+    profiles: Vec<PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // One multi-threaded runtime whose workers live as long as the daemon:
+    // bwrap's --die-with-parent is tied to the spawning thread.
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let code = runtime.block_on(async move {
+        match cli.command {
+            Command::Serve(args) => serve(args).await.map(|()| 0),
+            Command::Client(cmd) => corral::cli::run(cli.client, cmd).await,
+        }
+    })?;
+    std::process::exit(code);
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let overrides = Overrides { listen: args.listen, data_dir: args.data_dir, profile_dirs: args.profiles };
+    let config = Config::load(args.config.as_deref(), overrides)?;
+    let listener = tokio::net::TcpListener::bind(&config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let local = listener.local_addr()?;
+    let daemon = Daemon::build(config, Backends::host_default(), default_reins()).await?;
+    tracing::info!(listen = %local, data_dir = %daemon.config.data_dir.display(), "corral serving");
+    // Printed on stdout so scripts can find the port when listening on :0.
+    println!("corral listening on {local}");
+
+    let shutdown = CancellationToken::new();
+    let signal = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        signal.cancel();
+    });
+    daemon.serve(listener, shutdown).await?;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        // Without handlers the default action (exit) still applies.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = int.recv() => tracing::info!("SIGINT"),
+    }
+}

@@ -1,0 +1,234 @@
+//! The record: executions, their events and the sandboxes the daemon owns,
+//! in SQLite (WAL) under the data directory. Everything is written here
+//! before it is announced.
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Row, SqlitePool};
+
+use crate::events::Event;
+use crate::lifecycle::{now_ms, ExecutionRecord, ExecutionState};
+use crate::sandbox::SandboxState;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("store migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("store encoding: {0}")]
+    Encoding(#[from] serde_json::Error),
+}
+
+/// The result of inserting an execution under a request id.
+#[derive(Debug)]
+pub enum Inserted {
+    Created,
+    /// The request id was taken; here is the execution that holds it.
+    Existing {
+        record: Box<ExecutionRecord>,
+        digest: String,
+    },
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct ExecutionFilter {
+    pub state: Option<ExecutionState>,
+    pub profile: String,
+    pub actor: String,
+    pub project: String,
+    /// Only executions whose id sorts before this one (the page token).
+    pub before_id: String,
+    pub limit: u32,
+}
+
+#[derive(Clone)]
+pub struct Store {
+    pool: SqlitePool,
+}
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+impl Store {
+    /// Opens (creating if needed) `corral.db` in `data_dir` and migrates it.
+    pub async fn open(data_dir: &Path) -> Result<Store, StoreError> {
+        let url = format!("sqlite://{}", data_dir.join("corral.db").display());
+        let options = SqliteConnectOptions::from_str(&url)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            // Under WAL, NORMAL is durable across process crashes; only an
+            // OS crash can lose the last commits.
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(10))
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new().max_connections(4).connect_with(options).await?;
+        MIGRATOR.run(&pool).await?;
+        Ok(Store { pool })
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    pub async fn insert_execution(&self, record: &ExecutionRecord, digest: &str) -> Result<Inserted, StoreError> {
+        let request_id = (!record.request_id.is_empty()).then_some(record.request_id.as_str());
+        let result = sqlx::query(
+            "INSERT INTO executions (execution_id, request_id, request_digest, state, profile_ref, actor, project, created_at_ms, record)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&record.execution_id)
+        .bind(request_id)
+        .bind(digest)
+        .bind(record.state.as_str())
+        .bind(&record.harness_profile_ref)
+        .bind(&record.consumer.actor)
+        .bind(&record.consumer.project)
+        .bind(record.created_at_ms)
+        .bind(serde_json::to_string(record)?)
+        .execute(&self.pool)
+        .await;
+        match result {
+            Ok(_) => Ok(Inserted::Created),
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() && request_id.is_some() => {
+                let row = sqlx::query("SELECT record, request_digest FROM executions WHERE request_id = ?")
+                    .bind(request_id)
+                    .fetch_one(&self.pool)
+                    .await?;
+                let record: ExecutionRecord = serde_json::from_str(row.get::<&str, _>("record"))?;
+                Ok(Inserted::Existing { record: Box::new(record), digest: row.get("request_digest") })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn update_execution(&self, record: &ExecutionRecord) -> Result<(), StoreError> {
+        let profile = if record.evidence.profile_ref.is_empty() {
+            &record.harness_profile_ref
+        } else {
+            &record.evidence.profile_ref
+        };
+        sqlx::query("UPDATE executions SET state = ?, profile_ref = ?, record = ? WHERE execution_id = ?")
+            .bind(record.state.as_str())
+            .bind(profile)
+            .bind(serde_json::to_string(record)?)
+            .bind(&record.execution_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn get_execution(&self, id: &str) -> Result<Option<ExecutionRecord>, StoreError> {
+        let row = sqlx::query("SELECT record FROM executions WHERE execution_id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).transpose()
+    }
+
+    /// Newest first. Ids are UUIDv7, so id order is creation order.
+    pub async fn list_executions(&self, filter: &ExecutionFilter) -> Result<Vec<ExecutionRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT record FROM executions
+             WHERE (?1 = '' OR state = ?1)
+               AND (?2 = '' OR profile_ref = ?2 OR profile_ref LIKE ?2 || '@%')
+               AND (?3 = '' OR actor = ?3)
+               AND (?4 = '' OR project = ?4)
+               AND (?5 = '' OR execution_id < ?5)
+             ORDER BY execution_id DESC LIMIT ?6",
+        )
+        .bind(filter.state.map(|s| s.as_str()).unwrap_or(""))
+        .bind(&filter.profile)
+        .bind(&filter.actor)
+        .bind(&filter.project)
+        .bind(&filter.before_id)
+        .bind(filter.limit as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
+    }
+
+    pub async fn count_executions(&self) -> Result<i64, StoreError> {
+        Ok(sqlx::query("SELECT COUNT(*) FROM executions").fetch_one(&self.pool).await?.get(0))
+    }
+
+    pub async fn append_event(&self, event: &Event) -> Result<(), StoreError> {
+        sqlx::query("INSERT INTO events (subject_id, sequence, time_ms, kind, body) VALUES (?, ?, ?, ?, ?)")
+            .bind(&event.subject_id)
+            .bind(event.sequence as i64)
+            .bind(event.time_ms)
+            .bind(event.kind.name())
+            .bind(serde_json::to_string(&event.kind)?)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// The stored events of a subject after `after`, in order.
+    pub async fn events_after(&self, subject: &str, after: u64) -> Result<Vec<Event>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT sequence, time_ms, body FROM events WHERE subject_id = ? AND sequence > ? ORDER BY sequence",
+        )
+        .bind(subject)
+        .bind(after as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(Event {
+                    subject_id: subject.to_string(),
+                    sequence: r.get::<i64, _>("sequence") as u64,
+                    time_ms: r.get("time_ms"),
+                    kind: serde_json::from_str(r.get::<&str, _>("body"))?,
+                })
+            })
+            .collect()
+    }
+
+    /// Records the intent to create a sandbox, before the backend acts.
+    pub async fn insert_sandbox(
+        &self,
+        sandbox_id: &str,
+        subject_id: &str,
+        backend: &str,
+        root: &Path,
+        epoch: &str,
+    ) -> Result<(), StoreError> {
+        let now = now_ms();
+        sqlx::query(
+            "INSERT INTO sandboxes (sandbox_id, subject_id, backend, state, root_path, instance_epoch, created_at_ms, updated_at_ms)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(sandbox_id)
+        .bind(subject_id)
+        .bind(backend)
+        .bind(SandboxState::Creating.as_str())
+        .bind(root.to_string_lossy().as_ref())
+        .bind(epoch)
+        .bind(now)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    pub async fn set_sandbox_state(&self, sandbox_id: &str, state: SandboxState) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sandboxes SET state = ?, updated_at_ms = ? WHERE sandbox_id = ?")
+            .bind(state.as_str())
+            .bind(now_ms())
+            .bind(sandbox_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Sandbox rows by state, as `(sandbox_id, subject_id, state)`.
+    pub async fn sandboxes(&self) -> Result<Vec<(String, String, String)>, StoreError> {
+        let rows = sqlx::query("SELECT sandbox_id, subject_id, state FROM sandboxes ORDER BY created_at_ms")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
+    }
+}
