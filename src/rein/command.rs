@@ -17,6 +17,8 @@ use crate::sandbox::{ExecSpec, SandboxProcess};
 
 /// How long a harness gets between SIGTERM and SIGKILL.
 const KILL_GRACE: Duration = Duration::from_secs(2);
+/// How long a harness gets to exit once its session is ended.
+const END_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Default)]
 pub struct CommandRein;
@@ -186,14 +188,16 @@ impl HarnessSession for CommandSession {
         }
     }
 
-    /// A one-shot harness has ended when its process has; give it what is
-    /// left of its timeout to get there.
+    /// A one-shot harness has ended when its process has: close its stdin
+    /// (a harness still waiting for input sees EOF) and give it a short
+    /// grace, within what is left of its timeout.
     async fn end_session(&mut self) -> Result<(), ReinError> {
-        let deadline = tokio::time::Instant::from_std(self.deadline);
+        drop(self.process.stdin.take());
+        let deadline = tokio::time::Instant::from_std(self.deadline.min(Instant::now() + END_GRACE));
         match tokio::time::timeout_at(deadline, self.process.wait()).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(ReinError::End(format!("wait: {e}"))),
-            Err(_) => Err(ReinError::End("harness did not exit before its timeout".into())),
+            Err(_) => Err(ReinError::End(format!("harness did not exit within {END_GRACE:?} of its end"))),
         }
     }
 

@@ -1,0 +1,392 @@
+//! The gRPC API's observable behaviour against a real daemon: watch
+//! replay and resumption, idempotency on request ids, input validation at
+//! the edge, listing and pagination, cancellation, client disconnects, and
+//! the catalog's dry runs.
+
+mod common;
+
+use std::collections::HashSet;
+
+use common::{evidence, finished, kinds, request, Options, TestDaemon};
+use corral::pb;
+use corral::pb::lifecycle_event::Kind;
+use tonic::Code;
+use tonic_types::StatusExt;
+
+const FAKE: &str = "test.fake-agent";
+
+fn progress_messages(events: &[pb::LifecycleEvent]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::Progress(p)) if p.kind == "progress" => Some(p.message.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn sequences(events: &[pb::LifecycleEvent]) -> Vec<u64> {
+    events.iter().map(|e| e.sequence).collect()
+}
+
+/// The caller's events with what only the direct caller may see removed.
+fn without_raw_parts(events: &[pb::LifecycleEvent]) -> Vec<pb::LifecycleEvent> {
+    let mut events = events.to_vec();
+    for event in &mut events {
+        match &mut event.kind {
+            Some(Kind::Progress(p)) => p.message.clear(),
+            Some(Kind::Finished(pb::Finished { record: Some(pb::finished::Record::Execution(e)) })) => {
+                e.tool_output.clear();
+                e.tool_error.clear();
+            }
+            _ => {}
+        }
+    }
+    events
+}
+
+async fn count(daemon: &TestDaemon) -> i64 {
+    daemon.engine.store.count_executions().await.expect("count executions")
+}
+
+/// INVALID_ARGUMENT naming `field` in the message and in the
+/// `google.rpc.BadRequest` details.
+fn assert_invalid(status: &tonic::Status, field: &str) {
+    assert_eq!(status.code(), Code::InvalidArgument, "{field}: {status:?}");
+    assert!(status.message().contains(field), "message should name `{field}`: {:?}", status.message());
+    let bad = status.get_details_bad_request().unwrap_or_else(|| panic!("no BadRequest details: {status:?}"));
+    assert!(!bad.field_violations.is_empty(), "no field violations: {bad:?}");
+    assert_eq!(bad.field_violations[0].field, field, "{bad:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_from_zero_replays_the_callers_events_without_raw_parts() {
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let caller = daemon.execute(request(FAKE, "PROGRESS 3")).await;
+    let record = finished(&caller);
+    assert_eq!(record.state, pb::ExecutionState::Succeeded as i32, "{record:?}");
+    assert!(!record.tool_output.is_empty(), "the direct caller sees the raw output");
+    assert_eq!(progress_messages(&caller), vec!["step 1", "step 2", "step 3"], "{:?}", kinds(&caller));
+
+    let watched = daemon.watch_all(&record.execution_id, 0).await;
+    let watched_messages = progress_messages(&watched);
+    assert_eq!(watched_messages.len(), 3);
+    assert!(
+        watched_messages.iter().all(|m| m.is_empty()),
+        "watchers never see progress messages: {watched_messages:?}"
+    );
+    let watched_record = finished(&watched);
+    assert!(watched_record.tool_output.is_empty(), "watcher got raw output: {:?}", watched_record.tool_output);
+    assert!(watched_record.tool_error.is_empty(), "watcher got raw error: {:?}", watched_record.tool_error);
+
+    assert_eq!(without_raw_parts(&caller), watched, "replay differs from what the caller saw");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_after_any_sequence_resumes_without_gap_or_duplicate() {
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let caller = daemon.execute(request(FAKE, "PROGRESS 3")).await;
+    let id = finished(&caller).execution_id;
+    let n = caller.len() as u64;
+    assert_eq!(sequences(&caller), (1..=n).collect::<Vec<_>>(), "the caller's own stream has a gap");
+    assert!(n >= 8, "expected a full lifecycle with progress: {:?}", kinds(&caller));
+    for k in 0..=n {
+        let watched = daemon.watch_all(&id, k).await;
+        assert_eq!(sequences(&watched), (k + 1..=n).collect::<Vec<_>>(), "after_sequence = {k}");
+        assert!(watched.iter().all(|e| e.subject_id == id), "after_sequence = {k}: foreign subject");
+    }
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_id_makes_execute_idempotent() {
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut req = request(FAKE, "NOWORK");
+    req.request_id = "req-idem-1".into();
+
+    let first = finished(&daemon.execute(req.clone()).await);
+    assert_eq!(first.state, pb::ExecutionState::Succeeded as i32);
+    assert_eq!(first.request_id, "req-idem-1");
+    assert_eq!(count(&daemon).await, 1);
+
+    let second = daemon.execute(req.clone()).await;
+    let second_record = finished(&second);
+    assert_eq!(second_record.execution_id, first.execution_id);
+    assert_eq!(second_record.state, pb::ExecutionState::Succeeded as i32);
+    assert_eq!(count(&daemon).await, 1, "a repeated request created a second execution");
+
+    let mut client = daemon.executions().await;
+    let started = client.start_execution(req.clone()).await.expect("start with the same request id").into_inner();
+    assert_eq!(started.execution_id, first.execution_id);
+    assert_eq!(count(&daemon).await, 1);
+
+    let mut different = req.clone();
+    different.description = "PROGRESS 2".into();
+    let status = client.start_execution(different.clone()).await.expect_err("a different request with the same id");
+    assert_eq!(status.code(), Code::AlreadyExists, "{status:?}");
+    let status = client.execute(different).await.err().expect("Execute with a reused request id is refused");
+    assert_eq!(status.code(), Code::AlreadyExists, "{status:?}");
+    assert_eq!(count(&daemon).await, 1);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_input_is_refused_naming_the_field_and_changes_nothing() {
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut client = daemon.executions().await;
+    let not_a_repo = tempfile::tempdir().unwrap();
+
+    let mut cases: Vec<(&str, pb::ExecuteRequest)> = Vec::new();
+    cases.push(("harness_profile_ref", request("", "NOWORK")));
+    let mut long_title = request(FAKE, "NOWORK");
+    long_title.title = "t".repeat(1 << 20);
+    cases.push(("title", long_title));
+    for repo in ["relative/path".to_string(), "/tmp/../etc".to_string(), not_a_repo.path().display().to_string()] {
+        let mut req = request(FAKE, "NOWORK");
+        req.repo = repo;
+        cases.push(("repo", req));
+    }
+
+    for (field, req) in cases {
+        let before = count(&daemon).await;
+        let status = client.start_execution(req.clone()).await.expect_err("StartExecution must refuse");
+        assert_invalid(&status, field);
+        let status = client.execute(req).await.err().expect("Execute must refuse");
+        assert_invalid(&status, field);
+        assert_eq!(count(&daemon).await, before, "{field}: a refused request changed the store");
+    }
+
+    let before = count(&daemon).await;
+    let status = client
+        .list_executions(pb::ListExecutionsRequest { state: 99, ..Default::default() })
+        .await
+        .expect_err("unknown state");
+    assert_invalid(&status, "state");
+    assert_eq!(count(&daemon).await, before);
+    assert!(daemon.leftover_sandboxes().is_empty());
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_and_list_executions_filter_and_paginate() {
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut client = daemon.executions().await;
+
+    let status = client
+        .get_execution(pb::GetExecutionRequest { execution_id: "00000000-0000-7000-8000-000000000000".into() })
+        .await
+        .expect_err("unknown id");
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+
+    // Oldest first.
+    let mut created = Vec::new();
+    for project in ["proj-a", "proj-a", "proj-b"] {
+        let mut req = request(FAKE, "NOWORK");
+        req.project = project.into();
+        let record = finished(&daemon.execute(req).await);
+        assert_eq!(record.state, pb::ExecutionState::Succeeded as i32, "{record:?}");
+        created.push(record.execution_id);
+    }
+    let mut refused_req = request("no.such.profile", "NOWORK");
+    refused_req.project = "proj-c".into();
+    let refused = finished(&daemon.execute(refused_req).await);
+    assert_eq!(refused.state, pb::ExecutionState::Refused as i32, "{refused:?}");
+    created.push(refused.execution_id.clone());
+    let newest_first: Vec<String> = created.iter().rev().cloned().collect();
+
+    let got = client
+        .get_execution(pb::GetExecutionRequest { execution_id: created[0].clone() })
+        .await
+        .expect("get")
+        .into_inner();
+    assert_eq!(got.execution_id, created[0]);
+    assert_eq!(got.state, pb::ExecutionState::Succeeded as i32);
+    assert!(got.tool_output.is_empty() && got.tool_error.is_empty(), "GetExecution leaks raw parts");
+
+    let list = |req: pb::ListExecutionsRequest| {
+        let mut client = client.clone();
+        async move { client.list_executions(req).await.expect("list").into_inner() }
+    };
+
+    let all = list(pb::ListExecutionsRequest::default()).await;
+    assert_eq!(all.executions.iter().map(|e| e.execution_id.clone()).collect::<Vec<_>>(), newest_first);
+    assert!(all.next_page_token.is_empty());
+
+    let a = list(pb::ListExecutionsRequest { project: "proj-a".into(), ..Default::default() }).await;
+    assert_eq!(a.executions.len(), 2, "{a:?}");
+    assert!(a.executions.iter().all(|e| e.consumer.as_ref().unwrap().project == "proj-a"));
+    let b = list(pb::ListExecutionsRequest { project: "proj-b".into(), ..Default::default() }).await;
+    assert_eq!(b.executions.iter().map(|e| e.execution_id.clone()).collect::<Vec<_>>(), vec![created[2].clone()]);
+    let none = list(pb::ListExecutionsRequest { project: "proj-none".into(), ..Default::default() }).await;
+    assert!(none.executions.is_empty());
+
+    let mut paged = Vec::new();
+    let mut token = String::new();
+    for _ in 0..10 {
+        let page =
+            list(pb::ListExecutionsRequest { page_size: 1, page_token: token.clone(), ..Default::default() }).await;
+        assert!(page.executions.len() <= 1, "page_size 1 returned {}", page.executions.len());
+        paged.extend(page.executions.into_iter().map(|e| e.execution_id));
+        token = page.next_page_token;
+        if token.is_empty() {
+            break;
+        }
+    }
+    assert!(token.is_empty(), "pagination did not end");
+    assert_eq!(paged, newest_first, "pages are not newest first without gaps");
+    assert_eq!(paged.iter().collect::<HashSet<_>>().len(), paged.len(), "duplicate across pages");
+
+    let succeeded =
+        list(pb::ListExecutionsRequest { state: pb::ExecutionState::Succeeded as i32, ..Default::default() }).await;
+    assert_eq!(
+        succeeded.executions.iter().map(|e| e.execution_id.clone()).collect::<Vec<_>>(),
+        newest_first[1..].to_vec()
+    );
+    let refused_list =
+        list(pb::ListExecutionsRequest { state: pb::ExecutionState::Refused as i32, ..Default::default() }).await;
+    assert_eq!(
+        refused_list.executions.iter().map(|e| e.execution_id.clone()).collect::<Vec<_>>(),
+        vec![refused.execution_id]
+    );
+    let cancelled =
+        list(pb::ListExecutionsRequest { state: pb::ExecutionState::Cancelled as i32, ..Default::default() }).await;
+    assert!(cancelled.executions.is_empty());
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_a_hanging_harness_and_tears_everything_down() {
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut client = daemon.executions().await;
+    let started = client.start_execution(request(FAKE, "HANG")).await.expect("start").into_inner();
+    assert_eq!(started.state, pb::ExecutionState::Running as i32);
+    let id = started.execution_id.clone();
+
+    let mut watch = client
+        .watch_execution(pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 })
+        .await
+        .expect("watch")
+        .into_inner();
+    let mut events = Vec::new();
+    loop {
+        let event = watch.message().await.expect("watch ok").expect("stream ended before dispatch");
+        let dispatched = matches!(event.kind, Some(Kind::Dispatched(_)));
+        assert!(!matches!(event.kind, Some(Kind::Finished(_))), "finished before dispatch: {event:?}");
+        events.push(event);
+        if dispatched {
+            break;
+        }
+    }
+
+    client.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.expect("cancel");
+    while let Some(event) = watch.message().await.expect("watch ok") {
+        events.push(event);
+    }
+    let record = finished(&events);
+    assert_eq!(record.state, pb::ExecutionState::Cancelled as i32, "{record:?}");
+    let ev = evidence(&record);
+    assert_eq!(ev.outcome, pb::Outcome::Cancelled as i32, "{ev:?}");
+    assert_eq!(ev.session_cleanup, pb::TeardownResult::Succeeded as i32, "{ev:?}");
+    assert_eq!(ev.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{ev:?}");
+    let teardown = events.iter().find_map(|e| match &e.kind {
+        Some(Kind::Teardown(t)) => Some(t.clone()),
+        _ => None,
+    });
+    let teardown = teardown.expect("a teardown event");
+    assert_eq!(teardown.session_cleanup, pb::TeardownResult::Succeeded as i32);
+    assert_eq!(teardown.sandbox_destroy, pb::TeardownResult::Succeeded as i32);
+    assert_eq!(sequences(&events), (1..=events.len() as u64).collect::<Vec<_>>());
+    assert!(daemon.leftover_sandboxes().is_empty(), "left behind: {:?}", daemon.leftover_sandboxes());
+
+    let again = client.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.expect("again");
+    let again = again.into_inner();
+    assert_eq!(again.state, pb::ExecutionState::Cancelled as i32, "{again:?}");
+    assert_eq!(evidence(&again).outcome, pb::Outcome::Cancelled as i32);
+    let stored = client.get_execution(pb::GetExecutionRequest { execution_id: id }).await.expect("get").into_inner();
+    assert_eq!(again, stored, "cancelling a finished execution changed it");
+
+    let status = client
+        .cancel_execution(pb::CancelExecutionRequest { execution_id: "no-such-execution".into() })
+        .await
+        .expect_err("unknown id");
+    assert_eq!(status.code(), Code::NotFound);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_does_not_cancel_the_execution() {
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let id = {
+        let mut client = daemon.executions().await;
+        let mut stream = client.execute(request(FAKE, "PROGRESS 2")).await.expect("execute").into_inner();
+        let first = stream.message().await.expect("stream ok").expect("a first event");
+        match first.kind {
+            Some(Kind::Accepted(a)) => a.execution_id,
+            other => panic!("first event is not accepted: {other:?}"),
+        }
+        // The stream and its client are dropped here.
+    };
+    let watched = daemon.watch_all(&id, 0).await;
+    let record = finished(&watched);
+    assert_eq!(record.state, pb::ExecutionState::Succeeded as i32, "{record:?}");
+    assert_eq!(evidence(&record).outcome, pb::Outcome::Succeeded as i32);
+    assert_eq!(progress_messages(&watched).len(), 2, "{:?}", kinds(&watched));
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn catalog_lists_resolves_and_dry_runs_the_gate() {
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut catalog = daemon.catalog().await;
+
+    let profiles = catalog.list_profiles(pb::ListProfilesRequest {}).await.expect("list").into_inner();
+    let refs: HashSet<String> = profiles.profiles.iter().map(|p| p.r#ref.clone()).collect();
+    for expected in [
+        "builtin.shell@1.0.0",
+        "builtin.noop@1.0.0",
+        "builtin.claude-code@1.0.0",
+        "builtin.codex@1.0.0",
+        "test.fake-agent@1.0.0",
+    ] {
+        assert!(refs.contains(expected), "{expected} missing from {refs:?}");
+    }
+
+    let resolved = catalog
+        .resolve_profile(pb::ResolveProfileRequest { r#ref: FAKE.into(), actor: String::new() })
+        .await
+        .expect("resolve")
+        .into_inner();
+    assert_eq!(resolved.pinned_ref, "test.fake-agent@1.0.0");
+    assert_eq!(resolved.profile.expect("profile").r#ref, "test.fake-agent@1.0.0");
+
+    let status = catalog
+        .resolve_profile(pb::ResolveProfileRequest { r#ref: "nope".into(), actor: String::new() })
+        .await
+        .expect_err("unknown profile");
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("unknown harness profile"), "{:?}", status.message());
+
+    let gate = catalog
+        .evaluate_gate(pb::EvaluateGateRequest {
+            profile_ref: FAKE.into(),
+            actor: "agt".into(),
+            project: "proj-a".into(),
+            repo: String::new(),
+        })
+        .await
+        .expect("evaluate gate")
+        .into_inner();
+    assert_eq!(gate.action, pb::GateAction::Allow as i32, "{gate:?}");
+    let sandbox = gate.effective_sandbox.expect("effective sandbox");
+    assert_eq!(sandbox.r#type, pb::SandboxType::LinuxBwrap as i32, "{sandbox:?}");
+    assert!(!sandbox.allow_network, "{sandbox:?}");
+    daemon.stop().await;
+}

@@ -1,0 +1,169 @@
+//! Fault injection around the real backend and rein: every failure the
+//! evidence rules name can be provoked, and every call is recorded.
+
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use corral::rein::{CommandRein, HarnessEvent, HarnessSession, Rein, ReinError, StartContext, ToolCall, ToolResult};
+use corral::sandbox::{
+    Backends, BwrapBackend, CreateSandbox, ExecSpec, NoneBackend, Sandbox, SandboxBackend, SandboxError,
+    SandboxProcess, SandboxState, SandboxType,
+};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BackendFaults {
+    /// `create` errors before any sandbox exists.
+    pub fail_init: bool,
+    /// `create` returns a sandbox that is not READY.
+    pub not_ready: bool,
+    pub fail_destroy: bool,
+}
+
+#[derive(Default)]
+pub struct BackendLog {
+    pub creates: usize,
+    pub destroys: Vec<String>,
+    pub spawns: Vec<ExecSpec>,
+}
+
+pub struct FaultyBackend {
+    inner: Arc<dyn SandboxBackend>,
+    faults: BackendFaults,
+    pub log: Arc<Mutex<BackendLog>>,
+}
+
+impl FaultyBackend {
+    pub fn wrap(inner: Arc<dyn SandboxBackend>, faults: BackendFaults) -> (Arc<Self>, Arc<Mutex<BackendLog>>) {
+        let log = Arc::new(Mutex::new(BackendLog::default()));
+        (Arc::new(FaultyBackend { inner, faults, log: log.clone() }), log)
+    }
+}
+
+/// Real backends with the bwrap one wrapped in `faults`.
+pub fn bwrap_with(faults: BackendFaults) -> (Backends, Arc<Mutex<BackendLog>>) {
+    let (backend, log) = FaultyBackend::wrap(Arc::new(BwrapBackend::detect()), faults);
+    (Backends { linux_bwrap: backend, none: Arc::new(NoneBackend::default()) }, log)
+}
+
+#[async_trait]
+impl SandboxBackend for FaultyBackend {
+    fn kind(&self) -> SandboxType {
+        self.inner.kind()
+    }
+
+    async fn probe(&self) -> Result<(), SandboxError> {
+        self.inner.probe().await
+    }
+
+    async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
+        self.log.lock().unwrap().creates += 1;
+        if self.faults.fail_init {
+            return Err(SandboxError::Unavailable("injected: backend cannot initialise".into()));
+        }
+        let mut sandbox = self.inner.create(req).await?;
+        if self.faults.not_ready {
+            sandbox.state = SandboxState::Failed;
+        }
+        Ok(sandbox)
+    }
+
+    async fn spawn(&self, sandbox: &Sandbox, spec: &ExecSpec) -> Result<SandboxProcess, SandboxError> {
+        self.log.lock().unwrap().spawns.push(spec.clone());
+        self.inner.spawn(sandbox, spec).await
+    }
+
+    async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        self.log.lock().unwrap().destroys.push(sandbox.id.clone());
+        let result = self.inner.destroy(sandbox).await;
+        if self.faults.fail_destroy {
+            return Err(SandboxError::Destroy("injected: destroy failed".into()));
+        }
+        result
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReinFaults {
+    pub fail_start: bool,
+    /// `dispatch_tool` raises (rather than the harness reporting failure).
+    pub fail_dispatch: bool,
+    pub fail_end: bool,
+    pub fail_cleanup: bool,
+}
+
+/// The real command rein, with its calls recorded and faults injected.
+pub struct RecordingRein {
+    faults: ReinFaults,
+    pub calls: Arc<Mutex<Vec<&'static str>>>,
+}
+
+impl RecordingRein {
+    pub fn new(faults: ReinFaults) -> (Arc<Self>, Arc<Mutex<Vec<&'static str>>>) {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        (Arc::new(RecordingRein { faults, calls: calls.clone() }), calls)
+    }
+}
+
+pub fn reins_with(rein: Arc<RecordingRein>) -> std::collections::HashMap<String, Arc<dyn Rein>> {
+    let mut reins: std::collections::HashMap<String, Arc<dyn Rein>> = Default::default();
+    reins.insert("command".into(), rein);
+    reins
+}
+
+#[async_trait]
+impl Rein for RecordingRein {
+    fn name(&self) -> &str {
+        "command"
+    }
+
+    async fn start_session(&self, ctx: StartContext) -> Result<Box<dyn HarnessSession>, ReinError> {
+        self.calls.lock().unwrap().push("start_session");
+        if self.faults.fail_start {
+            return Err(ReinError::Start("injected: harness would not start SECRET-START".into()));
+        }
+        let inner = CommandRein.start_session(ctx).await?;
+        Ok(Box::new(RecordingSession { inner, faults: self.faults, calls: self.calls.clone() }))
+    }
+}
+
+struct RecordingSession {
+    inner: Box<dyn HarnessSession>,
+    faults: ReinFaults,
+    calls: Arc<Mutex<Vec<&'static str>>>,
+}
+
+#[async_trait]
+impl HarnessSession for RecordingSession {
+    async fn dispatch_tool(
+        &mut self,
+        call: ToolCall,
+        events: mpsc::Sender<HarnessEvent>,
+        cancel: CancellationToken,
+    ) -> Result<ToolResult, ReinError> {
+        self.calls.lock().unwrap().push("dispatch_tool");
+        if self.faults.fail_dispatch {
+            return Err(ReinError::Dispatch("injected: dispatch raised SECRET-DISPATCH".into()));
+        }
+        self.inner.dispatch_tool(call, events, cancel).await
+    }
+
+    async fn end_session(&mut self) -> Result<(), ReinError> {
+        self.calls.lock().unwrap().push("end_session");
+        let result = self.inner.end_session().await;
+        if self.faults.fail_end {
+            return Err(ReinError::End("injected: end failed".into()));
+        }
+        result
+    }
+
+    async fn cleanup_session(&mut self) -> Result<(), ReinError> {
+        self.calls.lock().unwrap().push("cleanup_session");
+        let result = self.inner.cleanup_session().await;
+        if self.faults.fail_cleanup {
+            return Err(ReinError::Cleanup("injected: cleanup failed".into()));
+        }
+        result
+    }
+}

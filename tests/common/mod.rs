@@ -1,0 +1,232 @@
+//! Shared helpers for integration tests: a real daemon on 127.0.0.1:0 with
+//! a fresh data directory, the generated clients, real git repositories,
+//! and fault-injecting wrappers around the real sandbox backend and rein.
+#![allow(dead_code)]
+
+pub mod faults;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use corral::config::Config;
+use corral::daemon::{default_reins, Daemon};
+use corral::lifecycle::Engine;
+use corral::pb;
+use corral::pb::catalog_service_client::CatalogServiceClient;
+use corral::pb::execution_service_client::ExecutionServiceClient;
+use corral::rein::Rein;
+use corral::sandbox::Backends;
+use tempfile::TempDir;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
+
+/// Fails (never skips) when the host cannot run bubblewrap.
+pub fn require_bwrap() {
+    let scratch = std::env::temp_dir();
+    let mut args = corral::sandbox::bwrap_args(
+        &corral::sandbox::SandboxSpec::default(),
+        &scratch,
+        &corral::sandbox::HostLayout::detect(),
+    );
+    args.push("/usr/bin/true".into());
+    let ok = std::process::Command::new("bwrap").args(&args).status().map(|s| s.success()).unwrap_or(false);
+    assert!(ok, "this test needs bubblewrap: install the Debian package `bubblewrap` (the host must allow namespaces)");
+}
+
+/// A TOML profile running the fake agent.
+pub fn fake_agent_profile(id: &str, extra: &str) -> String {
+    format!(
+        r#"id = "{id}"
+version = "1.0.0"
+credential_route_refs = ["route.test"]
+[rein]
+argv = ["/usr/bin/python3", "{FIXTURES}/fake_agent.py"]
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+read_paths = ["{FIXTURES}"]
+[limits]
+timeout_seconds = 30
+max_output_bytes = 65536
+{extra}
+"#
+    )
+}
+
+pub struct Options {
+    pub backends: Option<Backends>,
+    pub reins: Option<HashMap<String, Arc<dyn Rein>>>,
+    pub profiles: Vec<(String, String)>,
+    pub config: Box<dyn FnOnce(&mut Config) + Send>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            backends: None,
+            reins: None,
+            profiles: vec![("fake.toml".into(), fake_agent_profile("test.fake-agent", ""))],
+            config: Box::new(|_| {}),
+        }
+    }
+}
+
+pub struct TestDaemon {
+    pub addr: SocketAddr,
+    pub url: String,
+    pub engine: Arc<Engine>,
+    pub data: TempDir,
+    shutdown: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+impl TestDaemon {
+    pub async fn start(options: Options) -> TestDaemon {
+        let data = tempfile::tempdir().unwrap();
+        let profiles = data.path().join("profiles");
+        std::fs::create_dir_all(&profiles).unwrap();
+        for (name, text) in &options.profiles {
+            std::fs::write(profiles.join(name), text).unwrap();
+        }
+        let mut config = Config {
+            data_dir: data.path().join("data"),
+            profile_dirs: vec![profiles],
+            shutdown_grace_seconds: 5,
+            ..Config::default()
+        };
+        (options.config)(&mut config);
+        let backends = options.backends.unwrap_or_else(Backends::host_default);
+        let reins = options.reins.unwrap_or_else(default_reins);
+        let daemon = Daemon::build(config, backends, reins).await.expect("daemon builds");
+        let engine = daemon.engine.clone();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let token = shutdown.clone();
+        let handle = tokio::spawn(async move {
+            daemon.serve(listener, token).await.expect("serve");
+        });
+        TestDaemon { addr, url: format!("http://{addr}"), engine, data, shutdown, handle }
+    }
+
+    pub async fn channel(&self) -> Channel {
+        for _ in 0..50 {
+            if let Ok(channel) = Channel::from_shared(self.url.clone()).unwrap().connect().await {
+                return channel;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        panic!("daemon at {} does not answer", self.url);
+    }
+
+    pub async fn executions(&self) -> ExecutionServiceClient<Channel> {
+        ExecutionServiceClient::new(self.channel().await)
+    }
+
+    pub async fn catalog(&self) -> CatalogServiceClient<Channel> {
+        CatalogServiceClient::new(self.channel().await)
+    }
+
+    /// Runs `Execute` and collects the whole stream.
+    pub async fn execute(&self, request: pb::ExecuteRequest) -> Vec<pb::LifecycleEvent> {
+        let mut client = self.executions().await;
+        let mut stream = client.execute(request).await.expect("execute accepted").into_inner();
+        let mut events = Vec::new();
+        while let Some(event) = stream.message().await.expect("stream ok") {
+            events.push(event);
+        }
+        events
+    }
+
+    pub async fn watch_all(&self, execution_id: &str, after: u64) -> Vec<pb::LifecycleEvent> {
+        let mut client = self.executions().await;
+        let request = pb::WatchRequest { execution_id: execution_id.into(), after_sequence: after };
+        let mut stream = client.watch_execution(request).await.expect("watch accepted").into_inner();
+        let mut events = Vec::new();
+        while let Some(event) = stream.message().await.expect("watch stream ok") {
+            events.push(event);
+        }
+        events
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.data.path().join("data")
+    }
+
+    /// The sandbox directories left under the data dir.
+    pub fn leftover_sandboxes(&self) -> Vec<PathBuf> {
+        std::fs::read_dir(self.data_dir().join("sandboxes"))
+            .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+            .unwrap_or_default()
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.handle.await.unwrap();
+    }
+}
+
+pub fn request(profile: &str, description: &str) -> pb::ExecuteRequest {
+    pb::ExecuteRequest {
+        harness_profile_ref: profile.into(),
+        title: "test task".into(),
+        description: description.into(),
+        actor: "agt".into(),
+        project: "proj-a".into(),
+        ..Default::default()
+    }
+}
+
+/// The `finished` execution of an event list.
+pub fn finished(events: &[pb::LifecycleEvent]) -> pb::Execution {
+    match events.last().and_then(|e| e.kind.clone()) {
+        Some(pb::lifecycle_event::Kind::Finished(pb::Finished {
+            record: Some(pb::finished::Record::Execution(e)),
+        })) => e,
+        other => panic!("last event is not finished: {other:?}"),
+    }
+}
+
+pub fn kinds(events: &[pb::LifecycleEvent]) -> Vec<&'static str> {
+    use pb::lifecycle_event::Kind;
+    events
+        .iter()
+        .map(|e| match &e.kind {
+            Some(Kind::Accepted(_)) => "accepted",
+            Some(Kind::Resolved(_)) => "resolved",
+            Some(Kind::Gated(_)) => "gated",
+            Some(Kind::SandboxReady(_)) => "sandbox_ready",
+            Some(Kind::Dispatched(_)) => "dispatched",
+            Some(Kind::Progress(_)) => "progress",
+            Some(Kind::OutputTruncated(_)) => "output_truncated",
+            Some(Kind::Teardown(_)) => "teardown",
+            Some(Kind::Finished(_)) => "finished",
+            None => "none",
+        })
+        .collect()
+}
+
+pub fn evidence(execution: &pb::Execution) -> pb::Evidence {
+    execution.evidence.clone().expect("evidence")
+}
+
+/// A git repository with one commit.
+pub fn git_repo() -> TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    git(dir.path(), &["init", "-q", "-b", "main"]);
+    std::fs::write(dir.path().join("README.md"), "sample\n").unwrap();
+    git(dir.path(), &["add", "."]);
+    git(dir.path(), &["-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "init"]);
+    dir
+}
+
+pub fn git(dir: &Path, args: &[&str]) -> String {
+    let out = std::process::Command::new("git").arg("-C").arg(dir).args(args).output().expect("git runs");
+    assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}

@@ -1,0 +1,301 @@
+//! The gateway contract (DESIGN.md, "Execution semantics"), one scenario per
+//! test, over real gRPC with the real bwrap backend and the real command
+//! rein, wrapped to inject the failures each rule is about.
+
+mod common;
+
+use std::time::Duration;
+
+use common::faults::{bwrap_with, reins_with, BackendFaults, RecordingRein, ReinFaults};
+use common::{evidence, finished, kinds, request, require_bwrap, Options, TestDaemon};
+use corral::catalog::ACTOR_REFUSAL;
+use corral::pb::{self, lifecycle_event::Kind, ExecutionState, FailureStage, Outcome, TeardownResult};
+
+struct Harness {
+    daemon: TestDaemon,
+    backend: std::sync::Arc<std::sync::Mutex<common::faults::BackendLog>>,
+    calls: std::sync::Arc<std::sync::Mutex<Vec<&'static str>>>,
+}
+
+async fn start(
+    backend_faults: BackendFaults,
+    rein_faults: ReinFaults,
+    extra_profiles: Vec<(String, String)>,
+) -> Harness {
+    require_bwrap();
+    let (backends, backend) = bwrap_with(backend_faults);
+    let (rein, calls) = RecordingRein::new(rein_faults);
+    let mut options = Options { backends: Some(backends), reins: Some(reins_with(rein)), ..Options::default() };
+    options.profiles.extend(extra_profiles);
+    Harness { daemon: TestDaemon::start(options).await, backend, calls }
+}
+
+impl Harness {
+    fn calls(&self) -> Vec<&'static str> {
+        self.calls.lock().unwrap().clone()
+    }
+    fn creates(&self) -> usize {
+        self.backend.lock().unwrap().creates
+    }
+    fn destroys(&self) -> usize {
+        self.backend.lock().unwrap().destroys.len()
+    }
+}
+
+fn stage(e: &pb::Evidence) -> FailureStage {
+    FailureStage::try_from(e.failure_stage).unwrap()
+}
+fn outcome(e: &pb::Evidence) -> Outcome {
+    Outcome::try_from(e.outcome).unwrap()
+}
+fn teardown(e: &pb::Evidence) -> (TeardownResult, TeardownResult) {
+    (TeardownResult::try_from(e.session_cleanup).unwrap(), TeardownResult::try_from(e.sandbox_destroy).unwrap())
+}
+
+/// Watchers never see a raw string: not in any event, not in the record.
+async fn assert_hidden_from_watchers(daemon: &TestDaemon, execution_id: &str, secret: &str) {
+    let watched = daemon.watch_all(execution_id, 0).await;
+    assert!(!watched.is_empty());
+    assert!(!format!("{watched:?}").contains(secret), "watcher saw {secret}");
+    let record =
+        daemon.executions().await.get_execution(pb::GetExecutionRequest { execution_id: execution_id.into() }).await;
+    assert!(!format!("{:?}", record.unwrap().into_inner()).contains(secret), "GetExecution shows {secret}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn success_runs_the_rein_in_order_and_destroys_the_sandbox_once() {
+    let h = start(BackendFaults::default(), ReinFaults::default(), vec![]).await;
+    let repo = common::git_repo();
+    let mut req = request("test.fake-agent@1.0.0", "PROGRESS 2");
+    req.repo = repo.path().display().to_string();
+    let events = h.daemon.execute(req).await;
+
+    let k = kinds(&events);
+    assert_eq!(&k[..5], ["accepted", "resolved", "gated", "sandbox_ready", "dispatched"]);
+    assert_eq!(&k[k.len() - 2..], ["teardown", "finished"]);
+    assert!(k.contains(&"progress"));
+    let sequences: Vec<u64> = events.iter().map(|e| e.sequence).collect();
+    assert_eq!(sequences, (1..=events.len() as u64).collect::<Vec<_>>(), "sequence 1..n without gaps");
+
+    let execution = finished(&events);
+    let ev = evidence(&execution);
+    assert_eq!(ExecutionState::try_from(execution.state).unwrap(), ExecutionState::Succeeded);
+    assert_eq!(outcome(&ev), Outcome::Succeeded);
+    assert_eq!(stage(&ev), FailureStage::Unspecified);
+    assert_eq!(teardown(&ev), (TeardownResult::Succeeded, TeardownResult::Succeeded));
+    assert_eq!((ev.tokens_spent, ev.resolved_model.as_str()), (42, "fake-model-1"));
+    assert_eq!(ev.profile_ref, "test.fake-agent@1.0.0");
+    assert!(execution.tool_output.contains("done: test task"), "{}", execution.tool_output);
+    assert_eq!(h.calls(), ["start_session", "dispatch_tool", "end_session", "cleanup_session"]);
+    assert_eq!((h.creates(), h.destroys()), (1, 1));
+    assert!(h.daemon.leftover_sandboxes().is_empty(), "workspace removed");
+    let timings: Vec<&str> = ev.stage_timings.iter().map(|t| t.stage.as_str()).collect();
+    for stage in ["resolve", "gate", "sandbox_create", "workspace", "session_start", "harness", "teardown", "total"] {
+        assert!(timings.contains(&stage), "stage timing {stage} missing: {timings:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execution_failure_keeps_the_raw_error_for_the_direct_caller_only() {
+    let h = start(BackendFaults::default(), ReinFaults::default(), vec![]).await;
+    let events = h.daemon.execute(request("test.fake-agent", "NOWORK\nFAIL SECRET-RAW-ERROR-7781")).await;
+    let execution = finished(&events);
+    let ev = evidence(&execution);
+    assert_eq!(outcome(&ev), Outcome::Failed);
+    assert_eq!(stage(&ev), FailureStage::Execution);
+    assert_eq!(ev.error, "execution failed; inspect direct caller error");
+    assert!(execution.tool_error.contains("SECRET-RAW-ERROR-7781"), "{}", execution.tool_error);
+    assert_eq!(teardown(&ev), (TeardownResult::Succeeded, TeardownResult::Succeeded));
+    assert_eq!(h.calls(), ["start_session", "dispatch_tool", "end_session", "cleanup_session"]);
+    assert_eq!(h.destroys(), 1);
+    assert_hidden_from_watchers(&h.daemon, &execution.execution_id, "SECRET-RAW-ERROR-7781").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_harness_exit_code_without_result_is_an_execution_failure() {
+    let h = start(BackendFaults::default(), ReinFaults::default(), vec![]).await;
+    let events = h.daemon.execute(request("test.fake-agent", "NOWORK\nEXIT 3")).await;
+    let execution = finished(&events);
+    assert_eq!(stage(&evidence(&execution)), FailureStage::Execution);
+    assert!(execution.tool_error.contains("status 3"), "{}", execution.tool_error);
+}
+
+fn profile(id: &str, version: &str, extra: &str) -> String {
+    common::fake_agent_profile(id, extra).replace("version = \"1.0.0\"", &format!("version = \"{version}\""))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resolution_refusals_never_touch_the_backend() {
+    let extra = vec![
+        (
+            "disabled.toml".to_string(),
+            profile("test.disabled", "1.0.0", "").replace("[rein]", "status = \"disabled\"\n[rein]"),
+        ),
+        ("multi1.toml".to_string(), profile("test.multi", "1.0.0", "")),
+        ("multi2.toml".to_string(), profile("test.multi", "1.1.0", "")),
+        (
+            "blocked.toml".to_string(),
+            profile("test.blocked", "1.0.0", "[readiness]\nstate = \"blocked\"\nreason = \"OPS-4411 vendor outage\"\n"),
+        ),
+    ];
+    let h = start(BackendFaults::default(), ReinFaults::default(), extra).await;
+    let cases = [
+        ("test.unknown", "agt", "unknown harness profile"),
+        ("test.disabled", "agt", "profile disabled"),
+        ("test.multi", "agt", "pin one of test.multi@1.0.0, test.multi@1.1.0"),
+        ("test.blocked", "agt", "\"OPS-4411 vendor outage\""),
+        ("test.fake-agent", "queue-worker-3", ACTOR_REFUSAL),
+    ];
+    for (profile_ref, actor, expected) in cases {
+        let mut req = request(profile_ref, "");
+        req.actor = actor.into();
+        let events = h.daemon.execute(req).await;
+        assert_eq!(kinds(&events), ["accepted", "teardown", "finished"], "{profile_ref}");
+        let execution = finished(&events);
+        let ev = evidence(&execution);
+        assert_eq!(ExecutionState::try_from(execution.state).unwrap(), ExecutionState::Refused, "{profile_ref}");
+        assert_eq!((outcome(&ev), stage(&ev)), (Outcome::Refused, FailureStage::Resolution), "{profile_ref}");
+        assert!(ev.error.contains(expected), "{profile_ref}: {:?} lacks {expected:?}", ev.error);
+        assert_eq!(teardown(&ev), (TeardownResult::NotAttempted, TeardownResult::NotAttempted));
+        assert!(ev.sandbox_id.is_empty());
+    }
+    assert_eq!(h.creates(), 0, "no sandbox was created for a refusal");
+    assert!(h.calls().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unverified_readiness_runs_and_is_labelled() {
+    let extra = vec![(
+        "unverified.toml".to_string(),
+        profile("test.unverified", "1.0.0", "[readiness]\nstate = \"unverified\"\nreason = \"not yet soaked\"\n"),
+    )];
+    let h = start(BackendFaults::default(), ReinFaults::default(), extra).await;
+    let events = h.daemon.execute(request("test.unverified", "NOWORK")).await;
+    let ev = evidence(&finished(&events));
+    assert_eq!(outcome(&ev), Outcome::Succeeded);
+    let readiness = ev.readiness.clone().unwrap();
+    assert_eq!(pb::ReadinessState::try_from(readiness.state).unwrap(), pb::ReadinessState::Unverified);
+    assert!(ev.notes.iter().any(|n| n.contains("unverified") && n.contains("not yet soaked")), "{:?}", ev.notes);
+    let Some(Kind::Resolved(resolved)) = &events[1].kind else { panic!("resolved expected") };
+    assert_eq!(
+        pb::ReadinessState::try_from(resolved.readiness.clone().unwrap().state).unwrap(),
+        pb::ReadinessState::Unverified
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_that_is_not_ready_is_destroyed_and_the_rein_never_starts() {
+    let h = start(BackendFaults { not_ready: true, ..Default::default() }, ReinFaults::default(), vec![]).await;
+    let events = h.daemon.execute(request("test.fake-agent", "")).await;
+    let ev = evidence(&finished(&events));
+    assert_eq!((outcome(&ev), stage(&ev)), (Outcome::Failed, FailureStage::SandboxCreate));
+    assert_eq!(ev.error, "sandbox creation failed; inspect direct caller error");
+    assert!(h.calls().is_empty(), "rein started: {:?}", h.calls());
+    assert_eq!((h.creates(), h.destroys()), (1, 1));
+    assert_eq!(teardown(&ev), (TeardownResult::NotAttempted, TeardownResult::Succeeded));
+    assert!(!ev.sandbox_id.is_empty());
+    assert!(!kinds(&events).contains(&"sandbox_ready"));
+    assert!(h.daemon.leftover_sandboxes().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_cannot_initialise_fails_sandbox_create_with_no_sandbox_id() {
+    let h = start(BackendFaults { fail_init: true, ..Default::default() }, ReinFaults::default(), vec![]).await;
+    let events = h.daemon.execute(request("test.fake-agent", "")).await;
+    let execution = finished(&events);
+    let ev = evidence(&execution);
+    assert_eq!((outcome(&ev), stage(&ev)), (Outcome::Failed, FailureStage::SandboxCreate));
+    assert!(ev.sandbox_id.is_empty());
+    assert_eq!(h.destroys(), 0);
+    assert_eq!(teardown(&ev), (TeardownResult::NotAttempted, TeardownResult::NotAttempted));
+    assert!(execution.tool_error.contains("cannot initialise"), "{}", execution.tool_error);
+    assert!(h.daemon.leftover_sandboxes().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_start_failure_skips_cleanup_and_destroys() {
+    let h = start(BackendFaults::default(), ReinFaults { fail_start: true, ..Default::default() }, vec![]).await;
+    let events = h.daemon.execute(request("test.fake-agent", "")).await;
+    let execution = finished(&events);
+    let ev = evidence(&execution);
+    assert_eq!((outcome(&ev), stage(&ev)), (Outcome::Failed, FailureStage::SessionStart));
+    assert_eq!(teardown(&ev), (TeardownResult::NotAttempted, TeardownResult::Succeeded));
+    assert_eq!(h.calls(), ["start_session"]);
+    assert_eq!(h.destroys(), 1);
+    assert!(execution.tool_error.contains("SECRET-START"));
+    assert_hidden_from_watchers(&h.daemon, &execution.execution_id, "SECRET-START").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destroy_failure_after_success_fails_at_teardown() {
+    let h = start(BackendFaults { fail_destroy: true, ..Default::default() }, ReinFaults::default(), vec![]).await;
+    let events = h.daemon.execute(request("test.fake-agent", "NOWORK")).await;
+    let ev = evidence(&finished(&events));
+    assert_eq!((outcome(&ev), stage(&ev)), (Outcome::Failed, FailureStage::Teardown));
+    assert_eq!(ev.error, "teardown failed; inspect direct caller error");
+    assert_eq!(teardown(&ev), (TeardownResult::Succeeded, TeardownResult::Failed));
+    assert_eq!(h.destroys(), 1, "destroyed exactly once, even when it fails");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleanup_failure_after_success_fails_at_teardown_and_still_destroys() {
+    let h = start(BackendFaults::default(), ReinFaults { fail_cleanup: true, ..Default::default() }, vec![]).await;
+    let events = h.daemon.execute(request("test.fake-agent", "NOWORK")).await;
+    let ev = evidence(&finished(&events));
+    assert_eq!((outcome(&ev), stage(&ev)), (Outcome::Failed, FailureStage::Teardown));
+    assert_eq!(teardown(&ev), (TeardownResult::Failed, TeardownResult::Succeeded));
+    assert_eq!(h.destroys(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn teardown_failures_after_an_execution_failure_keep_the_execution_stage() {
+    let h = start(
+        BackendFaults { fail_destroy: true, ..Default::default() },
+        ReinFaults { fail_dispatch: true, fail_cleanup: true, ..Default::default() },
+        vec![],
+    )
+    .await;
+    let events = h.daemon.execute(request("test.fake-agent", "NOWORK")).await;
+    let execution = finished(&events);
+    let ev = evidence(&execution);
+    assert_eq!((outcome(&ev), stage(&ev)), (Outcome::Failed, FailureStage::Execution));
+    assert_eq!(ev.error, "execution failed; inspect direct caller error");
+    assert_eq!(teardown(&ev), (TeardownResult::Failed, TeardownResult::Failed));
+    assert_eq!(h.calls(), ["start_session", "dispatch_tool", "end_session", "cleanup_session"]);
+    assert_eq!(h.destroys(), 1);
+    assert!(execution.tool_error.contains("SECRET-DISPATCH"));
+    assert_hidden_from_watchers(&h.daemon, &execution.execution_id, "SECRET-DISPATCH").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sandbox_command_carries_identity_routes_and_timeout_and_never_the_task() {
+    let h = start(BackendFaults::default(), ReinFaults::default(), vec![]).await;
+    let task_text = "UNIQUE-TASK-TEXT-93c1";
+    let events = h.daemon.execute(request("test.fake-agent", &format!("NOWORK\nPROBE_ENV\n{task_text}"))).await;
+    let execution = finished(&events);
+    assert_eq!(outcome(&evidence(&execution)), Outcome::Succeeded);
+    let spawns = h.backend.lock().unwrap().spawns.clone();
+    assert!(!spawns.is_empty());
+    for spec in &spawns {
+        assert_eq!(spec.consumer.actor, "agt");
+        assert_eq!(spec.consumer.project, "proj-a");
+        assert_eq!(spec.consumer.run_id, execution.execution_id);
+        assert_eq!(spec.consumer.session_id, "");
+        assert_eq!(spec.credential_route_refs, ["route.test"]);
+        assert_eq!(spec.timeout, Duration::from_secs(30));
+        assert!(!spec.argv.iter().any(|a| a.contains(task_text)), "task text in argv: {:?}", spec.argv);
+    }
+    // Inside the sandbox, the harness sees the same identity.
+    let out = &execution.tool_output;
+    for expected in [
+        "env CORRAL_ACTOR=agt".to_string(),
+        "env CORRAL_PROJECT=proj-a".to_string(),
+        format!("env CORRAL_RUN_ID={}", execution.execution_id),
+        "env CORRAL_CREDENTIAL_ROUTES=route.test".to_string(),
+        "env CORRAL_TIMEOUT_SECONDS=30".to_string(),
+    ] {
+        assert!(out.contains(&expected), "missing {expected:?} in {out}");
+    }
+    // /proc shows command lines to everyone: the task is not in any of them.
+    assert!(!out.contains(task_text) || !out.lines().any(|l| l.starts_with("pid1:") && l.contains(task_text)));
+}
