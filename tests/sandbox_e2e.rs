@@ -1,0 +1,131 @@
+//! The success path with the real bwrap backend and the fake agent: the
+//! commit comes back to the origin, and the sandbox really isolates.
+
+mod common;
+
+use common::{evidence, finished, git, kinds, request, require_bwrap, Options, TestDaemon};
+use corral::pb::{self, lifecycle_event::Kind, FailureStage, Outcome};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_harness_commit_is_fetched_back_under_refs_corral() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let repo = common::git_repo();
+    let base = git(repo.path(), &["rev-parse", "HEAD"]);
+    let mut req = request("test.fake-agent", "");
+    req.repo = repo.path().display().to_string();
+    let events = daemon.execute(req).await;
+    let execution = finished(&events);
+    let ev = evidence(&execution);
+    assert_eq!(Outcome::try_from(ev.outcome).unwrap(), Outcome::Succeeded, "{}", execution.tool_error);
+    assert_eq!(ev.commit_sha.len(), 40);
+    assert_ne!(ev.commit_sha, base, "the agent committed");
+    let fetched = git(repo.path(), &["rev-parse", &format!("refs/corral/{}", execution.execution_id)]);
+    assert_eq!(fetched, ev.commit_sha);
+    let notes = git(repo.path(), &["show", &format!("{fetched}:AGENT_NOTES.md")]);
+    assert!(notes.contains(&execution.execution_id), "{notes}");
+    // The origin's own branch and work tree are untouched.
+    assert_eq!(git(repo.path(), &["rev-parse", "HEAD"]), base);
+    assert!(!repo.path().join("AGENT_NOTES.md").exists());
+    assert!(daemon.leftover_sandboxes().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_new_commit_no_ref_is_written() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let repo = common::git_repo();
+    let base = git(repo.path(), &["rev-parse", "HEAD"]);
+    let mut req = request("test.fake-agent", "NOWORK");
+    req.repo = repo.path().display().to_string();
+    let execution = finished(&daemon.execute(req).await);
+    assert_eq!(evidence(&execution).commit_sha, base, "commit_sha is what the daemon saw");
+    assert_eq!(git(repo.path(), &["for-each-ref", "refs/corral"]), "");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_cannot_reach_the_network_nor_write_outside_its_workspace() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let repo = common::git_repo();
+    let outside = tempfile::tempdir().unwrap();
+    let outside_file = outside.path().join("escaped.txt");
+    let origin_file = repo.path().join("escaped.txt");
+    let description = format!(
+        "NOWORK\nPROBE_NETWORK\nPROBE_WRITE {}\nPROBE_WRITE {}\nPROBE_WRITE /usr/escaped.txt\nPROBE_WRITE /workspace/inside.txt\nPROBE_WRITE /tmp/scratch.txt",
+        outside_file.display(),
+        origin_file.display()
+    );
+    let mut req = request("test.fake-agent", &description);
+    req.repo = repo.path().display().to_string();
+    let events = daemon.execute(req).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(out.contains("network: unreachable"), "{out}");
+    assert!(out.contains(&format!("write {}: denied", outside_file.display())), "{out}");
+    assert!(out.contains(&format!("write {}: denied", origin_file.display())), "{out}");
+    assert!(out.contains("write /usr/escaped.txt: denied"), "{out}");
+    assert!(out.contains("write /workspace/inside.txt: ok"), "{out}");
+    assert!(out.contains("write /tmp/scratch.txt: ok"), "{out}");
+    assert!(!outside_file.exists() && !origin_file.exists(), "a file escaped the sandbox");
+    let ready = events
+        .iter()
+        .find_map(|e| match &e.kind {
+            Some(Kind::SandboxReady(ready)) => Some(ready.clone()),
+            _ => None,
+        })
+        .expect("a sandbox_ready event");
+    let receipt = ready.receipt.unwrap();
+    assert!(receipt.network_isolated);
+    assert_eq!(receipt.command_digest.len(), 64);
+    assert_eq!(receipt.write_roots, ["/tmp", "/workspace"]);
+    assert_eq!(pb::SandboxType::try_from(ready.backend).unwrap(), pb::SandboxType::LinuxBwrap);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flooded_output_is_capped_and_reported() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    // The fake agent's profile caps each stream at 64 KiB.
+    let events = daemon.execute(request("test.fake-agent", "NOWORK\nFLOOD 512K")).await;
+    let execution = finished(&events);
+    assert_eq!(Outcome::try_from(evidence(&execution).outcome).unwrap(), Outcome::Succeeded);
+    let truncated: Vec<_> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::OutputTruncated(t)) => Some(t.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(truncated.len(), 1, "{:?}", kinds(&events));
+    assert_eq!(truncated[0].stream, "stdout");
+    assert!(truncated[0].bytes_dropped >= 512 * 1024 - 65536, "{}", truncated[0].bytes_dropped);
+    assert!(execution.tool_output.len() <= 65536 + 1024);
+}
+
+fn agent_processes() -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .filter(|cmdline| String::from_utf8_lossy(cmdline).contains("HANG-MARKER"))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_harness_is_killed_at_its_timeout_with_its_whole_group() {
+    require_bwrap();
+    // The marker rides in argv (not the task) so the test can find every
+    // process of this harness in /proc.
+    let profile = common::fake_agent_profile("test.hang", "")
+        .replace("timeout_seconds = 30", "timeout_seconds = 2")
+        .replace("fake_agent.py\"]", "fake_agent.py\", \"HANG-MARKER\"]");
+    let options = Options { profiles: vec![("hang.toml".into(), profile)], ..Options::default() };
+    let daemon = TestDaemon::start(options).await;
+    let events = daemon.execute(request("test.hang", "NOWORK\nHANG")).await;
+    let execution = finished(&events);
+    let ev = evidence(&execution);
+    assert_eq!(FailureStage::try_from(ev.failure_stage).unwrap(), FailureStage::Execution);
+    assert!(execution.tool_error.contains("timed out"), "{}", execution.tool_error);
+    assert_eq!(agent_processes(), 0, "a harness process survived its timeout");
+    assert!(daemon.leftover_sandboxes().is_empty());
+}
