@@ -1,0 +1,267 @@
+//! Black-box tests of the real `corral` binary: `corral serve` as a child
+//! process on 127.0.0.1:0, the client commands against it, and a graceful
+//! exit on SIGTERM.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+const CORRAL: &str = env!("CARGO_BIN_EXE_corral");
+
+/// The `CORRAL_*` variables a developer's shell may carry; none may leak
+/// into the commands under test.
+fn clean(command: &mut Command) -> &mut Command {
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("CORRAL_") {
+            command.env_remove(name);
+        }
+    }
+    command
+}
+
+struct Served {
+    child: Child,
+    url: String,
+    /// Drains stdout after the banner line, so the pipe never fills.
+    drain: tokio::task::JoinHandle<String>,
+}
+
+async fn serve(data_dir: &Path, stderr_log: &Path) -> Served {
+    let log = std::fs::File::create(stderr_log).expect("stderr log file");
+    let mut child = clean(&mut Command::new(CORRAL))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log))
+        .kill_on_drop(true)
+        .spawn()
+        .expect("corral serve starts");
+    let stdout = child.stdout.take().expect("stdout piped");
+    let mut reader = BufReader::new(stdout);
+    let mut line = String::new();
+    let read = reader.read_line(&mut line).await.expect("read serve stdout");
+    assert!(
+        read > 0,
+        "corral serve printed nothing on stdout; stderr:\n{}",
+        std::fs::read_to_string(stderr_log).unwrap_or_default()
+    );
+    let addr = line
+        .trim()
+        .strip_prefix("corral listening on ")
+        .unwrap_or_else(|| panic!("unexpected first stdout line: {line:?}"))
+        .to_string();
+    let port: u16 = addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("a port");
+    assert_ne!(port, 0, "the daemon printed port 0");
+    assert!(addr.starts_with("127.0.0.1:"), "{addr}");
+    let drain = tokio::spawn(async move {
+        let mut rest = String::new();
+        let _ = reader.read_to_string(&mut rest).await;
+        rest
+    });
+    Served { child, url: format!("http://{addr}"), drain }
+}
+
+/// Runs `corral --server URL ARGS...` to completion.
+async fn corral(url: &str, args: &[&str]) -> Output {
+    clean(&mut Command::new(CORRAL))
+        .arg("--server")
+        .arg(url)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("corral runs")
+}
+
+fn text(output: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&output.stdout).into_owned(), String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+fn describe(args: &[&str], output: &Output) -> String {
+    let (stdout, stderr) = text(output);
+    format!("corral {args:?} exited {:?}\n--- stdout ---\n{stdout}--- stderr ---\n{stderr}", output.status.code())
+}
+
+fn json_lines(args: &[&str], output: &Output) -> Vec<serde_json::Value> {
+    let (stdout, _) = text(output);
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|line| {
+            serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line:?}\n{}", describe(args, output)))
+        })
+        .collect();
+    assert!(!lines.is_empty(), "no JSON output\n{}", describe(args, output));
+    lines
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_serves_runs_lists_and_stops_on_sigterm() {
+    common::require_bwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let stderr_log = tmp.path().join("serve.stderr");
+    let mut served = serve(&tmp.path().join("data"), &stderr_log).await;
+    let url = served.url.clone();
+    let repo = common::git_repo();
+    let repo_path = repo.path().to_str().unwrap().to_string();
+
+    // A successful task: exit 0, the raw output, the finished line.
+    let args = [
+        "exec",
+        "--profile",
+        "builtin.shell",
+        "--repo",
+        &repo_path,
+        "--title",
+        "t",
+        "--description",
+        "echo hello-from-sandbox",
+    ];
+    let out = corral(&url, &args).await;
+    let (stdout, _) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+    assert!(stdout.contains("hello-from-sandbox"), "{}", describe(&args, &out));
+    assert!(stdout.contains("finished"), "{}", describe(&args, &out));
+    assert!(stdout.contains("state=succeeded"), "{}", describe(&args, &out));
+
+    // A task that fails: exit 1.
+    let args = [
+        "exec",
+        "--profile",
+        "builtin.shell",
+        "--repo",
+        &repo_path,
+        "--title",
+        "t",
+        "--description",
+        "echo bad >&2; exit 3",
+    ];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&args, &out));
+    assert!(text(&out).0.contains("state=failed"), "{}", describe(&args, &out));
+
+    // A refused task: exit 1, with the reason.
+    let args = ["exec", "--profile", "no.such", "--title", "t", "--description", "x"];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&args, &out));
+    let (stdout, stderr) = text(&out);
+    assert!(stdout.contains("state=refused"), "{}", describe(&args, &out));
+    assert!(
+        stdout.contains("unknown harness profile") || stderr.contains("unknown harness profile"),
+        "{}",
+        describe(&args, &out)
+    );
+
+    // Profiles.
+    let args = ["profiles"];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+    assert!(text(&out).0.contains("builtin.shell@1.0.0"), "{}", describe(&args, &out));
+
+    // ls, as JSON and as a table: the three executions, newest first.
+    let args = ["--json", "ls"];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+    let mut listed: Vec<(String, String)> = Vec::new();
+    for line in json_lines(&args, &out) {
+        for e in line["executions"].as_array().map(Vec::as_slice).unwrap_or_default() {
+            let id = e["executionId"].as_str().expect("executionId").to_string();
+            let state = e["state"].as_str().unwrap_or_default().to_string();
+            listed.push((id, state));
+        }
+    }
+    let states: Vec<&str> = listed.iter().map(|(_, s)| s.as_str()).collect();
+    assert_eq!(
+        states,
+        ["EXECUTION_STATE_REFUSED", "EXECUTION_STATE_FAILED", "EXECUTION_STATE_SUCCEEDED"],
+        "{}",
+        describe(&args, &out)
+    );
+    let first_id = listed.last().unwrap().0.clone();
+
+    let args = ["ls"];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+    for (id, _) in &listed {
+        assert!(text(&out).0.contains(id.as_str()), "{id} not listed\n{}", describe(&args, &out));
+    }
+
+    // get, human and JSON.
+    let args = ["get", first_id.as_str()];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+    let (stdout, _) = text(&out);
+    assert!(stdout.contains(&first_id) && stdout.contains("succeeded"), "{}", describe(&args, &out));
+    let args = ["--json", "get", first_id.as_str()];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+    let got = json_lines(&args, &out);
+    assert_eq!(got.len(), 1, "{}", describe(&args, &out));
+    assert_eq!(got[0]["executionId"], first_id.as_str());
+    assert_eq!(got[0]["state"], "EXECUTION_STATE_SUCCEEDED");
+
+    // get of an unknown id: the RPC fails, exit 2.
+    let args = ["get", "no-such-execution"];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&args, &out));
+    assert!(text(&out).1.contains("NotFound"), "{}", describe(&args, &out));
+
+    // exec --json: one JSON object per line, the last one `finished`.
+    let args = [
+        "exec",
+        "--json",
+        "--profile",
+        "builtin.shell",
+        "--repo",
+        &repo_path,
+        "--title",
+        "t",
+        "--description",
+        "echo hello-json",
+    ];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+    let events = json_lines(&args, &out);
+    assert!(events.len() >= 3, "{}", describe(&args, &out));
+    let last = events.last().unwrap();
+    let execution = &last["finished"]["execution"];
+    assert!(execution.is_object(), "last line is not finished: {last}");
+    assert_eq!(execution["state"], "EXECUTION_STATE_SUCCEEDED", "{last}");
+    assert!(execution["toolOutput"].as_str().unwrap_or_default().contains("hello-json"), "{last}");
+    assert!(events[0]["accepted"].is_object(), "first line is not accepted: {}", events[0]);
+    for (i, event) in events.iter().enumerate() {
+        assert_eq!(event["sequence"].as_str().and_then(|s| s.parse::<u64>().ok()), Some(i as u64 + 1), "{event}");
+    }
+
+    // SIGTERM: a graceful exit with code 0.
+    let pid = served.child.id().expect("serve is running") as libc::pid_t;
+    // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
+    let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
+    let mut status = None;
+    for _ in 0..300 {
+        if let Some(s) = served.child.try_wait().expect("try_wait") {
+            status = Some(s);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = std::fs::read_to_string(&stderr_log).unwrap_or_default();
+    let status = status.unwrap_or_else(|| panic!("corral serve did not exit within 30 s of SIGTERM; stderr:\n{log}"));
+    assert_eq!(status.code(), Some(0), "corral serve exited with {status:?}; stderr:\n{log}");
+    let rest = served.drain.await.expect("stdout drained");
+    assert!(!rest.contains("panicked"), "{rest}");
+    assert!(!log.contains("panicked"), "{log}");
+
+    // The sandboxes were all destroyed.
+    let leftovers: Vec<_> = std::fs::read_dir(tmp.path().join("data/sandboxes"))
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    assert!(leftovers.is_empty(), "sandboxes left behind: {leftovers:?}");
+}
