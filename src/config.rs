@@ -20,6 +20,8 @@ pub struct Config {
     pub shutdown_grace_seconds: u64,
     /// How many events a watcher may fall behind before it is ended.
     pub watch_buffer: usize,
+    /// Sessions with no turn for this long are reaped (never mid-turn).
+    pub session_idle_seconds: u64,
     /// Repositories an execution may name must be under one of these
     /// (empty: any local repository).
     pub repo_roots: Vec<PathBuf>,
@@ -42,6 +44,7 @@ impl Default for Config {
             profile_dirs: Vec::new(),
             shutdown_grace_seconds: 30,
             watch_buffer: 4096,
+            session_idle_seconds: 900,
             repo_roots: Vec::new(),
             policies: Vec::new(),
             hub: None,
@@ -127,6 +130,9 @@ impl Config {
         self.listen
             .parse::<std::net::SocketAddr>()
             .map_err(|e| invalid("listen", format!("{:?} is not an address: {e}", self.listen)))?;
+        if self.session_idle_seconds == 0 {
+            return Err(invalid("session_idle_seconds", "must be greater than 0".into()));
+        }
         if self.watch_buffer < 16 {
             return Err(invalid("watch_buffer", "must be at least 16".into()));
         }

@@ -12,7 +12,7 @@ use crate::api::{self, ApiParts, ServeError};
 use crate::catalog::{Catalog, CatalogError};
 use crate::config::Config;
 use crate::lifecycle::{Engine, EngineParts};
-use crate::policy::{Gate, HostCapabilities};
+use crate::policy::{compile_all, Gate, HostCapabilities};
 use crate::rein::{CommandRein, Rein};
 use crate::sandbox::Backends;
 use crate::store::{Store, StoreError};
@@ -25,6 +25,8 @@ pub enum StartError {
     Store(#[from] StoreError),
     #[error("profiles: {0}")]
     Catalog(#[from] CatalogError),
+    #[error("config key {0}")]
+    Policies(String),
     #[error(transparent)]
     Serve(#[from] ServeError),
 }
@@ -60,7 +62,8 @@ impl Daemon {
         if let Err(reason) = &host.bwrap {
             tracing::warn!(%reason, "linux_bwrap is unavailable; profiles that need it will be refused");
         }
-        let gate = Arc::new(Gate::new(config.policies.clone(), host));
+        let admin = compile_all(&config.policies, "admin", "policies").map_err(StartError::Policies)?;
+        let gate = Arc::new(Gate::new(admin, host));
         let engine = Engine::new(EngineParts {
             catalog: catalog.clone(),
             gate: gate.clone(),
@@ -71,6 +74,7 @@ impl Daemon {
             bus_capacity: config.watch_buffer,
             hub_configured: config.hub.is_some(),
         });
+        engine.spawn_reaper(Duration::from_secs(config.session_idle_seconds));
         Ok(Daemon { config, engine, catalog, gate })
     }
 

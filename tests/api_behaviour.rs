@@ -380,6 +380,7 @@ async fn catalog_lists_resolves_and_dry_runs_the_gate() {
             actor: "agt".into(),
             project: "proj-a".into(),
             repo: String::new(),
+            policies: vec![],
         })
         .await
         .expect("evaluate gate")

@@ -68,19 +68,26 @@ impl CatalogService for CatalogApi {
         validate::profile_ref("profile_ref", &req.profile_ref)?;
         check_actor(&req.actor).map_err(refused)?;
         let profile = self.catalog.resolve(&req.profile_ref).map_err(refused)?;
+        let session_policies = super::session::session_policies(&req.actor, &req.policies)?;
         let outcome = self.gate.evaluate(&GateInput {
             phase: Phase::AgentStart,
             profile_ref: &profile.reference(),
-            profile_policies: &profile.file.guardrails.policies,
             actor: &req.actor,
             project: &req.project,
             repo: &req.repo,
             sandbox: &profile.file.sandbox,
+            timeout_seconds: profile.file.limits.timeout_seconds,
+            tool: "",
+            arguments: &serde_json::Value::Null,
+            tool_calls: 0,
+            session_policies: &session_policies,
+            profile_policies: &profile.policies,
         });
         Ok(Response::new(pb::EvaluateGateResponse {
             action: convert::action(outcome.action) as i32,
             decisions: outcome.decisions.iter().map(convert::decision).collect(),
             effective_sandbox: Some(convert::sandbox_spec(&outcome.effective_sandbox)),
+            effective_timeout_seconds: outcome.effective_timeout_seconds,
         }))
     }
 }

@@ -3,7 +3,7 @@
 use crate::catalog::{self, Profile, ReadinessState};
 use crate::events::{BusItem, EventKind, RawPart};
 use crate::evidence::{self, FailureStage, HubReportStatus, Outcome, TeardownResult};
-use crate::lifecycle::{ExecutionRecord, ExecutionState, RawResult};
+use crate::lifecycle::{ExecutionRecord, ExecutionState, RawResult, SessionRecord, SessionState};
 use crate::pb;
 use crate::policy::{self, Action};
 use crate::sandbox::{self, SandboxType};
@@ -221,6 +221,32 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
         EventKind::OutputTruncated { stream, bytes_dropped } => {
             Kind::OutputTruncated(pb::OutputTruncated { stream: stream.clone(), bytes_dropped: *bytes_dropped })
         }
+        EventKind::HarnessRestarted { attempt, reason } => {
+            Kind::HarnessRestarted(pb::HarnessRestarted { attempt: *attempt, reason: reason.clone() })
+        }
+        EventKind::TurnFinished { turn, tool, ok, error, tokens_spent } => {
+            let raw = match raw {
+                Some(RawPart::Finished(r)) => Some(r),
+                _ => None,
+            };
+            Kind::TurnFinished(pb::TurnFinished {
+                turn: *turn,
+                tool: tool.clone(),
+                ok: *ok,
+                error: error.clone(),
+                tokens_spent: *tokens_spent,
+                output: raw.map(|r| r.tool_output.clone()).unwrap_or_default(),
+                raw_error: raw.map(|r| r.tool_error.clone()).unwrap_or_default(),
+            })
+        }
+        EventKind::Reaped { idle_seconds } => Kind::Reaped(pb::Reaped { idle_seconds: *idle_seconds }),
+        EventKind::SessionFinished { session: record } => {
+            let raw = match raw {
+                Some(RawPart::Finished(r)) => Some(r),
+                _ => None,
+            };
+            Kind::Finished(pb::Finished { record: Some(pb::finished::Record::Session(session(record, raw))) })
+        }
         EventKind::Teardown { session_cleanup, sandbox_destroy } => Kind::Teardown(pb::Teardown {
             session_cleanup: teardown(*session_cleanup),
             sandbox_destroy: teardown(*sandbox_destroy),
@@ -238,6 +264,31 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
         sequence: e.sequence,
         time: Some(timestamp(e.time_ms)),
         kind: Some(kind),
+    }
+}
+
+pub fn session(r: &SessionRecord, raw: Option<&RawResult>) -> pb::Session {
+    let state = match r.state {
+        SessionState::Starting => pb::SessionState::Starting,
+        SessionState::Active => pb::SessionState::Active,
+        SessionState::Ended => pb::SessionState::Ended,
+        SessionState::Failed => pb::SessionState::Failed,
+        SessionState::Refused => pb::SessionState::Refused,
+        SessionState::Reaped => pb::SessionState::Reaped,
+    };
+    pb::Session {
+        session_id: r.session_id.clone(),
+        profile_ref: r.profile_ref.clone(),
+        consumer: Some(consumer(&r.consumer)),
+        effective_sandbox: r.effective_sandbox.as_ref().map(sandbox_spec),
+        state: state as i32,
+        evidence: Some(evidence(&r.evidence)),
+        turns: r.turns,
+        restarts: r.restarts,
+        repo: r.repo.clone(),
+        created_at: Some(timestamp(r.created_at_ms)),
+        ended_at: r.ended_at_ms.map(timestamp),
+        tool_error: raw.map(|r| r.tool_error.clone()).unwrap_or_default(),
     }
 }
 

@@ -72,6 +72,11 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
     let streams_end = CancellationToken::new();
     let execution =
         ExecutionApi { engine: parts.engine.clone(), repo_roots: parts.repo_roots, shutdown: streams_end.clone() };
+    let sessions = SessionApi {
+        engine: parts.engine.clone(),
+        repo_roots: execution.repo_roots.clone(),
+        shutdown: streams_end.clone(),
+    };
     let catalog = CatalogApi { catalog: parts.catalog, gate: parts.gate };
 
     let engine = parts.engine;
@@ -95,7 +100,7 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         .add_service(reflection_v1alpha)
         .add_service(ExecutionServiceServer::new(execution))
         .add_service(CatalogServiceServer::new(catalog))
-        .add_service(SessionServiceServer::new(SessionApi))
+        .add_service(SessionServiceServer::new(sessions))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drained)
         .await?;
     Ok(())

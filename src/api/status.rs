@@ -42,6 +42,29 @@ impl From<EngineError> for Status {
                 "SEQUENCE_COMPACTED",
                 vec![("oldest_sequence".into(), oldest.to_string())],
             ),
+            EngineError::Refused(_) => with_reason(Code::FailedPrecondition, message, "RESOLUTION_REFUSED", vec![]),
+            EngineError::AgentStartDenied { policy, reason } => with_reason(
+                Code::PermissionDenied,
+                message,
+                "AGENT_START_DENIED",
+                vec![("policy".into(), policy), ("reason".into(), reason)],
+            ),
+            EngineError::StageFailed { stage, raw } => {
+                // The caller of CreateSession is the direct caller: it gets
+                // the raw error in the status message.
+                with_reason(
+                    Code::Internal,
+                    format!("{message}: {raw}"),
+                    "STAGE_FAILED",
+                    vec![("stage".into(), stage.as_str().into())],
+                )
+            }
+            EngineError::FailedPrecondition(_) => {
+                with_reason(Code::FailedPrecondition, message, "FAILED_PRECONDITION", vec![])
+            }
+            EngineError::PermissionDenied(_) => {
+                with_reason(Code::PermissionDenied, message, "PERMISSION_DENIED", vec![])
+            }
             EngineError::Store(e) => {
                 // The store's words may carry paths and SQL: log them, do
                 // not send them.

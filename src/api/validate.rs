@@ -15,7 +15,7 @@ pub const MAX_ID: usize = 128;
 pub const MAX_REF: usize = 200;
 pub const MAX_PATH: usize = 4096;
 
-fn id_like(field: &str, value: &str, max: usize) -> Result<(), Status> {
+pub fn id_like(field: &str, value: &str, max: usize) -> Result<(), Status> {
     if value.len() > max {
         return Err(invalid_argument(field, format!("at most {max} bytes")));
     }

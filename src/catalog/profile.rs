@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::policy::PolicySpec;
+use crate::policy::{compile_all, Policy, PolicySpec};
 use crate::sandbox::SandboxSpec;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -124,10 +124,12 @@ pub struct ProfileFile {
 }
 
 /// A validated profile.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct Profile {
     pub file: ProfileFile,
     pub version: semver::Version,
+    /// `guardrails.policies`, compiled.
+    pub policies: Vec<Policy>,
     /// sha256 of the profile's canonical JSON form.
     pub digest: String,
     /// The file it came from, or `builtin`.
@@ -165,14 +167,10 @@ impl Profile {
                 return Err(format!("sandbox.read_paths: {path:?} must be absolute"));
             }
         }
-        for (i, policy) in file.guardrails.policies.iter().enumerate() {
-            if policy.name.is_empty() {
-                return Err(format!("guardrails.policies[{i}].name: must not be empty"));
-            }
-        }
+        let policies = compile_all(&file.guardrails.policies, "profile", "guardrails.policies")?;
         let canonical = serde_json::to_vec(&file).map_err(|e| format!("cannot encode profile: {e}"))?;
         let digest = format!("sha256:{}", crate::sandbox::hex_digest(&Sha256::digest(&canonical)));
-        Ok(Profile { file, version, digest, source })
+        Ok(Profile { file, version, policies, digest, source })
     }
 
     pub fn id(&self) -> &str {

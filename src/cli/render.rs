@@ -187,6 +187,20 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
             finished_facts(f, &mut facts);
             "finished"
         }
+        Some(Kind::HarnessRestarted(r)) => {
+            facts.add("attempt", r.attempt.to_string()).add("reason", &r.reason);
+            "harness_restarted"
+        }
+        Some(Kind::TurnFinished(t)) => {
+            facts.add("turn", t.turn.to_string()).add("tool", &t.tool).add("ok", t.ok.to_string());
+            facts.add("error", &t.error).add("tokens", t.tokens_spent.to_string());
+            facts.add("output", &t.output).add("raw_error", &t.raw_error);
+            "turn_finished"
+        }
+        Some(Kind::Reaped(r)) => {
+            facts.add("idle_seconds", r.idle_seconds.to_string());
+            "reaped"
+        }
     };
     let time = match &event.time {
         Some(ts) => timestamp(ts),
@@ -200,6 +214,12 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
     line
 }
 
+fn session_state(value: i32) -> String {
+    pb::SessionState::try_from(value)
+        .map(|s| s.as_str_name().trim_start_matches("SESSION_STATE_").to_ascii_lowercase())
+        .unwrap_or_else(|_| value.to_string())
+}
+
 fn finished_facts(finished: &pb::Finished, facts: &mut Facts) {
     use pb::finished::Record;
     let evidence = match &finished.record {
@@ -208,7 +228,7 @@ fn finished_facts(finished: &pb::Finished, facts: &mut Facts) {
             e.evidence.as_ref()
         }
         Some(Record::Session(s)) => {
-            facts.add("session", &s.session_id).add("state", &s.state);
+            facts.add("session", &s.session_id).add("state", session_state(s.state));
             s.evidence.as_ref()
         }
         None => None,

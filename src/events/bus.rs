@@ -13,7 +13,7 @@ use crate::lifecycle::RawResult;
 pub enum RawPart {
     /// The harness's own words on a progress line.
     ProgressMessage(String),
-    /// The raw tool output and error of the finished execution.
+    /// The raw tool output and error of a finished execution or turn.
     Finished(RawResult),
 }
 

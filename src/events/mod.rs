@@ -15,7 +15,7 @@ pub use recorder::Recorder;
 
 use crate::catalog::Readiness;
 use crate::evidence::TeardownResult;
-use crate::lifecycle::ExecutionRecord;
+use crate::lifecycle::{ExecutionRecord, SessionRecord};
 use crate::policy::{Action, PolicyDecision};
 use crate::sandbox::{Consumer, EnforcementReceipt, SandboxSpec, SandboxType};
 
@@ -67,12 +67,32 @@ pub enum EventKind {
         stream: String,
         bytes_dropped: u64,
     },
+    /// A dead harness was started again, after the agent_start gate.
+    HarnessRestarted {
+        attempt: u64,
+        reason: String,
+    },
+    /// A session's turn ended; its raw output rides as a [`RawPart`].
+    TurnFinished {
+        turn: u64,
+        tool: String,
+        ok: bool,
+        error: String,
+        tokens_spent: u64,
+    },
+    /// An idle session was ended by the reaper.
+    Reaped {
+        idle_seconds: u64,
+    },
     Teardown {
         session_cleanup: TeardownResult,
         sandbox_destroy: TeardownResult,
     },
     Finished {
         execution: Box<ExecutionRecord>,
+    },
+    SessionFinished {
+        session: Box<SessionRecord>,
     },
 }
 
@@ -86,12 +106,15 @@ impl EventKind {
             EventKind::Dispatched { .. } => "dispatched",
             EventKind::Progress { .. } => "progress",
             EventKind::OutputTruncated { .. } => "output_truncated",
+            EventKind::HarnessRestarted { .. } => "harness_restarted",
+            EventKind::TurnFinished { .. } => "turn_finished",
+            EventKind::Reaped { .. } => "reaped",
             EventKind::Teardown { .. } => "teardown",
-            EventKind::Finished { .. } => "finished",
+            EventKind::Finished { .. } | EventKind::SessionFinished { .. } => "finished",
         }
     }
 
     pub fn is_finished(&self) -> bool {
-        matches!(self, EventKind::Finished { .. })
+        matches!(self, EventKind::Finished { .. } | EventKind::SessionFinished { .. })
     }
 }

@@ -19,6 +19,10 @@ impl Recorder {
         Recorder { subject, next: after + 1, store, bus }
     }
 
+    pub fn subject(&self) -> &str {
+        &self.subject
+    }
+
     pub fn last_sequence(&self) -> u64 {
         self.next - 1
     }

@@ -2,8 +2,10 @@
 //! supervised task (a client that disconnects does not stop it), and tears
 //! down whatever it created, whatever failed.
 
+mod core;
 mod execution;
 mod record;
+mod session;
 mod watch;
 
 use std::collections::HashMap;
@@ -15,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use record::{now_ms, ExecuteCommand, ExecutionRecord, ExecutionState, RawResult};
+pub use session::{CreateSessionCommand, EndReason, SessionRecord, SessionState};
 pub use watch::{Lagged, Subscription};
 
 use crate::catalog::Catalog;
@@ -35,6 +38,18 @@ pub enum EngineError {
     Unavailable(String),
     #[error("sequence {requested} is older than retention; oldest available is {oldest}")]
     OutOfRange { requested: u64, oldest: u64 },
+    /// Resolution refused a session (rule 1); the reason is the daemon's.
+    #[error("{0}")]
+    Refused(String),
+    #[error("agent_start denied by policy {policy}: {reason}")]
+    AgentStartDenied { policy: String, reason: String },
+    /// A session could not be opened; `raw` is for the direct caller.
+    #[error("{}", stage.fixed_error())]
+    StageFailed { stage: crate::evidence::FailureStage, raw: String },
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    PermissionDenied(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -60,6 +75,7 @@ pub struct Engine {
     epoch: String,
     hub_configured: bool,
     running: Mutex<HashMap<String, CancellationToken>>,
+    sessions: Mutex<HashMap<String, Arc<session::LiveSession>>>,
     tasks: TaskTracker,
     draining: CancellationToken,
 }
@@ -88,6 +104,7 @@ impl Engine {
             epoch: uuid::Uuid::now_v7().to_string(),
             hub_configured: parts.hub_configured,
             running: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
             draining: CancellationToken::new(),
         })
@@ -186,14 +203,19 @@ impl Engine {
         Ok(record)
     }
 
-    /// Replays stored events after `after`, then follows live ones.
+    /// Replays stored events of an execution or a session after `after`,
+    /// then follows live ones.
     pub async fn watch(&self, execution_id: &str, after: u64) -> Result<Subscription, EngineError> {
         // Subscribe before reading the store: an event is stored before it
         // is published, so every event is in one or the other.
         let live = self.bus.subscribe(execution_id);
         let replay = self.store.events_after(execution_id, after).await?;
-        if replay.is_empty() && live.is_none() && self.store.get_execution(execution_id).await?.is_none() {
-            return Err(EngineError::NotFound(format!("execution {execution_id}")));
+        if replay.is_empty()
+            && live.is_none()
+            && self.store.get_execution(execution_id).await?.is_none()
+            && self.store.get_session(execution_id).await?.is_none()
+        {
+            return Err(EngineError::NotFound(execution_id.to_string()));
         }
         Ok(Subscription::replay_then_live(replay, live, after))
     }
@@ -208,6 +230,7 @@ impl Engine {
             self.tasks.wait().await;
         }
         self.draining.cancel();
+        self.end_all_sessions().await;
         self.store.close().await;
     }
 

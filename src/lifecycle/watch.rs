@@ -22,16 +22,24 @@ pub struct Subscription {
     done: bool,
     /// Whether raw parts (the direct caller's) are passed on.
     with_raw: bool,
+    /// A turn's stream ends with that turn's `turn_finished`.
+    until_turn: Option<u64>,
 }
 
 impl Subscription {
     /// The direct caller's stream: live from the first event, with raw parts.
     pub fn live(rx: broadcast::Receiver<BusItem>, with_raw: bool) -> Self {
-        Subscription { replay: VecDeque::new(), live: Some(rx), last: 0, done: false, with_raw }
+        Subscription { replay: VecDeque::new(), live: Some(rx), last: 0, done: false, with_raw, until_turn: None }
     }
 
     pub fn replay_then_live(replay: Vec<Event>, live: Option<broadcast::Receiver<BusItem>>, after: u64) -> Self {
-        Subscription { replay: replay.into(), live, last: after, done: false, with_raw: false }
+        Subscription { replay: replay.into(), live, last: after, done: false, with_raw: false, until_turn: None }
+    }
+
+    /// Ends the stream after the `turn_finished` of `turn`.
+    pub fn until_turn(mut self, turn: u64) -> Self {
+        self.until_turn = Some(turn);
+        self
     }
 
     pub fn last_sequence(&self) -> u64 {
@@ -71,7 +79,11 @@ impl Subscription {
 
     fn deliver(&mut self, item: BusItem) -> BusItem {
         self.last = item.event.sequence;
-        if item.event.kind.is_finished() {
+        let turn_done = matches!(
+            (&item.event.kind, self.until_turn),
+            (crate::events::EventKind::TurnFinished { turn, .. }, Some(until)) if *turn == until
+        );
+        if item.event.kind.is_finished() || turn_done {
             self.done = true;
         }
         item

@@ -2,11 +2,22 @@
 //! (`agent_start`) or a tool call may run (`tool_call`), and which sandbox
 //! it gets.
 //!
-//! This is the hook the execution path calls. It enforces what the host
-//! can and cannot isolate and fails closed on any policy it cannot
-//! evaluate; the built-in policy kinds land with the gate issue.
+//! Policies come from the session (set by an `adm` caller), the profile's
+//! `guardrails.policies` and the daemon's admin config, evaluated in that
+//! order. A deny stops evaluation. Sandbox overrides chain: each policy sees
+//! the sandbox as the previous one left it, and they can only tighten it.
+//! Last, the host must be able to enforce the result. Anything that cannot
+//! be evaluated denies.
+
+mod expr;
+mod kinds;
+mod tighten;
 
 use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+pub use kinds::{compile_all, EnforceSandbox, Kind, Policy, KNOWN_KINDS};
+pub use tighten::tighten;
 
 use crate::sandbox::{SandboxSpec, SandboxType};
 
@@ -42,13 +53,35 @@ pub struct PolicySpec {
     pub name: String,
     pub kind: String,
     #[serde(default = "empty_object")]
-    pub arguments: serde_json::Value,
+    pub arguments: Value,
+    /// `agent_start`, `tool_call` or `tool_call:<tool>`; empty = every phase
+    /// the kind applies to.
     #[serde(default)]
     pub on: Vec<String>,
 }
 
-fn empty_object() -> serde_json::Value {
-    serde_json::Value::Object(Default::default())
+fn empty_object() -> Value {
+    Value::Object(Default::default())
+}
+
+/// Where a policy applies: a phase, optionally narrowed to one tool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selector {
+    pub phase: Phase,
+    pub tool: Option<String>,
+}
+
+impl Selector {
+    pub fn parse(text: &str) -> Result<Selector, String> {
+        match text.split_once(':') {
+            None if text == "agent_start" => Ok(Selector { phase: Phase::AgentStart, tool: None }),
+            None if text == "tool_call" => Ok(Selector { phase: Phase::ToolCall, tool: None }),
+            Some(("tool_call", tool)) if !tool.is_empty() => {
+                Ok(Selector { phase: Phase::ToolCall, tool: Some(tool.to_string()) })
+            }
+            _ => Err(format!("on: {text:?} is not agent_start, tool_call or tool_call:<tool>")),
+        }
+    }
 }
 
 /// One policy's verdict. `source` is session, profile, admin or builtin.
@@ -66,21 +99,31 @@ pub struct PolicyDecision {
 pub struct GateInput<'a> {
     pub phase: Phase,
     pub profile_ref: &'a str,
-    pub profile_policies: &'a [PolicySpec],
     pub actor: &'a str,
     pub project: &'a str,
     pub repo: &'a str,
+    /// The sandbox so far: the profile's at agent_start, the effective one
+    /// at tool_call.
     pub sandbox: &'a SandboxSpec,
+    pub timeout_seconds: u64,
+    /// The tool call at `tool_call`.
+    pub tool: &'a str,
+    pub arguments: &'a Value,
+    /// Tool calls already allowed in this session.
+    pub tool_calls: u64,
+    pub session_policies: &'a [Policy],
+    pub profile_policies: &'a [Policy],
 }
 
-/// The gate's decision: allow or deny, every policy's verdict, and the
-/// sandbox as the policies left it.
+/// The gate's decision: allow or deny, every evaluated policy's verdict, and
+/// the sandbox and timeout as the policies left them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GateOutcome {
     pub phase: Phase,
     pub action: Action,
     pub decisions: Vec<PolicyDecision>,
     pub effective_sandbox: SandboxSpec,
+    pub effective_timeout_seconds: u64,
 }
 
 impl GateOutcome {
@@ -98,120 +141,156 @@ pub struct HostCapabilities {
 }
 
 pub struct Gate {
-    admin_policies: Vec<PolicySpec>,
+    admin_policies: Vec<Policy>,
     host: HostCapabilities,
 }
 
+impl Policy {
+    /// Whether this policy has anything to say at `phase` for `tool`.
+    fn applies(&self, phase: Phase, tool: &str) -> bool {
+        let kind_phases: &[Phase] = match self.kind {
+            Kind::EnforceSandbox(_) | Kind::DenyNetwork | Kind::MaxTimeout { .. } => &[Phase::AgentStart],
+            Kind::MaxToolCalls { .. } => &[Phase::ToolCall],
+            Kind::AllowedActors { .. } | Kind::AllowedRepos { .. } | Kind::Expr(_) => {
+                &[Phase::AgentStart, Phase::ToolCall]
+            }
+        };
+        if !kind_phases.contains(&phase) {
+            return false;
+        }
+        self.on.is_empty() || self.on.iter().any(|s| s.phase == phase && s.tool.as_deref().is_none_or(|t| t == tool))
+    }
+}
+
 impl Gate {
-    pub fn new(admin_policies: Vec<PolicySpec>, host: HostCapabilities) -> Self {
+    pub fn new(admin_policies: Vec<Policy>, host: HostCapabilities) -> Self {
         Gate { admin_policies, host }
     }
 
     pub fn evaluate(&self, input: &GateInput<'_>) -> GateOutcome {
-        let mut decisions = Vec::new();
-        let effective = input.sandbox.clone();
-        let sources = [("profile", input.profile_policies), ("admin", self.admin_policies.as_slice())];
-        for (source, policies) in sources {
-            for policy in policies.iter().filter(|p| applies(p, input.phase)) {
-                // Fail closed: a policy this daemon cannot evaluate denies.
-                decisions.push(PolicyDecision {
-                    policy: policy.name.clone(),
-                    source: source.into(),
-                    action: Action::Deny,
-                    reason: format!("policy kind {:?} is not supported by this daemon", policy.kind),
-                });
-                return GateOutcome {
-                    phase: input.phase,
-                    action: Action::Deny,
-                    decisions,
-                    effective_sandbox: effective,
-                };
+        let mut outcome = GateOutcome {
+            phase: input.phase,
+            action: Action::Allow,
+            decisions: Vec::new(),
+            effective_sandbox: input.sandbox.clone(),
+            effective_timeout_seconds: input.timeout_seconds,
+        };
+        let policies = input.session_policies.iter().chain(input.profile_policies).chain(&self.admin_policies);
+        for policy in policies.filter(|p| p.applies(input.phase, input.tool)) {
+            let (action, reason) = decide(policy, input, &mut outcome);
+            outcome.decisions.push(PolicyDecision {
+                policy: policy.name.clone(),
+                source: policy.source.into(),
+                action,
+                reason,
+            });
+            if action == Action::Deny {
+                outcome.action = Action::Deny;
+                return outcome;
             }
         }
-        let host = self.enforceable(&effective);
-        let action = host.action;
-        decisions.push(host);
-        GateOutcome { phase: input.phase, action, decisions, effective_sandbox: effective }
+        if input.phase == Phase::AgentStart {
+            let host = self.enforceable(&outcome.effective_sandbox);
+            outcome.action = host.action;
+            outcome.decisions.push(host);
+        }
+        outcome
     }
 
-    /// The last word: the host must be able to enforce the effective
-    /// sandbox, or the run is refused with the reason.
+    /// The last word at agent_start: the host must be able to enforce the
+    /// effective sandbox, or the run is refused with the reason.
     fn enforceable(&self, sandbox: &SandboxSpec) -> PolicyDecision {
-        let deny = |reason: String| PolicyDecision {
+        let verdict = |action, reason: String| PolicyDecision {
             policy: "host_enforceability".into(),
             source: "builtin".into(),
-            action: Action::Deny,
+            action,
             reason,
         };
         match sandbox.sandbox_type {
             SandboxType::LinuxBwrap => {
                 if let Err(reason) = &self.host.bwrap {
-                    return deny(format!("linux_bwrap cannot be enforced on this host: {reason}"));
+                    return verdict(Action::Deny, format!("linux_bwrap cannot be enforced on this host: {reason}"));
                 }
             }
             SandboxType::None => {
                 if !sandbox.allow_network {
-                    return deny(
+                    return verdict(
+                        Action::Deny,
                         "sandbox type none cannot isolate the network; use linux_bwrap or allow_network".into(),
                     );
                 }
                 if !sandbox.read_paths.is_empty() {
-                    return deny("sandbox type none cannot restrict reads to read_paths; use linux_bwrap".into());
+                    return verdict(Action::Deny, "sandbox type none cannot restrict reads; use linux_bwrap".into());
                 }
             }
         }
-        PolicyDecision {
-            policy: "host_enforceability".into(),
-            source: "builtin".into(),
-            action: Action::Allow,
-            reason: format!("{} can be enforced", sandbox.sandbox_type.as_str()),
-        }
+        verdict(Action::Allow, format!("{} can be enforced", sandbox.sandbox_type.as_str()))
     }
 }
 
-fn applies(policy: &PolicySpec, phase: Phase) -> bool {
-    policy.on.is_empty() || policy.on.iter().any(|on| on.split(':').next() == Some(phase.as_str()))
+/// The gate input as CEL sees it.
+fn expr_input(input: &GateInput<'_>, sandbox: &SandboxSpec) -> Value {
+    json!({
+        "phase": input.phase.as_str(),
+        "profile": input.profile_ref,
+        "actor": input.actor,
+        "project": input.project,
+        "repo": input.repo,
+        "sandbox": {
+            "type": sandbox.sandbox_type.as_str(),
+            "allow_network": sandbox.allow_network,
+            "write_paths": sandbox.write_paths,
+            "read_paths": sandbox.read_paths,
+            "env_passthrough": sandbox.env_passthrough,
+        },
+        "tool": input.tool,
+        "arguments": input.arguments,
+        "tool_calls": input.tool_calls,
+    })
+}
+
+fn decide(policy: &Policy, input: &GateInput<'_>, outcome: &mut GateOutcome) -> (Action, String) {
+    match &policy.kind {
+        Kind::EnforceSandbox(enforce) => (Action::Allow, tighten(&mut outcome.effective_sandbox, enforce)),
+        Kind::DenyNetwork => {
+            outcome.effective_sandbox.allow_network = false;
+            (Action::Allow, "network off".into())
+        }
+        Kind::MaxTimeout { seconds } => {
+            outcome.effective_timeout_seconds = outcome.effective_timeout_seconds.min(*seconds);
+            (Action::Allow, format!("timeout at most {seconds}s"))
+        }
+        Kind::AllowedActors { types } => {
+            if types.iter().any(|t| t == input.actor) {
+                (Action::Allow, format!("actor {} is allowed", input.actor))
+            } else {
+                (Action::Deny, format!("actor {:?} is not one of {}", input.actor, types.join(", ")))
+            }
+        }
+        Kind::AllowedRepos { prefixes } => {
+            let path = std::path::Path::new(input.repo);
+            if input.repo.is_empty() {
+                (Action::Allow, "no repository".into())
+            } else if prefixes.iter().any(|p| path.starts_with(p)) {
+                (Action::Allow, "repository is under an allowed prefix".into())
+            } else {
+                (Action::Deny, "repository is outside the allowed prefixes".into())
+            }
+        }
+        Kind::MaxToolCalls { limit } => {
+            if input.tool_calls < *limit {
+                (Action::Allow, format!("tool call {} of at most {limit}", input.tool_calls + 1))
+            } else {
+                (Action::Deny, format!("tool call limit {limit} reached"))
+            }
+        }
+        Kind::Expr(expr) => match expr.evaluate(&expr_input(input, &outcome.effective_sandbox)) {
+            Ok(true) => (Action::Allow, "expression holds".into()),
+            Ok(false) => (Action::Deny, expr.reason.clone()),
+            Err(why) => (Action::Deny, format!("{why} (fail closed)")),
+        },
+    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn input<'a>(sandbox: &'a SandboxSpec, policies: &'a [PolicySpec]) -> GateInput<'a> {
-        GateInput {
-            phase: Phase::AgentStart,
-            profile_ref: "p@1.0.0",
-            profile_policies: policies,
-            actor: "agt",
-            project: "",
-            repo: "",
-            sandbox,
-        }
-    }
-
-    #[test]
-    fn none_without_network_is_not_enforceable() {
-        let gate = Gate::new(vec![], HostCapabilities { bwrap: Ok(()) });
-        let spec = SandboxSpec { sandbox_type: SandboxType::None, ..SandboxSpec::default() };
-        let outcome = gate.evaluate(&input(&spec, &[]));
-        assert_eq!(outcome.action, Action::Deny);
-        assert!(outcome.denial().unwrap().reason.contains("cannot isolate the network"));
-    }
-
-    #[test]
-    fn missing_bwrap_refuses_with_the_reason() {
-        let gate = Gate::new(vec![], HostCapabilities { bwrap: Err("bwrap not found on PATH".into()) });
-        let outcome = gate.evaluate(&input(&SandboxSpec::default(), &[]));
-        assert_eq!(outcome.action, Action::Deny);
-        assert!(outcome.denial().unwrap().reason.contains("bwrap not found"));
-    }
-
-    #[test]
-    fn unknown_policy_kind_denies() {
-        let gate = Gate::new(vec![], HostCapabilities { bwrap: Ok(()) });
-        let policy = PolicySpec { name: "p".into(), kind: "mystery".into(), arguments: empty_object(), on: vec![] };
-        let outcome = gate.evaluate(&input(&SandboxSpec::default(), std::slice::from_ref(&policy)));
-        assert_eq!(outcome.action, Action::Deny);
-        assert_eq!(outcome.denial().unwrap().policy, "p");
-    }
-}
+mod tests;

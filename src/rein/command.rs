@@ -1,18 +1,25 @@
 //! The `command` rein: runs the profile's argv inside the sandbox, writes
-//! the task to stdin (never argv), and reads the JSON-lines protocol (or a
+//! each task to stdin (never argv), and reads the JSON-lines protocol (or a
 //! preset's format) from stdout.
+//!
+//! With `input = "task_json"` the harness is a session: one task line per
+//! turn, answered by one `result` line, stdin kept open for the next turn
+//! and for `policy_verdict` answers. The other input modes are one-shot:
+//! the input is written, stdin closed, and the harness runs to its exit.
 
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use async_trait::async_trait;
+use serde_json::json;
 use tokio::io::AsyncWriteExt;
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+use tokio::process::{ChildStdin, ChildStdout};
 
 use super::lines::{CappedBuffer, LineReader};
 use super::protocol::{parse_line, Line, ParserState};
-use super::{HarnessEvent, HarnessSession, Rein, ReinError, StartContext, ToolCall, ToolResult};
+use super::{Dispatch, HarnessEvent, HarnessSession, Rein, ReinError, StartContext, ToolCall, ToolResult};
 use crate::catalog::{Preset, TaskInput};
+use crate::policy::Action;
 use crate::sandbox::{ExecSpec, SandboxProcess};
 
 /// How long a harness gets between SIGTERM and SIGKILL.
@@ -31,37 +38,57 @@ impl Rein for CommandRein {
 
     async fn start_session(&self, ctx: StartContext) -> Result<Box<dyn HarnessSession>, ReinError> {
         let profile = &ctx.profile.file;
-        let timeout = Duration::from_secs(profile.limits.timeout_seconds);
         let spec = ExecSpec {
             argv: profile.rein.argv.clone(),
             env: Vec::new(),
             consumer: ctx.consumer.clone(),
             credential_route_refs: profile.credential_route_refs.clone(),
-            timeout,
+            timeout: ctx.timeout,
         };
-        let process = ctx.backend.spawn(&ctx.sandbox, &spec).await.map_err(|e| ReinError::Start(e.to_string()))?;
+        let mut process = ctx.backend.spawn(&ctx.sandbox, &spec).await.map_err(|e| ReinError::Start(e.to_string()))?;
+        let max_output = profile.limits.max_output_bytes as usize;
+        let stderr = Arc::new(Mutex::new(CappedBuffer::new(max_output)));
+        if let Some(pipe) = process.stderr.take() {
+            // Drained for the harness's whole life, so it never blocks on a
+            // full stderr pipe between turns.
+            let sink = stderr.clone();
+            tokio::spawn(async move {
+                let mut reader = LineReader::new(pipe);
+                while let Ok(Some((line, dropped))) = reader.next_line().await {
+                    sink.lock().unwrap_or_else(|e| e.into_inner()).push_line(&line, dropped);
+                }
+            });
+        }
         Ok(Box::new(CommandSession {
+            stdin: process.stdin.take(),
+            stdout: process.stdout.take().map(LineReader::new),
             process,
-            deadline: Instant::now() + timeout,
-            timeout,
+            stderr,
+            timeout: ctx.timeout,
             input: profile.rein.input,
             preset: profile.rein.preset,
-            max_output: profile.limits.max_output_bytes as usize,
+            max_output,
+            parser: ParserState::default(),
+            turns: 0,
         }))
     }
 }
 
 struct CommandSession {
     process: SandboxProcess,
-    deadline: Instant,
+    stdin: Option<ChildStdin>,
+    stdout: Option<LineReader<ChildStdout>>,
+    stderr: Arc<Mutex<CappedBuffer>>,
     timeout: Duration,
     input: TaskInput,
     preset: Preset,
     max_output: usize,
+    parser: ParserState,
+    turns: u64,
 }
 
 impl CommandSession {
-    fn stdin_bytes(&self, call: &ToolCall) -> Vec<u8> {
+    fn input_bytes(&self, call: &ToolCall) -> Vec<u8> {
         match self.input {
             TaskInput::TaskJson => {
                 let mut bytes = serde_json::to_vec(&call.task).unwrap_or_default();
@@ -74,112 +101,152 @@ impl CommandSession {
         }
     }
 
-    /// Reads stdout and stderr to their ends and waits for the exit.
-    async fn run(&mut self, call: ToolCall, events: &mpsc::Sender<HarnessEvent>) -> Result<ToolResult, ReinError> {
-        let input = self.stdin_bytes(&call);
-        let stdin = self.process.stdin.take();
-        // Written concurrently with reading: a harness that prints before
-        // it reads must not deadlock against a full pipe.
-        let writer = tokio::spawn(async move {
-            if let Some(mut stdin) = stdin {
-                // A harness that exits without reading is not an error here;
-                // its exit status tells.
-                let _ = stdin.write_all(&input).await;
-                let _ = stdin.shutdown().await;
-            }
-        });
-        let stdout = self.process.stdout.take().ok_or_else(|| ReinError::Dispatch("stdout already taken".into()))?;
-        let stderr = self.process.stderr.take();
-        let max_output = self.max_output;
-        let stderr_task = tokio::spawn(async move {
-            let mut buf = CappedBuffer::new(max_output);
-            if let Some(stderr) = stderr {
-                let mut reader = LineReader::new(stderr);
-                while let Ok(Some((line, dropped))) = reader.next_line().await {
-                    buf.push_line(&line, dropped);
-                }
-            }
-            buf
-        });
+    fn take_stderr(&self) -> CappedBuffer {
+        let mut buf = self.stderr.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::replace(&mut *buf, CappedBuffer::new(self.max_output))
+    }
 
-        let mut reader = LineReader::new(stdout);
+    async fn write_stdin(&mut self, bytes: &[u8]) -> Result<(), String> {
+        let stdin = self.stdin.as_mut().ok_or("stdin is closed")?;
+        stdin.write_all(bytes).await.map_err(|e| e.to_string())?;
+        stdin.flush().await.map_err(|e| e.to_string())
+    }
+
+    /// One turn: write the input, read until a `result` line (or the end of
+    /// stdout), answering policy requests on the way.
+    async fn turn(&mut self, call: ToolCall, dispatch: &Dispatch) -> Result<ToolResult, ReinError> {
+        self.turns += 1;
+        let one_shot = self.input != TaskInput::TaskJson;
+        if one_shot && self.turns > 1 {
+            return Err(ReinError::Dispatch(format!("input mode {:?} takes a single turn", self.input)));
+        }
+        let input = self.input_bytes(&call);
+        if one_shot {
+            // Written concurrently with reading: a harness that prints
+            // before it has read all its input must not deadlock.
+            if let Some(mut stdin) = self.stdin.take() {
+                tokio::spawn(async move {
+                    // A harness that exits without reading is judged by its
+                    // exit status, not by this write.
+                    let _ = stdin.write_all(&input).await;
+                    let _ = stdin.shutdown().await;
+                });
+            }
+        } else if let Err(e) = self.write_stdin(&input).await {
+            return Err(ReinError::Exited(format!("cannot write the task: {e}")));
+        }
+
         let mut plain = CappedBuffer::new(self.max_output);
-        let mut state = ParserState::default();
-        let mut result: Option<ToolResult> = None;
-        while let Some((line, dropped)) =
-            reader.next_line().await.map_err(|e| ReinError::Dispatch(format!("reading stdout: {e}")))?
-        {
-            match parse_line(self.preset, &line, &mut state) {
+        let mut result = None;
+        loop {
+            let Some(reader) = self.stdout.as_mut() else { break };
+            let line = reader.next_line().await.map_err(|e| ReinError::Dispatch(format!("reading stdout: {e}")))?;
+            let Some((line, dropped)) = line else {
+                self.stdout = None;
+                break;
+            };
+            match parse_line(self.preset, &line, &mut self.parser) {
                 Line::Plain => plain.push_line(&line, dropped),
                 Line::Event(event) => {
                     // The lifecycle is gone only if it is shutting down.
-                    let _ = events.send(event).await;
+                    let _ = dispatch.events.send(event).await;
                 }
-                Line::Result(r) => result = Some(r),
+                Line::PolicyRequest { id, tool, arguments } => {
+                    let outcome = dispatch.gate.check(&tool, &arguments);
+                    let (action, reason) = match outcome.denial() {
+                        Some(denial) => ("deny", format!("{}: {}", denial.policy, denial.reason)),
+                        None if outcome.action == Action::Allow => ("allow", "allowed".to_string()),
+                        None => ("deny", "denied".to_string()),
+                    };
+                    let _ = dispatch.events.send(HarnessEvent::Gated(outcome)).await;
+                    let verdict = json!({"type": "policy_verdict", "id": id, "action": action, "reason": reason});
+                    let mut bytes = verdict.to_string().into_bytes();
+                    bytes.push(b'\n');
+                    if let Err(e) = self.write_stdin(&bytes).await {
+                        tracing::debug!(error = %e, "policy verdict not delivered");
+                    }
+                }
+                Line::Result(r) => {
+                    result = Some(r);
+                    if !one_shot {
+                        break;
+                    }
+                }
                 Line::Ignored => {}
             }
         }
-        let stderr = stderr_task.await.unwrap_or_default();
-        let _ = writer.await;
-        let status = self.process.wait().await.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?;
+        let stderr = self.take_stderr();
         for (stream, dropped) in [("stdout", plain.dropped), ("stderr", stderr.dropped)] {
             if dropped > 0 {
-                let _ = events.send(HarnessEvent::OutputTruncated { stream, bytes_dropped: dropped }).await;
+                let _ = dispatch.events.send(HarnessEvent::OutputTruncated { stream, bytes_dropped: dropped }).await;
             }
         }
-        let mut result = match result {
-            Some(mut r) => {
+        let exit = if self.stdout.is_none() {
+            Some(self.process.wait().await.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?)
+        } else {
+            None
+        };
+        let mut result = match (result, exit) {
+            (Some(mut r), _) => {
                 if r.output.is_empty() {
                     r.output = plain.text;
                 }
                 r
             }
-            None => ToolResult {
-                ok: status.success(),
+            // A session harness that stops before answering has died.
+            (None, Some(status)) if !one_shot && self.turns > 0 && !status.success() => {
+                return Err(ReinError::Exited(describe_exit(status, &stderr.text)));
+            }
+            (None, status) => ToolResult {
+                ok: status.is_some_and(|s| s.success()),
                 output: plain.text,
-                tokens_spent: state.tokens,
-                resolved_model: state.model,
+                tokens_spent: self.parser.tokens,
+                resolved_model: self.parser.model.clone(),
                 ..ToolResult::default()
             },
         };
         if !result.ok && result.error.is_empty() {
-            result.error = match status.code() {
-                Some(code) => format!("harness exited with status {code}"),
-                None => "harness was killed by a signal".to_string(),
+            result.error = match exit {
+                Some(status) => describe_exit(status, &stderr.text),
+                None => "harness reported failure".into(),
             };
-            if !stderr.text.is_empty() {
-                result.error.push_str(": ");
-                result.error.push_str(stderr.text.trim_end());
-            }
         }
         Ok(result)
     }
 }
 
+fn describe_exit(status: std::process::ExitStatus, stderr: &str) -> String {
+    let mut text = match status.code() {
+        Some(code) => format!("harness exited with status {code}"),
+        None => "harness was killed by a signal".to_string(),
+    };
+    if !stderr.trim().is_empty() {
+        text.push_str(": ");
+        text.push_str(stderr.trim_end());
+    }
+    text
+}
+
 #[async_trait]
 impl HarnessSession for CommandSession {
-    async fn dispatch_tool(
-        &mut self,
-        call: ToolCall,
-        events: mpsc::Sender<HarnessEvent>,
-        cancel: CancellationToken,
-    ) -> Result<ToolResult, ReinError> {
+    async fn dispatch_tool(&mut self, call: ToolCall, dispatch: Dispatch) -> Result<ToolResult, ReinError> {
         enum Stop {
             Done(Result<ToolResult, ReinError>),
             TimedOut,
             Cancelled,
         }
-        let deadline = tokio::time::Instant::from_std(self.deadline);
+        let cancel = dispatch.cancel.clone();
+        let timeout = self.timeout;
         let stop = tokio::select! {
-            result = self.run(call, &events) => Stop::Done(result),
-            _ = tokio::time::sleep_until(deadline) => Stop::TimedOut,
+            result = self.turn(call, &dispatch) => Stop::Done(result),
+            _ = tokio::time::sleep(timeout) => Stop::TimedOut,
             _ = cancel.cancelled() => Stop::Cancelled,
         };
         match stop {
             Stop::Done(result) => result,
             Stop::TimedOut => {
                 let _ = self.process.terminate(KILL_GRACE).await;
-                Err(ReinError::TimedOut(self.timeout))
+                Err(ReinError::TimedOut(timeout))
             }
             Stop::Cancelled => {
                 let _ = self.process.terminate(KILL_GRACE).await;
@@ -188,13 +255,15 @@ impl HarnessSession for CommandSession {
         }
     }
 
-    /// A one-shot harness has ended when its process has: close its stdin
-    /// (a harness still waiting for input sees EOF) and give it a short
-    /// grace, within what is left of its timeout.
+    fn is_alive(&mut self) -> bool {
+        !self.process.has_exited()
+    }
+
+    /// Closes stdin (a harness waiting for its next task sees EOF) and gives
+    /// it a short grace to exit.
     async fn end_session(&mut self) -> Result<(), ReinError> {
-        drop(self.process.stdin.take());
-        let deadline = tokio::time::Instant::from_std(self.deadline.min(Instant::now() + END_GRACE));
-        match tokio::time::timeout_at(deadline, self.process.wait()).await {
+        drop(self.stdin.take());
+        match tokio::time::timeout(END_GRACE, self.process.wait()).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(ReinError::End(format!("wait: {e}"))),
             Err(_) => Err(ReinError::End(format!("harness did not exit within {END_GRACE:?} of its end"))),

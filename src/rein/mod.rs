@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 pub use command::CommandRein;
 
 use crate::catalog::Profile;
+use crate::policy::GateOutcome;
 use crate::sandbox::{Consumer, Sandbox, SandboxBackend};
 
 /// Everything a rein needs to start a harness.
@@ -28,14 +29,20 @@ pub struct StartContext {
     pub sandbox: Sandbox,
     pub profile: Arc<Profile>,
     pub consumer: Consumer,
+    /// Per dispatch: the profile's timeout as the gate left it.
+    pub timeout: Duration,
 }
 
-/// The task as the harness receives it (one JSON object on stdin).
+/// The task as the harness receives it: one JSON line on stdin.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Task {
     #[serde(rename = "type")]
     pub kind: &'static str,
+    /// `run_task` for executions; the turn's tool in a session.
+    pub tool: String,
+    pub arguments: serde_json::Value,
     pub execution_id: String,
+    pub session_id: String,
     pub title: String,
     pub description: String,
     /// Where the workspace is, as the harness sees it.
@@ -44,17 +51,39 @@ pub struct Task {
 
 #[derive(Clone, Debug)]
 pub struct ToolCall {
-    /// `run_task` for executions.
     pub tool: String,
     pub task: Task,
 }
 
 /// What the harness reported while it worked.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum HarnessEvent {
-    Progress { message: String, tokens_so_far: u64 },
-    ToolUse { tool: String, tokens_so_far: u64 },
-    OutputTruncated { stream: &'static str, bytes_dropped: u64 },
+    Progress {
+        message: String,
+        tokens_so_far: u64,
+    },
+    ToolUse {
+        tool: String,
+        tokens_so_far: u64,
+    },
+    OutputTruncated {
+        stream: &'static str,
+        bytes_dropped: u64,
+    },
+    /// The harness asked the gate about a tool call (`policy_request`).
+    Gated(GateOutcome),
+}
+
+/// The `tool_call` gate, as a harness can reach it from inside the sandbox.
+pub trait ToolGate: Send + Sync {
+    fn check(&self, tool: &str, arguments: &serde_json::Value) -> GateOutcome;
+}
+
+/// What a dispatch reports to and is told by the lifecycle.
+pub struct Dispatch {
+    pub events: mpsc::Sender<HarnessEvent>,
+    pub cancel: CancellationToken,
+    pub gate: Arc<dyn ToolGate>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -74,6 +103,9 @@ pub enum ReinError {
     Start(String),
     #[error("harness dispatch failed: {0}")]
     Dispatch(String),
+    /// The harness process is gone; a session restarts it through the gate.
+    #[error("harness exited: {0}")]
+    Exited(String),
     #[error("harness timed out after {0:?}")]
     TimedOut(Duration),
     #[error("cancelled")]
@@ -91,15 +123,13 @@ pub trait Rein: Send + Sync {
 }
 
 #[async_trait]
-pub trait HarnessSession: Send {
+pub trait HarnessSession: Send + Sync {
     /// Hands one tool call to the harness and waits for its result,
-    /// reporting progress on `events`. Stops early on `cancel`.
-    async fn dispatch_tool(
-        &mut self,
-        call: ToolCall,
-        events: mpsc::Sender<HarnessEvent>,
-        cancel: CancellationToken,
-    ) -> Result<ToolResult, ReinError>;
+    /// reporting progress and answering its policy requests through
+    /// `dispatch`. Stops early on `dispatch.cancel`.
+    async fn dispatch_tool(&mut self, call: ToolCall, dispatch: Dispatch) -> Result<ToolResult, ReinError>;
+    /// Whether the harness process still runs.
+    fn is_alive(&mut self) -> bool;
     async fn end_session(&mut self) -> Result<(), ReinError>;
     /// Kills whatever the harness left running. Safe to call twice.
     async fn cleanup_session(&mut self) -> Result<(), ReinError>;

@@ -18,6 +18,13 @@ pub enum Line {
     Plain,
     Event(HarnessEvent),
     Result(ToolResult),
+    /// `{"type":"policy_request","id":..,"tool":..,"arguments":..}`: the
+    /// harness asks the tool_call gate before using a tool.
+    PolicyRequest {
+        id: Value,
+        tool: String,
+        arguments: Value,
+    },
     /// A protocol line with nothing to report (e.g. Claude's `system`).
     Ignored,
 }
@@ -70,8 +77,11 @@ fn protocol(kind: &str, v: &Value, state: &mut ParserState) -> Line {
             tokens_spent: u64_of(v, "tokens_spent").unwrap_or(state.tokens),
             resolved_model: str_of(v, "resolved_model"),
         }),
-        // A policy_request or other typed line this rein does not handle
-        // yet is plain output.
+        "policy_request" => Line::PolicyRequest {
+            id: v.get("id").cloned().unwrap_or(Value::Null),
+            tool: str_of(v, "tool"),
+            arguments: v.get("arguments").cloned().unwrap_or(Value::Null),
+        },
         _ => Line::Plain,
     }
 }

@@ -10,7 +10,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{Row, SqlitePool};
 
 use crate::events::Event;
-use crate::lifecycle::{now_ms, ExecutionRecord, ExecutionState};
+use crate::lifecycle::{now_ms, ExecutionRecord, ExecutionState, SessionRecord};
 use crate::sandbox::SandboxState;
 
 #[derive(Debug, thiserror::Error)]
@@ -185,6 +185,54 @@ impl Store {
                 })
             })
             .collect()
+    }
+
+    /// Inserts a new session; `false` when the id is taken.
+    pub async fn insert_session(&self, record: &SessionRecord) -> Result<bool, StoreError> {
+        let result = sqlx::query(
+            "INSERT INTO sessions (session_id, state, profile_ref, actor, project, created_at_ms, record)
+             VALUES (?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&record.session_id)
+        .bind(record.state.as_str())
+        .bind(&record.profile_ref)
+        .bind(&record.consumer.actor)
+        .bind(&record.consumer.project)
+        .bind(record.created_at_ms)
+        .bind(serde_json::to_string(record)?)
+        .execute(&self.pool)
+        .await;
+        match result {
+            Ok(_) => Ok(true),
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn update_session(&self, record: &SessionRecord) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sessions SET state = ?, record = ? WHERE session_id = ?")
+            .bind(record.state.as_str())
+            .bind(serde_json::to_string(record)?)
+            .bind(&record.session_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn get_session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
+        let row =
+            sqlx::query("SELECT record FROM sessions WHERE session_id = ?").bind(id).fetch_optional(&self.pool).await?;
+        row.map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).transpose()
+    }
+
+    /// Sessions in id order after `after_id`.
+    pub async fn list_sessions(&self, after_id: &str, limit: u32) -> Result<Vec<SessionRecord>, StoreError> {
+        let rows = sqlx::query("SELECT record FROM sessions WHERE session_id > ? ORDER BY session_id LIMIT ?")
+            .bind(after_id)
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
     }
 
     /// Records the intent to create a sandbox, before the backend acts.

@@ -4,13 +4,11 @@
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use corral::rein::{CommandRein, HarnessEvent, HarnessSession, Rein, ReinError, StartContext, ToolCall, ToolResult};
+use corral::rein::{CommandRein, Dispatch, HarnessSession, Rein, ReinError, StartContext, ToolCall, ToolResult};
 use corral::sandbox::{
     Backends, BwrapBackend, CreateSandbox, ExecSpec, NoneBackend, Sandbox, SandboxBackend, SandboxError,
     SandboxProcess, SandboxState, SandboxType,
 };
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct BackendFaults {
@@ -136,17 +134,16 @@ struct RecordingSession {
 
 #[async_trait]
 impl HarnessSession for RecordingSession {
-    async fn dispatch_tool(
-        &mut self,
-        call: ToolCall,
-        events: mpsc::Sender<HarnessEvent>,
-        cancel: CancellationToken,
-    ) -> Result<ToolResult, ReinError> {
+    async fn dispatch_tool(&mut self, call: ToolCall, dispatch: Dispatch) -> Result<ToolResult, ReinError> {
         self.calls.lock().unwrap().push("dispatch_tool");
         if self.faults.fail_dispatch {
             return Err(ReinError::Dispatch("injected: dispatch raised SECRET-DISPATCH".into()));
         }
-        self.inner.dispatch_tool(call, events, cancel).await
+        self.inner.dispatch_tool(call, dispatch).await
+    }
+
+    fn is_alive(&mut self) -> bool {
+        self.inner.is_alive()
     }
 
     async fn end_session(&mut self) -> Result<(), ReinError> {

@@ -206,6 +206,9 @@ pub fn kinds(events: &[pb::LifecycleEvent]) -> Vec<&'static str> {
             Some(Kind::OutputTruncated(_)) => "output_truncated",
             Some(Kind::Teardown(_)) => "teardown",
             Some(Kind::Finished(_)) => "finished",
+            Some(Kind::HarnessRestarted(_)) => "harness_restarted",
+            Some(Kind::TurnFinished(_)) => "turn_finished",
+            Some(Kind::Reaped(_)) => "reaped",
             None => "none",
         })
         .collect()

@@ -1,0 +1,519 @@
+//! The one lifecycle every harness run goes through, whether it is a
+//! one-turn execution or a session of many turns:
+//! `open` (resolve → agent_start gate → sandbox → workspace → start),
+//! `turn` (tool_call gate → dispatch, restarting a dead harness through the
+//! gate first), `close` (end → cleanup → collect the commit → destroy).
+//!
+//! The rules it keeps: resolution refusals never touch a backend; no path
+//! starts a harness without the gate; once a sandbox exists it is destroyed
+//! exactly once; `cleanup_session` runs whenever `start_session`
+//! succeeded; the first failure decides the stage; raw errors and output
+//! reach only the direct caller.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{Engine, RawResult};
+use crate::catalog::{check_actor, Profile, ReadinessState};
+use crate::events::{EventKind, RawPart, Recorder};
+use crate::evidence::{Evidence, FailureStage, TeardownResult};
+use crate::policy::{Action, GateInput, GateOutcome, Phase, Policy};
+use crate::rein::{Dispatch, HarnessEvent, HarnessSession, ReinError, StartContext, ToolCall, ToolGate, ToolResult};
+use crate::sandbox::{workspace, Consumer, CreateSandbox, Sandbox, SandboxBackend, SandboxSpec, SandboxState};
+
+/// Why `open` stopped; the evidence already says so.
+#[derive(Clone, Debug)]
+pub enum OpenFailure {
+    Refused { reason: String },
+    Denied { policy: String, reason: String },
+    Failed { stage: FailureStage },
+    Cancelled,
+}
+
+/// What one turn came to.
+#[derive(Debug)]
+pub enum TurnOutcome {
+    Done(ToolResult),
+    /// The tool_call gate said no; the session stays usable.
+    Denied {
+        policy: String,
+        reason: String,
+    },
+    Failed(ReinError),
+    Cancelled,
+}
+
+pub struct Core {
+    pub engine: Arc<Engine>,
+    pub recorder: Recorder,
+    pub evidence: Evidence,
+    pub raw: RawResult,
+    pub consumer: Consumer,
+    pub repo: String,
+    pub session_policies: Arc<Vec<Policy>>,
+    pub profile: Option<Arc<Profile>>,
+    pub effective: Option<SandboxSpec>,
+    timeout: Duration,
+    sandbox: Option<(Arc<dyn SandboxBackend>, Sandbox)>,
+    harness: Option<Box<dyn HarnessSession>>,
+    /// Whether a harness was ever started (so cleanup is owed).
+    started_harness: bool,
+    base_commit: Option<String>,
+    tool_calls: Arc<AtomicU64>,
+    pub restarts: u64,
+    pub session_cleanup: TeardownResult,
+    pub sandbox_destroy: TeardownResult,
+    closed: bool,
+}
+
+impl Core {
+    pub fn new(
+        engine: Arc<Engine>,
+        recorder: Recorder,
+        consumer: Consumer,
+        repo: String,
+        policies: Vec<Policy>,
+    ) -> Core {
+        Core {
+            engine,
+            recorder,
+            evidence: Evidence::default(),
+            raw: RawResult::default(),
+            consumer,
+            repo,
+            session_policies: Arc::new(policies),
+            profile: None,
+            effective: None,
+            timeout: Duration::from_secs(600),
+            sandbox: None,
+            harness: None,
+            started_harness: false,
+            base_commit: None,
+            tool_calls: Arc::new(AtomicU64::new(0)),
+            restarts: 0,
+            session_cleanup: TeardownResult::NotAttempted,
+            sandbox_destroy: TeardownResult::NotAttempted,
+            closed: false,
+        }
+    }
+
+    pub fn sandbox_id(&self) -> Option<&str> {
+        self.sandbox.as_ref().map(|(_, s)| s.id.as_str())
+    }
+
+    /// A failure: the evidence gets the stage's fixed sentence (if it is the
+    /// first), the direct caller gets the raw error.
+    pub fn failed(&mut self, stage: FailureStage, raw_error: &str) {
+        self.evidence.fail(stage);
+        if !self.raw.tool_error.is_empty() {
+            self.raw.tool_error.push('\n');
+        }
+        self.raw.tool_error.push_str(&format!("{}: {raw_error}", stage.as_str()));
+    }
+
+    fn refused(&mut self, stage: FailureStage, reason: &str) {
+        self.evidence.refuse(stage, reason);
+        self.raw.tool_error = reason.to_string();
+    }
+
+    /// resolve → agent_start gate → sandbox → workspace → harness. On any
+    /// failure, whatever was created is torn down before it returns.
+    pub async fn open(&mut self, profile_ref: &str, cancel: &CancellationToken) -> Result<(), OpenFailure> {
+        let profile = self.resolve(profile_ref).await?;
+        let outcome = self.gate_agent_start(&profile).await;
+        if let Some(denial) = outcome.denial() {
+            let (policy, reason) = (denial.policy.clone(), denial.reason.clone());
+            self.refused(FailureStage::Gate, &format!("denied by policy {policy}: {reason}"));
+            return Err(OpenFailure::Denied { policy, reason });
+        }
+        if cancel.is_cancelled() {
+            return Err(OpenFailure::Cancelled);
+        }
+        self.create_sandbox(&outcome.effective_sandbox).await?;
+        if let Err(error) = self.start_harness().await {
+            self.failed(FailureStage::SessionStart, &error.to_string());
+            self.destroy().await;
+            return Err(OpenFailure::Failed { stage: FailureStage::SessionStart });
+        }
+        Ok(())
+    }
+
+    /// Rule 1: the actor, then the profile; nothing is created before this.
+    async fn resolve(&mut self, profile_ref: &str) -> Result<Arc<Profile>, OpenFailure> {
+        let t = Instant::now();
+        let resolved = check_actor(&self.consumer.actor).and_then(|()| self.engine.catalog.resolve(profile_ref));
+        self.evidence.time("resolve", t);
+        let profile = resolved.map_err(|refusal| {
+            self.refused(FailureStage::Resolution, &refusal.0);
+            OpenFailure::Refused { reason: refusal.0 }
+        })?;
+        let readiness = profile.file.readiness.clone();
+        self.evidence.profile_ref = profile.reference();
+        self.evidence.profile_digest = profile.digest.clone();
+        self.evidence.readiness = Some(readiness.clone());
+        self.evidence.rein = profile.file.rein.kind.clone();
+        if readiness.state == ReadinessState::Unverified {
+            self.evidence.notes.push(format!("profile readiness is unverified: {}", readiness.reason));
+        }
+        let event =
+            EventKind::Resolved { profile_ref: profile.reference(), profile_digest: profile.digest.clone(), readiness };
+        self.recorder.emit(event, None).await;
+        self.profile = Some(profile.clone());
+        Ok(profile)
+    }
+
+    /// The agent_start gate, from the profile's sandbox. Run before the
+    /// first start and before every restart.
+    async fn gate_agent_start(&mut self, profile: &Profile) -> GateOutcome {
+        let t = Instant::now();
+        let outcome = self.engine.gate.evaluate(&GateInput {
+            phase: Phase::AgentStart,
+            profile_ref: &profile.reference(),
+            actor: &self.consumer.actor,
+            project: &self.consumer.project,
+            repo: &self.repo,
+            sandbox: &profile.file.sandbox,
+            timeout_seconds: profile.file.limits.timeout_seconds,
+            tool: "",
+            arguments: &Value::Null,
+            tool_calls: self.tool_calls.load(Ordering::SeqCst),
+            session_policies: &self.session_policies,
+            profile_policies: &profile.policies,
+        });
+        self.evidence.time("gate", t);
+        self.record_gate(&outcome).await;
+        if outcome.action == Action::Allow {
+            self.effective = Some(outcome.effective_sandbox.clone());
+            self.timeout = Duration::from_secs(outcome.effective_timeout_seconds);
+        }
+        outcome
+    }
+
+    async fn record_gate(&mut self, outcome: &GateOutcome) {
+        self.evidence.gate_decisions.extend(outcome.decisions.iter().cloned());
+        let event = EventKind::Gated {
+            phase: outcome.phase.as_str().into(),
+            action: outcome.action,
+            decisions: outcome.decisions.clone(),
+            effective_sandbox: outcome.effective_sandbox.clone(),
+        };
+        self.recorder.emit(event, None).await;
+    }
+
+    async fn create_sandbox(&mut self, spec: &SandboxSpec) -> Result<(), OpenFailure> {
+        let fail = |stage, _error: String| OpenFailure::Failed { stage };
+        let backend = self.engine.backends.get(spec.sandbox_type).clone();
+        let sandbox_id = uuid::Uuid::now_v7().to_string();
+        let root = self.engine.sandboxes_dir.join(&sandbox_id);
+        let t = Instant::now();
+        // Intent before action: a crashed daemon's successor finds this row.
+        let store = &self.engine.store;
+        let intent = store.insert_sandbox(
+            &sandbox_id,
+            self.recorder.subject(),
+            spec.sandbox_type.as_str(),
+            &root,
+            &self.engine.epoch,
+        );
+        if let Err(e) = intent.await {
+            self.failed(FailureStage::SandboxCreate, &e.to_string());
+            return Err(fail(FailureStage::SandboxCreate, e.to_string()));
+        }
+        let request =
+            CreateSandbox { sandbox_id: sandbox_id.clone(), consumer: self.consumer.clone(), spec: spec.clone(), root };
+        let sandbox = match backend.create(&request).await {
+            Ok(sandbox) => sandbox,
+            Err(e) => {
+                // The backend made nothing we can name; clear what we reserved.
+                self.failed(FailureStage::SandboxCreate, &e.to_string());
+                let _ = tokio::fs::remove_dir_all(&request.root).await;
+                self.set_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
+                return Err(fail(FailureStage::SandboxCreate, e.to_string()));
+            }
+        };
+        self.evidence.sandbox_id = sandbox.id.clone();
+        self.evidence.time("sandbox_create", t);
+        let ready = sandbox.state == SandboxState::Ready;
+        self.set_sandbox_state(&sandbox.id, if ready { SandboxState::Ready } else { SandboxState::Failed }).await;
+        self.sandbox = Some((backend, sandbox.clone()));
+        if !ready {
+            let error = format!("sandbox is {}, not ready", sandbox.state.as_str());
+            self.failed(FailureStage::SandboxCreate, &error);
+            self.destroy().await;
+            return Err(fail(FailureStage::SandboxCreate, error));
+        }
+
+        let t = Instant::now();
+        if !self.repo.is_empty() {
+            match workspace::clone_into(std::path::Path::new(&self.repo), &sandbox.workspace).await {
+                Ok(commit) => self.base_commit = Some(commit),
+                Err(e) => {
+                    self.failed(FailureStage::SandboxCreate, &e.to_string());
+                    self.destroy().await;
+                    return Err(fail(FailureStage::SandboxCreate, e.to_string()));
+                }
+            }
+        }
+        self.evidence.time("workspace", t);
+        let ready = EventKind::SandboxReady {
+            sandbox_id: sandbox.id.clone(),
+            backend: sandbox.backend,
+            workspace_path: sandbox.workspace.to_string_lossy().into_owned(),
+            receipt: sandbox.receipt.clone(),
+        };
+        self.recorder.emit(ready, None).await;
+        Ok(())
+    }
+
+    async fn start_harness(&mut self) -> Result<(), ReinError> {
+        let (Some(profile), Some((backend, sandbox))) = (self.profile.clone(), self.sandbox.clone()) else {
+            return Err(ReinError::Start("no sandbox to start in".into()));
+        };
+        let rein = self
+            .engine
+            .reins
+            .get(&profile.file.rein.kind)
+            .cloned()
+            .ok_or_else(|| ReinError::Start(format!("no rein named {}", profile.file.rein.kind)))?;
+        let t = Instant::now();
+        let ctx = StartContext { backend, sandbox, profile, consumer: self.consumer.clone(), timeout: self.timeout };
+        let harness = rein.start_session(ctx).await?;
+        self.evidence.time("session_start", t);
+        self.harness = Some(harness);
+        self.started_harness = true;
+        Ok(())
+    }
+
+    /// A harness that died is restarted only through the gate again.
+    async fn restart_harness(&mut self, why: &str) -> Result<(), TurnOutcome> {
+        let profile = self.profile.clone().ok_or(TurnOutcome::Failed(ReinError::Start("no profile".into())))?;
+        if let Some(mut dead) = self.harness.take() {
+            if let Err(e) = dead.cleanup_session().await {
+                tracing::warn!(error = %e, "cleanup of a dead harness failed");
+            }
+        }
+        let outcome = self.gate_agent_start(&profile).await;
+        if let Some(denial) = outcome.denial() {
+            return Err(TurnOutcome::Denied { policy: denial.policy.clone(), reason: denial.reason.clone() });
+        }
+        if Some(&outcome.effective_sandbox) != self.sandbox.as_ref().map(|(_, s)| &s.spec) {
+            // The sandbox was made for another decision; starting in it
+            // would not be what the gate just allowed.
+            let error = ReinError::Start("the gate now asks for a different sandbox; end the session".into());
+            return Err(TurnOutcome::Failed(error));
+        }
+        self.restarts += 1;
+        self.recorder.emit(EventKind::HarnessRestarted { attempt: self.restarts, reason: why.to_string() }, None).await;
+        self.start_harness().await.map_err(TurnOutcome::Failed)
+    }
+
+    /// tool_call gate → dispatch. Progress is recorded as it comes.
+    pub async fn turn(&mut self, call: ToolCall, cancel: CancellationToken) -> TurnOutcome {
+        let alive = self.harness.as_mut().map(|h| h.is_alive()).unwrap_or(false);
+        if !alive {
+            if let Err(outcome) = self.restart_harness("the harness exited").await {
+                return outcome;
+            }
+        }
+        let gate = self.tool_gate();
+        let outcome = gate.check(&call.tool, &call.task.arguments);
+        self.record_gate(&outcome).await;
+        if let Some(denial) = outcome.denial() {
+            return TurnOutcome::Denied { policy: denial.policy.clone(), reason: denial.reason.clone() };
+        }
+        self.recorder.emit(EventKind::Dispatched { tool: call.tool.clone() }, None).await;
+        let Some(mut harness) = self.harness.take() else {
+            return TurnOutcome::Failed(ReinError::Dispatch("no harness".into()));
+        };
+        let t = Instant::now();
+        let (tx, mut rx) = mpsc::channel::<HarnessEvent>(256);
+        let result = {
+            let dispatch = harness.dispatch_tool(call, Dispatch { events: tx, cancel, gate });
+            tokio::pin!(dispatch);
+            let result = loop {
+                tokio::select! {
+                    biased;
+                    Some(event) = rx.recv() => self.harness_event(event).await,
+                    result = &mut dispatch => break result,
+                }
+            };
+            while let Ok(event) = rx.try_recv() {
+                self.harness_event(event).await;
+            }
+            result
+        };
+        self.harness = Some(harness);
+        self.evidence.time("harness", t);
+        match result {
+            Ok(result) => {
+                self.evidence.tokens_spent += result.tokens_spent;
+                if !result.resolved_model.is_empty() {
+                    self.evidence.resolved_model = result.resolved_model.clone();
+                }
+                TurnOutcome::Done(result)
+            }
+            Err(ReinError::Cancelled) => TurnOutcome::Cancelled,
+            Err(e) => TurnOutcome::Failed(e),
+        }
+    }
+
+    /// The tool_call gate as one closure, for the turn itself and for the
+    /// harness's own policy requests.
+    fn tool_gate(&self) -> Arc<dyn ToolGate> {
+        Arc::new(CoreGate {
+            engine: self.engine.clone(),
+            profile: self.profile.clone(),
+            session_policies: self.session_policies.clone(),
+            consumer: self.consumer.clone(),
+            repo: self.repo.clone(),
+            sandbox: self.effective.clone().unwrap_or_default(),
+            timeout_seconds: self.timeout.as_secs(),
+            tool_calls: self.tool_calls.clone(),
+        })
+    }
+
+    async fn harness_event(&mut self, event: HarnessEvent) {
+        let (kind, raw) = match event {
+            HarnessEvent::Progress { message, tokens_so_far } => (
+                EventKind::Progress { progress_kind: "progress".into(), tool: String::new(), tokens_so_far },
+                Some(RawPart::ProgressMessage(message)),
+            ),
+            HarnessEvent::ToolUse { tool, tokens_so_far } => {
+                (EventKind::Progress { progress_kind: "tool_use".into(), tool, tokens_so_far }, None)
+            }
+            HarnessEvent::OutputTruncated { stream, bytes_dropped } => {
+                (EventKind::OutputTruncated { stream: stream.into(), bytes_dropped }, None)
+            }
+            HarnessEvent::Gated(outcome) => return self.record_gate(&outcome).await,
+        };
+        self.recorder.emit(kind, raw).await;
+    }
+
+    /// end → cleanup → collect the commit → destroy → `teardown` event.
+    /// Idempotent: a second call does nothing.
+    pub async fn close(&mut self, cancelled: bool) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let t = Instant::now();
+        if let Some(mut harness) = self.harness.take() {
+            if !cancelled {
+                if let Err(e) = harness.end_session().await {
+                    self.failed(FailureStage::Execution, &e.to_string());
+                }
+            }
+            self.session_cleanup = match harness.cleanup_session().await {
+                Ok(()) => TeardownResult::Succeeded,
+                Err(e) => {
+                    self.failed(FailureStage::Teardown, &e.to_string());
+                    TeardownResult::Failed
+                }
+            };
+        } else if self.started_harness {
+            self.session_cleanup = TeardownResult::Succeeded;
+        }
+        self.collect_commit().await;
+        if self.sandbox.is_some() {
+            self.destroy().await;
+        }
+        if self.sandbox_id().is_some() || self.started_harness {
+            self.evidence.time("teardown", t);
+        }
+        self.emit_teardown().await;
+    }
+
+    pub async fn emit_teardown(&mut self) {
+        self.evidence.session_cleanup = self.session_cleanup;
+        self.evidence.sandbox_destroy = self.sandbox_destroy;
+        let event =
+            EventKind::Teardown { session_cleanup: self.session_cleanup, sandbox_destroy: self.sandbox_destroy };
+        self.recorder.emit(event, None).await;
+    }
+
+    /// Records the commit the daemon sees in the workspace and, when it is
+    /// new, fetches it into the origin as `refs/corral/<subject-id>`.
+    async fn collect_commit(&mut self) {
+        let (Some(base), Some((_, sandbox))) = (self.base_commit.clone(), self.sandbox.as_ref()) else {
+            return;
+        };
+        let Ok(head) = workspace::head(&sandbox.workspace).await else {
+            return;
+        };
+        self.evidence.commit_sha = head.clone();
+        if head == base {
+            return;
+        }
+        let workspace = sandbox.workspace.clone();
+        let name = self.recorder.subject().to_string();
+        if let Err(e) = workspace::fetch_back(std::path::Path::new(&self.repo), &workspace, &name).await {
+            self.failed(FailureStage::Execution, &e.to_string());
+        }
+    }
+
+    /// Destroys the sandbox; it is taken out first, so this runs at most
+    /// once per sandbox.
+    async fn destroy(&mut self) {
+        let Some((backend, sandbox)) = self.sandbox.take() else { return };
+        self.set_sandbox_state(&sandbox.id, SandboxState::Destroying).await;
+        self.sandbox_destroy = match backend.destroy(&sandbox).await {
+            Ok(()) => {
+                self.set_sandbox_state(&sandbox.id, SandboxState::Destroyed).await;
+                TeardownResult::Succeeded
+            }
+            Err(e) => {
+                self.set_sandbox_state(&sandbox.id, SandboxState::Failed).await;
+                self.failed(FailureStage::Teardown, &e.to_string());
+                TeardownResult::Failed
+            }
+        };
+    }
+
+    async fn set_sandbox_state(&self, sandbox_id: &str, state: SandboxState) {
+        if let Err(error) = self.engine.store.set_sandbox_state(sandbox_id, state).await {
+            tracing::error!(%sandbox_id, state = state.as_str(), %error, "sandbox state not stored");
+        }
+    }
+}
+
+/// The tool_call gate bound to one session's facts.
+struct CoreGate {
+    engine: Arc<Engine>,
+    profile: Option<Arc<Profile>>,
+    session_policies: Arc<Vec<Policy>>,
+    consumer: Consumer,
+    repo: String,
+    sandbox: SandboxSpec,
+    timeout_seconds: u64,
+    tool_calls: Arc<AtomicU64>,
+}
+
+impl ToolGate for CoreGate {
+    fn check(&self, tool: &str, arguments: &Value) -> GateOutcome {
+        let profile_ref = self.profile.as_ref().map(|p| p.reference()).unwrap_or_default();
+        let no_policies: &[Policy] = &[];
+        let outcome = self.engine.gate.evaluate(&GateInput {
+            phase: Phase::ToolCall,
+            profile_ref: &profile_ref,
+            actor: &self.consumer.actor,
+            project: &self.consumer.project,
+            repo: &self.repo,
+            sandbox: &self.sandbox,
+            timeout_seconds: self.timeout_seconds,
+            tool,
+            arguments,
+            tool_calls: self.tool_calls.load(Ordering::SeqCst),
+            session_policies: &self.session_policies,
+            profile_policies: self.profile.as_ref().map(|p| p.policies.as_slice()).unwrap_or(no_policies),
+        });
+        if outcome.action == Action::Allow {
+            self.tool_calls.fetch_add(1, Ordering::SeqCst);
+        }
+        outcome
+    }
+}

@@ -1,0 +1,378 @@
+//! Sessions: a harness that takes turns in one sandbox until it is ended or
+//! reaped. Built on the same [`Core`] as executions.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+
+use super::core::{Core, OpenFailure, TurnOutcome};
+use super::{now_ms, Engine, EngineError, RawResult, Subscription};
+use crate::events::{EventKind, RawPart, Recorder};
+use crate::evidence::{Evidence, FailureStage, Outcome};
+use crate::policy::Policy;
+use crate::rein::{Task, ToolCall};
+use crate::sandbox::{Consumer, SandboxSpec, WORKSPACE_MOUNT};
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionState {
+    #[default]
+    Starting,
+    Active,
+    Ended,
+    Failed,
+    Refused,
+    Reaped,
+}
+
+impl SessionState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SessionState::Starting => "starting",
+            SessionState::Active => "active",
+            SessionState::Ended => "ended",
+            SessionState::Failed => "failed",
+            SessionState::Refused => "refused",
+            SessionState::Reaped => "reaped",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SessionRecord {
+    pub session_id: String,
+    pub profile_ref: String,
+    pub consumer: Consumer,
+    pub repo: String,
+    pub effective_sandbox: Option<SandboxSpec>,
+    pub state: SessionState,
+    pub evidence: Evidence,
+    pub turns: u64,
+    pub restarts: u64,
+    pub created_at_ms: i64,
+    pub ended_at_ms: Option<i64>,
+}
+
+pub struct CreateSessionCommand {
+    pub session_id: String,
+    pub profile_ref: String,
+    pub actor: String,
+    pub project: String,
+    pub repo: String,
+    pub policies: Vec<Policy>,
+}
+
+/// A session whose harness is alive.
+pub(super) struct LiveSession {
+    core: tokio::sync::Mutex<Core>,
+    record: Mutex<SessionRecord>,
+    turn_cancel: Mutex<Option<CancellationToken>>,
+    last_active: Mutex<Instant>,
+    busy: AtomicBool,
+    turns: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Why a session ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndReason {
+    Requested,
+    Idle(Duration),
+    Shutdown,
+}
+
+impl Engine {
+    fn live_session(&self, id: &str) -> Option<Arc<LiveSession>> {
+        lock(&self.sessions).get(id).cloned()
+    }
+
+    pub async fn create_session(self: &Arc<Self>, cmd: CreateSessionCommand) -> Result<SessionRecord, EngineError> {
+        if self.is_draining() {
+            return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
+        }
+        let id = if cmd.session_id.is_empty() { uuid::Uuid::now_v7().to_string() } else { cmd.session_id.clone() };
+        let consumer = Consumer {
+            actor: cmd.actor.clone(),
+            project: cmd.project.clone(),
+            run_id: id.clone(),
+            session_id: id.clone(),
+        };
+        let mut record = SessionRecord {
+            session_id: id.clone(),
+            profile_ref: cmd.profile_ref.clone(),
+            consumer: consumer.clone(),
+            repo: cmd.repo.clone(),
+            created_at_ms: now_ms(),
+            ..SessionRecord::default()
+        };
+        if !self.store.insert_session(&record).await? {
+            return Err(EngineError::AlreadyExists(format!("session {id}")));
+        }
+        let _live = self.bus.open(&id);
+        let recorder = Recorder::new(id.clone(), 0, self.store.clone(), self.bus.clone());
+        let mut core = Core::new(self.clone(), recorder, consumer.clone(), cmd.repo, cmd.policies);
+        let accepted = EventKind::Accepted {
+            execution_id: String::new(),
+            session_id: id.clone(),
+            request_id: String::new(),
+            consumer,
+        };
+        core.recorder.emit(accepted, None).await;
+        let opened = core.open(&cmd.profile_ref, &self.draining.child_token()).await;
+        record.effective_sandbox = core.effective.clone();
+        record.evidence = core.evidence.clone();
+        if let Err(failure) = opened {
+            core.close(false).await;
+            record.state = match failure {
+                OpenFailure::Refused { .. } | OpenFailure::Denied { .. } => SessionState::Refused,
+                OpenFailure::Failed { .. } | OpenFailure::Cancelled => SessionState::Failed,
+            };
+            self.finish_session(&mut core, &mut record).await;
+            return Err(match failure {
+                OpenFailure::Refused { reason } => EngineError::Refused(reason),
+                OpenFailure::Denied { policy, reason } => EngineError::AgentStartDenied { policy, reason },
+                OpenFailure::Failed { stage, .. } => {
+                    EngineError::StageFailed { stage, raw: core.raw.tool_error.clone() }
+                }
+                OpenFailure::Cancelled => EngineError::Unavailable("the daemon is shutting down".into()),
+            });
+        }
+        record.state = SessionState::Active;
+        if let Err(e) = self.store.update_session(&record).await {
+            tracing::error!(session_id = %id, error = %e, "session record not stored");
+        }
+        let live = Arc::new(LiveSession {
+            core: tokio::sync::Mutex::new(core),
+            record: Mutex::new(record.clone()),
+            turn_cancel: Mutex::new(None),
+            last_active: Mutex::new(Instant::now()),
+            busy: AtomicBool::new(false),
+            turns: AtomicU64::new(0),
+        });
+        lock(&self.sessions).insert(id, live);
+        Ok(record)
+    }
+
+    /// Starts one turn; the subscription ends with its `turn_finished`.
+    pub async fn send_turn(
+        self: &Arc<Self>,
+        session_id: &str,
+        tool: String,
+        arguments: serde_json::Value,
+    ) -> Result<Subscription, EngineError> {
+        let live = self.live_or_ended(session_id).await?;
+        if live.busy.swap(true, Ordering::SeqCst) {
+            return Err(EngineError::FailedPrecondition("a turn is already in flight in this session".into()));
+        }
+        let Some(rx) = self.bus.subscribe(session_id) else {
+            live.busy.store(false, Ordering::SeqCst);
+            return Err(EngineError::FailedPrecondition(format!("session {session_id} has ended")));
+        };
+        let turn = live.turns.fetch_add(1, Ordering::SeqCst) + 1;
+        let cancel = CancellationToken::new();
+        *lock(&live.turn_cancel) = Some(cancel.clone());
+        let engine = self.clone();
+        let id = session_id.to_string();
+        self.tasks.spawn(async move {
+            let mut core = live.core.lock().await;
+            let call = ToolCall {
+                tool: tool.clone(),
+                task: Task {
+                    kind: "task",
+                    tool: tool.clone(),
+                    arguments,
+                    session_id: id.clone(),
+                    workspace: WORKSPACE_MOUNT.into(),
+                    ..Task::default()
+                },
+            };
+            let tokens_before = core.evidence.tokens_spent;
+            let outcome = core.turn(call, cancel).await;
+            let (ok, error, raw) = match outcome {
+                TurnOutcome::Done(r) if r.ok => {
+                    (true, String::new(), RawResult { tool_output: r.output, tool_error: String::new() })
+                }
+                TurnOutcome::Done(r) => (
+                    false,
+                    "turn failed; inspect direct caller error".into(),
+                    RawResult { tool_output: r.output, tool_error: r.error },
+                ),
+                TurnOutcome::Denied { policy, reason } => {
+                    let text = format!("denied by policy {policy}: {reason}");
+                    (false, text.clone(), RawResult { tool_output: String::new(), tool_error: text })
+                }
+                TurnOutcome::Failed(e) => (
+                    false,
+                    "turn failed; inspect direct caller error".into(),
+                    RawResult { tool_output: String::new(), tool_error: e.to_string() },
+                ),
+                TurnOutcome::Cancelled => (
+                    false,
+                    "turn cancelled".into(),
+                    RawResult { tool_output: String::new(), tool_error: "cancelled".into() },
+                ),
+            };
+            let event = EventKind::TurnFinished {
+                turn,
+                tool,
+                ok,
+                error,
+                tokens_spent: core.evidence.tokens_spent - tokens_before,
+            };
+            core.recorder.emit(event, Some(RawPart::Finished(raw))).await;
+            let snapshot = {
+                let mut record = lock(&live.record);
+                record.turns = turn;
+                record.restarts = core.restarts;
+                record.evidence = core.evidence.clone();
+                record.clone()
+            };
+            drop(core);
+            if let Err(e) = engine.store.update_session(&snapshot).await {
+                tracing::error!(session_id = %id, error = %e, "session record not stored");
+            }
+            *lock(&live.turn_cancel) = None;
+            *lock(&live.last_active) = Instant::now();
+            live.busy.store(false, Ordering::SeqCst);
+        });
+        Ok(Subscription::live(rx, true).until_turn(turn))
+    }
+
+    async fn live_or_ended(&self, session_id: &str) -> Result<Arc<LiveSession>, EngineError> {
+        if let Some(live) = self.live_session(session_id) {
+            return Ok(live);
+        }
+        match self.store.get_session(session_id).await? {
+            Some(record) => Err(EngineError::FailedPrecondition(format!(
+                "session {session_id} is {}, not active",
+                record.state.as_str()
+            ))),
+            None => Err(EngineError::NotFound(format!("session {session_id}"))),
+        }
+    }
+
+    /// Cancels the turn in flight; with no turn in flight it does nothing
+    /// and says so.
+    pub async fn cancel_turn(&self, session_id: &str) -> Result<SessionRecord, EngineError> {
+        let live = self.live_or_ended(session_id).await?;
+        let token = lock(&live.turn_cancel).clone();
+        match token {
+            Some(token) if live.busy.load(Ordering::SeqCst) => {
+                token.cancel();
+                Ok(lock(&live.record).clone())
+            }
+            _ => Err(EngineError::FailedPrecondition("no turn is in flight in this session".into())),
+        }
+    }
+
+    pub async fn get_session(&self, session_id: &str) -> Result<SessionRecord, EngineError> {
+        if let Some(live) = self.live_session(session_id) {
+            return Ok(lock(&live.record).clone());
+        }
+        self.store.get_session(session_id).await?.ok_or_else(|| EngineError::NotFound(format!("session {session_id}")))
+    }
+
+    pub async fn list_sessions(&self, after_id: &str, limit: u32) -> Result<Vec<SessionRecord>, EngineError> {
+        let mut records = self.store.list_sessions(after_id, limit).await?;
+        for record in &mut records {
+            if let Some(live) = self.live_session(&record.session_id) {
+                *record = lock(&live.record).clone();
+            }
+        }
+        Ok(records)
+    }
+
+    /// end → cleanup → destroy. An in-flight turn is cancelled first.
+    pub async fn end_session(&self, session_id: &str, reason: EndReason) -> Result<SessionRecord, EngineError> {
+        let Some(live) = lock(&self.sessions).remove(session_id) else {
+            return match self.store.get_session(session_id).await? {
+                Some(record) => Ok(record),
+                None => Err(EngineError::NotFound(format!("session {session_id}"))),
+            };
+        };
+        if let Some(token) = lock(&live.turn_cancel).clone() {
+            token.cancel();
+        }
+        let mut core = live.core.lock().await;
+        let mut record = lock(&live.record).clone();
+        if let EndReason::Idle(idle) = reason {
+            core.recorder.emit(EventKind::Reaped { idle_seconds: idle.as_secs() }, None).await;
+        }
+        core.close(false).await;
+        record.state = match reason {
+            EndReason::Idle(_) => SessionState::Reaped,
+            EndReason::Requested | EndReason::Shutdown => SessionState::Ended,
+        };
+        self.finish_session(&mut core, &mut record).await;
+        Ok(record)
+    }
+
+    async fn finish_session(&self, core: &mut Core, record: &mut SessionRecord) {
+        let mut evidence = core.evidence.clone();
+        evidence.outcome = match (record.state, evidence.failure_stage) {
+            (SessionState::Refused, _) => Outcome::Refused,
+            (_, Some(FailureStage::Resolution | FailureStage::Gate)) => Outcome::Refused,
+            (_, Some(_)) => Outcome::Failed,
+            (SessionState::Failed, None) => Outcome::Failed,
+            _ => Outcome::Succeeded,
+        };
+        if evidence.outcome == Outcome::Failed && record.state != SessionState::Reaped {
+            record.state = SessionState::Failed;
+        }
+        record.evidence = evidence;
+        record.restarts = core.restarts;
+        record.ended_at_ms = Some(now_ms());
+        if let Err(e) = self.store.update_session(record).await {
+            tracing::error!(session_id = %record.session_id, error = %e, "session record not stored");
+        }
+        let raw = RawPart::Finished(std::mem::take(&mut core.raw));
+        core.recorder.emit(EventKind::SessionFinished { session: Box::new(record.clone()) }, Some(raw)).await;
+        self.bus.close(&record.session_id);
+        tracing::info!(session_id = %record.session_id, state = record.state.as_str(), "session finished");
+    }
+
+    /// Ends sessions idle for `idle`, never one with a turn in flight.
+    pub fn spawn_reaper(self: &Arc<Self>, idle: Duration) {
+        let engine = Arc::downgrade(self);
+        let tick = (idle / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(tick).await;
+                let Some(engine) = engine.upgrade() else { return };
+                if engine.is_draining() {
+                    return;
+                }
+                let idle_ones: Vec<String> = lock(&engine.sessions)
+                    .iter()
+                    .filter(|(_, s)| lock(&s.last_active).elapsed() >= idle)
+                    // Claiming `busy` keeps a new turn from starting while
+                    // the session is being reaped.
+                    .filter(|(_, s)| s.busy.compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst).is_ok())
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for id in idle_ones {
+                    if let Err(e) = engine.end_session(&id, EndReason::Idle(idle)).await {
+                        tracing::warn!(session_id = %id, error = %e, "reaping failed");
+                    }
+                }
+            }
+        });
+    }
+
+    /// Ends every live session (daemon shutdown).
+    pub async fn end_all_sessions(&self) {
+        let ids: Vec<String> = lock(&self.sessions).keys().cloned().collect();
+        for id in ids {
+            if let Err(e) = self.end_session(&id, EndReason::Shutdown).await {
+                tracing::warn!(session_id = %id, error = %e, "ending session at shutdown failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! The built-in policy kinds: their argument schemas, checked when a policy
+//! is loaded, and their verdicts.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::expr::Expr;
+use super::{PolicySpec, Selector};
+use crate::sandbox::SandboxType;
+
+/// `enforce_sandbox`: fields it does not name are kept; unknown fields are
+/// rejected at load.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnforceSandbox {
+    pub sandbox_type: Option<SandboxType>,
+    pub allow_network: Option<bool>,
+    pub write_paths: Option<Vec<String>>,
+    pub read_paths: Option<Vec<String>>,
+    pub env_passthrough: Option<Vec<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Seconds {
+    seconds: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Types {
+    types: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Prefixes {
+    prefixes: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Limit {
+    limit: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExprArgs {
+    expression: String,
+    reason: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoArgs {}
+
+#[derive(Clone, Debug)]
+pub enum Kind {
+    EnforceSandbox(EnforceSandbox),
+    DenyNetwork,
+    MaxTimeout { seconds: u64 },
+    AllowedActors { types: Vec<String> },
+    AllowedRepos { prefixes: Vec<String> },
+    MaxToolCalls { limit: u64 },
+    Expr(Expr),
+}
+
+/// A policy whose arguments were validated.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    pub name: String,
+    pub kind: Kind,
+    pub on: Vec<Selector>,
+    /// Where it came from: session, profile or admin.
+    pub source: &'static str,
+}
+
+pub const KNOWN_KINDS: &str =
+    "enforce_sandbox, deny_network, max_timeout, allowed_actors, allowed_repos, max_tool_calls, expr";
+
+fn args<T: for<'de> Deserialize<'de>>(arguments: &Value) -> Result<T, String> {
+    let value = if arguments.is_null() { Value::Object(Default::default()) } else { arguments.clone() };
+    serde_json::from_value(value).map_err(|e| format!("arguments: {e}"))
+}
+
+impl Policy {
+    /// Validates a policy; the error names what is wrong (the caller adds
+    /// the file or key).
+    pub fn compile(spec: &PolicySpec, source: &'static str) -> Result<Policy, String> {
+        if spec.name.is_empty() {
+            return Err("name: must not be empty".into());
+        }
+        let on = spec.on.iter().map(|s| Selector::parse(s)).collect::<Result<Vec<_>, _>>()?;
+        let kind = match spec.kind.as_str() {
+            "enforce_sandbox" => {
+                let e: EnforceSandbox = args(&spec.arguments)?;
+                for path in e.write_paths.iter().chain(e.read_paths.iter()).flatten() {
+                    if path.split('/').any(|c| c == "..") {
+                        return Err(format!("arguments: path {path:?} must not contain '..'"));
+                    }
+                }
+                Kind::EnforceSandbox(e)
+            }
+            "deny_network" => {
+                args::<NoArgs>(&spec.arguments)?;
+                Kind::DenyNetwork
+            }
+            "max_timeout" => Kind::MaxTimeout { seconds: args::<Seconds>(&spec.arguments)?.seconds },
+            "allowed_actors" => {
+                let Types { types } = args(&spec.arguments)?;
+                if let Some(bad) = types.iter().find(|t| !matches!(t.as_str(), "adm" | "agt" | "atm")) {
+                    return Err(format!("arguments.types: {bad:?} is not a consumer type (adm, agt, atm)"));
+                }
+                Kind::AllowedActors { types }
+            }
+            "allowed_repos" => Kind::AllowedRepos { prefixes: args::<Prefixes>(&spec.arguments)?.prefixes },
+            "max_tool_calls" => Kind::MaxToolCalls { limit: args::<Limit>(&spec.arguments)?.limit },
+            "expr" => {
+                let ExprArgs { expression, reason } = args(&spec.arguments)?;
+                Kind::Expr(Expr::compile(&expression, reason)?)
+            }
+            other => return Err(format!("kind: unknown policy kind {other:?} (known: {KNOWN_KINDS})")),
+        };
+        Ok(Policy { name: spec.name.clone(), kind, on, source })
+    }
+}
+
+/// Compiles a list of policies; errors name `key[index] (name)`.
+pub fn compile_all(specs: &[PolicySpec], source: &'static str, key: &str) -> Result<Vec<Policy>, String> {
+    specs
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| Policy::compile(spec, source).map_err(|e| format!("{key}[{i}] ({}): {e}", spec.name)))
+        .collect()
+}

@@ -1,0 +1,167 @@
+use serde_json::json;
+
+use super::*;
+
+fn policy(name: &str, kind: &str, arguments: Value, on: &[&str], source: &'static str) -> Policy {
+    let spec =
+        PolicySpec { name: name.into(), kind: kind.into(), arguments, on: on.iter().map(|s| s.to_string()).collect() };
+    Policy::compile(&spec, source).unwrap()
+}
+
+fn gate() -> Gate {
+    Gate::new(vec![], HostCapabilities { bwrap: Ok(()) })
+}
+
+fn none_spec() -> SandboxSpec {
+    SandboxSpec { sandbox_type: SandboxType::None, allow_network: true, ..SandboxSpec::default() }
+}
+
+fn input<'a>(sandbox: &'a SandboxSpec, profile: &'a [Policy], session: &'a [Policy]) -> GateInput<'a> {
+    GateInput {
+        phase: Phase::AgentStart,
+        profile_ref: "p@1.0.0",
+        actor: "agt",
+        project: "proj",
+        repo: "",
+        sandbox,
+        timeout_seconds: 600,
+        tool: "",
+        arguments: &Value::Null,
+        tool_calls: 0,
+        session_policies: session,
+        profile_policies: profile,
+    }
+}
+
+#[test]
+fn enforce_sandbox_upgrades_none_to_bwrap_without_network() {
+    let spec = none_spec();
+    let enforce = [policy(
+        "force-bwrap",
+        "enforce_sandbox",
+        json!({"sandbox_type": "linux_bwrap", "allow_network": false, "write_paths": ["."]}),
+        &[],
+        "profile",
+    )];
+    let outcome = gate().evaluate(&input(&spec, &enforce, &[]));
+    assert_eq!(outcome.action, Action::Allow);
+    assert_eq!(outcome.effective_sandbox.sandbox_type, SandboxType::LinuxBwrap);
+    assert!(!outcome.effective_sandbox.allow_network);
+    assert_eq!(outcome.effective_sandbox.write_paths, ["."]);
+    // Without the policy the spec is unchanged.
+    let plain = gate().evaluate(&input(&spec, &[], &[]));
+    assert_eq!(plain.effective_sandbox, spec);
+    assert_eq!(plain.action, Action::Allow);
+}
+
+#[test]
+fn enforce_sandbox_only_tightens() {
+    let spec = SandboxSpec { write_paths: vec![".".into()], ..SandboxSpec::default() };
+    let loosen = [policy(
+        "loosen",
+        "enforce_sandbox",
+        json!({"sandbox_type": "none", "allow_network": true, "write_paths": ["src", "/etc"]}),
+        &[],
+        "admin",
+    )];
+    let outcome = gate().evaluate(&input(&spec, &loosen, &[]));
+    let effective = &outcome.effective_sandbox;
+    assert_eq!(effective.sandbox_type, SandboxType::LinuxBwrap, "never downgraded");
+    assert!(!effective.allow_network, "never turned on");
+    assert_eq!(effective.write_paths, ["src"], "narrowed to a path inside the workspace, /etc not added");
+    assert!(outcome.decisions[0].reason.contains("/etc not in the spec"), "{}", outcome.decisions[0].reason);
+}
+
+#[test]
+fn unknown_fields_and_bad_arguments_fail_at_load() {
+    let spec = |kind: &str, arguments: Value| PolicySpec { name: "p".into(), kind: kind.into(), arguments, on: vec![] };
+    assert!(Policy::compile(&spec("enforce_sandbox", json!({"colour": "red"})), "profile")
+        .unwrap_err()
+        .contains("colour"));
+    assert!(Policy::compile(&spec("max_timeout", json!({})), "profile").unwrap_err().contains("seconds"));
+    assert!(Policy::compile(&spec("allowed_actors", json!({"types": ["root"]})), "profile").is_err());
+    assert!(Policy::compile(&spec("nope", json!({})), "profile").unwrap_err().contains("unknown policy kind"));
+    assert!(Policy::compile(&spec("expr", json!({"expression": "1 +", "reason": "r"})), "profile").is_err());
+    let bad_on = PolicySpec { on: vec!["sometimes".into()], ..spec("deny_network", json!({})) };
+    assert!(Policy::compile(&bad_on, "profile").unwrap_err().contains("on:"));
+}
+
+#[test]
+fn sources_run_session_then_profile_then_admin_and_a_deny_stops() {
+    let spec = SandboxSpec::default();
+    let session = [policy("s", "allowed_actors", json!({"types": ["agt"]}), &[], "session")];
+    let profile = [policy("p", "allowed_actors", json!({"types": ["adm"]}), &[], "profile")];
+    let gate =
+        Gate::new(vec![policy("a", "deny_network", json!({}), &[], "admin")], HostCapabilities { bwrap: Ok(()) });
+    let outcome = gate.evaluate(&input(&spec, &profile, &session));
+    let order: Vec<(&str, &str)> = outcome.decisions.iter().map(|d| (d.source.as_str(), d.policy.as_str())).collect();
+    assert_eq!(order, [("session", "s"), ("profile", "p")], "admin never reached after a deny");
+    assert_eq!(outcome.action, Action::Deny);
+    assert_eq!(outcome.denial().unwrap().policy, "p");
+}
+
+#[test]
+fn a_merged_none_without_network_is_denied() {
+    let spec = none_spec();
+    let off = [policy("off", "deny_network", json!({}), &[], "admin")];
+    let outcome = gate().evaluate(&input(&spec, &off, &[]));
+    assert_eq!(outcome.action, Action::Deny);
+    assert_eq!(outcome.denial().unwrap().policy, "host_enforceability");
+}
+
+#[test]
+fn tool_call_policies_narrow_by_tool_and_count_calls() {
+    let spec = SandboxSpec::default();
+    let profile = [
+        policy(
+            "no-rm",
+            "expr",
+            json!({"expression": "tool != 'rm'", "reason": "rm is not allowed"}),
+            &["tool_call:rm"],
+            "profile",
+        ),
+        policy("three", "max_tool_calls", json!({"limit": 3}), &[], "profile"),
+    ];
+    let mut call = input(&spec, &profile, &[]);
+    call.phase = Phase::ToolCall;
+    call.tool = "edit";
+    let allowed = gate().evaluate(&call);
+    assert_eq!(allowed.action, Action::Allow);
+    assert_eq!(allowed.decisions.len(), 1, "the rm rule does not apply to edit: {:?}", allowed.decisions);
+    call.tool = "rm";
+    let denied = gate().evaluate(&call);
+    assert_eq!(denied.denial().unwrap().reason, "rm is not allowed");
+    call.tool = "edit";
+    call.tool_calls = 3;
+    assert_eq!(gate().evaluate(&call).denial().unwrap().policy, "three");
+}
+
+#[test]
+fn an_expression_that_errors_at_run_time_denies() {
+    let spec = SandboxSpec::default();
+    let profile = [policy(
+        "broken",
+        "expr",
+        json!({"expression": "arguments.missing.deeper == 1", "reason": "r"}),
+        &[],
+        "profile",
+    )];
+    let outcome = gate().evaluate(&input(&spec, &profile, &[]));
+    assert_eq!(outcome.action, Action::Deny);
+    assert!(outcome.denial().unwrap().reason.contains("fail closed"));
+}
+
+#[test]
+fn missing_bwrap_refuses_with_the_reason() {
+    let gate = Gate::new(vec![], HostCapabilities { bwrap: Err("bwrap not found on PATH".into()) });
+    let outcome = gate.evaluate(&input(&SandboxSpec::default(), &[], &[]));
+    assert_eq!(outcome.action, Action::Deny);
+    assert!(outcome.denial().unwrap().reason.contains("bwrap not found"));
+}
+
+#[test]
+fn max_timeout_clamps() {
+    let spec = SandboxSpec::default();
+    let profile = [policy("short", "max_timeout", json!({"seconds": 60}), &[], "profile")];
+    assert_eq!(gate().evaluate(&input(&spec, &profile, &[])).effective_timeout_seconds, 60);
+}
