@@ -22,6 +22,9 @@ pub struct Config {
     pub watch_buffer: usize,
     /// Sessions with no turn for this long are reaped (never mid-turn).
     pub session_idle_seconds: u64,
+    /// A finished execution's events are kept this long, then compacted to
+    /// its final `finished` event (record and evidence).
+    pub event_retention_seconds: u64,
     /// Repositories an execution may name must be under one of these
     /// (empty: any local repository).
     pub repo_roots: Vec<PathBuf>,
@@ -45,6 +48,7 @@ impl Default for Config {
             shutdown_grace_seconds: 30,
             watch_buffer: 4096,
             session_idle_seconds: 900,
+            event_retention_seconds: 7 * 24 * 3600,
             repo_roots: Vec::new(),
             policies: Vec::new(),
             hub: None,

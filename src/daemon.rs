@@ -27,6 +27,8 @@ pub enum StartError {
     Catalog(#[from] CatalogError),
     #[error("config key {0}")]
     Policies(String),
+    #[error("recovery: {0}")]
+    Recovery(String),
     #[error(transparent)]
     Serve(#[from] ServeError),
 }
@@ -74,7 +76,11 @@ impl Daemon {
             bus_capacity: config.watch_buffer,
             hub_configured: config.hub.is_some(),
         });
+        // Before serving: nothing a crashed predecessor left may linger.
+        engine.recover().await.map_err(|e| StartError::Recovery(e.to_string()))?;
         engine.spawn_reaper(Duration::from_secs(config.session_idle_seconds));
+        let retention = Duration::from_secs(config.event_retention_seconds);
+        engine.spawn_compactor(retention, (retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(3600)));
         Ok(Daemon { config, engine, catalog, gate })
     }
 

@@ -240,6 +240,7 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
             })
         }
         EventKind::Reaped { idle_seconds } => Kind::Reaped(pb::Reaped { idle_seconds: *idle_seconds }),
+        EventKind::Recovered { note } => Kind::Recovered(pb::Recovered { note: note.clone() }),
         EventKind::SessionFinished { session: record } => {
             let raw = match raw {
                 Some(RawPart::Finished(r)) => Some(r),

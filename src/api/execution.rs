@@ -30,12 +30,28 @@ const MAX_PAGE: u32 = 500;
 /// Pumps a subscription into a response stream on its own task. The
 /// subscription's bounded buffer decides when a slow client is ended; this
 /// channel only smooths delivery.
-pub fn event_stream(mut subscription: Subscription, shutdown: CancellationToken) -> EventStream {
+pub fn event_stream(subscription: Subscription, shutdown: CancellationToken) -> EventStream {
+    event_stream_with(subscription, shutdown, None)
+}
+
+/// Like [`event_stream`]; `on_disconnect` runs if the client goes away
+/// before the stream has ended.
+pub fn event_stream_with(
+    mut subscription: Subscription,
+    shutdown: CancellationToken,
+    on_disconnect: Option<Box<dyn FnOnce() + Send>>,
+) -> EventStream {
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
+        let disconnected = |on_disconnect: Option<Box<dyn FnOnce() + Send>>| {
+            if let Some(callback) = on_disconnect {
+                callback();
+            }
+        };
         loop {
             let next = tokio::select! {
                 next = subscription.next() => next,
+                _ = tx.closed() => return disconnected(on_disconnect),
                 _ = shutdown.cancelled() => {
                     let last = subscription.last_sequence();
                     let _ = tx.try_send(Err(Status::unavailable(format!(
@@ -51,7 +67,10 @@ pub fn event_stream(mut subscription: Subscription, shutdown: CancellationToken)
             };
             let end = message.is_err();
             // A client that went away drops the receiver: stop pumping.
-            if tx.send(message).await.is_err() || end {
+            if tx.send(message).await.is_err() {
+                return disconnected(on_disconnect);
+            }
+            if end {
                 return;
             }
         }
@@ -65,9 +84,23 @@ impl ExecutionService for ExecutionApi {
     type WatchExecutionStream = EventStream;
 
     async fn execute(&self, request: Request<pb::ExecuteRequest>) -> Result<Response<EventStream>, Status> {
-        let cmd = validate::execute_request(request.into_inner(), &self.repo_roots).await?;
+        let request = request.into_inner();
+        let cancel_on_disconnect = request.cancel_on_disconnect;
+        let cmd = validate::execute_request(request, &self.repo_roots).await?;
         let submitted = self.engine.submit(cmd).await?;
-        Ok(Response::new(event_stream(submitted.subscription, self.shutdown.clone())))
+        let on_disconnect: Option<Box<dyn FnOnce() + Send>> = if cancel_on_disconnect && !submitted.existing {
+            let engine = self.engine.clone();
+            let id = submitted.record.execution_id.clone();
+            Some(Box::new(move || {
+                tokio::spawn(async move {
+                    tracing::info!(execution_id = %id, "caller disconnected; cancelling as asked");
+                    let _ = engine.cancel(&id).await;
+                });
+            }))
+        } else {
+            None
+        };
+        Ok(Response::new(event_stream_with(submitted.subscription, self.shutdown.clone(), on_disconnect)))
     }
 
     async fn start_execution(&self, request: Request<pb::ExecuteRequest>) -> Result<Response<pb::Execution>, Status> {

@@ -106,6 +106,7 @@ fn exec_args(title: &str) -> ExecArgs {
         correlation_id: None,
         assignment_ref: None,
         report_to_hub: false,
+        cancel_on_interrupt: false,
     }
 }
 

@@ -66,6 +66,7 @@ async fn execute_request(args: ExecArgs) -> anyhow::Result<pb::ExecuteRequest> {
         report_to_hub: args.report_to_hub,
         actor: args.actor,
         project: args.project,
+        cancel_on_disconnect: args.cancel_on_interrupt,
     })
 }
 
@@ -184,6 +185,7 @@ mod tests {
             correlation_id: None,
             assignment_ref: None,
             report_to_hub: false,
+            cancel_on_interrupt: false,
         };
         let request = execute_request(args).await.expect("request");
         let cwd = std::env::current_dir().expect("cwd");

@@ -89,6 +89,10 @@ pub struct ExecArgs {
     /// Report the evidence to the hub.
     #[arg(long)]
     pub report_to_hub: bool,
+    /// Cancel the execution if this command is interrupted (by default it
+    /// runs on in the daemon and can be watched again).
+    #[arg(long)]
+    pub cancel_on_interrupt: bool,
 }
 
 /// Arguments of `corral watch`.

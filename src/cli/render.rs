@@ -201,6 +201,10 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
             facts.add("idle_seconds", r.idle_seconds.to_string());
             "reaped"
         }
+        Some(Kind::Recovered(r)) => {
+            facts.add("note", &r.note);
+            "recovered"
+        }
     };
     let time = match &event.time {
         Some(ts) => timestamp(ts),

@@ -84,6 +84,10 @@ pub enum EventKind {
     Reaped {
         idle_seconds: u64,
     },
+    /// A restarted daemon finished what its predecessor left running.
+    Recovered {
+        note: String,
+    },
     Teardown {
         session_cleanup: TeardownResult,
         sandbox_destroy: TeardownResult,
@@ -109,6 +113,7 @@ impl EventKind {
             EventKind::HarnessRestarted { .. } => "harness_restarted",
             EventKind::TurnFinished { .. } => "turn_finished",
             EventKind::Reaped { .. } => "reaped",
+            EventKind::Recovered { .. } => "recovered",
             EventKind::Teardown { .. } => "teardown",
             EventKind::Finished { .. } | EventKind::SessionFinished { .. } => "finished",
         }

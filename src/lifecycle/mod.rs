@@ -5,6 +5,7 @@
 mod core;
 mod execution;
 mod record;
+mod recovery;
 mod session;
 mod watch;
 
@@ -17,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use record::{now_ms, ExecuteCommand, ExecutionRecord, ExecutionState, RawResult};
+pub use recovery::RecoveryReport;
 pub use session::{CreateSessionCommand, EndReason, SessionRecord, SessionState};
 pub use watch::{Lagged, Subscription};
 
@@ -209,6 +211,11 @@ impl Engine {
         // Subscribe before reading the store: an event is stored before it
         // is published, so every event is in one or the other.
         let live = self.bus.subscribe(execution_id);
+        if let Some(oldest) = self.store.oldest_sequence(execution_id).await? {
+            if after + 1 < oldest {
+                return Err(EngineError::OutOfRange { requested: after, oldest });
+            }
+        }
         let replay = self.store.events_after(execution_id, after).await?;
         if replay.is_empty()
             && live.is_none()
@@ -232,6 +239,28 @@ impl Engine {
         self.draining.cancel();
         self.end_all_sessions().await;
         self.store.close().await;
+    }
+
+    /// Compacts the events of executions finished more than `retention`
+    /// ago, now and then every `every`.
+    pub fn spawn_compactor(self: &Arc<Self>, retention: Duration, every: Duration) {
+        let engine = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(engine) = engine.upgrade() else { return };
+                if engine.is_draining() {
+                    return;
+                }
+                let cutoff = now_ms() - retention.as_millis() as i64;
+                match engine.store.compact_events(cutoff).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(events = n, "compacted finished executions' events"),
+                    Err(e) => tracing::warn!(error = %e, "event compaction failed"),
+                }
+                drop(engine);
+                tokio::time::sleep(every).await;
+            }
+        });
     }
 
     /// Refuses new work from now on.

@@ -66,20 +66,23 @@ pub fn spawn_group(
         .process_group(0)
         // A safety net only: teardown kills the whole group explicitly.
         .kill_on_drop(true);
-    if limits.max_processes > 0 || limits.memory_bytes > 0 {
-        // SAFETY: the closure runs in the forked child before exec and only
-        // calls setrlimit, which is async-signal-safe.
-        unsafe {
-            cmd.pre_exec(move || {
-                if limits.max_processes > 0 {
-                    set_rlimit(libc::RLIMIT_NPROC, limits.max_processes)?;
-                }
-                if limits.memory_bytes > 0 {
-                    set_rlimit(libc::RLIMIT_AS, limits.memory_bytes)?;
-                }
-                Ok(())
-            });
-        }
+    // SAFETY: the closure runs in the forked child before exec and only
+    // makes async-signal-safe syscalls (prctl, getppid, setrlimit).
+    unsafe {
+        cmd.pre_exec(move || {
+            // If the daemon dies, so does this process (and with bwrap, the
+            // whole sandbox: its --die-with-parent follows).
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if limits.max_processes > 0 {
+                set_rlimit(libc::RLIMIT_NPROC, limits.max_processes)?;
+            }
+            if limits.memory_bytes > 0 {
+                set_rlimit(libc::RLIMIT_AS, limits.memory_bytes)?;
+            }
+            Ok(())
+        });
     }
     let mut child = cmd.spawn().map_err(|e| SandboxError::Spawn(format!("{}: {e}", program.display())))?;
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);

@@ -45,6 +45,14 @@ pub struct ExecutionFilter {
     pub limit: u32,
 }
 
+/// A sandbox as recorded before it was created.
+#[derive(Clone, Debug)]
+pub struct SandboxRow {
+    pub sandbox_id: String,
+    pub subject_id: String,
+    pub root_path: std::path::PathBuf,
+}
+
 #[derive(Clone)]
 pub struct Store {
     pool: SqlitePool,
@@ -110,13 +118,16 @@ impl Store {
         } else {
             &record.evidence.profile_ref
         };
-        sqlx::query("UPDATE executions SET state = ?, profile_ref = ?, record = ? WHERE execution_id = ?")
-            .bind(record.state.as_str())
-            .bind(profile)
-            .bind(serde_json::to_string(record)?)
-            .bind(&record.execution_id)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "UPDATE executions SET state = ?, profile_ref = ?, finished_at_ms = ?, record = ? WHERE execution_id = ?",
+        )
+        .bind(record.state.as_str())
+        .bind(profile)
+        .bind(record.finished_at_ms)
+        .bind(serde_json::to_string(record)?)
+        .bind(&record.execution_id)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
@@ -164,6 +175,31 @@ impl Store {
             .execute(&self.pool)
             .await?;
         Ok(())
+    }
+
+    /// The lowest sequence still stored for a subject.
+    pub async fn oldest_sequence(&self, subject: &str) -> Result<Option<u64>, StoreError> {
+        let row = sqlx::query("SELECT MIN(sequence) FROM events WHERE subject_id = ?")
+            .bind(subject)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(row.get::<Option<i64>, _>(0).map(|s| s as u64))
+    }
+
+    /// Compacts executions finished before `cutoff_ms` to their record: all
+    /// their events but the last (`finished`, which carries the record and
+    /// evidence) are deleted. Returns how many events went.
+    pub async fn compact_events(&self, cutoff_ms: i64) -> Result<u64, StoreError> {
+        let result = sqlx::query(
+            "DELETE FROM events WHERE subject_id IN (
+                 SELECT execution_id FROM executions
+                 WHERE finished_at_ms IS NOT NULL AND finished_at_ms < ?)
+             AND sequence < (SELECT MAX(e2.sequence) FROM events e2 WHERE e2.subject_id = events.subject_id)",
+        )
+        .bind(cutoff_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(result.rows_affected())
     }
 
     /// The stored events of a subject after `after`, in order.
@@ -270,6 +306,36 @@ impl Store {
             .execute(&self.pool)
             .await?;
         Ok(())
+    }
+
+    /// Sandboxes an earlier daemon instance did not finish destroying.
+    pub async fn leftover_sandboxes(&self, current_epoch: &str) -> Result<Vec<SandboxRow>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT sandbox_id, subject_id, root_path FROM sandboxes
+             WHERE state NOT IN ('destroyed') AND instance_epoch != ? ORDER BY created_at_ms",
+        )
+        .bind(current_epoch)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| SandboxRow { sandbox_id: r.get(0), subject_id: r.get(1), root_path: r.get::<String, _>(2).into() })
+            .collect())
+    }
+
+    pub async fn unfinished_executions(&self) -> Result<Vec<ExecutionRecord>, StoreError> {
+        let rows =
+            sqlx::query("SELECT record FROM executions WHERE state IN ('pending', 'running') ORDER BY execution_id")
+                .fetch_all(&self.pool)
+                .await?;
+        rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
+    }
+
+    pub async fn unfinished_sessions(&self) -> Result<Vec<SessionRecord>, StoreError> {
+        let rows = sqlx::query("SELECT record FROM sessions WHERE state IN ('starting', 'active') ORDER BY session_id")
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
     }
 
     /// Sandbox rows by state, as `(sandbox_id, subject_id, state)`.

@@ -209,6 +209,7 @@ pub fn kinds(events: &[pb::LifecycleEvent]) -> Vec<&'static str> {
             Some(Kind::HarnessRestarted(_)) => "harness_restarted",
             Some(Kind::TurnFinished(_)) => "turn_finished",
             Some(Kind::Reaped(_)) => "reaped",
+            Some(Kind::Recovered(_)) => "recovered",
             None => "none",
         })
         .collect()

@@ -1,0 +1,150 @@
+//! Recovery on start: whatever a previous daemon instance left behind is
+//! destroyed, and its unfinished executions and sessions are finished as
+//! `failed` with a note saying where they were. Running it twice changes
+//! nothing more.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{now_ms, Engine, EngineError, ExecutionState, SessionState};
+use crate::events::{Event, EventKind, Recorder};
+use crate::evidence::{Evidence, FailureStage, Outcome, TeardownResult};
+use crate::sandbox::SandboxState;
+
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    pub sandboxes_destroyed: usize,
+    pub processes_killed: usize,
+    pub executions_failed: usize,
+    pub sessions_failed: usize,
+}
+
+/// Where a subject was, judging by its last stored event.
+fn stage_of(last: Option<&Event>) -> FailureStage {
+    match last.map(|e| &e.kind) {
+        None | Some(EventKind::Accepted { .. }) => FailureStage::Resolution,
+        Some(EventKind::Resolved { .. }) => FailureStage::Gate,
+        Some(EventKind::Gated { phase, .. }) if phase == "agent_start" => FailureStage::SandboxCreate,
+        Some(EventKind::SandboxReady { .. }) => FailureStage::SessionStart,
+        Some(EventKind::Teardown { .. } | EventKind::Reaped { .. }) => FailureStage::Teardown,
+        Some(_) => FailureStage::Execution,
+    }
+}
+
+/// Every process whose environment names `CORRAL_SANDBOX_ID=<id>`: that is
+/// how a sandbox's processes are found again without trusting a recorded
+/// pid, which may belong to someone else by now.
+fn sandbox_processes(sandbox_id: &str) -> Vec<i32> {
+    let needle = format!("CORRAL_SANDBOX_ID={sandbox_id}");
+    let Ok(proc_dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    proc_dir
+        .filter_map(|entry| entry.ok())
+        .filter_map(|entry| entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .map(|env| env.split(|b| *b == 0).any(|var| var == needle.as_bytes()))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+async fn kill_sandbox_processes(sandbox_id: &str) -> usize {
+    let mut killed = 0;
+    for _ in 0..20 {
+        let pids = sandbox_processes(sandbox_id);
+        if pids.is_empty() {
+            break;
+        }
+        for pid in pids {
+            // SAFETY: kill(2) on a pid we just found carrying this sandbox's
+            // identity; no memory is involved.
+            if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
+                killed += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    killed
+}
+
+impl Engine {
+    pub async fn recover(self: &Arc<Self>) -> Result<RecoveryReport, EngineError> {
+        let mut report = RecoveryReport::default();
+        let mut destroyed_for: std::collections::HashMap<String, TeardownResult> = Default::default();
+        for row in self.store.leftover_sandboxes(&self.epoch).await? {
+            report.processes_killed += kill_sandbox_processes(&row.sandbox_id).await;
+            let result = match tokio::fs::remove_dir_all(&row.root_path).await {
+                Ok(()) => TeardownResult::Succeeded,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => TeardownResult::Succeeded,
+                Err(e) => {
+                    tracing::error!(sandbox_id = %row.sandbox_id, error = %e, "leftover workspace not removed");
+                    TeardownResult::Failed
+                }
+            };
+            let state =
+                if result == TeardownResult::Succeeded { SandboxState::Destroyed } else { SandboxState::Failed };
+            self.store.set_sandbox_state(&row.sandbox_id, state).await?;
+            destroyed_for.insert(row.subject_id.clone(), result);
+            report.sandboxes_destroyed += 1;
+        }
+        for mut record in self.store.unfinished_executions().await? {
+            let destroy = destroyed_for.get(&record.execution_id).copied().unwrap_or(TeardownResult::NotAttempted);
+            let finished = self.recover_subject(&record.execution_id, &mut record.evidence, destroy).await?;
+            record.state = ExecutionState::Failed;
+            record.finished_at_ms = Some(now_ms());
+            self.store.update_execution(&record).await?;
+            finished.emit(EventKind::Finished { execution: Box::new(record) }, None).await;
+            report.executions_failed += 1;
+        }
+        for mut record in self.store.unfinished_sessions().await? {
+            let destroy = destroyed_for.get(&record.session_id).copied().unwrap_or(TeardownResult::NotAttempted);
+            let finished = self.recover_subject(&record.session_id, &mut record.evidence, destroy).await?;
+            record.state = SessionState::Failed;
+            record.ended_at_ms = Some(now_ms());
+            self.store.update_session(&record).await?;
+            finished.emit(EventKind::SessionFinished { session: Box::new(record) }, None).await;
+            report.sessions_failed += 1;
+        }
+        if report != RecoveryReport::default() {
+            tracing::warn!(?report, "recovered what a previous instance left behind");
+        }
+        Ok(report)
+    }
+
+    /// Notes the restart in the evidence and records `recovered` and
+    /// `teardown`; returns the recorder for the `finished` event.
+    async fn recover_subject(
+        &self,
+        subject: &str,
+        evidence: &mut Evidence,
+        destroy: TeardownResult,
+    ) -> Result<Finisher, EngineError> {
+        let events = self.store.events_after(subject, 0).await?;
+        let stage = stage_of(events.last());
+        let note = format!("daemon restarted during {}", stage.as_str());
+        let last = events.last().map(|e| e.sequence).unwrap_or(0);
+        let mut recorder = Recorder::new(subject.to_string(), last, self.store.clone(), self.bus.clone());
+        recorder.emit(EventKind::Recovered { note: note.clone() }, None).await;
+        // Cleanup could not run: the harness died with the daemon.
+        let cleanup = if destroy == TeardownResult::NotAttempted {
+            TeardownResult::NotAttempted
+        } else {
+            TeardownResult::Unknown
+        };
+        recorder.emit(EventKind::Teardown { session_cleanup: cleanup, sandbox_destroy: destroy }, None).await;
+        evidence.fail(stage);
+        evidence.notes.push(note);
+        evidence.outcome = Outcome::Failed;
+        evidence.session_cleanup = cleanup;
+        evidence.sandbox_destroy = destroy;
+        Ok(Finisher(recorder))
+    }
+}
+
+struct Finisher(Recorder);
+
+impl Finisher {
+    async fn emit(mut self, kind: EventKind, raw: Option<crate::events::RawPart>) {
+        self.0.emit(kind, raw).await;
+    }
+}
