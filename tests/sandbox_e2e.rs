@@ -52,7 +52,7 @@ async fn the_agent_cannot_reach_the_network_nor_write_outside_its_workspace() {
     let outside_file = outside.path().join("escaped.txt");
     let origin_file = repo.path().join("escaped.txt");
     let description = format!(
-        "NOWORK\nPROBE_NETWORK\nPROBE_WRITE {}\nPROBE_WRITE {}\nPROBE_WRITE /usr/escaped.txt\nPROBE_WRITE /workspace/inside.txt\nPROBE_WRITE /tmp/scratch.txt",
+        "NOWORK\nPROBE_NETWORK\nPROBE_WRITE {}\nPROBE_WRITE {}\nPROBE_WRITE /usr/escaped.txt\nPROBE_WRITE /escaped.txt\nPROBE_WRITE /etc/escaped.txt\nPROBE_WRITE /workspace/inside.txt\nPROBE_WRITE /tmp/scratch.txt",
         outside_file.display(),
         origin_file.display()
     );
@@ -65,6 +65,8 @@ async fn the_agent_cannot_reach_the_network_nor_write_outside_its_workspace() {
     assert!(out.contains(&format!("write {}: denied", outside_file.display())), "{out}");
     assert!(out.contains(&format!("write {}: denied", origin_file.display())), "{out}");
     assert!(out.contains("write /usr/escaped.txt: denied"), "{out}");
+    assert!(out.contains("write /escaped.txt: denied"), "the sandbox root is read-only: {out}");
+    assert!(out.contains("write /etc/escaped.txt: denied"), "{out}");
     assert!(out.contains("write /workspace/inside.txt: ok"), "{out}");
     assert!(out.contains("write /tmp/scratch.txt: ok"), "{out}");
     assert!(!outside_file.exists() && !origin_file.exists(), "a file escaped the sandbox");

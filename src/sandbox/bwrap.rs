@@ -119,7 +119,9 @@ pub fn bwrap_args(spec: &SandboxSpec, workspace: &Path, layout: &HostLayout) -> 
             push(&["--bind", &host, &inside]);
         }
     }
-    push(&["--chdir", WORKSPACE_MOUNT, "--"]);
+    // bwrap's root is a writable tmpfs; remounting it read-only leaves only
+    // the binds above (workspace, write paths) and /tmp writable.
+    push(&["--remount-ro", "/", "--chdir", WORKSPACE_MOUNT, "--"]);
     args
 }
 
@@ -333,6 +335,8 @@ mod tests {
                 "--bind",
                 "/data/sb/workspace",
                 "/workspace",
+                "--remount-ro",
+                "/",
                 "--chdir",
                 "/workspace",
                 "--",
@@ -359,7 +363,7 @@ mod tests {
     fn workspace_is_read_only_unless_dot_is_a_write_path() {
         let spec = SandboxSpec { write_paths: vec!["out".into(), "/var/cache/x".into()], ..SandboxSpec::default() };
         let args = strs(&bwrap_args(&spec, Path::new("/w"), &HostLayout { entries: vec![] }));
-        let tail: Vec<&str> = args.iter().rev().take(12).rev().map(|s| s.as_str()).collect();
+        let tail: Vec<&str> = args.iter().rev().take(14).rev().map(|s| s.as_str()).collect();
         assert_eq!(
             tail,
             [
@@ -372,6 +376,8 @@ mod tests {
                 "--bind",
                 "/var/cache/x",
                 "/var/cache/x",
+                "--remount-ro",
+                "/",
                 "--chdir",
                 "/workspace",
                 "--"

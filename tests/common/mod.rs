@@ -234,3 +234,61 @@ pub fn git(dir: &Path, args: &[&str]) -> String {
     assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
+
+/// A real `corral serve` child process.
+pub struct ServeProcess {
+    pub child: tokio::process::Child,
+    pub url: String,
+}
+
+impl ServeProcess {
+    /// Starts the binary on 127.0.0.1:0 and waits for its address line.
+    pub async fn start(data_dir: &Path, profiles: &Path, env: &[(&str, &str)]) -> ServeProcess {
+        use tokio::io::AsyncBufReadExt;
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(data_dir.with_extension("log")).unwrap();
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .arg("--profiles")
+            .arg(profiles)
+            .envs(env.iter().copied())
+            .env_remove("CORRAL_CONFIG")
+            .stdout(std::process::Stdio::piped())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("corral serve starts");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let addr = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(addr) = line.strip_prefix("corral listening on ") {
+                    return addr.to_string();
+                }
+            }
+            panic!("corral serve ended without its address line; see {}", data_dir.with_extension("log").display());
+        })
+        .await
+        .expect("corral serve prints its address");
+        // Keep draining stdout so the child never blocks on it.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        ServeProcess { child, url: format!("http://{addr}") }
+    }
+
+    pub async fn channel(&self) -> Channel {
+        Channel::from_shared(self.url.clone()).unwrap().connect().await.expect("connect to corral serve")
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id().expect("running") as i32
+    }
+}
+
+/// Host processes whose command line contains `marker`.
+pub fn processes_with(marker: &str) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .filter(|cmdline| String::from_utf8_lossy(cmdline).contains(marker))
+        .count()
+}

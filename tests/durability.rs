@@ -1,0 +1,310 @@
+//! Nothing lost across restarts, crashes, slow watchers and retries. The
+//! first two tests kill a real `corral serve` process.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{finished, kinds, processes_with, request, require_bwrap, Options, ServeProcess, TestDaemon};
+use corral::pb::{self, execution_service_client::ExecutionServiceClient, lifecycle_event::Kind};
+use tonic::Code;
+use tonic_types::StatusExt;
+
+/// A profile dir whose fake agent carries `marker` in its argv, so the test
+/// can find every process of it in /proc.
+fn marked_profiles(dir: &std::path::Path, marker: &str) -> std::path::PathBuf {
+    let profiles = dir.join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let profile = common::fake_agent_profile("test.fake-agent", "")
+        .replace("fake_agent.py\"]", &format!("fake_agent.py\", \"{marker}\"]"));
+    std::fs::write(profiles.join("fake.toml"), profile).unwrap();
+    profiles
+}
+
+/// Starts a hanging execution and returns its id once the harness runs.
+async fn start_hanging(client: &mut ExecutionServiceClient<tonic::transport::Channel>, repo: &str) -> String {
+    let mut req = request("test.fake-agent", "NOWORK\nHANG");
+    req.repo = repo.into();
+    let execution = client.start_execution(req).await.expect("start").into_inner();
+    let watch = pb::WatchRequest { execution_id: execution.execution_id.clone(), after_sequence: 0 };
+    let mut stream = client.watch_execution(watch).await.unwrap().into_inner();
+    while let Some(event) = stream.message().await.unwrap() {
+        if matches!(event.kind, Some(Kind::Progress(_))) {
+            return execution.execution_id;
+        }
+    }
+    panic!("the execution ended before its harness reported progress");
+}
+
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(20), "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn sandbox_dirs(data: &std::path::Path) -> usize {
+    std::fs::read_dir(data.join("sandboxes")).map(|d| d.count()).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_leaves_no_agent_and_a_restart_recovers_the_execution() {
+    require_bwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let marker = format!("CRASH-MARKER-{}", std::process::id());
+    let profiles = marked_profiles(dir.path(), &marker);
+    let data = dir.path().join("data");
+    let repo = common::git_repo();
+
+    let mut daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let id = start_hanging(&mut client, &repo.path().display().to_string()).await;
+    let before: Vec<pb::LifecycleEvent> = {
+        // What was stored before the crash, as a watcher saw it.
+        let req = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
+        let mut stream = client.watch_execution(req).await.unwrap().into_inner();
+        let mut events = Vec::new();
+        while let Ok(Ok(Some(e))) = tokio::time::timeout(Duration::from_millis(500), stream.message()).await {
+            events.push(e);
+        }
+        events
+    };
+    assert!(processes_with(&marker) > 0, "the harness runs");
+    assert_eq!(sandbox_dirs(&data), 1);
+
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGKILL) };
+    daemon.child.wait().await.unwrap();
+    wait_until("no agent process survives the daemon", || processes_with(&marker) == 0).await;
+
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let record = client.get_execution(pb::GetExecutionRequest { execution_id: id.clone() }).await.unwrap().into_inner();
+    let evidence = record.evidence.clone().unwrap();
+    assert_eq!(pb::ExecutionState::try_from(record.state).unwrap(), pb::ExecutionState::Failed);
+    assert_eq!(pb::FailureStage::try_from(evidence.failure_stage).unwrap(), pb::FailureStage::Execution);
+    assert!(evidence.notes.iter().any(|n| n == "daemon restarted during execution"), "{:?}", evidence.notes);
+    assert_eq!(sandbox_dirs(&data), 0, "the workspace is gone");
+
+    let replay = {
+        let req = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
+        let mut stream = client.watch_execution(req).await.unwrap().into_inner();
+        let mut events = Vec::new();
+        while let Some(e) = stream.message().await.unwrap() {
+            events.push(e);
+        }
+        events
+    };
+    assert_eq!(&replay[..before.len()], &before[..], "every event stored before the crash is replayed");
+    assert_eq!(&kinds(&replay)[before.len()..], ["recovered", "teardown", "finished"]);
+    let Some(Kind::Teardown(teardown)) = &replay[before.len() + 1].kind else { panic!() };
+    assert_eq!(pb::TeardownResult::try_from(teardown.sandbox_destroy).unwrap(), pb::TeardownResult::Succeeded);
+
+    // Recovery a second time changes nothing more.
+    drop(client);
+    let mut daemon = daemon;
+    unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
+    daemon.child.wait().await.unwrap();
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let req = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
+    let mut stream = client.watch_execution(req).await.unwrap().into_inner();
+    let mut again = Vec::new();
+    while let Some(e) = stream.message().await.unwrap() {
+        again.push(e);
+    }
+    assert_eq!(again, replay);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_tears_down_and_exits_zero() {
+    require_bwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let marker = format!("TERM-MARKER-{}", std::process::id());
+    let profiles = marked_profiles(dir.path(), &marker);
+    let data = dir.path().join("data");
+    let mut daemon = ServeProcess::start(&data, &profiles, &[("CORRAL_SHUTDOWN_GRACE_SECONDS", "1")]).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let id = start_hanging(&mut client, "").await;
+
+    let started = Instant::now();
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
+    let status = tokio::time::timeout(Duration::from_secs(30), daemon.child.wait()).await.expect("exits").unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert_eq!(processes_with(&marker), 0, "no sandbox process is left");
+    assert_eq!(sandbox_dirs(&data), 0, "no workspace is left");
+
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let record = client.get_execution(pb::GetExecutionRequest { execution_id: id }).await.unwrap().into_inner();
+    assert_eq!(pb::ExecutionState::try_from(record.state).unwrap(), pb::ExecutionState::Cancelled);
+    let evidence = record.evidence.unwrap();
+    assert_eq!(pb::TeardownResult::try_from(evidence.sandbox_destroy).unwrap(), pb::TeardownResult::Succeeded);
+}
+
+async fn read_all(
+    client: &mut ExecutionServiceClient<tonic::transport::Channel>,
+    id: &str,
+    after: u64,
+) -> Vec<pb::LifecycleEvent> {
+    let req = pb::WatchRequest { execution_id: id.into(), after_sequence: after };
+    let mut stream = client.watch_execution(req).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    while let Some(e) = stream.message().await.unwrap() {
+        events.push(e);
+    }
+    events
+}
+
+async fn timed_run(daemon: &TestDaemon, description: &str) -> (String, Duration) {
+    let mut client = daemon.executions().await;
+    let started = Instant::now();
+    let execution = client.start_execution(request("test.fake-agent", description)).await.unwrap().into_inner();
+    let events = read_all(&mut client, &execution.execution_id, 0).await;
+    finished(&events);
+    (execution.execution_id, started.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_watchers_get_everything_and_a_stalled_one_is_ended_then_resumes() {
+    require_bwrap();
+    let options = Options { config: Box::new(|c| c.watch_buffer = 256), ..Options::default() };
+    let daemon = TestDaemon::start(options).await;
+    let task = "NOWORK\nPROGRESS 10000";
+    let (_, baseline) = timed_run(&daemon, task).await;
+
+    let mut client = daemon.executions().await;
+    let started = Instant::now();
+    let execution = client.start_execution(request("test.fake-agent", task)).await.unwrap().into_inner();
+    let id = execution.execution_id.clone();
+
+    // The stalled watcher: reads one event, then nothing for a while. A
+    // small HTTP/2 window makes the transport push back on the daemon soon,
+    // as a slow client across a real network would.
+    let endpoint = tonic::transport::Endpoint::from_shared(daemon.url.clone())
+        .unwrap()
+        .initial_stream_window_size(Some(16 * 1024))
+        .initial_connection_window_size(Some(16 * 1024));
+    let mut stalled_client = ExecutionServiceClient::new(endpoint.connect().await.unwrap());
+    let req = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
+    let mut stalled = stalled_client.watch_execution(req).await.unwrap().into_inner();
+    let first = stalled.message().await.unwrap().unwrap();
+    assert_eq!(first.sequence, 1);
+
+    let mut watchers = Vec::new();
+    for _ in 0..50 {
+        let channel = daemon.channel().await;
+        let id = id.clone();
+        watchers.push(tokio::spawn(async move { read_all(&mut ExecutionServiceClient::new(channel), &id, 0).await }));
+    }
+    let mut all = Vec::new();
+    for watcher in watchers {
+        all.push(watcher.await.unwrap());
+    }
+    let duration = started.elapsed();
+    let n = all[0].len() as u64;
+    assert!(n > 10_000, "{n} events");
+    for events in &all {
+        let sequences: Vec<u64> = events.iter().map(|e| e.sequence).collect();
+        assert_eq!(sequences, (1..=n).collect::<Vec<_>>(), "every watcher gets every event in order");
+    }
+    // Generous: the stalled watcher must not hold the execution back.
+    assert!(
+        duration < baseline * 5 + Duration::from_secs(10),
+        "with a stalled watcher {duration:?}, without {baseline:?}"
+    );
+
+    // The stalled watcher now reads: it gets what was buffered for it, then
+    // RESOURCE_EXHAUSTED with its last delivered sequence.
+    let mut last = first.sequence;
+    let status = loop {
+        match stalled.message().await {
+            Ok(Some(e)) => {
+                assert_eq!(e.sequence, last + 1);
+                last = e.sequence;
+            }
+            Ok(None) => panic!("the stalled watcher was not ended"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    let info = status.get_details_error_info().expect("error info");
+    assert_eq!(info.metadata.get("last_sequence"), Some(&last.to_string()));
+    assert!(last < n);
+    let rest = read_all(&mut stalled_client, &id, last).await;
+    let sequences: Vec<u64> = rest.iter().map(|e| e.sequence).collect();
+    assert_eq!(sequences, (last + 1..=n).collect::<Vec<_>>(), "resuming yields the rest, no gap, no duplicate");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resuming_at_any_seam_has_no_gap_and_no_duplicate() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut client = daemon.executions().await;
+    let execution =
+        client.start_execution(request("test.fake-agent", "NOWORK\nPROGRESS 300")).await.unwrap().into_inner();
+    let id = execution.execution_id;
+    // Interrupt live watches at pseudo-random points while the run goes on.
+    let mut seed = std::process::id() as u64;
+    for _ in 0..6 {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let k_target = 1 + (seed >> 33) % 250;
+        let req = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
+        let mut stream = client.watch_execution(req).await.unwrap().into_inner();
+        let mut k = 0;
+        while let Some(e) = stream.message().await.unwrap() {
+            assert_eq!(e.sequence, k + 1);
+            k = e.sequence;
+            if k == k_target {
+                break;
+            }
+        }
+        drop(stream);
+        let rest = read_all(&mut client, &id, k).await;
+        let sequences: Vec<u64> = rest.iter().map(|e| e.sequence).collect();
+        let n = k + sequences.len() as u64;
+        assert_eq!(sequences, (k + 1..=n).collect::<Vec<_>>(), "resume after {k}");
+        assert!(matches!(rest.last().and_then(|e| e.kind.as_ref()), Some(Kind::Finished(_))));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compacted_events_answer_out_of_range_with_the_oldest_sequence() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let (id, _) = timed_run(&daemon, "NOWORK").await;
+    let mut client = daemon.executions().await;
+    let n = read_all(&mut client, &id, 0).await.len() as u64;
+    let removed = daemon.engine.store.compact_events(corral::lifecycle::now_ms() + 1).await.unwrap();
+    assert_eq!(removed, n - 1);
+    let status = client
+        .watch_execution(pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 })
+        .await
+        .expect_err("older than retention");
+    assert_eq!(status.code(), Code::OutOfRange);
+    let info = status.get_details_error_info().unwrap();
+    assert_eq!(info.metadata.get("oldest_sequence"), Some(&n.to_string()));
+    // From the oldest available, the record is still there.
+    let rest = read_all(&mut client, &id, n - 1).await;
+    assert_eq!(kinds(&rest), ["finished"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_on_disconnect_cancels_only_when_asked() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut client = daemon.executions().await;
+    let mut req = request("test.fake-agent", "NOWORK\nHANG");
+    req.cancel_on_disconnect = true;
+    let mut stream = client.execute(req).await.unwrap().into_inner();
+    let accepted = stream.message().await.unwrap().unwrap();
+    let Some(Kind::Accepted(a)) = accepted.kind else { panic!("accepted first") };
+    drop(stream);
+    let events = read_all(&mut client, &a.execution_id, 0).await;
+    let execution = finished(&events);
+    assert_eq!(pb::ExecutionState::try_from(execution.state).unwrap(), pb::ExecutionState::Cancelled);
+    assert!(daemon.leftover_sandboxes().is_empty());
+}

@@ -1,0 +1,1071 @@
+//! SessionService and the policy gate over real gRPC (issue 3's acceptance
+//! list): forced sandboxes that hold from inside the harness, whatever the
+//! policy's source; tighten-only merges; restarts that pass the gate again;
+//! denials at agent_start and tool_call; in-harness policy requests; CEL
+//! errors at load and at run time; reaping; EvaluateGate as a faithful dry
+//! run; and the session's own RPCs (EndSession, CancelTurn).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::faults::{bwrap_with, BackendFaults};
+use common::{git, git_repo, kinds, require_bwrap, Options, TestDaemon, FIXTURES};
+use corral::pb;
+use corral::pb::lifecycle_event::Kind;
+use corral::pb::session_service_client::SessionServiceClient;
+use corral::policy::PolicySpec;
+use serde_json::{json, Value};
+use tempfile::TempDir;
+use tonic::transport::Channel;
+use tonic::Code;
+use tonic_types::StatusExt;
+
+/// How long any one stream may take before the test calls it a hang.
+const STREAM_LIMIT: Duration = Duration::from_secs(120);
+
+// ---------------------------------------------------------------------------
+// profiles
+
+/// The enforce_sandbox policy of the issue, as a profile guardrail.
+const FORCE_BWRAP_GUARDRAIL: &str = r#"
+[[guardrails.policies]]
+name = "force-bwrap"
+kind = "enforce_sandbox"
+arguments = { sandbox_type = "linux_bwrap", allow_network = false, write_paths = ["."] }
+"#;
+
+/// A `none` profile (network on, workspace writable) running the session
+/// agent from the workspace: `none` cannot restrict reads, so the script
+/// comes with the session's repository (see [`agent_repo`]).
+fn none_profile(id: &str, extra: &str) -> String {
+    format!(
+        r#"id = "{id}"
+version = "1.0.0"
+[rein]
+argv = ["/usr/bin/python3", "session_agent.py"]
+input = "task_json"
+[sandbox]
+type = "none"
+allow_network = true
+write_paths = ["."]
+[limits]
+timeout_seconds = 60
+max_output_bytes = 65536
+{extra}
+"#
+    )
+}
+
+/// A `linux_bwrap` profile (no network, workspace writable) running the
+/// session agent from the fixtures directory.
+fn bwrap_profile(id: &str, extra: &str) -> String {
+    format!(
+        r#"id = "{id}"
+version = "1.0.0"
+[rein]
+argv = ["/usr/bin/python3", "{FIXTURES}/session_agent.py"]
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+read_paths = ["{FIXTURES}"]
+[limits]
+timeout_seconds = 60
+max_output_bytes = 65536
+{extra}
+"#
+    )
+}
+
+/// A repository holding `session_agent.py`, so that a workspace cloned from
+/// it can run the agent under any backend (cwd is the workspace).
+fn agent_repo() -> TempDir {
+    let repo = git_repo();
+    std::fs::copy(format!("{FIXTURES}/session_agent.py"), repo.path().join("session_agent.py")).unwrap();
+    git(repo.path(), &["add", "."]);
+    git(repo.path(), &["-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "agent"]);
+    repo
+}
+
+fn repo_path(repo: &TempDir) -> String {
+    repo.path().to_string_lossy().into_owned()
+}
+
+fn force_bwrap_spec(name: &str) -> PolicySpec {
+    PolicySpec {
+        name: name.into(),
+        kind: "enforce_sandbox".into(),
+        arguments: json!({"sandbox_type": "linux_bwrap", "allow_network": false, "write_paths": ["."]}),
+        on: vec![],
+    }
+}
+
+fn wire_policy(name: &str, kind: &str, arguments: Value) -> pb::PolicySpec {
+    pb::PolicySpec { name: name.into(), kind: kind.into(), arguments_json: arguments.to_string(), on: vec![] }
+}
+
+fn daemon_options(profiles: Vec<(&str, String)>) -> Options {
+    Options { profiles: profiles.into_iter().map(|(n, t)| (n.to_string(), t)).collect(), ..Options::default() }
+}
+
+/// A session id unique to this test process and `tag` (host-wide searches
+/// by `CORRAL_SESSION_ID` must not match another test's harness).
+fn unique_id(tag: &str) -> String {
+    format!("sess-{tag}-{}", std::process::id())
+}
+
+// ---------------------------------------------------------------------------
+// RPC helpers
+
+async fn sessions(daemon: &TestDaemon) -> SessionServiceClient<Channel> {
+    SessionServiceClient::new(daemon.channel().await)
+}
+
+fn create_request(profile: &str, actor: &str, repo: &str) -> pb::CreateSessionRequest {
+    pb::CreateSessionRequest {
+        profile_ref: profile.into(),
+        actor: actor.into(),
+        project: "proj-s".into(),
+        repo: repo.into(),
+        ..Default::default()
+    }
+}
+
+async fn create(
+    client: &mut SessionServiceClient<Channel>,
+    request: pb::CreateSessionRequest,
+) -> Result<pb::Session, tonic::Status> {
+    client.create_session(request).await.map(|r| r.into_inner())
+}
+
+async fn collect(mut stream: tonic::Streaming<pb::LifecycleEvent>) -> Vec<pb::LifecycleEvent> {
+    let mut events = Vec::new();
+    let all = async {
+        while let Some(event) = stream.message().await.expect("stream ok") {
+            events.push(event);
+        }
+    };
+    tokio::time::timeout(STREAM_LIMIT, all).await.expect("the stream ends in time");
+    events
+}
+
+fn turn_request(session_id: &str, tool: &str, arguments: Value) -> pb::SendTurnRequest {
+    pb::SendTurnRequest {
+        session_id: session_id.into(),
+        tool_call: Some(pb::ToolCall { tool: tool.into(), arguments_json: arguments.to_string() }),
+    }
+}
+
+/// SendTurn, collected to its `turn_finished`.
+async fn send_turn(
+    client: &mut SessionServiceClient<Channel>,
+    session_id: &str,
+    tool: &str,
+    arguments: Value,
+) -> Vec<pb::LifecycleEvent> {
+    let stream = client.send_turn(turn_request(session_id, tool, arguments)).await.expect("turn accepted");
+    collect(stream.into_inner()).await
+}
+
+/// WatchSession from `after`; the session must have finished (the stream
+/// ends after `finished`).
+async fn watch(client: &mut SessionServiceClient<Channel>, session_id: &str, after: u64) -> Vec<pb::LifecycleEvent> {
+    let request = pb::WatchSessionRequest { session_id: session_id.into(), after_sequence: after };
+    let stream = client.watch_session(request).await.expect("watch accepted");
+    collect(stream.into_inner()).await
+}
+
+async fn end(client: &mut SessionServiceClient<Channel>, session_id: &str) -> pb::Session {
+    let request = pb::EndSessionRequest { session_id: session_id.into() };
+    client.end_session(request).await.expect("session ends").into_inner()
+}
+
+async fn get(client: &mut SessionServiceClient<Channel>, session_id: &str) -> pb::Session {
+    let request = pb::GetSessionRequest { session_id: session_id.into() };
+    client.get_session(request).await.expect("get session").into_inner()
+}
+
+/// The stream's last event, which must be a `turn_finished`.
+fn turn_finished(events: &[pb::LifecycleEvent]) -> pb::TurnFinished {
+    match events.last().and_then(|e| e.kind.clone()) {
+        Some(Kind::TurnFinished(t)) => t,
+        other => panic!("last event is not turn_finished: {other:?}\nkinds: {:?}", kinds(events)),
+    }
+}
+
+fn gated(events: &[pb::LifecycleEvent]) -> Vec<pb::Gated> {
+    events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::Gated(g)) => Some(g.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn position(events: &[pb::LifecycleEvent], what: impl Fn(&Kind) -> bool) -> Option<usize> {
+    events.iter().position(|e| e.kind.as_ref().is_some_and(&what))
+}
+
+fn session_of(events: &[pb::LifecycleEvent]) -> pb::Session {
+    match events.last().and_then(|e| e.kind.clone()) {
+        Some(Kind::Finished(pb::Finished { record: Some(pb::finished::Record::Session(s)) })) => s,
+        other => panic!("last event is not a finished session: {other:?}"),
+    }
+}
+
+fn sandbox_type(spec: &Option<pb::SandboxSpec>) -> pb::SandboxType {
+    pb::SandboxType::try_from(spec.as_ref().expect("a sandbox spec").r#type).expect("known sandbox type")
+}
+
+/// The forced sandbox of the issue: linux_bwrap, network off, workspace only.
+fn assert_forced_spec(spec: &Option<pb::SandboxSpec>, context: &str) {
+    let s = spec.as_ref().unwrap_or_else(|| panic!("{context}: no effective sandbox"));
+    assert_eq!(sandbox_type(spec), pb::SandboxType::LinuxBwrap, "{context}: {s:?}");
+    assert!(!s.allow_network, "{context}: network must be off: {s:?}");
+    assert_eq!(s.write_paths, vec!["."], "{context}: {s:?}");
+}
+
+// ---------------------------------------------------------------------------
+// what the harness sees from inside
+
+fn probe_args() -> Value {
+    json!({"probe_network": true, "probe_pid": true})
+}
+
+fn probe_line<'a>(output: &'a str, prefix: &str) -> &'a str {
+    output
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .unwrap_or_else(|| panic!("no `{prefix}` line in the harness output:\n{output}"))
+}
+
+/// Proof from inside that the harness runs under bubblewrap: no network,
+/// and a private pid namespace whose init is bwrap.
+fn assert_probe_under_bwrap(output: &str) {
+    assert!(output.contains("network: unreachable"), "network must be unreachable under the forced sandbox:\n{output}");
+    let pid1 = probe_line(output, "pid1: ");
+    assert!(pid1.contains("bwrap"), "pid 1 must be bwrap's init (private pid namespace), got {pid1:?}");
+    let pid: u32 = probe_line(output, "pid: ").trim().parse().expect("a pid");
+    assert!(pid <= 5, "in a private pid namespace the harness has a small pid, got {pid}");
+}
+
+/// The harness runs on the host: pid 1 is the host's init, not bwrap.
+fn assert_probe_not_under_bwrap(output: &str) {
+    let pid1 = probe_line(output, "pid1: ");
+    assert!(!pid1.contains("bwrap"), "a none sandbox must not be bwrap, pid 1 is {pid1:?}");
+    assert!(output.contains("network: "), "{output}");
+}
+
+async fn probe_turn(client: &mut SessionServiceClient<Channel>, session_id: &str) -> (Vec<pb::LifecycleEvent>, String) {
+    let events = send_turn(client, session_id, "probe", probe_args()).await;
+    let done = turn_finished(&events);
+    assert!(done.ok, "probe turn failed: {done:?}");
+    (events, done.output)
+}
+
+/// The harness processes of a session, found on the host by the identity
+/// every in-sandbox process carries.
+fn session_processes(session_id: &str) -> Vec<i32> {
+    let needle = format!("CORRAL_SESSION_ID={session_id}");
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else { continue };
+        if environ.split(|b| *b == 0).any(|var| var == needle.as_bytes()) && running(pid) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Alive and not a zombie.
+fn running(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+    !matches!(state, Some('Z') | Some('X') | None)
+}
+
+// ---------------------------------------------------------------------------
+// 1. a forced sandbox, proven from inside
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn profile_enforce_sandbox_runs_a_none_profile_under_bwrap() {
+    require_bwrap();
+    let profile = none_profile("test.none-forced", FORCE_BWRAP_GUARDRAIL);
+    let daemon = TestDaemon::start(daemon_options(vec![("forced.toml", profile)])).await;
+    let repo = agent_repo();
+    let mut client = sessions(&daemon).await;
+
+    let session =
+        create(&mut client, create_request("test.none-forced", "adm", &repo_path(&repo))).await.expect("created");
+    assert_eq!(session.state, pb::SessionState::Active as i32, "{session:?}");
+    assert_forced_spec(&session.effective_sandbox, "CreateSession");
+
+    let (events, output) = probe_turn(&mut client, &session.session_id).await;
+    assert_probe_under_bwrap(&output);
+    assert_eq!(turn_finished(&events).tool, "probe");
+
+    let ended = end(&mut client, &session.session_id).await;
+    assert_eq!(ended.state, pb::SessionState::Ended as i32, "{ended:?}");
+    let history = watch(&mut client, &session.session_id, 0).await;
+    let start = &gated(&history)[0];
+    assert_eq!(start.phase, "agent_start");
+    assert_eq!(start.action, pb::GateAction::Allow as i32);
+    assert_forced_spec(&start.effective_sandbox, "gated event");
+    let profile_decision = start.decisions.iter().find(|d| d.policy == "force-bwrap").expect("force-bwrap decided");
+    assert_eq!(profile_decision.source, "profile");
+    let ready = history
+        .iter()
+        .find_map(|e| match &e.kind {
+            Some(Kind::SandboxReady(r)) => Some(r.clone()),
+            _ => None,
+        })
+        .expect("sandbox_ready");
+    assert_eq!(ready.backend, pb::SandboxType::LinuxBwrap as i32, "{ready:?}");
+    assert!(ready.receipt.expect("receipt").network_isolated);
+    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_none_profile_without_the_policy_runs_unchanged() {
+    require_bwrap();
+    let profile = none_profile("test.none-plain", "");
+    let daemon = TestDaemon::start(daemon_options(vec![("plain.toml", profile)])).await;
+    let repo = agent_repo();
+    let mut client = sessions(&daemon).await;
+
+    let session =
+        create(&mut client, create_request("test.none-plain", "adm", &repo_path(&repo))).await.expect("created");
+    let spec = session.effective_sandbox.clone().expect("effective sandbox");
+    assert_eq!(sandbox_type(&session.effective_sandbox), pb::SandboxType::None, "{spec:?}");
+    assert!(spec.allow_network, "{spec:?}");
+    assert_eq!(spec.write_paths, vec!["."]);
+    assert!(spec.read_paths.is_empty(), "{spec:?}");
+
+    let (_, output) = probe_turn(&mut client, &session.session_id).await;
+    assert_probe_not_under_bwrap(&output);
+
+    end(&mut client, &session.session_id).await;
+    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 2. the same enforcement from the admin config and from the session
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_enforce_sandbox_runs_a_none_profile_under_bwrap() {
+    require_bwrap();
+    let mut options = daemon_options(vec![("plain.toml", none_profile("test.none-plain", ""))]);
+    options.config = Box::new(|config| config.policies = vec![force_bwrap_spec("admin-force-bwrap")]);
+    let daemon = TestDaemon::start(options).await;
+    let repo = agent_repo();
+    let mut client = sessions(&daemon).await;
+
+    let session =
+        create(&mut client, create_request("test.none-plain", "adm", &repo_path(&repo))).await.expect("created");
+    assert_forced_spec(&session.effective_sandbox, "CreateSession with an admin policy");
+    let (_, output) = probe_turn(&mut client, &session.session_id).await;
+    assert_probe_under_bwrap(&output);
+
+    end(&mut client, &session.session_id).await;
+    let history = watch(&mut client, &session.session_id, 0).await;
+    let start = &gated(&history)[0];
+    let decision = start.decisions.iter().find(|d| d.policy == "admin-force-bwrap").expect("admin policy decided");
+    assert_eq!(decision.source, "admin");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_enforce_sandbox_runs_a_none_profile_under_bwrap() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![("plain.toml", none_profile("test.none-plain", ""))])).await;
+    let repo = agent_repo();
+    let mut client = sessions(&daemon).await;
+    let policy = wire_policy(
+        "session-force-bwrap",
+        "enforce_sandbox",
+        json!({"sandbox_type": "linux_bwrap", "allow_network": false, "write_paths": ["."]}),
+    );
+
+    // Only an adm caller may bring policies.
+    let mut request = create_request("test.none-plain", "agt", &repo_path(&repo));
+    request.policies = vec![policy.clone()];
+    let status = create(&mut client, request).await.expect_err("a non-adm caller may not set policies");
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+
+    let mut request = create_request("test.none-plain", "adm", &repo_path(&repo));
+    request.policies = vec![policy];
+    let session = create(&mut client, request).await.expect("created");
+    assert_forced_spec(&session.effective_sandbox, "CreateSession with a session policy");
+    let (_, output) = probe_turn(&mut client, &session.session_id).await;
+    assert_probe_under_bwrap(&output);
+
+    end(&mut client, &session.session_id).await;
+    let history = watch(&mut client, &session.session_id, 0).await;
+    let start = &gated(&history)[0];
+    let decision = start.decisions.iter().find(|d| d.policy == "session-force-bwrap").expect("session policy decided");
+    assert_eq!(decision.source, "session");
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 3. tighten-only
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enforce_sandbox_never_loosens_a_spec() {
+    require_bwrap();
+    let loosen = r#"
+[[guardrails.policies]]
+name = "try-to-loosen"
+kind = "enforce_sandbox"
+arguments = { allow_network = true, write_paths = [".", "/etc"], sandbox_type = "none" }
+"#;
+    let daemon = TestDaemon::start(daemon_options(vec![("loose.toml", bwrap_profile("test.loosen", loosen))])).await;
+    let mut client = sessions(&daemon).await;
+    let mut catalog = daemon.catalog().await;
+
+    let dry = catalog
+        .evaluate_gate(pb::EvaluateGateRequest {
+            profile_ref: "test.loosen".into(),
+            actor: "adm".into(),
+            project: "proj-s".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("evaluate gate")
+        .into_inner();
+    assert_eq!(dry.action, pb::GateAction::Allow as i32, "{dry:?}");
+    assert_forced_spec(&dry.effective_sandbox, "EvaluateGate");
+    assert!(!dry.effective_sandbox.as_ref().unwrap().write_paths.contains(&"/etc".to_string()));
+
+    let session = create(&mut client, create_request("test.loosen", "adm", "")).await.expect("created");
+    let spec = session.effective_sandbox.clone().expect("effective sandbox");
+    assert_forced_spec(&session.effective_sandbox, "CreateSession");
+    assert!(!spec.write_paths.iter().any(|p| p == "/etc"), "/etc must not be added: {spec:?}");
+
+    // And from inside: still no network, and the host's /etc was not bound
+    // writable (a write there, if it succeeds at all, lands in the
+    // sandbox's own ephemeral root, never on the host).
+    let probe_file = format!("/etc/corral-probe-{}", std::process::id());
+    let arguments = json!({"probe_network": true, "probe_write": probe_file});
+    let events = send_turn(&mut client, &session.session_id, "probe", arguments).await;
+    let done = turn_finished(&events);
+    assert!(done.ok, "{done:?}");
+    assert!(done.output.contains("network: unreachable"), "{}", done.output);
+    let on_host = std::path::Path::new(&probe_file).exists();
+    if on_host {
+        let _ = std::fs::remove_file(&probe_file);
+    }
+    assert!(!on_host, "the harness wrote the host's /etc: {}", done.output);
+
+    end(&mut client, &session.session_id).await;
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 4. a dead harness is restarted through the gate, under the same sandbox
+
+/// Checks a restart turn's own events and the whole history: `gated`
+/// (agent_start, forced sandbox) precedes `harness_restarted`, and the
+/// restarted harness is under bwrap again.
+async fn assert_restarted_under_forced_sandbox(
+    client: &mut SessionServiceClient<Channel>,
+    session_id: &str,
+    turns_before: usize,
+) {
+    let (events, output) = probe_turn(client, session_id).await;
+    assert_probe_under_bwrap(&output);
+    let start = position(&events, |k| matches!(k, Kind::Gated(g) if g.phase == "agent_start"))
+        .unwrap_or_else(|| panic!("no agent_start gate before the restart: {:?}", kinds(&events)));
+    let restarted = position(&events, |k| matches!(k, Kind::HarnessRestarted(_)))
+        .unwrap_or_else(|| panic!("no harness_restarted: {:?}", kinds(&events)));
+    assert!(start < restarted, "the gate must run before the restart: {:?}", kinds(&events));
+    match &events[start].kind {
+        Some(Kind::Gated(g)) => {
+            assert_eq!(g.action, pb::GateAction::Allow as i32);
+            assert_forced_spec(&g.effective_sandbox, "restart gate");
+        }
+        _ => unreachable!(),
+    }
+    let dispatched = position(&events, |k| matches!(k, Kind::Dispatched(_))).expect("dispatched");
+    assert!(restarted < dispatched, "{:?}", kinds(&events));
+
+    let ended = end(client, session_id).await;
+    assert_eq!(ended.restarts, 1, "{ended:?}");
+    let history = watch(client, session_id, 0).await;
+    let names = kinds(&history);
+    let agent_starts: Vec<usize> = history
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| matches!(&e.kind, Some(Kind::Gated(g)) if g.phase == "agent_start"))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(agent_starts.len(), 2, "one gate for the start, one for the restart: {names:?}");
+    let restarted = names.iter().position(|k| *k == "harness_restarted").expect("harness_restarted");
+    assert_eq!(names.iter().filter(|k| **k == "harness_restarted").count(), 1, "{names:?}");
+    assert!(agent_starts[1] < restarted, "{names:?}");
+    assert_eq!(names.iter().filter(|k| **k == "turn_finished").count(), turns_before + 1, "{names:?}");
+    // No turn_finished between the restart gate and the restart itself.
+    assert!(names[agent_starts[1]..restarted].iter().all(|k| *k == "gated"), "{names:?}");
+    assert_eq!(&names[..4], &["accepted", "resolved", "gated", "sandbox_ready"], "{names:?}");
+    assert_eq!(&names[names.len() - 2..], &["teardown", "finished"], "{names:?}");
+    for g in gated(&history).iter().filter(|g| g.phase == "agent_start") {
+        assert_forced_spec(&g.effective_sandbox, "every agent_start gate");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_harness_that_dies_mid_turn_restarts_through_the_gate_under_the_forced_sandbox() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![(
+        "forced.toml",
+        none_profile("test.none-forced", FORCE_BWRAP_GUARDRAIL),
+    )]))
+    .await;
+    let repo = agent_repo();
+    let mut client = sessions(&daemon).await;
+    let session =
+        create(&mut client, create_request("test.none-forced", "adm", &repo_path(&repo))).await.expect("created");
+
+    let (_, output) = probe_turn(&mut client, &session.session_id).await;
+    assert_probe_under_bwrap(&output);
+    let events = send_turn(&mut client, &session.session_id, "die", json!({"exit": 3})).await;
+    let died = turn_finished(&events);
+    assert!(!died.ok, "a harness that exits mid-turn fails the turn: {died:?}");
+    assert!(died.raw_error.contains("status 3"), "{died:?}");
+
+    assert_restarted_under_forced_sandbox(&mut client, &session.session_id, 2).await;
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_harness_killed_from_outside_restarts_through_the_gate_under_the_forced_sandbox() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![(
+        "forced.toml",
+        none_profile("test.none-forced", FORCE_BWRAP_GUARDRAIL),
+    )]))
+    .await;
+    let repo = agent_repo();
+    let mut client = sessions(&daemon).await;
+    let mut request = create_request("test.none-forced", "adm", &repo_path(&repo));
+    request.session_id = unique_id("killed");
+    let session = create(&mut client, request).await.expect("created");
+
+    let events = send_turn(&mut client, &session.session_id, "echo", json!({"echo": "alive"})).await;
+    assert!(turn_finished(&events).output.contains("echo alive"));
+
+    let victims = session_processes(&session.session_id);
+    assert!(!victims.is_empty(), "the harness's processes carry CORRAL_SESSION_ID");
+    for pid in &victims {
+        // SAFETY: kill(2) on pids this test found; no memory is involved.
+        unsafe {
+            libc::kill(*pid, libc::SIGKILL);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !session_processes(&session.session_id).is_empty() {
+        assert!(Instant::now() < deadline, "the killed harness is still running");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Let bwrap's outer process notice its child is gone.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    assert_restarted_under_forced_sandbox(&mut client, &session.session_id, 1).await;
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 5. denials at agent_start and at tool_call
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_start_deny_is_permission_denied_and_creates_no_sandbox() {
+    require_bwrap();
+    let only_adm = r#"
+[[guardrails.policies]]
+name = "only-adm"
+kind = "allowed_actors"
+arguments = { types = ["adm"] }
+"#;
+    let (backends, log) = bwrap_with(BackendFaults::default());
+    let mut options = daemon_options(vec![("adm.toml", bwrap_profile("test.adm-only", only_adm))]);
+    options.backends = Some(backends);
+    let daemon = TestDaemon::start(options).await;
+    let mut client = sessions(&daemon).await;
+
+    let mut request = create_request("test.adm-only", "agt", "");
+    request.session_id = unique_id("denied");
+    let status = create(&mut client, request).await.expect_err("agt is not allowed to start this harness");
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    let info = status.get_details_error_info().unwrap_or_else(|| panic!("no ErrorInfo: {status:?}"));
+    assert_eq!(info.reason, "AGENT_START_DENIED", "{info:?}");
+    assert_eq!(info.metadata.get("policy").map(String::as_str), Some("only-adm"), "{info:?}");
+    let reason = info.metadata.get("reason").expect("a reason");
+    assert!(reason.contains("agt"), "the reason says why: {reason:?}");
+    assert_eq!(log.lock().unwrap().creates, 0, "no sandbox may be created for a denied start");
+    assert!(daemon.leftover_sandboxes().is_empty());
+
+    let record = get(&mut client, &unique_id("denied")).await;
+    assert_eq!(record.state, pb::SessionState::Refused as i32, "{record:?}");
+    let history = watch(&mut client, &unique_id("denied"), 0).await;
+    let names = kinds(&history);
+    assert_eq!(names, vec!["accepted", "resolved", "gated", "teardown", "finished"], "{names:?}");
+    assert_eq!(gated(&history)[0].action, pb::GateAction::Deny as i32);
+
+    // The same profile starts for adm.
+    let session = create(&mut client, create_request("test.adm-only", "adm", "")).await.expect("adm may start it");
+    assert_eq!(log.lock().unwrap().creates, 1);
+    end(&mut client, &session.session_id).await;
+    daemon.stop().await;
+}
+
+const NO_RM: &str = r#"
+[[guardrails.policies]]
+name = "no-rm"
+kind = "expr"
+arguments = { expression = "tool != 'rm'", reason = "rm is not allowed" }
+on = ["tool_call"]
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_call_deny_fails_the_turn_and_the_session_stays_usable() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![("norm.toml", bwrap_profile("test.no-rm", NO_RM))])).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.no-rm", "agt", "")).await.expect("created");
+
+    let events = send_turn(&mut client, &session.session_id, "rm", json!({"echo": "should not run"})).await;
+    let gates = gated(&events);
+    assert_eq!(gates.len(), 1, "{:?}", kinds(&events));
+    assert_eq!(gates[0].phase, "tool_call");
+    assert_eq!(gates[0].action, pb::GateAction::Deny as i32, "{:?}", gates[0]);
+    let deny = gates[0].decisions.iter().find(|d| d.policy == "no-rm").expect("no-rm decided");
+    assert_eq!(deny.reason, "rm is not allowed");
+    assert!(position(&events, |k| matches!(k, Kind::Dispatched(_))).is_none(), "a denied call is not dispatched");
+    let done = turn_finished(&events);
+    assert!(!done.ok, "{done:?}");
+    assert!(done.error.contains("rm is not allowed"), "{done:?}");
+    assert!(done.error.contains("no-rm"), "the deciding policy is named: {done:?}");
+    assert!(!done.output.contains("should not run"), "{done:?}");
+
+    let events = send_turn(&mut client, &session.session_id, "echo", json!({"echo": "x"})).await;
+    let done = turn_finished(&events);
+    assert!(done.ok, "the session stays usable after a denied turn: {done:?}");
+    assert!(done.output.contains("echo x"), "{done:?}");
+    assert_eq!(gated(&events)[0].action, pb::GateAction::Allow as i32);
+    assert!(position(&events, |k| matches!(k, Kind::HarnessRestarted(_))).is_none(), "{:?}", kinds(&events));
+
+    let ended = end(&mut client, &session.session_id).await;
+    assert_eq!(ended.turns, 2, "{ended:?}");
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 6. in-harness policy requests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_requests_from_inside_the_harness_get_the_tool_call_verdict() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![("norm.toml", bwrap_profile("test.no-rm", NO_RM))])).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.no-rm", "agt", "")).await.expect("created");
+
+    let events =
+        send_turn(&mut client, &session.session_id, "plan", json!({"ask": {"tool": "rm", "arguments": {}}})).await;
+    let done = turn_finished(&events);
+    assert!(done.ok, "{done:?}");
+    assert!(done.output.contains("verdict rm: deny"), "{}", done.output);
+    assert!(done.output.contains("rm is not allowed"), "the verdict carries the reason: {}", done.output);
+    let gates = gated(&events);
+    assert_eq!(gates.len(), 2, "one gate for the turn, one for the request: {:?}", kinds(&events));
+    assert_eq!(gates[1].phase, "tool_call");
+    assert_eq!(gates[1].action, pb::GateAction::Deny as i32);
+
+    let events =
+        send_turn(&mut client, &session.session_id, "plan", json!({"ask": {"tool": "ls", "arguments": {"path": "."}}}))
+            .await;
+    let done = turn_finished(&events);
+    assert!(done.ok, "{done:?}");
+    assert!(done.output.contains("verdict ls: allow"), "{}", done.output);
+
+    end(&mut client, &session.session_id).await;
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 7. CEL: a syntax error stops the daemon's start; a run-time error denies
+
+async fn build_error(profiles: Vec<(&str, String)>, policies: Vec<PolicySpec>) -> String {
+    let data = tempfile::tempdir().unwrap();
+    let dir = data.path().join("profiles");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, text) in &profiles {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    let config = corral::config::Config {
+        data_dir: data.path().join("data"),
+        profile_dirs: vec![dir],
+        shutdown_grace_seconds: 5,
+        policies,
+        ..corral::config::Config::default()
+    };
+    match corral::daemon::Daemon::build(
+        config,
+        corral::sandbox::Backends::host_default(),
+        corral::daemon::default_reins(),
+    )
+    .await
+    {
+        Ok(_) => panic!("the daemon must not start"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cel_syntax_error_fails_the_daemon_start_naming_the_file_and_policy() {
+    require_bwrap();
+    let broken = r#"
+[[guardrails.policies]]
+name = "bad-cel"
+kind = "expr"
+arguments = { expression = "tool == ", reason = "never" }
+"#;
+    let error = build_error(vec![("broken.toml", bwrap_profile("test.broken", broken))], vec![]).await;
+    assert!(error.contains("broken.toml"), "the file is named: {error}");
+    assert!(error.contains("bad-cel"), "the policy is named: {error}");
+    assert!(error.to_lowercase().contains("syntax"), "{error}");
+
+    let admin = PolicySpec {
+        name: "bad-admin-cel".into(),
+        kind: "expr".into(),
+        arguments: json!({"expression": "actor == ", "reason": "never"}),
+        on: vec![],
+    };
+    let error = build_error(vec![], vec![admin]).await;
+    assert!(error.contains("policies"), "the config key is named: {error}");
+    assert!(error.contains("bad-admin-cel"), "the policy is named: {error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cel_expression_that_fails_at_run_time_denies() {
+    require_bwrap();
+    let fragile = r#"
+[[guardrails.policies]]
+name = "fragile"
+kind = "expr"
+arguments = { expression = "arguments.missing.deeper == 1", reason = "never says this" }
+on = ["tool_call"]
+"#;
+    let daemon =
+        TestDaemon::start(daemon_options(vec![("fragile.toml", bwrap_profile("test.fragile", fragile))])).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.fragile", "agt", "")).await.expect("created");
+
+    let events = send_turn(&mut client, &session.session_id, "echo", json!({"echo": "x"})).await;
+    let gates = gated(&events);
+    assert_eq!(gates[0].action, pb::GateAction::Deny as i32, "{gates:?}");
+    let done = turn_finished(&events);
+    assert!(!done.ok, "{done:?}");
+    assert!(done.error.contains("fail closed"), "{done:?}");
+    assert!(done.error.contains("fragile"), "{done:?}");
+    assert!(position(&events, |k| matches!(k, Kind::Dispatched(_))).is_none(), "{:?}", kinds(&events));
+
+    end(&mut client, &session.session_id).await;
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 8. reaping
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_session_is_reaped_and_torn_down() {
+    require_bwrap();
+    let mut options = daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))]);
+    options.config = Box::new(|config| config.session_idle_seconds = 1);
+    let daemon = TestDaemon::start(options).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.session", "agt", "")).await.expect("created");
+
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let record = get(&mut client, &session.session_id).await;
+        if record.state == pb::SessionState::Reaped as i32 {
+            let evidence = record.evidence.expect("evidence");
+            assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{evidence:?}");
+            assert_eq!(evidence.session_cleanup, pb::TeardownResult::Succeeded as i32, "{evidence:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the idle session was not reaped in 20 s: {record:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let history = watch(&mut client, &session.session_id, 0).await;
+    let names = kinds(&history);
+    assert_eq!(&names[names.len() - 3..], &["reaped", "teardown", "finished"], "{names:?}");
+    assert_eq!(session_of(&history).state, pb::SessionState::Reaped as i32);
+    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+
+    let status = client
+        .send_turn(turn_request(&session.session_id, "echo", json!({"echo": "late"})))
+        .await
+        .expect_err("a reaped session takes no turns");
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_with_a_turn_in_flight_is_not_reaped() {
+    require_bwrap();
+    let mut options = daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))]);
+    options.config = Box::new(|config| config.session_idle_seconds = 1);
+    let daemon = TestDaemon::start(options).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.session", "agt", "")).await.expect("created");
+
+    let events = send_turn(&mut client, &session.session_id, "slow", json!({"sleep": 3, "echo": "done"})).await;
+    let done = turn_finished(&events);
+    assert!(done.ok, "a turn longer than the idle time completes: {done:?}");
+    assert!(done.output.contains("echo done"), "{done:?}");
+    assert!(position(&events, |k| matches!(k, Kind::Reaped(_))).is_none(), "{:?}", kinds(&events));
+    let record = get(&mut client, &session.session_id).await;
+    assert_eq!(record.state, pb::SessionState::Active as i32, "not reaped mid-turn: {record:?}");
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 9. EvaluateGate is a faithful dry run
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evaluate_gate_matches_create_session() {
+    require_bwrap();
+    let only_adm = r#"
+[[guardrails.policies]]
+name = "only-adm"
+kind = "allowed_actors"
+arguments = { types = ["adm"] }
+"#;
+    let mut options = daemon_options(vec![
+        ("forced.toml", none_profile("test.none-forced", FORCE_BWRAP_GUARDRAIL)),
+        ("adm.toml", bwrap_profile("test.adm-only", only_adm)),
+    ]);
+    options.config = Box::new(|config| {
+        config.policies = vec![PolicySpec {
+            name: "admin-actors".into(),
+            kind: "allowed_actors".into(),
+            arguments: json!({"types": ["adm", "agt"]}),
+            on: vec![],
+        }]
+    });
+    let daemon = TestDaemon::start(options).await;
+    let repo = agent_repo();
+    let mut client = sessions(&daemon).await;
+    let mut catalog = daemon.catalog().await;
+    let session_policies = vec![
+        wire_policy("session-timeout", "max_timeout", json!({"seconds": 30})),
+        wire_policy("session-no-env", "enforce_sandbox", json!({"env_passthrough": []})),
+    ];
+
+    let cases = [
+        ("test.none-forced", "adm", repo_path(&repo), session_policies.clone(), unique_id("eval-allow")),
+        ("test.adm-only", "agt", String::new(), vec![], unique_id("eval-deny")),
+    ];
+    for (profile, actor, repo, policies, session_id) in cases {
+        let dry = catalog
+            .evaluate_gate(pb::EvaluateGateRequest {
+                profile_ref: profile.into(),
+                actor: actor.into(),
+                project: "proj-s".into(),
+                repo: repo.clone(),
+                policies: policies.clone(),
+            })
+            .await
+            .expect("evaluate gate")
+            .into_inner();
+        let mut request = create_request(profile, actor, &repo);
+        request.session_id = session_id.clone();
+        request.policies = policies;
+        let created = create(&mut client, request).await;
+        if dry.action == pb::GateAction::Allow as i32 {
+            let session = created.expect("the dry run allowed it");
+            assert_eq!(session.effective_sandbox, dry.effective_sandbox, "{profile}");
+            end(&mut client, &session_id).await;
+        } else {
+            let status = created.expect_err("the dry run denied it");
+            assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+        }
+        let history = watch(&mut client, &session_id, 0).await;
+        let real = &gated(&history)[0];
+        assert_eq!(real.phase, "agent_start");
+        assert_eq!(real.action, dry.action, "{profile}: action");
+        assert_eq!(real.decisions, dry.decisions, "{profile}: decisions");
+        assert_eq!(real.effective_sandbox, dry.effective_sandbox, "{profile}: effective sandbox");
+    }
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 10. EndSession and CancelTurn
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn end_session_tears_down_and_cancel_turn_only_acts_on_a_turn_in_flight() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))])).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.session", "agt", "")).await.expect("created");
+    let id = session.session_id.clone();
+
+    // Nothing in flight: nothing to cancel.
+    let status =
+        client.cancel_turn(pb::CancelTurnRequest { session_id: id.clone() }).await.expect_err("no turn is in flight");
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+
+    // A long turn, cancelled once it is dispatched.
+    let mut stream =
+        client.send_turn(turn_request(&id, "slow", json!({"sleep": 30}))).await.expect("turn accepted").into_inner();
+    let mut events = Vec::new();
+    let dispatched = async {
+        while let Some(event) = stream.message().await.expect("stream ok") {
+            let is_dispatched = matches!(event.kind, Some(Kind::Dispatched(_)));
+            events.push(event);
+            if is_dispatched {
+                return;
+            }
+        }
+        panic!("the stream ended before dispatch: {:?}", kinds(&events));
+    };
+    tokio::time::timeout(STREAM_LIMIT, dispatched).await.expect("dispatched in time");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    client.cancel_turn(pb::CancelTurnRequest { session_id: id.clone() }).await.expect("cancel accepted");
+    events.extend(collect(stream).await);
+    assert!(started.elapsed() < Duration::from_secs(15), "the cancel ended the turn early");
+    let done = turn_finished(&events);
+    assert!(!done.ok, "{done:?}");
+    assert_eq!(done.error, "turn cancelled", "{done:?}");
+
+    // The session is still usable: the next turn restarts the harness
+    // through the gate.
+    let events = send_turn(&mut client, &id, "echo", json!({"echo": "after cancel"})).await;
+    let done = turn_finished(&events);
+    assert!(done.ok, "{done:?}");
+    assert!(done.output.contains("echo after cancel"), "{done:?}");
+    let start =
+        position(&events, |k| matches!(k, Kind::Gated(g) if g.phase == "agent_start")).expect("agent_start gate");
+    let restarted = position(&events, |k| matches!(k, Kind::HarnessRestarted(_))).expect("harness_restarted");
+    assert!(start < restarted, "{:?}", kinds(&events));
+
+    let listed = client.list_sessions(pb::ListSessionsRequest::default()).await.expect("list sessions").into_inner();
+    assert!(listed.sessions.iter().any(|s| s.session_id == id && s.state == pb::SessionState::Active as i32));
+
+    let ended = end(&mut client, &id).await;
+    assert_eq!(ended.state, pb::SessionState::Ended as i32, "{ended:?}");
+    let evidence = ended.evidence.clone().expect("evidence");
+    assert_eq!(evidence.session_cleanup, pb::TeardownResult::Succeeded as i32, "{evidence:?}");
+    assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{evidence:?}");
+    assert_eq!(ended.turns, 2, "{ended:?}");
+    assert!(ended.ended_at.is_some());
+    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+
+    // Ended: GetSession agrees, no more turns or cancels.
+    assert_eq!(get(&mut client, &id).await.state, pb::SessionState::Ended as i32);
+    let status = client.send_turn(turn_request(&id, "echo", json!({}))).await.expect_err("ended");
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    let status = client.cancel_turn(pb::CancelTurnRequest { session_id: id.clone() }).await.expect_err("ended");
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+
+    let history = watch(&mut client, &id, 0).await;
+    let names = kinds(&history);
+    assert_eq!(&names[names.len() - 2..], &["teardown", "finished"], "{names:?}");
+    let sequences: Vec<u64> = history.iter().map(|e| e.sequence).collect();
+    assert_eq!(sequences, (1..=history.len() as u64).collect::<Vec<_>>(), "no gaps");
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// around the acceptance list: re-validation of the merged sandbox, argument
+// schemas checked at load, and a tool_call built-in
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merged_sandbox_the_host_cannot_enforce_is_denied() {
+    require_bwrap();
+    // none + "network off" cannot be enforced: the gate must deny rather
+    // than run a none sandbox that claims no network.
+    let no_net = r#"
+[[guardrails.policies]]
+name = "network-off"
+kind = "enforce_sandbox"
+arguments = { allow_network = false }
+"#;
+    let (backends, log) = bwrap_with(BackendFaults::default());
+    let mut options = daemon_options(vec![("nonet.toml", none_profile("test.none-no-net", no_net))]);
+    options.backends = Some(backends);
+    let daemon = TestDaemon::start(options).await;
+    let repo = agent_repo();
+    let mut client = sessions(&daemon).await;
+
+    let status = create(&mut client, create_request("test.none-no-net", "adm", &repo_path(&repo)))
+        .await
+        .expect_err("none without network is not enforceable");
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    let info = status.get_details_error_info().unwrap_or_else(|| panic!("no ErrorInfo: {status:?}"));
+    assert_eq!(info.reason, "AGENT_START_DENIED", "{info:?}");
+    assert_eq!(info.metadata.get("policy").map(String::as_str), Some("host_enforceability"), "{info:?}");
+    assert_eq!(log.lock().unwrap().creates, 0);
+    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_policy_arguments_fail_the_daemon_start_naming_the_file_and_policy() {
+    require_bwrap();
+    let unknown_field = r#"
+[[guardrails.policies]]
+name = "typo"
+kind = "enforce_sandbox"
+arguments = { allow_netwrk = false }
+"#;
+    let error = build_error(vec![("typo.toml", bwrap_profile("test.typo", unknown_field))], vec![]).await;
+    assert!(error.contains("typo.toml") && error.contains("typo") && error.contains("allow_netwrk"), "{error}");
+
+    let wrong_type = r#"
+[[guardrails.policies]]
+name = "short"
+kind = "max_timeout"
+arguments = { seconds = "ten" }
+"#;
+    let error = build_error(vec![("short.toml", bwrap_profile("test.short", wrong_type))], vec![]).await;
+    assert!(error.contains("short.toml") && error.contains("short"), "{error}");
+
+    let unknown_kind = PolicySpec { name: "mystery".into(), kind: "sudo".into(), arguments: json!({}), on: vec![] };
+    let error = build_error(vec![], vec![unknown_kind]).await;
+    assert!(error.contains("policies") && error.contains("mystery") && error.contains("sudo"), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_tool_calls_denies_past_the_limit_and_the_session_stays_open() {
+    require_bwrap();
+    let limit = r#"
+[[guardrails.policies]]
+name = "two-calls"
+kind = "max_tool_calls"
+arguments = { limit = 2 }
+"#;
+    let daemon = TestDaemon::start(daemon_options(vec![("limit.toml", bwrap_profile("test.limit", limit))])).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.limit", "agt", "")).await.expect("created");
+    for n in 1..=2 {
+        let events = send_turn(&mut client, &session.session_id, "echo", json!({"echo": n})).await;
+        assert!(turn_finished(&events).ok, "turn {n}: {:?}", turn_finished(&events));
+    }
+    let events = send_turn(&mut client, &session.session_id, "echo", json!({"echo": 3})).await;
+    let done = turn_finished(&events);
+    assert!(!done.ok, "{done:?}");
+    assert!(done.error.contains("two-calls"), "{done:?}");
+    assert_eq!(get(&mut client, &session.session_id).await.state, pb::SessionState::Active as i32);
+    end(&mut client, &session.session_id).await;
+    daemon.stop().await;
+}
