@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::credentials::CredentialsConfig;
+use crate::hub::HubConfig;
 use crate::policy::PolicySpec;
 
 #[derive(Clone, Debug, Deserialize)]
@@ -30,13 +32,10 @@ pub struct Config {
     pub repo_roots: Vec<PathBuf>,
     /// The daemon's admin policies, evaluated after session and profile ones.
     pub policies: Vec<PolicySpec>,
+    /// Where reports go (`report_to_hub`); none: reports are refused.
     pub hub: Option<HubConfig>,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HubConfig {
-    pub url: String,
+    /// Credential routes profiles may name in `credential_route_refs`.
+    pub credentials: CredentialsConfig,
 }
 
 impl Default for Config {
@@ -52,6 +51,7 @@ impl Default for Config {
             repo_roots: Vec::new(),
             policies: Vec::new(),
             hub: None,
+            credentials: CredentialsConfig::default(),
         }
     }
 }
@@ -140,6 +140,10 @@ impl Config {
         if self.watch_buffer < 16 {
             return Err(invalid("watch_buffer", "must be at least 16".into()));
         }
+        if let Some(hub) = &self.hub {
+            hub.validate().map_err(|(key, message)| invalid(&key, message))?;
+        }
+        self.credentials.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {
             if !root.is_absolute() {
                 return Err(invalid("repo_roots", format!("{} must be absolute", root.display())));

@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::{self, ApiParts, ServeError};
 use crate::catalog::{Catalog, CatalogError};
 use crate::config::Config;
+use crate::hub::Hub;
 use crate::lifecycle::{Engine, EngineParts};
 use crate::policy::{compile_all, Gate, HostCapabilities};
 use crate::rein::{CommandRein, Rein};
@@ -57,7 +58,8 @@ impl Daemon {
         std::fs::create_dir_all(data_dir.join("sandboxes"))
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
         let store = Store::open(data_dir).await?;
-        let catalog = Arc::new(Catalog::load(&config.profile_dirs)?);
+        let routes: Vec<&str> = config.credentials.names().collect();
+        let catalog = Arc::new(Catalog::load(&config.profile_dirs, &routes)?);
         // Probed once: a host that cannot run bwrap refuses bwrap profiles
         // at the gate, with the reason, instead of running them unsandboxed.
         let host = HostCapabilities { bwrap: backends.linux_bwrap.probe().await.map_err(|e| e.to_string()) };
@@ -66,6 +68,7 @@ impl Daemon {
         }
         let admin = compile_all(&config.policies, "admin", "policies").map_err(StartError::Policies)?;
         let gate = Arc::new(Gate::new(admin, host));
+        let hub = config.hub.clone().map(|hub| Hub::new(hub, store.clone()));
         let engine = Engine::new(EngineParts {
             catalog: catalog.clone(),
             gate: gate.clone(),
@@ -74,10 +77,15 @@ impl Daemon {
             store,
             data_dir: data_dir.clone(),
             bus_capacity: config.watch_buffer,
-            hub_configured: config.hub.is_some(),
+            hub: hub.clone(),
+            credentials: Arc::new(config.credentials.clone()),
         });
         // Before serving: nothing a crashed predecessor left may linger.
         engine.recover().await.map_err(|e| StartError::Recovery(e.to_string()))?;
+        if let Some(hub) = &hub {
+            // After recovery, so reports of recovered executions go too.
+            hub.spawn();
+        }
         engine.spawn_reaper(Duration::from_secs(config.session_idle_seconds));
         let retention = Duration::from_secs(config.event_retention_seconds);
         engine.spawn_compactor(retention, (retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(3600)));

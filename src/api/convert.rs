@@ -332,6 +332,8 @@ pub fn profile(p: &Profile) -> pb::Profile {
         digest: p.digest.clone(),
         source: p.source.clone(),
         description: f.description.clone(),
+        usable: p.unusable.is_none(),
+        unusable_reason: p.unusable.clone().unwrap_or_default(),
     }
 }
 

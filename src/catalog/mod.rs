@@ -32,13 +32,16 @@ pub enum CatalogError {
 #[derive(Debug, Default)]
 pub struct Catalog {
     profiles: BTreeMap<String, BTreeMap<semver::Version, Arc<Profile>>>,
+    /// The credential routes the daemon's config defines.
+    routes: Vec<String>,
 }
 
 impl Catalog {
     /// The built-in profiles plus every `*.toml` in `dirs`. A malformed file
     /// is an error naming the file and the key.
-    pub fn load(dirs: &[impl AsRef<Path>]) -> Result<Catalog, CatalogError> {
-        let mut catalog = Catalog::default();
+    pub fn load(dirs: &[impl AsRef<Path>], credential_routes: &[&str]) -> Result<Catalog, CatalogError> {
+        let mut catalog =
+            Catalog { routes: credential_routes.iter().map(|r| r.to_string()).collect(), ..Catalog::default() };
         for file in builtin::builtin_profiles() {
             let profile = Profile::from_file(file, "builtin".into())
                 .map_err(|message| CatalogError::Invalid { file: "builtin".into(), message })?;
@@ -71,7 +74,12 @@ impl Catalog {
         Ok(())
     }
 
-    fn insert(&mut self, profile: Profile) -> Result<(), CatalogError> {
+    fn insert(&mut self, mut profile: Profile) -> Result<(), CatalogError> {
+        // An unknown route makes the profile unusable, not the daemon: it is
+        // listed with the reason and refused at resolution.
+        if let Some(unknown) = profile.file.credential_route_refs.iter().find(|r| !self.routes.contains(r)) {
+            profile.unusable = Some(format!("unknown credential route {unknown}"));
+        }
         let versions = self.profiles.entry(profile.id().to_string()).or_default();
         if let Some(existing) = versions.get(&profile.version) {
             return Err(CatalogError::Duplicate {
@@ -117,6 +125,9 @@ impl Catalog {
         if profile.file.status == ProfileStatus::Disabled {
             return Err(Refusal(format!("profile disabled: {}", profile.reference())));
         }
+        if let Some(reason) = &profile.unusable {
+            return Err(Refusal(format!("profile {} is unusable: {reason}", profile.reference())));
+        }
         if profile.file.readiness.state == ReadinessState::Blocked {
             return Err(Refusal(format!(
                 "profile {} is blocked: \"{}\"",
@@ -145,7 +156,7 @@ mod tests {
         for (name, text) in files {
             std::fs::write(dir.path().join(name), text).unwrap();
         }
-        Catalog::load(&[dir.path()])
+        Catalog::load(&[dir.path()], &[])
     }
 
     const A1: &str = "id = \"team.a\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n";
@@ -190,7 +201,7 @@ mod tests {
 
     #[test]
     fn builtins_exist_and_actor_rule_holds() {
-        let catalog = Catalog::load(&[] as &[&Path]).unwrap();
+        let catalog = Catalog::load(&[] as &[&Path], &[]).unwrap();
         assert!(catalog.resolve("builtin.shell@1.0.0").is_ok());
         assert!(check_actor("agt").is_ok());
         assert_eq!(check_actor("worker-7").unwrap_err().0, ACTOR_REFUSAL);

@@ -134,6 +134,8 @@ pub struct Profile {
     pub digest: String,
     /// The file it came from, or `builtin`.
     pub source: String,
+    /// Why it cannot run, though it parsed (e.g. an unknown credential route).
+    pub unusable: Option<String>,
 }
 
 impl Profile {
@@ -170,7 +172,7 @@ impl Profile {
         let policies = compile_all(&file.guardrails.policies, "profile", "guardrails.policies")?;
         let canonical = serde_json::to_vec(&file).map_err(|e| format!("cannot encode profile: {e}"))?;
         let digest = format!("sha256:{}", crate::sandbox::hex_digest(&Sha256::digest(&canonical)));
-        Ok(Profile { file, version, policies, digest, source })
+        Ok(Profile { file, version, policies, digest, source, unusable: None })
     }
 
     pub fn id(&self) -> &str {

@@ -90,7 +90,7 @@ async fn start_fake() -> SocketAddr {
 }
 
 fn opts(addr: SocketAddr, json: bool) -> ClientOpts {
-    ClientOpts { server: format!("http://{addr}"), json }
+    ClientOpts { server: Some(format!("http://{addr}")), json }
 }
 
 fn exec_args(title: &str) -> ExecArgs {
@@ -139,6 +139,6 @@ async fn rpc_errors_exit_two() {
 
 #[tokio::test]
 async fn a_bad_server_address_is_a_usage_error() {
-    let bad = ClientOpts { server: "not a url".into(), json: false };
+    let bad = ClientOpts { server: Some("not a url".into()), json: false };
     assert!(run(bad, ClientCommand::Get(GetArgs { id: "e1".into() })).await.is_err());
 }

@@ -1,12 +1,14 @@
 //! The client side of the `corral` binary: `exec`, `watch`, `get`, `ls` and
 //! `profiles` talk to a running daemon over gRPC and print what it answers,
-//! either as human lines or (`--json`) as canonical protobuf JSON.
+//! either as human lines or (`--json`) as canonical protobuf JSON; `bench`
+//! measures a daemon (or one it starts in-process).
 //!
 //! Exit codes: 0 on success (for `exec`/`watch`: the execution finished in
 //! state SUCCEEDED), 1 when the execution did not succeed, 2 when the RPC
 //! itself failed (transport error or a `Status` from the daemon), 130 when
 //! the user interrupted a stream.
 
+pub mod bench;
 mod exec;
 mod json;
 mod output;
@@ -23,15 +25,26 @@ use tonic_types::StatusExt;
 use crate::pb;
 use output::Printer;
 
+/// The daemon address when neither `--server` nor `CORRAL_SERVER` names one.
+pub const DEFAULT_SERVER: &str = "http://127.0.0.1:50051";
+
 /// Options shared by every client command.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ClientOpts {
-    /// Daemon address.
-    #[arg(long, env = "CORRAL_SERVER", default_value = "http://127.0.0.1:50051", global = true)]
-    pub server: String,
+    /// Daemon address [default: http://127.0.0.1:50051; `bench` starts a
+    /// daemon in-process instead when no address is given].
+    #[arg(long, env = "CORRAL_SERVER", global = true)]
+    pub server: Option<String>,
     /// Machine output: one JSON object per line (canonical protobuf JSON).
     #[arg(long, global = true)]
     pub json: bool,
+}
+
+impl ClientOpts {
+    /// The daemon address: the one given, or [`DEFAULT_SERVER`].
+    pub fn server(&self) -> &str {
+        self.server.as_deref().unwrap_or(DEFAULT_SERVER)
+    }
 }
 
 /// The commands that talk to a running daemon.
@@ -47,6 +60,9 @@ pub enum ClientCommand {
     Ls(LsArgs),
     /// List the harness profiles the daemon knows.
     Profiles(ProfilesArgs),
+    /// Measure corral against the bare sandbox: latency, throughput,
+    /// fanout, ingest, peer (in-process daemon unless --server is given).
+    Bench(bench::BenchArgs),
 }
 
 /// Arguments of `corral exec`.
@@ -156,12 +172,14 @@ fn parse_state(s: &str) -> Result<pb::ExecutionState, String> {
 /// returned for `main` to print.
 pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
     let printer = Printer::new(opts.json)?;
+    let server = opts.server();
     let result = match cmd {
-        ClientCommand::Exec(args) => exec::exec(&opts.server, args, &printer).await,
-        ClientCommand::Watch(args) => exec::watch(&opts.server, args, &printer).await,
-        ClientCommand::Get(args) => query::get(&opts.server, args, &printer).await,
-        ClientCommand::Ls(args) => query::ls(&opts.server, args, &printer).await,
-        ClientCommand::Profiles(_) => query::profiles(&opts.server, &printer).await,
+        ClientCommand::Exec(args) => exec::exec(server, args, &printer).await,
+        ClientCommand::Watch(args) => exec::watch(server, args, &printer).await,
+        ClientCommand::Get(args) => query::get(server, args, &printer).await,
+        ClientCommand::Ls(args) => query::ls(server, args, &printer).await,
+        ClientCommand::Profiles(_) => query::profiles(server, &printer).await,
+        ClientCommand::Bench(args) => bench::run(opts.server.as_deref(), args, opts.json).await,
     };
     match result {
         Ok(code) => Ok(code),

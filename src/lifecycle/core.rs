@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Engine, RawResult};
 use crate::catalog::{check_actor, Profile, ReadinessState};
+use crate::credentials::Scrubber;
 use crate::events::{EventKind, RawPart, Recorder};
 use crate::evidence::{Evidence, FailureStage, TeardownResult};
 use crate::policy::{Action, GateInput, GateOutcome, Phase, Policy};
@@ -65,6 +66,8 @@ pub struct Core {
     started_harness: bool,
     base_commit: Option<String>,
     tool_calls: Arc<AtomicU64>,
+    /// Replaces credential values in everything the harness says.
+    scrubber: Scrubber,
     pub restarts: u64,
     pub session_cleanup: TeardownResult,
     pub sandbox_destroy: TeardownResult,
@@ -95,11 +98,17 @@ impl Core {
             started_harness: false,
             base_commit: None,
             tool_calls: Arc::new(AtomicU64::new(0)),
+            scrubber: Scrubber::default(),
             restarts: 0,
             session_cleanup: TeardownResult::NotAttempted,
             sandbox_destroy: TeardownResult::NotAttempted,
             closed: false,
         }
+    }
+
+    /// `text` with every credential value of this run replaced.
+    pub fn scrub(&self, text: &str) -> String {
+        self.scrubber.scrub(text)
     }
 
     pub fn sandbox_id(&self) -> Option<&str> {
@@ -109,6 +118,7 @@ impl Core {
     /// A failure: the evidence gets the stage's fixed sentence (if it is the
     /// first), the direct caller gets the raw error.
     pub fn failed(&mut self, stage: FailureStage, raw_error: &str) {
+        let raw_error = self.scrubber.scrub(raw_error);
         self.evidence.fail(stage);
         if !self.raw.tool_error.is_empty() {
             self.raw.tool_error.push('\n');
@@ -281,7 +291,18 @@ impl Core {
             .cloned()
             .ok_or_else(|| ReinError::Start(format!("no rein named {}", profile.file.rein.kind)))?;
         let t = Instant::now();
-        let ctx = StartContext { backend, sandbox, profile, consumer: self.consumer.clone(), timeout: self.timeout };
+        // Read at every start, so a rotated secret is picked up.
+        let (credentials, scrubber) =
+            self.engine.credentials.resolve(&profile.file.credential_route_refs).map_err(ReinError::Start)?;
+        self.scrubber = scrubber;
+        let ctx = StartContext {
+            backend,
+            sandbox,
+            profile,
+            consumer: self.consumer.clone(),
+            timeout: self.timeout,
+            credentials,
+        };
         let harness = rein.start_session(ctx).await?;
         self.evidence.time("session_start", t);
         self.harness = Some(harness);
@@ -350,7 +371,9 @@ impl Core {
         self.harness = Some(harness);
         self.evidence.time("harness", t);
         match result {
-            Ok(result) => {
+            Ok(mut result) => {
+                result.output = self.scrubber.scrub(&result.output);
+                result.error = self.scrubber.scrub(&result.error);
                 self.evidence.tokens_spent += result.tokens_spent;
                 if !result.resolved_model.is_empty() {
                     self.evidence.resolved_model = result.resolved_model.clone();
@@ -381,9 +404,10 @@ impl Core {
         let (kind, raw) = match event {
             HarnessEvent::Progress { message, tokens_so_far } => (
                 EventKind::Progress { progress_kind: "progress".into(), tool: String::new(), tokens_so_far },
-                Some(RawPart::ProgressMessage(message)),
+                Some(RawPart::ProgressMessage(self.scrubber.scrub(&message))),
             ),
             HarnessEvent::ToolUse { tool, tokens_so_far } => {
+                let tool = self.scrubber.scrub(&tool);
                 (EventKind::Progress { progress_kind: "tool_use".into(), tool, tokens_so_far }, None)
             }
             HarnessEvent::OutputTruncated { stream, bytes_dropped } => {

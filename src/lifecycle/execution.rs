@@ -91,8 +91,16 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     record.effective_sandbox = core.effective.clone();
     record.state = ExecutionState::from_outcome(record.evidence.outcome);
     record.finished_at_ms = Some(now_ms());
-    if let Err(error) = core.engine.store.update_execution(record).await {
+    // The report goes into the outbox with the final record, or not at all.
+    let report = match (&core.engine.hub, record.report_to_hub) {
+        (Some(_), true) => Some(crate::hub::report(record).to_string()),
+        _ => None,
+    };
+    if let Err(error) = core.engine.store.finish_execution(record, report.as_deref()).await {
         tracing::error!(execution_id = %record.execution_id, %error, "execution record not stored");
+    }
+    if let (Some(hub), Some(_)) = (&core.engine.hub, &report) {
+        hub.notify();
     }
     let finished = EventKind::Finished { execution: Box::new(record.clone()) };
     let raw = RawPart::Finished(std::mem::take(&mut core.raw));

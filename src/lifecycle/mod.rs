@@ -23,8 +23,10 @@ pub use session::{CreateSessionCommand, EndReason, SessionRecord, SessionState};
 pub use watch::{Lagged, Subscription};
 
 use crate::catalog::Catalog;
+use crate::credentials::CredentialsConfig;
 use crate::events::EventBus;
 use crate::evidence::HubReportStatus;
+use crate::hub::Hub;
 use crate::policy::Gate;
 use crate::rein::Rein;
 use crate::sandbox::{Backends, Consumer};
@@ -75,7 +77,8 @@ pub struct Engine {
     sandboxes_dir: PathBuf,
     /// Identifies this daemon instance in the sandbox rows it writes.
     epoch: String,
-    hub_configured: bool,
+    pub hub: Option<Arc<Hub>>,
+    pub credentials: Arc<CredentialsConfig>,
     running: Mutex<HashMap<String, CancellationToken>>,
     sessions: Mutex<HashMap<String, Arc<session::LiveSession>>>,
     tasks: TaskTracker,
@@ -90,7 +93,8 @@ pub struct EngineParts {
     pub store: Store,
     pub data_dir: PathBuf,
     pub bus_capacity: usize,
-    pub hub_configured: bool,
+    pub hub: Option<Arc<Hub>>,
+    pub credentials: Arc<CredentialsConfig>,
 }
 
 impl Engine {
@@ -104,7 +108,8 @@ impl Engine {
             bus: Arc::new(EventBus::new(parts.bus_capacity)),
             sandboxes_dir: parts.data_dir.join("sandboxes"),
             epoch: uuid::Uuid::now_v7().to_string(),
-            hub_configured: parts.hub_configured,
+            hub: parts.hub,
+            credentials: parts.credentials,
             running: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
@@ -146,7 +151,7 @@ impl Engine {
         record.evidence.request_id = cmd.request_id.clone();
         record.evidence.correlation_id = cmd.correlation_id.clone();
         record.evidence.assignment_ref = cmd.assignment_ref.clone();
-        record.evidence.hub_report_status = match (cmd.report_to_hub, self.hub_configured) {
+        record.evidence.hub_report_status = match (cmd.report_to_hub, self.hub.is_some()) {
             (false, _) => HubReportStatus::NotRequested,
             (true, true) => HubReportStatus::Pending,
             (true, false) => {

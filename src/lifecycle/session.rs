@@ -171,17 +171,23 @@ impl Engine {
         if live.busy.swap(true, Ordering::SeqCst) {
             return Err(EngineError::FailedPrecondition("a turn is already in flight in this session".into()));
         }
-        let Some(rx) = self.bus.subscribe(session_id) else {
-            live.busy.store(false, Ordering::SeqCst);
-            return Err(EngineError::FailedPrecondition(format!("session {session_id} has ended")));
-        };
         let turn = live.turns.fetch_add(1, Ordering::SeqCst) + 1;
         let cancel = CancellationToken::new();
         *lock(&live.turn_cancel) = Some(cancel.clone());
         let engine = self.clone();
         let id = session_id.to_string();
+        let (subscribed, subscription) = tokio::sync::oneshot::channel();
         self.tasks.spawn(async move {
             let mut core = live.core.lock().await;
+            // Subscribed under the lock: the stream holds this turn's events
+            // and none of the previous turn's.
+            let rx = engine.bus.subscribe(&id);
+            let ended = rx.is_none();
+            let _ = subscribed.send(rx);
+            if ended {
+                live.busy.store(false, Ordering::SeqCst);
+                return;
+            }
             let call = ToolCall {
                 tool: tool.clone(),
                 task: Task {
@@ -211,7 +217,7 @@ impl Engine {
                 TurnOutcome::Failed(e) => (
                     false,
                     "turn failed; inspect direct caller error".into(),
-                    RawResult { tool_output: String::new(), tool_error: e.to_string() },
+                    RawResult { tool_output: String::new(), tool_error: core.scrub(&e.to_string()) },
                 ),
                 TurnOutcome::Cancelled => (
                     false,
@@ -219,6 +225,22 @@ impl Engine {
                     RawResult { tool_output: String::new(), tool_error: "cancelled".into() },
                 ),
             };
+            let snapshot = {
+                let mut record = lock(&live.record);
+                record.turns = turn;
+                record.restarts = core.restarts;
+                record.evidence = core.evidence.clone();
+                record.clone()
+            };
+            if let Err(e) = engine.store.update_session(&snapshot).await {
+                tracing::error!(session_id = %id, error = %e, "session record not stored");
+            }
+            // The session is free again before the caller hears the turn is
+            // over, so it may send the next one at once (it then waits for
+            // this lock, which goes right after the event).
+            *lock(&live.turn_cancel) = None;
+            *lock(&live.last_active) = Instant::now();
+            live.busy.store(false, Ordering::SeqCst);
             let event = EventKind::TurnFinished {
                 turn,
                 tool,
@@ -227,22 +249,11 @@ impl Engine {
                 tokens_spent: core.evidence.tokens_spent - tokens_before,
             };
             core.recorder.emit(event, Some(RawPart::Finished(raw))).await;
-            let snapshot = {
-                let mut record = lock(&live.record);
-                record.turns = turn;
-                record.restarts = core.restarts;
-                record.evidence = core.evidence.clone();
-                record.clone()
-            };
-            drop(core);
-            if let Err(e) = engine.store.update_session(&snapshot).await {
-                tracing::error!(session_id = %id, error = %e, "session record not stored");
-            }
-            *lock(&live.turn_cancel) = None;
-            *lock(&live.last_active) = Instant::now();
-            live.busy.store(false, Ordering::SeqCst);
         });
-        Ok(Subscription::live(rx, true).until_turn(turn))
+        match subscription.await {
+            Ok(Some(rx)) => Ok(Subscription::live(rx, true).until_turn(turn)),
+            _ => Err(EngineError::FailedPrecondition(format!("session {session_id} has ended"))),
+        }
     }
 
     async fn live_or_ended(&self, session_id: &str) -> Result<Arc<LiveSession>, EngineError> {

@@ -40,7 +40,7 @@ impl Rein for CommandRein {
         let profile = &ctx.profile.file;
         let spec = ExecSpec {
             argv: profile.rein.argv.clone(),
-            env: Vec::new(),
+            env: ctx.credentials.clone(),
             consumer: ctx.consumer.clone(),
             credential_route_refs: profile.credential_route_refs.clone(),
             timeout: ctx.timeout,

@@ -31,6 +31,9 @@ pub struct StartContext {
     pub consumer: Consumer,
     /// Per dispatch: the profile's timeout as the gate left it.
     pub timeout: Duration,
+    /// `(variable, value)` of the profile's credential routes: for the
+    /// harness's environment only.
+    pub credentials: Vec<(String, String)>,
 }
 
 /// The task as the harness receives it: one JSON line on stdin.

@@ -84,7 +84,7 @@ pub struct Sandbox {
 
 /// One command to run inside a sandbox. Every command carries the consumer
 /// identity, the profile's credential route refs and its timeout.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ExecSpec {
     pub argv: Vec<String>,
     /// Extra environment for the process (never passed as arguments).
@@ -92,6 +92,20 @@ pub struct ExecSpec {
     pub consumer: Consumer,
     pub credential_route_refs: Vec<String>,
     pub timeout: Duration,
+}
+
+/// Environment values can be credentials: Debug shows names only.
+impl std::fmt::Debug for ExecSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let env: Vec<&str> = self.env.iter().map(|(k, _)| k.as_str()).collect();
+        f.debug_struct("ExecSpec")
+            .field("argv", &self.argv)
+            .field("env", &env)
+            .field("consumer", &self.consumer)
+            .field("credential_route_refs", &self.credential_route_refs)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -45,6 +45,16 @@ pub struct ExecutionFilter {
     pub limit: u32,
 }
 
+/// A hub report waiting in the outbox.
+#[derive(Clone, Debug)]
+pub struct OutboxRow {
+    pub id: i64,
+    pub subject_id: String,
+    pub body: String,
+    pub attempts: u32,
+    pub created_at_ms: i64,
+}
+
 /// A sandbox as recorded before it was created.
 #[derive(Clone, Debug)]
 pub struct SandboxRow {
@@ -128,6 +138,107 @@ impl Store {
         .bind(&record.execution_id)
         .execute(&self.pool)
         .await?;
+        Ok(())
+    }
+
+    /// Stores the final record and, when asked, its hub report, in one
+    /// transaction: a report is never lost nor sent for an unrecorded end.
+    pub async fn finish_execution(&self, record: &ExecutionRecord, report: Option<&str>) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let profile = if record.evidence.profile_ref.is_empty() {
+            &record.harness_profile_ref
+        } else {
+            &record.evidence.profile_ref
+        };
+        sqlx::query(
+            "UPDATE executions SET state = ?, profile_ref = ?, finished_at_ms = ?, record = ? WHERE execution_id = ?",
+        )
+        .bind(record.state.as_str())
+        .bind(profile)
+        .bind(record.finished_at_ms)
+        .bind(serde_json::to_string(record)?)
+        .bind(&record.execution_id)
+        .execute(&mut *tx)
+        .await?;
+        if let Some(body) = report {
+            let now = now_ms();
+            sqlx::query(
+                "INSERT INTO hub_outbox (subject_id, body, state, attempts, next_attempt_ms, created_at_ms)
+                 VALUES (?, ?, 'pending', 0, ?, ?)",
+            )
+            .bind(&record.execution_id)
+            .bind(body)
+            .bind(now)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub async fn due_reports(&self, now: i64, limit: u32) -> Result<Vec<OutboxRow>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, subject_id, body, attempts, created_at_ms FROM hub_outbox
+             WHERE state = 'pending' AND next_attempt_ms <= ? ORDER BY next_attempt_ms LIMIT ?",
+        )
+        .bind(now)
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| OutboxRow {
+                id: r.get(0),
+                subject_id: r.get(1),
+                body: r.get(2),
+                attempts: r.get::<i64, _>(3) as u32,
+                created_at_ms: r.get(4),
+            })
+            .collect())
+    }
+
+    pub async fn retry_report(&self, id: i64, attempts: u32, next_attempt_ms: i64) -> Result<(), StoreError> {
+        sqlx::query("UPDATE hub_outbox SET attempts = ?, next_attempt_ms = ? WHERE id = ?")
+            .bind(attempts as i64)
+            .bind(next_attempt_ms)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Ends a report's life (accepted or given up) and records that on the
+    /// execution, in one transaction.
+    pub async fn settle_report(
+        &self,
+        id: i64,
+        execution_id: &str,
+        status: crate::evidence::HubReportStatus,
+        attempts: u32,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let state = if status == crate::evidence::HubReportStatus::Accepted { "accepted" } else { "failed" };
+        sqlx::query("UPDATE hub_outbox SET state = ?, attempts = ? WHERE id = ?")
+            .bind(state)
+            .bind(attempts as i64)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        let row = sqlx::query("SELECT record FROM executions WHERE execution_id = ?")
+            .bind(execution_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if let Some(row) = row {
+            let mut record: ExecutionRecord = serde_json::from_str(row.get::<&str, _>("record"))?;
+            record.evidence.hub_report_status = status;
+            sqlx::query("UPDATE executions SET record = ? WHERE execution_id = ?")
+                .bind(serde_json::to_string(&record)?)
+                .bind(execution_id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
         Ok(())
     }
 

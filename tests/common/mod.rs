@@ -22,6 +22,9 @@ use tempfile::TempDir;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
+/// The value of the `route.test` credential every test daemon defines.
+pub const ROUTE_TEST_VALUE: &str = "route-test-value-5b1e0c";
+
 pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
 
 /// Fails (never skips) when the host cannot run bubblewrap.
@@ -99,6 +102,13 @@ impl TestDaemon {
             shutdown_grace_seconds: 5,
             ..Config::default()
         };
+        // The fake agent's profile names `route.test`.
+        let secret = data.path().join("route-test.secret");
+        std::fs::write(&secret, ROUTE_TEST_VALUE).unwrap();
+        config.credentials.routes.insert(
+            "route.test".into(),
+            corral::credentials::RouteConfig { env: None, file: Some(secret), inject_as: "ROUTE_TEST_TOKEN".into() },
+        );
         (options.config)(&mut config);
         let backends = options.backends.unwrap_or_else(Backends::host_default);
         let reins = options.reins.unwrap_or_else(default_reins);
@@ -244,11 +254,32 @@ pub struct ServeProcess {
 impl ServeProcess {
     /// Starts the binary on 127.0.0.1:0 and waits for its address line.
     pub async fn start(data_dir: &Path, profiles: &Path, env: &[(&str, &str)]) -> ServeProcess {
+        Self::start_with(data_dir, profiles, env, "").await
+    }
+
+    /// The same, with `extra_config` appended to its TOML config file (which
+    /// defines the `route.test` credential route).
+    pub async fn start_with(
+        data_dir: &Path,
+        profiles: &Path,
+        env: &[(&str, &str)],
+        extra_config: &str,
+    ) -> ServeProcess {
         use tokio::io::AsyncBufReadExt;
+        let secret = data_dir.with_extension("secret");
+        std::fs::write(&secret, ROUTE_TEST_VALUE).unwrap();
+        let config = data_dir.with_extension("toml");
+        let text = format!(
+            "[credentials.routes.\"route.test\"]\nfile = {:?}\ninject_as = \"ROUTE_TEST_TOKEN\"\n{extra_config}\n",
+            secret.display().to_string()
+        );
+        std::fs::write(&config, text).unwrap();
         let log = std::fs::OpenOptions::new().create(true).append(true).open(data_dir.with_extension("log")).unwrap();
         let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_corral"))
             .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
+            .arg("--config")
+            .arg(&config)
             .arg("--profiles")
             .arg(profiles)
             .envs(env.iter().copied())

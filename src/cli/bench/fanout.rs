@@ -1,0 +1,334 @@
+//! `fanout`: one execution streams P progress events to W watchers. The
+//! harness waits behind a barrier until every watcher is subscribed, so
+//! each event is delivered live (or, for a watcher that fell behind and was
+//! ended with RESOURCE_EXHAUSTED, replayed after it resumed).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+use super::client::{code_name, request};
+use super::emitter::{release, Emitter};
+use super::stats::{median, Histogram};
+use super::target::Target;
+use super::BenchArgs;
+use crate::pb;
+use crate::pb::execution_service_client::ExecutionServiceClient;
+use crate::pb::lifecycle_event::Kind;
+
+/// Watchers per HTTP/2 connection.
+const WATCHERS_PER_CONNECTION: usize = 50;
+/// How often the daemon's RSS is sampled during a level.
+const RSS_EVERY: Duration = Duration::from_millis(50);
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FanoutLevel {
+    pub watchers: usize,
+    pub events: u64,
+    pub execution_id: String,
+    pub execution_state: String,
+    /// Watchers that received every progress event and `finished`.
+    pub complete_watchers: usize,
+    /// Progress events received, summed over the watchers.
+    pub delivered: u64,
+    /// From the barrier's release to the last watcher's `finished`.
+    pub seconds: f64,
+    pub aggregate_per_second: f64,
+    pub per_watcher_per_second_median: f64,
+    pub per_watcher_per_second_min: f64,
+    /// Event `time` (stamped by the daemon as it stores the event, 1 ms
+    /// resolution) to receipt by a watcher, over every delivery.
+    pub delay_p50_ms: f64,
+    pub delay_p99_ms: f64,
+    pub delay_max_ms: f64,
+    /// Times a watcher was ended with RESOURCE_EXHAUSTED and resumed.
+    pub resumes: u64,
+    pub errors: BTreeMap<String, usize>,
+    pub rss_before_kib: Option<u64>,
+    /// Every watcher subscribed, no event streamed yet.
+    pub rss_attached_kib: Option<u64>,
+    pub rss_peak_kib: Option<u64>,
+    /// After every watcher ended (allocators keep some of what was freed).
+    pub rss_after_kib: Option<u64>,
+    pub per_watcher_attached_kib: Option<f64>,
+    pub per_watcher_peak_kib: Option<f64>,
+    pub barrier_released: bool,
+    /// Why the level stopped early, if it did.
+    pub aborted: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FanoutReport {
+    pub profile: String,
+    pub emitter: Emitter,
+    /// What the RSS figures are the memory of.
+    pub rss_of: String,
+    pub levels: Vec<FanoutLevel>,
+}
+
+#[derive(Default)]
+struct Shared {
+    subscribed: AtomicUsize,
+    /// Watchers whose stream is over (for whatever reason).
+    ended: AtomicUsize,
+    workspace: OnceLock<String>,
+    delays: Histogram,
+    stop: CancellationToken,
+}
+
+#[derive(Default)]
+struct Watched {
+    progress: u64,
+    finished: Option<Instant>,
+    resumes: u64,
+    error: Option<String>,
+}
+
+pub fn rss_of(target: &Target) -> String {
+    match (target.in_process_mode(), target.daemon_pid) {
+        (true, _) => "the bench process: in-process daemon AND its W watcher clients".into(),
+        (false, Some(pid)) => format!("the daemon process (pid {pid})"),
+        (false, None) => "nothing: the daemon's pid was not found on this host".into(),
+    }
+}
+
+pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<FanoutReport> {
+    let emitter = args.emitter(target);
+    let (profile, _) = emitter.task(args.events);
+    let profile = args.emitter_profile.clone().unwrap_or(profile);
+    let mut levels = Vec::new();
+    for &watchers in &args.watchers {
+        levels.push(level(target, args, emitter, &profile, watchers.max(1)).await?);
+    }
+    Ok(FanoutReport { profile, emitter, rss_of: rss_of(target), levels })
+}
+
+async fn level(
+    target: &Target,
+    args: &BenchArgs,
+    emitter: Emitter,
+    profile: &str,
+    watchers: usize,
+) -> anyhow::Result<FanoutLevel> {
+    let (_, description) = emitter.task(args.events);
+    let control = target.connect().await?;
+    let rss_before = target.daemon_rss_kib();
+    let mut channels = Vec::new();
+    for _ in 0..watchers.div_ceil(WATCHERS_PER_CONNECTION) {
+        channels.push(target.connect().await?);
+    }
+    let mut executions = ExecutionServiceClient::new(control.clone());
+    let started = executions
+        .start_execution(request(profile, "corral bench fanout", &description))
+        .await
+        .with_context(|| format!("StartExecution of {profile}"))?
+        .into_inner();
+    let id = started.execution_id.clone();
+
+    let shared = Arc::new(Shared::default());
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..watchers {
+        let (channel, shared, id) = (channels[i / WATCHERS_PER_CONNECTION].clone(), shared.clone(), id.clone());
+        tasks.spawn(watch(channel, id, shared));
+    }
+
+    let mut aborted = None;
+    let ready_by = Instant::now() + Duration::from_secs(120);
+    while shared.subscribed.load(Ordering::SeqCst) < watchers || shared.workspace.get().is_none() {
+        let ended = shared.ended.load(Ordering::SeqCst);
+        if ended > 0 || Instant::now() > ready_by {
+            aborted = Some(format!(
+                "{} of {watchers} watchers subscribed and {ended} ended before the harness could start",
+                shared.subscribed.load(Ordering::SeqCst)
+            ));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let rss_attached = target.daemon_rss_kib();
+    let barrier_released = shared.workspace.get().map(|ws| release(ws).is_ok()).unwrap_or(false);
+    let released = Instant::now();
+    if aborted.is_some() {
+        shared.stop.cancel();
+    }
+
+    let mut rss_peak = rss_attached;
+    let limit_kib = args.rss_limit_mib * 1024;
+    let deadline = released + Duration::from_secs(args.level_timeout);
+    let mut outcomes = Vec::with_capacity(watchers);
+    let mut panicked = 0;
+    let mut tick = tokio::time::interval(RSS_EVERY);
+    while !tasks.is_empty() {
+        tokio::select! {
+            joined = tasks.join_next() => match joined {
+                Some(Ok(w)) => outcomes.push(w),
+                Some(Err(_)) => panicked += 1,
+                None => break,
+            },
+            _ = tick.tick() => {
+                let rss = target.daemon_rss_kib();
+                rss_peak = rss_peak.max(rss);
+                if aborted.is_none() {
+                    if let Some(rss) = rss.filter(|&r| r > limit_kib) {
+                        aborted = Some(format!("RSS {} MiB passed --rss-limit-mib {}", rss / 1024, args.rss_limit_mib));
+                        shared.stop.cancel();
+                    } else if Instant::now() > deadline {
+                        aborted = Some(format!("not done within --level-timeout {} s", args.level_timeout));
+                        shared.stop.cancel();
+                    }
+                }
+            }
+        }
+    }
+    let last_finished = outcomes.iter().filter_map(|w| w.finished).max();
+    if aborted.is_some() {
+        let _ = executions.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await;
+    }
+    let execution_state = final_state(&control, &id).await;
+    drop(channels);
+    // Give the daemon a moment to drop the ended streams' tasks.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let rss_after = target.daemon_rss_kib();
+
+    let seconds = last_finished.map(|t| t.saturating_duration_since(released).as_secs_f64()).unwrap_or(0.0);
+    let rates: Vec<f64> = outcomes
+        .iter()
+        .filter_map(|w| {
+            w.finished.map(|t| w.progress as f64 / t.saturating_duration_since(released).as_secs_f64().max(1e-9))
+        })
+        .collect();
+    let delivered: u64 = outcomes.iter().map(|w| w.progress).sum();
+    let mut errors: BTreeMap<String, usize> = BTreeMap::new();
+    for error in outcomes.iter().filter_map(|w| w.error.clone()) {
+        *errors.entry(error).or_default() += 1;
+    }
+    if panicked > 0 {
+        errors.insert("BENCH_WATCHER_PANICKED".into(), panicked);
+    }
+    let per_watcher = |rss: Option<u64>| match (rss, rss_before) {
+        (Some(after), Some(before)) => Some((after as f64 - before as f64) / watchers as f64),
+        _ => None,
+    };
+    let ms = |us: u64| us as f64 / 1e3;
+    Ok(FanoutLevel {
+        watchers,
+        events: args.events,
+        execution_id: id,
+        execution_state,
+        complete_watchers: outcomes.iter().filter(|w| w.finished.is_some() && w.progress == args.events).count(),
+        delivered,
+        seconds,
+        aggregate_per_second: if seconds > 0.0 { delivered as f64 / seconds } else { 0.0 },
+        per_watcher_per_second_median: if rates.is_empty() { 0.0 } else { median(&rates) },
+        per_watcher_per_second_min: rates.iter().copied().reduce(f64::min).unwrap_or(0.0),
+        delay_p50_ms: ms(shared.delays.quantile(0.50)),
+        delay_p99_ms: ms(shared.delays.quantile(0.99)),
+        delay_max_ms: ms(shared.delays.quantile(1.0)),
+        resumes: outcomes.iter().map(|w| w.resumes).sum(),
+        errors,
+        rss_before_kib: rss_before,
+        rss_attached_kib: rss_attached,
+        rss_peak_kib: rss_peak,
+        rss_after_kib: rss_after,
+        per_watcher_attached_kib: per_watcher(rss_attached),
+        per_watcher_peak_kib: per_watcher(rss_peak),
+        barrier_released,
+        aborted,
+    })
+}
+
+/// One watcher: follows the execution to `finished`, resuming after its
+/// last sequence whenever the daemon ends it for falling behind.
+async fn watch(channel: Channel, execution_id: String, shared: Arc<Shared>) -> Watched {
+    let mut client = ExecutionServiceClient::new(channel);
+    let mut out = Watched::default();
+    let mut after = 0;
+    let mut seen = false;
+    'streams: loop {
+        let req = pb::WatchRequest { execution_id: execution_id.clone(), after_sequence: after };
+        let reply = tokio::select! {
+            reply = client.watch_execution(req) => reply,
+            _ = shared.stop.cancelled() => break,
+        };
+        let mut stream = match reply {
+            Ok(reply) => reply.into_inner(),
+            Err(status) => {
+                out.error = Some(code_name(status.code()));
+                break;
+            }
+        };
+        loop {
+            let message = tokio::select! {
+                message = stream.message() => message,
+                _ = shared.stop.cancelled() => break 'streams,
+            };
+            match message {
+                Ok(Some(event)) => {
+                    if !seen {
+                        seen = true;
+                        shared.subscribed.fetch_add(1, Ordering::SeqCst);
+                    }
+                    after = event.sequence;
+                    match event.kind {
+                        Some(Kind::Progress(p)) if p.kind == "progress" => {
+                            out.progress += 1;
+                            if let Some(time) = event.time {
+                                shared.delays.record(delay_us(&time));
+                            }
+                        }
+                        Some(Kind::SandboxReady(ready)) => {
+                            let _ = shared.workspace.set(ready.workspace_path);
+                        }
+                        Some(Kind::Finished(_)) => out.finished = Some(Instant::now()),
+                        _ => {}
+                    }
+                }
+                Ok(None) => break 'streams,
+                Err(status) if status.code() == tonic::Code::ResourceExhausted => {
+                    out.resumes += 1;
+                    continue 'streams;
+                }
+                Err(status) => {
+                    out.error = Some(code_name(status.code()));
+                    break 'streams;
+                }
+            }
+        }
+    }
+    shared.ended.fetch_add(1, Ordering::SeqCst);
+    out
+}
+
+/// Microseconds from an event's `time` to now (0 if the clock says the
+/// event is from the future).
+pub fn delay_us(time: &prost_types::Timestamp) -> u64 {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    let stamped = Duration::new(time.seconds.max(0) as u64, time.nanos.max(0) as u32);
+    now.saturating_sub(stamped).as_micros() as u64
+}
+
+/// The execution's state once it is no longer running (up to 60 s).
+pub async fn final_state(channel: &Channel, execution_id: &str) -> String {
+    let mut client = ExecutionServiceClient::new(channel.clone());
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let req = pb::GetExecutionRequest { execution_id: execution_id.to_string() };
+        let state = match client.get_execution(req).await {
+            Ok(reply) => reply.into_inner().state,
+            Err(status) => return code_name(status.code()),
+        };
+        let terminal = ![pb::ExecutionState::Pending as i32, pb::ExecutionState::Running as i32].contains(&state);
+        if terminal || Instant::now() > until {
+            return pb::ExecutionState::try_from(state)
+                .map(|s| s.as_str_name().trim_start_matches("EXECUTION_STATE_").to_string())
+                .unwrap_or_default();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

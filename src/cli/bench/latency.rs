@@ -1,0 +1,161 @@
+//! `latency`: N sequential Executes of the no-op profile against N direct
+//! spawns of the identical bwrap command line, interleaved so both sides
+//! see the same machine, plus the per-stage breakdown from the
+//! executions' own timings.
+
+use std::collections::BTreeMap;
+
+use anyhow::{bail, Context as _};
+use serde::Serialize;
+use tonic::transport::Channel;
+
+use super::client::{code_name, execute, request, Executed};
+use super::floor::Floor;
+use super::stats::{median, Percentiles};
+use super::target::Target;
+use super::BenchArgs;
+use crate::pb;
+use crate::pb::catalog_service_client::CatalogServiceClient;
+
+/// The stages an execution times, in the order they happen.
+pub const STAGES: &[&str] = &["resolve", "gate", "sandbox_create", "workspace", "session_start", "harness", "teardown"];
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LatencyReport {
+    pub profile: String,
+    pub n: usize,
+    pub warmup: usize,
+    /// Client-observed: Execute sent → `finished` received.
+    pub corral: Percentiles,
+    /// The same bwrap command line, spawned directly.
+    pub floor: Percentiles,
+    pub ratio_p50: f64,
+    pub ratio_p90: f64,
+    pub ratio_p99: f64,
+    /// The floor's command line hashes to corral's enforcement receipt.
+    pub floor_matches_receipt: bool,
+    /// The floor's command line, with `<workspace>` for the fresh directory.
+    pub floor_command: Vec<String>,
+    /// Median of each stage over the executions, plus what no stage covers.
+    pub stages_p50_ms: BTreeMap<String, f64>,
+    /// Executions that did not succeed, by status code or final state.
+    pub errors: BTreeMap<String, usize>,
+    pub floor_errors: usize,
+}
+
+/// One Execute of `profile`; a failure is counted in `errors`.
+pub async fn one(channel: &Channel, profile: &str, errors: &mut BTreeMap<String, usize>) -> Option<Executed> {
+    match execute(channel, request(profile, "corral bench", "")).await {
+        Ok(e) if e.succeeded() => Some(e),
+        Ok(e) => {
+            *errors.entry(e.state_name()).or_default() += 1;
+            None
+        }
+        Err(status) => {
+            *errors.entry(code_name(status.code())).or_default() += 1;
+            None
+        }
+    }
+}
+
+/// The profile as the daemon describes it (argv, limits, routes).
+pub async fn profile(channel: &Channel, reference: &str) -> anyhow::Result<pb::Profile> {
+    let mut catalog = CatalogServiceClient::new(channel.clone());
+    let reply = catalog.get_profile(pb::GetProfileRequest { r#ref: reference.to_string() }).await;
+    Ok(reply.with_context(|| format!("GetProfile {reference}"))?.into_inner())
+}
+
+/// One execution that must succeed: the warm-up, and the source of the
+/// effective sandbox the floor copies.
+pub async fn first(channel: &Channel, profile: &str) -> anyhow::Result<Executed> {
+    let first = execute(channel, request(profile, "corral bench", "")).await.context("the first Execute")?;
+    if !first.succeeded() {
+        bail!("the first execution of {profile} ended {} (execution {})", first.state_name(), first.execution_id);
+    }
+    Ok(first)
+}
+
+pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<LatencyReport> {
+    let n = args.n.unwrap_or(200);
+    let channel = target.connect().await?;
+    let described = profile(&channel, &args.noop_profile).await?;
+    let first = first(&channel, &args.noop_profile).await?;
+    let effective = first.effective_sandbox.clone().context("the finished execution has no effective sandbox")?;
+    let floor = Floor::new(&described, &effective, &target.scratch.join("floor"))?;
+    let floor_matches_receipt = match (&first.workspace_path, &first.command_digest) {
+        (Some(ws), Some(digest)) => floor.matches_receipt(ws, digest),
+        _ => false,
+    };
+    let mut floor_command = vec![crate::sandbox::find_on_path("bwrap").unwrap_or_default().display().to_string()];
+    floor_command
+        .extend(floor.args(std::path::Path::new("<workspace>")).iter().map(|a| a.to_string_lossy().into_owned()));
+
+    let mut errors = BTreeMap::new();
+    let mut floor_errors = 0;
+    // The first execution was one warm-up run; the floor gets as many.
+    floor.spawn_once().await.context("the first floor spawn")?;
+    for _ in 1..args.warmup {
+        one(&channel, &args.noop_profile, &mut errors).await;
+        let _ = floor.spawn_once().await;
+    }
+    errors.clear();
+    let mut ok = Vec::with_capacity(n);
+    let mut floor_ms = Vec::with_capacity(n);
+    for _ in 0..n {
+        if let Some(e) = one(&channel, &args.noop_profile, &mut errors).await {
+            ok.push(e);
+        }
+        match floor.spawn_once().await {
+            Ok(d) => floor_ms.push(d.as_secs_f64() * 1e3),
+            Err(_) => floor_errors += 1,
+        }
+    }
+    let corral = Percentiles::of_ms(&ok.iter().map(|e| e.client.as_secs_f64() * 1e3).collect::<Vec<_>>());
+    let floor_p = Percentiles::of_ms(&floor_ms);
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    Ok(LatencyReport {
+        profile: args.noop_profile.clone(),
+        n,
+        warmup: args.warmup.max(1),
+        ratio_p50: ratio(corral.p50_ms, floor_p.p50_ms),
+        ratio_p90: ratio(corral.p90_ms, floor_p.p90_ms),
+        ratio_p99: ratio(corral.p99_ms, floor_p.p99_ms),
+        corral,
+        floor: floor_p,
+        floor_matches_receipt,
+        floor_command,
+        stages_p50_ms: stage_breakdown(&ok),
+        errors,
+        floor_errors,
+    })
+}
+
+/// Median of each stage, and of what the stages leave out:
+/// `daemon_other` = total − Σ stages (event and record writes between
+/// stages), `outside_total` = client − total (gRPC in and out, accepting,
+/// the final record write and `finished`), `store_other` = client − Σ
+/// stages (the two together).
+pub fn stage_breakdown(executions: &[Executed]) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    if executions.is_empty() {
+        return out;
+    }
+    let ms = |us: u64| us as f64 / 1e3;
+    for stage in STAGES.iter().chain(&["total"]) {
+        let values: Vec<f64> = executions.iter().map(|e| ms(e.stage_micros(stage).unwrap_or(0))).collect();
+        out.insert(stage.to_string(), median(&values));
+    }
+    let sum = |e: &Executed| STAGES.iter().map(|s| e.stage_micros(s).unwrap_or(0)).sum::<u64>();
+    let client = |e: &Executed| e.client.as_micros() as u64;
+    let total = |e: &Executed| e.stage_micros("total").unwrap_or(0);
+    let derived: [(&str, Box<dyn Fn(&Executed) -> f64>); 4] = [
+        ("daemon_other", Box::new(|e| ms(total(e)) - ms(sum(e)))),
+        ("outside_total", Box::new(|e| ms(client(e)) - ms(total(e)))),
+        ("store_other", Box::new(|e| ms(client(e)) - ms(sum(e)))),
+        ("client", Box::new(|e| ms(client(e)))),
+    ];
+    for (name, f) in derived {
+        out.insert(name.to_string(), median(&executions.iter().map(&f).collect::<Vec<_>>()));
+    }
+    out
+}

@@ -1,0 +1,201 @@
+//! `corral bench`: how much corral costs on top of the sandbox itself.
+//!
+//! Without an address (no `--server`, no `CORRAL_SERVER`) the bench starts
+//! a daemon in this process on 127.0.0.1:0 with a fresh data directory;
+//! with one, it measures that daemon. Scenarios: `latency` (against the
+//! floor: the exact bwrap command line corral runs, spawned directly),
+//! `throughput`, `fanout`, `ingest`, `peer`, or `all`. The figures and the
+//! method are in BENCHMARKS.md.
+
+mod client;
+mod emitter;
+mod fanout;
+mod floor;
+mod ingest;
+mod latency;
+mod peer;
+mod render;
+mod stats;
+mod system;
+mod target;
+mod throughput;
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+pub use emitter::Emitter;
+pub use fanout::{FanoutLevel, FanoutReport};
+pub use ingest::IngestReport;
+pub use latency::LatencyReport;
+pub use peer::PeerReport;
+pub use render::TargetCheck;
+pub use stats::Percentiles;
+pub use system::{HostInfo, LeakedProcesses};
+pub use throughput::{Leaks, Level, ThroughputReport};
+
+use target::Target;
+
+/// What to measure.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scenario {
+    /// Sequential no-op Executes against direct spawns of the same bwrap command line.
+    Latency,
+    /// No-op executions per second at several concurrency levels; leaks after.
+    Throughput,
+    /// One execution's progress events streamed to many watchers.
+    Fanout,
+    /// Harness progress lines turned into stored events, per second.
+    Ingest,
+    /// The no-op through another sandbox wrapper (`srt`) when one is on PATH.
+    Peer,
+    /// Every scenario above, one after the other.
+    All,
+}
+
+/// Arguments of `corral bench`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// What to measure.
+    #[arg(value_enum)]
+    pub scenario: Scenario,
+    /// latency: Executes (and floor spawns) [default: 200]; throughput:
+    /// executions per level [default: 10 × concurrency, at least 50];
+    /// peer: runs of each side [default: 20].
+    #[arg(long)]
+    pub n: Option<usize>,
+    /// latency: untimed runs of each side first (at least one Execute).
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// throughput: concurrency levels.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    pub concurrency: Vec<usize>,
+    /// fanout: watcher counts, one execution each.
+    #[arg(long, value_delimiter = ',', default_value = "1,100,1000")]
+    pub watchers: Vec<usize>,
+    /// fanout, ingest: progress events the harness emits.
+    #[arg(long, default_value_t = 100_000)]
+    pub events: u64,
+    /// fanout, ingest: the emitting harness [default: fake-agent in-process,
+    /// shell with --server].
+    #[arg(long, value_enum)]
+    pub emitter: Option<Emitter>,
+    /// fanout, ingest: run the emitter under this profile instead.
+    #[arg(long, value_name = "REF")]
+    pub emitter_profile: Option<String>,
+    /// The no-op profile (latency, throughput, peer).
+    #[arg(long, value_name = "REF", default_value = "builtin.noop@1.0.0")]
+    pub noop_profile: String,
+    /// fanout: stop a level when the daemon's RSS passes this (MiB).
+    #[arg(long, default_value_t = 4096)]
+    pub rss_limit_mib: u64,
+    /// fanout, ingest: stop a level after this many seconds.
+    #[arg(long, default_value_t = 900)]
+    pub level_timeout: u64,
+    /// In-process daemon: keep its data here (default: a temporary
+    /// directory, removed afterwards).
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+}
+
+impl BenchArgs {
+    /// Parses `corral bench`'s arguments (without `bench`), defaults
+    /// included: `BenchArgs::parse(&["latency", "--n", "3"])`.
+    pub fn parse(args: &[&str]) -> Result<BenchArgs, clap::Error> {
+        #[derive(clap::Parser)]
+        struct Bench {
+            #[command(flatten)]
+            args: BenchArgs,
+        }
+        use clap::Parser as _;
+        Bench::try_parse_from(std::iter::once("bench").chain(args.iter().copied())).map(|b| b.args)
+    }
+
+    fn emitter(&self, target: &Target) -> Emitter {
+        self.emitter.unwrap_or(if target.in_process_mode() { Emitter::FakeAgent } else { Emitter::Shell })
+    }
+}
+
+/// Everything one `corral bench` run measured (`--json` prints it).
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub scenario: Scenario,
+    /// `in-process` or `server`.
+    pub mode: String,
+    pub server: String,
+    pub host: HostInfo,
+    /// The daemon's RSS before any work (in-process: the bench process).
+    pub daemon_idle_rss_kib: Option<u64>,
+    pub latency: Option<LatencyReport>,
+    pub throughput: Option<ThroughputReport>,
+    pub fanout: Option<FanoutReport>,
+    pub ingest: Option<IngestReport>,
+    pub peer: Option<PeerReport>,
+    /// Issue 6's targets, judged on what this run measured.
+    pub targets: Vec<TargetCheck>,
+}
+
+/// Runs a scenario against the daemon at `server`, or against one started
+/// in this process when `server` is `None`.
+pub async fn run_scenario(args: &BenchArgs, server: Option<&str>) -> anyhow::Result<BenchReport> {
+    let target = match server {
+        Some(url) => Target::server(url).await?,
+        None => Target::in_process(args.data_dir.as_deref()).await?,
+    };
+    let result = measure(&target, args).await;
+    let stopped = target.stop().await;
+    let report = result?;
+    stopped?;
+    Ok(report)
+}
+
+async fn measure(target: &Target, args: &BenchArgs) -> anyhow::Result<BenchReport> {
+    // Connected once first, so an in-process daemon is serving before its
+    // idle memory is read.
+    drop(target.connect().await?);
+    let mut report = BenchReport {
+        scenario: args.scenario,
+        mode: if target.in_process_mode() { "in-process" } else { "server" }.into(),
+        server: target.url.clone(),
+        host: HostInfo::detect(),
+        daemon_idle_rss_kib: target.daemon_rss_kib(),
+        latency: None,
+        throughput: None,
+        fanout: None,
+        ingest: None,
+        peer: None,
+        targets: Vec::new(),
+    };
+    let all = args.scenario == Scenario::All;
+    if all || args.scenario == Scenario::Latency {
+        report.latency = Some(latency::run(target, args).await?);
+    }
+    if all || args.scenario == Scenario::Throughput {
+        report.throughput = Some(throughput::run(target, args).await?);
+    }
+    if all || args.scenario == Scenario::Ingest {
+        report.ingest = Some(ingest::run(target, args).await?);
+    }
+    if all || args.scenario == Scenario::Fanout {
+        report.fanout = Some(fanout::run(target, args).await?);
+    }
+    if all || args.scenario == Scenario::Peer {
+        report.peer = Some(peer::run(target, args).await?);
+    }
+    report.targets = render::targets(&report);
+    Ok(report)
+}
+
+/// `corral bench`: runs the scenario and prints the tables (or, with
+/// `--json`, one JSON object). Exit code 0 once the run completed, whether
+/// or not the targets were met.
+pub async fn run(server: Option<&str>, args: BenchArgs, json: bool) -> anyhow::Result<i32> {
+    let report = run_scenario(&args, server).await?;
+    if json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", render::human(&report));
+    }
+    Ok(0)
+}

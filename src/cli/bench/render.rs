@@ -1,0 +1,308 @@
+//! The human tables of `corral bench`, and issue 6's targets judged on
+//! what a run measured.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use super::latency::STAGES;
+use super::stats::Percentiles;
+use super::BenchReport;
+use crate::cli::table::table;
+
+/// One target and how this run did against it. `met` is `None` when the
+/// run did not measure it (another scenario, or other parameters).
+#[derive(Clone, Debug, Serialize)]
+pub struct TargetCheck {
+    pub target: String,
+    pub measured: String,
+    pub met: Option<bool>,
+}
+
+fn check(target: &str, measured: String, met: Option<bool>) -> TargetCheck {
+    TargetCheck { target: target.into(), measured, met }
+}
+
+pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
+    let mut out = Vec::new();
+    if let Some(l) = &r.latency {
+        out.push(check(
+            "latency: corral Execute p50 <= 2x bare bwrap p50",
+            format!("{:.2}x ({:.2} ms vs {:.2} ms)", l.ratio_p50, l.corral.p50_ms, l.floor.p50_ms),
+            Some(l.corral.count > 0 && l.ratio_p50 <= 2.0),
+        ));
+    }
+    if let Some(t) = &r.throughput {
+        let at16 = t.levels.iter().find(|l| l.concurrency == 16);
+        out.push(match at16 {
+            Some(l) => check(
+                "throughput: >= 100 executions/s at concurrency 16",
+                format!("{:.1}/s ({} errors)", l.per_second, l.errors.values().sum::<usize>()),
+                Some(l.per_second >= 100.0),
+            ),
+            None => check("throughput: >= 100 executions/s at concurrency 16", "not run".into(), None),
+        });
+        let p = &t.leaks.processes;
+        let leaked =
+            t.leaks.sandbox_dirs + t.leaks.data_sandboxes_entries.unwrap_or(0) + p.with_sandbox_id + p.bwrap_zombies;
+        out.push(check(
+            "throughput: zero leaked sandboxes (processes and workspaces)",
+            format!(
+                "{} sandbox dirs, {} under data/sandboxes, {} processes, {} bwrap zombies",
+                t.leaks.sandbox_dirs,
+                t.leaks.data_sandboxes_entries.map(|n| n.to_string()).unwrap_or_else(|| "?".into()),
+                p.with_sandbox_id,
+                p.bwrap_zombies
+            ),
+            Some(leaked == 0),
+        ));
+    }
+    if let Some(f) = &r.fanout {
+        let full = f.levels.iter().find(|l| l.watchers == 1000 && l.events == 100_000);
+        let name = "fanout: 1,000 watchers receive all 100,000 events";
+        out.push(match full {
+            Some(l) => check(
+                name,
+                format!("{} of 1000 complete, {} resumes{}", l.complete_watchers, l.resumes, aborted(l)),
+                Some(l.complete_watchers == 1000),
+            ),
+            None => check(name, "not run at W=1000 x 100,000".into(), None),
+        });
+        out.push(match full {
+            Some(l) => {
+                check("fanout: p99 delay <= 50 ms", format!("{:.1} ms", l.delay_p99_ms), Some(l.delay_p99_ms <= 50.0))
+            }
+            None => check("fanout: p99 delay <= 50 ms", "not run at W=1000 x 100,000".into(), None),
+        });
+        let memory = "fanout: <= 64 KiB daemon memory per watcher";
+        out.push(match full.and_then(|l| l.per_watcher_peak_kib.map(|k| (l, k))) {
+            Some((l, kib)) => check(
+                memory,
+                format!(
+                    "{kib:.1} KiB at peak, {} KiB attached (RSS of {})",
+                    l.per_watcher_attached_kib.map(|k| format!("{k:.1}")).unwrap_or_else(|| "?".into()),
+                    f.rss_of
+                ),
+                Some(kib <= 64.0),
+            ),
+            None => check(memory, "not measured".into(), None),
+        });
+    }
+    if let Some(i) = &r.ingest {
+        out.push(check(
+            "ingest: >= 50,000 events/s from one harness",
+            format!("{:.0} events/s (emitter alone: {:.0}/s)", i.per_second, i.emitter_alone_per_second),
+            Some(i.stored == i.events && i.per_second >= 50_000.0),
+        ));
+    }
+    if let Some(kib) = r.daemon_idle_rss_kib {
+        let of = if r.mode == "in-process" { " (in-process: the bench process)" } else { "" };
+        out.push(check(
+            "daemon idle RSS <= 30 MiB",
+            format!("{:.1} MiB{of}", kib as f64 / 1024.0),
+            Some(kib <= 30 * 1024),
+        ));
+    }
+    out
+}
+
+fn aborted(l: &super::FanoutLevel) -> String {
+    l.aborted.as_ref().map(|a| format!("; aborted: {a}")).unwrap_or_default()
+}
+
+fn ms(v: f64) -> String {
+    format!("{v:.2}")
+}
+
+fn kib(v: Option<u64>) -> String {
+    v.map(|k| format!("{:.1}", k as f64 / 1024.0)).unwrap_or_else(|| "?".into())
+}
+
+fn percentile_row(name: &str, p: &Percentiles) -> Vec<String> {
+    vec![name.into(), p.count.to_string(), ms(p.p50_ms), ms(p.p90_ms), ms(p.p99_ms), ms(p.max_ms)]
+}
+
+fn errors(map: &std::collections::BTreeMap<String, usize>) -> String {
+    if map.is_empty() {
+        return "none".into();
+    }
+    map.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+}
+
+pub fn human(r: &BenchReport) -> String {
+    let mut out = String::new();
+    let h = &r.host;
+    let _ = writeln!(out, "corral bench {:?} ({} daemon at {})", r.scenario, r.mode, r.server);
+    let _ = writeln!(
+        out,
+        "host: {} cpus ({}), {} MiB, kernel {}, {}",
+        h.nproc, h.cpu_model, h.mem_total_mib, h.kernel, h.bwrap
+    );
+    let _ = writeln!(out, "daemon idle RSS: {} MiB\n", kib(r.daemon_idle_rss_kib));
+    if let Some(l) = &r.latency {
+        let _ = writeln!(out, "latency: {} ({} runs each side, {} warm-up)", l.profile, l.n, l.warmup);
+        let rows = vec![
+            percentile_row("corral Execute", &l.corral),
+            percentile_row("floor (bwrap direct)", &l.floor),
+            vec![
+                "ratio".into(),
+                String::new(),
+                format!("{:.2}x", l.ratio_p50),
+                format!("{:.2}x", l.ratio_p90),
+                format!("{:.2}x", l.ratio_p99),
+                String::new(),
+            ],
+        ];
+        out.push_str(&table(&["", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"], &rows));
+        let _ = writeln!(
+            out,
+            "floor command line matches corral's receipt: {}; errors: corral {}, floor {}",
+            if l.floor_matches_receipt { "yes" } else { "NO" },
+            errors(&l.errors),
+            l.floor_errors
+        );
+        let mut rows: Vec<Vec<String>> = Vec::new();
+        for stage in STAGES.iter().chain(&["total", "daemon_other", "outside_total", "store_other", "client"]) {
+            if let Some(v) = l.stages_p50_ms.get(*stage) {
+                rows.push(vec![stage.to_string(), ms(*v), stage_note(stage).into()]);
+            }
+        }
+        out.push('\n');
+        out.push_str(&table(&["stage", "p50 ms", ""], &rows));
+        out.push('\n');
+    }
+    if let Some(t) = &r.throughput {
+        let _ = writeln!(out, "throughput: {}", t.profile);
+        let rows: Vec<Vec<String>> = t
+            .levels
+            .iter()
+            .map(|l| {
+                vec![
+                    l.concurrency.to_string(),
+                    l.executions.to_string(),
+                    format!("{:.2}", l.seconds),
+                    format!("{:.1}", l.per_second),
+                    ms(l.latency.p50_ms),
+                    ms(l.latency.p99_ms),
+                    errors(&l.errors),
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &["concurrency", "executions", "seconds", "succeeded/s", "p50 ms", "p99 ms", "errors"],
+            &rows,
+        ));
+        let p = &t.leaks.processes;
+        let _ = writeln!(
+            out,
+            "leaks after the run: {} sandbox dirs of these executions, {} entries under data/sandboxes, {} processes with CORRAL_SANDBOX_ID ({} bwrap), {} bwrap zombies\n",
+            t.leaks.sandbox_dirs,
+            t.leaks.data_sandboxes_entries.map(|n| n.to_string()).unwrap_or_else(|| "?".into()),
+            p.with_sandbox_id,
+            p.bwrap,
+            p.bwrap_zombies
+        );
+    }
+    if let Some(i) = &r.ingest {
+        let _ = writeln!(out, "ingest: {} ({:?}), {} progress events", i.profile, i.emitter, i.events);
+        let rows = vec![vec![
+            i.stored.to_string(),
+            format!("{:.1}", i.span_ms),
+            format!("{:.0}", i.per_second),
+            format!("{:.0}", i.emitter_alone_per_second),
+            i.execution_state.clone(),
+        ]];
+        out.push_str(&table(&["stored", "span ms", "events/s", "emitter alone/s", "state"], &rows));
+        out.push('\n');
+    }
+    if let Some(f) = &r.fanout {
+        let _ = writeln!(out, "fanout: {} ({:?}); RSS is of {}", f.profile, f.emitter, f.rss_of);
+        let rows: Vec<Vec<String>> = f
+            .levels
+            .iter()
+            .map(|l| {
+                vec![
+                    l.watchers.to_string(),
+                    format!("{}/{}", l.complete_watchers, l.watchers),
+                    format!("{:.2}", l.seconds),
+                    format!("{:.0}", l.aggregate_per_second),
+                    format!("{:.0}", l.per_watcher_per_second_median),
+                    ms(l.delay_p50_ms),
+                    ms(l.delay_p99_ms),
+                    l.resumes.to_string(),
+                    format!("{}/{}/{}", kib(l.rss_before_kib), kib(l.rss_attached_kib), kib(l.rss_peak_kib)),
+                    l.per_watcher_peak_kib.map(|k| format!("{k:.1}")).unwrap_or_else(|| "?".into()),
+                    format!("{}{}", errors(&l.errors), aborted(l)),
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &[
+                "watchers",
+                "complete",
+                "seconds",
+                "events/s total",
+                "events/s each",
+                "delay p50 ms",
+                "delay p99 ms",
+                "resumes",
+                "RSS MiB before/attached/peak",
+                "KiB/watcher",
+                "errors",
+            ],
+            &rows,
+        ));
+        out.push('\n');
+    }
+    if let Some(p) = &r.peer {
+        match (&p.skipped, &p.peer, &p.corral) {
+            (Some(reason), _, _) => {
+                let _ = writeln!(out, "peer: {reason}\n");
+            }
+            (None, Some(peer), Some(corral)) => {
+                let _ = writeln!(out, "peer: {}", p.wrapper.clone().unwrap_or_default());
+                let rows = vec![percentile_row("peer", peer), percentile_row("corral Execute", corral)];
+                out.push_str(&table(&["", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"], &rows));
+                let _ = writeln!(
+                    out,
+                    "peer/corral p50: {}; peer failures {}\n",
+                    p.ratio_p50.map(|r| format!("{r:.1}x")).unwrap_or_else(|| "?".into()),
+                    p.peer_failures
+                );
+            }
+            _ => {}
+        }
+    }
+    if !r.targets.is_empty() {
+        let rows: Vec<Vec<String>> = r
+            .targets
+            .iter()
+            .map(|t| {
+                let met = match t.met {
+                    Some(true) => "met",
+                    Some(false) => "NOT MET",
+                    None => "not measured",
+                };
+                vec![met.into(), t.target.clone(), t.measured.clone()]
+            })
+            .collect();
+        out.push_str(&table(&["", "target", "measured"], &rows));
+    }
+    out
+}
+
+fn stage_note(stage: &str) -> &'static str {
+    match stage {
+        "sandbox_create" => "sandbox row + workspace dir",
+        "workspace" => "clone (none: no repo)",
+        "session_start" => "spawn bwrap",
+        "harness" => "dispatch until the harness exits",
+        "teardown" => "end, cleanup, destroy",
+        "total" => "the daemon's own total",
+        "daemon_other" => "total - stages: event/record writes between stages",
+        "outside_total" => "client - total: gRPC, accept, final write",
+        "store_other" => "client - stages",
+        "client" => "client-observed Execute",
+        _ => "",
+    }
+}

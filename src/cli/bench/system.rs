@@ -1,0 +1,144 @@
+//! What the bench reads from the host: the machine, a process's resident
+//! memory, which process listens on a port, and what sandboxes left behind.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+/// The machine a run was made on.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct HostInfo {
+    pub nproc: usize,
+    pub cpu_model: String,
+    pub mem_total_mib: u64,
+    pub kernel: String,
+    pub bwrap: String,
+}
+
+impl HostInfo {
+    pub fn detect() -> HostInfo {
+        let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.to_string()))
+            .and_then(|l| l.split_once(':').map(|(_, v)| v.trim().to_string()))
+            .unwrap_or_default();
+        let bwrap = std::process::Command::new("bwrap")
+            .arg("--version")
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_else(|| "not found".into());
+        HostInfo {
+            nproc: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            cpu_model,
+            mem_total_mib: meminfo_kib("MemTotal:").unwrap_or(0) / 1024,
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string(),
+            bwrap,
+        }
+    }
+}
+
+/// A `/proc/meminfo` value in KiB.
+pub fn meminfo_kib(key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    text.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok())
+}
+
+/// Resident memory (`VmRSS`) of `pid`, in KiB.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// The process on this host that listens on TCP `port` (and whose file
+/// descriptors we may read: our own user's), found through the socket
+/// inode in `/proc/net/tcp{,6}`.
+pub fn listener_pid(port: u16) -> Option<u32> {
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else { continue };
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // sl local_address rem_address st ... inode (field 9)
+            let (Some(local), Some(state), Some(inode)) = (fields.get(1), fields.get(3), fields.get(9)) else {
+                continue;
+            };
+            let local_port = local.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+            if local_port == Some(port) && *state == "0A" {
+                inodes.push(format!("socket:[{inode}]"));
+            }
+        }
+    }
+    if inodes.is_empty() {
+        return None;
+    }
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else { continue };
+        for fd in fds.flatten() {
+            if let Ok(link) = std::fs::read_link(fd.path()) {
+                if inodes.iter().any(|i| link.as_os_str() == i.as_str()) {
+                    return Some(pid);
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Processes a sandbox left running, and bwrap zombies nobody reaped.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct LeakedProcesses {
+    /// Live processes whose environment carries `CORRAL_SANDBOX_ID`
+    /// (everything corral starts in a sandbox does; readable for our own
+    /// user's processes only).
+    pub with_sandbox_id: usize,
+    /// Of those, how many are `bwrap` itself.
+    pub bwrap: usize,
+    /// `bwrap` zombies whose parent is the daemon.
+    pub bwrap_zombies: usize,
+}
+
+/// Scans `/proc` for what sandboxes left behind. `daemon_pid` names the
+/// parent whose unreaped bwrap children count as zombies.
+pub fn leaked_processes(daemon_pid: Option<u32>) -> LeakedProcesses {
+    let mut leaks = LeakedProcesses::default();
+    let Ok(dir) = std::fs::read_dir("/proc") else { return leaks };
+    let me = std::process::id();
+    for entry in dir.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        if pid == me {
+            continue;
+        }
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        // pid (comm) state ppid ...: comm may hold spaces, so split at ')'.
+        let (comm, rest) = match (stat.find('('), stat.rfind(')')) {
+            (Some(open), Some(close)) if close > open => (&stat[open + 1..close], &stat[close + 1..]),
+            _ => continue,
+        };
+        let mut fields = rest.split_whitespace();
+        let state = fields.next().unwrap_or("");
+        let ppid = fields.next().and_then(|p| p.parse::<u32>().ok());
+        if comm == "bwrap" && state == "Z" && daemon_pid.is_some() && ppid == daemon_pid {
+            leaks.bwrap_zombies += 1;
+            continue;
+        }
+        let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        if environ.split(|b| *b == 0).any(|var| var.starts_with(b"CORRAL_SANDBOX_ID=")) {
+            leaks.with_sandbox_id += 1;
+            if comm == "bwrap" {
+                leaks.bwrap += 1;
+            }
+        }
+    }
+    leaks
+}
+
+/// Entries under a directory (0 when it does not exist).
+pub fn entries(dir: &Path) -> usize {
+    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
+}

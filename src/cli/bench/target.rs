@@ -1,0 +1,224 @@
+//! The daemon a bench runs against: one started in this process on
+//! 127.0.0.1:0 with a fresh data directory (no address given), or a running
+//! one named by `--server` / `CORRAL_SERVER`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+use super::system;
+use crate::config::Config;
+use crate::daemon::{default_reins, Daemon};
+use crate::sandbox::Backends;
+
+/// The fake agent of the test suite, shipped inside the binary so that
+/// `corral bench` needs no checkout.
+const FAKE_AGENT: &str = include_str!("../../../tests/fixtures/fake_agent.py");
+
+/// The profile the in-process daemon gets for `fanout` and `ingest`.
+pub const FAKE_AGENT_PROFILE: &str = "bench.fake-agent@1.0.0";
+
+/// The file whose appearance in the workspace lets an emitting harness
+/// start, so every watcher is subscribed before the first progress event.
+pub const GO_FILE: &str = ".corral-bench-go";
+
+/// A shell loop that waits (at most 120 s) for [`GO_FILE`].
+pub fn barrier_script() -> String {
+    format!(
+        "n=0; while [ ! -e {ws}/{GO_FILE} ] && [ $n -lt 12000 ]; do sleep 0.01; n=$((n+1)); done",
+        ws = crate::sandbox::WORKSPACE_MOUNT
+    )
+}
+
+pub enum Mode {
+    InProcess { shutdown: CancellationToken, handle: tokio::task::JoinHandle<anyhow::Result<()>> },
+    Server,
+}
+
+pub struct Target {
+    pub url: String,
+    pub mode: Mode,
+    /// The daemon's data directory, when this process knows it.
+    pub data_dir: Option<PathBuf>,
+    /// Scratch space for the floor's workspaces and the standalone emitter.
+    pub scratch: PathBuf,
+    /// The daemon's pid, when it runs on this host and is ours to read.
+    pub daemon_pid: Option<u32>,
+    /// The fake agent, written out for the standalone emitter measurement.
+    pub fake_agent: PathBuf,
+    /// Removed when the target stops (a directory this bench created).
+    remove: Option<PathBuf>,
+}
+
+impl Target {
+    pub fn in_process_mode(&self) -> bool {
+        matches!(self.mode, Mode::InProcess { .. })
+    }
+
+    /// Starts a daemon in this process: built-in profiles plus the bench's
+    /// fake-agent profile, data under `root` (a temporary directory when
+    /// `None`, removed at the end).
+    pub async fn in_process(root: Option<&Path>) -> anyhow::Result<Target> {
+        let (root, remove) = match root {
+            Some(root) => (root.to_path_buf(), None),
+            None => {
+                let dir = std::env::temp_dir().join(format!("corral-bench-{}", uuid::Uuid::now_v7()));
+                (dir.clone(), Some(dir))
+            }
+        };
+        let profiles = root.join("profiles");
+        let harness = root.join("harness");
+        for dir in [&profiles, &harness] {
+            std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        }
+        let fake_agent = harness.join("fake_agent.py");
+        std::fs::write(&fake_agent, FAKE_AGENT)?;
+        std::fs::write(profiles.join("bench-fake-agent.toml"), fake_agent_profile(&harness, &fake_agent))?;
+        let config = Config {
+            data_dir: root.join("data"),
+            profile_dirs: vec![profiles],
+            shutdown_grace_seconds: 5,
+            ..Config::default()
+        };
+        let data_dir = config.data_dir.clone();
+        let daemon = Daemon::build(config, Backends::host_default(), default_reins())
+            .await
+            .context("cannot start the in-process daemon")?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let shutdown = CancellationToken::new();
+        let token = shutdown.clone();
+        let handle = tokio::spawn(async move { daemon.serve(listener, token).await.map_err(anyhow::Error::from) });
+        let scratch = root.join("scratch");
+        std::fs::create_dir_all(&scratch)?;
+        Ok(Target {
+            url,
+            mode: Mode::InProcess { shutdown, handle },
+            data_dir: Some(data_dir),
+            scratch,
+            daemon_pid: Some(std::process::id()),
+            fake_agent,
+            remove,
+        })
+    }
+
+    /// A daemon that runs already. Its pid (for RSS and zombies) is found
+    /// when it listens on a loopback port of this host.
+    pub async fn server(url: &str) -> anyhow::Result<Target> {
+        let root = std::env::temp_dir().join(format!("corral-bench-{}", uuid::Uuid::now_v7()));
+        let scratch = root.join("scratch");
+        std::fs::create_dir_all(&scratch).with_context(|| format!("cannot create {}", scratch.display()))?;
+        let fake_agent = root.join("fake_agent.py");
+        std::fs::write(&fake_agent, FAKE_AGENT)?;
+        let daemon_pid = loopback_port(url).and_then(system::listener_pid);
+        Ok(Target {
+            url: url.to_string(),
+            mode: Mode::Server,
+            data_dir: None,
+            scratch,
+            daemon_pid,
+            fake_agent,
+            remove: Some(root),
+        })
+    }
+
+    /// A new connection (HTTP/2 channel) to the daemon.
+    pub async fn connect(&self) -> anyhow::Result<Channel> {
+        let endpoint = Channel::from_shared(self.url.clone())
+            .with_context(|| format!("invalid --server address `{}`", self.url))?
+            .tcp_nodelay(true);
+        let mut last = None;
+        for _ in 0..50 {
+            match endpoint.connect().await {
+                Ok(channel) => return Ok(channel),
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Err(anyhow::Error::from(last.expect("tried")).context(format!("cannot connect to {}", self.url)))
+    }
+
+    /// The daemon's resident memory in KiB (in-process: the whole bench
+    /// process, client included).
+    pub fn daemon_rss_kib(&self) -> Option<u64> {
+        self.daemon_pid.and_then(system::rss_kib)
+    }
+
+    /// The sandboxes directory, when this process knows the data directory.
+    pub fn sandboxes_dir(&self) -> Option<PathBuf> {
+        self.data_dir.as_ref().map(|d| d.join("sandboxes"))
+    }
+
+    /// Stops an in-process daemon and removes what this bench created.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        if let Mode::InProcess { shutdown, handle } = self.mode {
+            shutdown.cancel();
+            handle.await.context("in-process daemon panicked")??;
+        }
+        if let Some(dir) = self.remove {
+            let _ = tokio::fs::remove_dir_all(&dir).await;
+        }
+        Ok(())
+    }
+}
+
+/// The port of a `http://127.0.0.1:PORT`-like URL on this host.
+fn loopback_port(url: &str) -> Option<u16> {
+    let rest = url.split_once("://").map(|(_, r)| r).unwrap_or(url);
+    let authority = rest.split('/').next()?;
+    let (host, port) = authority.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let local = matches!(host, "127.0.0.1" | "localhost" | "::1" | "0.0.0.0" | "::");
+    local.then(|| port.parse().ok()).flatten()
+}
+
+/// The fake agent behind the start barrier, in a bwrap sandbox without
+/// network; generous limits so 100,000 events fit.
+fn fake_agent_profile(harness_dir: &Path, fake_agent: &Path) -> String {
+    let quote = |s: &str| serde_json::to_string(s).expect("a string serialises");
+    let script = format!("{}; exec /usr/bin/python3 {}", barrier_script(), fake_agent.display());
+    let (id, version) = FAKE_AGENT_PROFILE.split_once('@').expect("a pinned ref");
+    format!(
+        r#"id = "{id}"
+version = "{version}"
+description = "The test suite's fake agent behind a start barrier, for `corral bench fanout` and `ingest`."
+[rein]
+argv = ["/bin/sh", "-c", {script}]
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+read_paths = [{dir}]
+[limits]
+timeout_seconds = 600
+max_output_bytes = 67108864
+"#,
+        script = quote(&script),
+        dir = quote(&harness_dir.to_string_lossy()),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_ports() {
+        assert_eq!(loopback_port("http://127.0.0.1:50051"), Some(50051));
+        assert_eq!(loopback_port("http://localhost:7/"), Some(7));
+        assert_eq!(loopback_port("http://[::1]:9"), Some(9));
+        assert_eq!(loopback_port("http://example.com:50051"), None);
+    }
+
+    #[test]
+    fn the_fake_agent_profile_parses() {
+        let text = fake_agent_profile(Path::new("/x/harness"), Path::new("/x/harness/fake_agent.py"));
+        let profile: crate::catalog::ProfileFile = toml::from_str(&text).expect("valid profile");
+        assert_eq!(profile.rein.argv[0], "/bin/sh");
+        assert!(profile.rein.argv[2].ends_with("exec /usr/bin/python3 /x/harness/fake_agent.py"));
+        assert_eq!(profile.sandbox.read_paths, vec!["/x/harness".to_string()]);
+    }
+}

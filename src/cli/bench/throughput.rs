@@ -1,0 +1,135 @@
+//! `throughput`: executions per second of the no-op profile at several
+//! concurrency levels, what failed and how, and what was left behind.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::client::{code_name, execute, request};
+use super::stats::Percentiles;
+use super::system::{self, LeakedProcesses};
+use super::target::Target;
+use super::BenchArgs;
+
+/// Concurrent streams per HTTP/2 connection (servers commonly allow
+/// 100–200; the bench stays well under).
+const STREAMS_PER_CONNECTION: usize = 16;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Level {
+    pub concurrency: usize,
+    pub executions: usize,
+    pub succeeded: usize,
+    pub seconds: f64,
+    /// Executions that succeeded, per second of the level.
+    pub per_second: f64,
+    pub latency: Percentiles,
+    /// What did not succeed: a status code (`RESOURCE_EXHAUSTED`, ...) or
+    /// the final state of an execution that ran (`FAILED`, ...).
+    pub errors: BTreeMap<String, usize>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Leaks {
+    /// Sandbox roots of this run's executions that still exist.
+    pub sandbox_dirs: usize,
+    /// Entries under `<data>/sandboxes` (in-process daemon only).
+    pub data_sandboxes_entries: Option<usize>,
+    pub processes: LeakedProcesses,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ThroughputReport {
+    pub profile: String,
+    pub levels: Vec<Level>,
+    /// Counted right after the last stream ended.
+    pub leaks: Leaks,
+}
+
+pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<ThroughputReport> {
+    let mut channels = Vec::new();
+    let max = args.concurrency.iter().copied().max().unwrap_or(1);
+    for _ in 0..max.div_ceil(STREAMS_PER_CONNECTION) {
+        channels.push(target.connect().await?);
+    }
+    let roots: Arc<Mutex<Vec<PathBuf>>> = Arc::default();
+    let mut levels = Vec::new();
+    for &concurrency in &args.concurrency {
+        let count = args.n.unwrap_or((10 * concurrency).max(50));
+        levels.push(level(&channels, &args.noop_profile, concurrency, count, &roots).await);
+    }
+    let sandbox_dirs = roots.lock().unwrap_or_else(|e| e.into_inner()).iter().filter(|r| r.exists()).count();
+    let leaks = Leaks {
+        sandbox_dirs,
+        data_sandboxes_entries: target.sandboxes_dir().map(|d| system::entries(&d)),
+        processes: system::leaked_processes(target.daemon_pid),
+    };
+    Ok(ThroughputReport { profile: args.noop_profile.clone(), levels, leaks })
+}
+
+async fn level(
+    channels: &[tonic::transport::Channel],
+    profile: &str,
+    concurrency: usize,
+    count: usize,
+    roots: &Arc<Mutex<Vec<PathBuf>>>,
+) -> Level {
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for worker in 0..concurrency.max(1) {
+        let channel = channels[(worker / STREAMS_PER_CONNECTION) % channels.len()].clone();
+        let (next, roots, profile) = (next.clone(), roots.clone(), profile.to_string());
+        workers.spawn(async move {
+            let mut latencies = Vec::new();
+            let mut errors: BTreeMap<String, usize> = BTreeMap::new();
+            while next.fetch_add(1, Ordering::SeqCst) < count {
+                match execute(&channel, request(&profile, "corral bench", "")).await {
+                    Ok(e) => {
+                        if let Some(ws) = &e.workspace_path {
+                            if let Some(root) = std::path::Path::new(ws).parent() {
+                                roots.lock().unwrap_or_else(|e| e.into_inner()).push(root.to_path_buf());
+                            }
+                        }
+                        if e.succeeded() {
+                            latencies.push(e.client.as_secs_f64() * 1e3);
+                        } else {
+                            *errors.entry(e.state_name()).or_default() += 1;
+                        }
+                    }
+                    Err(status) => *errors.entry(code_name(status.code())).or_default() += 1,
+                }
+            }
+            (latencies, errors)
+        });
+    }
+    let mut latencies = Vec::new();
+    let mut errors: BTreeMap<String, usize> = BTreeMap::new();
+    while let Some(joined) = workers.join_next().await {
+        match joined {
+            Ok((l, e)) => {
+                latencies.extend(l);
+                for (k, v) in e {
+                    *errors.entry(k).or_default() += v;
+                }
+            }
+            Err(_) => *errors.entry("BENCH_WORKER_PANICKED".into()).or_default() += 1,
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let failed: usize = errors.values().sum();
+    let executions = latencies.len() + failed;
+    Level {
+        concurrency,
+        executions,
+        succeeded: latencies.len(),
+        seconds,
+        per_second: if seconds > 0.0 { latencies.len() as f64 / seconds } else { 0.0 },
+        latency: Percentiles::of_ms(&latencies),
+        errors,
+    }
+}

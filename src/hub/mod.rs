@@ -1,0 +1,254 @@
+//! Hub reporting: the redacted evidence of a finished execution, as a
+//! CloudEvents 1.0 JSON envelope POSTed to `<url>/progress/`, through a
+//! stored outbox so that a hub that is down, slow or failing never changes
+//! an execution and nothing is lost across restarts.
+
+mod http;
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+
+use crate::evidence::HubReportStatus;
+use crate::lifecycle::{now_ms, ExecutionRecord};
+use crate::store::{OutboxRow, Store};
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HubConfig {
+    /// `http://host[:port][/base]`; reports go to `<url>/progress/`.
+    pub url: String,
+    /// A daemon environment variable holding the bearer token.
+    pub token_env: Option<String>,
+    /// A file holding the bearer token.
+    pub token_file: Option<std::path::PathBuf>,
+    #[serde(default = "defaults::timeout")]
+    pub timeout_seconds: u64,
+    #[serde(default = "defaults::backoff")]
+    pub initial_backoff_ms: u64,
+    #[serde(default = "defaults::max_backoff")]
+    pub max_backoff_seconds: u64,
+    /// A report still undelivered this long after the execution finished
+    /// is given up (`hub_report_status = failed`).
+    #[serde(default = "defaults::max_age")]
+    pub max_age_seconds: u64,
+}
+
+mod defaults {
+    pub fn timeout() -> u64 {
+        5
+    }
+    pub fn backoff() -> u64 {
+        500
+    }
+    pub fn max_backoff() -> u64 {
+        60
+    }
+    pub fn max_age() -> u64 {
+        3600
+    }
+}
+
+impl HubConfig {
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        http::split_url(&self.url).map_err(|e| ("hub.url".to_string(), e.to_string()))?;
+        if self.token_env.is_some() && self.token_file.is_some() {
+            return Err(("hub".into(), "set at most one of token_env and token_file".into()));
+        }
+        if self.timeout_seconds == 0 {
+            return Err(("hub.timeout_seconds".into(), "must be greater than 0".into()));
+        }
+        Ok(())
+    }
+
+    /// The token, read at each delivery so it can rotate. Never logged.
+    fn token(&self) -> Option<String> {
+        match (&self.token_env, &self.token_file) {
+            (Some(var), _) => std::env::var(var).ok(),
+            (None, Some(path)) => std::fs::read_to_string(path).ok().map(|t| t.trim().to_string()),
+            (None, None) => None,
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("{}/progress/", self.url.trim_end_matches('/'))
+    }
+
+    fn backoff(&self, attempts: u32) -> Duration {
+        let base = Duration::from_millis(self.initial_backoff_ms.max(1));
+        let cap = Duration::from_secs(self.max_backoff_seconds.max(1));
+        base.saturating_mul(1u32 << attempts.min(20)).min(cap)
+    }
+}
+
+/// The report: the evidence's redacted facts and nothing else. Built field
+/// by field so that a field added to the evidence is not reported unless
+/// someone decides it may be.
+pub fn report(record: &ExecutionRecord) -> Value {
+    let e = &record.evidence;
+    let data = json!({
+        "execution_id": record.execution_id,
+        "state": record.state.as_str(),
+        "outcome": e.outcome,
+        "failure_stage": e.failure_stage.map(|s| s.as_str()),
+        "error": e.error,
+        "profile_ref": e.profile_ref,
+        "profile_digest": e.profile_digest,
+        "readiness": e.readiness,
+        "rein": e.rein,
+        "sandbox_id": e.sandbox_id,
+        "request_id": e.request_id,
+        "correlation_id": e.correlation_id,
+        "assignment_ref": e.assignment_ref,
+        "actor": record.consumer.actor,
+        "project": record.consumer.project,
+        "commit_sha": e.commit_sha,
+        "tokens_spent": e.tokens_spent,
+        "resolved_model": e.resolved_model,
+        "session_cleanup": e.session_cleanup,
+        "sandbox_destroy": e.sandbox_destroy,
+        "gate_decisions": e.gate_decisions,
+    });
+    json!({
+        "specversion": "1.0",
+        "type": "dev.corral.execution.finished",
+        "source": "corral",
+        "id": record.execution_id,
+        "time": rfc3339(record.finished_at_ms.unwrap_or_else(now_ms)),
+        "datacontenttype": "application/json",
+        "subject": record.execution_id,
+        "data": data,
+    })
+}
+
+fn rfc3339(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Civil from days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        ms.rem_euclid(1000)
+    )
+}
+
+/// Delivers the outbox in the background.
+pub struct Hub {
+    config: HubConfig,
+    store: Store,
+    wake: Notify,
+}
+
+impl Hub {
+    pub fn new(config: HubConfig, store: Store) -> Arc<Hub> {
+        Arc::new(Hub { config, store, wake: Notify::new() })
+    }
+
+    /// A new report was stored: deliver it now rather than at the next tick.
+    pub fn notify(&self) {
+        self.wake.notify_one();
+    }
+
+    pub fn spawn(self: &Arc<Self>) {
+        let hub: Weak<Hub> = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(this) = hub.upgrade() else { return };
+                if let Err(e) = this.deliver_due().await {
+                    tracing::warn!(error = %e, "hub outbox pass failed");
+                }
+                let wait = tokio::time::sleep(Duration::from_millis(200));
+                tokio::select! {
+                    _ = wait => {}
+                    _ = this.wake.notified() => {}
+                }
+            }
+        });
+    }
+
+    async fn deliver_due(&self) -> Result<(), crate::store::StoreError> {
+        let now = now_ms();
+        for row in self.store.due_reports(now, 32).await? {
+            self.attempt(row).await?;
+        }
+        Ok(())
+    }
+
+    async fn attempt(&self, row: OutboxRow) -> Result<(), crate::store::StoreError> {
+        let timeout = Duration::from_secs(self.config.timeout_seconds);
+        let token = self.config.token();
+        let result = http::post_json(&self.config.endpoint(), token.as_deref(), row.body.as_bytes(), timeout).await;
+        let attempts = row.attempts + 1;
+        let outcome = match result {
+            Ok(code) if (200..300).contains(&code) => {
+                tracing::info!(execution_id = %row.subject_id, attempts, "hub accepted the report");
+                Some(HubReportStatus::Accepted)
+            }
+            other => {
+                // Only the class of failure is logged: transport errors can
+                // carry addresses and texts that do not belong in logs.
+                let why = match other {
+                    Ok(code) => format!("status {code}"),
+                    Err(e) => e.to_string(),
+                };
+                let expired = now_ms() - row.created_at_ms >= (self.config.max_age_seconds * 1000) as i64;
+                if expired {
+                    tracing::warn!(execution_id = %row.subject_id, attempts, %why, "hub report given up");
+                    Some(HubReportStatus::Failed)
+                } else {
+                    tracing::debug!(execution_id = %row.subject_id, attempts, %why, "hub report will be retried");
+                    None
+                }
+            }
+        };
+        match outcome {
+            Some(status) => self.store.settle_report(row.id, &row.subject_id, status, attempts).await,
+            None => {
+                let next = now_ms() + self.config.backoff(attempts).as_millis() as i64;
+                self.store.retry_report(row.id, attempts, next).await
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_rfc3339() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_its_cap() {
+        let config = HubConfig {
+            url: "http://h".into(),
+            token_env: None,
+            token_file: None,
+            timeout_seconds: 1,
+            initial_backoff_ms: 100,
+            max_backoff_seconds: 1,
+            max_age_seconds: 10,
+        };
+        assert_eq!(config.backoff(0), Duration::from_millis(100));
+        assert_eq!(config.backoff(3), Duration::from_millis(800));
+        assert_eq!(config.backoff(9), Duration::from_secs(1));
+    }
+}
