@@ -1,0 +1,396 @@
+//! What leaves the daemon: hub reports through the outbox, against a real
+//! HTTP hub on 127.0.0.1 started by the test, and credential values that
+//! never leak.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{finished, request, require_bwrap, Options, ServeProcess, TestDaemon};
+use corral::hub::HubConfig;
+use corral::pb::{self, execution_service_client::ExecutionServiceClient, lifecycle_event::Kind};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+#[derive(Clone, Copy)]
+enum Answer {
+    Status(u16),
+    Hang,
+}
+
+/// A hub that records every POST and answers as told.
+#[derive(Clone)]
+struct TestHub {
+    url: String,
+    port: u16,
+    requests: Arc<Mutex<Vec<(String, String)>>>,
+}
+
+impl TestHub {
+    async fn start(answer: Answer) -> TestHub {
+        Self::start_on(TcpListener::bind("127.0.0.1:0").await.unwrap(), answer)
+    }
+
+    fn start_on(listener: TcpListener, answer: Answer) -> TestHub {
+        let port = listener.local_addr().unwrap().port();
+        let requests: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+        let log = requests.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let log = log.clone();
+                tokio::spawn(async move {
+                    let mut data = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    let (head, body) = loop {
+                        let Ok(n) = stream.read(&mut buf).await else { return };
+                        if n == 0 {
+                            return;
+                        }
+                        data.extend_from_slice(&buf[..n]);
+                        let text = String::from_utf8_lossy(&data).to_string();
+                        if let Some(end) = text.find("\r\n\r\n") {
+                            let head = text[..end].to_string();
+                            let length: usize = head
+                                .lines()
+                                .find_map(|l| {
+                                    l.to_ascii_lowercase()
+                                        .strip_prefix("content-length:")
+                                        .map(|v| v.trim().parse().unwrap())
+                                })
+                                .unwrap_or(0);
+                            if data.len() >= end + 4 + length {
+                                break (head, String::from_utf8_lossy(&data[end + 4..end + 4 + length]).to_string());
+                            }
+                        }
+                    };
+                    log.lock().unwrap().push((head, body));
+                    match answer {
+                        Answer::Status(code) => {
+                            let reply = format!("HTTP/1.1 {code} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                            let _ = stream.write_all(reply.as_bytes()).await;
+                        }
+                        Answer::Hang => tokio::time::sleep(Duration::from_secs(3600)).await,
+                    }
+                });
+            }
+        });
+        TestHub { url: format!("http://127.0.0.1:{port}"), port, requests }
+    }
+
+    fn bodies(&self) -> Vec<String> {
+        self.requests.lock().unwrap().iter().map(|(_, b)| b.clone()).collect()
+    }
+}
+
+fn hub_config(url: &str, max_age: u64) -> HubConfig {
+    HubConfig {
+        url: url.into(),
+        token_env: None,
+        token_file: None,
+        timeout_seconds: 1,
+        initial_backoff_ms: 100,
+        max_backoff_seconds: 1,
+        max_age_seconds: max_age,
+    }
+}
+
+fn with_hub(hub: HubConfig) -> Options {
+    Options { config: Box::new(move |c| c.hub = Some(hub)), ..Options::default() }
+}
+
+async fn hub_status(
+    daemon_client: &mut ExecutionServiceClient<tonic::transport::Channel>,
+    id: &str,
+) -> pb::HubReportStatus {
+    let record =
+        daemon_client.get_execution(pb::GetExecutionRequest { execution_id: id.into() }).await.unwrap().into_inner();
+    pb::HubReportStatus::try_from(record.evidence.unwrap().hub_report_status).unwrap()
+}
+
+async fn wait_for_status(
+    client: &mut ExecutionServiceClient<tonic::transport::Channel>,
+    id: &str,
+    want: pb::HubReportStatus,
+) {
+    let start = Instant::now();
+    loop {
+        let status = hub_status(client, id).await;
+        if status == want {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "hub status stays {status:?}, expected {want:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_success_is_reported_once_without_its_output() {
+    require_bwrap();
+    let hub = TestHub::start(Answer::Status(202)).await;
+    let daemon = TestDaemon::start(with_hub(hub_config(&hub.url, 60))).await;
+    let mut req = request("test.fake-agent", "NOWORK\nPROBE_WRITE /tmp/OUTPUT-MARKER-9041\nTASK-TEXT-MARKER-3310");
+    req.report_to_hub = true;
+    let execution = finished(&daemon.execute(req).await);
+    assert!(execution.tool_output.contains("OUTPUT-MARKER-9041"), "the caller has the output");
+    let mut client = daemon.executions().await;
+    wait_for_status(&mut client, &execution.execution_id, pb::HubReportStatus::Accepted).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let bodies = hub.bodies();
+    assert_eq!(bodies.len(), 1, "exactly one report");
+    let head = &hub.requests.lock().unwrap()[0].0;
+    assert!(head.starts_with("POST /progress/ HTTP/1.1"), "{head}");
+    let report: serde_json::Value = serde_json::from_str(&bodies[0]).unwrap();
+    assert_eq!(report["specversion"], "1.0");
+    assert_eq!(report["type"], "dev.corral.execution.finished");
+    assert_eq!(report["data"]["outcome"], "succeeded");
+    assert_eq!(report["data"]["profile_ref"], "test.fake-agent@1.0.0");
+    assert_eq!(report["data"]["execution_id"], execution.execution_id.as_str());
+    assert!(!bodies[0].contains("OUTPUT-MARKER-9041"), "no trace of the tool output");
+    assert!(!bodies[0].contains("TASK-TEXT-MARKER-3310"), "no trace of the task");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raw_error_reaches_only_the_direct_caller() {
+    require_bwrap();
+    let hub = TestHub::start(Answer::Status(200)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("fake.toml"), common::fake_agent_profile("test.fake-agent", "")).unwrap();
+    let data = dir.path().join("data");
+    let hub_toml = format!("[hub]\nurl = \"{}\"\ntimeout_seconds = 1\ninitial_backoff_ms = 100\n", hub.url);
+    let daemon = ServeProcess::start_with(&data, &profiles, &[("RUST_LOG", "debug")], &hub_toml).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let secret = "RAW-ERROR-DISTINCT-66120";
+    let mut req = request("test.fake-agent", &format!("NOWORK\nFAIL {secret}\nSTDERR {secret}"));
+    req.report_to_hub = true;
+    let mut stream = client.execute(req).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    while let Some(e) = stream.message().await.unwrap() {
+        events.push(e);
+    }
+    let execution = finished(&events);
+    assert!(execution.tool_error.contains(secret), "the direct caller sees the raw error");
+    let evidence = execution.evidence.clone().unwrap();
+    assert_eq!(evidence.error, "execution failed; inspect direct caller error");
+    wait_for_status(&mut client, &execution.execution_id, pb::HubReportStatus::Accepted).await;
+    let bodies = hub.bodies();
+    assert_eq!(bodies.len(), 1);
+    let report: serde_json::Value = serde_json::from_str(&bodies[0]).unwrap();
+    assert_eq!(report["data"]["error"], "execution failed; inspect direct caller error");
+    assert_eq!(report["data"]["failure_stage"], "execution");
+    assert!(!bodies[0].contains(secret), "not in the hub report");
+    let watched = {
+        let req = pb::WatchRequest { execution_id: execution.execution_id.clone(), after_sequence: 0 };
+        let mut stream = client.watch_execution(req).await.unwrap().into_inner();
+        let mut all = Vec::new();
+        while let Some(e) = stream.message().await.unwrap() {
+            all.push(e);
+        }
+        all
+    };
+    assert!(!format!("{watched:?}").contains(secret), "not in any watched event");
+    let log = std::fs::read_to_string(data.with_extension("log")).unwrap();
+    assert!(log.contains("execution finished"), "the log was captured");
+    assert!(!log.contains(secret), "not in the daemon's log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_that_is_down_slow_or_failing_leaves_the_outcome_and_ends_failed() {
+    require_bwrap();
+    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let down_url = format!("http://127.0.0.1:{}", closed.local_addr().unwrap().port());
+    drop(closed);
+    let slow = TestHub::start(Answer::Hang).await;
+    let failing = TestHub::start(Answer::Status(503)).await;
+    for (name, url) in [("down", down_url), ("timing out", slow.url.clone()), ("503", failing.url.clone())] {
+        let daemon = TestDaemon::start(with_hub(hub_config(&url, 2))).await;
+        let mut req = request("test.fake-agent", "NOWORK");
+        req.report_to_hub = true;
+        let execution = finished(&daemon.execute(req).await);
+        assert_eq!(pb::ExecutionState::try_from(execution.state).unwrap(), pb::ExecutionState::Succeeded, "{name}");
+        let mut client = daemon.executions().await;
+        assert_eq!(hub_status(&mut client, &execution.execution_id).await, pb::HubReportStatus::Pending, "{name}");
+        wait_for_status(&mut client, &execution.execution_id, pb::HubReportStatus::Failed).await;
+        let record = client
+            .get_execution(pb::GetExecutionRequest { execution_id: execution.execution_id.clone() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(pb::ExecutionState::try_from(record.state).unwrap(), pb::ExecutionState::Succeeded, "{name}");
+        let text = format!("{record:?}").to_ascii_lowercase();
+        for transport in ["refused", "timed out", "503", "connection"] {
+            assert!(!text.contains(transport), "{name}: the record mentions {transport:?}");
+        }
+    }
+    assert!(failing.bodies().len() >= 2, "the 503 hub saw retries");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_waits_out_a_restart_and_is_delivered_when_the_hub_is_back() {
+    require_bwrap();
+    let reserved = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = reserved.local_addr().unwrap().port();
+    drop(reserved);
+    let dir = tempfile::tempdir().unwrap();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("fake.toml"), common::fake_agent_profile("test.fake-agent", "")).unwrap();
+    let data = dir.path().join("data");
+    let hub_toml =
+        format!("[hub]\nurl = \"http://127.0.0.1:{port}\"\ntimeout_seconds = 1\ninitial_backoff_ms = 100\nmax_backoff_seconds = 1\n");
+
+    let mut daemon = ServeProcess::start_with(&data, &profiles, &[], &hub_toml).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let mut req = request("test.fake-agent", "NOWORK");
+    req.report_to_hub = true;
+    let id = client.start_execution(req).await.unwrap().into_inner().execution_id;
+    let req = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
+    let mut stream = client.watch_execution(req).await.unwrap().into_inner();
+    while let Some(e) = stream.message().await.unwrap() {
+        if matches!(e.kind, Some(Kind::Finished(_))) {
+            break;
+        }
+    }
+    assert_eq!(hub_status(&mut client, &id).await, pb::HubReportStatus::Pending);
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
+    daemon.child.wait().await.unwrap();
+
+    let hub = TestHub::start_on(TcpListener::bind(("127.0.0.1", port)).await.unwrap(), Answer::Status(200));
+    assert_eq!(hub.port, port);
+    let daemon = ServeProcess::start_with(&data, &profiles, &[], &hub_toml).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    wait_for_status(&mut client, &id, pb::HubReportStatus::Accepted).await;
+    assert_eq!(hub.bodies().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_sent_unless_asked_and_refusals_are_reported_when_asked() {
+    require_bwrap();
+    let hub = TestHub::start(Answer::Status(200)).await;
+    let daemon = TestDaemon::start(with_hub(hub_config(&hub.url, 60))).await;
+    let quiet = finished(&daemon.execute(request("test.fake-agent", "NOWORK")).await);
+    let quiet_status = pb::HubReportStatus::try_from(quiet.evidence.unwrap().hub_report_status).unwrap();
+    assert_eq!(quiet_status, pb::HubReportStatus::NotRequested);
+
+    let mut client = daemon.executions().await;
+    let mut refused_ids = Vec::new();
+    for (profile, actor) in [("no.such.profile", "agt"), ("test.fake-agent", "worker-1")] {
+        let mut req = request(profile, "");
+        req.actor = actor.into();
+        req.report_to_hub = true;
+        let execution = finished(&daemon.execute(req).await);
+        assert_eq!(pb::ExecutionState::try_from(execution.state).unwrap(), pb::ExecutionState::Refused);
+        wait_for_status(&mut client, &execution.execution_id, pb::HubReportStatus::Accepted).await;
+        refused_ids.push(execution.execution_id);
+    }
+    let bodies = hub.bodies();
+    assert_eq!(bodies.len(), 2, "only the refusals that asked were reported");
+    for (body, id) in bodies.iter().zip(&refused_ids) {
+        let report: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(report["data"]["execution_id"], id.as_str());
+        assert_eq!(report["data"]["outcome"], "refused");
+        assert_eq!(report["data"]["failure_stage"], "resolution");
+        assert_eq!(report["data"]["session_cleanup"], "not_attempted");
+        assert_eq!(report["data"]["sandbox_destroy"], "not_attempted");
+    }
+}
+
+fn b64(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for c in bytes.chunks(3) {
+        let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
+        for i in 0..=c.len() {
+            out.push(A[(n >> (18 - 6 * i)) as usize & 63] as char);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credential_the_harness_prints_is_redacted_everywhere() {
+    require_bwrap();
+    let hub = TestHub::start(Answer::Status(200)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let leaky = common::fake_agent_profile("test.leaky", "").replace("[\"route.test\"]", "[\"leak\"]");
+    std::fs::write(profiles.join("leaky.toml"), leaky).unwrap();
+    let data = dir.path().join("data");
+    let value = "s3cr3t-CREDENTIAL-7f9a2c41d0e8";
+    let secret_file = dir.path().join("leak.secret");
+    std::fs::write(&secret_file, format!("{value}\n")).unwrap();
+    let extra = format!(
+        "[credentials.routes.leak]\nfile = {:?}\ninject_as = \"LEAKY_TOKEN\"\n[hub]\nurl = \"{}\"\ninitial_backoff_ms = 100\n",
+        secret_file.display().to_string(),
+        hub.url
+    );
+    let daemon = ServeProcess::start_with(&data, &profiles, &[("RUST_LOG", "debug")], &extra).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let mut req = request("test.leaky", "NOWORK\nLEAK LEAKY_TOKEN");
+    req.report_to_hub = true;
+    let mut stream = client.execute(req).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    while let Some(e) = stream.message().await.unwrap() {
+        events.push(e);
+    }
+    let execution = finished(&events);
+    let encoded = b64(format!("prefix:{value}").as_bytes());
+    let caller = format!("{events:?}");
+    assert!(!caller.contains(value), "the direct caller never sees the value");
+    assert!(!caller.contains(&encoded[12..]), "nor its base64 form");
+    assert!(execution.tool_output.contains("leak output: [REDACTED:leak]"), "{}", execution.tool_output);
+    assert!(execution.tool_error.contains("[REDACTED:leak]"), "{}", execution.tool_error);
+    let progress: Vec<&str> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::Progress(p)) if !p.message.is_empty() => Some(p.message.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert!(progress.contains(&"leak progress [REDACTED:leak]"), "{progress:?}");
+
+    wait_for_status(&mut client, &execution.execution_id, pb::HubReportStatus::Accepted).await;
+    let req = pb::WatchRequest { execution_id: execution.execution_id.clone(), after_sequence: 0 };
+    let mut stream = client.watch_execution(req).await.unwrap().into_inner();
+    let mut watched = Vec::new();
+    while let Some(e) = stream.message().await.unwrap() {
+        watched.push(e);
+    }
+    let log = std::fs::read_to_string(data.with_extension("log")).unwrap();
+    // The store: its file and its write-ahead log, where recent writes live.
+    let mut db = std::fs::read(data.join("corral.db")).unwrap_or_default();
+    db.extend(std::fs::read(data.join("corral.db-wal")).unwrap_or_default());
+    assert!(!db.is_empty());
+    for (place, text) in [
+        ("a watched event", format!("{watched:?}")),
+        ("the hub report", hub.bodies().join("\n")),
+        ("the daemon log", log),
+        ("the store", String::from_utf8_lossy(&db).into_owned()),
+    ] {
+        assert!(!text.contains(value), "the credential is in {place}");
+        assert!(!text.contains(&encoded[12..]), "its base64 form is in {place}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profile_naming_an_unknown_route_is_listed_unusable_and_refused() {
+    require_bwrap();
+    let mut options = Options::default();
+    let ghost = common::fake_agent_profile("test.ghost", "").replace("[\"route.test\"]", "[\"no.such.route\"]");
+    options.profiles.push(("ghost.toml".into(), ghost));
+    let daemon = TestDaemon::start(options).await;
+    let profiles =
+        daemon.catalog().await.list_profiles(pb::ListProfilesRequest {}).await.unwrap().into_inner().profiles;
+    let ghost = profiles.iter().find(|p| p.id == "test.ghost").expect("listed");
+    assert!(!ghost.usable);
+    assert!(ghost.unusable_reason.contains("unknown credential route no.such.route"), "{}", ghost.unusable_reason);
+    assert!(profiles.iter().find(|p| p.id == "test.fake-agent").unwrap().usable);
+    let execution = finished(&daemon.execute(request("test.ghost", "")).await);
+    let evidence = execution.evidence.unwrap();
+    assert_eq!(pb::FailureStage::try_from(evidence.failure_stage).unwrap(), pb::FailureStage::Resolution);
+    assert!(evidence.error.contains("unknown credential route no.such.route"), "{}", evidence.error);
+}
