@@ -36,6 +36,18 @@ pub struct Config {
     pub hub: Option<HubConfig>,
     /// Credential routes profiles may name in `credential_route_refs`.
     pub credentials: CredentialsConfig,
+    pub store: StoreConfig,
+    /// Names this daemon in a shared store (default: host name and data
+    /// directory): recovery and hub delivery only touch its own rows.
+    pub node_id: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreConfig {
+    /// `postgres://user:password@host/db` to share one record between
+    /// daemons; unset: SQLite in the data directory.
+    pub url: Option<String>,
 }
 
 impl Default for Config {
@@ -52,6 +64,8 @@ impl Default for Config {
             policies: Vec::new(),
             hub: None,
             credentials: CredentialsConfig::default(),
+            store: StoreConfig::default(),
+            node_id: None,
         }
     }
 }
@@ -86,6 +100,14 @@ pub struct Overrides {
 }
 
 impl Config {
+    /// This daemon's name in a shared store.
+    pub fn node(&self) -> String {
+        self.node_id.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            format!("{}:{}", host.trim(), self.data_dir.display())
+        })
+    }
+
     pub fn load(file: Option<&Path>, overrides: Overrides) -> Result<Config, ConfigError> {
         let mut config = match file {
             Some(path) => Self::from_file(path)?,
@@ -120,6 +142,9 @@ impl Config {
         if let Some(v) = get("CORRAL_PROFILES") {
             self.profile_dirs.extend(std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()));
         }
+        if let Some(v) = get("CORRAL_STORE_URL") {
+            self.store.url = Some(v);
+        }
         if let Some(v) = get("CORRAL_SHUTDOWN_GRACE_SECONDS") {
             self.shutdown_grace_seconds = v.parse().map_err(|e| ConfigError::Env {
                 name: "CORRAL_SHUTDOWN_GRACE_SECONDS".into(),
@@ -139,6 +164,14 @@ impl Config {
         }
         if self.watch_buffer < 16 {
             return Err(invalid("watch_buffer", "must be at least 16".into()));
+        }
+        if let Some(url) = &self.store.url {
+            if !url.starts_with("postgres://") && !url.starts_with("postgresql://") {
+                return Err(invalid(
+                    "store.url",
+                    "must be a postgres:// URL (unset for SQLite in the data directory)".into(),
+                ));
+            }
         }
         if let Some(hub) = &self.hub {
             hub.validate().map_err(|(key, message)| invalid(&key, message))?;

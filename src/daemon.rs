@@ -57,7 +57,7 @@ impl Daemon {
         let data_dir = &config.data_dir;
         std::fs::create_dir_all(data_dir.join("sandboxes"))
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
-        let store = Store::open(data_dir).await?;
+        let store = Store::open(data_dir, config.store.url.as_deref(), &config.node()).await?;
         let routes: Vec<&str> = config.credentials.names().collect();
         let catalog = Arc::new(Catalog::load(&config.profile_dirs, &routes)?);
         // Probed once: a host that cannot run bwrap refuses bwrap profiles

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -11,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use super::{convert, status, validate};
-use crate::lifecycle::{Engine, Subscription};
+use crate::lifecycle::{Engine, Lagged, Subscription};
 use crate::pb;
 use crate::pb::execution_service_server::ExecutionService;
 use crate::store::ExecutionFilter;
@@ -27,51 +28,75 @@ pub struct ExecutionApi {
 const DEFAULT_PAGE: u32 = 50;
 const MAX_PAGE: u32 = 500;
 
-/// Pumps a subscription into a response stream on its own task. The
-/// subscription's bounded buffer decides when a slow client is ended; this
-/// channel only smooths delivery.
+/// Pumps a subscription into a response stream on its own task.
 pub fn event_stream(subscription: Subscription, shutdown: CancellationToken) -> EventStream {
     event_stream_with(subscription, shutdown, None)
 }
 
+/// How long a client may read nothing while it is further behind than the
+/// live buffer before it is ended as stalled.
+const STALL: Duration = Duration::from_secs(1);
+
 /// Like [`event_stream`]; `on_disconnect` runs if the client goes away
 /// before the stream has ended.
+///
+/// A client that reads slowly catches up from the store (see
+/// [`Subscription`]); one that stops reading while the subject runs on past
+/// the live buffer is ended with RESOURCE_EXHAUSTED and the last sequence it
+/// was sent, so it can resume. One slot of the channel is kept free for
+/// that final status, since the client is not draining it.
 pub fn event_stream_with(
     mut subscription: Subscription,
     shutdown: CancellationToken,
     on_disconnect: Option<Box<dyn FnOnce() + Send>>,
 ) -> EventStream {
-    let (tx, rx) = mpsc::channel(16);
+    let (tx, rx) = mpsc::channel(17);
     tokio::spawn(async move {
         let disconnected = |on_disconnect: Option<Box<dyn FnOnce() + Send>>| {
             if let Some(callback) = on_disconnect {
                 callback();
             }
         };
+        let mut sent = subscription.last_sequence();
         loop {
             let next = tokio::select! {
                 next = subscription.next() => next,
                 _ = tx.closed() => return disconnected(on_disconnect),
                 _ = shutdown.cancelled() => {
-                    let last = subscription.last_sequence();
                     let _ = tx.try_send(Err(Status::unavailable(format!(
-                        "daemon shutting down; resume with after_sequence = {last}"
+                        "daemon shutting down; resume with after_sequence = {sent}"
                     ))));
                     return;
                 }
             };
-            let message = match next {
+            let (message, sequence) = match next {
                 None => return,
-                Some(Ok(item)) => Ok(convert::event(&item)),
-                Some(Err(lag)) => Err(status::lagged(lag)),
+                Some(Ok(item)) => (Ok(convert::event(&item)), item.event.sequence),
+                Some(Err(lag)) => {
+                    let _ = tx.send(Err(status::lagged(lag))).await;
+                    return;
+                }
             };
-            let end = message.is_err();
-            // A client that went away drops the receiver: stop pumping.
-            if tx.send(message).await.is_err() {
-                return disconnected(on_disconnect);
-            }
-            if end {
-                return;
+            let mut stalled_since: Option<Instant> = None;
+            loop {
+                tokio::select! {
+                    permits = tx.reserve_many(2) => {
+                        let Ok(mut permits) = permits else { return disconnected(on_disconnect) };
+                        if let Some(permit) = permits.next() {
+                            permit.send(message);
+                        }
+                        sent = sequence;
+                        break;
+                    }
+                    _ = tokio::time::sleep(STALL / 4) => {
+                        if !subscription.overrun() {
+                            stalled_since = None;
+                        } else if stalled_since.get_or_insert_with(Instant::now).elapsed() >= STALL {
+                            let _ = tx.try_send(Err(status::lagged(Lagged { last_sequence: sent })));
+                            return;
+                        }
+                    }
+                }
             }
         }
     });

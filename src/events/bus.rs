@@ -64,6 +64,10 @@ impl EventBus {
         self.channels().remove(subject);
     }
 
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     pub fn live_subjects(&self) -> usize {
         self.channels().len()
     }

@@ -27,18 +27,65 @@ impl Recorder {
         self.next - 1
     }
 
-    /// Stores the event, then publishes it. An event the store refused is
+    /// Stores the event, then publishes it. A store error is retried a few
+    /// times (a busy pool, a failover); an event the store still refuses is
     /// not published (nobody may see what a later watcher could not
     /// replay), and its sequence is reused, so there are never gaps.
     pub async fn emit(&mut self, kind: EventKind, raw: Option<RawPart>) -> Option<Arc<Event>> {
         let event = Event { subject_id: self.subject.clone(), sequence: self.next, time_ms: now_ms(), kind };
-        if let Err(error) = self.store.append_event(&event).await {
-            tracing::error!(subject = %self.subject, sequence = self.next, kind = event.kind.name(), %error, "event not stored");
-            return None;
+        let mut delay = std::time::Duration::from_millis(20);
+        for attempt in 1..=5 {
+            match self.store.append_event(&event).await {
+                Ok(()) => break,
+                Err(error) if attempt == 5 => {
+                    tracing::error!(subject = %self.subject, sequence = self.next, kind = event.kind.name(), %error, "event not stored");
+                    return None;
+                }
+                Err(error) => {
+                    tracing::warn!(subject = %self.subject, attempt, %error, "storing an event failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay *= 4;
+                }
+            }
         }
         self.next += 1;
         let event = Arc::new(event);
         self.bus.publish(BusItem { event: event.clone(), raw: raw.map(Arc::new) });
         Some(event)
+    }
+
+    /// Stores several events in one transaction, then publishes them in
+    /// order. Same rules as [`Recorder::emit`].
+    pub async fn emit_batch(&mut self, kinds: Vec<(EventKind, Option<RawPart>)>) {
+        if kinds.is_empty() {
+            return;
+        }
+        let time_ms = now_ms();
+        let (events, raws): (Vec<Event>, Vec<Option<RawPart>>) = kinds
+            .into_iter()
+            .enumerate()
+            .map(|(i, (kind, raw))| {
+                (Event { subject_id: self.subject.clone(), sequence: self.next + i as u64, time_ms, kind }, raw)
+            })
+            .unzip();
+        let mut delay = std::time::Duration::from_millis(20);
+        for attempt in 1..=5 {
+            match self.store.append_events(&events).await {
+                Ok(()) => break,
+                Err(error) if attempt == 5 => {
+                    tracing::error!(subject = %self.subject, count = events.len(), %error, "events not stored");
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(subject = %self.subject, attempt, %error, "storing events failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay *= 4;
+                }
+            }
+        }
+        self.next += events.len() as u64;
+        for (event, raw) in events.into_iter().zip(raws) {
+            self.bus.publish(BusItem { event: Arc::new(event), raw: raw.map(Arc::new) });
+        }
     }
 }

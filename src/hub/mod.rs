@@ -217,10 +217,10 @@ impl Hub {
             }
         };
         match outcome {
-            Some(status) => self.store.settle_report(row.id, &row.subject_id, status, attempts).await,
+            Some(status) => self.store.settle_report(&row.id, &row.subject_id, status, attempts).await,
             None => {
                 let next = now_ms() + self.config.backoff(attempts).as_millis() as i64;
-                self.store.retry_report(row.id, attempts, next).await
+                self.store.retry_report(&row.id, attempts, next).await
             }
         }
     }

@@ -359,12 +359,12 @@ impl Core {
             let result = loop {
                 tokio::select! {
                     biased;
-                    Some(event) = rx.recv() => self.harness_event(event).await,
+                    Some(event) = rx.recv() => self.harness_events(event, &mut rx).await,
                     result = &mut dispatch => break result,
                 }
             };
             while let Ok(event) = rx.try_recv() {
-                self.harness_event(event).await;
+                self.harness_events(event, &mut rx).await;
             }
             result
         };
@@ -400,22 +400,38 @@ impl Core {
         })
     }
 
-    async fn harness_event(&mut self, event: HarnessEvent) {
-        let (kind, raw) = match event {
-            HarnessEvent::Progress { message, tokens_so_far } => (
-                EventKind::Progress { progress_kind: "progress".into(), tool: String::new(), tokens_so_far },
-                Some(RawPart::ProgressMessage(self.scrubber.scrub(&message))),
-            ),
-            HarnessEvent::ToolUse { tool, tokens_so_far } => {
-                let tool = self.scrubber.scrub(&tool);
-                (EventKind::Progress { progress_kind: "tool_use".into(), tool, tokens_so_far }, None)
+    /// Records `first` and whatever else the harness has already said, as
+    /// one batch: one store transaction for many events, not one each.
+    async fn harness_events(&mut self, first: HarnessEvent, rx: &mut mpsc::Receiver<HarnessEvent>) {
+        // A burst must fit in the watchers' buffers with room to spare, or
+        // every watcher would be ended as lagging.
+        let max_batch = (self.engine.bus.capacity() / 4).clamp(1, 512);
+        let mut batch = Vec::new();
+        let mut next = Some(first);
+        while let Some(event) = next.take() {
+            match event {
+                HarnessEvent::Progress { message, tokens_so_far } => batch.push((
+                    EventKind::Progress { progress_kind: "progress".into(), tool: String::new(), tokens_so_far },
+                    Some(RawPart::ProgressMessage(self.scrubber.scrub(&message))),
+                )),
+                HarnessEvent::ToolUse { tool, tokens_so_far } => {
+                    let tool = self.scrubber.scrub(&tool);
+                    batch.push((EventKind::Progress { progress_kind: "tool_use".into(), tool, tokens_so_far }, None));
+                }
+                HarnessEvent::OutputTruncated { stream, bytes_dropped } => {
+                    batch.push((EventKind::OutputTruncated { stream: stream.into(), bytes_dropped }, None));
+                }
+                HarnessEvent::Gated(outcome) => {
+                    // Keep the order: what came before the decision first.
+                    self.recorder.emit_batch(std::mem::take(&mut batch)).await;
+                    self.record_gate(&outcome).await;
+                }
             }
-            HarnessEvent::OutputTruncated { stream, bytes_dropped } => {
-                (EventKind::OutputTruncated { stream: stream.into(), bytes_dropped }, None)
+            if batch.len() < max_batch {
+                next = rx.try_recv().ok();
             }
-            HarnessEvent::Gated(outcome) => return self.record_gate(&outcome).await,
-        };
-        self.recorder.emit(kind, raw).await;
+        }
+        self.recorder.emit_batch(batch).await;
     }
 
     /// end → cleanup → collect the commit → destroy → `teardown` event.

@@ -185,7 +185,12 @@ impl Engine {
             engine.bus.close(&execution_id);
             engine.running().remove(&execution_id);
         });
-        Ok(Submitted { record, subscription: Subscription::live(live, true), existing: false })
+        let subscription = Subscription::live(live, true).catching_up(
+            self.store.clone(),
+            record.execution_id.clone(),
+            self.bus.capacity(),
+        );
+        Ok(Submitted { record, subscription, existing: false })
     }
 
     pub async fn get(&self, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
@@ -229,7 +234,30 @@ impl Engine {
         {
             return Err(EngineError::NotFound(execution_id.to_string()));
         }
-        Ok(Subscription::replay_then_live(replay, live, after))
+        // Not live here and not finished: it runs on another daemon sharing
+        // the store (or its owner is gone and will recover it on restart).
+        let remote = live.is_none()
+            && self.store.is_shared()
+            && !replay.last().is_some_and(|e| e.kind.is_finished())
+            && !self.is_terminal(execution_id).await?;
+        let subscription = Subscription::replay_then_live(replay, live, after).catching_up(
+            self.store.clone(),
+            execution_id.to_string(),
+            self.bus.capacity(),
+        );
+        Ok(if remote { subscription.polling(self.store.clone(), execution_id.to_string()) } else { subscription })
+    }
+
+    /// Whether a subject's record says it has ended (its `finished` event
+    /// is then stored, and nothing more will come).
+    async fn is_terminal(&self, subject: &str) -> Result<bool, EngineError> {
+        if let Some(record) = self.store.get_execution(subject).await? {
+            return Ok(record.state.is_terminal());
+        }
+        if let Some(record) = self.store.get_session(subject).await? {
+            return Ok(!matches!(record.state, SessionState::Starting | SessionState::Active));
+        }
+        Ok(true)
     }
 
     /// Stops accepting work, gives in-flight executions `grace` to finish,

@@ -181,7 +181,7 @@ impl Engine {
             let mut core = live.core.lock().await;
             // Subscribed under the lock: the stream holds this turn's events
             // and none of the previous turn's.
-            let rx = engine.bus.subscribe(&id);
+            let rx = engine.bus.subscribe(&id).map(|rx| (rx, core.recorder.last_sequence()));
             let ended = rx.is_none();
             let _ = subscribed.send(rx);
             if ended {
@@ -251,7 +251,11 @@ impl Engine {
             core.recorder.emit(event, Some(RawPart::Finished(raw))).await;
         });
         match subscription.await {
-            Ok(Some(rx)) => Ok(Subscription::live(rx, true).until_turn(turn)),
+            Ok(Some((rx, after))) => Ok(Subscription::live(rx, true).after(after).until_turn(turn).catching_up(
+                self.store.clone(),
+                session_id.to_string(),
+                self.bus.capacity(),
+            )),
             _ => Err(EngineError::FailedPrecondition(format!("session {session_id} has ended"))),
         }
     }

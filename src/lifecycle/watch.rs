@@ -1,12 +1,21 @@
 //! A subscriber's view of one subject: stored events first, then live ones,
 //! with no gap and no duplicate at the seam.
+//!
+//! The live buffer is bounded and shared. A subscriber that reads slower
+//! than the subject produces skips ahead in it; what it skipped is read
+//! back from the store (every event is stored before it is sent), so a slow
+//! reader costs no memory and still sees every event. A subscriber that
+//! stops reading altogether is ended by its stream (see `api::execution`),
+//! using [`Subscription::overrun`].
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::broadcast::{self, error::RecvError};
 
 use crate::events::{BusItem, Event};
+use crate::store::Store;
 
 /// The subscriber fell behind its bounded buffer and was ended; it can
 /// resume with `after_sequence = last_sequence`.
@@ -16,7 +25,7 @@ pub struct Lagged {
 }
 
 pub struct Subscription {
-    replay: VecDeque<Event>,
+    replay: VecDeque<BusItem>,
     live: Option<broadcast::Receiver<BusItem>>,
     last: u64,
     done: bool,
@@ -24,16 +33,70 @@ pub struct Subscription {
     with_raw: bool,
     /// A turn's stream ends with that turn's `turn_finished`.
     until_turn: Option<u64>,
+    /// A subject running on another daemon (shared store): followed by
+    /// polling the store, since its live channel is not here.
+    poll: Option<(Store, String)>,
+    /// Where skipped events are read back from, and the live buffer's size.
+    catch_up: Option<(Store, String, usize)>,
 }
+
+/// How often a subject of another daemon is polled.
+const POLL_EVERY: Duration = Duration::from_millis(100);
 
 impl Subscription {
     /// The direct caller's stream: live from the first event, with raw parts.
     pub fn live(rx: broadcast::Receiver<BusItem>, with_raw: bool) -> Self {
-        Subscription { replay: VecDeque::new(), live: Some(rx), last: 0, done: false, with_raw, until_turn: None }
+        Subscription {
+            replay: VecDeque::new(),
+            live: Some(rx),
+            last: 0,
+            done: false,
+            with_raw,
+            until_turn: None,
+            poll: None,
+            catch_up: None,
+        }
     }
 
     pub fn replay_then_live(replay: Vec<Event>, live: Option<broadcast::Receiver<BusItem>>, after: u64) -> Self {
-        Subscription { replay: replay.into(), live, last: after, done: false, with_raw: false, until_turn: None }
+        Subscription {
+            replay: replay.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }).collect(),
+            live,
+            last: after,
+            done: false,
+            with_raw: false,
+            until_turn: None,
+            poll: None,
+            catch_up: None,
+        }
+    }
+
+    /// Reads events this subscriber skipped in the live buffer back from
+    /// `store`; `capacity` is the live buffer's size.
+    pub fn catching_up(mut self, store: Store, subject: String, capacity: usize) -> Self {
+        self.catch_up = Some((store, subject, capacity));
+        self
+    }
+
+    /// Whether this subscriber is further behind than the live buffer holds
+    /// (it will have to catch up from the store).
+    pub fn overrun(&self) -> bool {
+        match (&self.live, &self.catch_up) {
+            (Some(rx), Some((_, _, capacity))) => rx.len() > capacity.next_power_of_two(),
+            _ => false,
+        }
+    }
+
+    /// Follows the subject through the store instead of a live channel.
+    pub fn polling(mut self, store: Store, subject: String) -> Self {
+        self.poll = Some((store, subject));
+        self
+    }
+
+    /// Starts after `sequence`: events up to it belong to someone else.
+    pub fn after(mut self, sequence: u64) -> Self {
+        self.last = sequence;
+        self
     }
 
     /// Ends the stream after the `turn_finished` of `turn`.
@@ -52,8 +115,11 @@ impl Subscription {
         if self.done {
             return None;
         }
-        if let Some(event) = self.replay.pop_front() {
-            return Some(Ok(self.deliver(BusItem { event: Arc::new(event), raw: None })));
+        if let Some(item) = self.replay.pop_front() {
+            return Some(Ok(self.deliver(item)));
+        }
+        if self.live.is_none() {
+            return self.poll_next().await;
         }
         let rx = self.live.as_mut()?;
         loop {
@@ -63,13 +129,63 @@ impl Subscription {
                     if !self.with_raw {
                         item.raw = None;
                     }
+                    if item.event.sequence > self.last + 1 {
+                        // Skipped in the live buffer: the gap comes from the store.
+                        if let Some((store, subject, _)) = &self.catch_up {
+                            match store.events_between(subject, self.last, item.event.sequence).await {
+                                Ok(gap) => {
+                                    self.replay
+                                        .extend(gap.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }));
+                                }
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "reading skipped events failed; ending the watch");
+                                    self.done = true;
+                                    return Some(Err(Lagged { last_sequence: self.last }));
+                                }
+                            }
+                        }
+                        self.replay.push_back(item);
+                        let first = self.replay.pop_front()?;
+                        return Some(Ok(self.deliver(first)));
+                    }
                     return Some(Ok(self.deliver(item)));
                 }
+                Err(RecvError::Lagged(_)) if self.catch_up.is_some() => continue,
                 Err(RecvError::Lagged(_)) => {
                     self.done = true;
                     return Some(Err(Lagged { last_sequence: self.last }));
                 }
                 Err(RecvError::Closed) => {
+                    // The subject ended; whatever this subscriber has not
+                    // seen yet (it may have been behind) is in the store.
+                    self.live = None;
+                    if let Some((store, subject, _)) = &self.catch_up {
+                        if let Ok(events) = store.events_after(subject, self.last).await {
+                            self.replay.extend(events.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }));
+                        }
+                    }
+                    let Some(item) = self.replay.pop_front() else {
+                        self.done = true;
+                        return None;
+                    };
+                    return Some(Ok(self.deliver(item)));
+                }
+            }
+        }
+    }
+
+    async fn poll_next(&mut self) -> Option<Result<BusItem, Lagged>> {
+        let (store, subject) = self.poll.clone()?;
+        loop {
+            match store.events_after(&subject, self.last).await {
+                Ok(events) if !events.is_empty() => {
+                    self.replay = events.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }).collect();
+                    let item = self.replay.pop_front()?;
+                    return Some(Ok(self.deliver(item)));
+                }
+                Ok(_) => tokio::time::sleep(POLL_EVERY).await,
+                Err(e) => {
+                    tracing::warn!(%subject, error = %e, "polling the store failed; ending the watch");
                     self.done = true;
                     return None;
                 }

@@ -1,13 +1,15 @@
-//! The record: executions, their events and the sandboxes the daemon owns,
-//! in SQLite (WAL) under the data directory. Everything is written here
-//! before it is announced.
+//! The record: executions, sessions, their events, the sandboxes the daemon
+//! owns and the hub outbox. SQLite (WAL) in the data directory by default;
+//! PostgreSQL when `store.url` says so, so that several daemons share one
+//! record. The SQL is written once for both (`$N` placeholders, portable
+//! types); migrations are versioned and run on start. Everything is written
+//! here before it is announced.
 
 use std::path::Path;
-use std::str::FromStr;
-use std::time::Duration;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Row, SqlitePool};
+use sqlx::any::AnyPoolOptions;
+use sqlx::AnyPool;
+use sqlx::{Executor, Row};
 
 use crate::events::Event;
 use crate::lifecycle::{now_ms, ExecutionRecord, ExecutionState, SessionRecord};
@@ -48,7 +50,7 @@ pub struct ExecutionFilter {
 /// A hub report waiting in the outbox.
 #[derive(Clone, Debug)]
 pub struct OutboxRow {
-    pub id: i64,
+    pub id: String,
     pub subject_id: String,
     pub body: String,
     pub attempts: u32,
@@ -65,26 +67,49 @@ pub struct SandboxRow {
 
 #[derive(Clone)]
 pub struct Store {
-    pool: SqlitePool,
+    pool: AnyPool,
+    /// Who this daemon is in a shared store: recovery only touches its own.
+    node: String,
+    shared: bool,
 }
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 impl Store {
-    /// Opens (creating if needed) `corral.db` in `data_dir` and migrates it.
-    pub async fn open(data_dir: &Path) -> Result<Store, StoreError> {
-        let url = format!("sqlite://{}", data_dir.join("corral.db").display());
-        let options = SqliteConnectOptions::from_str(&url)?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            // Under WAL, NORMAL is durable across process crashes; only an
-            // OS crash can lose the last commits.
-            .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(10))
-            .foreign_keys(true);
-        let pool = SqlitePoolOptions::new().max_connections(4).connect_with(options).await?;
+    /// Opens the store: `url` (a `postgres://` URL) or, without one,
+    /// `corral.db` in `data_dir`; then runs the migrations. `node` names
+    /// this daemon in a shared store.
+    pub async fn open(data_dir: &Path, url: Option<&str>, node: &str) -> Result<Store, StoreError> {
+        sqlx::any::install_default_drivers();
+        let sqlite = url.is_none();
+        let url = match url {
+            Some(url) => url.to_string(),
+            None => format!("sqlite://{}?mode=rwc", data_dir.join("corral.db").display()),
+        };
+        let pool = AnyPoolOptions::new()
+            .max_connections(if sqlite { 4 } else { 16 })
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if sqlite {
+                        // Under WAL, NORMAL is durable across process crashes;
+                        // only an OS crash can lose the last commits.
+                        conn.execute(
+                            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA busy_timeout = 10000;",
+                        )
+                        .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await?;
         MIGRATOR.run(&pool).await?;
-        Ok(Store { pool })
+        Ok(Store { pool, node: node.to_string(), shared: !sqlite })
+    }
+
+    /// Whether other daemons may write to this store (PostgreSQL).
+    pub fn is_shared(&self) -> bool {
+        self.shared
     }
 
     pub async fn close(&self) {
@@ -94,8 +119,8 @@ impl Store {
     pub async fn insert_execution(&self, record: &ExecutionRecord, digest: &str) -> Result<Inserted, StoreError> {
         let request_id = (!record.request_id.is_empty()).then_some(record.request_id.as_str());
         let result = sqlx::query(
-            "INSERT INTO executions (execution_id, request_id, request_digest, state, profile_ref, actor, project, created_at_ms, record)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO executions (execution_id, request_id, request_digest, state, profile_ref, actor, project, created_at_ms, record, node)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
         .bind(&record.execution_id)
         .bind(request_id)
@@ -106,12 +131,13 @@ impl Store {
         .bind(&record.consumer.project)
         .bind(record.created_at_ms)
         .bind(serde_json::to_string(record)?)
+        .bind(&self.node)
         .execute(&self.pool)
         .await;
         match result {
             Ok(_) => Ok(Inserted::Created),
             Err(sqlx::Error::Database(e)) if e.is_unique_violation() && request_id.is_some() => {
-                let row = sqlx::query("SELECT record, request_digest FROM executions WHERE request_id = ?")
+                let row = sqlx::query("SELECT record, request_digest FROM executions WHERE request_id = $1")
                     .bind(request_id)
                     .fetch_one(&self.pool)
                     .await?;
@@ -129,7 +155,7 @@ impl Store {
             &record.evidence.profile_ref
         };
         sqlx::query(
-            "UPDATE executions SET state = ?, profile_ref = ?, finished_at_ms = ?, record = ? WHERE execution_id = ?",
+            "UPDATE executions SET state = $1, profile_ref = $2, finished_at_ms = $3, record = $4 WHERE execution_id = $5",
         )
         .bind(record.state.as_str())
         .bind(profile)
@@ -151,7 +177,7 @@ impl Store {
             &record.evidence.profile_ref
         };
         sqlx::query(
-            "UPDATE executions SET state = ?, profile_ref = ?, finished_at_ms = ?, record = ? WHERE execution_id = ?",
+            "UPDATE executions SET state = $1, profile_ref = $2, finished_at_ms = $3, record = $4 WHERE execution_id = $5",
         )
         .bind(record.state.as_str())
         .bind(profile)
@@ -163,13 +189,15 @@ impl Store {
         if let Some(body) = report {
             let now = now_ms();
             sqlx::query(
-                "INSERT INTO hub_outbox (subject_id, body, state, attempts, next_attempt_ms, created_at_ms)
-                 VALUES (?, ?, 'pending', 0, ?, ?)",
+                "INSERT INTO hub_outbox (id, subject_id, body, state, attempts, next_attempt_ms, created_at_ms, node)
+                 VALUES ($1, $2, $3, 'pending', 0, $4, $5, $6)",
             )
+            .bind(uuid::Uuid::now_v7().to_string())
             .bind(&record.execution_id)
             .bind(body)
             .bind(now)
             .bind(now)
+            .bind(&self.node)
             .execute(&mut *tx)
             .await?;
         }
@@ -180,10 +208,12 @@ impl Store {
     pub async fn due_reports(&self, now: i64, limit: u32) -> Result<Vec<OutboxRow>, StoreError> {
         let rows = sqlx::query(
             "SELECT id, subject_id, body, attempts, created_at_ms FROM hub_outbox
-             WHERE state = 'pending' AND next_attempt_ms <= ? ORDER BY next_attempt_ms LIMIT ?",
+             WHERE state = 'pending' AND next_attempt_ms <= $1 AND (node = $3 OR node IS NULL)
+             ORDER BY next_attempt_ms LIMIT $2",
         )
         .bind(now)
         .bind(limit as i64)
+        .bind(&self.node)
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
@@ -198,8 +228,8 @@ impl Store {
             .collect())
     }
 
-    pub async fn retry_report(&self, id: i64, attempts: u32, next_attempt_ms: i64) -> Result<(), StoreError> {
-        sqlx::query("UPDATE hub_outbox SET attempts = ?, next_attempt_ms = ? WHERE id = ?")
+    pub async fn retry_report(&self, id: &str, attempts: u32, next_attempt_ms: i64) -> Result<(), StoreError> {
+        sqlx::query("UPDATE hub_outbox SET attempts = $1, next_attempt_ms = $2 WHERE id = $3")
             .bind(attempts as i64)
             .bind(next_attempt_ms)
             .bind(id)
@@ -212,27 +242,27 @@ impl Store {
     /// execution, in one transaction.
     pub async fn settle_report(
         &self,
-        id: i64,
+        id: &str,
         execution_id: &str,
         status: crate::evidence::HubReportStatus,
         attempts: u32,
     ) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
         let state = if status == crate::evidence::HubReportStatus::Accepted { "accepted" } else { "failed" };
-        sqlx::query("UPDATE hub_outbox SET state = ?, attempts = ? WHERE id = ?")
+        sqlx::query("UPDATE hub_outbox SET state = $1, attempts = $2 WHERE id = $3")
             .bind(state)
             .bind(attempts as i64)
             .bind(id)
             .execute(&mut *tx)
             .await?;
-        let row = sqlx::query("SELECT record FROM executions WHERE execution_id = ?")
+        let row = sqlx::query("SELECT record FROM executions WHERE execution_id = $1")
             .bind(execution_id)
             .fetch_optional(&mut *tx)
             .await?;
         if let Some(row) = row {
             let mut record: ExecutionRecord = serde_json::from_str(row.get::<&str, _>("record"))?;
             record.evidence.hub_report_status = status;
-            sqlx::query("UPDATE executions SET record = ? WHERE execution_id = ?")
+            sqlx::query("UPDATE executions SET record = $1 WHERE execution_id = $2")
                 .bind(serde_json::to_string(&record)?)
                 .bind(execution_id)
                 .execute(&mut *tx)
@@ -243,7 +273,7 @@ impl Store {
     }
 
     pub async fn get_execution(&self, id: &str) -> Result<Option<ExecutionRecord>, StoreError> {
-        let row = sqlx::query("SELECT record FROM executions WHERE execution_id = ?")
+        let row = sqlx::query("SELECT record FROM executions WHERE execution_id = $1")
             .bind(id)
             .fetch_optional(&self.pool)
             .await?;
@@ -254,12 +284,12 @@ impl Store {
     pub async fn list_executions(&self, filter: &ExecutionFilter) -> Result<Vec<ExecutionRecord>, StoreError> {
         let rows = sqlx::query(
             "SELECT record FROM executions
-             WHERE (?1 = '' OR state = ?1)
-               AND (?2 = '' OR profile_ref = ?2 OR profile_ref LIKE ?2 || '@%')
-               AND (?3 = '' OR actor = ?3)
-               AND (?4 = '' OR project = ?4)
-               AND (?5 = '' OR execution_id < ?5)
-             ORDER BY execution_id DESC LIMIT ?6",
+             WHERE ($1 = '' OR state = $1)
+               AND ($2 = '' OR profile_ref = $2 OR profile_ref LIKE $2 || '@%')
+               AND ($3 = '' OR actor = $3)
+               AND ($4 = '' OR project = $4)
+               AND ($5 = '' OR execution_id < $5)
+             ORDER BY execution_id DESC LIMIT $6",
         )
         .bind(filter.state.map(|s| s.as_str()).unwrap_or(""))
         .bind(&filter.profile)
@@ -277,7 +307,7 @@ impl Store {
     }
 
     pub async fn append_event(&self, event: &Event) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO events (subject_id, sequence, time_ms, kind, body) VALUES (?, ?, ?, ?, ?)")
+        sqlx::query("INSERT INTO events (subject_id, sequence, time_ms, kind, body) VALUES ($1, $2, $3, $4, $5)")
             .bind(&event.subject_id)
             .bind(event.sequence as i64)
             .bind(event.time_ms)
@@ -288,9 +318,26 @@ impl Store {
         Ok(())
     }
 
+    /// Stores several events in one transaction.
+    pub async fn append_events(&self, events: &[Event]) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        for event in events {
+            sqlx::query("INSERT INTO events (subject_id, sequence, time_ms, kind, body) VALUES ($1, $2, $3, $4, $5)")
+                .bind(&event.subject_id)
+                .bind(event.sequence as i64)
+                .bind(event.time_ms)
+                .bind(event.kind.name())
+                .bind(serde_json::to_string(&event.kind)?)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// The lowest sequence still stored for a subject.
     pub async fn oldest_sequence(&self, subject: &str) -> Result<Option<u64>, StoreError> {
-        let row = sqlx::query("SELECT MIN(sequence) FROM events WHERE subject_id = ?")
+        let row = sqlx::query("SELECT MIN(sequence) FROM events WHERE subject_id = $1")
             .bind(subject)
             .fetch_one(&self.pool)
             .await?;
@@ -304,7 +351,7 @@ impl Store {
         let result = sqlx::query(
             "DELETE FROM events WHERE subject_id IN (
                  SELECT execution_id FROM executions
-                 WHERE finished_at_ms IS NOT NULL AND finished_at_ms < ?)
+                 WHERE finished_at_ms IS NOT NULL AND finished_at_ms < $1)
              AND sequence < (SELECT MAX(e2.sequence) FROM events e2 WHERE e2.subject_id = events.subject_id)",
         )
         .bind(cutoff_ms)
@@ -313,10 +360,33 @@ impl Store {
         Ok(result.rows_affected())
     }
 
+    /// The stored events of a subject with `after < sequence < before`.
+    pub async fn events_between(&self, subject: &str, after: u64, before: u64) -> Result<Vec<Event>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT sequence, time_ms, body FROM events
+             WHERE subject_id = $1 AND sequence > $2 AND sequence < $3 ORDER BY sequence",
+        )
+        .bind(subject)
+        .bind(after as i64)
+        .bind(before as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(Event {
+                    subject_id: subject.to_string(),
+                    sequence: r.get::<i64, _>("sequence") as u64,
+                    time_ms: r.get("time_ms"),
+                    kind: serde_json::from_str(r.get::<&str, _>("body"))?,
+                })
+            })
+            .collect()
+    }
+
     /// The stored events of a subject after `after`, in order.
     pub async fn events_after(&self, subject: &str, after: u64) -> Result<Vec<Event>, StoreError> {
         let rows = sqlx::query(
-            "SELECT sequence, time_ms, body FROM events WHERE subject_id = ? AND sequence > ? ORDER BY sequence",
+            "SELECT sequence, time_ms, body FROM events WHERE subject_id = $1 AND sequence > $2 ORDER BY sequence",
         )
         .bind(subject)
         .bind(after as i64)
@@ -337,8 +407,8 @@ impl Store {
     /// Inserts a new session; `false` when the id is taken.
     pub async fn insert_session(&self, record: &SessionRecord) -> Result<bool, StoreError> {
         let result = sqlx::query(
-            "INSERT INTO sessions (session_id, state, profile_ref, actor, project, created_at_ms, record)
-             VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sessions (session_id, state, profile_ref, actor, project, created_at_ms, record, node)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .bind(&record.session_id)
         .bind(record.state.as_str())
@@ -347,6 +417,7 @@ impl Store {
         .bind(&record.consumer.project)
         .bind(record.created_at_ms)
         .bind(serde_json::to_string(record)?)
+        .bind(&self.node)
         .execute(&self.pool)
         .await;
         match result {
@@ -357,7 +428,7 @@ impl Store {
     }
 
     pub async fn update_session(&self, record: &SessionRecord) -> Result<(), StoreError> {
-        sqlx::query("UPDATE sessions SET state = ?, record = ? WHERE session_id = ?")
+        sqlx::query("UPDATE sessions SET state = $1, record = $2 WHERE session_id = $3")
             .bind(record.state.as_str())
             .bind(serde_json::to_string(record)?)
             .bind(&record.session_id)
@@ -367,14 +438,16 @@ impl Store {
     }
 
     pub async fn get_session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
-        let row =
-            sqlx::query("SELECT record FROM sessions WHERE session_id = ?").bind(id).fetch_optional(&self.pool).await?;
+        let row = sqlx::query("SELECT record FROM sessions WHERE session_id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
         row.map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).transpose()
     }
 
     /// Sessions in id order after `after_id`.
     pub async fn list_sessions(&self, after_id: &str, limit: u32) -> Result<Vec<SessionRecord>, StoreError> {
-        let rows = sqlx::query("SELECT record FROM sessions WHERE session_id > ? ORDER BY session_id LIMIT ?")
+        let rows = sqlx::query("SELECT record FROM sessions WHERE session_id > $1 ORDER BY session_id LIMIT $2")
             .bind(after_id)
             .bind(limit as i64)
             .fetch_all(&self.pool)
@@ -393,8 +466,8 @@ impl Store {
     ) -> Result<(), StoreError> {
         let now = now_ms();
         sqlx::query(
-            "INSERT INTO sandboxes (sandbox_id, subject_id, backend, state, root_path, instance_epoch, created_at_ms, updated_at_ms)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (sandbox_id, subject_id, backend, state, root_path, instance_epoch, created_at_ms, updated_at_ms, node)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         )
         .bind(sandbox_id)
         .bind(subject_id)
@@ -404,13 +477,14 @@ impl Store {
         .bind(epoch)
         .bind(now)
         .bind(now)
+        .bind(&self.node)
         .execute(&self.pool)
         .await?;
         Ok(())
     }
 
     pub async fn set_sandbox_state(&self, sandbox_id: &str, state: SandboxState) -> Result<(), StoreError> {
-        sqlx::query("UPDATE sandboxes SET state = ?, updated_at_ms = ? WHERE sandbox_id = ?")
+        sqlx::query("UPDATE sandboxes SET state = $1, updated_at_ms = $2 WHERE sandbox_id = $3")
             .bind(state.as_str())
             .bind(now_ms())
             .bind(sandbox_id)
@@ -423,9 +497,11 @@ impl Store {
     pub async fn leftover_sandboxes(&self, current_epoch: &str) -> Result<Vec<SandboxRow>, StoreError> {
         let rows = sqlx::query(
             "SELECT sandbox_id, subject_id, root_path FROM sandboxes
-             WHERE state NOT IN ('destroyed') AND instance_epoch != ? ORDER BY created_at_ms",
+             WHERE state NOT IN ('destroyed') AND instance_epoch != $1 AND (node = $2 OR node IS NULL)
+             ORDER BY created_at_ms",
         )
         .bind(current_epoch)
+        .bind(&self.node)
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
@@ -435,17 +511,24 @@ impl Store {
     }
 
     pub async fn unfinished_executions(&self) -> Result<Vec<ExecutionRecord>, StoreError> {
-        let rows =
-            sqlx::query("SELECT record FROM executions WHERE state IN ('pending', 'running') ORDER BY execution_id")
-                .fetch_all(&self.pool)
-                .await?;
+        let rows = sqlx::query(
+            "SELECT record FROM executions WHERE state IN ('pending', 'running') AND (node = $1 OR node IS NULL)
+             ORDER BY execution_id",
+        )
+        .bind(&self.node)
+        .fetch_all(&self.pool)
+        .await?;
         rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
     }
 
     pub async fn unfinished_sessions(&self) -> Result<Vec<SessionRecord>, StoreError> {
-        let rows = sqlx::query("SELECT record FROM sessions WHERE state IN ('starting', 'active') ORDER BY session_id")
-            .fetch_all(&self.pool)
-            .await?;
+        let rows = sqlx::query(
+            "SELECT record FROM sessions WHERE state IN ('starting', 'active') AND (node = $1 OR node IS NULL)
+             ORDER BY session_id",
+        )
+        .bind(&self.node)
+        .fetch_all(&self.pool)
+        .await?;
         rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
     }
 

@@ -62,6 +62,9 @@ max_output_bytes = 65536
 }
 
 pub struct Options {
+    /// A `postgres://` store to use; by default SQLite, or a fresh
+    /// PostgreSQL database when `CORRAL_TEST_POSTGRES` is set.
+    pub store_url: Option<String>,
     pub backends: Option<Backends>,
     pub reins: Option<HashMap<String, Arc<dyn Rein>>>,
     pub profiles: Vec<(String, String)>,
@@ -71,6 +74,7 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Options {
+            store_url: None,
             backends: None,
             reins: None,
             profiles: vec![("fake.toml".into(), fake_agent_profile("test.fake-agent", ""))],
@@ -90,6 +94,11 @@ pub struct TestDaemon {
 
 impl TestDaemon {
     pub async fn start(options: Options) -> TestDaemon {
+        // The daemon's logs, shown for a failing test (RUST_LOG to change).
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+            .with_test_writer()
+            .try_init();
         let data = tempfile::tempdir().unwrap();
         let profiles = data.path().join("profiles");
         std::fs::create_dir_all(&profiles).unwrap();
@@ -109,6 +118,10 @@ impl TestDaemon {
             "route.test".into(),
             corral::credentials::RouteConfig { env: None, file: Some(secret), inject_as: "ROUTE_TEST_TOKEN".into() },
         );
+        config.store.url = match options.store_url {
+            Some(url) => Some(url),
+            None => fresh_postgres_database().await,
+        };
         (options.config)(&mut config);
         let backends = options.backends.unwrap_or_else(Backends::host_default);
         let reins = options.reins.unwrap_or_else(default_reins);
@@ -179,6 +192,23 @@ impl TestDaemon {
         self.shutdown.cancel();
         self.handle.await.unwrap();
     }
+}
+
+/// With `CORRAL_TEST_POSTGRES` (an admin URL, e.g.
+/// `postgres://corral:corral@127.0.0.1:5432/postgres`), a new empty database
+/// for one test; without it, `None` (SQLite).
+pub async fn fresh_postgres_database() -> Option<String> {
+    let admin = std::env::var("CORRAL_TEST_POSTGRES").ok().filter(|u| !u.is_empty())?;
+    Some(create_postgres_database(&admin).await)
+}
+
+pub async fn create_postgres_database(admin: &str) -> String {
+    use sqlx::Connection;
+    let name = format!("corral_test_{}", uuid::Uuid::now_v7().simple());
+    let mut conn = sqlx::PgConnection::connect(admin).await.expect("CORRAL_TEST_POSTGRES answers");
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await.expect("create test database");
+    let base = admin.rsplit_once('/').map(|(base, _)| base).unwrap_or(admin);
+    format!("{base}/{name}")
 }
 
 pub fn request(profile: &str, description: &str) -> pb::ExecuteRequest {

@@ -18,6 +18,7 @@ pub struct Executed {
     pub state: i32,
     /// The execution's own stage timings (µs), as stored in its evidence.
     pub stages: Vec<(String, u64)>,
+    pub sandbox_id: Option<String>,
     /// The host path of the workspace (its parent is the sandbox root).
     pub workspace_path: Option<String>,
     pub command_digest: Option<String>,
@@ -61,6 +62,7 @@ pub async fn execute(channel: &Channel, request: pb::ExecuteRequest) -> Result<E
     while let Some(event) = stream.message().await? {
         match event.kind {
             Some(Kind::SandboxReady(ready)) => {
+                executed.sandbox_id = Some(ready.sandbox_id);
                 executed.workspace_path = Some(ready.workspace_path);
                 executed.command_digest = ready.receipt.map(|r| r.command_digest);
             }

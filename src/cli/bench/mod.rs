@@ -93,6 +93,9 @@ pub struct BenchArgs {
     /// fanout, ingest: stop a level after this many seconds.
     #[arg(long, default_value_t = 900)]
     pub level_timeout: u64,
+    /// Also write the JSON report to this file (the tables still print).
+    #[arg(long, value_name = "FILE")]
+    pub save: Option<PathBuf>,
     /// In-process daemon: keep its data here (default: a temporary
     /// directory, removed afterwards).
     #[arg(long, value_name = "DIR")]
@@ -134,6 +137,8 @@ pub struct BenchReport {
     pub peer: Option<PeerReport>,
     /// Issue 6's targets, judged on what this run measured.
     pub targets: Vec<TargetCheck>,
+    /// `/proc/loadavg` when the run ended.
+    pub load_average_end: String,
 }
 
 /// Runs a scenario against the daemon at `server`, or against one started
@@ -166,6 +171,7 @@ async fn measure(target: &Target, args: &BenchArgs) -> anyhow::Result<BenchRepor
         ingest: None,
         peer: None,
         targets: Vec::new(),
+        load_average_end: String::new(),
     };
     let all = args.scenario == Scenario::All;
     if all || args.scenario == Scenario::Latency {
@@ -184,6 +190,7 @@ async fn measure(target: &Target, args: &BenchArgs) -> anyhow::Result<BenchRepor
         report.peer = Some(peer::run(target, args).await?);
     }
     report.targets = render::targets(&report);
+    report.load_average_end = system::load_average();
     Ok(report)
 }
 
@@ -192,6 +199,11 @@ async fn measure(target: &Target, args: &BenchArgs) -> anyhow::Result<BenchRepor
 /// or not the targets were met.
 pub async fn run(server: Option<&str>, args: BenchArgs, json: bool) -> anyhow::Result<i32> {
     let report = run_scenario(&args, server).await?;
+    if let Some(path) = &args.save {
+        use anyhow::Context as _;
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
     if json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

@@ -132,11 +132,12 @@ fn errors(map: &std::collections::BTreeMap<String, usize>) -> String {
 pub fn human(r: &BenchReport) -> String {
     let mut out = String::new();
     let h = &r.host;
-    let _ = writeln!(out, "corral bench {:?} ({} daemon at {})", r.scenario, r.mode, r.server);
+    let scenario = format!("{:?}", r.scenario).to_lowercase();
+    let _ = writeln!(out, "corral bench {scenario} ({} daemon at {})", r.mode, r.server);
     let _ = writeln!(
         out,
-        "host: {} cpus ({}), {} MiB, kernel {}, {}",
-        h.nproc, h.cpu_model, h.mem_total_mib, h.kernel, h.bwrap
+        "host: {} cpus ({}), {} MiB, kernel {}, {}; load average {} at start, {} at end",
+        h.nproc, h.cpu_model, h.mem_total_mib, h.kernel, h.bwrap, h.load_average_start, r.load_average_end
     );
     let _ = writeln!(out, "daemon idle RSS: {} MiB\n", kib(r.daemon_idle_rss_kib));
     if let Some(l) = &r.latency {
@@ -168,7 +169,7 @@ pub fn human(r: &BenchReport) -> String {
             }
         }
         out.push('\n');
-        out.push_str(&table(&["stage", "p50 ms", ""], &rows));
+        out.push_str(&table(&["stage", "p50 ms", "what"], &rows));
         out.push('\n');
     }
     if let Some(t) = &r.throughput {
@@ -293,6 +294,8 @@ pub fn human(r: &BenchReport) -> String {
 
 fn stage_note(stage: &str) -> &'static str {
     match stage {
+        "resolve" => "actor check + catalog lookup",
+        "gate" => "agent_start policies",
         "sandbox_create" => "sandbox row + workspace dir",
         "workspace" => "clone (none: no repo)",
         "session_start" => "spawn bwrap",

@@ -1,6 +1,7 @@
 //! What the bench reads from the host: the machine, a process's resident
 //! memory, which process listens on a port, and what sandboxes left behind.
 
+use std::collections::HashSet;
 use std::path::Path;
 
 use serde::Serialize;
@@ -13,6 +14,9 @@ pub struct HostInfo {
     pub mem_total_mib: u64,
     pub kernel: String,
     pub bwrap: String,
+    /// `/proc/loadavg` when the run started: other work on the machine
+    /// shares its cores with the bench.
+    pub load_average_start: String,
 }
 
 impl HostInfo {
@@ -34,8 +38,15 @@ impl HostInfo {
             mem_total_mib: meminfo_kib("MemTotal:").unwrap_or(0) / 1024,
             kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string(),
             bwrap,
+            load_average_start: load_average(),
         }
     }
+}
+
+/// The 1, 5 and 15 minute load averages.
+pub fn load_average() -> String {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    text.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
 }
 
 /// A `/proc/meminfo` value in KiB.
@@ -93,9 +104,9 @@ pub fn listener_pid(port: u16) -> Option<u32> {
 /// Processes a sandbox left running, and bwrap zombies nobody reaped.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct LeakedProcesses {
-    /// Live processes whose environment carries `CORRAL_SANDBOX_ID`
-    /// (everything corral starts in a sandbox does; readable for our own
-    /// user's processes only).
+    /// Live processes whose environment carries the `CORRAL_SANDBOX_ID` of
+    /// one of the run's sandboxes (everything corral starts in a sandbox
+    /// does; readable for our own user's processes only).
     pub with_sandbox_id: usize,
     /// Of those, how many are `bwrap` itself.
     pub bwrap: usize,
@@ -103,9 +114,10 @@ pub struct LeakedProcesses {
     pub bwrap_zombies: usize,
 }
 
-/// Scans `/proc` for what sandboxes left behind. `daemon_pid` names the
+/// Scans `/proc` for what the sandboxes `ids` left behind (so other
+/// daemons and runs on the host do not count). `daemon_pid` names the
 /// parent whose unreaped bwrap children count as zombies.
-pub fn leaked_processes(daemon_pid: Option<u32>) -> LeakedProcesses {
+pub fn leaked_processes(daemon_pid: Option<u32>, ids: &HashSet<String>) -> LeakedProcesses {
     let mut leaks = LeakedProcesses::default();
     let Ok(dir) = std::fs::read_dir("/proc") else { return leaks };
     let me = std::process::id();
@@ -128,7 +140,11 @@ pub fn leaked_processes(daemon_pid: Option<u32>) -> LeakedProcesses {
             continue;
         }
         let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
-        if environ.split(|b| *b == 0).any(|var| var.starts_with(b"CORRAL_SANDBOX_ID=")) {
+        let ours = environ
+            .split(|b| *b == 0)
+            .filter_map(|var| var.strip_prefix(b"CORRAL_SANDBOX_ID="))
+            .any(|id| std::str::from_utf8(id).is_ok_and(|id| ids.contains(id)));
+        if ours {
             leaks.with_sandbox_id += 1;
             if comm == "bwrap" {
                 leaks.bwrap += 1;

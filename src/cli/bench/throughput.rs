@@ -1,7 +1,7 @@
 //! `throughput`: executions per second of the no-op profile at several
 //! concurrency levels, what failed and how, and what was left behind.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -56,17 +56,18 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<Throughput
     for _ in 0..max.div_ceil(STREAMS_PER_CONNECTION) {
         channels.push(target.connect().await?);
     }
-    let roots: Arc<Mutex<Vec<PathBuf>>> = Arc::default();
+    let sandboxes: Arc<Mutex<Vec<(String, PathBuf)>>> = Arc::default();
     let mut levels = Vec::new();
     for &concurrency in &args.concurrency {
         let count = args.n.unwrap_or((10 * concurrency).max(50));
-        levels.push(level(&channels, &args.noop_profile, concurrency, count, &roots).await);
+        levels.push(level(&channels, &args.noop_profile, concurrency, count, &sandboxes).await);
     }
-    let sandbox_dirs = roots.lock().unwrap_or_else(|e| e.into_inner()).iter().filter(|r| r.exists()).count();
+    let sandboxes = std::mem::take(&mut *sandboxes.lock().unwrap_or_else(|e| e.into_inner()));
+    let ids: HashSet<String> = sandboxes.iter().map(|(id, _)| id.clone()).collect();
     let leaks = Leaks {
-        sandbox_dirs,
+        sandbox_dirs: sandboxes.iter().filter(|(_, root)| root.exists()).count(),
         data_sandboxes_entries: target.sandboxes_dir().map(|d| system::entries(&d)),
-        processes: system::leaked_processes(target.daemon_pid),
+        processes: system::leaked_processes(target.daemon_pid, &ids),
     };
     Ok(ThroughputReport { profile: args.noop_profile.clone(), levels, leaks })
 }
@@ -76,24 +77,24 @@ async fn level(
     profile: &str,
     concurrency: usize,
     count: usize,
-    roots: &Arc<Mutex<Vec<PathBuf>>>,
+    sandboxes: &Arc<Mutex<Vec<(String, PathBuf)>>>,
 ) -> Level {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
     for worker in 0..concurrency.max(1) {
         let channel = channels[(worker / STREAMS_PER_CONNECTION) % channels.len()].clone();
-        let (next, roots, profile) = (next.clone(), roots.clone(), profile.to_string());
+        let (next, sandboxes, profile) = (next.clone(), sandboxes.clone(), profile.to_string());
         workers.spawn(async move {
             let mut latencies = Vec::new();
             let mut errors: BTreeMap<String, usize> = BTreeMap::new();
             while next.fetch_add(1, Ordering::SeqCst) < count {
                 match execute(&channel, request(&profile, "corral bench", "")).await {
                     Ok(e) => {
-                        if let Some(ws) = &e.workspace_path {
-                            if let Some(root) = std::path::Path::new(ws).parent() {
-                                roots.lock().unwrap_or_else(|e| e.into_inner()).push(root.to_path_buf());
-                            }
+                        // The workspace sits in the sandbox's root directory.
+                        let root = e.workspace_path.as_deref().and_then(|ws| std::path::Path::new(ws).parent());
+                        if let (Some(id), Some(root)) = (&e.sandbox_id, root) {
+                            sandboxes.lock().unwrap_or_else(|e| e.into_inner()).push((id.clone(), root.to_path_buf()));
                         }
                         if e.succeeded() {
                             latencies.push(e.client.as_secs_f64() * 1e3);

@@ -1,0 +1,93 @@
+//! One small run of each `corral bench` scenario against a real in-process
+//! daemon (real bwrap), so the bench cannot rot. The numbers are only
+//! checked for sanity: the targets are for BENCHMARKS.md, not for tests.
+
+mod common;
+
+use corral::cli::bench::{run_scenario, BenchArgs, BenchReport};
+
+async fn bench(args: &[&str]) -> BenchReport {
+    common::require_bwrap();
+    let args = BenchArgs::parse(args).expect("valid bench arguments");
+    run_scenario(&args, None).await.expect("the bench runs")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_compares_executes_with_the_floor() {
+    let report = bench(&["latency", "--n", "3", "--warmup", "1"]).await;
+    assert_eq!(report.mode, "in-process");
+    let l = report.latency.expect("a latency report");
+    assert!(l.errors.is_empty(), "{:?}", l.errors);
+    assert_eq!(l.floor_errors, 0);
+    assert_eq!((l.corral.count, l.floor.count), (3, 3));
+    assert!(l.floor_matches_receipt, "the floor must run corral's exact command line: {:?}", l.floor_command);
+    assert!(l.floor_command.iter().any(|a| a == "--unshare-all"));
+    assert_eq!(l.floor_command.last().map(String::as_str), Some("/usr/bin/true"));
+    assert!(l.corral.p50_ms > 0.0 && l.floor.p50_ms > 0.0 && l.ratio_p50 > 0.0);
+    for stage in ["resolve", "gate", "sandbox_create", "session_start", "harness", "teardown", "total", "store_other"] {
+        assert!(l.stages_p50_ms.contains_key(stage), "no {stage} in {:?}", l.stages_p50_ms);
+    }
+    assert!(l.stages_p50_ms["harness"] > 0.0);
+    assert!(report.targets.iter().any(|t| t.target.starts_with("latency") && t.met.is_some()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throughput_counts_executions_errors_and_leaks() {
+    let report = bench(&["throughput", "--concurrency", "1,4", "--n", "8"]).await;
+    let t = report.throughput.expect("a throughput report");
+    assert_eq!(t.levels.len(), 2);
+    for level in &t.levels {
+        assert_eq!((level.executions, level.succeeded), (8, 8), "{level:?}");
+        assert!(level.errors.is_empty(), "{:?}", level.errors);
+        assert!(level.per_second > 0.0);
+    }
+    assert_eq!(t.leaks.sandbox_dirs, 0);
+    assert_eq!(t.leaks.data_sandboxes_entries, Some(0));
+    assert_eq!(t.leaks.processes.with_sandbox_id, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fanout_delivers_every_event_to_every_watcher() {
+    let report = bench(&["fanout", "--events", "200", "--watchers", "2"]).await;
+    let f = report.fanout.expect("a fanout report");
+    let level = &f.levels[0];
+    assert_eq!(level.aborted, None);
+    assert!(level.barrier_released);
+    assert_eq!(level.execution_state, "SUCCEEDED");
+    assert_eq!(level.complete_watchers, 2, "{level:?}");
+    assert_eq!(level.delivered, 400);
+    assert!(level.errors.is_empty(), "{:?}", level.errors);
+    assert!(level.aggregate_per_second > 0.0 && level.delay_p99_ms >= level.delay_p50_ms);
+    assert!(level.rss_before_kib.is_some() && level.rss_peak_kib.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingest_rates_stored_events() {
+    let report = bench(&["ingest", "--events", "200"]).await;
+    let i = report.ingest.expect("an ingest report");
+    assert_eq!(i.execution_state, "SUCCEEDED");
+    assert_eq!(i.stored, 200);
+    assert!(i.span_ms > 0.0 && i.per_second > 0.0, "{i:?}");
+    assert!(i.emitter_alone_per_second > 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_runs_or_says_why_not() {
+    let report = bench(&["peer", "--n", "2"]).await;
+    let p = report.peer.expect("a peer report");
+    match &p.skipped {
+        Some(reason) => assert_eq!(reason, "srt not found on PATH; skipped"),
+        None => assert!(p.peer.is_some() && p.corral.is_some()),
+    }
+}
+
+#[test]
+fn bench_arguments_have_the_documented_defaults() {
+    let args = BenchArgs::parse(&["latency"]).unwrap();
+    assert_eq!(args.n, None);
+    assert_eq!(args.concurrency, vec![1, 4, 16, 64]);
+    assert_eq!(args.watchers, vec![1, 100, 1000]);
+    assert_eq!(args.events, 100_000);
+    assert_eq!(args.noop_profile, "builtin.noop@1.0.0");
+    assert!(BenchArgs::parse(&["nonsense"]).is_err());
+}

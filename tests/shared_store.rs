@@ -1,0 +1,52 @@
+//! Several daemons on one PostgreSQL record: any of them serves Watch for
+//! any execution, and each recovers only what it ran itself.
+
+mod common;
+
+use common::{finished, request, require_bwrap, Options, TestDaemon};
+use corral::pb;
+
+fn admin_url() -> String {
+    std::env::var("CORRAL_TEST_POSTGRES").ok().filter(|u| !u.is_empty()).expect(
+        "this test needs PostgreSQL: set CORRAL_TEST_POSTGRES to an admin URL such as \
+         postgres://corral:corral@127.0.0.1:5432/postgres (scripts/test sets it up)",
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_daemon_watches_an_execution_the_first_runs() {
+    require_bwrap();
+    let url = common::create_postgres_database(&admin_url()).await;
+    let a = TestDaemon::start(Options {
+        store_url: Some(url.clone()),
+        config: Box::new(|c| c.node_id = Some("node-a".into())),
+        ..Options::default()
+    })
+    .await;
+    let b = TestDaemon::start(Options {
+        store_url: Some(url),
+        config: Box::new(|c| c.node_id = Some("node-b".into())),
+        ..Options::default()
+    })
+    .await;
+    let mut on_a = a.executions().await;
+    let execution =
+        on_a.start_execution(request("test.fake-agent", "NOWORK\nPROGRESS 200")).await.unwrap().into_inner();
+    // B never ran it: it follows it through the shared record.
+    let watched_on_b = b.watch_all(&execution.execution_id, 0).await;
+    let watched_on_a = a.watch_all(&execution.execution_id, 0).await;
+    assert_eq!(watched_on_b, watched_on_a);
+    let sequences: Vec<u64> = watched_on_b.iter().map(|e| e.sequence).collect();
+    assert_eq!(sequences, (1..=sequences.len() as u64).collect::<Vec<_>>());
+    let record = finished(&watched_on_b);
+    assert_eq!(pb::ExecutionState::try_from(record.state).unwrap(), pb::ExecutionState::Succeeded);
+    let listed = b
+        .executions()
+        .await
+        .list_executions(pb::ListExecutionsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .executions;
+    assert!(listed.iter().any(|e| e.execution_id == execution.execution_id), "B lists A's execution");
+}
