@@ -194,11 +194,15 @@ impl TestDaemon {
     }
 }
 
-/// With `CORRAL_TEST_POSTGRES` (an admin URL, e.g.
-/// `postgres://corral:corral@127.0.0.1:5432/postgres`), a new empty database
-/// for one test; without it, `None` (SQLite).
+/// With `CORRAL_TEST_STORE=postgres` and `CORRAL_TEST_POSTGRES` (an admin
+/// URL, e.g. `postgres://corral:corral@127.0.0.1:5432/postgres`), a new empty
+/// database for one test; otherwise `None` (SQLite).
 pub async fn fresh_postgres_database() -> Option<String> {
-    let admin = std::env::var("CORRAL_TEST_POSTGRES").ok().filter(|u| !u.is_empty())?;
+    if std::env::var("CORRAL_TEST_STORE").ok().as_deref() != Some("postgres") {
+        return None;
+    }
+    let admin = std::env::var("CORRAL_TEST_POSTGRES").ok().filter(|u| !u.is_empty());
+    let admin = admin.expect("CORRAL_TEST_STORE=postgres needs CORRAL_TEST_POSTGRES (an admin URL)");
     Some(create_postgres_database(&admin).await)
 }
 
