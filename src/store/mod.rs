@@ -149,25 +149,10 @@ impl Store {
     }
 
     pub async fn update_execution(&self, record: &ExecutionRecord) -> Result<(), StoreError> {
-        let profile = if record.evidence.profile_ref.is_empty() {
-            &record.harness_profile_ref
-        } else {
-            &record.evidence.profile_ref
-        };
-        sqlx::query(
-            "UPDATE executions SET state = $1, profile_ref = $2, finished_at_ms = $3, record = $4 WHERE execution_id = $5",
-        )
-        .bind(record.state.as_str())
-        .bind(profile)
-        .bind(record.finished_at_ms)
-        .bind(serde_json::to_string(record)?)
-        .bind(&record.execution_id)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        self.finish_execution(record, None).await
     }
 
-    /// Stores the final record and, when asked, its hub report, in one
+    /// Stores the record and, when asked, its hub report, in one
     /// transaction: a report is never lost nor sent for an unrecorded end.
     pub async fn finish_execution(&self, record: &ExecutionRecord, report: Option<&str>) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
@@ -371,16 +356,7 @@ impl Store {
         .bind(before as i64)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(Event {
-                    subject_id: subject.to_string(),
-                    sequence: r.get::<i64, _>("sequence") as u64,
-                    time_ms: r.get("time_ms"),
-                    kind: serde_json::from_str(r.get::<&str, _>("body"))?,
-                })
-            })
-            .collect()
+        rows.iter().map(|r| event_from_row(subject, r)).collect()
     }
 
     /// The stored events of a subject after `after`, in order.
@@ -392,16 +368,7 @@ impl Store {
         .bind(after as i64)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(Event {
-                    subject_id: subject.to_string(),
-                    sequence: r.get::<i64, _>("sequence") as u64,
-                    time_ms: r.get("time_ms"),
-                    kind: serde_json::from_str(r.get::<&str, _>("body"))?,
-                })
-            })
-            .collect()
+        rows.iter().map(|r| event_from_row(subject, r)).collect()
     }
 
     /// Inserts a new session; `false` when the id is taken.
@@ -539,4 +506,13 @@ impl Store {
             .await?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
     }
+}
+
+fn event_from_row(subject: &str, row: &sqlx::any::AnyRow) -> Result<Event, StoreError> {
+    Ok(Event {
+        subject_id: subject.to_string(),
+        sequence: row.get::<i64, _>("sequence") as u64,
+        time_ms: row.get("time_ms"),
+        kind: serde_json::from_str(row.get::<&str, _>("body"))?,
+    })
 }
