@@ -40,6 +40,7 @@ async fn throughput_counts_executions_errors_and_leaks() {
         assert_eq!((level.executions, level.succeeded), (8, 8), "{level:?}");
         assert!(level.errors.is_empty(), "{:?}", level.errors);
         assert!(level.per_second > 0.0);
+        assert!(level.floor_per_second > 0.0 && level.floor_errors == 0, "{level:?}");
     }
     assert_eq!(t.leaks.sandbox_dirs, 0);
     assert_eq!(t.leaks.data_sandboxes_entries, Some(0));

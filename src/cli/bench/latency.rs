@@ -75,17 +75,25 @@ pub async fn first(channel: &Channel, profile: &str) -> anyhow::Result<Executed>
     Ok(first)
 }
 
-pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<LatencyReport> {
-    let n = args.n.unwrap_or(200);
-    let channel = target.connect().await?;
-    let described = profile(&channel, &args.noop_profile).await?;
-    let first = first(&channel, &args.noop_profile).await?;
+/// The floor for `profile_ref`: one execution first (it must succeed),
+/// whose effective sandbox the floor copies; and whether the floor's
+/// command line hashes to that execution's enforcement receipt.
+pub async fn floor_for(target: &Target, channel: &Channel, profile_ref: &str) -> anyhow::Result<(Floor, bool)> {
+    let described = profile(channel, profile_ref).await?;
+    let first = first(channel, profile_ref).await?;
     let effective = first.effective_sandbox.clone().context("the finished execution has no effective sandbox")?;
     let floor = Floor::new(&described, &effective, &target.scratch.join("floor"))?;
-    let floor_matches_receipt = match (&first.workspace_path, &first.command_digest) {
+    let matches = match (&first.workspace_path, &first.command_digest) {
         (Some(ws), Some(digest)) => floor.matches_receipt(ws, digest),
         _ => false,
     };
+    Ok((floor, matches))
+}
+
+pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<LatencyReport> {
+    let n = args.n.unwrap_or(200);
+    let channel = target.connect().await?;
+    let (floor, floor_matches_receipt) = floor_for(target, &channel, &args.noop_profile).await?;
     let mut floor_command = vec![crate::sandbox::find_on_path("bwrap").unwrap_or_default().display().to_string()];
     floor_command
         .extend(floor.args(std::path::Path::new("<workspace>")).iter().map(|a| a.to_string_lossy().into_owned()));
@@ -135,6 +143,9 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<LatencyRep
 /// stages), `outside_total` = client − total (gRPC in and out, accepting,
 /// the final record write and `finished`), `store_other` = client − Σ
 /// stages (the two together).
+/// (Σ stages, total, client) of one execution, in ms.
+type Parts = (f64, f64, f64);
+
 pub fn stage_breakdown(executions: &[Executed]) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
     if executions.is_empty() {
@@ -145,17 +156,17 @@ pub fn stage_breakdown(executions: &[Executed]) -> BTreeMap<String, f64> {
         let values: Vec<f64> = executions.iter().map(|e| ms(e.stage_micros(stage).unwrap_or(0))).collect();
         out.insert(stage.to_string(), median(&values));
     }
-    let sum = |e: &Executed| STAGES.iter().map(|s| e.stage_micros(s).unwrap_or(0)).sum::<u64>();
-    let client = |e: &Executed| e.client.as_micros() as u64;
-    let total = |e: &Executed| e.stage_micros("total").unwrap_or(0);
-    let derived: [(&str, Box<dyn Fn(&Executed) -> f64>); 4] = [
-        ("daemon_other", Box::new(|e| ms(total(e)) - ms(sum(e)))),
-        ("outside_total", Box::new(|e| ms(client(e)) - ms(total(e)))),
-        ("store_other", Box::new(|e| ms(client(e)) - ms(sum(e)))),
-        ("client", Box::new(|e| ms(client(e)))),
-    ];
-    for (name, f) in derived {
-        out.insert(name.to_string(), median(&executions.iter().map(&f).collect::<Vec<_>>()));
-    }
+    let parts: Vec<Parts> = executions
+        .iter()
+        .map(|e| {
+            let sum: u64 = STAGES.iter().map(|s| e.stage_micros(s).unwrap_or(0)).sum();
+            (ms(sum), ms(e.stage_micros("total").unwrap_or(0)), ms(e.client.as_micros() as u64))
+        })
+        .collect();
+    let med = |f: fn(&Parts) -> f64| median(&parts.iter().map(f).collect::<Vec<_>>());
+    out.insert("daemon_other".into(), med(|(sum, total, _)| total - sum));
+    out.insert("outside_total".into(), med(|(_, total, client)| client - total));
+    out.insert("store_other".into(), med(|(sum, _, client)| client - sum));
+    out.insert("client".into(), med(|(_, _, client)| *client));
     out
 }

@@ -128,8 +128,12 @@ pub struct BenchReport {
     pub mode: String,
     pub server: String,
     pub host: HostInfo,
-    /// The daemon's RSS before any work (in-process: the bench process).
+    /// The daemon's RSS when the bench started: idle for an in-process or
+    /// a fresh daemon (in-process: the whole bench process).
     pub daemon_idle_rss_kib: Option<u64>,
+    /// Whether the daemon had run no execution before this bench (its
+    /// store lists none): only then is the RSS above an idle figure.
+    pub daemon_fresh: bool,
     pub latency: Option<LatencyReport>,
     pub throughput: Option<ThroughputReport>,
     pub fanout: Option<FanoutReport>,
@@ -165,6 +169,7 @@ async fn measure(target: &Target, args: &BenchArgs) -> anyhow::Result<BenchRepor
         server: target.url.clone(),
         host: HostInfo::detect(),
         daemon_idle_rss_kib: target.daemon_rss_kib(),
+        daemon_fresh: target.is_fresh().await,
         latency: None,
         throughput: None,
         fanout: None,

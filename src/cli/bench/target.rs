@@ -147,6 +147,14 @@ impl Target {
         self.daemon_pid.and_then(system::rss_kib)
     }
 
+    /// Whether the daemon's store lists no execution yet.
+    pub async fn is_fresh(&self) -> bool {
+        let Ok(channel) = self.connect().await else { return false };
+        let mut client = crate::pb::execution_service_client::ExecutionServiceClient::new(channel);
+        let request = crate::pb::ListExecutionsRequest { page_size: 1, ..Default::default() };
+        client.list_executions(request).await.map(|r| r.into_inner().executions.is_empty()).unwrap_or(false)
+    }
+
     /// The sandboxes directory, when this process knows the data directory.
     pub fn sandboxes_dir(&self) -> Option<PathBuf> {
         self.data_dir.as_ref().map(|d| d.join("sandboxes"))

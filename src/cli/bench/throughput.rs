@@ -1,5 +1,6 @@
 //! `throughput`: executions per second of the no-op profile at several
-//! concurrency levels, what failed and how, and what was left behind.
+//! concurrency levels, what failed and how, and what was left behind; and
+//! the floor's spawns per second at the same concurrency, the ceiling.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
@@ -10,6 +11,8 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::client::{code_name, execute, request};
+use super::floor::Floor;
+use super::latency;
 use super::stats::Percentiles;
 use super::system::{self, LeakedProcesses};
 use super::target::Target;
@@ -28,6 +31,10 @@ pub struct Level {
     /// Executions that succeeded, per second of the level.
     pub per_second: f64,
     pub latency: Percentiles,
+    /// The floor (the same bwrap command line spawned directly) at the
+    /// same concurrency and count: spawns per second, the ceiling.
+    pub floor_per_second: f64,
+    pub floor_errors: usize,
     /// What did not succeed: a status code (`RESOURCE_EXHAUSTED`, ...) or
     /// the final state of an execution that ran (`FAILED`, ...).
     pub errors: BTreeMap<String, usize>,
@@ -56,11 +63,15 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<Throughput
     for _ in 0..max.div_ceil(STREAMS_PER_CONNECTION) {
         channels.push(target.connect().await?);
     }
+    let (floor, _) = latency::floor_for(target, &channels[0], &args.noop_profile).await?;
+    let floor = Arc::new(floor);
     let sandboxes: Arc<Mutex<Vec<(String, PathBuf)>>> = Arc::default();
     let mut levels = Vec::new();
     for &concurrency in &args.concurrency {
         let count = args.n.unwrap_or((10 * concurrency).max(50));
-        levels.push(level(&channels, &args.noop_profile, concurrency, count, &sandboxes).await);
+        let mut level = level(&channels, &args.noop_profile, concurrency, count, &sandboxes).await;
+        (level.floor_per_second, level.floor_errors) = floor_level(&floor, concurrency, count).await;
+        levels.push(level);
     }
     let sandboxes = std::mem::take(&mut *sandboxes.lock().unwrap_or_else(|e| e.into_inner()));
     let ids: HashSet<String> = sandboxes.iter().map(|(id, _)| id.clone()).collect();
@@ -131,6 +142,37 @@ async fn level(
         seconds,
         per_second: if seconds > 0.0 { latencies.len() as f64 / seconds } else { 0.0 },
         latency: Percentiles::of_ms(&latencies),
+        floor_per_second: 0.0,
+        floor_errors: 0,
         errors,
     }
+}
+
+/// `count` floor spawns by `concurrency` tasks: (successful spawns per
+/// second, failed spawns).
+async fn floor_level(floor: &Arc<Floor>, concurrency: usize, count: usize) -> (f64, usize) {
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..concurrency.max(1) {
+        let (floor, next) = (floor.clone(), next.clone());
+        workers.spawn(async move {
+            let (mut ok, mut failed) = (0usize, 0usize);
+            while next.fetch_add(1, Ordering::SeqCst) < count {
+                match floor.spawn_once().await {
+                    Ok(_) => ok += 1,
+                    Err(_) => failed += 1,
+                }
+            }
+            (ok, failed)
+        });
+    }
+    let (mut ok, mut failed) = (0, 0);
+    while let Some(joined) = workers.join_next().await {
+        let (o, f) = joined.unwrap_or((0, 1));
+        ok += o;
+        failed += f;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    (if seconds > 0.0 { ok as f64 / seconds } else { 0.0 }, failed)
 }
