@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 
 pub use catalog::CatalogApi;
@@ -101,7 +101,9 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         .add_service(ExecutionServiceServer::new(execution))
         .add_service(CatalogServiceServer::new(catalog))
         .add_service(SessionServiceServer::new(sessions))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), drained)
+        // Lifecycle events are small frames: without TCP_NODELAY each waits
+        // on Nagle and the peer's delayed ACK (tens of ms per Execute).
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), drained)
         .await?;
     Ok(())
 }
