@@ -24,6 +24,9 @@ pub struct Config {
     pub watch_buffer: usize,
     /// Sessions with no turn for this long are reaped (never mid-turn).
     pub session_idle_seconds: u64,
+    /// Admission control: executions running at once; more are refused
+    /// with RESOURCE_EXHAUSTED (nothing is stored for them).
+    pub max_running_executions: usize,
     /// A finished execution's events are kept this long, then compacted to
     /// its final `finished` event (record and evidence).
     pub event_retention_seconds: u64,
@@ -59,6 +62,7 @@ impl Default for Config {
             shutdown_grace_seconds: 30,
             watch_buffer: 4096,
             session_idle_seconds: 900,
+            max_running_executions: 64,
             event_retention_seconds: 7 * 24 * 3600,
             repo_roots: Vec::new(),
             policies: Vec::new(),
@@ -159,6 +163,9 @@ impl Config {
         self.listen
             .parse::<std::net::SocketAddr>()
             .map_err(|e| invalid("listen", format!("{:?} is not an address: {e}", self.listen)))?;
+        if self.max_running_executions == 0 {
+            return Err(invalid("max_running_executions", "must be greater than 0".into()));
+        }
         if self.session_idle_seconds == 0 {
             return Err(invalid("session_idle_seconds", "must be greater than 0".into()));
         }

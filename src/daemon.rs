@@ -79,6 +79,7 @@ impl Daemon {
             bus_capacity: config.watch_buffer,
             hub: hub.clone(),
             credentials: Arc::new(config.credentials.clone()),
+            max_running: config.max_running_executions,
         });
         // Before serving: nothing a crashed predecessor left may linger.
         engine.recover().await.map_err(|e| StartError::Recovery(e.to_string()))?;

@@ -65,6 +65,7 @@ impl From<EngineError> for Status {
             EngineError::PermissionDenied(_) => {
                 with_reason(Code::PermissionDenied, message, "PERMISSION_DENIED", vec![])
             }
+            EngineError::Overloaded(_) => with_reason(Code::ResourceExhausted, message, "OVERLOADED", vec![]),
             EngineError::Store(e) => {
                 // The store's words may carry paths and SQL: log them, do
                 // not send them.

@@ -102,6 +102,9 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     if let (Some(hub), Some(_)) = (&core.engine.hub, &report) {
         hub.notify();
     }
+    // Out of admission's count before anyone hears it finished, so a caller
+    // may start the next one at once.
+    core.engine.running().remove(&record.execution_id);
     let finished = EventKind::Finished { execution: Box::new(record.clone()) };
     let raw = RawPart::Finished(std::mem::take(&mut core.raw));
     core.recorder.emit(finished, Some(raw)).await;

@@ -54,6 +54,9 @@ pub enum EngineError {
     FailedPrecondition(String),
     #[error("{0}")]
     PermissionDenied(String),
+    /// Admission control: too much running already; retry later.
+    #[error("{0}")]
+    Overloaded(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -79,6 +82,7 @@ pub struct Engine {
     epoch: String,
     pub hub: Option<Arc<Hub>>,
     pub credentials: Arc<CredentialsConfig>,
+    max_running: usize,
     running: Mutex<HashMap<String, CancellationToken>>,
     sessions: Mutex<HashMap<String, Arc<session::LiveSession>>>,
     tasks: TaskTracker,
@@ -95,6 +99,7 @@ pub struct EngineParts {
     pub bus_capacity: usize,
     pub hub: Option<Arc<Hub>>,
     pub credentials: Arc<CredentialsConfig>,
+    pub max_running: usize,
 }
 
 impl Engine {
@@ -110,6 +115,7 @@ impl Engine {
             epoch: uuid::Uuid::now_v7().to_string(),
             hub: parts.hub,
             credentials: parts.credentials,
+            max_running: parts.max_running.max(1),
             running: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
@@ -126,6 +132,11 @@ impl Engine {
     pub async fn submit(self: &Arc<Self>, cmd: ExecuteCommand) -> Result<Submitted, EngineError> {
         if self.is_draining() {
             return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
+        }
+        // Checked again under the lock below; this early check only spares
+        // the store a row that would be refused anyway.
+        if self.running().len() >= self.max_running {
+            return Err(self.overloaded());
         }
         let execution_id = uuid::Uuid::now_v7().to_string();
         let mut record = ExecutionRecord {
@@ -178,6 +189,8 @@ impl Engine {
         }
         let cancel = self.draining.child_token();
         self.running().insert(execution_id.clone(), cancel.clone());
+        // A race past the early check is let through: the bound is soft by
+        // at most the number of concurrent submitters.
         let engine = self.clone();
         let task_record = record.clone();
         self.tasks.spawn(async move {
@@ -191,6 +204,13 @@ impl Engine {
             self.bus.capacity(),
         );
         Ok(Submitted { record, subscription, existing: false })
+    }
+
+    fn overloaded(&self) -> EngineError {
+        EngineError::Overloaded(format!(
+            "{} executions are running, the most this daemon admits; retry later",
+            self.max_running
+        ))
     }
 
     pub async fn get(&self, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
