@@ -33,20 +33,8 @@ impl Recorder {
     /// replay), and its sequence is reused, so there are never gaps.
     pub async fn emit(&mut self, kind: EventKind, raw: Option<RawPart>) -> Option<Arc<Event>> {
         let event = Event { subject_id: self.subject.clone(), sequence: self.next, time_ms: now_ms(), kind };
-        let mut delay = std::time::Duration::from_millis(20);
-        for attempt in 1..=5 {
-            match self.store.append_event(&event).await {
-                Ok(()) => break,
-                Err(error) if attempt == 5 => {
-                    tracing::error!(subject = %self.subject, sequence = self.next, kind = event.kind.name(), %error, "event not stored");
-                    return None;
-                }
-                Err(error) => {
-                    tracing::warn!(subject = %self.subject, attempt, %error, "storing an event failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay *= 4;
-                }
-            }
+        if !self.persist(std::slice::from_ref(&event)).await {
+            return None;
         }
         self.next += 1;
         let event = Arc::new(event);
@@ -68,13 +56,24 @@ impl Recorder {
                 (Event { subject_id: self.subject.clone(), sequence: self.next + i as u64, time_ms, kind }, raw)
             })
             .unzip();
+        if !self.persist(&events).await {
+            return;
+        }
+        self.next += events.len() as u64;
+        for (event, raw) in events.into_iter().zip(raws) {
+            self.bus.publish(BusItem { event: Arc::new(event), raw: raw.map(Arc::new) });
+        }
+    }
+
+    /// Writes `events` in one transaction, retrying a few times; `false`
+    /// when the store still refuses them.
+    async fn persist(&self, events: &[Event]) -> bool {
         let mut delay = std::time::Duration::from_millis(20);
         for attempt in 1..=5 {
-            match self.store.append_events(&events).await {
-                Ok(()) => break,
+            match self.store.append_events(events).await {
+                Ok(()) => return true,
                 Err(error) if attempt == 5 => {
                     tracing::error!(subject = %self.subject, count = events.len(), %error, "events not stored");
-                    return;
                 }
                 Err(error) => {
                     tracing::warn!(subject = %self.subject, attempt, %error, "storing events failed; retrying");
@@ -83,9 +82,6 @@ impl Recorder {
                 }
             }
         }
-        self.next += events.len() as u64;
-        for (event, raw) in events.into_iter().zip(raws) {
-            self.bus.publish(BusItem { event: Arc::new(event), raw: raw.map(Arc::new) });
-        }
+        false
     }
 }

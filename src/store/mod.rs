@@ -291,18 +291,6 @@ impl Store {
         Ok(sqlx::query("SELECT COUNT(*) FROM executions").fetch_one(&self.pool).await?.get(0))
     }
 
-    pub async fn append_event(&self, event: &Event) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO events (subject_id, sequence, time_ms, kind, body) VALUES ($1, $2, $3, $4, $5)")
-            .bind(&event.subject_id)
-            .bind(event.sequence as i64)
-            .bind(event.time_ms)
-            .bind(event.kind.name())
-            .bind(serde_json::to_string(&event.kind)?)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
-
     /// Stores several events in one transaction.
     pub async fn append_events(&self, events: &[Event]) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
