@@ -40,6 +40,8 @@ pub struct Config {
     /// Credential routes profiles may name in `credential_route_refs`.
     pub credentials: CredentialsConfig,
     pub store: StoreConfig,
+    /// Host identity and cgroups of sandboxes.
+    pub sandbox: crate::sandbox::SandboxConfig,
     /// Names this daemon in a shared store (default: host name and data
     /// directory): recovery and hub delivery only touch its own rows.
     pub node_id: Option<String>,
@@ -69,13 +71,19 @@ impl Default for Config {
             hub: None,
             credentials: CredentialsConfig::default(),
             store: StoreConfig::default(),
+            sandbox: crate::sandbox::SandboxConfig::default(),
             node_id: None,
         }
     }
 }
 
-/// `$XDG_DATA_HOME/corral`, else `~/.local/share/corral`, else `./corral-data`.
+/// `/var/lib/corral` for a root daemon (its sandboxes' uids must traverse
+/// it, and root's home is private); otherwise `$XDG_DATA_HOME/corral`, else
+/// `~/.local/share/corral`, else `./corral-data`.
 pub fn default_data_dir() -> PathBuf {
+    if crate::sandbox::host::effective_uid() == 0 {
+        return PathBuf::from("/var/lib/corral");
+    }
     if let Some(dir) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
         return PathBuf::from(dir).join("corral");
     }
@@ -184,6 +192,7 @@ impl Config {
             hub.validate().map_err(|(key, message)| invalid(&key, message))?;
         }
         self.credentials.validate().map_err(|(key, message)| invalid(&key, message))?;
+        self.sandbox.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {
             if !root.is_absolute() {
                 return Err(invalid("repo_roots", format!("{} must be absolute", root.display())));

@@ -15,7 +15,7 @@ use crate::hub::Hub;
 use crate::lifecycle::{Engine, EngineParts};
 use crate::policy::{compile_all, Gate, HostCapabilities};
 use crate::rein::{CommandRein, Rein};
-use crate::sandbox::Backends;
+use crate::sandbox::{Backends, UidMode, UidRange};
 use crate::store::{Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -55,17 +55,28 @@ impl Daemon {
         reins: HashMap<String, Arc<dyn Rein>>,
     ) -> Result<Daemon, StartError> {
         let data_dir = &config.data_dir;
-        std::fs::create_dir_all(data_dir.join("sandboxes"))
+        prepare_data_dir(data_dir)
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
         let store = Store::open(data_dir, config.store.url.as_deref(), &config.node()).await?;
+        restrict_store_files(data_dir)
+            .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
         let routes: Vec<&str> = config.credentials.names().collect();
         let catalog = Arc::new(Catalog::load(&config.profile_dirs, &routes)?);
         // Probed once: a host that cannot run bwrap refuses bwrap profiles
         // at the gate, with the reason, instead of running them unsandboxed.
-        let host = HostCapabilities { bwrap: backends.linux_bwrap.probe().await.map_err(|e| e.to_string()) };
-        if let Err(reason) = &host.bwrap {
-            tracing::warn!(%reason, "linux_bwrap is unavailable; profiles that need it will be refused");
+        let host = HostCapabilities {
+            bwrap: backends.linux_bwrap.probe().await.map_err(|e| e.to_string()),
+            linux_bwrap: backends.linux_bwrap.capabilities(),
+            none: backends.none.capabilities(),
+        };
+        let uid_mode = UidMode::detect(UidRange::parse(&config.sandbox.uids).map_err(StartError::Policies)?);
+        if let UidMode::PerSandbox(_) = uid_mode {
+            reachable_by_sandboxes(&data_dir.join("sandboxes")).map_err(|message| StartError::DataDir {
+                path: data_dir.display().to_string(),
+                source: std::io::Error::other(message),
+            })?;
         }
+        log_capabilities(&host, &uid_mode);
         let admin = compile_all(&config.policies, "admin", "policies").map_err(StartError::Policies)?;
         let gate = Arc::new(Gate::new(admin, host));
         let hub = config.hub.clone().map(|hub| Hub::new(hub, store.clone()));
@@ -80,6 +91,10 @@ impl Daemon {
             hub: hub.clone(),
             credentials: Arc::new(config.credentials.clone()),
             max_running: config.max_running_executions,
+            uid_range: match uid_mode {
+                UidMode::PerSandbox(range) => Some(range),
+                UidMode::Daemon { .. } => None,
+            },
         });
         // Before serving: nothing a crashed predecessor left may linger.
         engine.recover().await.map_err(|e| StartError::Recovery(e.to_string()))?;
@@ -103,5 +118,64 @@ impl Daemon {
         };
         api::serve(parts, listener, shutdown).await?;
         Ok(())
+    }
+}
+
+/// The data directory is root's (0711: sandboxes' uids may traverse it to
+/// reach their own workspace, never list or read it), and so is its
+/// `sandboxes` directory.
+fn prepare_data_dir(data_dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let sandboxes = data_dir.join("sandboxes");
+    std::fs::create_dir_all(&sandboxes)?;
+    for dir in [data_dir, &sandboxes] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))?;
+    }
+    Ok(())
+}
+
+/// bwrap runs as each sandbox's own uid and must reach its workspace: every
+/// directory above `sandboxes` must let others traverse it (x, not r).
+fn reachable_by_sandboxes(sandboxes: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let canonical = sandboxes.canonicalize().map_err(|e| format!("{}: {e}", sandboxes.display()))?;
+    for dir in canonical.ancestors() {
+        let mode = std::fs::metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?.permissions().mode();
+        if mode & 0o001 == 0 {
+            return Err(format!(
+                "{} (mode {:o}) cannot be traversed by sandbox uids; make it traversable (chmod o+x) or choose a data directory below traversable ones, e.g. /var/lib/corral",
+                dir.display(),
+                mode & 0o7777
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The SQLite files are readable by the daemon alone.
+fn restrict_store_files(data_dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    for name in ["corral.db", "corral.db-wal", "corral.db-shm"] {
+        match std::fs::set_permissions(data_dir.join(name), std::fs::Permissions::from_mode(0o600)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// What this host can enforce, once at start.
+fn log_capabilities(host: &HostCapabilities, uid_mode: &UidMode) {
+    match &host.bwrap {
+        Ok(()) => tracing::info!("linux_bwrap: available"),
+        Err(reason) => tracing::warn!(%reason, "linux_bwrap is unavailable; profiles that need it will be refused"),
+    }
+    tracing::info!(sandbox_uids = %uid_mode.describe(), "sandbox identity");
+    let caps = &host.linux_bwrap;
+    for (name, support) in [("memory", &caps.memory), ("pids", &caps.pids), ("cpu", &caps.cpu), ("kill", &caps.kill)] {
+        match support {
+            Ok(mechanism) => tracing::info!(limit = name, %mechanism, "enforceable"),
+            Err(reason) => tracing::warn!(limit = name, %reason, "not enforceable; profiles that set it are refused"),
+        }
     }
 }

@@ -28,6 +28,10 @@ struct Cli {
 enum Command {
     /// Run the daemon.
     Serve(ServeArgs),
+    /// Report what this host can enforce (bwrap, seccomp, uids, cgroups)
+    /// and which profiles the gate would refuse here; exit 1 if linux_bwrap
+    /// cannot run.
+    Doctor(DoctorArgs),
     #[command(flatten)]
     Client(ClientCommand),
 }
@@ -48,6 +52,16 @@ struct ServeArgs {
     profiles: Vec<PathBuf>,
 }
 
+#[derive(clap::Args, Debug)]
+struct DoctorArgs {
+    /// The daemon's TOML config file (its [sandbox] section and profiles).
+    #[arg(long, env = "CORRAL_CONFIG")]
+    config: Option<PathBuf>,
+    /// A directory of profile TOML files (repeatable).
+    #[arg(long = "profiles")]
+    profiles: Vec<PathBuf>,
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // One multi-threaded runtime whose workers live as long as the daemon:
@@ -56,6 +70,11 @@ fn main() -> anyhow::Result<()> {
     let code = runtime.block_on(async move {
         match cli.command {
             Command::Serve(args) => serve(args).await.map(|()| 0),
+            Command::Doctor(args) => {
+                let overrides = Overrides { profile_dirs: args.profiles, ..Overrides::default() };
+                let config = Config::load(args.config.as_deref(), overrides)?;
+                corral::cli::doctor::run(&config).await
+            }
             Command::Client(cmd) => corral::cli::run(cli.client, cmd).await,
         }
     })?;
@@ -73,7 +92,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let local = listener.local_addr()?;
-    let daemon = Daemon::build(config, Backends::host_default(), default_reins()).await?;
+    let backends = Backends::for_host(&config.sandbox);
+    let daemon = Daemon::build(config, backends, default_reins()).await?;
     tracing::info!(listen = %local, data_dir = %daemon.config.data_dir.display(), "corral serving");
     // Printed on stdout so scripts can find the port when listening on :0.
     println!("corral listening on {local}");

@@ -104,7 +104,7 @@ fn json_lines(args: &[&str], output: &Output) -> Vec<serde_json::Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_serves_runs_lists_and_stops_on_sigterm() {
     common::require_bwrap();
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = common::data_tempdir();
     let stderr_log = tmp.path().join("serve.stderr");
     let mut served = serve(&tmp.path().join("data"), &stderr_log).await;
     let url = served.url.clone();

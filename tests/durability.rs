@@ -51,7 +51,7 @@ fn sandbox_dirs(data: &std::path::Path) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_leaves_no_agent_and_a_restart_recovers_the_execution() {
     require_bwrap();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::data_tempdir();
     let marker = format!("CRASH-MARKER-{}", std::process::id());
     let profiles = marked_profiles(dir.path(), &marker);
     let data = dir.path().join("data");
@@ -120,7 +120,7 @@ async fn kill_9_leaves_no_agent_and_a_restart_recovers_the_execution() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_tears_down_and_exits_zero() {
     require_bwrap();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::data_tempdir();
     let marker = format!("TERM-MARKER-{}", std::process::id());
     let profiles = marked_profiles(dir.path(), &marker);
     let data = dir.path().join("data");

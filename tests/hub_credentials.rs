@@ -154,7 +154,7 @@ async fn a_success_is_reported_once_without_its_output() {
 async fn a_raw_error_reaches_only_the_direct_caller() {
     require_bwrap();
     let hub = TestHub::start(Answer::Status(200)).await;
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::data_tempdir();
     let profiles = dir.path().join("profiles");
     std::fs::create_dir_all(&profiles).unwrap();
     std::fs::write(profiles.join("fake.toml"), common::fake_agent_profile("test.fake-agent", "")).unwrap();
@@ -233,7 +233,7 @@ async fn a_report_waits_out_a_restart_and_is_delivered_when_the_hub_is_back() {
     let reserved = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = reserved.local_addr().unwrap().port();
     drop(reserved);
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::data_tempdir();
     let profiles = dir.path().join("profiles");
     std::fs::create_dir_all(&profiles).unwrap();
     std::fs::write(profiles.join("fake.toml"), common::fake_agent_profile("test.fake-agent", "")).unwrap();
@@ -314,7 +314,7 @@ fn b64(bytes: &[u8]) -> String {
 async fn a_credential_the_harness_prints_is_redacted_everywhere() {
     require_bwrap();
     let hub = TestHub::start(Answer::Status(200)).await;
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::data_tempdir();
     let profiles = dir.path().join("profiles");
     std::fs::create_dir_all(&profiles).unwrap();
     let leaky = common::fake_agent_profile("test.leaky", "").replace("[\"route.test\"]", "[\"leak\"]");

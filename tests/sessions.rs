@@ -701,7 +701,7 @@ async fn policy_requests_from_inside_the_harness_get_the_tool_call_verdict() {
 // 7. CEL: a syntax error stops the daemon's start; a run-time error denies
 
 async fn build_error(profiles: Vec<(&str, String)>, policies: Vec<PolicySpec>) -> String {
-    let data = tempfile::tempdir().unwrap();
+    let data = common::data_tempdir();
     let dir = data.path().join("profiles");
     std::fs::create_dir_all(&dir).unwrap();
     for (name, text) in &profiles {

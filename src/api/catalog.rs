@@ -76,6 +76,7 @@ impl CatalogService for CatalogApi {
             project: &req.project,
             repo: &req.repo,
             sandbox: &profile.file.sandbox,
+            limits: &profile.file.limits.sandbox(),
             timeout_seconds: profile.file.limits.timeout_seconds,
             tool: "",
             arguments: &serde_json::Value::Null,

@@ -201,11 +201,7 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
                 sandbox_id: sandbox_id.clone(),
                 backend: sandbox_type(*backend) as i32,
                 workspace_path: workspace_path.clone(),
-                receipt: Some(pb::EnforcementReceipt {
-                    command_digest: receipt.command_digest.clone(),
-                    network_isolated: receipt.network_isolated,
-                    write_roots: receipt.write_roots.clone(),
-                }),
+                receipt: Some(enforcement_receipt(receipt)),
             })
         }
         EventKind::Dispatched { tool } => Kind::Dispatched(pb::Dispatched { tool: tool.clone() }),
@@ -241,6 +237,9 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
         }
         EventKind::Reaped { idle_seconds } => Kind::Reaped(pb::Reaped { idle_seconds: *idle_seconds }),
         EventKind::Recovered { note } => Kind::Recovered(pb::Recovered { note: note.clone() }),
+        EventKind::LimitHit { limit, value, detail } => {
+            Kind::Limit(pb::LimitHit { limit: limit.clone(), value: *value, detail: detail.clone() })
+        }
         EventKind::SessionFinished { session: record } => {
             let raw = match raw {
                 Some(RawPart::Finished(r)) => Some(r),
@@ -316,6 +315,13 @@ pub fn profile(p: &Profile) -> pb::Profile {
             max_output_bytes: f.limits.max_output_bytes,
             max_processes: f.limits.max_processes,
             memory_bytes: f.limits.memory_bytes,
+            cpu_millis: f.limits.cpu_millis,
+            max_workspace_bytes: f.limits.max_workspace_bytes,
+            max_open_files: f.limits.max_open_files,
+            address_space_bytes: f.limits.address_space_bytes,
+            tmp_bytes: f.limits.tmp_bytes,
+            max_events: f.limits.max_events,
+            max_event_bytes: f.limits.max_event_bytes,
         }),
         credential_route_refs: f.credential_route_refs.clone(),
         policies: f
@@ -334,6 +340,24 @@ pub fn profile(p: &Profile) -> pb::Profile {
         description: f.description.clone(),
         usable: p.unusable.is_none(),
         unusable_reason: p.unusable.clone().unwrap_or_default(),
+    }
+}
+
+fn enforcement_receipt(r: &crate::sandbox::EnforcementReceipt) -> pb::EnforcementReceipt {
+    pb::EnforcementReceipt {
+        command_digest: r.command_digest.clone(),
+        network_isolated: r.network_isolated,
+        write_roots: r.write_roots.clone(),
+        host_uid: r.host_uid,
+        own_uid: r.own_uid,
+        inside_uid: r.inside_uid,
+        seccomp_digest: r.seccomp_digest.clone(),
+        userns_disabled: r.userns_disabled,
+        limits: r
+            .limits
+            .iter()
+            .map(|l| pb::LimitReceipt { name: l.name.clone(), value: l.value, mechanism: l.mechanism.clone() })
+            .collect(),
     }
 }
 

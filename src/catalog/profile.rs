@@ -78,19 +78,55 @@ fn default_rein_kind() -> String {
     "command".into()
 }
 
+/// What a run may use. Every non-zero limit is enforced, by the mechanism
+/// the enforcement receipt names; a limit this host cannot enforce makes the
+/// gate refuse the run (fail closed). 0 means "not limited".
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Limits {
     pub timeout_seconds: u64,
     /// Per stream (stdout, stderr); bytes past it are dropped and reported.
     pub max_output_bytes: u64,
+    /// Tasks (processes and threads) alive at once: the cgroup's pids.max,
+    /// and RLIMIT_NPROC of the sandbox's own host uid.
     pub max_processes: u64,
+    /// Memory (RSS, page cache, /tmp) of the whole sandbox: its cgroup.
     pub memory_bytes: u64,
+    /// CPU time in millicores (1000 = one CPU): the cgroup's CPU quota.
+    pub cpu_millis: u64,
+    /// Bytes under the workspace, checked while the harness runs and at the
+    /// end (exceeding it fails the run); also the largest file (RLIMIT_FSIZE).
+    pub max_workspace_bytes: u64,
+    /// RLIMIT_NOFILE.
+    pub max_open_files: u64,
+    /// RLIMIT_AS. Virtual address space, not memory: Node-based harnesses
+    /// reserve far more than they use, so prefer `memory_bytes`.
+    pub address_space_bytes: u64,
+    /// Size of the sandbox's private /tmp (tmpfs).
+    pub tmp_bytes: u64,
+    /// Events one run may record; past it progress is dropped and one
+    /// `limit` event says so.
+    pub max_events: u64,
+    /// Bytes of harness-supplied event text (progress, tool names) one run
+    /// may record; the same cut as `max_events`.
+    pub max_event_bytes: u64,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { timeout_seconds: 600, max_output_bytes: 4 << 20, max_processes: 0, memory_bytes: 0 }
+        Limits {
+            timeout_seconds: 600,
+            max_output_bytes: 4 << 20,
+            max_processes: 0,
+            memory_bytes: 0,
+            cpu_millis: 0,
+            max_workspace_bytes: 0,
+            max_open_files: 0,
+            address_space_bytes: 0,
+            tmp_bytes: 256 << 20,
+            max_events: 100_000,
+            max_event_bytes: 32 << 20,
+        }
     }
 }
 
@@ -98,6 +134,23 @@ impl Default for Limits {
 #[serde(default, deny_unknown_fields)]
 pub struct Guardrails {
     pub policies: Vec<PolicySpec>,
+}
+
+impl Limits {
+    /// The limits the sandbox itself enforces.
+    pub fn sandbox(&self) -> crate::sandbox::SandboxLimits {
+        crate::sandbox::SandboxLimits {
+            memory_bytes: self.memory_bytes,
+            max_processes: self.max_processes,
+            cpu_millis: self.cpu_millis,
+            max_open_files: self.max_open_files,
+            address_space_bytes: self.address_space_bytes,
+            // No single file may be larger than the whole workspace may be.
+            max_file_bytes: self.max_workspace_bytes,
+            max_workspace_bytes: self.max_workspace_bytes,
+            tmp_bytes: self.tmp_bytes,
+        }
+    }
 }
 
 /// A profile file exactly as written in TOML.
@@ -154,6 +207,15 @@ impl Profile {
         }
         if file.limits.timeout_seconds == 0 {
             return Err("limits.timeout_seconds: must be greater than 0".into());
+        }
+        for (key, value) in [
+            ("limits.tmp_bytes", file.limits.tmp_bytes),
+            ("limits.max_events", file.limits.max_events),
+            ("limits.max_event_bytes", file.limits.max_event_bytes),
+        ] {
+            if value == 0 {
+                return Err(format!("{key}: must be greater than 0"));
+            }
         }
         for (key, paths) in
             [("sandbox.read_paths", &file.sandbox.read_paths), ("sandbox.write_paths", &file.sandbox.write_paths)]

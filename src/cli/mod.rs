@@ -9,6 +9,7 @@
 //! the user interrupted a stream.
 
 pub mod bench;
+pub mod doctor;
 mod exec;
 mod json;
 mod output;

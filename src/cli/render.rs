@@ -162,6 +162,13 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
             facts.add("workspace", &s.workspace_path);
             if let Some(receipt) = &s.receipt {
                 facts.add("network_isolated", receipt.network_isolated.to_string());
+                facts.add("host_uid", receipt.host_uid.to_string());
+                if !receipt.seccomp_digest.is_empty() {
+                    facts.add("seccomp", &receipt.seccomp_digest);
+                }
+                for limit in &receipt.limits {
+                    facts.add(&limit.name, format!("{} ({})", limit.value, limit.mechanism));
+                }
             }
             "sandbox_ready"
         }
@@ -204,6 +211,10 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
         Some(Kind::Recovered(r)) => {
             facts.add("note", &r.note);
             "recovered"
+        }
+        Some(Kind::Limit(l)) => {
+            facts.add("limit", &l.limit).add("value", l.value.to_string()).add("detail", &l.detail);
+            "limit"
         }
     };
     let time = match &event.time {

@@ -88,6 +88,12 @@ pub enum EventKind {
     Recovered {
         note: String,
     },
+    /// A limit of the run was reached (memory, pids, workspace, events).
+    LimitHit {
+        limit: String,
+        value: u64,
+        detail: String,
+    },
     Teardown {
         session_cleanup: TeardownResult,
         sandbox_destroy: TeardownResult,
@@ -114,6 +120,7 @@ impl EventKind {
             EventKind::TurnFinished { .. } => "turn_finished",
             EventKind::Reaped { .. } => "reaped",
             EventKind::Recovered { .. } => "recovered",
+            EventKind::LimitHit { .. } => "limit",
             EventKind::Teardown { .. } => "teardown",
             EventKind::Finished { .. } | EventKind::SessionFinished { .. } => "finished",
         }

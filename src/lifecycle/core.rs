@@ -18,6 +18,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::limits::{cgroup_hits, tree_bytes, workspace_hit, EventBudget, WorkspaceWatch};
 use super::{Engine, RawResult};
 use crate::catalog::{check_actor, Profile, ReadinessState};
 use crate::credentials::Scrubber;
@@ -72,6 +73,12 @@ pub struct Core {
     pub session_cleanup: TeardownResult,
     pub sandbox_destroy: TeardownResult,
     closed: bool,
+    /// How many events (and bytes of harness text) the run may still record.
+    budget: EventBudget,
+    /// What the sandbox's cgroup had cut when last read.
+    hits_seen: crate::sandbox::cgroup::LimitHits,
+    /// The workspace broke `max_workspace_bytes`: no fetch-back.
+    workspace_over: bool,
 }
 
 impl Core {
@@ -103,6 +110,9 @@ impl Core {
             session_cleanup: TeardownResult::NotAttempted,
             sandbox_destroy: TeardownResult::NotAttempted,
             closed: false,
+            budget: EventBudget::new(u64::MAX, u64::MAX),
+            hits_seen: Default::default(),
+            workspace_over: false,
         }
     }
 
@@ -167,6 +177,7 @@ impl Core {
         self.evidence.profile_digest = profile.digest.clone();
         self.evidence.readiness = Some(readiness.clone());
         self.evidence.rein = profile.file.rein.kind.clone();
+        self.budget = EventBudget::new(profile.file.limits.max_events, profile.file.limits.max_event_bytes);
         if readiness.state == ReadinessState::Unverified {
             self.evidence.notes.push(format!("profile readiness is unverified: {}", readiness.reason));
         }
@@ -188,6 +199,7 @@ impl Core {
             project: &self.consumer.project,
             repo: &self.repo,
             sandbox: &profile.file.sandbox,
+            limits: &profile.file.limits.sandbox(),
             timeout_seconds: profile.file.limits.timeout_seconds,
             tool: "",
             arguments: &Value::Null,
@@ -234,8 +246,38 @@ impl Core {
             self.failed(FailureStage::SandboxCreate, &e.to_string());
             return Err(fail(FailureStage::SandboxCreate, e.to_string()));
         }
-        let request =
-            CreateSandbox { sandbox_id: sandbox_id.clone(), consumer: self.consumer.clone(), spec: spec.clone(), root };
+        // Its own host uid, reserved in the store before anything runs as it.
+        let user = match self.engine.uid_range {
+            None => None,
+            Some(range) => match store
+                .allocate_uid(range.first, range.last, &sandbox_id, |uid| {
+                    crate::sandbox::host::processes_of_uid(uid).is_empty()
+                })
+                .await
+            {
+                Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
+                Ok(None) => {
+                    let error = format!("no free sandbox uid in {}-{}", range.first, range.last);
+                    self.failed(FailureStage::SandboxCreate, &error);
+                    self.set_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
+                    return Err(fail(FailureStage::SandboxCreate, error));
+                }
+                Err(e) => {
+                    self.failed(FailureStage::SandboxCreate, &e.to_string());
+                    self.set_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
+                    return Err(fail(FailureStage::SandboxCreate, e.to_string()));
+                }
+            },
+        };
+        let limits = self.profile.as_ref().map(|p| p.file.limits.sandbox()).unwrap_or_default();
+        let request = CreateSandbox {
+            sandbox_id: sandbox_id.clone(),
+            consumer: self.consumer.clone(),
+            spec: spec.clone(),
+            root,
+            user,
+            limits,
+        };
         let sandbox = match backend.create(&request).await {
             Ok(sandbox) => sandbox,
             Err(e) => {
@@ -260,7 +302,11 @@ impl Core {
 
         let t = Instant::now();
         if !self.repo.is_empty() {
-            match workspace::clone_into(std::path::Path::new(&self.repo), &sandbox.workspace).await {
+            let cloned = match workspace::clone_into(std::path::Path::new(&self.repo), &sandbox.workspace).await {
+                Ok(commit) => workspace::hand_over(&sandbox.workspace, sandbox.user).map(|()| commit),
+                Err(e) => Err(e),
+            };
+            match cloned {
                 Ok(commit) => self.base_commit = Some(commit),
                 Err(e) => {
                     self.failed(FailureStage::SandboxCreate, &e.to_string());
@@ -351,6 +397,17 @@ impl Core {
         let Some(mut harness) = self.harness.take() else {
             return TurnOutcome::Failed(ReinError::Dispatch("no harness".into()));
         };
+        // The turn's own token: the workspace watch stops the turn with it,
+        // without cancelling the whole execution or session.
+        let caller_cancel = cancel;
+        let cancel = caller_cancel.child_token();
+        let max_workspace = self.profile.as_ref().map(|p| p.file.limits.max_workspace_bytes).unwrap_or(0);
+        let watch = match (&self.sandbox, max_workspace) {
+            (Some((_, sandbox)), limit) if limit > 0 => {
+                Some(WorkspaceWatch::start(sandbox.workspace.clone(), limit, cancel.clone()))
+            }
+            _ => None,
+        };
         let t = Instant::now();
         let (tx, mut rx) = mpsc::channel::<HarnessEvent>(256);
         let result = {
@@ -370,6 +427,22 @@ impl Core {
         };
         self.harness = Some(harness);
         self.evidence.time("harness", t);
+        let limit_notes = self.record_cgroup_hits().await;
+        if let Some(bytes) = watch.and_then(WorkspaceWatch::stop) {
+            let (event, raw) = workspace_hit(bytes, max_workspace);
+            self.workspace_over = true;
+            self.evidence.notes.push(raw.clone());
+            self.recorder.emit(event, None).await;
+            if !caller_cancel.is_cancelled() {
+                return TurnOutcome::Failed(ReinError::Dispatch(raw));
+            }
+        }
+        let result = result.map(|mut r| {
+            if !r.ok && !limit_notes.is_empty() {
+                r.error = format!("{} ({})", r.error, limit_notes.join("; "));
+            }
+            r
+        });
         match result {
             Ok(mut result) => {
                 result.output = self.scrubber.scrub(&result.output);
@@ -382,6 +455,42 @@ impl Core {
             }
             Err(ReinError::Cancelled) => TurnOutcome::Cancelled,
             Err(e) => TurnOutcome::Failed(e),
+        }
+    }
+
+    /// Reads what the sandbox's cgroup cut since the last look and records
+    /// each new cut as a `limit` event; returns the raw sentences.
+    async fn record_cgroup_hits(&mut self) -> Vec<String> {
+        let Some(cgroup) = self.sandbox.as_ref().and_then(|(_, s)| s.cgroup.clone()) else { return Vec::new() };
+        let now = cgroup.limit_hits();
+        let limits = self.profile.as_ref().map(|p| p.file.limits.clone()).unwrap_or_default();
+        let hits = cgroup_hits(self.hits_seen, now, limits.memory_bytes, limits.max_processes);
+        self.hits_seen = now;
+        let mut notes = Vec::new();
+        for (event, raw) in hits {
+            self.evidence.notes.push(raw.clone());
+            self.recorder.emit(event, None).await;
+            notes.push(raw);
+        }
+        notes
+    }
+
+    /// The workspace's size against `max_workspace_bytes` at the end of the
+    /// run: over it, the run fails and nothing is fetched back.
+    async fn check_workspace_at_end(&mut self) {
+        let limit = self.profile.as_ref().map(|p| p.file.limits.max_workspace_bytes).unwrap_or(0);
+        let Some((_, sandbox)) = self.sandbox.as_ref() else { return };
+        if limit == 0 || self.workspace_over {
+            return;
+        }
+        let ws = sandbox.workspace.clone();
+        let bytes = tokio::task::spawn_blocking(move || tree_bytes(&ws, limit)).await.unwrap_or(0);
+        if bytes > limit {
+            let (event, raw) = workspace_hit(bytes, limit);
+            self.workspace_over = true;
+            self.evidence.notes.push(raw.clone());
+            self.recorder.emit(event, None).await;
+            self.failed(FailureStage::Execution, &raw);
         }
     }
 
@@ -409,6 +518,20 @@ impl Core {
         let mut batch = Vec::new();
         let mut next = Some(first);
         while let Some(event) = next.take() {
+            let bytes = match &event {
+                HarnessEvent::Progress { message, .. } => message.len(),
+                HarnessEvent::ToolUse { tool, .. } => tool.len(),
+                HarnessEvent::OutputTruncated { .. } | HarnessEvent::Gated(_) => 0,
+            };
+            // Past the budget nothing more is recorded (policy verdicts
+            // still reach the harness): one `limit` event says so.
+            if let Err(cut) = self.budget.admit(bytes) {
+                batch.extend(cut.map(|limit| (limit, None)));
+                if batch.len() < max_batch {
+                    next = rx.try_recv().ok();
+                }
+                continue;
+            }
             match event {
                 HarnessEvent::Progress { message, tokens_so_far } => batch.push((
                     EventKind::Progress { progress_kind: "progress".into(), tool: String::new(), tokens_so_far },
@@ -458,7 +581,10 @@ impl Core {
         } else if self.started_harness {
             self.session_cleanup = TeardownResult::Succeeded;
         }
-        self.collect_commit().await;
+        self.check_workspace_at_end().await;
+        if !self.workspace_over {
+            self.collect_commit().await;
+        }
         if self.sandbox.is_some() {
             self.destroy().await;
         }
@@ -544,6 +670,7 @@ impl ToolGate for CoreGate {
             project: &self.consumer.project,
             repo: &self.repo,
             sandbox: &self.sandbox,
+            limits: &self.profile.as_ref().map(|p| p.file.limits.sandbox()).unwrap_or_default(),
             timeout_seconds: self.timeout_seconds,
             tool,
             arguments,

@@ -4,6 +4,7 @@
 
 mod core;
 mod execution;
+mod limits;
 mod record;
 mod recovery;
 mod session;
@@ -82,6 +83,8 @@ pub struct Engine {
     epoch: String,
     pub hub: Option<Arc<Hub>>,
     pub credentials: Arc<CredentialsConfig>,
+    /// Host uids for sandboxes, when the daemon is root and gives each its own.
+    pub uid_range: Option<crate::sandbox::UidRange>,
     max_running: usize,
     running: Mutex<HashMap<String, CancellationToken>>,
     sessions: Mutex<HashMap<String, Arc<session::LiveSession>>>,
@@ -100,6 +103,7 @@ pub struct EngineParts {
     pub hub: Option<Arc<Hub>>,
     pub credentials: Arc<CredentialsConfig>,
     pub max_running: usize,
+    pub uid_range: Option<crate::sandbox::UidRange>,
 }
 
 impl Engine {
@@ -115,6 +119,7 @@ impl Engine {
             epoch: uuid::Uuid::now_v7().to_string(),
             hub: parts.hub,
             credentials: parts.credentials,
+            uid_range: parts.uid_range,
             max_running: parts.max_running.max(1),
             running: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),

@@ -73,11 +73,15 @@ impl Engine {
         let mut destroyed_for: std::collections::HashMap<String, TeardownResult> = Default::default();
         for row in self.store.leftover_sandboxes(&self.epoch).await? {
             report.processes_killed += kill_sandbox_processes(&row.sandbox_id).await;
-            let result = match tokio::fs::remove_dir_all(&row.root_path).await {
+            let backend = match row.backend.as_str() {
+                "none" => &self.backends.none,
+                _ => &self.backends.linux_bwrap,
+            };
+            let user = row.uid.map(crate::sandbox::host::own_user);
+            let result = match backend.destroy_leftover(&row.sandbox_id, &row.root_path, user).await {
                 Ok(()) => TeardownResult::Succeeded,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => TeardownResult::Succeeded,
                 Err(e) => {
-                    tracing::error!(sandbox_id = %row.sandbox_id, error = %e, "leftover workspace not removed");
+                    tracing::error!(sandbox_id = %row.sandbox_id, error = %e, "leftover sandbox not destroyed");
                     TeardownResult::Failed
                 }
             };

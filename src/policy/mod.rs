@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 pub use kinds::{compile_all, EnforceSandbox, Kind, Policy, KNOWN_KINDS};
 pub use tighten::tighten;
 
-use crate::sandbox::{SandboxSpec, SandboxType};
+use crate::sandbox::{Capabilities, SandboxLimits, SandboxSpec, SandboxType};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -105,6 +105,8 @@ pub struct GateInput<'a> {
     /// The sandbox so far: the profile's at agent_start, the effective one
     /// at tool_call.
     pub sandbox: &'a SandboxSpec,
+    /// The limits the sandbox must enforce (the profile's).
+    pub limits: &'a SandboxLimits,
     pub timeout_seconds: u64,
     /// The tool call at `tool_call`.
     pub tool: &'a str,
@@ -138,6 +140,18 @@ impl GateOutcome {
 pub struct HostCapabilities {
     /// `Err(reason)` when bubblewrap cannot run here.
     pub bwrap: Result<(), String>,
+    /// What each backend can enforce of a profile's limits.
+    pub linux_bwrap: Capabilities,
+    pub none: Capabilities,
+}
+
+impl HostCapabilities {
+    /// A host where everything can be enforced (unit tests).
+    pub fn everything() -> HostCapabilities {
+        let ok = || Ok("test".to_string());
+        let all = Capabilities { memory: ok(), pids: ok(), cpu: ok(), kill: ok() };
+        HostCapabilities { bwrap: Ok(()), linux_bwrap: all.clone(), none: all }
+    }
 }
 
 pub struct Gate {
@@ -190,7 +204,7 @@ impl Gate {
             }
         }
         if input.phase == Phase::AgentStart {
-            let host = self.enforceable(&outcome.effective_sandbox);
+            let host = self.enforceable(&outcome.effective_sandbox, input.limits);
             outcome.action = host.action;
             outcome.decisions.push(host);
         }
@@ -199,13 +213,20 @@ impl Gate {
 
     /// The last word at agent_start: the host must be able to enforce the
     /// effective sandbox, or the run is refused with the reason.
-    fn enforceable(&self, sandbox: &SandboxSpec) -> PolicyDecision {
+    fn enforceable(&self, sandbox: &SandboxSpec, limits: &SandboxLimits) -> PolicyDecision {
         let verdict = |action, reason: String| PolicyDecision {
             policy: "host_enforceability".into(),
             source: "builtin".into(),
             action,
             reason,
         };
+        let capabilities = match sandbox.sandbox_type {
+            SandboxType::LinuxBwrap => &self.host.linux_bwrap,
+            SandboxType::None => &self.host.none,
+        };
+        if let Some(reason) = capabilities.refuse(limits) {
+            return verdict(Action::Deny, reason);
+        }
         match sandbox.sandbox_type {
             SandboxType::LinuxBwrap => {
                 if let Err(reason) = &self.host.bwrap {

@@ -8,8 +8,19 @@ fn policy(name: &str, kind: &str, arguments: Value, on: &[&str], source: &'stati
     Policy::compile(&spec, source).unwrap()
 }
 
+static NO_LIMITS: SandboxLimits = SandboxLimits {
+    memory_bytes: 0,
+    max_processes: 0,
+    cpu_millis: 0,
+    max_open_files: 0,
+    address_space_bytes: 0,
+    max_file_bytes: 0,
+    max_workspace_bytes: 0,
+    tmp_bytes: 0,
+};
+
 fn gate() -> Gate {
-    Gate::new(vec![], HostCapabilities { bwrap: Ok(()) })
+    Gate::new(vec![], HostCapabilities::everything())
 }
 
 fn none_spec() -> SandboxSpec {
@@ -24,6 +35,7 @@ fn input<'a>(sandbox: &'a SandboxSpec, profile: &'a [Policy], session: &'a [Poli
         project: "proj",
         repo: "",
         sandbox,
+        limits: &NO_LIMITS,
         timeout_seconds: 600,
         tool: "",
         arguments: &Value::Null,
@@ -91,8 +103,7 @@ fn sources_run_session_then_profile_then_admin_and_a_deny_stops() {
     let spec = SandboxSpec::default();
     let session = [policy("s", "allowed_actors", json!({"types": ["agt"]}), &[], "session")];
     let profile = [policy("p", "allowed_actors", json!({"types": ["adm"]}), &[], "profile")];
-    let gate =
-        Gate::new(vec![policy("a", "deny_network", json!({}), &[], "admin")], HostCapabilities { bwrap: Ok(()) });
+    let gate = Gate::new(vec![policy("a", "deny_network", json!({}), &[], "admin")], HostCapabilities::everything());
     let outcome = gate.evaluate(&input(&spec, &profile, &session));
     let order: Vec<(&str, &str)> = outcome.decisions.iter().map(|d| (d.source.as_str(), d.policy.as_str())).collect();
     assert_eq!(order, [("session", "s"), ("profile", "p")], "admin never reached after a deny");
@@ -153,7 +164,10 @@ fn an_expression_that_errors_at_run_time_denies() {
 
 #[test]
 fn missing_bwrap_refuses_with_the_reason() {
-    let gate = Gate::new(vec![], HostCapabilities { bwrap: Err("bwrap not found on PATH".into()) });
+    let gate = Gate::new(
+        vec![],
+        HostCapabilities { bwrap: Err("bwrap not found on PATH".into()), ..HostCapabilities::everything() },
+    );
     let outcome = gate.evaluate(&input(&SandboxSpec::default(), &[], &[]));
     assert_eq!(outcome.action, Action::Deny);
     assert!(outcome.denial().unwrap().reason.contains("bwrap not found"));
@@ -164,4 +178,22 @@ fn max_timeout_clamps() {
     let spec = SandboxSpec::default();
     let profile = [policy("short", "max_timeout", json!({"seconds": 60}), &[], "profile")];
     assert_eq!(gate().evaluate(&input(&spec, &profile, &[])).effective_timeout_seconds, 60);
+}
+
+#[test]
+fn a_limit_the_host_cannot_enforce_is_refused_with_the_reason() {
+    let no_memory = Capabilities {
+        memory: Err("no writable memory controller".into()),
+        ..HostCapabilities::everything().linux_bwrap
+    };
+    let gate = Gate::new(vec![], HostCapabilities { linux_bwrap: no_memory, ..HostCapabilities::everything() });
+    let spec = SandboxSpec::default();
+    let limits = SandboxLimits { memory_bytes: 256 << 20, ..NO_LIMITS };
+    let outcome = gate.evaluate(&GateInput { limits: &limits, ..input(&spec, &[], &[]) });
+    assert_eq!(outcome.action, Action::Deny);
+    let denial = outcome.denial().unwrap();
+    assert_eq!(denial.policy, "host_enforceability");
+    assert_eq!(denial.reason, "limits.memory_bytes cannot be enforced on this host: no writable memory controller");
+    // Without the limit the same host allows the run.
+    assert_eq!(gate.evaluate(&input(&spec, &[], &[])).action, Action::Allow);
 }

@@ -1,6 +1,13 @@
-//! The `linux_bwrap` backend: bubblewrap with every namespace unshared, a
-//! read-only system, a minimal /etc, fresh /proc /dev /tmp, and only the
-//! workspace (and declared write paths) writable.
+//! The `linux_bwrap` backend: bubblewrap started as the sandbox's own
+//! unprivileged host uid, with every namespace unshared (an unprivileged
+//! user namespace mapping it to a fixed inside uid), nested user namespaces
+//! refused, a seccomp filter, a read-only system, a minimal /etc, fresh
+//! /proc /dev and a sized /tmp, a neutral hostname, and only the workspace,
+//! HOME and declared write paths writable.
+//!
+//! The command line reaches bwrap through `--args FD`, not argv: the
+//! sandbox's pid 1 is a copy of bwrap, and its `/proc/1/cmdline` would
+//! otherwise show the host's paths to the harness.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -10,25 +17,36 @@ use async_trait::async_trait;
 use sha2::{Digest, Sha256};
 use tokio::sync::OnceCell;
 
-use super::process::{spawn_group, ProcessRegistry, ResourceLimits};
+use super::boundary::{Boundary, SandboxPaths};
+use super::cgroup::CgroupHost;
+use super::host::{effective_uid, INSIDE_UID};
+use super::process::{data_fd, spawn_group, HostUser, SpawnOptions};
+use super::seccomp::{sandbox_filter, SeccompFilter};
 use super::{
-    base_env, CreateSandbox, EnforcementReceipt, ExecSpec, Sandbox, SandboxBackend, SandboxError, SandboxProcess,
-    SandboxSpec, SandboxState, SandboxType,
+    base_env, Capabilities, CreateSandbox, EnforcementReceipt, ExecSpec, Sandbox, SandboxBackend, SandboxError,
+    SandboxProcess, SandboxSpec, SandboxState, SandboxType,
 };
 
 /// Where the workspace appears inside the sandbox.
 pub const WORKSPACE_MOUNT: &str = "/workspace";
+/// The harness's HOME inside the sandbox.
+pub const HOME_MOUNT: &str = "/home/agent";
+/// The hostname every sandbox has.
+pub const HOSTNAME: &str = "corral";
+/// The descriptors bwrap gets: its arguments, then the seccomp program.
+const ARGS_FD: &str = "3";
+const SECCOMP_FD: &str = "4";
 
 /// The few files of /etc a harness needs; `--ro-bind-try` skips the absent.
+/// The CA certificates only: never `/etc/ssl/private`. passwd and group
+/// are the sandbox's own (see [`SandboxPaths`]).
 const ETC_FILES: &[&str] = &[
-    "/etc/passwd",
-    "/etc/group",
     "/etc/nsswitch.conf",
     "/etc/hosts",
     "/etc/ld.so.cache",
     "/etc/localtime",
     "/etc/alternatives",
-    "/etc/ssl",
+    "/etc/ssl/certs",
     "/etc/ca-certificates",
 ];
 
@@ -74,19 +92,21 @@ impl HostLayout {
     }
 }
 
-/// The bwrap arguments for `spec` with the host workspace at `workspace`,
-/// up to and including the `--` that precedes the harness argv.
+/// The bwrap arguments for `spec` in the sandbox laid out at `paths`, up
+/// to and including the `--` that precedes the harness argv. bwrap reads
+/// them from fd 3 (`--args`) and the seccomp program from fd 4.
 ///
 /// Pure, so it can be checked against exact vectors; environment values
-/// never appear here (they would show in `/proc/<pid>/cmdline`).
-pub fn bwrap_args(spec: &SandboxSpec, workspace: &Path, layout: &HostLayout) -> Vec<OsString> {
+/// never appear here.
+pub fn bwrap_args(spec: &SandboxSpec, paths: &SandboxPaths, layout: &HostLayout, tmp_bytes: u64) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
     let mut push = |parts: &[&str]| args.extend(parts.iter().map(OsString::from));
-    push(&["--unshare-all"]);
+    let inside = INSIDE_UID.to_string();
+    push(&["--unshare-all", "--unshare-user", "--disable-userns", "--uid", &inside, "--gid", &inside]);
     if spec.allow_network {
         push(&["--share-net"]);
     }
-    push(&["--die-with-parent", "--new-session", "--cap-drop", "ALL"]);
+    push(&["--hostname", HOSTNAME, "--die-with-parent", "--new-session", "--cap-drop", "ALL"]);
     push(&["--ro-bind", "/usr", "/usr"]);
     for (dir, kind) in &layout.entries {
         match kind {
@@ -100,11 +120,18 @@ pub fn bwrap_args(spec: &SandboxSpec, workspace: &Path, layout: &HostLayout) -> 
     if spec.allow_network {
         push(&["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]);
     }
-    push(&["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]);
+    let (passwd, group) = (paths.passwd.to_string_lossy(), paths.group.to_string_lossy());
+    push(&["--ro-bind", &passwd, "/etc/passwd", "--ro-bind", &group, "/etc/group"]);
+    let tmp = tmp_bytes.to_string();
+    // bwrap covers /proc/sys only where the caller could write it; sysctls
+    // of the sandbox's own namespaces (IPC, UTS) can be, so bind it
+    // read-only always.
+    push(&["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]);
+    push(&["--dev", "/dev", "--size", &tmp, "--tmpfs", "/tmp"]);
     for path in &spec.read_paths {
         push(&["--ro-bind", path, path]);
     }
-    let ws = workspace.to_string_lossy();
+    let ws = paths.workspace.to_string_lossy();
     let workspace_writable = spec.write_paths.iter().any(|p| p == ".");
     push(&[if workspace_writable { "--bind" } else { "--ro-bind" }, &ws, WORKSPACE_MOUNT]);
     for path in &spec.write_paths {
@@ -119,15 +146,16 @@ pub fn bwrap_args(spec: &SandboxSpec, workspace: &Path, layout: &HostLayout) -> 
             push(&["--bind", &host, &inside]);
         }
     }
+    push(&["--bind", &paths.home.to_string_lossy(), HOME_MOUNT]);
     // bwrap's root is a writable tmpfs; remounting it read-only leaves only
-    // the binds above (workspace, write paths) and /tmp writable.
-    push(&["--remount-ro", "/", "--chdir", WORKSPACE_MOUNT, "--"]);
+    // the binds above (workspace, HOME, write paths) and /tmp writable.
+    push(&["--remount-ro", "/", "--chdir", WORKSPACE_MOUNT, "--seccomp", SECCOMP_FD, "--"]);
     args
 }
 
 /// The write roots a spec yields, as the harness sees them.
 pub fn write_roots(spec: &SandboxSpec) -> Vec<String> {
-    let mut roots = vec!["/tmp".to_string()];
+    let mut roots = vec!["/tmp".to_string(), HOME_MOUNT.to_string()];
     for path in &spec.write_paths {
         roots.push(match path.as_str() {
             "." => WORKSPACE_MOUNT.to_string(),
@@ -156,21 +184,21 @@ pub fn hex(bytes: &[u8]) -> String {
 pub struct BwrapBackend {
     program: Option<PathBuf>,
     layout: HostLayout,
+    seccomp: Result<SeccompFilter, String>,
     probe: OnceCell<Result<(), String>>,
-    processes: Arc<ProcessRegistry>,
-    limits: ResourceLimits,
+    boundary: Boundary,
 }
 
 impl BwrapBackend {
     /// Finds `bwrap` on PATH; a missing binary makes every create fail with
     /// a clear reason rather than run anything unsandboxed.
-    pub fn detect() -> Self {
+    pub fn detect(cgroups: Option<Arc<CgroupHost>>) -> Self {
         BwrapBackend {
             program: find_on_path("bwrap"),
             layout: HostLayout::detect(),
+            seccomp: sandbox_filter().map_err(|e| e.to_string()),
             probe: OnceCell::new(),
-            processes: Arc::default(),
-            limits: ResourceLimits::default(),
+            boundary: Boundary::new(cgroups),
         }
     }
 
@@ -182,26 +210,93 @@ impl BwrapBackend {
         &self.layout
     }
 
-    async fn run_probe(&self) -> Result<(), String> {
-        let Some(program) = &self.program else {
-            return Err("bwrap not found on PATH (install the Debian package `bubblewrap`)".into());
-        };
-        let scratch = std::env::temp_dir();
-        let mut args = bwrap_args(&SandboxSpec::default(), &scratch, &self.layout);
-        args.push("/usr/bin/true".into());
-        let output = tokio::process::Command::new(program)
-            .args(&args)
-            .env_clear()
-            .output()
-            .await
-            .map_err(|e| format!("cannot run bwrap: {e}"))?;
-        if output.status.success() {
-            Ok(())
-        } else {
-            let stderr = String::from_utf8_lossy(&output.stderr);
-            Err(format!("bwrap cannot create a sandbox on this host: {}", stderr.trim()))
+    /// Starts `argv` in a sandbox laid out at `paths`: the hardened bwrap
+    /// command line through `--args`, the seccomp program, and `options`
+    /// (user, cgroup, rlimits). Shared by real sandboxes, the probe and the
+    /// benchmark's floor, so all three run the same boundary.
+    pub fn launch(
+        &self,
+        spec: &SandboxSpec,
+        paths: &SandboxPaths,
+        tmp_bytes: u64,
+        argv: &[String],
+        env: &[(String, String)],
+        mut options: SpawnOptions,
+    ) -> Result<SandboxProcess, SandboxError> {
+        let program = self.program.as_deref().ok_or_else(|| SandboxError::Unavailable("bwrap not found".into()))?;
+        let seccomp = self.seccomp.as_ref().map_err(|e| SandboxError::Unavailable(e.clone()))?;
+        let args = bwrap_args(spec, paths, &self.layout, tmp_bytes);
+        // `--` goes on the real command line: bwrap ends option parsing
+        // there, whatever the harness argv looks like.
+        let (dashdash, packed_args) = args.split_last().expect("bwrap_args ends with --");
+        let mut packed = Vec::new();
+        for arg in packed_args {
+            packed.extend_from_slice(arg.as_encoded_bytes());
+            packed.push(0);
         }
+        let spawn = |e: std::io::Error| SandboxError::Spawn(format!("cannot pass bwrap its arguments: {e}"));
+        options.pass_fds = vec![
+            data_fd("corral-bwrap-args", &packed).map_err(spawn)?,
+            data_fd("corral-seccomp", seccomp.bytes()).map_err(spawn)?,
+        ];
+        let mut argv_full: Vec<OsString> = vec!["--args".into(), ARGS_FD.into(), dashdash.clone()];
+        argv_full.extend(argv.iter().map(OsString::from));
+        spawn_group(program, &argv_full, env, &paths.workspace, options)
     }
+
+    /// The digest of the exact command line a sandbox with `spec` at
+    /// `paths` runs: the program and every argument bwrap parses.
+    pub fn command_digest(&self, spec: &SandboxSpec, paths: &SandboxPaths, tmp_bytes: u64) -> String {
+        let program = self.program.as_deref().unwrap_or(Path::new("bwrap"));
+        command_digest(program, &bwrap_args(spec, paths, &self.layout, tmp_bytes))
+    }
+
+    /// Runs `/usr/bin/true` in a full sandbox, as the unprivileged `nobody`
+    /// when the daemon is root (a uid no sandbox is ever given), to learn
+    /// whether this host can create one at all.
+    async fn run_probe(&self) -> Result<(), String> {
+        if self.program.is_none() {
+            return Err("bwrap not found on PATH (install the Debian package `bubblewrap`)".into());
+        }
+        self.seccomp.as_ref().map_err(|e| format!("no seccomp filter: {e}"))?;
+        let scratch = tempfile_dir().map_err(|e| format!("cannot create a probe directory: {e}"))?;
+        let paths = SandboxPaths::under(&scratch);
+        let user = (effective_uid() == 0).then_some(HostUser { uid: 65534, gid: 65534 });
+        let result = async {
+            for dir in [&paths.workspace, &paths.home, &scratch.join("etc")] {
+                std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+            }
+            std::fs::write(&paths.passwd, "").map_err(|e| e.to_string())?;
+            std::fs::write(&paths.group, "").map_err(|e| e.to_string())?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
+            let options = SpawnOptions { user, ..SpawnOptions::default() };
+            let mut process = self
+                .launch(&SandboxSpec::default(), &paths, 1 << 20, &["/usr/bin/true".into()], &[], options)
+                .map_err(|e| format!("cannot run bwrap: {e}"))?;
+            drop(process.stdin.take());
+            let mut stderr = String::new();
+            if let Some(mut pipe) = process.stderr.take() {
+                use tokio::io::AsyncReadExt;
+                let _ = pipe.read_to_string(&mut stderr).await;
+            }
+            let status = process.wait().await.map_err(|e| e.to_string())?;
+            if status.success() {
+                Ok(())
+            } else {
+                Err(format!("bwrap cannot create a sandbox on this host: {}", stderr.trim()))
+            }
+        }
+        .await;
+        let _ = std::fs::remove_dir_all(&scratch);
+        result
+    }
+}
+
+fn tempfile_dir() -> std::io::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("corral-probe-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
 }
 
 #[async_trait]
@@ -214,11 +309,25 @@ impl SandboxBackend for BwrapBackend {
         self.probe.get_or_init(|| self.run_probe()).await.clone().map_err(SandboxError::Unavailable)
     }
 
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::from_cgroups(self.boundary.cgroups.as_deref())
+    }
+
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
         self.probe().await?;
-        let program = self.program.as_deref().unwrap_or(Path::new("bwrap"));
-        let workspace = prepare_root(req)?;
-        let args = bwrap_args(&req.spec, &workspace, &self.layout);
+        let (paths, cgroup) = self.boundary.prepare(req)?;
+        let seccomp_digest = self.seccomp.as_ref().map(|f| f.digest().to_string()).unwrap_or_default();
+        let receipt = EnforcementReceipt {
+            command_digest: self.command_digest(&req.spec, &paths, req.limits.tmp_bytes),
+            network_isolated: !req.spec.allow_network,
+            write_roots: write_roots(&req.spec),
+            host_uid: req.user.map(|u| u.uid).unwrap_or_else(effective_uid),
+            own_uid: req.user.is_some(),
+            inside_uid: INSIDE_UID,
+            seccomp_digest,
+            userns_disabled: true,
+            limits: self.boundary.limit_receipts(&req.limits, req.user.is_some(), true),
+        };
         Ok(Sandbox {
             id: req.sandbox_id.clone(),
             backend: SandboxType::LinuxBwrap,
@@ -226,51 +335,35 @@ impl SandboxBackend for BwrapBackend {
             consumer: req.consumer.clone(),
             spec: req.spec.clone(),
             root: req.root.clone(),
-            workspace,
-            receipt: EnforcementReceipt {
-                command_digest: command_digest(program, &args),
-                network_isolated: !req.spec.allow_network,
-                write_roots: write_roots(&req.spec),
-            },
+            workspace: paths.workspace,
+            home: paths.home,
+            user: req.user,
+            limits: req.limits,
+            cgroup,
+            receipt,
         })
     }
 
     async fn spawn(&self, sandbox: &Sandbox, spec: &ExecSpec) -> Result<SandboxProcess, SandboxError> {
-        let program = self.program.as_deref().ok_or_else(|| SandboxError::Unavailable("bwrap not found".into()))?;
-        let mut args = bwrap_args(&sandbox.spec, &sandbox.workspace, &self.layout);
-        args.extend(spec.argv.iter().map(OsString::from));
-        let env = base_env(sandbox, spec, "/tmp");
-        let process = spawn_group(program, &args, &env, &sandbox.workspace, self.limits)?;
-        self.processes.register(&sandbox.id, &process);
+        let env = base_env(sandbox, spec, HOME_MOUNT);
+        let options = self.boundary.spawn_options(sandbox)?;
+        let paths = SandboxPaths::under(&sandbox.root);
+        let process = self.launch(&sandbox.spec, &paths, sandbox.limits.tmp_bytes, &spec.argv, &env, options)?;
+        self.boundary.register(sandbox, &process);
         Ok(process)
     }
 
     async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
-        self.processes.kill_all(&sandbox.id);
-        remove_root(&sandbox.root).await
+        self.boundary.destroy(sandbox).await
     }
-}
 
-/// Creates the sandbox root and its workspace, and checks that every path
-/// the spec binds exists (a bind of a missing path would fail at spawn).
-pub(super) fn prepare_root(req: &CreateSandbox) -> Result<PathBuf, SandboxError> {
-    let workspace = req.root.join("workspace");
-    std::fs::create_dir_all(&workspace)
-        .map_err(|e| SandboxError::Create(format!("workspace {}: {e}", workspace.display())))?;
-    for path in req.spec.read_paths.iter().chain(req.spec.write_paths.iter()) {
-        let p = Path::new(path);
-        if p.is_absolute() && !p.exists() {
-            return Err(SandboxError::Create(format!("sandbox path {path} does not exist on the host")));
-        }
-    }
-    Ok(workspace)
-}
-
-pub(super) async fn remove_root(root: &Path) -> Result<(), SandboxError> {
-    match tokio::fs::remove_dir_all(root).await {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(SandboxError::Destroy(format!("remove {}: {e}", root.display()))),
+    async fn destroy_leftover(
+        &self,
+        sandbox_id: &str,
+        root: &std::path::Path,
+        user: Option<super::HostUser>,
+    ) -> Result<(), SandboxError> {
+        self.boundary.destroy_leftover(sandbox_id, root, user).await
     }
 }
 
@@ -292,12 +385,24 @@ mod tests {
         args.iter().map(|a| a.to_string_lossy().into_owned()).collect()
     }
 
+    fn paths(root: &str) -> SandboxPaths {
+        SandboxPaths::under(Path::new(root))
+    }
+
     #[test]
     fn no_network_spec_gives_the_exact_baseline() {
         let spec = SandboxSpec::default();
-        let args = strs(&bwrap_args(&spec, Path::new("/data/sb/workspace"), &HostLayout::merged_usr()));
+        let args = strs(&bwrap_args(&spec, &paths("/data/sb"), &HostLayout::merged_usr(), 1 << 20));
         let mut expected: Vec<String> = [
             "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--uid",
+            "1000",
+            "--gid",
+            "1000",
+            "--hostname",
+            "corral",
             "--die-with-parent",
             "--new-session",
             "--cap-drop",
@@ -326,19 +431,35 @@ mod tests {
         }
         expected.extend(
             [
+                "--ro-bind",
+                "/data/sb/etc/passwd",
+                "/etc/passwd",
+                "--ro-bind",
+                "/data/sb/etc/group",
+                "/etc/group",
                 "--proc",
                 "/proc",
+                "--ro-bind",
+                "/proc/sys",
+                "/proc/sys",
                 "--dev",
                 "/dev",
+                "--size",
+                "1048576",
                 "--tmpfs",
                 "/tmp",
                 "--bind",
                 "/data/sb/workspace",
                 "/workspace",
+                "--bind",
+                "/data/sb/home",
+                "/home/agent",
                 "--remount-ro",
                 "/",
                 "--chdir",
                 "/workspace",
+                "--seccomp",
+                "4",
                 "--",
             ]
             .iter()
@@ -348,48 +469,60 @@ mod tests {
     }
 
     #[test]
+    fn private_keys_are_never_bound() {
+        let args = strs(&bwrap_args(&SandboxSpec::default(), &paths("/r"), &HostLayout::merged_usr(), 1));
+        assert!(args.contains(&"/etc/ssl/certs".to_string()));
+        assert!(!args.iter().any(|a| a == "/etc/ssl" || a.starts_with("/etc/ssl/private")), "{args:?}");
+    }
+
+    #[test]
     fn network_is_shared_only_when_allowed() {
         let mut spec = SandboxSpec::default();
-        let closed = strs(&bwrap_args(&spec, Path::new("/w"), &HostLayout::merged_usr()));
+        let closed = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), 1));
         assert!(!closed.contains(&"--share-net".to_string()));
         assert!(!closed.contains(&"/etc/resolv.conf".to_string()));
         spec.allow_network = true;
-        let open = strs(&bwrap_args(&spec, Path::new("/w"), &HostLayout::merged_usr()));
-        assert_eq!(&open[..2], ["--unshare-all", "--share-net"]);
+        let open = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), 1));
+        assert!(open.contains(&"--share-net".to_string()));
         assert!(open.contains(&"/etc/resolv.conf".to_string()));
     }
 
     #[test]
     fn workspace_is_read_only_unless_dot_is_a_write_path() {
         let spec = SandboxSpec { write_paths: vec!["out".into(), "/var/cache/x".into()], ..SandboxSpec::default() };
-        let args = strs(&bwrap_args(&spec, Path::new("/w"), &HostLayout { entries: vec![] }));
-        let tail: Vec<&str> = args.iter().rev().take(14).rev().map(|s| s.as_str()).collect();
+        let args = strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, 1));
+        let tail: Vec<&str> = args.iter().rev().take(19).rev().map(|s| s.as_str()).collect();
         assert_eq!(
             tail,
             [
                 "--ro-bind",
-                "/w",
+                "/r/workspace",
                 "/workspace",
                 "--bind",
-                "/w/out",
+                "/r/workspace/out",
                 "/workspace/out",
                 "--bind",
                 "/var/cache/x",
                 "/var/cache/x",
+                "--bind",
+                "/r/home",
+                "/home/agent",
                 "--remount-ro",
                 "/",
                 "--chdir",
                 "/workspace",
+                "--seccomp",
+                "4",
                 "--"
-            ]
+            ][..]
         );
-        assert_eq!(write_roots(&spec), ["/tmp", "/workspace/out", "/var/cache/x"]);
+        assert_eq!(write_roots(&spec), ["/tmp", "/home/agent", "/workspace/out", "/var/cache/x"]);
     }
 
     #[test]
     fn read_paths_are_bound_read_only() {
         let spec = SandboxSpec { read_paths: vec!["/opt/tools".into()], ..SandboxSpec::default() };
-        let args = strs(&bwrap_args(&spec, Path::new("/w"), &HostLayout { entries: vec![] }));
+        let args = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout { entries: vec![] }, 1));
         let at = args.iter().position(|a| a == "/opt/tools").expect("read path bound");
         assert_eq!(args[at - 1], "--ro-bind");
         assert_eq!(args[at + 1], "/opt/tools");

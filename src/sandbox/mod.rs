@@ -5,23 +5,29 @@
 //! exactly once. Backends are behind a trait so tests can inject every
 //! failure the evidence rules name.
 
+mod boundary;
 mod bwrap;
+pub mod cgroup;
+pub mod host;
 mod none;
 pub mod process;
+pub mod seccomp;
 pub mod spec;
 pub mod workspace;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+pub use boundary::{Boundary, SandboxPaths};
 pub use bwrap::find_on_path;
-pub use bwrap::{bwrap_args, hex as hex_digest, BwrapBackend, HostLayout, WORKSPACE_MOUNT};
+pub use bwrap::{bwrap_args, hex as hex_digest, BwrapBackend, HostLayout, HOME_MOUNT, WORKSPACE_MOUNT};
+pub use host::{SandboxConfig, UidMode, UidRange};
 pub use none::NoneBackend;
-pub use process::SandboxProcess;
+pub use process::{HostUser, SandboxProcess};
 pub use spec::{Consumer, SandboxSpec, SandboxType};
 
 /// Where a sandbox is in its life. Persisted with the sandbox row.
@@ -47,6 +53,28 @@ impl SandboxState {
     }
 }
 
+/// The limits a backend enforces for a sandbox (the profile's `[limits]`
+/// that the sandbox itself carries out). 0 = not limited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SandboxLimits {
+    pub memory_bytes: u64,
+    pub max_processes: u64,
+    pub cpu_millis: u64,
+    pub max_open_files: u64,
+    pub address_space_bytes: u64,
+    pub max_file_bytes: u64,
+    pub max_workspace_bytes: u64,
+    pub tmp_bytes: u64,
+}
+
+impl SandboxLimits {
+    /// Whether only a cgroup can enforce these.
+    pub fn needs_cgroup(&self) -> bool {
+        self.memory_bytes > 0 || self.cpu_millis > 0 || self.max_processes > 0
+    }
+}
+
 /// What the daemon asks a backend to create.
 #[derive(Clone, Debug)]
 pub struct CreateSandbox {
@@ -56,16 +84,42 @@ pub struct CreateSandbox {
     /// A directory the daemon reserved for this sandbox; the backend puts
     /// the workspace inside it and removes it on destroy.
     pub root: PathBuf,
+    /// The host user the sandbox runs as (its own uid, allocated by the
+    /// daemon); `None` when the daemon is not root and keeps its own.
+    pub user: Option<HostUser>,
+    pub limits: SandboxLimits,
+}
+
+/// One enforced limit and what enforces it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LimitReceipt {
+    pub name: String,
+    pub value: u64,
+    /// e.g. `cgroup v1`, `cgroup v2 + rlimit NPROC`, `rlimit NOFILE`.
+    pub mechanism: String,
 }
 
 /// Proof of what a sandbox enforces.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct EnforcementReceipt {
     /// sha256 (hex) of the sandbox command line up to and including `--`,
     /// NUL-separated; empty for `none`.
     pub command_digest: String,
     pub network_isolated: bool,
     pub write_roots: Vec<String>,
+    /// The host uid the sandbox's processes run as.
+    pub host_uid: u32,
+    /// Whether that uid belongs to this sandbox alone.
+    pub own_uid: bool,
+    /// The uid the harness sees inside.
+    pub inside_uid: u32,
+    /// `sha256:<hex>` of the seccomp program; empty when there is none.
+    pub seccomp_digest: String,
+    /// Whether nested user namespaces are refused.
+    pub userns_disabled: bool,
+    pub limits: Vec<LimitReceipt>,
 }
 
 /// A sandbox a backend created.
@@ -79,6 +133,12 @@ pub struct Sandbox {
     pub root: PathBuf,
     /// The workspace as the host sees it.
     pub workspace: PathBuf,
+    /// The harness's HOME as the host sees it.
+    pub home: PathBuf,
+    pub user: Option<HostUser>,
+    pub limits: SandboxLimits,
+    /// The sandbox's cgroup: its limits, and how teardown finds everything.
+    pub cgroup: Option<Arc<cgroup::SandboxCgroup>>,
     pub receipt: EnforcementReceipt,
 }
 
@@ -131,8 +191,75 @@ pub trait SandboxBackend: Send + Sync {
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError>;
     /// Starts a process inside the sandbox, in its own process group.
     async fn spawn(&self, sandbox: &Sandbox, spec: &ExecSpec) -> Result<SandboxProcess, SandboxError>;
-    /// Kills whatever still runs in the sandbox and removes its files.
+    /// Kills whatever still runs in the sandbox, waits until nothing of it
+    /// is alive, and removes its cgroup and files.
     async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError>;
+    /// What this backend can enforce on this host.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+    }
+    /// Destroys what a crashed daemon left of sandbox `sandbox_id` (found
+    /// by its cgroup and its uid, never by a recorded pid).
+    async fn destroy_leftover(
+        &self,
+        sandbox_id: &str,
+        root: &Path,
+        user: Option<HostUser>,
+    ) -> Result<(), SandboxError> {
+        let _ = (sandbox_id, user);
+        boundary::remove_root(root).await
+    }
+}
+
+/// What a backend can enforce here: `Ok(mechanism)` or `Err(reason)` for
+/// each kind of limit, for the gate (which refuses what cannot be
+/// enforced) and for `corral doctor`.
+#[derive(Clone, Debug)]
+pub struct Capabilities {
+    pub memory: Result<String, String>,
+    pub pids: Result<String, String>,
+    pub cpu: Result<String, String>,
+    /// How teardown finds every process of a sandbox.
+    pub kill: Result<String, String>,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        let none = || Err("no cgroup for this backend".to_string());
+        Capabilities { memory: none(), pids: none(), cpu: none(), kill: none() }
+    }
+}
+
+impl Capabilities {
+    pub fn from_cgroups(host: Option<&cgroup::CgroupHost>) -> Capabilities {
+        let Some(host) = host else {
+            let none = || Err("no usable cgroup hierarchy on this host".to_string());
+            return Capabilities { memory: none(), pids: none(), cpu: none(), kill: none() };
+        };
+        let text = |r: Result<cgroup::Mechanism, String>| r.map(|m| m.to_string());
+        Capabilities {
+            memory: text(host.memory()),
+            pids: text(host.pids()),
+            cpu: text(host.cpu()),
+            kill: text(host.kill()),
+        }
+    }
+
+    /// Why `limits` cannot be enforced here, if they cannot.
+    pub fn refuse(&self, limits: &SandboxLimits) -> Option<String> {
+        for (name, value, support) in [
+            ("memory_bytes", limits.memory_bytes, &self.memory),
+            ("max_processes", limits.max_processes, &self.pids),
+            ("cpu_millis", limits.cpu_millis, &self.cpu),
+        ] {
+            if value > 0 {
+                if let Err(reason) = support {
+                    return Some(format!("limits.{name} cannot be enforced on this host: {reason}"));
+                }
+            }
+        }
+        None
+    }
 }
 
 /// The backends a daemon can use, by type.
@@ -143,8 +270,24 @@ pub struct Backends {
 }
 
 impl Backends {
+    /// The backends for this host with the default `[sandbox]` config.
     pub fn host_default() -> Self {
-        Backends { linux_bwrap: Arc::new(BwrapBackend::detect()), none: Arc::new(NoneBackend::default()) }
+        Self::for_host(&SandboxConfig::default())
+    }
+
+    /// This host's cgroups, if any can hold (and kill) a sandbox.
+    pub fn cgroups_for(config: &SandboxConfig) -> Option<Arc<cgroup::CgroupHost>> {
+        let cgroups = cgroup::CgroupHost::detect(&config.cgroup_mount, &config.cgroup_parent);
+        cgroups.kill().is_ok().then(|| Arc::new(cgroups))
+    }
+
+    /// Both backends share one view of the host's cgroups.
+    pub fn for_host(config: &SandboxConfig) -> Self {
+        let cgroups = Self::cgroups_for(config);
+        Backends {
+            linux_bwrap: Arc::new(BwrapBackend::detect(cgroups.clone())),
+            none: Arc::new(NoneBackend::new(cgroups)),
+        }
     }
 
     pub fn get(&self, kind: SandboxType) -> &Arc<dyn SandboxBackend> {
@@ -158,11 +301,14 @@ impl Backends {
 /// The environment every in-sandbox command starts from: an allowlist, the
 /// consumer identity, the credential route refs, then the spec's extras.
 pub fn base_env(sandbox: &Sandbox, spec: &ExecSpec, home: &str) -> Vec<(String, String)> {
+    let user = "agent".to_string();
     let mut env: Vec<(String, String)> = vec![
         ("PATH".into(), "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin".into()),
         ("HOME".into(), home.to_string()),
         ("LANG".into(), "C.UTF-8".into()),
         ("TMPDIR".into(), "/tmp".into()),
+        ("USER".into(), user.clone()),
+        ("LOGNAME".into(), user),
     ];
     env.extend(spec.consumer.env());
     env.push(("CORRAL_SANDBOX_ID".into(), sandbox.id.clone()));

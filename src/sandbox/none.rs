@@ -1,21 +1,36 @@
 //! The `none` backend: a plain child process in a private workspace. No
-//! isolation: the gate refuses a spec that asks `none` for what it cannot
-//! enforce (e.g. no network).
+//! namespaces, no filesystem or network isolation: the gate refuses a spec
+//! that asks `none` for what it cannot enforce (e.g. no network). What it
+//! does keep: the sandbox's own host uid, its cgroup (limits, and a
+//! teardown that finds every process, `setsid` or not), and rlimits.
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use super::bwrap::{prepare_root, remove_root};
-use super::process::{spawn_group, ProcessRegistry, ResourceLimits};
+use super::boundary::Boundary;
+use super::cgroup::CgroupHost;
+use super::host::effective_uid;
+use super::process::spawn_group;
 use super::{
-    base_env, CreateSandbox, EnforcementReceipt, ExecSpec, Sandbox, SandboxBackend, SandboxError, SandboxProcess,
-    SandboxState, SandboxType,
+    base_env, Capabilities, CreateSandbox, EnforcementReceipt, ExecSpec, Sandbox, SandboxBackend, SandboxError,
+    SandboxProcess, SandboxState, SandboxType,
 };
 
-#[derive(Default)]
 pub struct NoneBackend {
-    processes: Arc<ProcessRegistry>,
+    boundary: Boundary,
+}
+
+impl NoneBackend {
+    pub fn new(cgroups: Option<Arc<CgroupHost>>) -> Self {
+        NoneBackend { boundary: Boundary::new(cgroups) }
+    }
+}
+
+impl Default for NoneBackend {
+    fn default() -> Self {
+        Self::new(None)
+    }
 }
 
 #[async_trait]
@@ -28,10 +43,24 @@ impl SandboxBackend for NoneBackend {
         Ok(())
     }
 
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::from_cgroups(self.boundary.cgroups.as_deref())
+    }
+
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
-        let workspace = prepare_root(req)?;
-        let mut write_roots = vec![workspace.to_string_lossy().into_owned()];
+        let (paths, cgroup) = self.boundary.prepare(req)?;
+        let mut write_roots = vec![paths.workspace.to_string_lossy().into_owned()];
         write_roots.extend(req.spec.write_paths.iter().filter(|p| p.starts_with('/')).cloned());
+        let host_uid = req.user.map(|u| u.uid).unwrap_or_else(effective_uid);
+        let receipt = EnforcementReceipt {
+            network_isolated: false,
+            write_roots,
+            host_uid,
+            own_uid: req.user.is_some(),
+            inside_uid: host_uid,
+            limits: self.boundary.limit_receipts(&req.limits, req.user.is_some(), false),
+            ..EnforcementReceipt::default()
+        };
         Ok(Sandbox {
             id: req.sandbox_id.clone(),
             backend: SandboxType::None,
@@ -39,8 +68,12 @@ impl SandboxBackend for NoneBackend {
             consumer: req.consumer.clone(),
             spec: req.spec.clone(),
             root: req.root.clone(),
-            workspace,
-            receipt: EnforcementReceipt { command_digest: String::new(), network_isolated: false, write_roots },
+            workspace: paths.workspace,
+            home: paths.home,
+            user: req.user,
+            limits: req.limits,
+            cgroup,
+            receipt,
         })
     }
 
@@ -48,16 +81,25 @@ impl SandboxBackend for NoneBackend {
         let Some((program, args)) = spec.argv.split_first() else {
             return Err(SandboxError::Spawn("empty argv".into()));
         };
-        let home = sandbox.workspace.to_string_lossy().into_owned();
+        let home = sandbox.home.to_string_lossy().into_owned();
         let env = base_env(sandbox, spec, &home);
         let args: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
-        let process = spawn_group(program.as_ref(), &args, &env, &sandbox.workspace, ResourceLimits::default())?;
-        self.processes.register(&sandbox.id, &process);
+        let options = self.boundary.spawn_options(sandbox)?;
+        let process = spawn_group(program.as_ref(), &args, &env, &sandbox.workspace, options)?;
+        self.boundary.register(sandbox, &process);
         Ok(process)
     }
 
     async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
-        self.processes.kill_all(&sandbox.id);
-        remove_root(&sandbox.root).await
+        self.boundary.destroy(sandbox).await
+    }
+
+    async fn destroy_leftover(
+        &self,
+        sandbox_id: &str,
+        root: &std::path::Path,
+        user: Option<super::HostUser>,
+    ) -> Result<(), SandboxError> {
+        self.boundary.destroy_leftover(sandbox_id, root, user).await
     }
 }

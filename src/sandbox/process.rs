@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::ffi::OsString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::process::{ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,14 +14,45 @@ use tokio::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command};
 
 use super::SandboxError;
 
-/// Resource limits applied to the spawned process (and so inherited by
-/// everything inside the sandbox).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ResourceLimits {
-    /// RLIMIT_NPROC; 0 = inherit. Note: root ignores it.
+/// Per-process resource limits (rlimits) applied before the sandbox's
+/// first process runs, and so inherited by everything inside it. 0 means
+/// "inherit". RLIMIT_CORE is always 0: a sandbox never dumps core.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Rlimits {
+    /// RLIMIT_NPROC: tasks of the sandbox's host uid. Only meaningful when
+    /// the sandbox has a uid of its own (root ignores it, and a shared uid
+    /// would count the daemon's own threads).
     pub max_processes: u64,
-    /// RLIMIT_AS in bytes; 0 = inherit.
-    pub memory_bytes: u64,
+    /// RLIMIT_AS in bytes (address space, not memory: runtimes that reserve
+    /// large virtual ranges, such as Node's, fail under a small one).
+    pub address_space_bytes: u64,
+    /// RLIMIT_FSIZE: the largest file the sandbox may write.
+    pub max_file_bytes: u64,
+    /// RLIMIT_NOFILE.
+    pub max_open_files: u64,
+}
+
+/// The host identity a sandbox's first process takes before it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostUser {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// How to start a sandbox's process beyond its argv and environment.
+#[derive(Default)]
+pub struct SpawnOptions {
+    pub rlimits: Rlimits,
+    /// Drop to this uid/gid (no supplementary groups) before exec; `None`
+    /// keeps the daemon's own identity.
+    pub user: Option<HostUser>,
+    /// `cgroup.procs` files of the sandbox's cgroups, opened by the daemon:
+    /// the child writes "0" to each before it drops root, so it and all it
+    /// starts are inside the cgroups before anything of the sandbox runs.
+    pub cgroup_procs: Vec<std::fs::File>,
+    /// Files handed to the child as fds 3, 4, … in this order (bwrap's
+    /// `--args`, `--seccomp`); every other descriptor above 2 is closed.
+    pub pass_fds: Vec<OwnedFd>,
 }
 
 /// A running process inside a sandbox.
@@ -42,8 +74,13 @@ impl std::fmt::Debug for SandboxProcess {
     }
 }
 
+/// Where passed descriptors are parked while they are moved to 3, 4, …
+const FD_PARKING: libc::c_int = 64;
+
 /// Spawns `program args` with exactly `env` (the inherited environment is
-/// cleared first), in a new process group, with piped stdio.
+/// cleared first), in a new process group, with piped stdio, inside the
+/// given cgroups, under the given rlimits and host user, with no inherited
+/// descriptor but stdio and `pass_fds`.
 ///
 /// Must be called from a task on a runtime worker thread, never from
 /// `spawn_blocking`: bwrap's `--die-with-parent` is PR_SET_PDEATHSIG, which
@@ -53,7 +90,7 @@ pub fn spawn_group(
     args: &[OsString],
     env: &[(String, String)],
     cwd: &Path,
-    limits: ResourceLimits,
+    options: SpawnOptions,
 ) -> Result<SandboxProcess, SandboxError> {
     let mut cmd = Command::new(program);
     cmd.args(args)
@@ -64,27 +101,74 @@ pub fn spawn_group(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
-        // A safety net only: teardown kills the whole group explicitly.
+        // A safety net only: teardown kills the whole sandbox explicitly.
         .kill_on_drop(true);
-    // SAFETY: the closure runs in the forked child before exec and only
-    // makes async-signal-safe syscalls (prctl, getppid, setrlimit).
+    let cgroup_fds: Vec<RawFd> = options.cgroup_procs.iter().map(|f| f.as_raw_fd()).collect();
+    let pass_fds: Vec<RawFd> = options.pass_fds.iter().map(|f| f.as_raw_fd()).collect();
+    if pass_fds.len() > (FD_PARKING - 3) as usize {
+        return Err(SandboxError::Spawn("too many descriptors to pass".into()));
+    }
+    let limits = options.rlimits;
+    let user = options.user;
+    // SAFETY: the closure runs in the forked child before exec and makes
+    // only async-signal-safe syscalls (write, setrlimit, setgroups,
+    // setresgid, setresuid, prctl, fcntl, dup2, close_range); it allocates
+    // nothing (the vectors were built before the fork).
     unsafe {
         cmd.pre_exec(move || {
+            // Into the cgroups first, while still root: from here on
+            // everything this process starts is counted, limited and killable.
+            for fd in &cgroup_fds {
+                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            set_rlimit(libc::RLIMIT_CORE, 0)?;
+            for (resource, value) in [
+                (libc::RLIMIT_NPROC, limits.max_processes),
+                (libc::RLIMIT_AS, limits.address_space_bytes),
+                (libc::RLIMIT_FSIZE, limits.max_file_bytes),
+                (libc::RLIMIT_NOFILE, limits.max_open_files),
+            ] {
+                if value > 0 {
+                    set_rlimit(resource, value)?;
+                }
+            }
+            if let Some(user) = user {
+                if libc::setgroups(0, std::ptr::null()) != 0
+                    || libc::setresgid(user.gid, user.gid, user.gid) != 0
+                    || libc::setresuid(user.uid, user.uid, user.uid) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            // After the uid change, which clears the parent-death signal.
             // If the daemon dies, so does this process (and with bwrap, the
             // whole sandbox: its --die-with-parent follows).
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            if limits.max_processes > 0 {
-                set_rlimit(libc::RLIMIT_NPROC, limits.max_processes)?;
+            // Park the passed descriptors high, then put them at 3, 4, …
+            // (dup2 clears close-on-exec on the copy).
+            for (i, fd) in pass_fds.iter().enumerate() {
+                let parked = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, FD_PARKING + i as libc::c_int);
+                if parked < 0 || libc::dup2(parked, 3 + i as libc::c_int) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
-            if limits.memory_bytes > 0 {
-                set_rlimit(libc::RLIMIT_AS, limits.memory_bytes)?;
+            // Everything else the daemon has open closes at exec. (Marked
+            // close-on-exec rather than closed, so the runtime's own
+            // exec-error pipe still works.)
+            let first = 3 + pass_fds.len() as libc::c_uint;
+            if libc::syscall(libc::SYS_close_range, first, libc::c_uint::MAX, libc::CLOSE_RANGE_CLOEXEC) != 0 {
+                return Err(std::io::Error::last_os_error());
             }
             Ok(())
         });
     }
     let mut child = cmd.spawn().map_err(|e| SandboxError::Spawn(format!("{}: {e}", program.display())))?;
+    // The child has its copies; ours close here.
+    drop(options);
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);
     Ok(SandboxProcess {
         stdin: child.stdin.take(),
@@ -104,6 +188,24 @@ fn set_rlimit(resource: libc::__rlimit_resource_t, value: u64) -> std::io::Resul
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// A sealed-in-spirit anonymous file holding `bytes`, positioned at its
+/// start, for handing data to bwrap by descriptor (`--args`, `--seccomp`).
+pub fn data_fd(name: &str, bytes: &[u8]) -> std::io::Result<OwnedFd> {
+    use std::io::{Seek, Write};
+    let name = std::ffi::CString::new(name).map_err(|_| std::io::Error::other("NUL in memfd name"))?;
+    // SAFETY: memfd_create with a valid C string; the returned descriptor
+    // is owned by the File below.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nobody else owns.
+    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.write_all(bytes)?;
+    file.rewind()?;
+    Ok(file.into())
 }
 
 impl SandboxProcess {

@@ -20,6 +20,10 @@ fn git() -> Command {
         .env("GIT_CONFIG_GLOBAL", "/dev/null")
         .env("GIT_TERMINAL_PROMPT", "0")
         .args(["-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "-c", "protocol.file.allow=always"])
+        // Workspaces belong to their sandbox's uid, not to the daemon; the
+        // daemon only ever names repositories it chose. Command-line config
+        // is protected config: a repository cannot set it.
+        .args(["-c", "safe.directory=*"])
         .stdin(std::process::Stdio::null());
     cmd
 }
@@ -52,6 +56,25 @@ pub async fn clone_into(repo: &Path, workspace: &Path) -> Result<String, Workspa
     Ok(head(workspace).await.unwrap_or_default())
 }
 
+/// Gives the cloned workspace to the sandbox's user: every entry is
+/// re-owned without following symlinks.
+pub fn hand_over(workspace: &Path, user: Option<crate::sandbox::HostUser>) -> Result<(), WorkspaceError> {
+    let Some(user) = user else { return Ok(()) };
+    let mut stack = vec![workspace.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        let meta = std::fs::symlink_metadata(&path).map_err(|e| WorkspaceError(format!("{}: {e}", path.display())))?;
+        std::os::unix::fs::lchown(&path, Some(user.uid), Some(user.gid))
+            .map_err(|e| WorkspaceError(format!("chown {}: {e}", path.display())))?;
+        if meta.is_dir() {
+            let entries = std::fs::read_dir(&path).map_err(|e| WorkspaceError(format!("{}: {e}", path.display())))?;
+            for entry in entries {
+                stack.push(entry.map_err(|e| WorkspaceError(e.to_string()))?.path());
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The commit HEAD points at in `workspace`, as the daemon sees it.
 pub async fn head(workspace: &Path) -> Result<String, WorkspaceError> {
     let mut cmd = git();
@@ -65,6 +88,9 @@ pub async fn fetch_back(origin: &Path, workspace: &Path, name: &str) -> Result<(
     cmd.arg("-C")
         .arg(origin)
         .args(["fetch", "--quiet", "--no-tags", "--no-write-fetch-head"])
+        // A local fetch runs upload-pack with the caller's config scrubbed
+        // from its environment: it gets the same protected settings here.
+        .arg("--upload-pack=git -c safe.directory=* -c core.hooksPath=/dev/null -c core.fsmonitor=false upload-pack")
         .arg(workspace)
         .arg(format!("+HEAD:refs/corral/{name}"));
     run(cmd, "fetch back").await.map(|_| ())

@@ -62,7 +62,10 @@ pub struct OutboxRow {
 pub struct SandboxRow {
     pub sandbox_id: String,
     pub subject_id: String,
+    pub backend: String,
     pub root_path: std::path::PathBuf,
+    /// The host uid it held, if it had its own.
+    pub uid: Option<u32>,
 }
 
 #[derive(Clone)]
@@ -438,11 +441,76 @@ impl Store {
         Ok(())
     }
 
+    /// Records a sandbox's state; a destroyed sandbox (nothing of it alive)
+    /// gives its uid back.
     pub async fn set_sandbox_state(&self, sandbox_id: &str, state: SandboxState) -> Result<(), StoreError> {
         sqlx::query("UPDATE sandboxes SET state = $1, updated_at_ms = $2 WHERE sandbox_id = $3")
             .bind(state.as_str())
             .bind(now_ms())
             .bind(sandbox_id)
+            .execute(&self.pool)
+            .await?;
+        if state == SandboxState::Destroyed {
+            self.release_uid(sandbox_id).await?;
+        }
+        Ok(())
+    }
+
+    /// Reserves a host uid in `first..=last` for `sandbox_id` on this node:
+    /// the lowest one no live sandbox holds and `usable` accepts (the
+    /// daemon skips uids that have live processes). `None` when none is.
+    pub async fn allocate_uid(
+        &self,
+        first: u32,
+        last: u32,
+        sandbox_id: &str,
+        usable: impl Fn(u32) -> bool,
+    ) -> Result<Option<u32>, StoreError> {
+        // A concurrent allocation may take the same candidate first; the
+        // primary key makes one of the two inserts a no-op, and the loser
+        // tries the next free uid.
+        for _ in 0..8 {
+            let used: Vec<i64> = sqlx::query("SELECT uid FROM sandbox_uids WHERE node = $1 ORDER BY uid")
+                .bind(&self.node)
+                .fetch_all(&self.pool)
+                .await?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let used: std::collections::BTreeSet<i64> = used.into_iter().collect();
+            let Some(uid) = (first as i64..=last as i64).find(|u| !used.contains(u) && usable(*u as u32)) else {
+                return Ok(None);
+            };
+            let inserted = sqlx::query(
+                "INSERT INTO sandbox_uids (node, uid, sandbox_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            )
+            .bind(&self.node)
+            .bind(uid)
+            .bind(sandbox_id)
+            .execute(&self.pool)
+            .await?;
+            if inserted.rows_affected() == 1 {
+                return Ok(Some(uid as u32));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The uid a sandbox holds, if any.
+    pub async fn sandbox_uid(&self, sandbox_id: &str) -> Result<Option<u32>, StoreError> {
+        let row = sqlx::query("SELECT uid FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2")
+            .bind(sandbox_id)
+            .bind(&self.node)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|r| r.get::<i64, _>(0) as u32))
+    }
+
+    /// Gives a sandbox's uid back, once nothing of the sandbox is alive.
+    pub async fn release_uid(&self, sandbox_id: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2")
+            .bind(sandbox_id)
+            .bind(&self.node)
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -451,9 +519,10 @@ impl Store {
     /// Sandboxes an earlier daemon instance did not finish destroying.
     pub async fn leftover_sandboxes(&self, current_epoch: &str) -> Result<Vec<SandboxRow>, StoreError> {
         let rows = sqlx::query(
-            "SELECT sandbox_id, subject_id, root_path FROM sandboxes
-             WHERE state NOT IN ('destroyed') AND instance_epoch != $1 AND (node = $2 OR node IS NULL)
-             ORDER BY created_at_ms",
+            "SELECT s.sandbox_id, s.subject_id, s.backend, s.root_path, u.uid FROM sandboxes s
+             LEFT JOIN sandbox_uids u ON u.sandbox_id = s.sandbox_id
+             WHERE s.state NOT IN ('destroyed') AND s.instance_epoch != $1 AND (s.node = $2 OR s.node IS NULL)
+             ORDER BY s.created_at_ms",
         )
         .bind(current_epoch)
         .bind(&self.node)
@@ -461,7 +530,13 @@ impl Store {
         .await?;
         Ok(rows
             .iter()
-            .map(|r| SandboxRow { sandbox_id: r.get(0), subject_id: r.get(1), root_path: r.get::<String, _>(2).into() })
+            .map(|r| SandboxRow {
+                sandbox_id: r.get(0),
+                subject_id: r.get(1),
+                backend: r.get(2),
+                root_path: r.get::<String, _>(3).into(),
+                uid: r.get::<Option<i64>, _>(4).map(|u| u as u32),
+            })
             .collect())
     }
 

@@ -6,8 +6,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use corral::rein::{CommandRein, Dispatch, HarnessSession, Rein, ReinError, StartContext, ToolCall, ToolResult};
 use corral::sandbox::{
-    Backends, BwrapBackend, CreateSandbox, ExecSpec, NoneBackend, Sandbox, SandboxBackend, SandboxError,
-    SandboxProcess, SandboxState, SandboxType,
+    Backends, CreateSandbox, ExecSpec, Sandbox, SandboxBackend, SandboxError, SandboxProcess, SandboxState, SandboxType,
 };
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -41,8 +40,9 @@ impl FaultyBackend {
 
 /// Real backends with the bwrap one wrapped in `faults`.
 pub fn bwrap_with(faults: BackendFaults) -> (Backends, Arc<Mutex<BackendLog>>) {
-    let (backend, log) = FaultyBackend::wrap(Arc::new(BwrapBackend::detect()), faults);
-    (Backends { linux_bwrap: backend, none: Arc::new(NoneBackend::default()) }, log)
+    let host = Backends::host_default();
+    let (backend, log) = FaultyBackend::wrap(host.linux_bwrap, faults);
+    (Backends { linux_bwrap: backend, none: host.none }, log)
 }
 
 #[async_trait]
@@ -53,6 +53,19 @@ impl SandboxBackend for FaultyBackend {
 
     async fn probe(&self) -> Result<(), SandboxError> {
         self.inner.probe().await
+    }
+
+    fn capabilities(&self) -> corral::sandbox::Capabilities {
+        self.inner.capabilities()
+    }
+
+    async fn destroy_leftover(
+        &self,
+        sandbox_id: &str,
+        root: &std::path::Path,
+        user: Option<corral::sandbox::HostUser>,
+    ) -> Result<(), SandboxError> {
+        self.inner.destroy_leftover(sandbox_id, root, user).await
     }
 
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {

@@ -29,14 +29,8 @@ pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures"
 
 /// Fails (never skips) when the host cannot run bubblewrap.
 pub fn require_bwrap() {
-    let scratch = std::env::temp_dir();
-    let mut args = corral::sandbox::bwrap_args(
-        &corral::sandbox::SandboxSpec::default(),
-        &scratch,
-        &corral::sandbox::HostLayout::detect(),
-    );
-    args.push("/usr/bin/true".into());
-    let ok = std::process::Command::new("bwrap").args(&args).status().map(|s| s.success()).unwrap_or(false);
+    let args = ["--unshare-all", "--unshare-user", "--ro-bind", "/", "/", "/usr/bin/true"];
+    let ok = std::process::Command::new("bwrap").args(args).status().map(|s| s.success()).unwrap_or(false);
     assert!(ok, "this test needs bubblewrap: install the Debian package `bubblewrap` (the host must allow namespaces)");
 }
 
@@ -99,7 +93,7 @@ impl TestDaemon {
             .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
             .with_test_writer()
             .try_init();
-        let data = tempfile::tempdir().unwrap();
+        let data = data_tempdir();
         let profiles = data.path().join("profiles");
         std::fs::create_dir_all(&profiles).unwrap();
         for (name, text) in &options.profiles {
@@ -111,6 +105,7 @@ impl TestDaemon {
             shutdown_grace_seconds: 5,
             ..Config::default()
         };
+        config.sandbox.uids = unique_uids();
         // The fake agent's profile names `route.test`.
         let secret = data.path().join("route-test.secret");
         std::fs::write(&secret, ROUTE_TEST_VALUE).unwrap();
@@ -194,6 +189,24 @@ impl TestDaemon {
     }
 }
 
+/// A range of sandbox uids no other daemon of this test process uses:
+/// tests run daemons side by side, each with its own store.
+pub fn unique_uids() -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let first = 300_000 + NEXT.fetch_add(1, Ordering::SeqCst) * 256;
+    format!("{first}-{}", first + 255)
+}
+
+/// A temporary directory to hold a daemon's data directory: traversable
+/// (0711) by the sandboxes' own uids, which must reach their workspaces.
+pub fn data_tempdir() -> TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    dir
+}
+
 /// With `CORRAL_TEST_STORE=postgres` and `CORRAL_TEST_POSTGRES` (an admin
 /// URL, e.g. `postgres://corral:corral@127.0.0.1:5432/postgres`), a new empty
 /// database for one test; otherwise `None` (SQLite).
@@ -254,6 +267,7 @@ pub fn kinds(events: &[pb::LifecycleEvent]) -> Vec<&'static str> {
             Some(Kind::TurnFinished(_)) => "turn_finished",
             Some(Kind::Reaped(_)) => "reaped",
             Some(Kind::Recovered(_)) => "recovered",
+            Some(Kind::Limit(_)) => "limit",
             None => "none",
         })
         .collect()
@@ -304,8 +318,9 @@ impl ServeProcess {
         std::fs::write(&secret, ROUTE_TEST_VALUE).unwrap();
         let config = data_dir.with_extension("toml");
         let text = format!(
-            "[credentials.routes.\"route.test\"]\nfile = {:?}\ninject_as = \"ROUTE_TEST_TOKEN\"\n{extra_config}\n",
-            secret.display().to_string()
+            "[credentials.routes.\"route.test\"]\nfile = {:?}\ninject_as = \"ROUTE_TEST_TOKEN\"\n{extra_config}\n[sandbox]\nuids = {:?}\n",
+            secret.display().to_string(),
+            unique_uids()
         );
         std::fs::write(&config, text).unwrap();
         let log = std::fs::OpenOptions::new().create(true).append(true).open(data_dir.with_extension("log")).unwrap();

@@ -1,10 +1,11 @@
-//! The floor: the exact bwrap command line corral runs for a profile,
-//! spawned directly, the way corral spawns it (`spawn_group`: cleared
-//! environment with corral's own variables, new process group, piped
-//! stdio, PR_SET_PDEATHSIG), each time in a fresh empty workspace that is
-//! created before and removed after, as corral's sandbox create and
-//! destroy do. No gRPC, no store, no gate: what is left is the cost of the
-//! sandbox itself.
+//! The floor: the exact hardened bwrap command line corral runs for a
+//! profile, spawned directly the way corral spawns it — the sandbox's
+//! directory and identity files, its cgroup, the uid switch, rlimits, the
+//! seccomp program and `--args` by descriptor, cleared environment, new
+//! process group, PR_SET_PDEATHSIG — each time in a fresh sandbox created
+//! before and destroyed after (cgroup emptied and removed), as corral's
+//! create and destroy do. No gRPC, no store, no gate: what is left is the
+//! cost of the sandbox itself.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -15,10 +16,10 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncReadExt;
 
 use crate::pb;
-use crate::sandbox::process::{spawn_group, ResourceLimits};
 use crate::sandbox::{
-    base_env, bwrap_args, find_on_path, Consumer, EnforcementReceipt, ExecSpec, HostLayout, Sandbox, SandboxSpec,
-    SandboxState, SandboxType,
+    base_env, bwrap_args, find_on_path, Boundary, BwrapBackend, Consumer, CreateSandbox, EnforcementReceipt, ExecSpec,
+    HostLayout, HostUser, Sandbox, SandboxConfig, SandboxLimits, SandboxPaths, SandboxSpec, SandboxState, SandboxType,
+    HOME_MOUNT,
 };
 
 pub struct Floor {
@@ -29,8 +30,11 @@ pub struct Floor {
     argv: Vec<String>,
     credential_route_refs: Vec<String>,
     timeout: Duration,
-    /// Workspaces are made under here, one fresh directory per spawn.
+    limits: SandboxLimits,
+    /// Sandboxes are made under here, one fresh directory per spawn.
     root: PathBuf,
+    backend: BwrapBackend,
+    boundary: Boundary,
 }
 
 impl Floor {
@@ -43,6 +47,8 @@ impl Floor {
         let program = find_on_path("bwrap").context("bwrap not found on PATH")?;
         let rein = profile.rein.clone().unwrap_or_default();
         std::fs::create_dir_all(root).with_context(|| format!("cannot create {}", root.display()))?;
+        let limits = profile.limits.unwrap_or_default();
+        let cgroups = crate::sandbox::Backends::cgroups_for(&SandboxConfig::default());
         Ok(Floor {
             program,
             spec: SandboxSpec {
@@ -55,23 +61,37 @@ impl Floor {
             layout: HostLayout::detect(),
             argv: rein.argv,
             credential_route_refs: profile.credential_route_refs.clone(),
-            timeout: Duration::from_secs(profile.limits.as_ref().map(|l| l.timeout_seconds).unwrap_or(600)),
+            timeout: Duration::from_secs(limits.timeout_seconds),
+            limits: SandboxLimits {
+                memory_bytes: limits.memory_bytes,
+                max_processes: limits.max_processes,
+                cpu_millis: limits.cpu_millis,
+                max_open_files: limits.max_open_files,
+                address_space_bytes: limits.address_space_bytes,
+                max_file_bytes: limits.max_workspace_bytes,
+                max_workspace_bytes: limits.max_workspace_bytes,
+                tmp_bytes: limits.tmp_bytes,
+            },
             root: root.to_path_buf(),
+            backend: BwrapBackend::detect(cgroups.clone()),
+            boundary: Boundary::new(cgroups),
         })
     }
 
-    /// The full command line (program excluded) for a workspace.
-    pub fn args(&self, workspace: &Path) -> Vec<OsString> {
-        let mut args = bwrap_args(&self.spec, workspace, &self.layout);
+    /// The full command line (program excluded) for a sandbox at `root`.
+    pub fn args(&self, root: &Path) -> Vec<OsString> {
+        let mut args = bwrap_args(&self.spec, &SandboxPaths::under(root), &self.layout, self.limits.tmp_bytes);
         args.extend(self.argv.iter().map(OsString::from));
         args
     }
 
-    /// Whether corral's enforcement receipt for a sandbox at `workspace`
-    /// is the digest of this floor's command line up to `--`: proof that
-    /// the floor runs exactly what corral ran.
+    /// Whether corral's enforcement receipt for a sandbox whose workspace
+    /// is `workspace` is the digest of this floor's command line up to
+    /// `--`: proof that the floor runs exactly what corral ran.
     pub fn matches_receipt(&self, workspace: &str, command_digest: &str) -> bool {
-        let args = bwrap_args(&self.spec, Path::new(workspace), &self.layout);
+        let Some(root) = Path::new(workspace).parent() else { return false };
+        let args: Vec<OsString> =
+            bwrap_args(&self.spec, &SandboxPaths::under(root), &self.layout, self.limits.tmp_bytes);
         let mut hasher = Sha256::new();
         hasher.update(self.program.as_os_str().as_encoded_bytes());
         for arg in &args {
@@ -81,17 +101,28 @@ impl Floor {
         crate::sandbox::hex_digest(&hasher.finalize()) == command_digest
     }
 
-    /// One spawn: mkdir workspace → bwrap … harness → drain stdout and
-    /// stderr → wait → remove the directory. Fails unless the harness
-    /// exits 0.
+    /// One spawn: create the sandbox (directories, identity files,
+    /// cgroup) → bwrap … harness → drain stdout and stderr → wait →
+    /// destroy (cgroup emptied and removed, directory removed). Fails
+    /// unless the harness exits 0.
     pub async fn spawn_once(&self) -> anyhow::Result<Duration> {
         let started = Instant::now();
         let id = uuid::Uuid::now_v7().to_string();
         let root = self.root.join(&id);
-        let workspace = root.join("workspace");
-        std::fs::create_dir_all(&workspace).with_context(|| format!("cannot create {}", workspace.display()))?;
         let consumer =
             Consumer { actor: "agt".into(), project: "bench".into(), run_id: id.clone(), session_id: String::new() };
+        // A root daemon gives every sandbox its own uid; the floor switches
+        // to `nobody`, which costs the same and collides with no sandbox.
+        let user = (crate::sandbox::host::effective_uid() == 0).then_some(HostUser { uid: 65534, gid: 65534 });
+        let request = CreateSandbox {
+            sandbox_id: id.clone(),
+            consumer: consumer.clone(),
+            spec: self.spec.clone(),
+            root: root.clone(),
+            user,
+            limits: self.limits,
+        };
+        let (paths, cgroup) = self.boundary.prepare(&request)?;
         let sandbox = Sandbox {
             id,
             backend: SandboxType::LinuxBwrap,
@@ -99,7 +130,11 @@ impl Floor {
             consumer: consumer.clone(),
             spec: self.spec.clone(),
             root: root.clone(),
-            workspace: workspace.clone(),
+            workspace: paths.workspace.clone(),
+            home: paths.home.clone(),
+            user,
+            limits: self.limits,
+            cgroup,
             receipt: EnforcementReceipt::default(),
         };
         let exec = ExecSpec {
@@ -109,14 +144,14 @@ impl Floor {
             credential_route_refs: self.credential_route_refs.clone(),
             timeout: self.timeout,
         };
-        let env = base_env(&sandbox, &exec, "/tmp");
-        let args = self.args(&workspace);
-        let mut process = spawn_group(&self.program, &args, &env, &workspace, ResourceLimits::default())?;
+        let env = base_env(&sandbox, &exec, HOME_MOUNT);
+        let options = self.boundary.spawn_options(&sandbox)?;
+        let mut process = self.backend.launch(&self.spec, &paths, self.limits.tmp_bytes, &self.argv, &env, options)?;
         drop(process.stdin.take());
         let (stdout, stderr) = (process.stdout.take(), process.stderr.take());
         let (_, err) = tokio::join!(drain(stdout), drain(stderr));
         let status = process.wait().await?;
-        tokio::fs::remove_dir_all(&root).await.with_context(|| format!("cannot remove {}", root.display()))?;
+        self.boundary.destroy(&sandbox).await.with_context(|| format!("cannot destroy {}", root.display()))?;
         let elapsed = started.elapsed();
         if !status.success() {
             bail!("bwrap exited with {status}: {}", String::from_utf8_lossy(&err).trim());

@@ -96,7 +96,7 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<LatencyRep
     let (floor, floor_matches_receipt) = floor_for(target, &channel, &args.noop_profile).await?;
     let mut floor_command = vec![crate::sandbox::find_on_path("bwrap").unwrap_or_default().display().to_string()];
     floor_command
-        .extend(floor.args(std::path::Path::new("<workspace>")).iter().map(|a| a.to_string_lossy().into_owned()));
+        .extend(floor.args(std::path::Path::new("<sandbox>")).iter().map(|a| a.to_string_lossy().into_owned()));
 
     let mut errors = BTreeMap::new();
     let mut floor_errors = 0;

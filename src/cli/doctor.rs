@@ -1,0 +1,88 @@
+//! `corral doctor`: what this host can enforce, read the way the daemon
+//! reads it at start (the same probe, the same cgroup detection), and which
+//! profiles the gate would therefore refuse.
+
+use crate::catalog::Catalog;
+use crate::config::Config;
+use crate::sandbox::{seccomp, Backends, BwrapBackend, Capabilities, SandboxBackend, SandboxType, UidMode, UidRange};
+
+/// Prints the capability report; exit code 0 when linux_bwrap is usable.
+pub async fn run(config: &Config) -> anyhow::Result<i32> {
+    let backends = Backends::for_host(&config.sandbox);
+    let bwrap = BwrapBackend::detect(Backends::cgroups_for(&config.sandbox));
+    let probe = bwrap.probe().await.map_err(|e| e.to_string());
+    let mut out = Vec::new();
+    out.push("corral doctor: what this host can enforce".to_string());
+    let version = match bwrap.program() {
+        Some(program) => std::process::Command::new(program)
+            .arg("--version")
+            .output()
+            .map(|o| format!("{} ({})", program.display(), String::from_utf8_lossy(&o.stdout).trim()))
+            .unwrap_or_else(|e| format!("{}: {e}", program.display())),
+        None => "not found on PATH".into(),
+    };
+    out.push(line("bwrap", &Ok(version)));
+    out.push(line(
+        "sandbox",
+        &probe.clone().map(|()| "a hardened sandbox starts (user namespace, seccomp, --disable-userns)".into()),
+    ));
+    let filter = seccomp::sandbox_filter()
+        .map(|f| format!("{} ({} syscalls denied)", f.digest(), seccomp::DENIED.len()))
+        .map_err(|e| e.to_string());
+    out.push(line("seccomp", &filter));
+    let uids = UidRange::parse(&config.sandbox.uids).map(UidMode::detect);
+    let uid_line = match &uids {
+        Ok(mode @ UidMode::PerSandbox(_)) => Ok(mode.describe()),
+        Ok(mode) => Err(mode.describe()),
+        Err(e) => Err(format!("sandbox.uids: {e}")),
+    };
+    out.push(line("sandbox uids", &uid_line));
+    let caps = backends.linux_bwrap.capabilities();
+    let cgroups = Backends::cgroups_for(&config.sandbox)
+        .map(|h| h.describe())
+        .ok_or_else(|| format!("no usable cgroup hierarchy under {}", config.sandbox.cgroup_mount.display()));
+    out.push(line("cgroups", &cgroups));
+    for (name, support) in [("memory", &caps.memory), ("pids", &caps.pids), ("cpu", &caps.cpu), ("kill", &caps.kill)] {
+        out.push(line(&format!("  {name}"), support));
+    }
+    out.push("profiles".into());
+    let routes: Vec<&str> = config.credentials.names().collect();
+    match Catalog::load(&config.profile_dirs, &routes) {
+        Ok(catalog) => {
+            for profile in catalog.list() {
+                let verdict =
+                    refusal(&profile.file.sandbox.sandbox_type, &profile.file.limits.sandbox(), &probe, &backends)
+                        .or(profile.unusable.clone())
+                        .or_else(|| {
+                            let readiness = &profile.file.readiness;
+                            (readiness.state == crate::catalog::ReadinessState::Blocked)
+                                .then(|| format!("readiness blocked: {}", readiness.reason))
+                        });
+                out.push(line(&format!("  {}", profile.reference()), &verdict.map_or(Ok("can run here".into()), Err)));
+            }
+        }
+        Err(e) => out.push(line("  catalog", &Err(e.to_string()))),
+    }
+    println!("{}", out.join("\n"));
+    Ok(if probe.is_ok() { 0 } else { 1 })
+}
+
+fn refusal(
+    kind: &SandboxType,
+    limits: &crate::sandbox::SandboxLimits,
+    probe: &Result<(), String>,
+    backends: &Backends,
+) -> Option<String> {
+    if let (SandboxType::LinuxBwrap, Err(reason)) = (kind, probe) {
+        return Some(format!("linux_bwrap cannot be enforced on this host: {reason}"));
+    }
+    let caps: Capabilities = backends.get(*kind).capabilities();
+    caps.refuse(limits)
+}
+
+fn line(name: &str, result: &Result<String, String>) -> String {
+    match result {
+        Ok(text) => format!("{name:<28} ok    {text}"),
+        Err(text) => format!("{name:<28} NO    {text}"),
+    }
+}

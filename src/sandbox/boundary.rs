@@ -1,0 +1,243 @@
+//! What every backend does around the process it runs: the sandbox's
+//! directory (owned by its own host uid), its cgroup, the rlimits and user
+//! its processes start with, and a teardown that kills everything the
+//! sandbox started — through its cgroup and its uid — and waits until
+//! nothing of it is alive before it reports success.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::cgroup::{CgroupHost, CgroupLimits, SandboxCgroup};
+use super::host::{kill_uid, INSIDE_UID};
+use super::process::{ProcessRegistry, Rlimits, SpawnOptions};
+use super::{CreateSandbox, LimitReceipt, Sandbox, SandboxError, SandboxLimits, SandboxProcess};
+
+/// How long destroy waits for a sandbox's processes to be gone.
+const KILL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Host paths of one sandbox, all under its root.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SandboxPaths {
+    pub workspace: PathBuf,
+    /// The harness's writable HOME (`/home/agent` inside).
+    pub home: PathBuf,
+    /// The sandbox's own /etc/passwd and /etc/group.
+    pub passwd: PathBuf,
+    pub group: PathBuf,
+}
+
+impl SandboxPaths {
+    pub fn under(root: &Path) -> SandboxPaths {
+        SandboxPaths {
+            workspace: root.join("workspace"),
+            home: root.join("home"),
+            passwd: root.join("etc/passwd"),
+            group: root.join("etc/group"),
+        }
+    }
+}
+
+/// The passwd and group files every sandbox sees: its fixed inside uid
+/// has a name and a home, so tools that look themselves up work.
+fn identity_files() -> (String, String) {
+    let passwd = format!(
+        "root:x:0:0:root:/root:/usr/sbin/nologin\n\
+         agent:x:{INSIDE_UID}:{INSIDE_UID}:corral agent:/home/agent:/bin/sh\n\
+         nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    );
+    let group = format!("root:x:0:\nagent:x:{INSIDE_UID}:\nnogroup:x:65534:\n");
+    (passwd, group)
+}
+
+/// The host side of every backend's sandboxes.
+pub struct Boundary {
+    pub cgroups: Option<Arc<CgroupHost>>,
+    pub processes: ProcessRegistry,
+}
+
+impl Boundary {
+    pub fn new(cgroups: Option<Arc<CgroupHost>>) -> Boundary {
+        Boundary { cgroups, processes: ProcessRegistry::default() }
+    }
+
+    /// Creates the sandbox's directory tree and its cgroup. The root is
+    /// 0711 root (traversable, not listable); the workspace and home
+    /// belong to the sandbox's user; the identity files are root's.
+    pub fn prepare(&self, req: &CreateSandbox) -> Result<(SandboxPaths, Option<Arc<SandboxCgroup>>), SandboxError> {
+        let paths = SandboxPaths::under(&req.root);
+        let create = |e: std::io::Error, path: &Path| SandboxError::Create(format!("{}: {e}", path.display()));
+        for (dir, mode) in [(&req.root, 0o711), (&paths.workspace, 0o700), (&paths.home, 0o700)] {
+            std::fs::create_dir_all(dir).map_err(|e| create(e, dir))?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(|e| create(e, dir))?;
+        }
+        let etc = req.root.join("etc");
+        std::fs::create_dir_all(&etc).map_err(|e| create(e, &etc))?;
+        let (passwd, group) = identity_files();
+        for (path, text) in [(&paths.passwd, passwd), (&paths.group, group)] {
+            std::fs::write(path, text).map_err(|e| create(e, path))?;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).map_err(|e| create(e, path))?;
+        }
+        if let Some(user) = req.user {
+            for dir in [&paths.workspace, &paths.home] {
+                std::os::unix::fs::lchown(dir, Some(user.uid), Some(user.gid)).map_err(|e| create(e, dir))?;
+            }
+        }
+        for path in req.spec.read_paths.iter().chain(req.spec.write_paths.iter()) {
+            let p = Path::new(path);
+            if p.is_absolute() && !p.exists() {
+                return Err(SandboxError::Create(format!("sandbox path {path} does not exist on the host")));
+            }
+        }
+        let cgroup = match &self.cgroups {
+            Some(host) => {
+                let limits = CgroupLimits {
+                    memory_bytes: req.limits.memory_bytes,
+                    max_processes: req.limits.max_processes,
+                    cpu_millis: req.limits.cpu_millis,
+                };
+                Some(Arc::new(host.create(&req.sandbox_id, &limits).map_err(|e| SandboxError::Create(e.to_string()))?))
+            }
+            None if req.limits.needs_cgroup() => {
+                return Err(SandboxError::Create("the sandbox's limits need a cgroup and this host has none".into()));
+            }
+            None => None,
+        };
+        Ok((paths, cgroup))
+    }
+
+    /// The receipt lines for the limits a sandbox runs under.
+    pub fn limit_receipts(&self, limits: &SandboxLimits, own_uid: bool, tmpfs: bool) -> Vec<LimitReceipt> {
+        let cgroup = |which: fn(&CgroupHost) -> Result<super::cgroup::Mechanism, String>| {
+            self.cgroups.as_ref().and_then(|h| which(h).ok()).map(|m| m.to_string()).unwrap_or_default()
+        };
+        let mut out = Vec::new();
+        let mut add = |name: &str, value: u64, mechanism: String| {
+            if value > 0 {
+                out.push(LimitReceipt { name: name.into(), value, mechanism });
+            }
+        };
+        add("memory_bytes", limits.memory_bytes, cgroup(CgroupHost::memory));
+        let pids = match cgroup(CgroupHost::pids) {
+            none if none.is_empty() && own_uid => "rlimit NPROC".to_string(),
+            mechanism => mechanism,
+        };
+        add("max_processes", limits.max_processes, pids);
+        add("cpu_millis", limits.cpu_millis, cgroup(CgroupHost::cpu));
+        add("max_open_files", limits.max_open_files, "rlimit NOFILE".into());
+        add("address_space_bytes", limits.address_space_bytes, "rlimit AS".into());
+        add("max_file_bytes", limits.max_file_bytes, "rlimit FSIZE".into());
+        add("max_workspace_bytes", limits.max_workspace_bytes, "daemon watch of the workspace".into());
+        if tmpfs {
+            add("tmp_bytes", limits.tmp_bytes, "tmpfs size".into());
+        }
+        out
+    }
+
+    /// How a process of `sandbox` starts: in its cgroup, under its rlimits,
+    /// as its user.
+    pub fn spawn_options(&self, sandbox: &Sandbox) -> Result<SpawnOptions, SandboxError> {
+        let cgroup_procs = match &sandbox.cgroup {
+            Some(cgroup) => cgroup.procs_files().map_err(|e| SandboxError::Spawn(e.to_string()))?,
+            None => Vec::new(),
+        };
+        let limits = &sandbox.limits;
+        Ok(SpawnOptions {
+            rlimits: Rlimits {
+                // One mechanism per limit: the pids cgroup when there is one
+                // (it also reports its refusals); RLIMIT_NPROC counts per
+                // host uid, so only for a uid of the sandbox's own.
+                max_processes: if sandbox.cgroup.is_none() && sandbox.user.is_some() {
+                    limits.max_processes
+                } else {
+                    0
+                },
+                address_space_bytes: limits.address_space_bytes,
+                max_file_bytes: limits.max_file_bytes,
+                max_open_files: limits.max_open_files,
+            },
+            user: sandbox.user,
+            cgroup_procs,
+            pass_fds: Vec::new(),
+        })
+    }
+
+    pub fn register(&self, sandbox: &Sandbox, process: &SandboxProcess) {
+        self.processes.register(&sandbox.id, process);
+    }
+
+    /// Kills everything of the sandbox and waits until nothing is alive,
+    /// then removes its cgroup and its files. Succeeds only if all of that
+    /// did.
+    pub async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        self.teardown(sandbox, false).await
+    }
+
+    /// The cgroup is authoritative (nothing unprivileged leaves it); the
+    /// sweep of the sandbox's uid is for sandboxes without one, and for
+    /// recovery, where the cgroup may be gone already.
+    async fn teardown(&self, sandbox: &Sandbox, sweep_uid: bool) -> Result<(), SandboxError> {
+        let mut errors = Vec::new();
+        self.processes.kill_all(&sandbox.id);
+        if let Some(cgroup) = &sandbox.cgroup {
+            if let Err(e) = cgroup.kill_all(KILL_TIMEOUT).await {
+                errors.push(e.to_string());
+            }
+        }
+        if let Some(user) = sandbox.user.filter(|_| sweep_uid || sandbox.cgroup.is_none()) {
+            if let Err(e) = kill_uid(user.uid, KILL_TIMEOUT).await {
+                errors.push(e);
+            }
+        }
+        if let Some(cgroup) = &sandbox.cgroup {
+            if let Err(e) = cgroup.remove() {
+                errors.push(e.to_string());
+            }
+        }
+        if let Err(e) = remove_root(&sandbox.root).await {
+            errors.push(e.to_string());
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(SandboxError::Destroy(errors.join("; ")))
+        }
+    }
+}
+
+impl Boundary {
+    /// Destroys what a crashed daemon left of a sandbox: its cgroup (found
+    /// again by name), every process of its uid, its files.
+    pub async fn destroy_leftover(
+        &self,
+        sandbox_id: &str,
+        root: &Path,
+        user: Option<super::HostUser>,
+    ) -> Result<(), SandboxError> {
+        let cgroup = self.cgroups.as_ref().and_then(|host| host.open(sandbox_id)).map(Arc::new);
+        let leftover = Sandbox {
+            id: sandbox_id.to_string(),
+            backend: super::SandboxType::None,
+            state: super::SandboxState::Destroying,
+            consumer: Default::default(),
+            spec: Default::default(),
+            root: root.to_path_buf(),
+            workspace: root.join("workspace"),
+            home: root.join("home"),
+            user,
+            limits: SandboxLimits::default(),
+            cgroup,
+            receipt: Default::default(),
+        };
+        self.teardown(&leftover, true).await
+    }
+}
+
+pub(super) async fn remove_root(root: &Path) -> Result<(), SandboxError> {
+    match tokio::fs::remove_dir_all(root).await {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(SandboxError::Destroy(format!("remove {}: {e}", root.display()))),
+    }
+}

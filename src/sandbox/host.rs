@@ -1,0 +1,195 @@
+//! The host side of the sandbox boundary: which host uid a sandbox runs
+//! as, what this host can enforce (the capability report), and how every
+//! process of a sandbox is found again by its uid.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::process::HostUser;
+
+/// The `[sandbox]` section of the daemon config.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SandboxConfig {
+    /// Host uids (and gids) a root daemon runs sandboxes as, `first-last`;
+    /// each live sandbox holds one of its own.
+    pub uids: String,
+    /// Where the cgroup hierarchies are mounted.
+    pub cgroup_mount: std::path::PathBuf,
+    /// The cgroup directory corral creates one child per sandbox in.
+    pub cgroup_parent: String,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        SandboxConfig {
+            uids: "200000-265535".into(),
+            cgroup_mount: "/sys/fs/cgroup".into(),
+            cgroup_parent: "corral".into(),
+        }
+    }
+}
+
+impl SandboxConfig {
+    /// Errors name the key.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        UidRange::parse(&self.uids).map_err(|e| ("sandbox.uids".to_string(), e))?;
+        let parent = &self.cgroup_parent;
+        if parent.is_empty() || parent.split('/').any(|c| c.is_empty() || c == "." || c == "..") {
+            return Err(("sandbox.cgroup_parent".into(), format!("{parent:?} must be a relative path without '..'")));
+        }
+        Ok(())
+    }
+}
+
+/// An inclusive range of host uids for sandboxes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UidRange {
+    pub first: u32,
+    pub last: u32,
+}
+
+impl UidRange {
+    /// `first-last`; both above 0, first ≤ last, and never 65534 (nobody)
+    /// or 4294967295 (the kernel's "no uid").
+    pub fn parse(text: &str) -> Result<UidRange, String> {
+        let (a, b) = text.split_once('-').ok_or_else(|| format!("{text:?} is not first-last"))?;
+        let parse = |s: &str| s.trim().parse::<u32>().map_err(|e| format!("{text:?}: {s:?}: {e}"));
+        let range = UidRange { first: parse(a)?, last: parse(b)? };
+        if range.first == 0 || range.first > range.last {
+            return Err(format!("{text:?} must be a non-empty range above 0"));
+        }
+        if range.contains(65534) || range.contains(u32::MAX) {
+            return Err(format!("{text:?} must not contain 65534 (nobody) or 4294967295"));
+        }
+        Ok(range)
+    }
+
+    pub fn contains(&self, uid: u32) -> bool {
+        (self.first..=self.last).contains(&uid)
+    }
+}
+
+/// Who sandboxes run as on this host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UidMode {
+    /// A root daemon: each sandbox gets its own uid from the range.
+    PerSandbox(UidRange),
+    /// An unprivileged daemon: sandboxes run as the daemon's own uid.
+    Daemon { uid: u32, gid: u32 },
+}
+
+impl UidMode {
+    pub fn detect(range: UidRange) -> UidMode {
+        // SAFETY: getters with no arguments and no failure mode.
+        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        if uid == 0 {
+            UidMode::PerSandbox(range)
+        } else {
+            UidMode::Daemon { uid, gid }
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            UidMode::PerSandbox(r) => format!("one host uid per sandbox from {}-{}", r.first, r.last),
+            UidMode::Daemon { uid, .. } => {
+                format!("the daemon runs as uid {uid}, not root: every sandbox runs as uid {uid} (no uid of its own)")
+            }
+        }
+    }
+}
+
+/// The daemon's effective uid.
+pub fn effective_uid() -> u32 {
+    // SAFETY: a getter with no arguments and no failure mode.
+    unsafe { libc::geteuid() }
+}
+
+/// The uid inside every sandbox (its user namespace maps it to the host uid).
+pub const INSIDE_UID: u32 = 1000;
+
+/// A sandbox's own host user, from a uid the store allocated.
+pub fn own_user(uid: u32) -> HostUser {
+    HostUser { uid, gid: uid }
+}
+
+/// Pids of every live process whose real uid is `uid`. With a uid per
+/// sandbox, that is exactly the sandbox's processes, wherever they went
+/// (setsid, double fork, another process group). Zombies are dead already
+/// (their parent, often the host's init, reaps them in its own time).
+pub fn processes_of_uid(uid: u32) -> Vec<i32> {
+    let Ok(proc_dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    proc_dir
+        .filter_map(|entry| entry.ok())
+        .filter_map(|entry| entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .filter(|pid| live_uid(*pid) == Some(uid))
+        .collect()
+}
+
+/// The real uid of `pid`, unless it is a zombie.
+fn live_uid(pid: i32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
+    if field("State:").is_some_and(|s| s.starts_with('Z') || s.starts_with('X')) {
+        return None;
+    }
+    field("Uid:")?.split_whitespace().next()?.parse().ok()
+}
+
+/// SIGKILLs every process of `uid` until none is left, up to `timeout`.
+/// Never used for a uid that is not a sandbox's own.
+pub async fn kill_uid(uid: u32, timeout: Duration) -> Result<usize, String> {
+    if uid == 0 {
+        return Err("refusing to kill the processes of uid 0".into());
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut killed = 0;
+    loop {
+        let pids = processes_of_uid(uid);
+        if pids.is_empty() {
+            return Ok(killed);
+        }
+        for pid in pids {
+            // SAFETY: kill(2) on a pid just seen running as this sandbox's
+            // own uid; no memory is involved.
+            if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
+                killed += 1;
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!("processes of uid {uid} still alive after {timeout:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uid_ranges_parse_and_refuse_what_they_must() {
+        assert_eq!(UidRange::parse("200000-265535"), Ok(UidRange { first: 200000, last: 265535 }));
+        assert_eq!(UidRange::parse(" 7 - 7 "), Ok(UidRange { first: 7, last: 7 }));
+        for bad in ["", "5", "0-10", "10-5", "a-b", "60000-70000", "4294967000-4294967295"] {
+            assert!(UidRange::parse(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn cgroup_parent_must_stay_below_the_mount() {
+        for bad in ["", "..", "a/../b", "/abs", "a//b"] {
+            let config = SandboxConfig { cgroup_parent: bad.into(), ..SandboxConfig::default() };
+            assert_eq!(config.validate().unwrap_err().0, "sandbox.cgroup_parent", "{bad:?}");
+        }
+        assert!(SandboxConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn uid_zero_is_never_swept() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        assert!(rt.block_on(kill_uid(0, Duration::from_millis(1))).is_err());
+    }
+}

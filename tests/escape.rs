@@ -1,0 +1,506 @@
+//! The sandbox is a boundary: each test here is an attack run from inside a
+//! real bubblewrap sandbox (a shell or Python task of a real daemon), and
+//! each fails on a build without the protection it names.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt;
+use std::time::Duration;
+
+use common::{finished, request, require_bwrap, Options, TestDaemon};
+use corral::pb;
+use corral::pb::lifecycle_event::Kind;
+
+/// A shell-task profile with extra `[limits]` lines (and optionally another
+/// sandbox type).
+fn shell_profile(id: &str, sandbox: &str, limits: &str) -> String {
+    format!(
+        r#"id = "{id}"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-s"]
+input = "description"
+[sandbox]
+{sandbox}
+write_paths = ["."]
+[limits]
+timeout_seconds = 60
+{limits}
+"#
+    )
+}
+
+fn bwrap_shell(id: &str, limits: &str) -> (String, String) {
+    (format!("{id}.toml"), shell_profile(id, "type = \"linux_bwrap\"", limits))
+}
+
+async fn daemon_with(profiles: Vec<(String, String)>) -> TestDaemon {
+    require_bwrap();
+    TestDaemon::start(Options { profiles, ..Options::default() }).await
+}
+
+/// Runs `script` in a fresh `builtin.shell` (or `profile`) sandbox and
+/// returns the finished execution and all events.
+async fn run(daemon: &TestDaemon, profile: &str, script: &str) -> (pb::Execution, Vec<pb::LifecycleEvent>) {
+    let events = daemon.execute(request(profile, script)).await;
+    (finished(&events), events)
+}
+
+fn receipt(events: &[pb::LifecycleEvent]) -> pb::EnforcementReceipt {
+    events
+        .iter()
+        .find_map(|e| match &e.kind {
+            Some(Kind::SandboxReady(ready)) => ready.receipt.clone(),
+            _ => None,
+        })
+        .expect("a sandbox_ready event with a receipt")
+}
+
+fn limit_events(events: &[pb::LifecycleEvent]) -> Vec<pb::LimitHit> {
+    events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::Limit(l)) => Some(l.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Host pids whose command line contains `marker`, with their real uid.
+fn host_processes(marker: &str) -> Vec<(i32, u32)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        if !String::from_utf8_lossy(&cmdline).contains(marker) {
+            continue;
+        }
+        let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+        if status.lines().any(|l| l.starts_with("State:") && l.contains('Z')) {
+            continue;
+        }
+        let uid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|u| u.parse().ok())
+            .unwrap_or(u32::MAX);
+        out.push((pid, uid));
+    }
+    out
+}
+
+/// Live host processes running as `uid`.
+fn processes_of_uid(uid: u32) -> Vec<i32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+        let zombie = status.lines().any(|l| l.starts_with("State:") && l.contains('Z'));
+        let real = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next());
+        if !zombie && real == Some(uid.to_string().as_str()) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+async fn wait_for<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+    for _ in 0..200 {
+        if let Some(found) = probe() {
+            return found;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+// ---------------------------------------------------------------------------
+// Identity
+
+/// Starts `script` and reads its stream up to `dispatched`: the execution
+/// id, the host workspace, the receipt, and the live stream.
+async fn start(
+    daemon: &TestDaemon,
+    profile: &str,
+    script: &str,
+) -> (String, String, pb::EnforcementReceipt, tonic::Streaming<pb::LifecycleEvent>) {
+    let mut client = daemon.executions().await;
+    let mut stream = client.execute(request(profile, script)).await.unwrap().into_inner();
+    let (mut id, mut ws, mut receipt) = (String::new(), String::new(), None);
+    loop {
+        let event = stream.message().await.unwrap().expect("a dispatched event");
+        match event.kind {
+            Some(Kind::Accepted(a)) => id = a.execution_id,
+            Some(Kind::SandboxReady(r)) => (ws, receipt) = (r.workspace_path, r.receipt),
+            Some(Kind::Dispatched(_)) => break,
+            _ => {}
+        }
+    }
+    (id, ws, receipt.expect("a receipt"), stream)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_sandbox_runs_as_its_own_unprivileged_host_uid() {
+    let daemon = daemon_with(vec![]).await;
+    let marker = format!("UID-MARKER-{}", std::process::id());
+    let script = format!(
+        "touch owned && cp /usr/bin/id suid-id && chmod 4755 suid-id && exec python3 -c 'import time; time.sleep(30)' {marker}"
+    );
+    let (id_a, ws, receipt_a, _a) = start(&daemon, "builtin.shell", &script).await;
+    let (id_b, _, receipt_b, _b) = start(&daemon, "builtin.shell", &script).await;
+    let both = wait_for("two sandboxed harnesses", || {
+        let found = host_processes(&marker);
+        (found.len() >= 2).then_some(found)
+    })
+    .await;
+    // Read from the host's /proc, not from the daemon.
+    let mut uids: Vec<u32> = both.iter().map(|(_, uid)| *uid).collect();
+    uids.sort();
+    assert!(uids.iter().all(|uid| *uid != 0), "a harness runs as host root: {uids:?}");
+    assert_ne!(uids[0], uids[1], "two concurrent sandboxes share a host uid");
+    let mut named = vec![receipt_a.host_uid, receipt_b.host_uid];
+    named.sort();
+    assert_eq!(uids, named, "the receipts name the uids the harnesses run as");
+
+    // What the harness made belongs to its uid on the host, and a setuid
+    // bit it sets can only ever grant that uid.
+    let owned = std::fs::metadata(format!("{ws}/owned")).expect("the harness's file on the host");
+    assert_eq!(owned.uid(), receipt_a.host_uid);
+    let suid = std::fs::metadata(format!("{ws}/suid-id")).unwrap();
+    assert_eq!(suid.mode() & 0o4000, 0o4000, "the setuid bit was set");
+    assert_eq!(suid.uid(), receipt_a.host_uid, "a setuid binary made inside belongs to host root");
+    let out = std::process::Command::new(format!("{ws}/suid-id")).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(&format!("euid={}", receipt_a.host_uid)), "{text}");
+
+    let mut client = daemon.executions().await;
+    for id in [id_a, id_b] {
+        client.cancel_execution(pb::CancelExecutionRequest { execution_id: id }).await.unwrap();
+    }
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// View and kernel surface
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_file_under_proc_sys_is_writable() {
+    let daemon = daemon_with(vec![]).await;
+    // Each sysctl gets its own current value back: harmless even on a
+    // build where the write goes through (and that build fails here).
+    let script = r#"n=0
+for f in $(find /proc/sys -type f 2>/dev/null); do
+  v=$(cat "$f" 2>/dev/null) || continue
+  if (printf '%s\n' "$v" > "$f") 2>/dev/null; then n=$((n+1)); echo "WRITABLE $f"; fi
+done
+echo "writable: $n""#;
+    let (execution, _) = run(&daemon, "builtin.shell", script).await;
+    assert!(execution.tool_output.contains("writable: 0"), "{}", execution.tool_output);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_private_keys_are_absent_and_the_hostname_is_neutral() {
+    let daemon = daemon_with(vec![]).await;
+    let script = "test -e /etc/ssl/private && echo PRIVATE-PRESENT; test -d /etc/ssl/certs && echo CERTS-PRESENT; \
+                  echo host=$(cat /proc/sys/kernel/hostname); tr '\\0' ' ' < /proc/1/cmdline; echo";
+    let (execution, _) = run(&daemon, "builtin.shell", script).await;
+    let out = &execution.tool_output;
+    assert!(!out.contains("PRIVATE-PRESENT"), "{out}");
+    assert!(out.contains("CERTS-PRESENT"), "{out}");
+    assert!(out.contains("host=corral"), "{out}");
+    let data_dir = daemon.data_dir().display().to_string();
+    assert!(!out.contains(&data_dir), "pid 1's command line shows the host's data directory: {out}");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nested_user_namespaces_and_mount_are_refused() {
+    let daemon = daemon_with(vec![]).await;
+    let script = r#"unshare -U true 2>/dev/null && echo USERNS-CREATED
+unshare -Urm true 2>/dev/null && echo USERNS-MOUNT-CREATED
+python3 - <<'EOF'
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWUSER = 0x10000000
+r = libc.unshare(CLONE_NEWUSER)
+print("unshare", r, os.strerror(ctypes.get_errno()) if r else "ok")
+r = libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)
+print("mount", r, os.strerror(ctypes.get_errno()) if r else "ok")
+EOF"#;
+    let (execution, _) = run(&daemon, "builtin.shell", script).await;
+    let out = &execution.tool_output;
+    assert!(!out.contains("CREATED"), "{out}");
+    assert!(out.contains("unshare -1 Operation not permitted"), "{out}");
+    assert!(out.contains("mount -1"), "{out}");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seccomp_filter_is_loaded_and_refuses_tiocsti() {
+    let daemon = daemon_with(vec![]).await;
+    let script = r#"grep '^Seccomp:' /proc/self/status
+python3 - <<'EOF'
+import fcntl, os, termios
+master, slave = os.openpty()
+try:
+    fcntl.ioctl(slave, termios.TIOCSTI, b"x")
+    print("TIOCSTI accepted")
+except OSError as e:
+    print("TIOCSTI", os.strerror(e.errno))
+EOF"#;
+    let (execution, events) = run(&daemon, "builtin.shell", script).await;
+    let out = &execution.tool_output;
+    assert!(out.contains("Seccomp:\t2"), "{out}");
+    assert!(out.contains("TIOCSTI Operation not permitted"), "{out}");
+    let receipt = receipt(&events);
+    assert!(receipt.seccomp_digest.starts_with("sha256:") && receipt.seccomp_digest.len() == 71, "{receipt:?}");
+    assert!(receipt.userns_disabled);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_descriptor_above_2_is_open_at_harness_start() {
+    use std::os::fd::IntoRawFd;
+    // A descriptor the daemon's process holds without close-on-exec (as an
+    // inherited one would be): it must not reach the sandbox.
+    let leak = std::fs::File::open("/etc/hostname").unwrap().into_raw_fd();
+    // SAFETY: clearing FD_CLOEXEC on a descriptor this test owns.
+    unsafe { libc::fcntl(leak, libc::F_SETFD, 0) };
+    let daemon = daemon_with(vec![]).await;
+    // Read from the host: the descriptors of the harness process itself.
+    let marker = format!("FD-MARKER-{}", std::process::id());
+    let script = format!("exec python3 -c 'import time; time.sleep(30)' {marker}");
+    let (id, _, _, _stream) = start(&daemon, "builtin.shell", &script).await;
+    let (pid, _) = wait_for("the harness", || host_processes(&marker).first().copied()).await;
+    let mut fds: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    fds.sort();
+    assert_eq!(fds, [0, 1, 2], "descriptors of the harness at start");
+    let mut client = daemon.executions().await;
+    client.cancel_execution(pb::CancelExecutionRequest { execution_id: id }).await.unwrap();
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// Limits
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_processes_caps_forks_and_says_so() {
+    let daemon = daemon_with(vec![bwrap_shell("test.pids", "max_processes = 50")]).await;
+    let script = r#"python3 - <<'EOF'
+import os, time
+started = 0
+for _ in range(200):
+    try:
+        pid = os.fork()
+    except OSError:
+        continue
+    if pid == 0:
+        time.sleep(2)
+        os._exit(0)
+    started += 1
+print("started", started)
+EOF"#;
+    let (execution, events) = run(&daemon, "test.pids", script).await;
+    let started: u32 = execution
+        .tool_output
+        .lines()
+        .find_map(|l| l.strip_prefix("started "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no count: {}", execution.tool_output));
+    assert!(started < 50, "{started} of 200 children started under max_processes = 50");
+    assert!(limit_events(&events).iter().any(|l| l.limit == "pids"), "no limit event for pids");
+    let receipt = receipt(&events);
+    let pids = receipt.limits.iter().find(|l| l.name == "max_processes").expect("max_processes in the receipt");
+    assert_eq!(pids.value, 50);
+    assert!(pids.mechanism.contains("cgroup"), "{pids:?}");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_bytes_stops_a_1_gib_allocation_and_reports_a_limit_hit() {
+    let daemon = daemon_with(vec![bwrap_shell("test.memory", "memory_bytes = 268435456")]).await;
+    let script = "python3 -c \"b = b'x' * (1 << 30); print('ALLOCATED', len(b))\"";
+    let (execution, events) = run(&daemon, "test.memory", script).await;
+    assert!(!execution.tool_output.contains("ALLOCATED"), "1 GiB allocated under a 256 MiB limit");
+    assert_eq!(execution.state, pb::ExecutionState::Failed as i32);
+    let hits = limit_events(&events);
+    assert!(hits.iter().any(|l| l.limit == "memory" && l.value == 256 << 20), "{hits:?}");
+    assert!(execution.tool_error.contains("memory_bytes"), "{}", execution.tool_error);
+    // The daemon is fine: the next run works.
+    let (next, _) = run(&daemon, "builtin.shell", "echo alive").await;
+    assert!(next.tool_output.contains("alive"));
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_workspace_bytes_exceeded_fails_the_run() {
+    let daemon = daemon_with(vec![bwrap_shell("test.workspace", "max_workspace_bytes = 10485760")]).await;
+    let script = "head -c 6000000 /dev/zero > a; head -c 6000000 /dev/zero > b; sleep 5; echo DONE";
+    let (execution, events) = run(&daemon, "test.workspace", script).await;
+    assert_eq!(execution.state, pb::ExecutionState::Failed as i32, "{execution:?}");
+    assert_eq!(execution.evidence.as_ref().unwrap().failure_stage, pb::FailureStage::Execution as i32);
+    assert!(limit_events(&events).iter().any(|l| l.limit == "workspace"), "no workspace limit event");
+    assert!(!execution.tool_output.contains("DONE"), "the run went on past its workspace limit");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_flood_is_cut_at_the_limit() {
+    let daemon = daemon_with(vec![bwrap_shell("test.flood", "max_events = 100")]).await;
+    let script = r#"i=0; while [ $i -lt 3000 ]; do echo '{"type":"progress","message":"flood"}'; i=$((i+1)); done"#;
+    let (execution, events) = run(&daemon, "test.flood", script).await;
+    let progress = events.iter().filter(|e| matches!(e.kind, Some(Kind::Progress(_)))).count();
+    assert!(progress <= 100, "{progress} progress events recorded past max_events = 100");
+    let hits = limit_events(&events);
+    assert_eq!(hits.len(), 1, "exactly one event says the stream was cut: {hits:?}");
+    assert_eq!(hits[0].limit, "events");
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32);
+    let stored = daemon.watch_all(&execution.execution_id, 0).await;
+    assert!(stored.len() < 120, "{} events stored", stored.len());
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_the_host_cannot_enforce_is_refused_at_the_gate() {
+    require_bwrap();
+    let no_cgroups = tempfile::tempdir().unwrap();
+    let mount = no_cgroups.path().to_path_buf();
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![bwrap_shell("test.memory", "memory_bytes = 268435456")],
+        backends: Some(corral::sandbox::Backends::for_host(&corral::sandbox::SandboxConfig {
+            cgroup_mount: mount.clone(),
+            ..Default::default()
+        })),
+        ..Options::default()
+    })
+    .await;
+    let (execution, events) = run(&daemon, "test.memory", "echo ran").await;
+    assert_eq!(execution.state, pb::ExecutionState::Refused as i32);
+    let evidence = execution.evidence.clone().unwrap();
+    assert_eq!(evidence.failure_stage, pb::FailureStage::Gate as i32);
+    assert!(
+        execution.tool_error.contains("limits.memory_bytes cannot be enforced on this host"),
+        "{}",
+        execution.tool_error
+    );
+    assert!(!events.iter().any(|e| matches!(e.kind, Some(Kind::SandboxReady(_)))), "a sandbox was created");
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// Teardown
+
+/// Runs a sleeping task, cancels it `delay` after `dispatched`, and checks
+/// that once it is CANCELLED nothing of its sandbox is alive on the host.
+async fn cancel_after(daemon: &TestDaemon, delay: Duration, marker: &str, on_disconnect: bool) {
+    let script = format!("exec python3 -c 'import time; time.sleep(600)' {marker}");
+    let mut client = daemon.executions().await;
+    let mut req = request("builtin.shell", &script);
+    req.cancel_on_disconnect = on_disconnect;
+    let mut stream = client.execute(req).await.unwrap().into_inner();
+    let mut id = String::new();
+    let mut host_uid = 0;
+    loop {
+        let event = stream.message().await.unwrap().expect("a dispatched event");
+        match event.kind {
+            Some(Kind::Accepted(a)) => id = a.execution_id,
+            Some(Kind::SandboxReady(r)) => host_uid = r.receipt.unwrap().host_uid,
+            Some(Kind::Dispatched(_)) => break,
+            _ => {}
+        }
+    }
+    tokio::time::sleep(delay).await;
+    if on_disconnect {
+        drop(stream);
+    } else {
+        client.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.unwrap();
+    }
+    let events = daemon.watch_all(&id, 0).await;
+    let record = finished(&events);
+    assert_eq!(record.state, pb::ExecutionState::Cancelled as i32, "{record:?}");
+    assert_ne!(host_uid, 0);
+    let left = processes_of_uid(host_uid);
+    assert!(left.is_empty(), "after CANCELLED, processes of the sandbox's uid {host_uid} live: {left:?}");
+    let marked = host_processes(marker);
+    assert!(marked.is_empty(), "after CANCELLED, the task lives: {marked:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_cancel_leaves_nothing_alive() {
+    let daemon = daemon_with(vec![]).await;
+    for ms in [0u64, 1, 2, 5, 10, 20] {
+        for n in 0..20 {
+            let marker = format!("CANCEL-MARKER-{}-{ms}-{n}", std::process::id());
+            cancel_after(&daemon, Duration::from_millis(ms), &marker, false).await;
+        }
+    }
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_leaves_at_once_leaves_nothing_alive() {
+    let daemon = daemon_with(vec![]).await;
+    for n in 0..20 {
+        let marker = format!("DISCONNECT-MARKER-{}-{n}", std::process::id());
+        cancel_after(&daemon, Duration::ZERO, &marker, true).await;
+    }
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_setsid_child_of_a_none_sandbox_does_not_survive_teardown() {
+    let profile = ("none.toml".to_string(), shell_profile("test.none", "type = \"none\"\nallow_network = true", ""));
+    let daemon = daemon_with(vec![profile]).await;
+    let marker = format!("SETSID-MARKER-{}", std::process::id());
+    let script = format!("setsid python3 -c 'import time; time.sleep(600)' {marker} >/dev/null 2>&1 < /dev/null & sleep 0.3; echo started");
+    let (execution, events) = run(&daemon, "test.none", &script).await;
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+    let evidence = execution.evidence.unwrap();
+    assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32);
+    let left = host_processes(&marker);
+    assert!(left.is_empty(), "a setsid child outlived its none sandbox: {left:?}");
+    let receipt = receipt(&events);
+    assert_ne!(receipt.host_uid, 0, "a none sandbox runs as host root");
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// Receipt and capability report
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_receipt_names_uid_seccomp_and_limits() {
+    let daemon = daemon_with(vec![bwrap_shell(
+        "test.limits",
+        "memory_bytes = 536870912\nmax_processes = 64\nmax_open_files = 256",
+    )])
+    .await;
+    let (execution, events) = run(&daemon, "test.limits", "ulimit -n; ulimit -c").await;
+    let receipt = receipt(&events);
+    assert!(receipt.host_uid >= 200000 && receipt.own_uid, "{receipt:?}");
+    assert_eq!(receipt.inside_uid, 1000);
+    assert!(receipt.seccomp_digest.starts_with("sha256:"));
+    let names: Vec<&str> = receipt.limits.iter().map(|l| l.name.as_str()).collect();
+    for name in ["memory_bytes", "max_processes", "max_open_files", "tmp_bytes"] {
+        assert!(names.contains(&name), "{name} missing from {names:?}");
+    }
+    let lines: Vec<&str> = execution.tool_output.lines().collect();
+    assert_eq!(lines, ["256", "0"], "RLIMIT_NOFILE and RLIMIT_CORE inside");
+    daemon.stop().await;
+}
+
+#[test]
+fn corral_doctor_prints_the_capability_report() {
+    require_bwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_corral")).arg("doctor").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    for line in ["bwrap", "seccomp", "sandbox uids", "cgroups", "memory", "pids", "builtin.shell@1.0.0"] {
+        assert!(text.lines().any(|l| l.trim_start().starts_with(line)), "no {line} line in\n{text}");
+    }
+    assert!(text.contains("one host uid per sandbox"), "{text}");
+}
