@@ -11,7 +11,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/corral/v1/session.proto",
         "proto/corral/v1/catalog.proto",
     ];
+    // Each file, not only the directory: a directory's own mtime does not
+    // change when a file in a subdirectory is edited in place.
     println!("cargo:rerun-if-changed=proto");
+    for file in files {
+        println!("cargo:rerun-if-changed={file}");
+    }
     let fds = protox::compile(files, ["proto"])?;
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     let bytes = prost::Message::encode_to_vec(&fds);

@@ -42,9 +42,28 @@ pub struct Config {
     pub store: StoreConfig,
     /// Host identity and cgroups of sandboxes.
     pub sandbox: crate::sandbox::SandboxConfig,
+    /// How a run's workspace is brought back.
+    pub git: GitConfig,
     /// Names this daemon in a shared store (default: host name and data
     /// directory): recovery and hub delivery only touch its own rows.
     pub node_id: Option<String>,
+}
+
+/// The `[git]` section: the capture of a workspace at the end of a run.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GitConfig {
+    /// How long the capture inside the sandbox may take before it is
+    /// killed and the run fails at `teardown`.
+    pub timeout_seconds: u64,
+    /// The largest bundle fetched back into the origin.
+    pub max_bundle_bytes: u64,
+}
+
+impl Default for GitConfig {
+    fn default() -> Self {
+        GitConfig { timeout_seconds: 120, max_bundle_bytes: 1 << 30 }
+    }
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -72,6 +91,7 @@ impl Default for Config {
             credentials: CredentialsConfig::default(),
             store: StoreConfig::default(),
             sandbox: crate::sandbox::SandboxConfig::default(),
+            git: GitConfig::default(),
             node_id: None,
         }
     }
@@ -176,6 +196,12 @@ impl Config {
         }
         if self.session_idle_seconds == 0 {
             return Err(invalid("session_idle_seconds", "must be greater than 0".into()));
+        }
+        if self.git.timeout_seconds == 0 {
+            return Err(invalid("git.timeout_seconds", "must be greater than 0".into()));
+        }
+        if self.git.max_bundle_bytes == 0 {
+            return Err(invalid("git.max_bundle_bytes", "must be greater than 0".into()));
         }
         if self.watch_buffer < 16 {
             return Err(invalid("watch_buffer", "must be at least 16".into()));

@@ -91,6 +91,7 @@ impl Daemon {
             hub: hub.clone(),
             credentials: Arc::new(config.credentials.clone()),
             max_running: config.max_running_executions,
+            git: config.git.clone(),
             uid_range: match uid_mode {
                 UidMode::PerSandbox(range) => Some(range),
                 UidMode::Daemon { .. } => None,

@@ -19,6 +19,7 @@ pub mod events;
 pub mod evidence;
 pub mod hub;
 pub mod lifecycle;
+pub mod net;
 pub mod policy;
 pub mod rein;
 pub mod sandbox;

@@ -504,3 +504,21 @@ fn corral_doctor_prints_the_capability_report() {
     }
     assert!(text.contains("one host uid per sandbox"), "{text}");
 }
+
+#[test]
+fn an_unprivileged_daemon_says_its_sandboxes_share_its_uid() {
+    require_bwrap();
+    use std::os::unix::process::CommandExt;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+        .arg("doctor")
+        .env("HOME", "/tmp")
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("corral doctor runs as nobody (the binary must be readable by others)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let uids = text.lines().find(|l| l.starts_with("sandbox uids")).unwrap_or_else(|| panic!("{text}"));
+    assert!(uids.contains("NO") && uids.contains("every sandbox runs as uid 65534"), "{uids}");
+    let egress = text.lines().find(|l| l.starts_with("egress")).unwrap_or_else(|| panic!("{text}"));
+    assert!(egress.contains("NO"), "an unprivileged daemon claims it can proxy egress: {egress}");
+}

@@ -23,6 +23,7 @@ pub fn sandbox_spec(s: &sandbox::SandboxSpec) -> pb::SandboxSpec {
     pb::SandboxSpec {
         r#type: sandbox_type(s.sandbox_type) as i32,
         allow_network: s.allow_network,
+        allow_hosts: s.allow_hosts.clone(),
         write_paths: s.write_paths.clone(),
         read_paths: s.read_paths.clone(),
         env_passthrough: s.env_passthrough.clone(),
@@ -141,6 +142,19 @@ pub fn evidence(e: &evidence::Evidence) -> pb::Evidence {
         correlation_id: e.correlation_id.clone(),
         assignment_ref: e.assignment_ref.clone(),
         notes: e.notes.clone(),
+        workspace_snapshot: e.workspace_snapshot,
+        agent_commits: e.agent_commits,
+        egress: Some(pb::EgressSummary {
+            allowed: e.egress.allowed,
+            denied: e.egress.denied,
+            denied_hosts: e.egress.denied_hosts.clone(),
+            bytes: e
+                .egress
+                .bytes
+                .iter()
+                .map(|b| pb::HostBytes { host: b.host.clone(), up: b.up, down: b.down })
+                .collect(),
+        }),
         stage_timings: e
             .stage_timings
             .iter()
@@ -237,6 +251,13 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
         }
         EventKind::Reaped { idle_seconds } => Kind::Reaped(pb::Reaped { idle_seconds: *idle_seconds }),
         EventKind::Recovered { note } => Kind::Recovered(pb::Recovered { note: note.clone() }),
+        EventKind::Egress { host, port, allowed, rule_or_reason, method } => Kind::Egress(pb::Egress {
+            host: host.clone(),
+            port: u32::from(*port),
+            allowed: *allowed,
+            rule_or_reason: rule_or_reason.clone(),
+            method: method.clone(),
+        }),
         EventKind::LimitHit { limit, value, detail } => {
             Kind::Limit(pb::LimitHit { limit: limit.clone(), value: *value, detail: detail.clone() })
         }
@@ -347,6 +368,8 @@ fn enforcement_receipt(r: &crate::sandbox::EnforcementReceipt) -> pb::Enforcemen
     pb::EnforcementReceipt {
         command_digest: r.command_digest.clone(),
         network_isolated: r.network_isolated,
+        egress: r.egress.clone(),
+        allow_hosts: r.allow_hosts.clone(),
         write_roots: r.write_roots.clone(),
         host_uid: r.host_uid,
         own_uid: r.own_uid,

@@ -69,6 +69,10 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
     let reflection_v1 = reflection().build_v1()?;
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
+    // No sandbox's egress proxy ever connects to this daemon.
+    if let Ok(addr) = listener.local_addr() {
+        crate::net::protect(addr);
+    }
     let streams_end = CancellationToken::new();
     let execution =
         ExecutionApi { engine: parts.engine.clone(), repo_roots: parts.repo_roots, shutdown: streams_end.clone() };

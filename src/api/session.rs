@@ -67,14 +67,14 @@ impl SessionService for SessionApi {
         validate::profile_ref("profile_ref", &req.profile_ref)?;
         validate::id_like("actor", &req.actor, 16)?;
         validate::id_like("project", &req.project, validate::MAX_ID)?;
-        validate::repo(&req.repo, &self.repo_roots).await?;
+        let repo = validate::repo(&req.repo, &self.repo_roots).await?;
         let policies = session_policies(&req.actor, &req.policies)?;
         let cmd = CreateSessionCommand {
             session_id: req.session_id,
             profile_ref: req.profile_ref,
             actor: req.actor,
             project: req.project,
-            repo: req.repo,
+            repo,
             policies,
         };
         let record = self.engine.create_session(cmd).await?;

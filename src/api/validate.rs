@@ -48,11 +48,12 @@ fn text(field: &str, value: &str, max: usize) -> Result<(), Status> {
     Ok(())
 }
 
-/// A repository path: absolute, no `..`, under an allowed root, and a git
-/// repository.
-pub async fn repo(value: &str, roots: &[std::path::PathBuf]) -> Result<(), Status> {
+/// A repository path: absolute, no `..`, under an allowed root once every
+/// symlink is resolved, and a git repository. Returns the canonical path,
+/// which is what the execution uses from then on.
+pub async fn repo(value: &str, roots: &[std::path::PathBuf]) -> Result<String, Status> {
     if value.is_empty() {
-        return Ok(());
+        return Ok(String::new());
     }
     text("repo", value, MAX_PATH)?;
     let path = Path::new(value);
@@ -62,13 +63,15 @@ pub async fn repo(value: &str, roots: &[std::path::PathBuf]) -> Result<(), Statu
     if path.components().any(|c| matches!(c, Component::ParentDir)) {
         return Err(invalid_argument("repo", "must not contain '..'"));
     }
-    if !roots.is_empty() && !roots.iter().any(|root| path.starts_with(root)) {
+    let canonical = path.canonicalize().map_err(|_| invalid_argument("repo", "does not exist"))?;
+    let under = |root: &std::path::PathBuf| root.canonicalize().is_ok_and(|root| canonical.starts_with(root));
+    if !roots.is_empty() && !roots.iter().any(under) {
         return Err(invalid_argument("repo", "is outside the daemon's allowed repository roots"));
     }
-    if !crate::sandbox::workspace::is_git_repo(path).await {
+    if !crate::sandbox::workspace::is_git_repo(&canonical).await {
         return Err(invalid_argument("repo", "is not a git repository"));
     }
-    Ok(())
+    canonical.into_os_string().into_string().map_err(|_| invalid_argument("repo", "must be valid UTF-8"))
 }
 
 pub async fn execute_request(req: pb::ExecuteRequest, roots: &[std::path::PathBuf]) -> Result<ExecuteCommand, Status> {
@@ -80,10 +83,10 @@ pub async fn execute_request(req: pb::ExecuteRequest, roots: &[std::path::PathBu
     id_like("assignment_ref", &req.assignment_ref, MAX_ID)?;
     id_like("actor", &req.actor, 16)?;
     id_like("project", &req.project, MAX_ID)?;
-    repo(&req.repo, roots).await?;
+    let repo = repo(&req.repo, roots).await?;
     Ok(ExecuteCommand {
         harness_profile_ref: req.harness_profile_ref,
-        repo: req.repo,
+        repo,
         title: req.title,
         description: req.description,
         request_id: req.request_id,

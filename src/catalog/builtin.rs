@@ -8,10 +8,11 @@ fn isolated() -> SandboxSpec {
     SandboxSpec::default()
 }
 
-fn with_network(env: &[&str]) -> SandboxSpec {
+fn with_network(env: &[&str], hosts: &[&str]) -> SandboxSpec {
     SandboxSpec {
         sandbox_type: SandboxType::LinuxBwrap,
         allow_network: true,
+        allow_hosts: hosts.iter().map(|s| s.to_string()).collect(),
         write_paths: vec![".".into()],
         read_paths: Vec::new(),
         env_passthrough: env.iter().map(|s| s.to_string()).collect(),
@@ -30,6 +31,7 @@ fn file(id: &str, description: &str, rein: ReinSpec, sandbox: SandboxSpec, readi
         limits: Limits::default(),
         credential_route_refs: Vec::new(),
         guardrails: Default::default(),
+        git: Default::default(),
     }
 }
 
@@ -90,7 +92,7 @@ pub fn builtin_profiles() -> Vec<ProfileFile> {
                 argv: ["claude", "-p", "--output-format", "stream-json", "--verbose"].map(String::from).to_vec(),
                 input: TaskInput::Prompt,
             },
-            with_network(&["ANTHROPIC_API_KEY"]),
+            with_network(&["ANTHROPIC_API_KEY"], &["api.anthropic.com"]),
             cli_readiness("claude", "the npm package @anthropic-ai/claude-code"),
         ),
         file(
@@ -102,7 +104,7 @@ pub fn builtin_profiles() -> Vec<ProfileFile> {
                 argv: ["codex", "exec", "--json", "-"].map(String::from).to_vec(),
                 input: TaskInput::Prompt,
             },
-            with_network(&["OPENAI_API_KEY"]),
+            with_network(&["OPENAI_API_KEY"], &["api.openai.com", "chatgpt.com"]),
             cli_readiness("codex", "the npm package @openai/codex"),
         ),
     ]

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use profile::{
-    Limits, Preset, Profile, ProfileFile, ProfileStatus, Readiness, ReadinessState, ReinSpec, TaskInput,
+    GitSettings, Limits, Preset, Profile, ProfileFile, ProfileStatus, Readiness, ReadinessState, ReinSpec, TaskInput,
 };
 
 /// The sentence rule 1 prescribes for a bad actor.

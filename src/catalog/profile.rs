@@ -153,6 +153,53 @@ impl Limits {
     }
 }
 
+/// The git identities of a run: the harness's own (`GIT_AUTHOR_*` and
+/// `GIT_COMMITTER_*` in its environment, so its `git commit` works), and
+/// the daemon's for snapshots of uncommitted work.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GitSettings {
+    pub author_name: String,
+    pub author_email: String,
+    /// Commit what the agent left uncommitted at the end (in the sandbox),
+    /// so `refs/corral/<id>` holds it.
+    pub snapshot: bool,
+    pub snapshot_name: String,
+    pub snapshot_email: String,
+}
+
+impl Default for GitSettings {
+    fn default() -> Self {
+        GitSettings {
+            author_name: "corral agent".into(),
+            author_email: "agent@corral.invalid".into(),
+            snapshot: true,
+            snapshot_name: "corral".into(),
+            snapshot_email: "corral@localhost".into(),
+        }
+    }
+}
+
+impl GitSettings {
+    pub fn snapshot_identity(&self) -> (String, String) {
+        (self.snapshot_name.clone(), self.snapshot_email.clone())
+    }
+
+    /// The harness's git identity as environment variables.
+    pub fn author_env(&self) -> Vec<(String, String)> {
+        let (name, email) = (&self.author_name, &self.author_email);
+        [
+            ("GIT_AUTHOR_NAME", name),
+            ("GIT_AUTHOR_EMAIL", email),
+            ("GIT_COMMITTER_NAME", name),
+            ("GIT_COMMITTER_EMAIL", email),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect()
+    }
+}
+
 /// A profile file exactly as written in TOML.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -174,6 +221,8 @@ pub struct ProfileFile {
     pub credential_route_refs: Vec<String>,
     #[serde(default)]
     pub guardrails: Guardrails,
+    #[serde(default)]
+    pub git: GitSettings,
 }
 
 /// A validated profile.
@@ -226,6 +275,17 @@ impl Profile {
                 }
             }
         }
+        for (key, value) in [
+            ("git.author_name", &file.git.author_name),
+            ("git.author_email", &file.git.author_email),
+            ("git.snapshot_name", &file.git.snapshot_name),
+            ("git.snapshot_email", &file.git.snapshot_email),
+        ] {
+            if value.is_empty() || value.len() > 200 || value.chars().any(|c| c.is_control() || "<>".contains(c)) {
+                return Err(format!("{key}: {value:?} must be 1-200 characters without control characters or <>"));
+            }
+        }
+        crate::net::parse_hosts(&file.sandbox.allow_hosts).map_err(|e| format!("sandbox.allow_hosts: {e}"))?;
         for path in &file.sandbox.read_paths {
             if !path.starts_with('/') {
                 return Err(format!("sandbox.read_paths: {path:?} must be absolute"));

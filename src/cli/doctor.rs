@@ -42,22 +42,23 @@ pub async fn run(config: &Config) -> anyhow::Result<i32> {
         .map(|h| h.describe())
         .ok_or_else(|| format!("no usable cgroup hierarchy under {}", config.sandbox.cgroup_mount.display()));
     out.push(line("cgroups", &cgroups));
-    for (name, support) in [("memory", &caps.memory), ("pids", &caps.pids), ("cpu", &caps.cpu), ("kill", &caps.kill)] {
+    let rows = [("memory", &caps.memory), ("pids", &caps.pids), ("cpu", &caps.cpu), ("kill", &caps.kill)];
+    for (name, support) in rows {
         out.push(line(&format!("  {name}"), support));
     }
+    out.push(line("egress", &caps.egress));
     out.push("profiles".into());
     let routes: Vec<&str> = config.credentials.names().collect();
     match Catalog::load(&config.profile_dirs, &routes) {
         Ok(catalog) => {
             for profile in catalog.list() {
-                let verdict =
-                    refusal(&profile.file.sandbox.sandbox_type, &profile.file.limits.sandbox(), &probe, &backends)
-                        .or(profile.unusable.clone())
-                        .or_else(|| {
-                            let readiness = &profile.file.readiness;
-                            (readiness.state == crate::catalog::ReadinessState::Blocked)
-                                .then(|| format!("readiness blocked: {}", readiness.reason))
-                        });
+                let verdict = refusal(&profile.file.sandbox, &profile.file.limits.sandbox(), &probe, &backends)
+                    .or(profile.unusable.clone())
+                    .or_else(|| {
+                        let readiness = &profile.file.readiness;
+                        (readiness.state == crate::catalog::ReadinessState::Blocked)
+                            .then(|| format!("readiness blocked: {}", readiness.reason))
+                    });
                 out.push(line(&format!("  {}", profile.reference()), &verdict.map_or(Ok("can run here".into()), Err)));
             }
         }
@@ -68,15 +69,19 @@ pub async fn run(config: &Config) -> anyhow::Result<i32> {
 }
 
 fn refusal(
-    kind: &SandboxType,
+    sandbox: &crate::sandbox::SandboxSpec,
     limits: &crate::sandbox::SandboxLimits,
     probe: &Result<(), String>,
     backends: &Backends,
 ) -> Option<String> {
+    let kind = sandbox.sandbox_type;
     if let (SandboxType::LinuxBwrap, Err(reason)) = (kind, probe) {
         return Some(format!("linux_bwrap cannot be enforced on this host: {reason}"));
     }
-    let caps: Capabilities = backends.get(*kind).capabilities();
+    let caps: Capabilities = backends.get(kind).capabilities();
+    if let (SandboxType::LinuxBwrap, true, Err(reason)) = (kind, sandbox.allow_network, &caps.egress) {
+        return Some(format!("allow_network cannot be enforced on this host: {reason}"));
+    }
     caps.refuse(limits)
 }
 

@@ -162,6 +162,9 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
             facts.add("workspace", &s.workspace_path);
             if let Some(receipt) = &s.receipt {
                 facts.add("network_isolated", receipt.network_isolated.to_string());
+                if receipt.egress == "proxy" {
+                    facts.add("egress", format!("proxy to [{}]", receipt.allow_hosts.join(", ")));
+                }
                 facts.add("host_uid", receipt.host_uid.to_string());
                 if !receipt.seccomp_digest.is_empty() {
                     facts.add("seccomp", &receipt.seccomp_digest);
@@ -211,6 +214,11 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
         Some(Kind::Recovered(r)) => {
             facts.add("note", &r.note);
             "recovered"
+        }
+        Some(Kind::Egress(e)) => {
+            facts.add("host", format!("{}:{}", e.host, e.port));
+            facts.add(if e.allowed { "allowed" } else { "denied" }, &e.rule_or_reason);
+            "egress"
         }
         Some(Kind::Limit(l)) => {
             facts.add("limit", &l.limit).add("value", l.value.to_string()).add("detail", &l.detail);

@@ -88,6 +88,14 @@ pub enum EventKind {
     Recovered {
         note: String,
     },
+    /// One egress attempt through the sandbox's proxy.
+    Egress {
+        host: String,
+        port: u16,
+        allowed: bool,
+        rule_or_reason: String,
+        method: String,
+    },
     /// A limit of the run was reached (memory, pids, workspace, events).
     LimitHit {
         limit: String,
@@ -121,6 +129,7 @@ impl EventKind {
             EventKind::Reaped { .. } => "reaped",
             EventKind::Recovered { .. } => "recovered",
             EventKind::LimitHit { .. } => "limit",
+            EventKind::Egress { .. } => "egress",
             EventKind::Teardown { .. } => "teardown",
             EventKind::Finished { .. } | EventKind::SessionFinished { .. } => "finished",
         }

@@ -109,6 +109,32 @@ pub struct Evidence {
     pub assignment_ref: String,
     pub notes: Vec<String>,
     pub stage_timings: Vec<StageTiming>,
+    /// What the sandbox's egress proxy decided.
+    pub egress: EgressSummary,
+    /// The daemon committed work the agent left uncommitted.
+    pub workspace_snapshot: bool,
+    /// Commits the agent made itself.
+    pub agent_commits: u64,
+}
+
+/// Egress of a run: every attempt counted, the first denied hosts named,
+/// bytes per allowed host.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EgressSummary {
+    pub allowed: u64,
+    pub denied: u64,
+    /// The first distinct `host:port`s denied (at most 10).
+    pub denied_hosts: Vec<String>,
+    pub bytes: Vec<HostBytes>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct HostBytes {
+    pub host: String,
+    pub up: u64,
+    pub down: u64,
 }
 
 impl Evidence {

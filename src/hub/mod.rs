@@ -111,6 +111,9 @@ pub fn report(record: &ExecutionRecord) -> Value {
         "session_cleanup": e.session_cleanup,
         "sandbox_destroy": e.sandbox_destroy,
         "gate_decisions": e.gate_decisions,
+        "egress": { "allowed": e.egress.allowed, "denied": e.egress.denied },
+        "workspace_snapshot": e.workspace_snapshot,
+        "agent_commits": e.agent_commits,
     });
     json!({
         "specversion": "1.0",

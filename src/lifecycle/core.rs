@@ -18,6 +18,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::capture::CaptureJob;
 use super::limits::{cgroup_hits, tree_bytes, workspace_hit, EventBudget, WorkspaceWatch};
 use super::{Engine, RawResult};
 use crate::catalog::{check_actor, Profile, ReadinessState};
@@ -79,7 +80,13 @@ pub struct Core {
     hits_seen: crate::sandbox::cgroup::LimitHits,
     /// The workspace broke `max_workspace_bytes`: no fetch-back.
     workspace_over: bool,
+    /// `egress` events recorded so far.
+    egress_events: u64,
 }
+
+/// At most this many `egress` events per run; later attempts are counted
+/// in the evidence only, so a connect loop cannot flood the store.
+const MAX_EGRESS_EVENTS: u64 = 1000;
 
 impl Core {
     pub fn new(
@@ -113,6 +120,7 @@ impl Core {
             budget: EventBudget::new(u64::MAX, u64::MAX),
             hits_seen: Default::default(),
             workspace_over: false,
+            egress_events: 0,
         }
     }
 
@@ -413,13 +421,22 @@ impl Core {
         let result = {
             let dispatch = harness.dispatch_tool(call, Dispatch { events: tx, cancel, gate });
             tokio::pin!(dispatch);
+            let egress = self.sandbox.as_ref().and_then(|(_, s)| s.egress.clone());
             let result = loop {
+                let egress_news = async {
+                    match &egress {
+                        Some(log) => log.notify().notified().await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     biased;
                     Some(event) = rx.recv() => self.harness_events(event, &mut rx).await,
+                    _ = egress_news => self.record_egress().await,
                     result = &mut dispatch => break result,
                 }
             };
+            self.record_egress().await;
             while let Ok(event) = rx.try_recv() {
                 self.harness_events(event, &mut rx).await;
             }
@@ -456,6 +473,45 @@ impl Core {
             Err(ReinError::Cancelled) => TurnOutcome::Cancelled,
             Err(e) => TurnOutcome::Failed(e),
         }
+    }
+
+    /// Records what the egress proxy decided since the last look: one
+    /// `egress` event per attempt, up to [`MAX_EGRESS_EVENTS`] per run (and
+    /// within the event budget); the evidence counts every attempt.
+    async fn record_egress(&mut self) {
+        let Some(log) = self.sandbox.as_ref().and_then(|(_, s)| s.egress.clone()) else { return };
+        let mut batch = Vec::new();
+        for d in log.drain() {
+            if self.egress_events >= MAX_EGRESS_EVENTS {
+                continue;
+            }
+            self.egress_events += 1;
+            match self.budget.admit(d.host.len() + d.rule_or_reason.len()) {
+                Ok(()) => batch.push((
+                    EventKind::Egress {
+                        host: d.host,
+                        port: d.port,
+                        allowed: d.allowed,
+                        rule_or_reason: d.rule_or_reason,
+                        method: d.method.to_string(),
+                    },
+                    None,
+                )),
+                Err(cut) => batch.extend(cut.map(|limit| (limit, None))),
+            }
+        }
+        self.recorder.emit_batch(batch).await;
+        let (allowed, denied) = log.counts();
+        self.evidence.egress = crate::evidence::EgressSummary {
+            allowed,
+            denied,
+            denied_hosts: log.denied_hosts(10),
+            bytes: log
+                .bytes()
+                .into_iter()
+                .map(|(host, up, down)| crate::evidence::HostBytes { host, up, down })
+                .collect(),
+        };
     }
 
     /// Reads what the sandbox's cgroup cut since the last look and records
@@ -582,6 +638,7 @@ impl Core {
             self.session_cleanup = TeardownResult::Succeeded;
         }
         self.check_workspace_at_end().await;
+        self.record_egress().await;
         if !self.workspace_over {
             self.collect_commit().await;
         }
@@ -602,24 +659,45 @@ impl Core {
         self.recorder.emit(event, None).await;
     }
 
-    /// Records the commit the daemon sees in the workspace and, when it is
-    /// new, fetches it into the origin as `refs/corral/<subject-id>`.
+    /// Brings the workspace's final state back: the capture runs inside the
+    /// sandbox (snapshotting uncommitted work), and the bundle it wrote is
+    /// fetched into the origin as `refs/corral/<subject-id>`. A failure is
+    /// a teardown failure; the direct caller gets the reason.
     async fn collect_commit(&mut self) {
-        let (Some(base), Some((_, sandbox))) = (self.base_commit.clone(), self.sandbox.as_ref()) else {
+        let (Some(base), Some((backend, sandbox))) = (self.base_commit.clone(), self.sandbox.clone()) else {
             return;
         };
-        let Ok(head) = workspace::head(&sandbox.workspace).await else {
-            return;
-        };
-        self.evidence.commit_sha = head.clone();
-        if head == base {
-            return;
-        }
-        let workspace = sandbox.workspace.clone();
+        let git = self.profile.as_ref().map(|p| p.file.git.clone()).unwrap_or_default();
         let name = self.recorder.subject().to_string();
-        if let Err(e) = workspace::fetch_back(std::path::Path::new(&self.repo), &workspace, &name).await {
-            self.failed(FailureStage::Execution, &e.to_string());
+        let private = self.engine.sandboxes_dir.join(format!("{}.bundle", sandbox.id));
+        let job = CaptureJob {
+            backend,
+            sandbox: &sandbox,
+            consumer: &self.consumer,
+            git: &git,
+            base: &base,
+            origin: std::path::Path::new(&self.repo),
+            name: &name,
+            private: &private,
+            timeout: Duration::from_secs(self.engine.git.timeout_seconds),
+            max_bundle_bytes: self.engine.git.max_bundle_bytes,
+        };
+        let t = Instant::now();
+        match job.run().await {
+            Ok(captured) => {
+                self.evidence.workspace_snapshot = captured.capture.snapshot;
+                self.evidence.agent_commits = captured.capture.agent_commits;
+                self.evidence.commit_sha =
+                    if captured.fetched.is_empty() { captured.capture.head } else { captured.fetched };
+            }
+            Err(e) => {
+                self.evidence
+                    .notes
+                    .push("the workspace could not be brought back; see the direct caller's error".into());
+                self.failed(FailureStage::Teardown, &format!("workspace capture: {e}"));
+            }
         }
+        self.evidence.time("capture", t);
     }
 
     /// Destroys the sandbox; it is taken out first, so this runs at most

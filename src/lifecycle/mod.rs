@@ -2,6 +2,7 @@
 //! supervised task (a client that disconnects does not stop it), and tears
 //! down whatever it created, whatever failed.
 
+mod capture;
 mod core;
 mod execution;
 mod limits;
@@ -85,6 +86,8 @@ pub struct Engine {
     pub credentials: Arc<CredentialsConfig>,
     /// Host uids for sandboxes, when the daemon is root and gives each its own.
     pub uid_range: Option<crate::sandbox::UidRange>,
+    /// The workspace capture at the end of a run.
+    pub git: crate::config::GitConfig,
     max_running: usize,
     running: Mutex<HashMap<String, CancellationToken>>,
     sessions: Mutex<HashMap<String, Arc<session::LiveSession>>>,
@@ -104,6 +107,7 @@ pub struct EngineParts {
     pub credentials: Arc<CredentialsConfig>,
     pub max_running: usize,
     pub uid_range: Option<crate::sandbox::UidRange>,
+    pub git: crate::config::GitConfig,
 }
 
 impl Engine {
@@ -120,6 +124,7 @@ impl Engine {
             hub: parts.hub,
             credentials: parts.credentials,
             uid_range: parts.uid_range,
+            git: parts.git,
             max_running: parts.max_running.max(1),
             running: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),

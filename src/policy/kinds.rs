@@ -15,6 +15,8 @@ use crate::sandbox::SandboxType;
 pub struct EnforceSandbox {
     pub sandbox_type: Option<SandboxType>,
     pub allow_network: Option<bool>,
+    /// Narrows the egress allowlist: the intersection, never a union.
+    pub allow_hosts: Option<Vec<String>>,
     pub write_paths: Option<Vec<String>>,
     pub read_paths: Option<Vec<String>>,
     pub env_passthrough: Option<Vec<String>>,
@@ -55,14 +57,32 @@ struct ExprArgs {
 #[serde(deny_unknown_fields)]
 struct NoArgs {}
 
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Hosts {
+    hosts: Vec<String>,
+}
+
 #[derive(Clone, Debug)]
 pub enum Kind {
     EnforceSandbox(EnforceSandbox),
     DenyNetwork,
-    MaxTimeout { seconds: u64 },
-    AllowedActors { types: Vec<String> },
-    AllowedRepos { prefixes: Vec<String> },
-    MaxToolCalls { limit: u64 },
+    /// Narrows `allow_hosts` to these (intersection).
+    EgressAllowlist {
+        hosts: Vec<String>,
+    },
+    MaxTimeout {
+        seconds: u64,
+    },
+    AllowedActors {
+        types: Vec<String>,
+    },
+    AllowedRepos {
+        prefixes: Vec<String>,
+    },
+    MaxToolCalls {
+        limit: u64,
+    },
     Expr(Expr),
 }
 
@@ -77,7 +97,7 @@ pub struct Policy {
 }
 
 pub const KNOWN_KINDS: &str =
-    "enforce_sandbox, deny_network, max_timeout, allowed_actors, allowed_repos, max_tool_calls, expr";
+    "enforce_sandbox, deny_network, egress_allowlist, max_timeout, allowed_actors, allowed_repos, max_tool_calls, expr";
 
 fn args<T: for<'de> Deserialize<'de>>(arguments: &Value) -> Result<T, String> {
     let value = if arguments.is_null() { Value::Object(Default::default()) } else { arguments.clone() };
@@ -100,11 +120,19 @@ impl Policy {
                         return Err(format!("arguments: path {path:?} must not contain '..'"));
                     }
                 }
+                if let Some(hosts) = &e.allow_hosts {
+                    crate::net::parse_hosts(hosts).map_err(|e| format!("arguments.allow_hosts: {e}"))?;
+                }
                 Kind::EnforceSandbox(e)
             }
             "deny_network" => {
                 args::<NoArgs>(&spec.arguments)?;
                 Kind::DenyNetwork
+            }
+            "egress_allowlist" => {
+                let Hosts { hosts } = args(&spec.arguments)?;
+                crate::net::parse_hosts(&hosts).map_err(|e| format!("arguments.hosts: {e}"))?;
+                Kind::EgressAllowlist { hosts }
             }
             "max_timeout" => Kind::MaxTimeout { seconds: args::<Seconds>(&spec.arguments)?.seconds },
             "allowed_actors" => {

@@ -149,7 +149,7 @@ impl HostCapabilities {
     /// A host where everything can be enforced (unit tests).
     pub fn everything() -> HostCapabilities {
         let ok = || Ok("test".to_string());
-        let all = Capabilities { memory: ok(), pids: ok(), cpu: ok(), kill: ok() };
+        let all = Capabilities { memory: ok(), pids: ok(), cpu: ok(), kill: ok(), egress: ok() };
         HostCapabilities { bwrap: Ok(()), linux_bwrap: all.clone(), none: all }
     }
 }
@@ -163,7 +163,9 @@ impl Policy {
     /// Whether this policy has anything to say at `phase` for `tool`.
     fn applies(&self, phase: Phase, tool: &str) -> bool {
         let kind_phases: &[Phase] = match self.kind {
-            Kind::EnforceSandbox(_) | Kind::DenyNetwork | Kind::MaxTimeout { .. } => &[Phase::AgentStart],
+            Kind::EnforceSandbox(_) | Kind::DenyNetwork | Kind::EgressAllowlist { .. } | Kind::MaxTimeout { .. } => {
+                &[Phase::AgentStart]
+            }
             Kind::MaxToolCalls { .. } => &[Phase::ToolCall],
             Kind::AllowedActors { .. } | Kind::AllowedRepos { .. } | Kind::Expr(_) => {
                 &[Phase::AgentStart, Phase::ToolCall]
@@ -227,6 +229,11 @@ impl Gate {
         if let Some(reason) = capabilities.refuse(limits) {
             return verdict(Action::Deny, reason);
         }
+        if let (SandboxType::LinuxBwrap, true, Err(reason)) =
+            (sandbox.sandbox_type, sandbox.allow_network, &capabilities.egress)
+        {
+            return verdict(Action::Deny, format!("allow_network cannot be enforced on this host: {reason}"));
+        }
         match sandbox.sandbox_type {
             SandboxType::LinuxBwrap => {
                 if let Err(reason) = &self.host.bwrap {
@@ -238,6 +245,13 @@ impl Gate {
                     return verdict(
                         Action::Deny,
                         "sandbox type none cannot isolate the network; use linux_bwrap or allow_network".into(),
+                    );
+                }
+                if !sandbox.allow_hosts.is_empty() {
+                    return verdict(
+                        Action::Deny,
+                        "sandbox type none shares the host network and cannot enforce allow_hosts; use linux_bwrap"
+                            .into(),
                     );
                 }
                 if !sandbox.read_paths.is_empty() {
@@ -260,6 +274,7 @@ fn expr_input(input: &GateInput<'_>, sandbox: &SandboxSpec) -> Value {
         "sandbox": {
             "type": sandbox.sandbox_type.as_str(),
             "allow_network": sandbox.allow_network,
+            "allow_hosts": sandbox.allow_hosts,
             "write_paths": sandbox.write_paths,
             "read_paths": sandbox.read_paths,
             "env_passthrough": sandbox.env_passthrough,
@@ -275,7 +290,13 @@ fn decide(policy: &Policy, input: &GateInput<'_>, outcome: &mut GateOutcome) -> 
         Kind::EnforceSandbox(enforce) => (Action::Allow, tighten(&mut outcome.effective_sandbox, enforce)),
         Kind::DenyNetwork => {
             outcome.effective_sandbox.allow_network = false;
+            outcome.effective_sandbox.allow_hosts.clear();
             (Action::Allow, "network off".into())
+        }
+        Kind::EgressAllowlist { hosts } => {
+            let sandbox = &mut outcome.effective_sandbox;
+            sandbox.allow_hosts = crate::net::intersect(&sandbox.allow_hosts, hosts);
+            (Action::Allow, format!("egress to [{}]", sandbox.allow_hosts.join(", ")))
         }
         Kind::MaxTimeout { seconds } => {
             outcome.effective_timeout_seconds = outcome.effective_timeout_seconds.min(*seconds);

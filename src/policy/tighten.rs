@@ -51,6 +51,16 @@ pub fn tighten(spec: &mut SandboxSpec, enforce: &EnforceSandbox) -> String {
         Some(true) if !spec.allow_network => notes.push("network stays off: never turned on".to_string()),
         _ => {}
     }
+    if !spec.allow_network {
+        spec.allow_hosts.clear();
+    }
+    if let Some(wanted) = &enforce.allow_hosts {
+        let kept = crate::net::intersect(&spec.allow_hosts, wanted);
+        if kept != spec.allow_hosts {
+            notes.push(format!("allow_hosts [{}]", kept.join(", ")));
+        }
+        spec.allow_hosts = kept;
+    }
     if let Some(wanted) = &enforce.write_paths {
         narrow(&mut spec.write_paths, wanted, "write path", &mut notes);
     }

@@ -40,7 +40,7 @@ impl Rein for CommandRein {
         let profile = &ctx.profile.file;
         let spec = ExecSpec {
             argv: profile.rein.argv.clone(),
-            env: ctx.credentials.clone(),
+            env: profile.git.author_env().into_iter().chain(ctx.credentials.iter().cloned()).collect(),
             consumer: ctx.consumer.clone(),
             credential_route_refs: profile.credential_route_refs.clone(),
             timeout: ctx.timeout,

@@ -4,15 +4,17 @@
 //! sandbox started — through its cgroup and its uid — and waits until
 //! nothing of it is alive before it reports success.
 
+use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::cgroup::{CgroupHost, CgroupLimits, SandboxCgroup};
 use super::host::{kill_uid, INSIDE_UID};
 use super::process::{ProcessRegistry, Rlimits, SpawnOptions};
 use super::{CreateSandbox, LimitReceipt, Sandbox, SandboxError, SandboxLimits, SandboxProcess};
+use crate::net::ProxyHandle;
 
 /// How long destroy waits for a sandbox's processes to be gone.
 const KILL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -55,11 +57,14 @@ fn identity_files() -> (String, String) {
 pub struct Boundary {
     pub cgroups: Option<Arc<CgroupHost>>,
     pub processes: ProcessRegistry,
+    /// Each sandbox's egress proxies (one per harness start): dropped, and
+    /// so closed, at destroy.
+    proxies: Mutex<HashMap<String, Vec<ProxyHandle>>>,
 }
 
 impl Boundary {
     pub fn new(cgroups: Option<Arc<CgroupHost>>) -> Boundary {
-        Boundary { cgroups, processes: ProcessRegistry::default() }
+        Boundary { cgroups, processes: ProcessRegistry::default(), proxies: Mutex::default() }
     }
 
     /// Creates the sandbox's directory tree and its cgroup. The root is
@@ -163,8 +168,12 @@ impl Boundary {
         })
     }
 
-    pub fn register(&self, sandbox: &Sandbox, process: &SandboxProcess) {
+    pub fn register(&self, sandbox: &Sandbox, process: &SandboxProcess, proxy: Option<ProxyHandle>) {
         self.processes.register(&sandbox.id, process);
+        if let Some(proxy) = proxy {
+            let mut proxies = self.proxies.lock().unwrap_or_else(|e| e.into_inner());
+            proxies.entry(sandbox.id.clone()).or_default().push(proxy);
+        }
     }
 
     /// Kills everything of the sandbox and waits until nothing is alive,
@@ -180,6 +189,8 @@ impl Boundary {
     async fn teardown(&self, sandbox: &Sandbox, sweep_uid: bool) -> Result<(), SandboxError> {
         let mut errors = Vec::new();
         self.processes.kill_all(&sandbox.id);
+        // The proxies close with their sandbox: listener and every tunnel.
+        drop(self.proxies.lock().unwrap_or_else(|e| e.into_inner()).remove(&sandbox.id));
         if let Some(cgroup) = &sandbox.cgroup {
             if let Err(e) = cgroup.kill_all(KILL_TIMEOUT).await {
                 errors.push(e.to_string());
@@ -228,6 +239,7 @@ impl Boundary {
             user,
             limits: SandboxLimits::default(),
             cgroup,
+            egress: None,
             receipt: Default::default(),
         };
         self.teardown(&leftover, true).await

@@ -20,12 +20,14 @@ use tokio::sync::OnceCell;
 use super::boundary::{Boundary, SandboxPaths};
 use super::cgroup::CgroupHost;
 use super::host::{effective_uid, INSIDE_UID};
+use super::netns;
 use super::process::{data_fd, spawn_group, HostUser, SpawnOptions};
 use super::seccomp::{sandbox_filter, SeccompFilter};
 use super::{
     base_env, Capabilities, CreateSandbox, EnforcementReceipt, ExecSpec, Sandbox, SandboxBackend, SandboxError,
     SandboxProcess, SandboxSpec, SandboxState, SandboxType,
 };
+use crate::net::{self, Allowlist, EgressLog, ProxyConfig, ProxyHandle};
 
 /// Where the workspace appears inside the sandbox.
 pub const WORKSPACE_MOUNT: &str = "/workspace";
@@ -33,9 +35,12 @@ pub const WORKSPACE_MOUNT: &str = "/workspace";
 pub const HOME_MOUNT: &str = "/home/agent";
 /// The hostname every sandbox has.
 pub const HOSTNAME: &str = "corral";
-/// The descriptors bwrap gets: its arguments, then the seccomp program.
+/// The descriptors bwrap gets: its arguments, the seccomp program, and for
+/// a sandbox with network the info and block pipes (see [`super::netns`]).
 const ARGS_FD: &str = "3";
 const SECCOMP_FD: &str = "4";
+const INFO_FD: &str = "5";
+const BLOCK_FD: &str = "6";
 
 /// The few files of /etc a harness needs; `--ro-bind-try` skips the absent.
 /// The CA certificates only: never `/etc/ssl/private`. passwd and group
@@ -103,8 +108,10 @@ pub fn bwrap_args(spec: &SandboxSpec, paths: &SandboxPaths, layout: &HostLayout,
     let mut push = |parts: &[&str]| args.extend(parts.iter().map(OsString::from));
     let inside = INSIDE_UID.to_string();
     push(&["--unshare-all", "--unshare-user", "--disable-userns", "--uid", &inside, "--gid", &inside]);
+    // The network namespace is always the sandbox's own (--unshare-all):
+    // with network, egress goes through the daemon's proxy only.
     if spec.allow_network {
-        push(&["--share-net"]);
+        push(&["--info-fd", INFO_FD, "--block-fd", BLOCK_FD]);
     }
     push(&["--hostname", HOSTNAME, "--die-with-parent", "--new-session", "--cap-drop", "ALL"]);
     push(&["--ro-bind", "/usr", "/usr"]);
@@ -116,9 +123,6 @@ pub fn bwrap_args(spec: &SandboxSpec, paths: &SandboxPaths, layout: &HostLayout,
     }
     for file in ETC_FILES {
         push(&["--ro-bind-try", file, file]);
-    }
-    if spec.allow_network {
-        push(&["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]);
     }
     let (passwd, group) = (paths.passwd.to_string_lossy(), paths.group.to_string_lossy());
     push(&["--ro-bind", &passwd, "/etc/passwd", "--ro-bind", &group, "/etc/group"]);
@@ -212,9 +216,12 @@ impl BwrapBackend {
 
     /// Starts `argv` in a sandbox laid out at `paths`: the hardened bwrap
     /// command line through `--args`, the seccomp program, and `options`
-    /// (user, cgroup, rlimits). Shared by real sandboxes, the probe and the
-    /// benchmark's floor, so all three run the same boundary.
-    pub fn launch(
+    /// (user, cgroup, rlimits). With network, the egress proxy is put into
+    /// the sandbox's network namespace before the harness runs, and its
+    /// handle is returned (dropping it closes the proxy). Shared by real
+    /// sandboxes, the probe and the benchmark's floor, so all three run the
+    /// same boundary.
+    pub async fn launch(
         &self,
         spec: &SandboxSpec,
         paths: &SandboxPaths,
@@ -222,7 +229,8 @@ impl BwrapBackend {
         argv: &[String],
         env: &[(String, String)],
         mut options: SpawnOptions,
-    ) -> Result<SandboxProcess, SandboxError> {
+        egress: Option<Arc<EgressLog>>,
+    ) -> Result<(SandboxProcess, Option<ProxyHandle>), SandboxError> {
         let program = self.program.as_deref().ok_or_else(|| SandboxError::Unavailable("bwrap not found".into()))?;
         let seccomp = self.seccomp.as_ref().map_err(|e| SandboxError::Unavailable(e.clone()))?;
         let args = bwrap_args(spec, paths, &self.layout, tmp_bytes);
@@ -234,14 +242,53 @@ impl BwrapBackend {
             packed.extend_from_slice(arg.as_encoded_bytes());
             packed.push(0);
         }
-        let spawn = |e: std::io::Error| SandboxError::Spawn(format!("cannot pass bwrap its arguments: {e}"));
+        let spawn = |e: std::io::Error| SandboxError::Spawn(format!("cannot pass bwrap its descriptors: {e}"));
         options.pass_fds = vec![
             data_fd("corral-bwrap-args", &packed).map_err(spawn)?,
             data_fd("corral-seccomp", seccomp.bytes()).map_err(spawn)?,
         ];
+        let network = if spec.allow_network {
+            let (info_r, info_w) = netns::pipe().map_err(spawn)?;
+            let (block_r, block_w) = netns::pipe().map_err(spawn)?;
+            options.pass_fds.extend([info_w, block_r]);
+            Some((info_r, block_w))
+        } else {
+            None
+        };
         let mut argv_full: Vec<OsString> = vec!["--args".into(), ARGS_FD.into(), dashdash.clone()];
         argv_full.extend(argv.iter().map(OsString::from));
-        spawn_group(program, &argv_full, env, &paths.workspace, options)
+        let mut process = spawn_group(program, &argv_full, env, &paths.workspace, options)?;
+        let Some((info, block)) = network else { return Ok((process, None)) };
+        match self.start_proxy(spec, info, block, egress.unwrap_or_default()).await {
+            Ok(proxy) => Ok((process, Some(proxy))),
+            Err(e) => {
+                let _ = process.kill().await;
+                Err(SandboxError::Spawn(format!("cannot set up the sandbox's egress proxy: {e}")))
+            }
+        }
+    }
+
+    /// Waits for bwrap's child, listens in its network namespace, serves
+    /// the proxy there, then lets bwrap run the harness.
+    async fn start_proxy(
+        &self,
+        spec: &SandboxSpec,
+        info: std::os::fd::OwnedFd,
+        block: std::os::fd::OwnedFd,
+        log: Arc<EgressLog>,
+    ) -> std::io::Result<ProxyHandle> {
+        let pid = netns::read_child_pid(info).await?;
+        let listener = tokio::net::TcpListener::from_std(netns::listen_in(pid).await?)?;
+        let patterns = net::parse_hosts(&spec.allow_hosts).map_err(std::io::Error::other)?;
+        let config = ProxyConfig {
+            allowlist: Allowlist::new(patterns),
+            protected: net::protected_addresses(),
+            host_addresses: net::host_addresses(),
+            connect_timeout: std::time::Duration::from_secs(10),
+        };
+        let proxy = net::serve(listener, config, log);
+        netns::release(block)?;
+        Ok(proxy)
     }
 
     /// The digest of the exact command line a sandbox with `spec` at
@@ -271,8 +318,9 @@ impl BwrapBackend {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
             let options = SpawnOptions { user, ..SpawnOptions::default() };
-            let mut process = self
-                .launch(&SandboxSpec::default(), &paths, 1 << 20, &["/usr/bin/true".into()], &[], options)
+            let (mut process, _) = self
+                .launch(&SandboxSpec::default(), &paths, 1 << 20, &["/usr/bin/true".into()], &[], options, None)
+                .await
                 .map_err(|e| format!("cannot run bwrap: {e}"))?;
             drop(process.stdin.take());
             let mut stderr = String::new();
@@ -319,7 +367,11 @@ impl SandboxBackend for BwrapBackend {
         let seccomp_digest = self.seccomp.as_ref().map(|f| f.digest().to_string()).unwrap_or_default();
         let receipt = EnforcementReceipt {
             command_digest: self.command_digest(&req.spec, &paths, req.limits.tmp_bytes),
-            network_isolated: !req.spec.allow_network,
+            // Its own network namespace, always; with network, egress only
+            // through the daemon's proxy to the allowlist.
+            network_isolated: true,
+            egress: if req.spec.allow_network { "proxy".into() } else { "none".into() },
+            allow_hosts: if req.spec.allow_network { req.spec.allow_hosts.clone() } else { Vec::new() },
             write_roots: write_roots(&req.spec),
             host_uid: req.user.map(|u| u.uid).unwrap_or_else(effective_uid),
             own_uid: req.user.is_some(),
@@ -340,16 +392,24 @@ impl SandboxBackend for BwrapBackend {
             user: req.user,
             limits: req.limits,
             cgroup,
+            egress: req.spec.allow_network.then(Arc::default),
             receipt,
         })
     }
 
     async fn spawn(&self, sandbox: &Sandbox, spec: &ExecSpec) -> Result<SandboxProcess, SandboxError> {
-        let env = base_env(sandbox, spec, HOME_MOUNT);
+        let mut env = base_env(sandbox, spec, HOME_MOUNT);
+        if sandbox.spec.allow_network {
+            for name in ["HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy", "all_proxy"] {
+                env.push((name.into(), netns::PROXY_URL.into()));
+            }
+        }
         let options = self.boundary.spawn_options(sandbox)?;
         let paths = SandboxPaths::under(&sandbox.root);
-        let process = self.launch(&sandbox.spec, &paths, sandbox.limits.tmp_bytes, &spec.argv, &env, options)?;
-        self.boundary.register(sandbox, &process);
+        let tmp = sandbox.limits.tmp_bytes;
+        let egress = sandbox.egress.clone();
+        let (process, proxy) = self.launch(&sandbox.spec, &paths, tmp, &spec.argv, &env, options, egress).await?;
+        self.boundary.register(sandbox, &process, proxy);
         Ok(process)
     }
 
@@ -476,15 +536,21 @@ mod tests {
     }
 
     #[test]
-    fn network_is_shared_only_when_allowed() {
+    fn the_host_network_is_never_shared() {
         let mut spec = SandboxSpec::default();
         let closed = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), 1));
-        assert!(!closed.contains(&"--share-net".to_string()));
-        assert!(!closed.contains(&"/etc/resolv.conf".to_string()));
         spec.allow_network = true;
+        spec.allow_hosts = vec!["*".into()];
         let open = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), 1));
-        assert!(open.contains(&"--share-net".to_string()));
-        assert!(open.contains(&"/etc/resolv.conf".to_string()));
+        for args in [&closed, &open] {
+            assert_eq!(args[0], "--unshare-all");
+            assert!(!args.contains(&"--share-net".to_string()), "{args:?}");
+            assert!(!args.contains(&"/etc/resolv.conf".to_string()), "no resolver inside: {args:?}");
+        }
+        // With network, bwrap reports its child and waits for the proxy.
+        let at = open.iter().position(|a| a == "--info-fd").expect("--info-fd");
+        assert_eq!(open[at..at + 4], ["--info-fd", "5", "--block-fd", "6"]);
+        assert!(!closed.contains(&"--info-fd".to_string()));
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod boundary;
 mod bwrap;
 pub mod cgroup;
 pub mod host;
+pub mod netns;
 mod none;
 pub mod process;
 pub mod seccomp;
@@ -107,7 +108,12 @@ pub struct EnforcementReceipt {
     /// sha256 (hex) of the sandbox command line up to and including `--`,
     /// NUL-separated; empty for `none`.
     pub command_digest: String,
+    /// The sandbox has a network namespace of its own (the host network is
+    /// never shared); false only for `none`.
     pub network_isolated: bool,
+    /// `none` (no egress) or `proxy` (through the daemon, to `allow_hosts`).
+    pub egress: String,
+    pub allow_hosts: Vec<String>,
     pub write_roots: Vec<String>,
     /// The host uid the sandbox's processes run as.
     pub host_uid: u32,
@@ -139,6 +145,8 @@ pub struct Sandbox {
     pub limits: SandboxLimits,
     /// The sandbox's cgroup: its limits, and how teardown finds everything.
     pub cgroup: Option<Arc<cgroup::SandboxCgroup>>,
+    /// What its egress proxy decided, when it has network.
+    pub egress: Option<Arc<crate::net::EgressLog>>,
     pub receipt: EnforcementReceipt,
 }
 
@@ -221,20 +229,28 @@ pub struct Capabilities {
     pub cpu: Result<String, String>,
     /// How teardown finds every process of a sandbox.
     pub kill: Result<String, String>,
+    /// How egress of a sandbox with network is enforced.
+    pub egress: Result<String, String>,
 }
 
 impl Default for Capabilities {
     fn default() -> Self {
         let none = || Err("no cgroup for this backend".to_string());
-        Capabilities { memory: none(), pids: none(), cpu: none(), kill: none() }
+        Capabilities { memory: none(), pids: none(), cpu: none(), kill: none(), egress: none() }
     }
 }
 
 impl Capabilities {
     pub fn from_cgroups(host: Option<&cgroup::CgroupHost>) -> Capabilities {
+        let egress = if host::effective_uid() == 0 {
+            Ok("a proxy in the sandbox's own network namespace".to_string())
+        } else {
+            Err("an unprivileged daemon cannot enter a sandbox's network namespace to serve its egress proxy"
+                .to_string())
+        };
         let Some(host) = host else {
             let none = || Err("no usable cgroup hierarchy on this host".to_string());
-            return Capabilities { memory: none(), pids: none(), cpu: none(), kill: none() };
+            return Capabilities { memory: none(), pids: none(), cpu: none(), kill: none(), egress };
         };
         let text = |r: Result<cgroup::Mechanism, String>| r.map(|m| m.to_string());
         Capabilities {
@@ -242,6 +258,7 @@ impl Capabilities {
             pids: text(host.pids()),
             cpu: text(host.cpu()),
             kill: text(host.kill()),
+            egress,
         }
     }
 

@@ -73,6 +73,7 @@ impl SandboxBackend for NoneBackend {
             user: req.user,
             limits: req.limits,
             cgroup,
+            egress: None,
             receipt,
         })
     }
@@ -86,7 +87,7 @@ impl SandboxBackend for NoneBackend {
         let args: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
         let options = self.boundary.spawn_options(sandbox)?;
         let process = spawn_group(program.as_ref(), &args, &env, &sandbox.workspace, options)?;
-        self.boundary.register(sandbox, &process);
+        self.boundary.register(sandbox, &process, None);
         Ok(process)
     }
 

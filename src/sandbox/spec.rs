@@ -27,8 +27,15 @@ impl SandboxType {
 pub struct SandboxSpec {
     #[serde(rename = "type")]
     pub sandbox_type: SandboxType,
+    /// Egress through the daemon's proxy, to `allow_hosts` only. The host
+    /// network is never shared with a `linux_bwrap` sandbox.
     #[serde(default)]
     pub allow_network: bool,
+    /// Where egress may go: `api.anthropic.com`, `*.github.com`, optional
+    /// `:port` (default 443 and 80), `*` (any public host), or an exact
+    /// `address:port` for a loopback or private address.
+    #[serde(default)]
+    pub allow_hosts: Vec<String>,
     /// Relative paths are inside the workspace ("." is the workspace);
     /// absolute paths are host paths bound writable at the same place.
     #[serde(default)]
@@ -46,6 +53,7 @@ impl Default for SandboxSpec {
         SandboxSpec {
             sandbox_type: SandboxType::LinuxBwrap,
             allow_network: false,
+            allow_hosts: Vec::new(),
             write_paths: vec![".".to_string()],
             read_paths: Vec::new(),
             env_passthrough: Vec::new(),

@@ -1,11 +1,22 @@
-//! The workspace: a fresh clone of the request's repository, and the way a
-//! harness's commit gets back to the origin before the sandbox is destroyed.
+//! The workspace: a fresh clone of the request's repository at the start,
+//! and at the end its final state brought back to the origin as
+//! `refs/corral/<id>`, so nothing is lost when the sandbox is destroyed.
 //!
-//! The workspace's `.git` is written by an untrusted harness, so every git
-//! command the daemon runs on it disables hooks and fsmonitor and ignores
-//! system and global config.
+//! What the agent wrote is never read by host git. At the end the daemon
+//! runs [`CAPTURE_SCRIPT`] *inside the sandbox* (as its uid, under its
+//! seccomp filter, with its limits): it commits uncommitted work (a
+//! snapshot), and writes a git bundle of the result to a file name the
+//! agent cannot predict. Whatever the agent's `.git` makes git do (hooks,
+//! fsmonitor, filters, gitfiles, alternates, a FIFO for HEAD) happens
+//! inside the boundary. The host only copies that one regular file (opened
+//! without following links, size-capped) into a private file and fetches
+//! it into the origin with `fsckObjects`; every host git call runs with a
+//! clean, fixed environment and a timeout.
 
-use std::path::Path;
+use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use tokio::process::Command;
 
@@ -13,23 +24,40 @@ use tokio::process::Command;
 #[error("{0}")]
 pub struct WorkspaceError(pub String);
 
-/// A git command that trusts nothing in the repositories it touches.
+/// How long any one host git call may take before it is killed.
+pub const GIT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The ref the capture bundle carries.
+const CAPTURE_REF: &str = "refs/corral/capture";
+
+/// A git command that trusts nothing in the repositories it touches: no
+/// system or global config, no hooks, no fsmonitor, no prompts.
 fn git() -> Command {
     let mut cmd = Command::new("git");
-    cmd.env("GIT_CONFIG_NOSYSTEM", "1")
+    cmd.env_clear()
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
         .env("GIT_CONFIG_GLOBAL", "/dev/null")
         .env("GIT_TERMINAL_PROMPT", "0")
+        .env("GIT_NO_LAZY_FETCH", "1")
+        .env("LANG", "C")
         .args(["-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "-c", "protocol.file.allow=always"])
         // Workspaces belong to their sandbox's uid, not to the daemon; the
         // daemon only ever names repositories it chose. Command-line config
         // is protected config: a repository cannot set it.
         .args(["-c", "safe.directory=*"])
-        .stdin(std::process::Stdio::null());
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
     cmd
 }
 
+/// Runs a host git command with [`GIT_TIMEOUT`]: past it, git is killed
+/// and the call fails saying so.
 async fn run(mut cmd: Command, what: &str) -> Result<String, WorkspaceError> {
-    let output = cmd.output().await.map_err(|e| WorkspaceError(format!("{what}: cannot run git: {e}")))?;
+    let output = match tokio::time::timeout(GIT_TIMEOUT, cmd.output()).await {
+        Ok(output) => output.map_err(|e| WorkspaceError(format!("{what}: cannot run git: {e}")))?,
+        Err(_) => return Err(WorkspaceError(format!("{what}: git did not finish within {GIT_TIMEOUT:?}"))),
+    };
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         return Err(WorkspaceError(format!("{what}: {}", stderr.trim())));
@@ -53,7 +81,10 @@ pub async fn clone_into(repo: &Path, workspace: &Path) -> Result<String, Workspa
     let mut cmd = git();
     cmd.args(["clone", "--quiet", "--no-hardlinks", "--"]).arg(repo).arg(workspace);
     run(cmd, "clone").await?;
-    Ok(head(workspace).await.unwrap_or_default())
+    // Still the daemon's own, untouched clone: safe to read.
+    let mut cmd = git();
+    cmd.arg("-C").arg(workspace).args(["rev-parse", "--verify", "--quiet", "HEAD^{commit}"]);
+    Ok(run(cmd, "rev-parse HEAD").await.unwrap_or_default())
 }
 
 /// Gives the cloned workspace to the sandbox's user: every entry is
@@ -75,23 +106,179 @@ pub fn hand_over(workspace: &Path, user: Option<crate::sandbox::HostUser>) -> Re
     Ok(())
 }
 
-/// The commit HEAD points at in `workspace`, as the daemon sees it.
-pub async fn head(workspace: &Path) -> Result<String, WorkspaceError> {
-    let mut cmd = git();
-    cmd.arg("-C").arg(workspace).args(["rev-parse", "--verify", "--quiet", "HEAD^{commit}"]);
-    run(cmd, "rev-parse HEAD").await
+/// Run inside the sandbox at the end (`/bin/sh -c`, in the workspace), with `CAPTURE_BASE`
+/// (the commit the workspace started from), `CAPTURE_OUT` (where to write
+/// the bundle), `CAPTURE_SNAPSHOT` (`1` to commit uncommitted work) and
+/// `CAPTURE_MESSAGE` in its environment. It prints `SNAPSHOT`, `HEAD
+/// <sha>`, `COMMITS <n>` (commits the agent made) and `BUNDLE` lines, or
+/// `CAPTURE-ERROR <why>` and exits non-zero.
+pub const CAPTURE_SCRIPT: &str = r#"
+fail() { echo "CAPTURE-ERROR $*"; exit 3; }
+g() { git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c gc.auto=0 -c maintenance.auto=false "$@"; }
+[ -d .git ] && [ ! -L .git ] || fail ".git is not a directory (a gitfile or a symlink)"
+[ ! -e .git/objects/info/alternates ] || fail ".git/objects/info/alternates points outside the workspace"
+[ ! -e .git/commondir ] || fail ".git/commondir points outside the workspace"
+for d in .git/objects .git/refs; do [ -d "$d" ] && [ ! -L "$d" ] || fail "$d is not a directory"; done
+agent_commits=0
+head=$(g rev-parse --verify -q 'HEAD^{commit}') || head=""
+if [ -n "$head" ]; then
+  if [ -n "$CAPTURE_BASE" ]; then agent_commits=$(g rev-list --count "$head" "^$CAPTURE_BASE" 2>/dev/null || g rev-list --count "$head"); else agent_commits=$(g rev-list --count "$head"); fi
+fi
+if [ "$CAPTURE_SNAPSHOT" = 1 ] && [ -n "$(g status --porcelain --untracked-files=all 2>/dev/null | head -c 1)" ]; then
+  g add -A || fail "git add failed"
+  GIT_AUTHOR_NAME="$CAPTURE_NAME" GIT_AUTHOR_EMAIL="$CAPTURE_EMAIL" GIT_COMMITTER_NAME="$CAPTURE_NAME" GIT_COMMITTER_EMAIL="$CAPTURE_EMAIL" \
+    g commit -q --no-verify --allow-empty-message -m "$CAPTURE_MESSAGE" || fail "snapshot commit failed"
+  echo SNAPSHOT
+  head=$(g rev-parse --verify -q 'HEAD^{commit}') || fail "no HEAD after the snapshot"
+fi
+[ -n "$head" ] || { echo "HEAD"; echo "COMMITS 0"; exit 0; }
+echo "HEAD $head"
+echo "COMMITS $agent_commits"
+[ "$head" != "$CAPTURE_BASE" ] || exit 0
+g update-ref "refs/corral/capture" "$head" || fail "update-ref failed"
+if [ -n "$CAPTURE_BASE" ] && g cat-file -e "$CAPTURE_BASE^{commit}" 2>/dev/null; then
+  g bundle create -q "$CAPTURE_OUT" refs/corral/capture "^$CAPTURE_BASE" || fail "git bundle failed"
+else
+  g bundle create -q "$CAPTURE_OUT" refs/corral/capture || fail "git bundle failed"
+fi
+echo BUNDLE
+"#;
+
+/// What the capture script reported.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Capture {
+    /// The workspace's HEAD after any snapshot (empty: no commit at all).
+    pub head: String,
+    /// Uncommitted work was committed by the daemon.
+    pub snapshot: bool,
+    /// Commits the agent made on top of the base.
+    pub agent_commits: u64,
+    /// A bundle was written (HEAD moved).
+    pub bundle: bool,
 }
 
-/// Fetches the workspace's HEAD into `origin` as `refs/corral/<name>`.
-pub async fn fetch_back(origin: &Path, workspace: &Path, name: &str) -> Result<(), WorkspaceError> {
+impl Capture {
+    /// Parses the script's output; `CAPTURE-ERROR` and garbage are errors.
+    pub fn parse(stdout: &str) -> Result<Capture, WorkspaceError> {
+        let mut capture = Capture::default();
+        let mut saw_head = false;
+        for line in stdout.lines() {
+            if let Some(why) = line.strip_prefix("CAPTURE-ERROR ") {
+                return Err(WorkspaceError(why.to_string()));
+            } else if line == "SNAPSHOT" {
+                capture.snapshot = true;
+            } else if line == "BUNDLE" {
+                capture.bundle = true;
+            } else if let Some(head) = line.strip_prefix("HEAD").map(str::trim) {
+                if !head.is_empty() && !is_hex_id(head) {
+                    return Err(WorkspaceError(format!("capture reported a bad HEAD {head:?}")));
+                }
+                capture.head = head.to_string();
+                saw_head = true;
+            } else if let Some(n) = line.strip_prefix("COMMITS ") {
+                capture.agent_commits = n.trim().parse().map_err(|_| WorkspaceError(format!("bad count {n:?}")))?;
+            }
+        }
+        if !saw_head {
+            return Err(WorkspaceError("the capture in the sandbox reported nothing".into()));
+        }
+        Ok(capture)
+    }
+}
+
+fn is_hex_id(text: &str) -> bool {
+    matches!(text.len(), 40 | 64) && text.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Copies the bundle the sandbox wrote at `path` into `private` (a file
+/// only the daemon can reach): `path` must be a regular file (never
+/// followed through a link) of at most `max_bytes`.
+pub fn take_bundle(path: &Path, private: &Path, max_bytes: u64) -> Result<(), WorkspaceError> {
+    let err = |e: std::io::Error| WorkspaceError(format!("capture bundle: {e}"));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(err)?;
+    let meta = file.metadata().map_err(err)?;
+    if !meta.is_file() {
+        return Err(WorkspaceError("capture bundle: not a regular file".into()));
+    }
+    if meta.len() > max_bytes {
+        return Err(WorkspaceError(format!("capture bundle: {} bytes, over the limit of {max_bytes}", meta.len())));
+    }
+    let mut out = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(private).map_err(err)?;
+    // Read at most the limit, whatever the file grows to meanwhile.
+    std::io::copy(&mut file.take(max_bytes + 1), &mut out).map_err(err)?;
+    if out.metadata().map_err(err)?.len() > max_bytes {
+        return Err(WorkspaceError(format!("capture bundle: over the limit of {max_bytes} bytes")));
+    }
+    Ok(())
+}
+
+/// Verifies the private bundle and fetches it into `origin` as
+/// `refs/corral/<name>`; returns the commit it brought (the one the daemon
+/// saw in the bundle, not what anyone claimed).
+pub async fn fetch_bundle(origin: &Path, bundle: &Path, name: &str) -> Result<String, WorkspaceError> {
+    let mut cmd = git();
+    cmd.arg("-C").arg(origin).args(["bundle", "list-heads"]).arg(bundle).arg(CAPTURE_REF);
+    let heads = run(cmd, "bundle list-heads").await?;
+    let commit = heads
+        .lines()
+        .find_map(|l| l.strip_suffix(CAPTURE_REF).map(str::trim).filter(|id| is_hex_id(id)))
+        .ok_or_else(|| WorkspaceError("capture bundle names no commit".into()))?
+        .to_string();
     let mut cmd = git();
     cmd.arg("-C")
         .arg(origin)
+        .args(["-c", "fetch.fsckObjects=true", "-c", "transfer.fsckObjects=true", "-c", "fetch.writeCommitGraph=false"])
         .args(["fetch", "--quiet", "--no-tags", "--no-write-fetch-head"])
-        // A local fetch runs upload-pack with the caller's config scrubbed
-        // from its environment: it gets the same protected settings here.
-        .arg("--upload-pack=git -c safe.directory=* -c core.hooksPath=/dev/null -c core.fsmonitor=false upload-pack")
-        .arg(workspace)
-        .arg(format!("+HEAD:refs/corral/{name}"));
-    run(cmd, "fetch back").await.map(|_| ())
+        .arg(bundle)
+        .arg(format!("+{CAPTURE_REF}:refs/corral/{name}"));
+    run(cmd, "fetch back").await?;
+    Ok(commit)
+}
+
+/// Where the capture bundle goes: inside the sandbox's HOME (`home` on the
+/// host, `inside_home` in the sandbox), under a name the agent cannot
+/// predict. Returns (host path, sandbox path).
+pub fn bundle_paths(home: &Path, inside_home: &str) -> (PathBuf, String) {
+    let name = format!(".corral-capture-{}.bundle", uuid::Uuid::now_v7().simple());
+    (home.join(&name), format!("{inside_home}/{name}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capture_output_parses_and_refuses_what_it_must() {
+        let sha = "a".repeat(40);
+        let ok = Capture::parse(&format!("SNAPSHOT\nHEAD {sha}\nCOMMITS 2\nBUNDLE\n")).unwrap();
+        assert_eq!(ok, Capture { head: sha.clone(), snapshot: true, agent_commits: 2, bundle: true });
+        assert_eq!(Capture::parse("HEAD\nCOMMITS 0\n").unwrap(), Capture::default());
+        let err = Capture::parse("CAPTURE-ERROR .git is not a directory (a gitfile or a symlink)\n").unwrap_err();
+        assert!(err.0.contains("gitfile"));
+        assert!(Capture::parse("").is_err(), "silence is not a capture");
+        assert!(Capture::parse("HEAD ../../etc\n").is_err());
+        assert!(Capture::parse(&format!("HEAD {sha}\nCOMMITS lots\n")).is_err());
+    }
+
+    #[test]
+    fn a_bundle_is_taken_only_as_a_regular_file_within_the_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("b");
+        std::fs::write(&real, b"0123456789").unwrap();
+        take_bundle(&real, &dir.path().join("copy"), 10).unwrap();
+        assert_eq!(std::fs::read(dir.path().join("copy")).unwrap(), b"0123456789");
+        assert!(take_bundle(&real, &dir.path().join("small"), 9).is_err(), "over the limit");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        assert!(take_bundle(&link, &dir.path().join("via-link"), 100).is_err(), "followed a symlink");
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo with a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(take_bundle(&fifo, &dir.path().join("via-fifo"), 100).is_err(), "read a FIFO");
+    }
 }

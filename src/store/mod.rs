@@ -466,21 +466,21 @@ impl Store {
         sandbox_id: &str,
         usable: impl Fn(u32) -> bool,
     ) -> Result<Option<u32>, StoreError> {
-        // A concurrent allocation may take the same candidate first; the
-        // primary key makes one of the two inserts a no-op, and the loser
-        // tries the next free uid.
-        for _ in 0..8 {
-            let used: Vec<i64> = sqlx::query("SELECT uid FROM sandbox_uids WHERE node = $1 ORDER BY uid")
+        // A concurrent allocation may take a candidate first; the primary
+        // key makes one of the two inserts a no-op, and the loser goes on
+        // to the next free uid.
+        let used: std::collections::BTreeSet<i64> =
+            sqlx::query("SELECT uid FROM sandbox_uids WHERE node = $1 ORDER BY uid")
                 .bind(&self.node)
                 .fetch_all(&self.pool)
                 .await?
                 .iter()
                 .map(|r| r.get(0))
                 .collect();
-            let used: std::collections::BTreeSet<i64> = used.into_iter().collect();
-            let Some(uid) = (first as i64..=last as i64).find(|u| !used.contains(u) && usable(*u as u32)) else {
-                return Ok(None);
-            };
+        for uid in (first as i64..=last as i64).filter(|u| !used.contains(u)) {
+            if !usable(uid as u32) {
+                continue;
+            }
             let inserted = sqlx::query(
                 "INSERT INTO sandbox_uids (node, uid, sandbox_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
             )

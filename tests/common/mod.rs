@@ -63,6 +63,8 @@ pub struct Options {
     pub reins: Option<HashMap<String, Arc<dyn Rein>>>,
     pub profiles: Vec<(String, String)>,
     pub config: Box<dyn FnOnce(&mut Config) + Send>,
+    /// Where the daemon listens (default: 127.0.0.1:0).
+    pub listen: Option<String>,
 }
 
 impl Default for Options {
@@ -73,6 +75,7 @@ impl Default for Options {
             reins: None,
             profiles: vec![("fake.toml".into(), fake_agent_profile("test.fake-agent", ""))],
             config: Box::new(|_| {}),
+            listen: None,
         }
     }
 }
@@ -122,7 +125,8 @@ impl TestDaemon {
         let reins = options.reins.unwrap_or_else(default_reins);
         let daemon = Daemon::build(config, backends, reins).await.expect("daemon builds");
         let engine = daemon.engine.clone();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listen = options.listen.unwrap_or_else(|| "127.0.0.1:0".into());
+        let listener = tokio::net::TcpListener::bind(&listen).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shutdown = CancellationToken::new();
         let token = shutdown.clone();
@@ -268,6 +272,7 @@ pub fn kinds(events: &[pb::LifecycleEvent]) -> Vec<&'static str> {
             Some(Kind::Reaped(_)) => "reaped",
             Some(Kind::Recovered(_)) => "recovered",
             Some(Kind::Limit(_)) => "limit",
+            Some(Kind::Egress(_)) => "egress",
             None => "none",
         })
         .collect()

@@ -54,6 +54,7 @@ impl Floor {
             spec: SandboxSpec {
                 sandbox_type: SandboxType::LinuxBwrap,
                 allow_network: effective.allow_network,
+                allow_hosts: effective.allow_hosts.clone(),
                 write_paths: effective.write_paths.clone(),
                 read_paths: effective.read_paths.clone(),
                 env_passthrough: effective.env_passthrough.clone(),
@@ -135,6 +136,7 @@ impl Floor {
             user,
             limits: self.limits,
             cgroup,
+            egress: None,
             receipt: EnforcementReceipt::default(),
         };
         let exec = ExecSpec {
@@ -146,12 +148,15 @@ impl Floor {
         };
         let env = base_env(&sandbox, &exec, HOME_MOUNT);
         let options = self.boundary.spawn_options(&sandbox)?;
-        let mut process = self.backend.launch(&self.spec, &paths, self.limits.tmp_bytes, &self.argv, &env, options)?;
+        let egress = self.spec.allow_network.then(Default::default);
+        let (mut process, proxy) =
+            self.backend.launch(&self.spec, &paths, self.limits.tmp_bytes, &self.argv, &env, options, egress).await?;
         drop(process.stdin.take());
         let (stdout, stderr) = (process.stdout.take(), process.stderr.take());
         let (_, err) = tokio::join!(drain(stdout), drain(stderr));
         let status = process.wait().await?;
         self.boundary.destroy(&sandbox).await.with_context(|| format!("cannot destroy {}", root.display()))?;
+        drop(proxy);
         let elapsed = started.elapsed();
         if !status.success() {
             bail!("bwrap exited with {status}: {}", String::from_utf8_lossy(&err).trim());

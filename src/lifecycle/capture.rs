@@ -1,0 +1,119 @@
+//! The end of a run's workspace: the capture script runs inside the
+//! sandbox (see [`workspace::CAPTURE_SCRIPT`]), and the one bundle it wrote
+//! is taken into a daemon-private file and fetched into the origin.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::AsyncReadExt;
+
+use crate::catalog::GitSettings;
+use crate::sandbox::workspace::{self, Capture, WorkspaceError};
+use crate::sandbox::{Consumer, ExecSpec, Sandbox, SandboxBackend, SandboxType};
+
+/// The capture script's output is a few lines; more is not read.
+const MAX_CAPTURE_OUTPUT: u64 = 64 << 10;
+
+/// What the capture brought back.
+#[derive(Debug, Default)]
+pub struct Captured {
+    pub capture: Capture,
+    /// The commit now at `refs/corral/<name>` in the origin (empty when the
+    /// workspace's HEAD did not move).
+    pub fetched: String,
+}
+
+pub struct CaptureJob<'a> {
+    pub backend: Arc<dyn SandboxBackend>,
+    pub sandbox: &'a Sandbox,
+    pub consumer: &'a Consumer,
+    pub git: &'a GitSettings,
+    /// The commit the workspace started from.
+    pub base: &'a str,
+    pub origin: &'a Path,
+    /// `refs/corral/<name>`.
+    pub name: &'a str,
+    /// A daemon-private path for the bundle's copy.
+    pub private: &'a Path,
+    pub timeout: Duration,
+    pub max_bundle_bytes: u64,
+}
+
+impl CaptureJob<'_> {
+    pub async fn run(self) -> Result<Captured, WorkspaceError> {
+        let inside_home = match self.sandbox.backend {
+            SandboxType::LinuxBwrap => crate::sandbox::HOME_MOUNT.to_string(),
+            SandboxType::None => self.sandbox.home.to_string_lossy().into_owned(),
+        };
+        let (host_bundle, inside_bundle) = workspace::bundle_paths(&self.sandbox.home, &inside_home);
+        let message = format!("corral: snapshot of the workspace of {}", self.name);
+        let (name, email) = self.git.snapshot_identity();
+        let spec = ExecSpec {
+            argv: vec!["/bin/sh".into(), "-c".into(), workspace::CAPTURE_SCRIPT.into()],
+            env: vec![
+                ("CAPTURE_BASE".into(), self.base.into()),
+                ("CAPTURE_OUT".into(), inside_bundle),
+                ("CAPTURE_SNAPSHOT".into(), if self.git.snapshot { "1" } else { "0" }.into()),
+                ("CAPTURE_MESSAGE".into(), message),
+                ("CAPTURE_NAME".into(), name),
+                ("CAPTURE_EMAIL".into(), email),
+                ("GIT_NO_LAZY_FETCH".into(), "1".into()),
+                ("GIT_TERMINAL_PROMPT".into(), "0".into()),
+            ],
+            consumer: self.consumer.clone(),
+            credential_route_refs: Vec::new(),
+            timeout: self.timeout,
+        };
+        let stdout = self.run_in_sandbox(&spec).await?;
+        let capture = Capture::parse(&stdout)?;
+        if !capture.bundle {
+            return Ok(Captured { capture, fetched: String::new() });
+        }
+        let taken = workspace::take_bundle(&host_bundle, self.private, self.max_bundle_bytes);
+        let fetched = match taken {
+            Ok(()) => workspace::fetch_bundle(self.origin, self.private, self.name).await,
+            Err(e) => Err(e),
+        };
+        let _ = std::fs::remove_file(self.private);
+        let fetched = fetched?;
+        if fetched != capture.head {
+            return Err(WorkspaceError(format!("the bundle holds {fetched}, the capture reported {}", capture.head)));
+        }
+        Ok(Captured { capture, fetched })
+    }
+
+    /// Spawns the capture in the sandbox, reads its stdout, and kills it
+    /// (through the whole process group) past the timeout.
+    async fn run_in_sandbox(&self, spec: &ExecSpec) -> Result<String, WorkspaceError> {
+        let mut process =
+            self.backend.spawn(self.sandbox, spec).await.map_err(|e| WorkspaceError(format!("capture: {e}")))?;
+        drop(process.stdin.take());
+        if let Some(mut stderr) = process.stderr.take() {
+            // Drained and dropped: git's complaints must not block it.
+            tokio::spawn(async move {
+                while let Ok(n) = stderr.read(&mut [0u8; 4096]).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            });
+        }
+        let stdout = process.stdout.take();
+        let read = async {
+            let mut text = Vec::new();
+            if let Some(pipe) = stdout {
+                let _ = pipe.take(MAX_CAPTURE_OUTPUT).read_to_end(&mut text).await;
+            }
+            let status = process.wait().await;
+            (text, status)
+        };
+        match tokio::time::timeout(self.timeout, read).await {
+            Ok((text, _)) => Ok(String::from_utf8_lossy(&text).into_owned()),
+            Err(_) => {
+                let _ = process.kill().await;
+                Err(WorkspaceError(format!("the capture of the workspace did not finish within {:?}", self.timeout)))
+            }
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! The proxy's view of HTTP/1.x: find the end of a request head, parse it
+//! strictly, and rewrite an absolute-form request into the origin-form one
+//! sent upstream. Pure; anything ambiguous (obsolete line folding, control
+//! characters, spaces before `:`, non-UTF-8) is a 400, not a guess.
+
+use super::allowlist::clip;
+
+/// What the client asked the proxy for.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Request {
+    /// `CONNECT host:port`: a tunnel.
+    Connect { host: String, port: u16 },
+    /// `METHOD http://host[:port]/path`: `head` is the request to send upstream.
+    Http { host: String, port: u16, head: Vec<u8> },
+}
+
+/// A request the proxy refuses with 400.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct BadRequest {
+    /// "connect" if the request line said CONNECT, else "http".
+    pub method: &'static str,
+    pub reason: String,
+}
+
+/// The length of the head (through its blank line) if `buf` holds all of it.
+/// `from` is where the previous search stopped, so repeated calls stay linear.
+pub(crate) fn head_end(buf: &[u8], from: usize) -> Option<usize> {
+    let start = from.saturating_sub(3);
+    (start..buf.len()).find_map(|i| {
+        let rest = &buf[i..];
+        if rest.starts_with(b"\r\n\r\n") {
+            Some(i + 4)
+        } else if rest.starts_with(b"\n\n") {
+            Some(i + 2)
+        } else {
+            None
+        }
+    })
+}
+
+fn is_token(text: &str) -> bool {
+    !text.is_empty() && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// Splits `host:port` / `[v6]:port` (the port may be omitted only if a
+/// default is given). The host is returned without brackets, unvalidated:
+/// the allowlist judges it.
+pub(crate) fn split_authority(authority: &str, default_port: Option<u16>) -> Result<(String, u16), String> {
+    if authority.is_empty() {
+        return Err("empty host".into());
+    }
+    if authority.contains('@') {
+        return Err("credentials in the authority are not supported".into());
+    }
+    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
+        let (inner, after) = rest.split_once(']').ok_or("`[` without `]`")?;
+        match after {
+            "" => (inner, None),
+            _ => (inner, Some(after.strip_prefix(':').ok_or("unexpected text after `]`")?)),
+        }
+    } else {
+        match authority.rsplit_once(':') {
+            Some((_, _)) if authority.matches(':').count() > 1 => {
+                return Err("an IPv6 host must be in brackets (`[::1]:443`)".into())
+            }
+            Some((host, port)) => (host, Some(port)),
+            None => (authority, None),
+        }
+    };
+    if host.is_empty() {
+        return Err("empty host".into());
+    }
+    let port = match (port, default_port) {
+        (Some(text), _) => match text.parse::<u16>() {
+            Ok(port) if port != 0 && text.bytes().all(|b| b.is_ascii_digit()) => port,
+            _ => return Err(format!("bad port {:?}", clip(text))),
+        },
+        (None, Some(port)) => port,
+        (None, None) => return Err("missing port (`host:port`)".into()),
+    };
+    Ok((host.to_string(), port))
+}
+
+/// Headers never forwarded upstream: the client's `Host` (replaced by the
+/// target's), `Connection`/`Keep-Alive` (replaced by `Connection: close`)
+/// and every `Proxy-*` header (meant for this hop, e.g. credentials).
+fn is_dropped(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    matches!(lower.as_str(), "host" | "connection" | "keep-alive") || lower.starts_with("proxy-")
+}
+
+/// Parses a complete request head (as delimited by `head_end`).
+pub(crate) fn parse(head: &[u8]) -> Result<Request, BadRequest> {
+    let text = std::str::from_utf8(head).map_err(|_| BadRequest { method: "http", reason: "not UTF-8".into() })?;
+    let mut lines = text.split('\n').map(|line| line.strip_suffix('\r').unwrap_or(line));
+    let request_line = lines.next().unwrap_or_default();
+    let method = if request_line.starts_with("CONNECT ") { "connect" } else { "http" };
+    let bad = |reason: String| BadRequest { method, reason };
+    if request_line.chars().any(char::is_control) {
+        return Err(bad(format!("control character in the request line {:?}", clip(request_line))));
+    }
+    let parts: Vec<&str> = request_line.split(' ').collect();
+    let [verb, target, version] = parts[..] else {
+        return Err(bad(format!("malformed request line {:?}", clip(request_line))));
+    };
+    if !is_token(verb) {
+        return Err(bad(format!("malformed method {:?}", clip(verb))));
+    }
+    if version != "HTTP/1.1" && version != "HTTP/1.0" {
+        return Err(bad(format!("unsupported version {:?}", clip(version))));
+    }
+    let mut headers = Vec::new();
+    for line in lines.take_while(|line| !line.is_empty()) {
+        if line.starts_with([' ', '\t']) {
+            return Err(bad("obsolete header line folding".into()));
+        }
+        let (name, value) = line.split_once(':').ok_or_else(|| bad(format!("header without `:`: {:?}", clip(line))))?;
+        let value = value.trim_matches([' ', '\t']);
+        if !is_token(name) || value.chars().any(|c| c.is_control() && c != '\t') {
+            return Err(bad(format!("malformed header {:?}", clip(name))));
+        }
+        headers.push((name, value));
+    }
+    if verb == "CONNECT" {
+        let (host, port) = split_authority(target, None).map_err(bad)?;
+        return Ok(Request::Connect { host, port });
+    }
+    let scheme_end = target.find("://").unwrap_or(0);
+    let rest = match target.split_at(scheme_end) {
+        (scheme, rest) if scheme.eq_ignore_ascii_case("http") => &rest[3..],
+        (scheme, _) if scheme.eq_ignore_ascii_case("https") => {
+            return Err(bad("an https:// URL must go through CONNECT".into()))
+        }
+        _ => return Err(bad(format!("not a proxy request (target {:?}); this is an HTTP proxy", clip(target)))),
+    };
+    let (authority, path) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
+    let path = path.split('#').next().unwrap_or_default();
+    let (host, port) = split_authority(authority, Some(80)).map_err(bad)?;
+    let path = match path.as_bytes().first() {
+        None => "/".to_string(),
+        Some(b'?') => format!("/{path}"),
+        Some(_) => path.to_string(),
+    };
+    let mut out = format!("{verb} {path} {version}\r\nHost: {authority}\r\n");
+    for (name, value) in headers.iter().filter(|(name, _)| !is_dropped(name)) {
+        out.push_str(name);
+        out.push_str(": ");
+        out.push_str(value);
+        out.push_str("\r\n");
+    }
+    out.push_str("Connection: close\r\n\r\n");
+    Ok(Request::Http { host, port, head: out.into_bytes() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reason(head: &str) -> String {
+        parse(head.as_bytes()).expect_err(head).reason
+    }
+
+    #[test]
+    fn the_head_ends_at_the_first_blank_line() {
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\n\r\nbody", 0), Some(18));
+        assert_eq!(head_end(b"GET / HTTP/1.1\n\nbody", 0), Some(16));
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\nA: b\r\n", 0), None);
+        // Resuming just past a split terminator still finds it.
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\n\r\n", 17), Some(18));
+    }
+
+    #[test]
+    fn connect_targets() {
+        let connect = |t: &str| parse(format!("CONNECT {t} HTTP/1.1\r\nHost: {t}\r\n\r\n").as_bytes());
+        assert_eq!(connect("api.example.com:443"), Ok(Request::Connect { host: "api.example.com".into(), port: 443 }));
+        assert_eq!(connect("[::1]:8080"), Ok(Request::Connect { host: "::1".into(), port: 8080 }));
+        for bad in ["api.example.com", "api.example.com:0", "a:99999", "a:-1", "::1:443", ":443", "u@a:443", "[::1]x"] {
+            let err = connect(bad).expect_err(bad);
+            assert_eq!(err.method, "connect", "{bad}");
+        }
+    }
+
+    #[test]
+    fn absolute_form_is_rewritten_to_origin_form() {
+        let head = "POST http://Example.com:8080/x/y?q=1#frag HTTP/1.1\r\nHost: evil.com\r\nProxy-Authorization: Basic eA==\r\n\
+                    Proxy-Connection: keep-alive\r\nConnection: keep-alive\r\nKeep-Alive: 5\r\nContent-Length: 2\r\nX-A:  v \r\n\r\n";
+        let Ok(Request::Http { host, port, head }) = parse(head.as_bytes()) else { panic!("parsed") };
+        assert_eq!((host.as_str(), port), ("Example.com", 8080));
+        assert_eq!(
+            String::from_utf8(head).unwrap(),
+            "POST /x/y?q=1 HTTP/1.1\r\nHost: Example.com:8080\r\nContent-Length: 2\r\nX-A: v\r\nConnection: close\r\n\r\n"
+        );
+        let Ok(Request::Http { port, head, .. }) = parse(b"GET HTTP://a.example?x HTTP/1.0\n\n") else { panic!() };
+        assert_eq!(port, 80);
+        assert_eq!(head, b"GET /?x HTTP/1.0\r\nHost: a.example\r\nConnection: close\r\n\r\n");
+    }
+
+    #[test]
+    fn everything_else_is_a_bad_request() {
+        assert!(reason("GET /x HTTP/1.1\r\n\r\n").starts_with("not a proxy request"));
+        assert!(reason("GET https://a.com/ HTTP/1.1\r\n\r\n").contains("CONNECT"));
+        assert!(reason("GET ftp://a.com/ HTTP/1.1\r\n\r\n").starts_with("not a proxy request"));
+        assert!(reason("hello\r\n\r\n").starts_with("malformed request line"));
+        assert!(reason("GET  http://a.com/ HTTP/1.1\r\n\r\n").starts_with("malformed request line"));
+        assert!(reason("GET http://a.com/x\ty HTTP/1.1\r\n\r\n").starts_with("control character"));
+        assert!(reason("GET http://a.com/x\ry HTTP/1.1\r\n\r\n").starts_with("control character"));
+        assert!(reason("GET http://a.com/ HTTP/2\r\n\r\n").starts_with("unsupported version"));
+        assert!(reason("G(T http://a.com/ HTTP/1.1\r\n\r\n").starts_with("malformed method"));
+        assert!(reason("GET http://a.com/ HTTP/1.1\r\nA: b\r\n c\r\n\r\n").contains("folding"));
+        assert!(reason("GET http://a.com/ HTTP/1.1\r\nA b\r\n\r\n").starts_with("header without"));
+        assert!(reason("GET http://a.com/ HTTP/1.1\r\nA : b\r\n\r\n").starts_with("malformed header"));
+        assert!(reason("GET http://a.com/ HTTP/1.1\r\nA: b\rc\r\n\r\n").starts_with("malformed header"));
+        assert!(reason("GET http:// HTTP/1.1\r\n\r\n").contains("empty host"));
+        assert!(reason("GET http://u:p@a.com/ HTTP/1.1\r\n\r\n").contains("credentials"));
+        assert_eq!(parse(b"GET http://a.com/ HTTP/1.1\r\nA: \xff\r\n\r\n").unwrap_err().reason, "not UTF-8");
+        assert_eq!(parse(b"\r\n\r\n").unwrap_err().method, "http");
+    }
+}

@@ -1,0 +1,328 @@
+//! The per-sandbox egress proxy. The daemon creates its listening socket
+//! inside the sandbox's network namespace, so this is the sandbox's only way
+//! out; its outgoing connections are made from the daemon's namespace, after
+//! the allowlist has judged the name AND every address it resolved to.
+//!
+//! One task per client connection, all owned by the accept task: dropping
+//! the [`ProxyHandle`] closes the listener and every socket at once.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::{timeout, timeout_at, Instant};
+
+use super::allowlist::{clip, Allowlist, Target, Verdict};
+use super::http::{self, BadRequest, Request};
+pub use super::log::{EgressDecision, EgressLog};
+
+/// Resolved addresses considered per attempt.
+const MAX_ADDRESSES: usize = 16;
+/// Copy buffer per direction.
+const COPY_BUFFER: usize = 16 * 1024;
+
+pub struct ProxyConfig {
+    pub allowlist: Allowlist,
+    /// The daemon's own listeners: never reachable, whatever the allowlist says.
+    pub protected: Vec<SocketAddr>,
+    /// This host's interface addresses (see `host_addresses`).
+    pub host_addresses: Vec<IpAddr>,
+    /// For resolving a name, and for each connect attempt.
+    pub connect_timeout: Duration,
+}
+
+/// Bounds on what one client can make the proxy hold.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    /// Largest request head; more is answered 431.
+    pub max_head: usize,
+    /// The whole head must arrive within this.
+    pub head_timeout: Duration,
+    /// Concurrent connections; past it the proxy stops accepting until one ends.
+    pub max_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits { max_head: 16 * 1024, head_timeout: Duration::from_secs(30), max_connections: 256 }
+    }
+}
+
+/// Stops the proxy when dropped (or aborted): the accept loop, its listener
+/// and every connection task with their sockets.
+pub struct ProxyHandle {
+    task: JoinHandle<()>,
+}
+
+impl ProxyHandle {
+    pub fn abort(&self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for ProxyHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Serves `listener` until the returned handle is dropped or aborted: every accepted
+/// connection is handled on its own task; dropping the handle ends the accept loop AND every
+/// connection task, so no socket of the sandbox outlives it. Must be called within a tokio
+/// runtime. At most 256 connections are served at once; past that the proxy stops accepting
+/// (clients wait in the listen backlog) until one ends. The whole request head must arrive
+/// within 30 s.
+pub fn serve(listener: TcpListener, config: ProxyConfig, log: Arc<EgressLog>) -> ProxyHandle {
+    serve_with(listener, config, log, Limits::default())
+}
+
+pub(crate) fn serve_with(
+    listener: TcpListener,
+    config: ProxyConfig,
+    log: Arc<EgressLog>,
+    limits: Limits,
+) -> ProxyHandle {
+    let config = Arc::new(config);
+    let task = tokio::spawn(async move {
+        // Owned by this task: aborting it drops the set, which aborts every connection.
+        let mut connections = JoinSet::new();
+        loop {
+            if connections.len() >= limits.max_connections {
+                connections.join_next().await;
+                continue;
+            }
+            tokio::select! {
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => {
+                        connections.spawn(handle(stream, config.clone(), log.clone(), limits));
+                    }
+                    Err(error) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        tracing::debug!(%error, "proxy accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                },
+            }
+        }
+    });
+    ProxyHandle { task }
+}
+
+enum Head {
+    /// The head is `buf[..len]`; anything after it is body already read.
+    Complete(usize),
+    /// Closed before sending a byte: not an attempt, nothing is logged.
+    Silent,
+    Failed {
+        status: Option<u16>,
+        reason: String,
+    },
+}
+
+async fn read_head(client: &mut TcpStream, buf: &mut Vec<u8>, limits: Limits) -> Head {
+    let deadline = Instant::now() + limits.head_timeout;
+    let mut chunk = [0u8; 4096];
+    loop {
+        let searched = buf.len();
+        let room = limits.max_head - buf.len();
+        if room == 0 {
+            return Head::Failed { status: Some(431), reason: format!("request head over {} bytes", limits.max_head) };
+        }
+        let want = room.min(chunk.len());
+        match timeout_at(deadline, client.read(&mut chunk[..want])).await {
+            Err(_) => {
+                let reason = format!("no complete request head within {}s", limits.head_timeout.as_secs_f32());
+                return Head::Failed { status: None, reason };
+            }
+            Ok(Ok(0)) if buf.is_empty() => return Head::Silent,
+            Ok(Ok(0)) => {
+                return Head::Failed { status: None, reason: "closed in the middle of the request head".into() }
+            }
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+            Ok(Err(_)) if buf.is_empty() => return Head::Silent,
+            Ok(Err(error)) => {
+                return Head::Failed { status: None, reason: format!("reading the request head: {error}") }
+            }
+        }
+        if let Some(len) = http::head_end(buf, searched) {
+            return Head::Complete(len);
+        }
+    }
+}
+
+/// One client connection: read the head, decide, connect, then copy.
+async fn handle(mut client: TcpStream, config: Arc<ProxyConfig>, log: Arc<EgressLog>, limits: Limits) {
+    let _ = client.set_nodelay(true);
+    let mut buf = Vec::with_capacity(4096);
+    let len = match read_head(&mut client, &mut buf, limits).await {
+        Head::Complete(len) => len,
+        Head::Silent => return,
+        Head::Failed { status, reason } => {
+            log.record(denied(String::new(), 0, "http", &reason));
+            if let Some(status) = status {
+                refuse(client, status, &reason).await;
+            }
+            return;
+        }
+    };
+    let (method, host, port, upstream_head) = match http::parse(&buf[..len]) {
+        Ok(Request::Connect { host, port }) => ("connect", host, port, None),
+        Ok(Request::Http { host, port, head }) => ("http", host, port, Some(head)),
+        Err(BadRequest { method, reason }) => {
+            log.record(denied(String::new(), 0, method, &reason));
+            return refuse(client, 400, &reason).await;
+        }
+    };
+    let shown = Target::parse(&host).map(|t| t.to_string()).unwrap_or_else(|_| clip(&host));
+    let (mut upstream, rule) = match open(&config, &host, port).await {
+        Ok(opened) => opened,
+        Err((status, reason)) => {
+            log.record(denied(shown, port, method, &reason));
+            return refuse(client, status, &reason).await;
+        }
+    };
+    let key = super::log::host_port(&shown, port);
+    log.record(EgressDecision { host: shown, port, allowed: true, rule_or_reason: rule, method });
+    tracing::debug!(target: "corral::net", %key, method, "egress allowed");
+
+    let leftover = &buf[len..];
+    let first_write = match &upstream_head {
+        None => client.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await,
+        Some(head) => upstream.write_all(head).await,
+    };
+    let up = upstream_head.as_ref().map_or(0, Vec::len) + leftover.len();
+    if first_write.is_err() || upstream.write_all(leftover).await.is_err() {
+        return;
+    }
+    log.add_bytes(&key, up as u64, 0);
+    drop(buf);
+    tunnel(client, upstream, &key, &log).await;
+}
+
+/// Judges `host:port` and connects to it: name check, resolution, a check of
+/// every resolved address, then the first address that accepts. The error is
+/// the status to answer and why.
+async fn open(config: &ProxyConfig, host: &str, port: u16) -> Result<(TcpStream, String), (u16, String)> {
+    let rule = match config.allowlist.check_name(host, port) {
+        Verdict::Allow { rule } => rule,
+        Verdict::Deny { reason } => return Err((403, reason)),
+    };
+    let mut addresses: Vec<SocketAddr> = match Target::parse(host) {
+        Ok(Target::Ip(ip)) => vec![SocketAddr::new(ip, port)],
+        Ok(Target::Name(name)) => {
+            match timeout(config.connect_timeout, tokio::net::lookup_host((name.as_str(), port))).await {
+                Ok(Ok(found)) => {
+                    found.take(MAX_ADDRESSES).map(|a| SocketAddr::new(a.ip().to_canonical(), a.port())).collect()
+                }
+                Ok(Err(error)) => return Err((502, format!("cannot resolve {name}: {error}"))),
+                Err(_) => return Err((502, format!("resolving {name} timed out"))),
+            }
+        }
+        Err(reason) => return Err((403, reason)),
+    };
+    let mut seen = Vec::with_capacity(addresses.len());
+    addresses.retain(|a| {
+        !seen.contains(a) && {
+            seen.push(*a);
+            true
+        }
+    });
+    if addresses.is_empty() {
+        return Err((502, format!("{host} has no address")));
+    }
+    // Every address, not just the one used: a name must not be able to point
+    // anywhere it may not go (DNS rebinding).
+    for address in &addresses {
+        if let Verdict::Deny { reason } =
+            config.allowlist.check_address(&rule, *address, &config.host_addresses, &config.protected)
+        {
+            return Err((403, reason));
+        }
+    }
+    let mut last_error = String::new();
+    for address in addresses {
+        match timeout(config.connect_timeout, TcpStream::connect(address)).await {
+            Ok(Ok(stream)) => {
+                let _ = stream.set_nodelay(true);
+                return Ok((stream, rule));
+            }
+            Ok(Err(error)) => last_error = format!("connecting to {address}: {error}"),
+            Err(_) => last_error = format!("connecting to {address} timed out"),
+        }
+    }
+    Err((502, last_error))
+}
+
+fn denied(host: String, port: u16, method: &'static str, reason: &str) -> EgressDecision {
+    EgressDecision { host, port, allowed: false, rule_or_reason: reason.to_string(), method }
+}
+
+/// Answers `status` with a short plain-text reason, then closes. The client's
+/// unread input is drained briefly first, so closing does not reset the
+/// connection before the client has read the answer.
+async fn refuse(mut client: TcpStream, status: u16, reason: &str) {
+    let title = match status {
+        400 => "Bad Request",
+        403 => "Forbidden",
+        431 => "Request Header Fields Too Large",
+        502 => "Bad Gateway",
+        _ => "Error",
+    };
+    let body = format!("corral egress proxy: {}\n", clip(reason));
+    let response = format!(
+        "HTTP/1.1 {status} {title}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = async {
+        client.write_all(response.as_bytes()).await?;
+        client.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        let mut drained = 0;
+        while drained < 256 * 1024 {
+            match client.read(&mut sink).await? {
+                0 => break,
+                n => drained += n,
+            }
+        }
+        std::io::Result::Ok(())
+    };
+    let _ = timeout(Duration::from_secs(2), answer).await;
+}
+
+/// Copies both ways until the upstream closes (or either side fails); a
+/// client that half-closes still gets the rest of the answer. Bytes are
+/// counted as they are read, so the log is current even if the proxy is
+/// aborted mid-transfer.
+async fn tunnel(mut client: TcpStream, mut upstream: TcpStream, key: &str, log: &EgressLog) {
+    let (mut client_read, mut client_write) = client.split();
+    let (mut upstream_read, mut upstream_write) = upstream.split();
+    let up = pump(&mut client_read, &mut upstream_write, |n| log.add_bytes(key, n, 0));
+    let down = pump(&mut upstream_read, &mut client_write, |n| log.add_bytes(key, 0, n));
+    tokio::pin!(up, down);
+    tokio::select! {
+        _ = &mut down => {}
+        finished = &mut up => if finished.is_ok() {
+            let _ = down.await;
+        },
+    }
+}
+
+async fn pump<R, W>(from: &mut R, to: &mut W, count: impl Fn(u64)) -> std::io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut buf = vec![0u8; COPY_BUFFER];
+    loop {
+        let n = from.read(&mut buf).await?;
+        if n == 0 {
+            return to.shutdown().await;
+        }
+        count(n as u64);
+        to.write_all(&buf[..n]).await?;
+    }
+}

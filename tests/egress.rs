@@ -1,0 +1,264 @@
+//! Network for agents without the host network: from inside a real
+//! sandbox, egress goes only through the daemon's proxy, only to the hosts
+//! the (gated) profile allows, never to the daemon itself, with no DNS; each
+//! attempt is an `egress` event and counted in the evidence.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use common::{finished, request, require_bwrap, Options, TestDaemon};
+use corral::pb;
+use corral::pb::lifecycle_event::Kind;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A test server on the host's loopback: answers `GET` with `hello`,
+/// echoes anything else, and keeps every byte it received.
+struct TestServer {
+    port: u16,
+    seen: Arc<Mutex<Vec<u8>>>,
+}
+
+impl TestServer {
+    async fn start() -> TestServer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sink = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let sink = sink.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    while let Ok(n) = socket.read(&mut buf).await {
+                        if n == 0 {
+                            break;
+                        }
+                        sink.lock().unwrap().extend_from_slice(&buf[..n]);
+                        if buf.starts_with(b"GET ") {
+                            let _ = socket
+                                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello")
+                                .await;
+                            break;
+                        }
+                        let _ = socket.write_all(&buf[..n]).await;
+                    }
+                });
+            }
+        });
+        TestServer { port, seen }
+    }
+
+    fn seen(&self) -> String {
+        String::from_utf8_lossy(&self.seen.lock().unwrap()).into_owned()
+    }
+}
+
+fn net_profile(id: &str, hosts: &[String], extra: &str) -> (String, String) {
+    let hosts: Vec<String> = hosts.iter().map(|h| format!("{h:?}")).collect();
+    let text = format!(
+        r#"id = "{id}"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-s"]
+input = "description"
+[sandbox]
+type = "linux_bwrap"
+allow_network = true
+allow_hosts = [{}]
+write_paths = ["."]
+[limits]
+timeout_seconds = 60
+{extra}
+"#,
+        hosts.join(", ")
+    );
+    (format!("{id}.toml"), text)
+}
+
+/// A Python probe: CONNECT through the proxy to each port, a direct
+/// connect, a DNS lookup; one line each.
+fn probe(ports: &[u16], direct: &[u16]) -> String {
+    format!(
+        r#"python3 - <<'EOF'
+import os, socket
+proxy = os.environ.get("HTTPS_PROXY", "")
+print("proxy", proxy)
+def tunnel(port):
+    try:
+        s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+        s.sendall(b"CONNECT 127.0.0.1:%d HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % (port, port))
+        head = s.recv(4096).split(b"\r\n")[0].decode()
+        if " 200 " in head:
+            s.sendall(b"PING-THROUGH-PROXY\n")
+            print("tunnel", port, "open", s.recv(100).decode().strip())
+        else:
+            print("tunnel", port, "refused", head)
+    except OSError as e:
+        print("tunnel", port, "error", e)
+for port in {ports:?}:
+    tunnel(port)
+for port in {direct:?}:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+        print("direct", port, "connected")
+    except OSError as e:
+        print("direct", port, "failed")
+try:
+    socket.getaddrinfo("example.com", 443)
+    print("dns resolved")
+except OSError:
+    print("dns failed")
+EOF"#
+    )
+}
+
+fn egress_events(events: &[pb::LifecycleEvent]) -> Vec<pb::Egress> {
+    events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::Egress(x)) => Some(x.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+async fn daemon_with(profiles: Vec<(String, String)>) -> TestDaemon {
+    require_bwrap();
+    TestDaemon::start(Options { profiles, ..Options::default() }).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_goes_only_through_the_proxy_to_allowed_hosts() {
+    let server = TestServer::start().await;
+    let other = TestServer::start().await;
+    let (a, b) = (server.port, other.port);
+    let daemon = daemon_with(vec![net_profile("test.net", &[format!("127.0.0.1:{a}")], "")]).await;
+    let grpc = daemon.addr.port();
+    let script = probe(&[a, b, grpc], &[a, grpc]);
+    let events = daemon.execute(request("test.net", &script)).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(
+        out.contains("proxy http://127.0.0.1:3128"),
+        "{out}\n{}\n{:?}",
+        execution.tool_error,
+        common::kinds(&events)
+    );
+    assert!(out.contains(&format!("tunnel {a} open PING-THROUGH-PROXY")), "{out}");
+    assert!(server.seen().contains("PING-THROUGH-PROXY"), "the server never saw the bytes");
+    assert!(out.contains(&format!("tunnel {b} refused HTTP/1.1 403")), "{out}");
+    assert!(!other.seen().contains("PING"), "an unlisted port was reached");
+    assert!(out.contains(&format!("tunnel {grpc} refused HTTP/1.1 403")), "the daemon's port through the proxy: {out}");
+    assert!(out.contains(&format!("direct {a} failed")), "a direct connection bypassed the proxy: {out}");
+    assert!(out.contains(&format!("direct {grpc} failed")), "the daemon's port directly: {out}");
+    assert!(out.contains("dns failed"), "a resolver answered inside: {out}");
+
+    let decisions = egress_events(&events);
+    let allowed: Vec<_> = decisions.iter().filter(|d| d.allowed).collect();
+    let denied: Vec<_> = decisions.iter().filter(|d| !d.allowed).collect();
+    assert_eq!(allowed.len(), 1, "{decisions:?}");
+    assert_eq!((allowed[0].host.as_str(), allowed[0].port), ("127.0.0.1", u32::from(a)));
+    assert_eq!(denied.len(), 2, "{decisions:?}");
+    let egress = execution.evidence.unwrap().egress.unwrap();
+    assert_eq!((egress.allowed, egress.denied), (1, 2));
+    assert!(egress.denied_hosts.contains(&format!("127.0.0.1:{b}")), "{egress:?}");
+    let bytes = egress.bytes.iter().find(|h| h.host == format!("127.0.0.1:{a}")).expect("bytes for the allowed host");
+    assert!(bytes.up >= "PING-THROUGH-PROXY\n".len() as u64 && bytes.down > 0, "{bytes:?}");
+    let ready = events.iter().find_map(|e| match &e.kind {
+        Some(Kind::SandboxReady(r)) => r.receipt.clone(),
+        _ => None,
+    });
+    let receipt = ready.expect("receipt");
+    assert!(receipt.network_isolated);
+    assert_eq!(receipt.egress, "proxy");
+    assert_eq!(receipt.allow_hosts, [format!("127.0.0.1:{a}")]);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemons_own_port_stays_unreachable_even_when_listed() {
+    require_bwrap();
+    // Choose the daemon's port first, so a profile can list it exactly.
+    let grpc = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let profile = net_profile("test.self", &[format!("127.0.0.1:{grpc}")], "");
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![profile],
+        listen: Some(format!("127.0.0.1:{grpc}")),
+        ..Options::default()
+    })
+    .await;
+    assert_eq!(daemon.addr.port(), grpc);
+    let events = daemon.execute(request("test.self", &probe(&[grpc], &[grpc]))).await;
+    let out = finished(&events).tool_output;
+    assert!(out.contains(&format!("tunnel {grpc} refused HTTP/1.1 403")), "{out}");
+    assert!(out.contains(&format!("direct {grpc} failed")), "{out}");
+    let denied = egress_events(&events);
+    assert!(denied.iter().all(|d| !d.allowed) && !denied.is_empty(), "{denied:?}");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_and_urllib_work_through_the_proxy_unmodified() {
+    assert!(std::path::Path::new("/usr/bin/curl").exists(), "this test needs curl (Debian package `curl`)");
+    let server = TestServer::start().await;
+    let a = server.port;
+    let daemon = daemon_with(vec![net_profile("test.clients", &[format!("127.0.0.1:{a}")], "")]).await;
+    let script = format!(
+        r#"echo "curl: $(curl -sS --max-time 10 http://127.0.0.1:{a}/from-curl)"
+python3 -c 'import urllib.request; print("urllib:", urllib.request.urlopen("http://127.0.0.1:{a}/from-urllib", timeout=10).read().decode())'"#
+    );
+    let events = daemon.execute(request("test.clients", &script)).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(out.contains("curl: hello"), "{out}\n{}", execution.tool_error);
+    assert!(out.contains("urllib: hello"), "{out}\n{}", execution.tool_error);
+    let seen = server.seen();
+    assert!(seen.contains("GET /from-curl HTTP/1.1"), "origin-form request expected: {seen}");
+    assert!(seen.contains("GET /from-urllib HTTP/1.1"), "{seen}");
+    assert_eq!(egress_events(&events).iter().filter(|d| d.allowed).count(), 2);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enforce_sandbox_narrows_and_never_widens_the_allowlist() {
+    let (s1, s2, s3) = (TestServer::start().await, TestServer::start().await, TestServer::start().await);
+    let (a, b, c) = (s1.port, s2.port, s3.port);
+    // The profile allows a and b; its policy lists a and c: only a remains.
+    let policy = format!(
+        r#"[[guardrails.policies]]
+name = "narrow"
+kind = "enforce_sandbox"
+arguments = {{ allow_hosts = ["127.0.0.1:{a}", "127.0.0.1:{c}"] }}"#
+    );
+    let hosts = [format!("127.0.0.1:{a}"), format!("127.0.0.1:{b}")];
+    let daemon = daemon_with(vec![net_profile("test.narrow", &hosts, &policy)]).await;
+    let events = daemon.execute(request("test.narrow", &probe(&[a, b, c], &[]))).await;
+    let execution = finished(&events);
+    let out = execution.tool_output.clone();
+    assert!(out.contains(&format!("tunnel {a} open")), "{out}\n{}", execution.tool_error);
+    assert!(out.contains(&format!("tunnel {b} refused")), "the policy did not narrow: {out}");
+    assert!(out.contains(&format!("tunnel {c} refused")), "the policy widened the allowlist: {out}");
+    let gated = events.iter().find_map(|e| match &e.kind {
+        Some(Kind::Gated(g)) if g.phase == "agent_start" => g.effective_sandbox.clone(),
+        _ => None,
+    });
+    assert_eq!(gated.unwrap().allow_hosts, [format!("127.0.0.1:{a}")]);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deny_network_leaves_nothing_reachable() {
+    let server = TestServer::start().await;
+    let a = server.port;
+    let policy = "[[guardrails.policies]]\nname = \"offline\"\nkind = \"deny_network\"\n";
+    let daemon = daemon_with(vec![net_profile("test.offline", &[format!("127.0.0.1:{a}")], policy)]).await;
+    let events = daemon.execute(request("test.offline", &probe(&[a], &[a]))).await;
+    let out = finished(&events).tool_output;
+    assert!(out.contains("proxy \n") || out.contains("proxy\n"), "a proxy is offered: {out}");
+    assert!(out.contains(&format!("tunnel {a} error")), "{out}");
+    assert!(out.contains(&format!("direct {a} failed")), "{out}");
+    assert!(!server.seen().contains("PING"));
+    assert!(egress_events(&events).is_empty());
+    daemon.stop().await;
+}

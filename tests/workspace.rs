@@ -1,0 +1,223 @@
+//! The workspace comes back safely and completely: whatever the agent does
+//! to its `.git`, no host repository reaches the origin and no code runs on
+//! the host; uncommitted work comes back as a snapshot; the agent's own
+//! commits work and come back.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{finished, git, git_repo, request, require_bwrap, Options, TestDaemon};
+use corral::pb;
+
+/// A host repository the agent must never get: one commit with a secret.
+fn secret_repo() -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    git(dir.path(), &["init", "-q", "-b", "main"]);
+    std::fs::write(dir.path().join("SECRET.txt"), "host secret 7f3a\n").unwrap();
+    git(dir.path(), &["add", "."]);
+    git(dir.path(), &["-c", "user.name=h", "-c", "user.email=h@h.invalid", "commit", "-qm", "secret"]);
+    let sha = git(dir.path(), &["rev-parse", "HEAD"]);
+    (dir, sha)
+}
+
+async fn daemon(timeout_seconds: u64) -> TestDaemon {
+    require_bwrap();
+    TestDaemon::start(Options {
+        config: Box::new(move |c| c.git.timeout_seconds = timeout_seconds),
+        ..Options::default()
+    })
+    .await
+}
+
+async fn run_on(daemon: &TestDaemon, origin: &Path, script: &str) -> pb::Execution {
+    let mut req = request("builtin.shell", script);
+    req.repo = origin.display().to_string();
+    finished(&daemon.execute(req).await)
+}
+
+fn has_object(repo: &Path, sha: &str) -> bool {
+    std::process::Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(["cat-file", "-e", sha])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+fn corral_ref(repo: &Path, id: &str) -> Option<String> {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(["rev-parse", "--verify", "-q", &format!("refs/corral/{id}")])
+        .output()
+        .unwrap();
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_trick_on_dot_git_brings_a_host_repository_back() {
+    let daemon = daemon(30).await;
+    let (secret, secret_sha) = secret_repo();
+    let s = secret.path().display();
+    let tricks = [
+        ("gitfile", format!("rm -rf .git && printf 'gitdir: {s}/.git\\n' > .git")),
+        ("symlink", format!("rm -rf .git && ln -s {s}/.git .git")),
+        ("objects", format!("rm -rf .git/objects && ln -s {s}/.git/objects .git/objects && echo {secret_sha} > .git/HEAD")),
+        (
+            "alternates",
+            format!("mkdir -p .git/objects/info && echo {s}/.git/objects > .git/objects/info/alternates && echo {secret_sha} > .git/HEAD"),
+        ),
+    ];
+    for (name, script) in tricks {
+        let origin = git_repo();
+        let execution = run_on(&daemon, origin.path(), &script).await;
+        let evidence = execution.evidence.clone().unwrap();
+        assert!(!has_object(origin.path(), &secret_sha), "{name}: the host repository's commit reached the origin");
+        assert_ne!(evidence.commit_sha, secret_sha, "{name}");
+        assert_ne!(corral_ref(origin.path(), &execution.execution_id).as_deref(), Some(secret_sha.as_str()), "{name}");
+        assert_eq!(evidence.failure_stage, pb::FailureStage::Teardown as i32, "{name}: {execution:?}");
+        assert!(
+            evidence.notes.iter().any(|n| n.contains("workspace could not be brought back")),
+            "{name}: {:?}",
+            evidence.notes
+        );
+        assert!(execution.tool_error.contains("workspace capture"), "{name}: {}", execution.tool_error);
+        assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{name}");
+    }
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_head_or_a_huge_packed_refs_ends_within_the_git_timeout() {
+    let timeout = 4;
+    let daemon = daemon(timeout).await;
+    let origin = git_repo();
+    let started = Instant::now();
+    let execution = run_on(&daemon, origin.path(), "rm .git/HEAD && mkfifo .git/HEAD && echo fifo").await;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(timeout + 20), "the run took {took:?}");
+    let evidence = execution.evidence.unwrap();
+    assert_eq!(evidence.failure_stage, pb::FailureStage::Teardown as i32);
+    assert!(execution.tool_error.contains("did not finish within"), "{}", execution.tool_error);
+    assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32);
+    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+
+    let origin = git_repo();
+    let script = r##"python3 - <<'EOF'
+head = open(".git/refs/heads/main").read().strip() if __import__("os").path.exists(".git/refs/heads/main") else None
+import subprocess
+head = head or subprocess.check_output(["git", "rev-parse", "HEAD"]).decode().strip()
+with open(".git/packed-refs", "w") as f:
+    f.write("# pack-refs with: peeled fully-peeled sorted\n")
+    for i in range(100000):
+        f.write("%s refs/heads/b%06d\n" % (head, i))
+EOF
+echo more >> README.md"##;
+    let started = Instant::now();
+    let execution = run_on(&daemon, origin.path(), script).await;
+    assert!(started.elapsed() < Duration::from_secs(timeout + 20), "took {:?}", started.elapsed());
+    let evidence = execution.evidence.unwrap();
+    assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn git_tricks_never_run_code_on_the_host() {
+    let daemon = daemon(30).await;
+    let host = tempfile::tempdir().unwrap();
+    let m = host.path().display();
+    let script = format!(
+        r#"git config core.fsmonitor "touch {m}/fsmonitor"
+git config core.pager "touch {m}/pager"
+git config filter.evil.clean "touch {m}/clean; cat"
+git config filter.evil.smudge "touch {m}/smudge; cat"
+git config filter.evil.process "touch {m}/process"
+git config uploadpack.packObjectsHook "touch {m}/packobjects"
+git config credential.helper "!touch {m}/credential"
+git config core.hooksPath .git/hooks
+echo "* filter=evil" > .gitattributes
+for h in post-checkout reference-transaction pre-commit post-commit fsmonitor-watchman pre-auto-gc; do
+  printf '#!/bin/sh\ntouch {m}/hook-%s\n' "$h" > .git/hooks/$h; chmod +x .git/hooks/$h
+done
+echo uncommitted >> README.md"#
+    );
+    let origin = git_repo();
+    let execution = run_on(&daemon, origin.path(), &script).await;
+    let markers: Vec<_> = std::fs::read_dir(host.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(markers.is_empty(), "code ran on the host: {markers:?}");
+    // A filter the agent broke may break the capture in the sandbox too:
+    // then the run says so instead of claiming success.
+    let came_back = corral_ref(origin.path(), &execution.execution_id).is_some();
+    let failed_honestly = execution.evidence.as_ref().unwrap().failure_stage == pb::FailureStage::Teardown as i32
+        && execution.tool_error.contains("workspace capture");
+    assert!(came_back || failed_honestly, "{execution:?}");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncommitted_edits_come_back_as_a_snapshot() {
+    let daemon = daemon(30).await;
+    let origin = git_repo();
+    let execution = run_on(&daemon, origin.path(), "echo edited >> README.md; echo new > new.txt").await;
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{}", execution.tool_error);
+    let evidence = execution.evidence.unwrap();
+    assert!(evidence.workspace_snapshot);
+    assert_eq!(evidence.agent_commits, 0);
+    let head = corral_ref(origin.path(), &execution.execution_id).expect("refs/corral/<id>");
+    assert_eq!(evidence.commit_sha, head);
+    let readme = git(origin.path(), &["show", &format!("{head}:README.md")]);
+    assert!(readme.ends_with("edited"), "{readme}");
+    assert_eq!(git(origin.path(), &["show", &format!("{head}:new.txt")]), "new");
+    assert_eq!(git(origin.path(), &["log", "-1", "--format=%an <%ae>", &head]), "corral <corral@localhost>");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_commit_with_the_provided_identity_comes_back() {
+    let daemon = daemon(30).await;
+    let origin = git_repo();
+    let script = "echo work > work.txt && git add work.txt && git commit -qm 'agent work' && echo committed";
+    let execution = run_on(&daemon, origin.path(), script).await;
+    assert!(execution.tool_output.contains("committed"), "git commit failed inside: {}", execution.tool_output);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{}", execution.tool_error);
+    let evidence = execution.evidence.unwrap();
+    assert!(!evidence.workspace_snapshot);
+    assert_eq!(evidence.agent_commits, 1);
+    let head = corral_ref(origin.path(), &execution.execution_id).expect("refs/corral/<id>");
+    assert_eq!(evidence.commit_sha, head);
+    assert_eq!(
+        git(origin.path(), &["log", "-1", "--format=%an <%ae>|%s", &head]),
+        "corral agent <agent@corral.invalid>|agent work"
+    );
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_symlink_under_repo_roots_pointing_outside_is_invalid() {
+    require_bwrap();
+    let roots = tempfile::tempdir().unwrap();
+    let outside = git_repo();
+    std::os::unix::fs::symlink(outside.path(), roots.path().join("link")).unwrap();
+    let inside = roots.path().join("inside");
+    std::fs::create_dir(&inside).unwrap();
+    git(&inside, &["init", "-q"]);
+    let root = roots.path().to_path_buf();
+    let daemon =
+        TestDaemon::start(Options { config: Box::new(move |c| c.repo_roots = vec![root]), ..Options::default() }).await;
+    let mut client = daemon.executions().await;
+    let mut req = request("builtin.shell", "true");
+    req.repo = roots.path().join("link").display().to_string();
+    let status = client.execute(req).await.expect_err("a symlink out of repo_roots");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(status.message().contains("repo"), "{}", status.message());
+    let listed = client.list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
+    assert!(listed.executions.is_empty(), "a rejected request was stored");
+    // A real repository under the root still works.
+    let mut req = request("builtin.shell", "true");
+    req.repo = inside.display().to_string();
+    assert!(client.execute(req).await.is_ok());
+    daemon.stop().await;
+}
