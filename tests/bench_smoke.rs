@@ -31,6 +31,18 @@ async fn latency_compares_executes_with_the_floor() {
     assert!(report.targets.iter().any(|t| t.target.starts_with("latency") && t.met.is_some()));
 }
 
+/// With a network profile both sides pay for the egress proxy: the ratio
+/// is the control plane's share of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_with_the_egress_proxy_compares_the_same_command_line() {
+    let report = bench(&["latency", "--n", "3", "--warmup", "1", "--noop-profile", "builtin.noop-net@1.0.0"]).await;
+    let l = report.latency.expect("a latency report");
+    assert!(l.errors.is_empty(), "{:?}", l.errors);
+    assert_eq!(l.floor_errors, 0);
+    assert!(l.floor_matches_receipt, "{:?}", l.floor_command);
+    assert!(l.floor_command.iter().any(|a| a == "--info-fd"), "the floor sets the proxy up too: {:?}", l.floor_command);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throughput_counts_executions_errors_and_leaks() {
     let report = bench(&["throughput", "--concurrency", "1,4", "--n", "8"]).await;

@@ -221,3 +221,38 @@ async fn a_symlink_under_repo_roots_pointing_outside_is_invalid() {
     assert!(client.execute(req).await.is_ok());
     daemon.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_hung_capture_exits_within_the_grace() {
+    use corral::pb::execution_service_client::ExecutionServiceClient;
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let data = dir.path().join("data");
+    // A capture that would wait ten minutes on the FIFO; a 2 s grace.
+    let env = [("CORRAL_SHUTDOWN_GRACE_SECONDS", "2")];
+    let mut daemon = common::ServeProcess::start_with(&data, &profiles, &env, "[git]\ntimeout_seconds = 600\n").await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let origin = git_repo();
+    let mut req = request("builtin.shell", "rm .git/HEAD && mkfifo .git/HEAD && echo fifo");
+    req.repo = origin.path().display().to_string();
+    let id = client.start_execution(req).await.unwrap().into_inner().execution_id;
+    // Wait for the harness to be done: the capture is then hanging.
+    let watch = pb::WatchRequest { execution_id: id, after_sequence: 0 };
+    let mut stream = client.watch_execution(watch).await.unwrap().into_inner();
+    while let Some(event) = stream.message().await.unwrap() {
+        if matches!(event.kind, Some(pb::lifecycle_event::Kind::Dispatched(_))) {
+            break;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let started = Instant::now();
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
+    let status = tokio::time::timeout(Duration::from_secs(30), daemon.child.wait()).await.expect("exits").unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert!(started.elapsed() < Duration::from_secs(12), "SIGTERM took {:?}", started.elapsed());
+    let left: Vec<_> = std::fs::read_dir(data.join("sandboxes")).unwrap().flatten().collect();
+    assert!(left.is_empty(), "{left:?}");
+}

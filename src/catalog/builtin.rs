@@ -84,6 +84,19 @@ pub fn builtin_profiles() -> Vec<ProfileFile> {
             Readiness::default(),
         ),
         file(
+            "builtin.noop-net",
+            "Runs /usr/bin/true in a bwrap sandbox whose egress goes through the daemon's proxy (nothing allowed): \
+             the floor for the proxy's set-up cost.",
+            ReinSpec {
+                kind: "command".into(),
+                preset: Preset::Protocol,
+                argv: vec!["/usr/bin/true".into()],
+                input: TaskInput::Nothing,
+            },
+            with_network(&[], &[]),
+            Readiness::default(),
+        ),
+        file(
             "builtin.claude-code",
             "Claude Code in print mode with stream-json output; the prompt goes on stdin.",
             ReinSpec {

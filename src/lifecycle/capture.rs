@@ -38,6 +38,8 @@ pub struct CaptureJob<'a> {
     pub private: &'a Path,
     pub timeout: Duration,
     pub max_bundle_bytes: u64,
+    /// The daemon's shutdown grace is over: stop now.
+    pub stop: tokio_util::sync::CancellationToken,
 }
 
 impl CaptureJob<'_> {
@@ -108,11 +110,17 @@ impl CaptureJob<'_> {
             let status = process.wait().await;
             (text, status)
         };
-        match tokio::time::timeout(self.timeout, read).await {
+        let outcome = tokio::select! {
+            done = tokio::time::timeout(self.timeout, read) => done.map_err(|_| {
+                format!("the capture of the workspace did not finish within {:?}", self.timeout)
+            }),
+            _ = self.stop.cancelled() => Err("the daemon's shutdown grace ended the capture of the workspace".into()),
+        };
+        match outcome {
             Ok((text, _)) => Ok(String::from_utf8_lossy(&text).into_owned()),
-            Err(_) => {
+            Err(why) => {
                 let _ = process.kill().await;
-                Err(WorkspaceError(format!("the capture of the workspace did not finish within {:?}", self.timeout)))
+                Err(WorkspaceError(why))
             }
         }
     }

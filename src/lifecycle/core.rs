@@ -681,6 +681,7 @@ impl Core {
             private: &private,
             timeout: Duration::from_secs(self.engine.git.timeout_seconds),
             max_bundle_bytes: self.engine.git.max_bundle_bytes,
+            stop: self.engine.grace_over(),
         };
         let t = Instant::now();
         match job.run().await {

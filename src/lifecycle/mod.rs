@@ -336,4 +336,10 @@ impl Engine {
     pub fn is_draining(&self) -> bool {
         self.tasks.is_closed() || self.draining.is_cancelled()
     }
+
+    /// Cancelled when a shutdown's grace period is over: work that would
+    /// outlast it (a workspace capture) stops then.
+    pub fn grace_over(&self) -> CancellationToken {
+        self.draining.clone()
+    }
 }
