@@ -27,6 +27,8 @@ pub struct Config {
     /// Admission control: executions running at once; more are refused
     /// with RESOURCE_EXHAUSTED (nothing is stored for them).
     pub max_running_executions: usize,
+    /// The same bound for live sessions.
+    pub max_running_sessions: usize,
     /// A finished execution's events are kept this long, then compacted to
     /// its final `finished` event (record and evidence).
     pub event_retention_seconds: u64,
@@ -44,6 +46,17 @@ pub struct Config {
     pub sandbox: crate::sandbox::SandboxConfig,
     /// How a run's workspace is brought back.
     pub git: GitConfig,
+    /// Who may call: see `auth`. Root and the daemon's own uid on the unix
+    /// socket, and the holder of `<data_dir>/admin.token`, are the local
+    /// administrator; everyone else must be a principal listed here.
+    pub principals: Vec<crate::auth::PrincipalConfig>,
+    /// A directory of principal files (`*.toml`, one principal each).
+    pub principals_dir: Option<PathBuf>,
+    /// The unix socket (peer uid → principal); default
+    /// `<data_dir>/corral.sock`, `""` for none.
+    pub unix_socket: Option<PathBuf>,
+    /// The group that owns the socket (mode 0660), by name or number.
+    pub unix_socket_group: Option<String>,
     /// Names this daemon in a shared store (default: host name and data
     /// directory): recovery and hub delivery only touch its own rows.
     pub node_id: Option<String>,
@@ -84,6 +97,7 @@ impl Default for Config {
             watch_buffer: 4096,
             session_idle_seconds: 900,
             max_running_executions: 64,
+            max_running_sessions: 64,
             event_retention_seconds: 7 * 24 * 3600,
             repo_roots: Vec::new(),
             policies: Vec::new(),
@@ -92,6 +106,10 @@ impl Default for Config {
             store: StoreConfig::default(),
             sandbox: crate::sandbox::SandboxConfig::default(),
             git: GitConfig::default(),
+            principals: Vec::new(),
+            principals_dir: None,
+            unix_socket: None,
+            unix_socket_group: None,
             node_id: None,
         }
     }
@@ -132,6 +150,15 @@ pub struct Overrides {
 }
 
 impl Config {
+    /// Where the unix socket is, if there is one.
+    pub fn unix_socket_path(&self) -> Option<PathBuf> {
+        match &self.unix_socket {
+            Some(path) if path.as_os_str().is_empty() => None,
+            Some(path) => Some(path.clone()),
+            None => Some(self.data_dir.join("corral.sock")),
+        }
+    }
+
     /// This daemon's name in a shared store.
     pub fn node(&self) -> String {
         self.node_id.clone().unwrap_or_else(|| {
@@ -174,6 +201,9 @@ impl Config {
         if let Some(v) = get("CORRAL_PROFILES") {
             self.profile_dirs.extend(std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()));
         }
+        if let Some(v) = get("CORRAL_UNIX_SOCKET") {
+            self.unix_socket = Some(v.into());
+        }
         if let Some(v) = get("CORRAL_STORE_URL") {
             self.store.url = Some(v);
         }
@@ -188,11 +218,25 @@ impl Config {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |key: &str, message: String| ConfigError::Invalid { key: key.into(), message };
-        self.listen
+        let listen = self
+            .listen
             .parse::<std::net::SocketAddr>()
             .map_err(|e| invalid("listen", format!("{:?} is not an address: {e}", self.listen)))?;
+        // Plaintext TCP is for loopback only; this build has no TLS yet.
+        if !listen.ip().is_loopback() {
+            return Err(invalid(
+                "listen",
+                format!(
+                    "{listen} is not a loopback address: a non-loopback listener needs TLS, which this build does \
+                     not provide; listen on loopback or use the unix socket"
+                ),
+            ));
+        }
         if self.max_running_executions == 0 {
             return Err(invalid("max_running_executions", "must be greater than 0".into()));
+        }
+        if self.max_running_sessions == 0 {
+            return Err(invalid("max_running_sessions", "must be greater than 0".into()));
         }
         if self.session_idle_seconds == 0 {
             return Err(invalid("session_idle_seconds", "must be greater than 0".into()));

@@ -35,6 +35,7 @@ pub enum StartError {
 }
 
 pub struct Daemon {
+    pub authenticator: Arc<crate::auth::Authenticator>,
     pub config: Config,
     pub engine: Arc<Engine>,
     pub catalog: Arc<Catalog>,
@@ -91,6 +92,7 @@ impl Daemon {
             hub: hub.clone(),
             credentials: Arc::new(config.credentials.clone()),
             max_running: config.max_running_executions,
+            max_sessions: config.max_running_sessions,
             git: config.git.clone(),
             uid_range: match uid_mode {
                 UidMode::PerSandbox(range) => Some(range),
@@ -106,11 +108,18 @@ impl Daemon {
         engine.spawn_reaper(Duration::from_secs(config.session_idle_seconds));
         let retention = Duration::from_secs(config.event_retention_seconds);
         engine.spawn_compactor(retention, (retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(3600)));
-        Ok(Daemon { config, engine, catalog, gate })
+        let authenticator = Arc::new(authenticator(&config)?);
+        Ok(Daemon { authenticator, config, engine, catalog, gate })
     }
 
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<(), StartError> {
+        let group = match &self.config.unix_socket_group {
+            Some(group) => Some(group_id(group).map_err(StartError::Policies)?),
+            None => None,
+        };
         let parts = ApiParts {
+            authenticator: self.authenticator,
+            unix_socket: self.config.unix_socket_path().map(|p| (p, group)),
             engine: self.engine,
             catalog: self.catalog,
             gate: self.gate,
@@ -120,6 +129,35 @@ impl Daemon {
         api::serve(parts, listener, shutdown).await?;
         Ok(())
     }
+}
+
+/// The principals of the config, the local admin token, and root and the
+/// daemon's own uid as the local administrator on the unix socket.
+fn authenticator(config: &Config) -> Result<crate::auth::Authenticator, StartError> {
+    let env = |name: &str| std::env::var(name).ok();
+    let loaded = crate::auth::load_principals(&config.principals, config.principals_dir.as_deref(), &env)
+        .map_err(StartError::Policies)?;
+    let token = crate::auth::local_admin_token(&config.data_dir.join("admin.token"))
+        .map_err(|source| StartError::DataDir { path: config.data_dir.display().to_string(), source })?;
+    let mut local = vec![0];
+    local.push(crate::sandbox::host::effective_uid());
+    Ok(crate::auth::Authenticator::new(loaded, Some(token), &local))
+}
+
+/// A group name or number as a gid.
+fn group_id(group: &str) -> Result<u32, String> {
+    if let Ok(gid) = group.parse::<u32>() {
+        return Ok(gid);
+    }
+    let text = std::fs::read_to_string("/etc/group").map_err(|e| format!("unix_socket_group: /etc/group: {e}"))?;
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split(':');
+            Some((f.next()?, f.nth(1)?))
+        })
+        .find(|(name, _)| *name == group)
+        .and_then(|(_, gid)| gid.parse().ok())
+        .ok_or_else(|| format!("unix_socket_group: no group {group:?}"))
 }
 
 /// The data directory is root's (0711: sandboxes' uids may traverse it to

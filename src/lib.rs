@@ -10,6 +10,7 @@
 //! `events`, `store`, `evidence`. `cli` is the client side of the binary.
 
 pub mod api;
+pub mod auth;
 pub mod catalog;
 pub mod cli;
 pub mod config;

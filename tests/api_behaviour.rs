@@ -178,7 +178,10 @@ async fn get_and_list_executions_filter_and_paginate() {
     let mut client = daemon.executions().await;
 
     let status = client
-        .get_execution(pb::GetExecutionRequest { execution_id: "00000000-0000-7000-8000-000000000000".into() })
+        .get_execution(pb::GetExecutionRequest {
+            execution_id: "00000000-0000-7000-8000-000000000000".into(),
+            ..Default::default()
+        })
         .await
         .expect_err("unknown id");
     assert_eq!(status.code(), Code::NotFound, "{status:?}");
@@ -200,7 +203,7 @@ async fn get_and_list_executions_filter_and_paginate() {
     let newest_first: Vec<String> = created.iter().rev().cloned().collect();
 
     let got = client
-        .get_execution(pb::GetExecutionRequest { execution_id: created[0].clone() })
+        .get_execution(pb::GetExecutionRequest { execution_id: created[0].clone(), ..Default::default() })
         .await
         .expect("get")
         .into_inner();
@@ -308,7 +311,11 @@ async fn cancel_stops_a_hanging_harness_and_tears_everything_down() {
     let again = again.into_inner();
     assert_eq!(again.state, pb::ExecutionState::Cancelled as i32, "{again:?}");
     assert_eq!(evidence(&again).outcome, pb::Outcome::Cancelled as i32);
-    let stored = client.get_execution(pb::GetExecutionRequest { execution_id: id }).await.expect("get").into_inner();
+    let stored = client
+        .get_execution(pb::GetExecutionRequest { execution_id: id, ..Default::default() })
+        .await
+        .expect("get")
+        .into_inner();
     assert_eq!(again, stored, "cancelling a finished execution changed it");
 
     let status = client

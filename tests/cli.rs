@@ -64,7 +64,8 @@ async fn serve(data_dir: &Path, stderr_log: &Path) -> Served {
         let _ = reader.read_to_string(&mut rest).await;
         rest
     });
-    Served { child, url: format!("http://{addr}"), drain }
+    let _ = addr;
+    Served { child, url: format!("unix://{}", data_dir.join("corral.sock").display()), drain }
 }
 
 /// Runs `corral --server URL ARGS...` to completion.

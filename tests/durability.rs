@@ -80,7 +80,11 @@ async fn kill_9_leaves_no_agent_and_a_restart_recovers_the_execution() {
 
     let daemon = ServeProcess::start(&data, &profiles, &[]).await;
     let mut client = ExecutionServiceClient::new(daemon.channel().await);
-    let record = client.get_execution(pb::GetExecutionRequest { execution_id: id.clone() }).await.unwrap().into_inner();
+    let record = client
+        .get_execution(pb::GetExecutionRequest { execution_id: id.clone(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     let evidence = record.evidence.clone().unwrap();
     assert_eq!(pb::ExecutionState::try_from(record.state).unwrap(), pb::ExecutionState::Failed);
     assert_eq!(pb::FailureStage::try_from(evidence.failure_stage).unwrap(), pb::FailureStage::Execution);
@@ -139,7 +143,11 @@ async fn sigterm_drains_tears_down_and_exits_zero() {
 
     let daemon = ServeProcess::start(&data, &profiles, &[]).await;
     let mut client = ExecutionServiceClient::new(daemon.channel().await);
-    let record = client.get_execution(pb::GetExecutionRequest { execution_id: id }).await.unwrap().into_inner();
+    let record = client
+        .get_execution(pb::GetExecutionRequest { execution_id: id, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(pb::ExecutionState::try_from(record.state).unwrap(), pb::ExecutionState::Cancelled);
     let evidence = record.evidence.unwrap();
     assert_eq!(pb::TeardownResult::try_from(evidence.sandbox_destroy).unwrap(), pb::TeardownResult::Succeeded);
@@ -184,11 +192,10 @@ async fn fifty_watchers_get_everything_and_a_stalled_one_is_ended_then_resumes()
     // The stalled watcher: reads one event, then nothing for a while. A
     // small HTTP/2 window makes the transport push back on the daemon soon,
     // as a slow client across a real network would.
-    let endpoint = tonic::transport::Endpoint::from_shared(daemon.url.clone())
-        .unwrap()
+    let endpoint = tonic::transport::Endpoint::from_static("http://corral.sock")
         .initial_stream_window_size(Some(16 * 1024))
         .initial_connection_window_size(Some(16 * 1024));
-    let mut stalled_client = ExecutionServiceClient::new(endpoint.connect().await.unwrap());
+    let mut stalled_client = ExecutionServiceClient::new(common::unix_channel_with(&daemon.socket(), endpoint).await);
     let req = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
     let mut stalled = stalled_client.watch_execution(req).await.unwrap().into_inner();
     let first = stalled.message().await.unwrap().unwrap();

@@ -57,8 +57,11 @@ async fn assert_hidden_from_watchers(daemon: &TestDaemon, execution_id: &str, se
     let watched = daemon.watch_all(execution_id, 0).await;
     assert!(!watched.is_empty());
     assert!(!format!("{watched:?}").contains(secret), "watcher saw {secret}");
-    let record =
-        daemon.executions().await.get_execution(pb::GetExecutionRequest { execution_id: execution_id.into() }).await;
+    let record = daemon
+        .executions()
+        .await
+        .get_execution(pb::GetExecutionRequest { execution_id: execution_id.into(), ..Default::default() })
+        .await;
     assert!(!format!("{:?}", record.unwrap().into_inner()).contains(secret), "GetExecution shows {secret}");
 }
 
@@ -148,10 +151,10 @@ async fn resolution_refusals_never_touch_the_backend() {
     ];
     let h = start(BackendFaults::default(), ReinFaults::default(), extra).await;
     let cases = [
-        ("test.unknown", "agt", "unknown harness profile"),
-        ("test.disabled", "agt", "profile disabled"),
-        ("test.multi", "agt", "pin one of test.multi@1.0.0, test.multi@1.1.0"),
-        ("test.blocked", "agt", "\"OPS-4411 vendor outage\""),
+        ("test.unknown", "", "unknown harness profile"),
+        ("test.disabled", "", "profile disabled"),
+        ("test.multi", "", "pin one of test.multi@1.0.0, test.multi@1.1.0"),
+        ("test.blocked", "", "\"OPS-4411 vendor outage\""),
         ("test.fake-agent", "queue-worker-3", ACTOR_REFUSAL),
     ];
     for (profile_ref, actor, expected) in cases {
@@ -285,7 +288,9 @@ async fn every_sandbox_command_carries_identity_routes_and_timeout_and_never_the
     let spawns = h.backend.lock().unwrap().spawns.clone();
     assert!(!spawns.is_empty());
     for spec in &spawns {
-        assert_eq!(spec.consumer.actor, "agt");
+        // The caller is the unix socket's local admin: its type and name.
+        assert_eq!(spec.consumer.actor, "adm");
+        assert_eq!(spec.consumer.principal, "local-admin");
         assert_eq!(spec.consumer.project, "proj-a");
         assert_eq!(spec.consumer.run_id, execution.execution_id);
         assert_eq!(spec.consumer.session_id, "");
@@ -296,7 +301,7 @@ async fn every_sandbox_command_carries_identity_routes_and_timeout_and_never_the
     // Inside the sandbox, the harness sees the same identity.
     let out = &execution.tool_output;
     for expected in [
-        "env CORRAL_ACTOR=agt".to_string(),
+        "env CORRAL_ACTOR=adm".to_string(),
         "env CORRAL_PROJECT=proj-a".to_string(),
         format!("env CORRAL_RUN_ID={}", execution.execution_id),
         "env CORRAL_CREDENTIAL_ROUTES=route.test".to_string(),

@@ -61,8 +61,31 @@ async fn grpcurl_lists_describes_and_calls_the_daemon_through_reflection() {
     let health = grpcurl(&["-d", "{}", &addr, "grpc.health.v1.Health/Check"]).await;
     assert!(health.contains("\"SERVING\""), "health output:\n{health}");
 
+    // Every corral RPC needs a principal: the local admin token over TCP
+    // (or the unix socket, where the peer uid is the credential).
+    let bearer = format!("authorization: Bearer {}", daemon.admin_token());
     let resolved =
-        grpcurl(&["-d", r#"{"ref":"builtin.shell"}"#, &addr, "corral.v1.CatalogService/ResolveProfile"]).await;
+        grpcurl(&["-H", &bearer, "-d", r#"{"ref":"builtin.shell"}"#, &addr, "corral.v1.CatalogService/ResolveProfile"])
+            .await;
+    let socket = daemon.socket().display().to_string();
+    let over_unix = grpcurl(&[
+        "-unix",
+        "-authority",
+        "localhost",
+        "-d",
+        r#"{"ref":"builtin.shell"}"#,
+        &socket,
+        "corral.v1.CatalogService/ResolveProfile",
+    ])
+    .await;
+    assert!(over_unix.contains("builtin.shell@1.0.0"), "over the unix socket:\n{over_unix}");
+    let anonymous = tokio::process::Command::new("grpcurl")
+        .args(["-plaintext", "-d", r#"{"ref":"builtin.shell"}"#, &addr, "corral.v1.CatalogService/ResolveProfile"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!anonymous.status.success(), "an anonymous call was served");
+    assert!(String::from_utf8_lossy(&anonymous.stderr).contains("Unauthenticated"), "{:?}", anonymous);
     assert!(resolved.contains("builtin.shell@1.0.0"), "ResolveProfile output:\n{resolved}");
     let value: serde_json::Value = serde_json::from_str(&resolved).expect("grpcurl prints JSON");
     assert_eq!(value["pinnedRef"], "builtin.shell@1.0.0", "{value}");

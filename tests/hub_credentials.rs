@@ -103,8 +103,11 @@ async fn hub_status(
     daemon_client: &mut ExecutionServiceClient<tonic::transport::Channel>,
     id: &str,
 ) -> pb::HubReportStatus {
-    let record =
-        daemon_client.get_execution(pb::GetExecutionRequest { execution_id: id.into() }).await.unwrap().into_inner();
+    let record = daemon_client
+        .get_execution(pb::GetExecutionRequest { execution_id: id.into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     pb::HubReportStatus::try_from(record.evidence.unwrap().hub_report_status).unwrap()
 }
 
@@ -214,7 +217,10 @@ async fn a_hub_that_is_down_slow_or_failing_leaves_the_outcome_and_ends_failed()
         assert_eq!(hub_status(&mut client, &execution.execution_id).await, pb::HubReportStatus::Pending, "{name}");
         wait_for_status(&mut client, &execution.execution_id, pb::HubReportStatus::Failed).await;
         let record = client
-            .get_execution(pb::GetExecutionRequest { execution_id: execution.execution_id.clone() })
+            .get_execution(pb::GetExecutionRequest {
+                execution_id: execution.execution_id.clone(),
+                ..Default::default()
+            })
             .await
             .unwrap()
             .into_inner();
@@ -277,7 +283,7 @@ async fn nothing_is_sent_unless_asked_and_refusals_are_reported_when_asked() {
 
     let mut client = daemon.executions().await;
     let mut refused_ids = Vec::new();
-    for (profile, actor) in [("no.such.profile", "agt"), ("test.fake-agent", "worker-1")] {
+    for (profile, actor) in [("no.such.profile", ""), ("test.fake-agent", "worker-1")] {
         let mut req = request(profile, "");
         req.actor = actor.into();
         req.report_to_hub = true;

@@ -137,7 +137,8 @@ async fn create(
     client: &mut SessionServiceClient<Channel>,
     request: pb::CreateSessionRequest,
 ) -> Result<pb::Session, tonic::Status> {
-    client.create_session(request).await.map(|r| r.into_inner())
+    let actor = request.actor.clone();
+    client.create_session(common::as_actor(&actor, request)).await.map(|r| r.into_inner())
 }
 
 async fn collect(mut stream: tonic::Streaming<pb::LifecycleEvent>) -> Vec<pb::LifecycleEvent> {

@@ -64,11 +64,12 @@ impl CatalogService for CatalogApi {
         &self,
         request: Request<pb::EvaluateGateRequest>,
     ) -> Result<Response<pb::EvaluateGateResponse>, Status> {
+        let principal = super::auth::caller(&request)?;
         let req = request.into_inner();
         validate::profile_ref("profile_ref", &req.profile_ref)?;
         check_actor(&req.actor).map_err(refused)?;
         let profile = self.catalog.resolve(&req.profile_ref).map_err(refused)?;
-        let session_policies = super::session::session_policies(&req.actor, &req.policies)?;
+        let session_policies = super::session::session_policies(&principal, &req.policies)?;
         let outcome = self.gate.evaluate(&GateInput {
             phase: Phase::AgentStart,
             profile_ref: &profile.reference(),

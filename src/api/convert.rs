@@ -36,6 +36,7 @@ pub fn consumer(c: &sandbox::Consumer) -> pb::Consumer {
         project: c.project.clone(),
         run_id: c.run_id.clone(),
         session_id: c.session_id.clone(),
+        principal: c.principal.clone(),
     }
 }
 

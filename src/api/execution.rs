@@ -11,6 +11,7 @@ use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use super::auth::{audit, caller, denied, not_visible};
 use super::{convert, status, validate};
 use crate::lifecycle::{Engine, Lagged, Subscription};
 use crate::pb;
@@ -103,16 +104,50 @@ pub fn event_stream_with(
     Box::pin(ReceiverStream::new(rx))
 }
 
+impl ExecutionApi {
+    /// The request as a command of `principal`: validated, its actor and
+    /// project checked against the principal's.
+    async fn command(
+        &self,
+        principal: &crate::auth::Principal,
+        request: pb::ExecuteRequest,
+    ) -> Result<crate::lifecycle::ExecuteCommand, Status> {
+        let mut cmd = validate::execute_request(request, &self.repo_roots).await?;
+        let (actor, project) = principal.admit(&cmd.actor, &cmd.project).map_err(denied)?;
+        cmd.actor = actor;
+        cmd.project = project;
+        cmd.principal = principal.name.clone();
+        cmd.quota = principal.max_running;
+        Ok(cmd)
+    }
+
+    /// The execution, if the principal may see it; NOT_FOUND otherwise,
+    /// worded as for one that does not exist.
+    async fn visible(
+        &self,
+        principal: &crate::auth::Principal,
+        execution_id: &str,
+    ) -> Result<crate::lifecycle::ExecutionRecord, Status> {
+        let record = self.engine.get(execution_id).await?;
+        if !principal.can_see(&record.consumer.project) {
+            return Err(not_visible("execution", execution_id));
+        }
+        Ok(record)
+    }
+}
+
 #[tonic::async_trait]
 impl ExecutionService for ExecutionApi {
     type ExecuteStream = EventStream;
     type WatchExecutionStream = EventStream;
 
     async fn execute(&self, request: Request<pb::ExecuteRequest>) -> Result<Response<EventStream>, Status> {
+        let principal = caller(&request)?;
         let request = request.into_inner();
         let cancel_on_disconnect = request.cancel_on_disconnect;
-        let cmd = validate::execute_request(request, &self.repo_roots).await?;
+        let cmd = self.command(&principal, request).await?;
         let submitted = self.engine.submit(cmd).await?;
+        audit(&principal, "Execute", &submitted.record.execution_id);
         let on_disconnect: Option<Box<dyn FnOnce() + Send>> = if cancel_on_disconnect && !submitted.existing {
             let engine = self.engine.clone();
             let id = submitted.record.execution_id.clone();
@@ -129,14 +164,18 @@ impl ExecutionService for ExecutionApi {
     }
 
     async fn start_execution(&self, request: Request<pb::ExecuteRequest>) -> Result<Response<pb::Execution>, Status> {
-        let cmd = validate::execute_request(request.into_inner(), &self.repo_roots).await?;
+        let principal = caller(&request)?;
+        let cmd = self.command(&principal, request.into_inner()).await?;
         let submitted = self.engine.submit(cmd).await?;
+        audit(&principal, "StartExecution", &submitted.record.execution_id);
         Ok(Response::new(convert::execution(&submitted.record, None)))
     }
 
     async fn watch_execution(&self, request: Request<pb::WatchRequest>) -> Result<Response<EventStream>, Status> {
+        let principal = caller(&request)?;
         let req = request.into_inner();
         validate::execution_id(&req.execution_id)?;
+        self.visible(&principal, &req.execution_id).await?;
         let subscription = self.engine.watch(&req.execution_id, req.after_sequence).await?;
         Ok(Response::new(event_stream(subscription, self.shutdown.clone())))
     }
@@ -145,9 +184,20 @@ impl ExecutionService for ExecutionApi {
         &self,
         request: Request<pb::GetExecutionRequest>,
     ) -> Result<Response<pb::Execution>, Status> {
+        let principal = caller(&request)?;
         let req = request.into_inner();
         validate::execution_id(&req.execution_id)?;
-        let record = self.engine.get(&req.execution_id).await?;
+        let record = self.visible(&principal, &req.execution_id).await?;
+        if req.view == pb::ExecutionView::Full as i32 {
+            if !principal.may_read_raw(&record.consumer.principal) {
+                return Err(denied(crate::auth::Denied {
+                    reason: "RAW_OUTPUT_OWNER_ONLY",
+                    message: format!("the raw output of {} is for its owner and adm", record.execution_id),
+                }));
+            }
+            let raw = self.engine.raw(&record.execution_id).await?;
+            return Ok(Response::new(convert::execution(&record, raw.as_ref())));
+        }
         Ok(Response::new(convert::execution(&record, None)))
     }
 
@@ -155,6 +205,7 @@ impl ExecutionService for ExecutionApi {
         &self,
         request: Request<pb::ListExecutionsRequest>,
     ) -> Result<Response<pb::ListExecutionsResponse>, Status> {
+        let principal = caller(&request)?;
         let req = request.into_inner();
         let state = validate::state_filter(req.state)?;
         if req.page_size > MAX_PAGE {
@@ -176,6 +227,7 @@ impl ExecutionService for ExecutionApi {
             actor: req.actor,
             project: req.project,
             before_id: req.page_token,
+            projects: principal.visible_projects(),
             limit,
         };
         let records = self.engine.list(&filter).await?;
@@ -194,9 +246,12 @@ impl ExecutionService for ExecutionApi {
         &self,
         request: Request<pb::CancelExecutionRequest>,
     ) -> Result<Response<pb::Execution>, Status> {
+        let principal = caller(&request)?;
         let req = request.into_inner();
         validate::execution_id(&req.execution_id)?;
+        self.visible(&principal, &req.execution_id).await?;
         let record = self.engine.cancel(&req.execution_id).await?;
+        audit(&principal, "CancelExecution", &req.execution_id);
         Ok(Response::new(convert::execution(&record, None)))
     }
 }

@@ -2,6 +2,7 @@
 //! registers them with health and reflection (v1 and v1alpha, since
 //! grpcurl 1.8 speaks only v1alpha).
 
+mod auth;
 mod catalog;
 mod convert;
 mod execution;
@@ -31,6 +32,10 @@ use crate::pb::session_service_server::SessionServiceServer;
 use crate::policy::Gate;
 
 pub struct ApiParts {
+    pub authenticator: Arc<crate::auth::Authenticator>,
+    /// The unix socket to serve on too (peer uid → principal), and the
+    /// group that may connect (mode 0660).
+    pub unix_socket: Option<(PathBuf, Option<u32>)>,
     pub engine: Arc<Engine>,
     pub catalog: Arc<Catalog>,
     pub gate: Arc<Gate>,
@@ -44,6 +49,8 @@ pub enum ServeError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error("unix socket {path}: {source}")]
+    Socket { path: String, source: std::io::Error },
 }
 
 /// Serves every service on `listener` until `shutdown` is cancelled, then
@@ -98,16 +105,58 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         tracing::info!("drained");
     };
 
-    Server::builder()
+    // Health and reflection stay open; every corral RPC needs a principal.
+    let authenticate = auth::Authenticate(parts.authenticator);
+    let router = Server::builder()
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(ExecutionServiceServer::new(execution))
-        .add_service(CatalogServiceServer::new(catalog))
-        .add_service(SessionServiceServer::new(sessions))
-        // Lifecycle events are small frames: without TCP_NODELAY each waits
-        // on Nagle and the peer's delayed ACK (tens of ms per Execute).
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), drained)
-        .await?;
+        .add_service(ExecutionServiceServer::with_interceptor(execution, authenticate.clone()))
+        .add_service(CatalogServiceServer::with_interceptor(catalog, authenticate.clone()))
+        .add_service(SessionServiceServer::with_interceptor(sessions, authenticate));
+    let unix = match parts.unix_socket {
+        Some((path, group)) => Some(bind_unix(&path, group)?),
+        None => None,
+    };
+    let drain_done = CancellationToken::new();
+    let done = drain_done.clone();
+    let drained = async move {
+        drained.await;
+        done.cancel();
+    };
+    // Lifecycle events are small frames: without TCP_NODELAY each waits
+    // on Nagle and the peer's delayed ACK (tens of ms per Execute).
+    let tcp =
+        router.clone().serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), drained);
+    match unix {
+        Some((listener, path)) => {
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let on_unix = router.serve_with_incoming_shutdown(incoming, drain_done.cancelled_owned());
+            let (a, b) = tokio::join!(tcp, on_unix);
+            let _ = std::fs::remove_file(&path);
+            a?;
+            b?;
+        }
+        None => tcp.await?,
+    }
     Ok(())
+}
+
+/// Binds the unix socket (replacing a stale one), mode 0660, owned by
+/// `group` when one is given.
+fn bind_unix(path: &std::path::Path, group: Option<u32>) -> Result<(tokio::net::UnixListener, PathBuf), ServeError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let err = |source: std::io::Error| ServeError::Socket { path: path.display().to_string(), source };
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(err(std::io::Error::other("exists and is not a socket")));
+        }
+        std::fs::remove_file(path).map_err(err)?;
+    }
+    let listener = tokio::net::UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(err)?;
+    if let Some(gid) = group {
+        std::os::unix::fs::chown(path, None, Some(gid)).map_err(err)?;
+    }
+    Ok((listener, path.to_path_buf()))
 }

@@ -9,7 +9,7 @@ use crate::lifecycle::{EngineError, Lagged};
 
 pub const DOMAIN: &str = "corral.dev";
 
-fn with_reason(code: Code, message: String, reason: &str, metadata: Vec<(String, String)>) -> Status {
+pub fn with_reason(code: Code, message: String, reason: &str, metadata: Vec<(String, String)>) -> Status {
     let details = ErrorDetails::with_error_info(
         reason,
         DOMAIN,

@@ -81,7 +81,9 @@ pub async fn execute_request(req: pb::ExecuteRequest, roots: &[std::path::PathBu
     id_like("request_id", &req.request_id, MAX_ID)?;
     id_like("correlation_id", &req.correlation_id, MAX_ID)?;
     id_like("assignment_ref", &req.assignment_ref, MAX_ID)?;
-    id_like("actor", &req.actor, 16)?;
+    // Well above any real identifier: a queue worker's id is refused at
+    // resolution with the contract's sentence, not here.
+    id_like("actor", &req.actor, MAX_ID)?;
     id_like("project", &req.project, MAX_ID)?;
     let repo = repo(&req.repo, roots).await?;
     Ok(ExecuteCommand {
@@ -95,6 +97,8 @@ pub async fn execute_request(req: pb::ExecuteRequest, roots: &[std::path::PathBu
         report_to_hub: req.report_to_hub,
         actor: req.actor,
         project: req.project,
+        principal: String::new(),
+        quota: None,
     })
 }
 

@@ -90,7 +90,7 @@ async fn start_fake() -> SocketAddr {
 }
 
 fn opts(addr: SocketAddr, json: bool) -> ClientOpts {
-    ClientOpts { server: Some(format!("http://{addr}")), json }
+    ClientOpts { server: Some(format!("http://{addr}")), token_file: None, json }
 }
 
 fn exec_args(title: &str) -> ExecArgs {
@@ -125,7 +125,7 @@ async fn rpc_errors_exit_two() {
     let watch = WatchArgs { id: "nope".into(), after: 0 };
     let code = run(opts(addr, false), ClientCommand::Watch(watch)).await;
     assert_eq!(code.expect("watch"), 2);
-    let get = run(opts(addr, false), ClientCommand::Get(GetArgs { id: "e9".into() })).await;
+    let get = run(opts(addr, false), ClientCommand::Get(GetArgs { id: "e9".into(), full: false })).await;
     assert_eq!(get.expect("get"), 0);
 
     // A port nobody listens on: the transport error is also exit code 2.
@@ -139,6 +139,6 @@ async fn rpc_errors_exit_two() {
 
 #[tokio::test]
 async fn a_bad_server_address_is_a_usage_error() {
-    let bad = ClientOpts { server: Some("not a url".into()), json: false };
-    assert!(run(bad, ClientCommand::Get(GetArgs { id: "e1".into() })).await.is_err());
+    let bad = ClientOpts { server: Some("not a url".into()), token_file: None, json: false };
+    assert!(run(bad, ClientCommand::Get(GetArgs { id: "e1".into(), full: false })).await.is_err());
 }

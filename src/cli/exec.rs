@@ -4,7 +4,7 @@
 use anyhow::Context as _;
 
 use super::output::Printer;
-use super::{connect, ExecArgs, WatchArgs};
+use super::{ExecArgs, Remote, WatchArgs};
 use crate::pb;
 use crate::pb::execution_service_client::ExecutionServiceClient;
 use crate::pb::lifecycle_event::Kind;
@@ -12,17 +12,17 @@ use crate::pb::lifecycle_event::Kind;
 /// Exit code when the user interrupts a stream (128 + SIGINT, as shells do).
 const INTERRUPTED: i32 = 130;
 
-pub(super) async fn exec(server: &str, args: ExecArgs, printer: &Printer) -> anyhow::Result<i32> {
+pub(super) async fn exec(server: &Remote, args: ExecArgs, printer: &Printer) -> anyhow::Result<i32> {
     // Build the request before connecting: a missing description file is
     // the user's mistake and should not cost a round trip to find out.
     let request = execute_request(args).await?;
-    let mut client = ExecutionServiceClient::new(connect(server).await?);
+    let mut client = ExecutionServiceClient::new(server.open().await?);
     let stream = client.execute(request).await?.into_inner();
     follow(stream, printer).await
 }
 
-pub(super) async fn watch(server: &str, args: WatchArgs, printer: &Printer) -> anyhow::Result<i32> {
-    let mut client = ExecutionServiceClient::new(connect(server).await?);
+pub(super) async fn watch(server: &Remote, args: WatchArgs, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = ExecutionServiceClient::new(server.open().await?);
     let request = pb::WatchRequest { execution_id: args.id, after_sequence: args.after };
     let stream = client.watch_execution(request).await?.into_inner();
     follow(stream, printer).await

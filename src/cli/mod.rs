@@ -26,25 +26,78 @@ use tonic_types::StatusExt;
 use crate::pb;
 use output::Printer;
 
-/// The daemon address when neither `--server` nor `CORRAL_SERVER` names one.
-pub const DEFAULT_SERVER: &str = "http://127.0.0.1:50051";
+/// The daemon address when neither `--server` nor `CORRAL_SERVER` names
+/// one: the unix socket in the default data directory (the zero-config
+/// path on the daemon's host: the peer's uid is its credential).
+pub fn default_server() -> String {
+    format!("unix://{}", crate::config::default_data_dir().join("corral.sock").display())
+}
 
 /// Options shared by every client command.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ClientOpts {
-    /// Daemon address [default: http://127.0.0.1:50051; `bench` starts a
-    /// daemon in-process instead when no address is given].
+    /// Daemon address: `unix:///path/to/corral.sock` or `http://host:port`
+    /// [default: the unix socket in the default data directory; `bench`
+    /// starts a daemon in-process instead when no address is given].
     #[arg(long, env = "CORRAL_SERVER", global = true)]
     pub server: Option<String>,
+    /// A file holding the bearer token to send (or the token itself in
+    /// CORRAL_TOKEN).
+    #[arg(long, env = "CORRAL_TOKEN_FILE", global = true)]
+    pub token_file: Option<PathBuf>,
     /// Machine output: one JSON object per line (canonical protobuf JSON).
     #[arg(long, global = true)]
     pub json: bool,
 }
 
 impl ClientOpts {
-    /// The daemon address: the one given, or [`DEFAULT_SERVER`].
-    pub fn server(&self) -> &str {
-        self.server.as_deref().unwrap_or(DEFAULT_SERVER)
+    /// Where to connect, and with which token.
+    pub fn remote(&self) -> anyhow::Result<Remote> {
+        use anyhow::Context as _;
+        let token = match (&self.token_file, std::env::var("CORRAL_TOKEN").ok().filter(|t| !t.is_empty())) {
+            (Some(path), _) => Some(
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read --token-file {}", path.display()))?
+                    .trim()
+                    .to_string(),
+            ),
+            (None, token) => token,
+        };
+        Ok(Remote { url: self.server.clone().unwrap_or_else(default_server), token })
+    }
+}
+
+/// A daemon to talk to.
+#[derive(Clone, Debug)]
+pub struct Remote {
+    pub url: String,
+    pub token: Option<String>,
+}
+
+/// Sends the bearer token, if there is one, on every call.
+#[derive(Clone)]
+pub struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(value) = &self.0 {
+            request.metadata_mut().insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A connection with the caller's credentials.
+pub type Conn = tonic::service::interceptor::InterceptedService<Channel, Bearer>;
+
+impl Remote {
+    pub async fn open(&self) -> anyhow::Result<Conn> {
+        use anyhow::Context as _;
+        let bearer = match &self.token {
+            Some(token) => Some(format!("Bearer {token}").parse().context("the token is not valid header text")?),
+            None => None,
+        };
+        Ok(tonic::service::interceptor::InterceptedService::new(connect(&self.url).await?, Bearer(bearer)))
     }
 }
 
@@ -88,11 +141,12 @@ pub struct ExecArgs {
     /// Read the task description from a file (`-` for stdin).
     #[arg(long, value_name = "FILE")]
     pub description_file: Option<PathBuf>,
-    /// Governed consumer type.
-    #[arg(long, default_value = "adm", value_parser = ["adm", "agt", "atm"])]
+    /// Governed consumer type [default: the calling principal's type].
+    #[arg(long, default_value = "", value_parser = ["", "adm", "agt", "atm"], hide_default_value = true)]
     pub actor: String,
-    /// Project the execution is accounted to.
-    #[arg(long, default_value = "default")]
+    /// Project the execution is accounted to [default: the principal's only
+    /// project, or `default` for one that sees all].
+    #[arg(long, default_value = "", hide_default_value = true)]
     pub project: String,
     /// Idempotency key: repeating a request id returns the same execution.
     #[arg(long, value_name = "ID")]
@@ -127,6 +181,9 @@ pub struct WatchArgs {
 pub struct GetArgs {
     /// Execution id.
     pub id: String,
+    /// Add the raw tool output and error (for the execution's owner and adm).
+    #[arg(long)]
+    pub full: bool,
 }
 
 /// Arguments of `corral ls`.
@@ -173,7 +230,8 @@ fn parse_state(s: &str) -> Result<pb::ExecutionState, String> {
 /// returned for `main` to print.
 pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
     let printer = Printer::new(opts.json)?;
-    let server = opts.server();
+    let remote = opts.remote()?;
+    let server = &remote;
     let result = match cmd {
         ClientCommand::Exec(args) => exec::exec(server, args, &printer).await,
         ClientCommand::Watch(args) => exec::watch(server, args, &printer).await,
@@ -200,14 +258,39 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
     }
 }
 
-/// Opens a channel to the daemon.
-async fn connect(server: &str) -> anyhow::Result<Channel> {
+/// Opens a channel to the daemon: `unix:///path` or an http(s) URL.
+pub async fn connect(server: &str) -> anyhow::Result<Channel> {
     use anyhow::Context as _;
-    let endpoint =
-        Channel::from_shared(server.to_owned()).with_context(|| format!("invalid --server address `{server}`"))?;
+    if let Some(path) = server.strip_prefix("unix://") {
+        // The URI is a placeholder: the connector ignores it.
+        let endpoint = tonic::transport::Endpoint::from_static("http://corral.sock");
+        return connect_endpoint_unix(endpoint, std::path::Path::new(path))
+            .await
+            .with_context(|| format!("cannot connect to {server}"));
+    }
+    let endpoint = Channel::from_shared(server.to_owned())
+        .with_context(|| format!("invalid --server address `{server}`"))?
+        .tcp_nodelay(true);
     // The context keeps the transport error downcastable, so `run` still
     // maps a refused connection to exit code 2.
     endpoint.connect().await.with_context(|| format!("cannot connect to {server}"))
+}
+
+/// Connects `endpoint` (its settings; the URI is ignored) over the unix
+/// socket at `path`.
+pub async fn connect_endpoint_unix(
+    endpoint: tonic::transport::Endpoint,
+    path: &std::path::Path,
+) -> Result<Channel, tonic::transport::Error> {
+    let path = path.to_path_buf();
+    let connector = tower::service_fn(move |_: tonic::transport::Uri| {
+        let path = path.clone();
+        async move {
+            let stream = tokio::net::UnixStream::connect(path).await?;
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+        }
+    });
+    endpoint.connect_with_connector(connector).await
 }
 
 /// Prints a failed RPC: its code and message, plus the machine reason and
@@ -257,8 +340,8 @@ mod tests {
         assert!(cli.opts.json);
         match cli.cmd {
             ClientCommand::Exec(args) => {
-                assert_eq!(args.actor, "adm");
-                assert_eq!(args.project, "default");
+                assert_eq!(args.actor, "", "the principal's type decides");
+                assert_eq!(args.project, "", "the principal's project decides");
             }
             other => panic!("parsed as {other:?}"),
         }

@@ -1,21 +1,22 @@
 //! `corral get`, `corral ls` and `corral profiles`: one unary call each.
 
 use super::output::Printer;
-use super::{connect, GetArgs, LsArgs};
+use super::{GetArgs, LsArgs, Remote};
 use crate::pb;
 use crate::pb::catalog_service_client::CatalogServiceClient;
 use crate::pb::execution_service_client::ExecutionServiceClient;
 
-pub(super) async fn get(server: &str, args: GetArgs, printer: &Printer) -> anyhow::Result<i32> {
-    let mut client = ExecutionServiceClient::new(connect(server).await?);
-    let request = pb::GetExecutionRequest { execution_id: args.id };
+pub(super) async fn get(server: &Remote, args: GetArgs, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = ExecutionServiceClient::new(server.open().await?);
+    let view = if args.full { pb::ExecutionView::Full } else { pb::ExecutionView::Basic };
+    let request = pb::GetExecutionRequest { execution_id: args.id, view: view as i32 };
     let execution = client.get_execution(request).await?.into_inner();
     printer.execution(&execution)?;
     Ok(0)
 }
 
-pub(super) async fn ls(server: &str, args: LsArgs, printer: &Printer) -> anyhow::Result<i32> {
-    let mut client = ExecutionServiceClient::new(connect(server).await?);
+pub(super) async fn ls(server: &Remote, args: LsArgs, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = ExecutionServiceClient::new(server.open().await?);
     // Absent filters go as proto3 defaults, which the daemon reads as
     // "no filter".
     let request = pb::ListExecutionsRequest {
@@ -31,8 +32,8 @@ pub(super) async fn ls(server: &str, args: LsArgs, printer: &Printer) -> anyhow:
     Ok(0)
 }
 
-pub(super) async fn profiles(server: &str, printer: &Printer) -> anyhow::Result<i32> {
-    let mut client = CatalogServiceClient::new(connect(server).await?);
+pub(super) async fn profiles(server: &Remote, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = CatalogServiceClient::new(server.open().await?);
     let response = client.list_profiles(pb::ListProfilesRequest {}).await?.into_inner();
     printer.profiles(&response)?;
     Ok(0)

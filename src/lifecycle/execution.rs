@@ -96,7 +96,9 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
         (Some(_), true) => Some(crate::hub::report(record).to_string()),
         _ => None,
     };
-    if let Err(error) = core.engine.store.finish_execution(record, report.as_deref()).await {
+    // Kept (scrubbed, like everything the harness said) for the owner and adm.
+    let raw = (core.raw.tool_output.as_str(), core.raw.tool_error.as_str());
+    if let Err(error) = core.engine.store.finish_execution(record, report.as_deref(), Some(raw)).await {
         tracing::error!(execution_id = %record.execution_id, %error, "execution record not stored");
     }
     if let (Some(hub), Some(_)) = (&core.engine.hub, &report) {
@@ -104,7 +106,7 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     }
     // Out of admission's count before anyone hears it finished, so a caller
     // may start the next one at once.
-    core.engine.running().remove(&record.execution_id);
+    core.engine.release(&record.execution_id);
     let finished = EventKind::Finished { execution: Box::new(record.clone()) };
     let raw = RawPart::Finished(std::mem::take(&mut core.raw));
     core.recorder.emit(finished, Some(raw)).await;

@@ -2,6 +2,7 @@
 //! supervised task (a client that disconnects does not stop it), and tears
 //! down whatever it created, whatever failed.
 
+mod admission;
 mod capture;
 mod core;
 mod execution;
@@ -88,8 +89,7 @@ pub struct Engine {
     pub uid_range: Option<crate::sandbox::UidRange>,
     /// The workspace capture at the end of a run.
     pub git: crate::config::GitConfig,
-    max_running: usize,
-    running: Mutex<HashMap<String, CancellationToken>>,
+    admission: admission::Admission,
     sessions: Mutex<HashMap<String, Arc<session::LiveSession>>>,
     tasks: TaskTracker,
     draining: CancellationToken,
@@ -106,6 +106,7 @@ pub struct EngineParts {
     pub hub: Option<Arc<Hub>>,
     pub credentials: Arc<CredentialsConfig>,
     pub max_running: usize,
+    pub max_sessions: usize,
     pub uid_range: Option<crate::sandbox::UidRange>,
     pub git: crate::config::GitConfig,
 }
@@ -125,16 +126,16 @@ impl Engine {
             credentials: parts.credentials,
             uid_range: parts.uid_range,
             git: parts.git,
-            max_running: parts.max_running.max(1),
-            running: Mutex::new(HashMap::new()),
+            admission: admission::Admission::new(parts.max_running, parts.max_sessions),
             sessions: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
             draining: CancellationToken::new(),
         })
     }
 
-    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
-        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    /// Gives an execution's or a session's admission slot back.
+    pub(crate) fn release(&self, id: &str) {
+        self.admission.release(id);
     }
 
     /// Accepts an execution and starts it on its own task. The same
@@ -143,12 +144,13 @@ impl Engine {
         if self.is_draining() {
             return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
         }
-        // Checked again under the lock below; this early check only spares
-        // the store a row that would be refused anyway.
-        if self.running().len() >= self.max_running {
-            return Err(self.overloaded());
-        }
         let execution_id = uuid::Uuid::now_v7().to_string();
+        // Reserved before anything is stored; every path below that does not
+        // start the execution gives the slot back.
+        let cancel = self
+            .admission
+            .reserve(&execution_id, admission::Work::Execution, &cmd.principal, cmd.quota)
+            .map_err(|refused| EngineError::Overloaded(refused.0))?;
         let mut record = ExecutionRecord {
             execution_id: execution_id.clone(),
             request_id: cmd.request_id.clone(),
@@ -162,6 +164,7 @@ impl Engine {
                 project: cmd.project.clone(),
                 run_id: execution_id.clone(),
                 session_id: String::new(),
+                principal: cmd.principal.clone(),
             },
             correlation_id: cmd.correlation_id.clone(),
             assignment_ref: cmd.assignment_ref.clone(),
@@ -186,6 +189,7 @@ impl Engine {
             Ok(Inserted::Created) => {}
             Ok(Inserted::Existing { record, digest }) => {
                 self.bus.close(&execution_id);
+                self.release(&execution_id);
                 if digest != cmd.digest() {
                     return Err(EngineError::AlreadyExists(cmd.request_id));
                 }
@@ -194,19 +198,22 @@ impl Engine {
             }
             Err(e) => {
                 self.bus.close(&execution_id);
+                self.release(&execution_id);
                 return Err(e.into());
             }
         }
-        let cancel = self.draining.child_token();
-        self.running().insert(execution_id.clone(), cancel.clone());
-        // A race past the early check is let through: the bound is soft by
-        // at most the number of concurrent submitters.
+        // A shutdown past its grace cancels it too.
+        let draining = self.draining.clone();
+        let slot = cancel.clone();
+        tokio::spawn(async move {
+            tokio::select! { _ = draining.cancelled() => slot.cancel(), _ = slot.cancelled() => {} }
+        });
         let engine = self.clone();
         let task_record = record.clone();
         self.tasks.spawn(async move {
             execution::run(&engine, task_record, cmd, cancel).await;
             engine.bus.close(&execution_id);
-            engine.running().remove(&execution_id);
+            engine.release(&execution_id);
         });
         let subscription = Subscription::live(live, true).catching_up(
             self.store.clone(),
@@ -216,18 +223,17 @@ impl Engine {
         Ok(Submitted { record, subscription, existing: false })
     }
 
-    fn overloaded(&self) -> EngineError {
-        EngineError::Overloaded(format!(
-            "{} executions are running, the most this daemon admits; retry later",
-            self.max_running
-        ))
-    }
-
     pub async fn get(&self, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
         self.store
             .get_execution(execution_id)
             .await?
             .ok_or_else(|| EngineError::NotFound(format!("execution {execution_id}")))
+    }
+
+    /// The stored raw result of a finished execution (scrubbed), if kept.
+    pub async fn raw(&self, execution_id: &str) -> Result<Option<RawResult>, EngineError> {
+        let raw = self.store.get_raw(execution_id).await?;
+        Ok(raw.map(|(tool_output, tool_error)| RawResult { tool_output, tool_error }))
     }
 
     pub async fn list(&self, filter: &ExecutionFilter) -> Result<Vec<ExecutionRecord>, EngineError> {
@@ -239,9 +245,7 @@ impl Engine {
     /// done).
     pub async fn cancel(&self, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
         let record = self.get(execution_id).await?;
-        if let Some(token) = self.running().get(execution_id) {
-            token.cancel();
-        }
+        self.admission.cancel(execution_id);
         Ok(record)
     }
 
@@ -295,7 +299,8 @@ impl Engine {
     pub async fn shutdown(&self, grace: Duration) {
         self.tasks.close();
         if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
-            tracing::warn!(running = self.running().len(), "grace period over; cancelling in-flight executions");
+            let running = self.admission.running(admission::Work::Execution);
+            tracing::warn!(running, "grace period over; cancelling in-flight executions");
             self.draining.cancel();
             self.tasks.wait().await;
         }

@@ -64,6 +64,11 @@ pub struct ExecuteCommand {
     pub report_to_hub: bool,
     pub actor: String,
     pub project: String,
+    /// The principal that asked for it (its owner).
+    pub principal: String,
+    /// The principal's `max_running`, if it has one.
+    #[serde(skip)]
+    pub quota: Option<usize>,
 }
 
 impl ExecuteCommand {

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
+use super::admission;
 use super::core::{Core, OpenFailure, TurnOutcome};
 use super::{now_ms, Engine, EngineError, RawResult, Subscription};
 use crate::events::{EventKind, RawPart, Recorder};
@@ -64,6 +65,9 @@ pub struct CreateSessionCommand {
     pub project: String,
     pub repo: String,
     pub policies: Vec<Policy>,
+    /// The principal that asked for it, and its `max_running`.
+    pub principal: String,
+    pub quota: Option<usize>,
 }
 
 /// A session whose harness is alive.
@@ -98,11 +102,27 @@ impl Engine {
             return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
         }
         let id = if cmd.session_id.is_empty() { uuid::Uuid::now_v7().to_string() } else { cmd.session_id.clone() };
+        self.admission
+            .reserve(&id, admission::Work::Session, &cmd.principal, cmd.quota)
+            .map_err(|refused| EngineError::Overloaded(refused.0))?;
+        let created = self.create_admitted(cmd, id.clone()).await;
+        if created.is_err() {
+            self.release(&id);
+        }
+        created
+    }
+
+    async fn create_admitted(
+        self: &Arc<Self>,
+        cmd: CreateSessionCommand,
+        id: String,
+    ) -> Result<SessionRecord, EngineError> {
         let consumer = Consumer {
             actor: cmd.actor.clone(),
             project: cmd.project.clone(),
             run_id: id.clone(),
             session_id: id.clone(),
+            principal: cmd.principal.clone(),
         };
         let mut record = SessionRecord {
             session_id: id.clone(),
@@ -307,6 +327,7 @@ impl Engine {
     /// end → cleanup → destroy. An in-flight turn is cancelled first.
     pub async fn end_session(&self, session_id: &str, reason: EndReason) -> Result<SessionRecord, EngineError> {
         let Some(live) = lock(&self.sessions).remove(session_id) else {
+            self.release(session_id);
             return match self.store.get_session(session_id).await? {
                 Some(record) => Ok(record),
                 None => Err(EngineError::NotFound(format!("session {session_id}"))),
@@ -326,6 +347,7 @@ impl Engine {
             EndReason::Requested | EndReason::Shutdown => SessionState::Ended,
         };
         self.finish_session(&mut core, &mut record).await;
+        self.release(session_id);
         Ok(record)
     }
 

@@ -69,6 +69,8 @@ pub struct Consumer {
     pub project: String,
     pub run_id: String,
     pub session_id: String,
+    /// The principal it runs for.
+    pub principal: String,
 }
 
 impl Consumer {
@@ -79,6 +81,7 @@ impl Consumer {
             ("CORRAL_PROJECT".into(), self.project.clone()),
             ("CORRAL_RUN_ID".into(), self.run_id.clone()),
             ("CORRAL_SESSION_ID".into(), self.session_id.clone()),
+            ("CORRAL_PRINCIPAL".into(), self.principal.clone()),
         ]
     }
 }

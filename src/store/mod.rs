@@ -44,6 +44,8 @@ pub struct ExecutionFilter {
     pub project: String,
     /// Only executions whose id sorts before this one (the page token).
     pub before_id: String,
+    /// Only these projects (the caller's); `None`: all.
+    pub projects: Option<Vec<String>>,
     pub limit: u32,
 }
 
@@ -152,13 +154,28 @@ impl Store {
     }
 
     pub async fn update_execution(&self, record: &ExecutionRecord) -> Result<(), StoreError> {
-        self.finish_execution(record, None).await
+        self.finish_execution(record, None, None).await
     }
 
     /// Stores the record and, when asked, its hub report, in one
     /// transaction: a report is never lost nor sent for an unrecorded end.
-    pub async fn finish_execution(&self, record: &ExecutionRecord, report: Option<&str>) -> Result<(), StoreError> {
+    /// The final record, its hub report and its raw result, in one
+    /// transaction.
+    pub async fn finish_execution(
+        &self,
+        record: &ExecutionRecord,
+        report: Option<&str>,
+        raw: Option<(&str, &str)>,
+    ) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
+        if let Some((output, error)) = raw {
+            sqlx::query("INSERT INTO execution_raw (execution_id, output, error) VALUES ($1, $2, $3)")
+                .bind(&record.execution_id)
+                .bind(output)
+                .bind(error)
+                .execute(&mut *tx)
+                .await?;
+        }
         let profile = if record.evidence.profile_ref.is_empty() {
             &record.harness_profile_ref
         } else {
@@ -270,23 +287,35 @@ impl Store {
 
     /// Newest first. Ids are UUIDv7, so id order is creation order.
     pub async fn list_executions(&self, filter: &ExecutionFilter) -> Result<Vec<ExecutionRecord>, StoreError> {
-        let rows = sqlx::query(
+        // The caller's projects as bound parameters ($7, $8, …), never text.
+        let visible = match &filter.projects {
+            None => String::new(),
+            Some(projects) if projects.is_empty() => " AND 1 = 0".to_string(),
+            Some(projects) => {
+                let marks: Vec<String> = (0..projects.len()).map(|i| format!("${}", 7 + i)).collect();
+                format!(" AND project IN ({})", marks.join(", "))
+            }
+        };
+        let sql = format!(
             "SELECT record FROM executions
              WHERE ($1 = '' OR state = $1)
                AND ($2 = '' OR profile_ref = $2 OR profile_ref LIKE $2 || '@%')
                AND ($3 = '' OR actor = $3)
                AND ($4 = '' OR project = $4)
-               AND ($5 = '' OR execution_id < $5)
-             ORDER BY execution_id DESC LIMIT $6",
-        )
-        .bind(filter.state.map(|s| s.as_str()).unwrap_or(""))
-        .bind(&filter.profile)
-        .bind(&filter.actor)
-        .bind(&filter.project)
-        .bind(&filter.before_id)
-        .bind(filter.limit as i64)
-        .fetch_all(&self.pool)
-        .await?;
+               AND ($5 = '' OR execution_id < $5){visible}
+             ORDER BY execution_id DESC LIMIT $6"
+        );
+        let mut query = sqlx::query(&sql)
+            .bind(filter.state.map(|s| s.as_str()).unwrap_or(""))
+            .bind(&filter.profile)
+            .bind(&filter.actor)
+            .bind(&filter.project)
+            .bind(&filter.before_id)
+            .bind(filter.limit as i64);
+        for project in filter.projects.iter().flatten() {
+            query = query.bind(project);
+        }
+        let rows = query.fetch_all(&self.pool).await?;
         rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
     }
 
@@ -323,7 +352,23 @@ impl Store {
     /// Compacts executions finished before `cutoff_ms` to their record: all
     /// their events but the last (`finished`, which carries the record and
     /// evidence) are deleted. Returns how many events went.
+    /// The raw output and error of a finished execution, if kept.
+    pub async fn get_raw(&self, execution_id: &str) -> Result<Option<(String, String)>, StoreError> {
+        let row = sqlx::query("SELECT output, error FROM execution_raw WHERE execution_id = $1")
+            .bind(execution_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|r| (r.get(0), r.get(1))))
+    }
+
     pub async fn compact_events(&self, cutoff_ms: i64) -> Result<u64, StoreError> {
+        sqlx::query(
+            "DELETE FROM execution_raw WHERE execution_id IN (
+                 SELECT execution_id FROM executions WHERE finished_at_ms IS NOT NULL AND finished_at_ms < $1)",
+        )
+        .bind(cutoff_ms)
+        .execute(&self.pool)
+        .await?;
         let result = sqlx::query(
             "DELETE FROM events WHERE subject_id IN (
                  SELECT execution_id FROM executions

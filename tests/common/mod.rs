@@ -109,6 +109,7 @@ impl TestDaemon {
             ..Config::default()
         };
         config.sandbox.uids = unique_uids();
+        config.principals = test_principals();
         // The fake agent's profile names `route.test`.
         let secret = data.path().join("route-test.secret");
         std::fs::write(&secret, ROUTE_TEST_VALUE).unwrap();
@@ -136,14 +137,19 @@ impl TestDaemon {
         TestDaemon { addr, url: format!("http://{addr}"), engine, data, shutdown, handle }
     }
 
+    /// A channel over the daemon's unix socket: root's peer uid makes the
+    /// test the local administrator (TCP needs a bearer token).
     pub async fn channel(&self) -> Channel {
-        for _ in 0..50 {
-            if let Ok(channel) = Channel::from_shared(self.url.clone()).unwrap().connect().await {
-                return channel;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-        panic!("daemon at {} does not answer", self.url);
+        unix_channel(&self.socket()).await
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.data_dir().join("corral.sock")
+    }
+
+    /// The local admin token the daemon wrote into its data directory.
+    pub fn admin_token(&self) -> String {
+        std::fs::read_to_string(self.data_dir().join("admin.token")).expect("the daemon writes admin.token")
     }
 
     pub async fn executions(&self) -> ExecutionServiceClient<Channel> {
@@ -193,6 +199,39 @@ impl TestDaemon {
     }
 }
 
+/// The bearer tokens of the test daemons' non-admin principals. The unix
+/// socket (root's peer uid) is the local admin; a request made as `agt` or
+/// `atm` carries one of these (see [`as_actor`]).
+pub const TEST_AGT_TOKEN: &str = "test-agt-token-0123456789abcdef0123456789";
+pub const TEST_ATM_TOKEN: &str = "test-atm-token-0123456789abcdef0123456789";
+
+pub fn test_principals() -> Vec<corral::auth::PrincipalConfig> {
+    use sha2::Digest;
+    let principal = |name: &str, kind: &str, token: &str| corral::auth::PrincipalConfig {
+        name: name.into(),
+        kind: kind.into(),
+        projects: ["proj-a", "proj-b", "proj-s", "default", "p"].iter().map(|p| p.to_string()).collect(),
+        token_sha256: Some(corral::sandbox::hex_digest(&sha2::Sha256::digest(token.as_bytes()))),
+        ..Default::default()
+    };
+    vec![principal("test-agt", "agt", TEST_AGT_TOKEN), principal("test-atm", "atm", TEST_ATM_TOKEN)]
+}
+
+/// `message` as a request of the test principal of type `actor` (`agt`,
+/// `atm`); any other actor goes as the local admin of the unix socket.
+pub fn as_actor<T>(actor: &str, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    let token = match actor {
+        "agt" => Some(TEST_AGT_TOKEN),
+        "atm" => Some(TEST_ATM_TOKEN),
+        _ => None,
+    };
+    if let Some(token) = token {
+        request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    }
+    request
+}
+
 /// A range of sandbox uids no other daemon of this test process uses:
 /// tests run daemons side by side, each with its own store.
 pub fn unique_uids() -> String {
@@ -209,6 +248,22 @@ pub fn data_tempdir() -> TempDir {
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
     dir
+}
+
+/// A channel over a daemon's unix socket, waiting for it to answer.
+pub async fn unix_channel(socket: &Path) -> Channel {
+    unix_channel_with(socket, tonic::transport::Endpoint::from_static("http://corral.sock")).await
+}
+
+/// The same with `endpoint`'s settings (window sizes and such).
+pub async fn unix_channel_with(socket: &Path, endpoint: tonic::transport::Endpoint) -> Channel {
+    for _ in 0..100 {
+        if let Ok(channel) = corral::cli::connect_endpoint_unix(endpoint.clone(), socket).await {
+            return channel;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("daemon at {} does not answer", socket.display());
 }
 
 /// With `CORRAL_TEST_STORE=postgres` and `CORRAL_TEST_POSTGRES` (an admin
@@ -237,7 +292,8 @@ pub fn request(profile: &str, description: &str) -> pb::ExecuteRequest {
         harness_profile_ref: profile.into(),
         title: "test task".into(),
         description: description.into(),
-        actor: "agt".into(),
+        // The caller's type: the unix socket's local admin.
+        actor: String::new(),
         project: "proj-a".into(),
         ..Default::default()
     }
@@ -302,6 +358,8 @@ pub fn git(dir: &Path, args: &[&str]) -> String {
 pub struct ServeProcess {
     pub child: tokio::process::Child,
     pub url: String,
+    /// Its unix socket (in the data directory).
+    pub socket: PathBuf,
 }
 
 impl ServeProcess {
@@ -357,11 +415,11 @@ impl ServeProcess {
         .expect("corral serve prints its address");
         // Keep draining stdout so the child never blocks on it.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        ServeProcess { child, url: format!("http://{addr}") }
+        ServeProcess { child, url: format!("http://{addr}"), socket: data_dir.join("corral.sock") }
     }
 
     pub async fn channel(&self) -> Channel {
-        Channel::from_shared(self.url.clone()).unwrap().connect().await.expect("connect to corral serve")
+        unix_channel(&self.socket).await
     }
 
     pub fn pid(&self) -> i32 {

@@ -47,7 +47,8 @@ pub fn request(profile: &str, title: &str, description: &str) -> pb::ExecuteRequ
         harness_profile_ref: profile.to_string(),
         title: title.to_string(),
         description: description.to_string(),
-        actor: "agt".into(),
+        // The caller's own type (the local admin for the in-process daemon).
+        actor: String::new(),
         project: "bench".into(),
         ..Default::default()
     }

@@ -318,7 +318,7 @@ pub async fn final_state(channel: &Channel, execution_id: &str) -> String {
     let mut client = ExecutionServiceClient::new(channel.clone());
     let until = Instant::now() + Duration::from_secs(60);
     loop {
-        let req = pb::GetExecutionRequest { execution_id: execution_id.to_string() };
+        let req = pb::GetExecutionRequest { execution_id: execution_id.to_string(), ..Default::default() };
         let state = match client.get_execution(req).await {
             Ok(reply) => reply.into_inner().state,
             Err(status) => return code_name(status.code()),

@@ -111,7 +111,7 @@ impl Floor {
         let id = uuid::Uuid::now_v7().to_string();
         let root = self.root.join(&id);
         let consumer =
-            Consumer { actor: "agt".into(), project: "bench".into(), run_id: id.clone(), session_id: String::new() };
+            Consumer { actor: "agt".into(), project: "bench".into(), run_id: id.clone(), ..Consumer::default() };
         // A root daemon gives every sandbox its own uid; the floor switches
         // to `nobody`, which costs the same and collides with no sandbox.
         let user = (crate::sandbox::host::effective_uid() == 0).then_some(HostUser { uid: 65534, gid: 65534 });

@@ -88,7 +88,9 @@ impl Target {
             .await
             .context("cannot start the in-process daemon")?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("http://{}", listener.local_addr()?);
+        // The bench talks to its own daemon over the daemon's unix socket,
+        // as the local administrator (its uid is the daemon's).
+        let url = format!("unix://{}", data_dir.join("corral.sock").display());
         let shutdown = CancellationToken::new();
         let token = shutdown.clone();
         let handle = tokio::spawn(async move { daemon.serve(listener, token).await.map_err(anyhow::Error::from) });
@@ -125,20 +127,18 @@ impl Target {
         })
     }
 
-    /// A new connection (HTTP/2 channel) to the daemon.
+    /// A new connection (HTTP/2 channel) to the daemon: its unix socket
+    /// (`unix://…`, where the peer uid is the credential), or a TCP address.
     pub async fn connect(&self) -> anyhow::Result<Channel> {
-        let endpoint = Channel::from_shared(self.url.clone())
-            .with_context(|| format!("invalid --server address `{}`", self.url))?
-            .tcp_nodelay(true);
         let mut last = None;
         for _ in 0..50 {
-            match endpoint.connect().await {
+            match crate::cli::connect(&self.url).await {
                 Ok(channel) => return Ok(channel),
                 Err(e) => last = Some(e),
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        Err(anyhow::Error::from(last.expect("tried")).context(format!("cannot connect to {}", self.url)))
+        Err(last.expect("tried"))
     }
 
     /// The daemon's resident memory in KiB (in-process: the whole bench

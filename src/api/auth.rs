@@ -1,0 +1,67 @@
+//! Authentication at the edge: an interceptor on every corral service
+//! (health and reflection stay open) ties the call to a principal — its
+//! bearer token, or the unix socket's peer uid — and puts it in the
+//! request's extensions; handlers take it with [`caller`]. Every call that
+//! creates, cancels or ends something is written to the `corral::audit`
+//! log target with the principal, the RPC and the subject, never task text.
+
+use std::sync::Arc;
+
+use tonic::service::Interceptor;
+use tonic::transport::server::UdsConnectInfo;
+use tonic::{Code, Request, Status};
+
+use super::status;
+use crate::auth::{Authenticator, Credential, Denied, Principal};
+
+#[derive(Clone)]
+pub struct Authenticate(pub Arc<Authenticator>);
+
+impl Interceptor for Authenticate {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        let header = request.metadata().get("authorization").map(|v| v.to_str().unwrap_or(""));
+        let bearer = match header {
+            Some(value) => Some(
+                value
+                    .strip_prefix("Bearer ")
+                    .or_else(|| value.strip_prefix("bearer "))
+                    .ok_or_else(|| unauthenticated("the authorization header is not `Bearer <token>`"))?,
+            ),
+            None => None,
+        };
+        let peer = request.extensions().get::<UdsConnectInfo>().and_then(|i| i.peer_cred).map(|c| c.uid());
+        let credential = match (bearer, peer) {
+            (Some(token), _) => Credential::Bearer(token),
+            (None, Some(uid)) => Credential::UnixPeer(uid),
+            (None, None) => Credential::None,
+        };
+        let principal = self.0.identify(credential).map_err(unauthenticated)?;
+        request.extensions_mut().insert(principal);
+        Ok(request)
+    }
+}
+
+fn unauthenticated(why: &str) -> Status {
+    status::with_reason(Code::Unauthenticated, why.to_string(), "UNAUTHENTICATED", vec![])
+}
+
+/// The principal the interceptor found for this call.
+pub fn caller<T>(request: &Request<T>) -> Result<Arc<Principal>, Status> {
+    request.extensions().get::<Arc<Principal>>().cloned().ok_or_else(|| unauthenticated("no principal"))
+}
+
+/// PERMISSION_DENIED with the rule that said no.
+pub fn denied(denied: Denied) -> Status {
+    status::with_reason(Code::PermissionDenied, denied.message, denied.reason, vec![])
+}
+
+/// NOT_FOUND for a record the principal may not see, worded exactly as for
+/// one that does not exist.
+pub fn not_visible(what: &str, id: &str) -> Status {
+    Status::from(crate::lifecycle::EngineError::NotFound(format!("{what} {id}")))
+}
+
+/// One audit line: who did what to which subject.
+pub fn audit(principal: &Principal, rpc: &str, subject: &str) {
+    tracing::info!(target: "corral::audit", principal = %principal.name, kind = principal.kind.as_str(), rpc, subject);
+}

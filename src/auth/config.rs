@@ -1,0 +1,213 @@
+//! Principals as configured: `[[principals]]` in the daemon config, and
+//! one per `*.toml` file in `principals_dir` for operators who manage them
+//! with other tools. A token is never kept in clear: the config names its
+//! sha256 (`token_sha256`) or where to read it at start (`token_file`,
+//! `token_env`), and only the digest is kept.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use super::{ConsumerType, Principal, Projects};
+
+/// One principal as written.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrincipalConfig {
+    pub name: String,
+    /// `adm`, `agt` or `atm`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The projects it may act in; `["*"]` (adm only) for all.
+    pub projects: Vec<String>,
+    /// sha256 (hex) of its bearer token.
+    pub token_sha256: Option<String>,
+    /// A file holding its bearer token (read and hashed at start).
+    pub token_file: Option<PathBuf>,
+    /// An environment variable holding its bearer token.
+    pub token_env: Option<String>,
+    /// Peer uids of the unix socket that are this principal.
+    pub unix_uids: Vec<u32>,
+    /// Executions and sessions it may have running at once.
+    pub max_running: Option<usize>,
+}
+
+/// A principal with the digests of its credentials.
+#[derive(Clone, Debug)]
+pub struct Loaded {
+    pub principal: Principal,
+    pub token_digests: Vec<[u8; 32]>,
+    pub unix_uids: Vec<u32>,
+}
+
+/// The digest a bearer token is known by.
+pub fn token_digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.trim().as_bytes()).into()
+}
+
+fn hex32(text: &str) -> Option<[u8; 32]> {
+    let text = text.trim();
+    if text.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(text.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+impl PrincipalConfig {
+    /// Validates and loads; errors name `key` (e.g. `principals[2]` or a file).
+    pub fn load(&self, key: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Loaded, String> {
+        let name = &self.name;
+        if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) {
+            return Err(format!("{key}.name: {name:?} must be 1-64 letters, digits, '.', '_' or '-'"));
+        }
+        let kind = ConsumerType::parse(&self.kind)
+            .ok_or_else(|| format!("{key}.type: {:?} is not adm, agt or atm", self.kind))?;
+        let projects = if self.projects.iter().any(|p| p == "*") {
+            if kind != ConsumerType::Adm || self.projects.len() != 1 {
+                return Err(format!("{key}.projects: \"*\" (all projects) is for adm only, and alone"));
+            }
+            Projects::All
+        } else if self.projects.is_empty() {
+            if kind == ConsumerType::Adm {
+                Projects::All
+            } else {
+                return Err(format!("{key}.projects: a non-adm principal needs at least one project"));
+            }
+        } else {
+            for p in &self.projects {
+                if p.is_empty() || p.len() > 128 || p.chars().any(|c| c.is_control() || c.is_whitespace()) {
+                    return Err(format!("{key}.projects: {p:?} is not a project name"));
+                }
+            }
+            Projects::Only(self.projects.iter().cloned().collect::<BTreeSet<_>>())
+        };
+        let mut token_digests = Vec::new();
+        if let Some(hex) = &self.token_sha256 {
+            token_digests.push(hex32(hex).ok_or_else(|| format!("{key}.token_sha256: must be 64 hex digits"))?);
+        }
+        if let Some(path) = &self.token_file {
+            let token =
+                std::fs::read_to_string(path).map_err(|e| format!("{key}.token_file: {}: {e}", path.display()))?;
+            token_digests.push(strong(&token, &format!("{key}.token_file"))?);
+        }
+        if let Some(var) = &self.token_env {
+            let token = env(var).ok_or_else(|| format!("{key}.token_env: {var} is not set"))?;
+            token_digests.push(strong(&token, &format!("{key}.token_env"))?);
+        }
+        if token_digests.is_empty() && self.unix_uids.is_empty() {
+            return Err(format!("{key}: no credential (token_sha256, token_file, token_env or unix_uids)"));
+        }
+        if self.max_running == Some(0) {
+            return Err(format!("{key}.max_running: must be greater than 0"));
+        }
+        Ok(Loaded {
+            principal: Principal { name: name.clone(), kind, projects, max_running: self.max_running },
+            token_digests,
+            unix_uids: self.unix_uids.clone(),
+        })
+    }
+}
+
+/// A token read from a file or the environment must be high-entropy.
+fn strong(token: &str, key: &str) -> Result<[u8; 32], String> {
+    let token = token.trim();
+    if token.len() < 32 {
+        return Err(format!("{key}: the token must be at least 32 characters (a random one)"));
+    }
+    Ok(token_digest(token))
+}
+
+/// The principals of the config plus those of `dir` (one per `*.toml`),
+/// names unique.
+pub fn load_principals(
+    configured: &[PrincipalConfig],
+    dir: Option<&Path>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Vec<Loaded>, String> {
+    let mut loaded = Vec::new();
+    for (i, p) in configured.iter().enumerate() {
+        loaded.push(p.load(&format!("principals[{i}]"), env)?);
+    }
+    if let Some(dir) = dir {
+        let entries = std::fs::read_dir(dir).map_err(|e| format!("principals_dir: {}: {e}", dir.display()))?;
+        let mut files: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+            .collect();
+        files.sort();
+        for file in files {
+            let key = file.display().to_string();
+            let text = std::fs::read_to_string(&file).map_err(|e| format!("{key}: {e}"))?;
+            let p: PrincipalConfig = toml::from_str(&text).map_err(|e| format!("{key}: {e}"))?;
+            loaded.push(p.load(&key, env)?);
+        }
+    }
+    let mut names = BTreeSet::new();
+    for l in &loaded {
+        if !names.insert(l.principal.name.clone()) {
+            return Err(format!("principals: the name {:?} is used twice", l.principal.name));
+        }
+    }
+    Ok(loaded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    #[test]
+    fn a_principal_loads_with_digests_only() {
+        let token = "t".repeat(40);
+        let digest = crate::sandbox::hex_digest(&token_digest(&token));
+        let p = PrincipalConfig {
+            name: "ci".into(),
+            kind: "agt".into(),
+            projects: vec!["a".into()],
+            token_sha256: Some(digest),
+            ..Default::default()
+        };
+        let loaded = p.load("principals[0]", &no_env).unwrap();
+        assert_eq!(loaded.token_digests, vec![token_digest(&token)]);
+        assert_eq!(loaded.principal.kind, ConsumerType::Agt);
+    }
+
+    #[test]
+    fn bad_principals_name_the_key() {
+        let base = PrincipalConfig {
+            name: "x".into(),
+            kind: "agt".into(),
+            projects: vec!["a".into()],
+            unix_uids: vec![5],
+            ..Default::default()
+        };
+        let cases = [
+            (PrincipalConfig { name: "bad name".into(), ..base.clone() }, "principals[0].name"),
+            (PrincipalConfig { kind: "root".into(), ..base.clone() }, "principals[0].type"),
+            (PrincipalConfig { projects: vec!["*".into()], ..base.clone() }, "principals[0].projects"),
+            (PrincipalConfig { projects: vec![], ..base.clone() }, "principals[0].projects"),
+            (PrincipalConfig { unix_uids: vec![], ..base.clone() }, "principals[0]: no credential"),
+            (PrincipalConfig { token_sha256: Some("abc".into()), ..base.clone() }, "principals[0].token_sha256"),
+            (PrincipalConfig { token_env: Some("NOPE".into()), ..base.clone() }, "principals[0].token_env"),
+            (PrincipalConfig { max_running: Some(0), ..base.clone() }, "principals[0].max_running"),
+        ];
+        for (config, key) in cases {
+            let err = config.load("principals[0]", &no_env).unwrap_err();
+            assert!(err.starts_with(key), "{err}");
+        }
+        let weak = |v: &str| if v == "T" { Some("short".to_string()) } else { None };
+        let err = PrincipalConfig { token_env: Some("T".into()), ..base.clone() }.load("p", &weak).unwrap_err();
+        assert!(err.contains("at least 32"), "{err}");
+        let dup = load_principals(&[base.clone(), base], None, &no_env).unwrap_err();
+        assert!(dup.contains("used twice"), "{dup}");
+    }
+}

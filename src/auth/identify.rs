@@ -1,0 +1,148 @@
+//! Tying a call to a principal: a bearer token (by the sha256 of what was
+//! presented, compared with every known digest in constant time), or the
+//! peer uid of the unix socket (SO_PEERCRED). Root and the daemon's own uid
+//! on the socket are the local administrator unless a principal claims
+//! them; so is the holder of the local admin token the daemon writes (0600)
+//! into its data directory.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::config::{token_digest, Loaded};
+use super::{ConsumerType, Principal, Projects};
+
+/// The implicit administrator of the host.
+pub const LOCAL_ADMIN: &str = "local-admin";
+
+/// What a call presented.
+#[derive(Clone, Copy, Debug)]
+pub enum Credential<'a> {
+    Bearer(&'a str),
+    UnixPeer(u32),
+    None,
+}
+
+pub struct Authenticator {
+    tokens: Vec<([u8; 32], Arc<Principal>)>,
+    uids: HashMap<u32, Arc<Principal>>,
+}
+
+fn ct_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Authenticator {
+    /// `admin_token`: the digest of the local admin token, if the daemon
+    /// keeps one; `local_uids`: the uids that are the local admin on the
+    /// unix socket unless a configured principal names them.
+    pub fn new(loaded: Vec<Loaded>, admin_token: Option<[u8; 32]>, local_uids: &[u32]) -> Authenticator {
+        let admin = Arc::new(Principal {
+            name: LOCAL_ADMIN.into(),
+            kind: ConsumerType::Adm,
+            projects: Projects::All,
+            max_running: None,
+        });
+        let mut tokens = Vec::new();
+        let mut uids = HashMap::new();
+        for uid in local_uids {
+            uids.insert(*uid, admin.clone());
+        }
+        if let Some(digest) = admin_token {
+            tokens.push((digest, admin.clone()));
+        }
+        for l in loaded {
+            let principal = Arc::new(l.principal);
+            for digest in l.token_digests {
+                tokens.push((digest, principal.clone()));
+            }
+            for uid in l.unix_uids {
+                uids.insert(uid, principal.clone());
+            }
+        }
+        Authenticator { tokens, uids }
+    }
+
+    /// The principal behind a credential, or why there is none.
+    pub fn identify(&self, credential: Credential<'_>) -> Result<Arc<Principal>, &'static str> {
+        match credential {
+            Credential::Bearer(token) => {
+                let presented = token_digest(token);
+                // Every digest is compared, whatever matches first.
+                let mut found = None;
+                for (digest, principal) in &self.tokens {
+                    if ct_eq(digest, &presented) && found.is_none() {
+                        found = Some(principal.clone());
+                    }
+                }
+                found.ok_or("the bearer token is not known")
+            }
+            Credential::UnixPeer(uid) => {
+                self.uids.get(&uid).cloned().ok_or("the socket peer's uid maps to no principal")
+            }
+            Credential::None => Err("no credentials: send `authorization: Bearer <token>` or use the unix socket"),
+        }
+    }
+}
+
+/// The local admin token in `data_dir/admin.token`: read, or created (32
+/// random bytes, hex, mode 0600) on first start. Returns its digest.
+pub fn local_admin_token(path: &std::path::Path) -> std::io::Result<[u8; 32]> {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::read_to_string(path) {
+        Ok(token) => return Ok(token_digest(&token)),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        Err(_) => {}
+    }
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    file.write_all(token.as_bytes())?;
+    Ok(token_digest(&token))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::PrincipalConfig;
+
+    fn authenticator() -> Authenticator {
+        let token = "k".repeat(40);
+        let ci = PrincipalConfig {
+            name: "ci".into(),
+            kind: "agt".into(),
+            projects: vec!["a".into()],
+            token_sha256: Some(crate::sandbox::hex_digest(&token_digest(&token))),
+            unix_uids: vec![1234],
+            ..Default::default()
+        };
+        let loaded = vec![ci.load("p", &|_| None).unwrap()];
+        Authenticator::new(loaded, Some(token_digest(&"a".repeat(64))), &[0, 999])
+    }
+
+    #[test]
+    fn tokens_and_peer_uids_map_to_principals() {
+        let auth = authenticator();
+        assert_eq!(auth.identify(Credential::Bearer(&"k".repeat(40))).unwrap().name, "ci");
+        assert_eq!(auth.identify(Credential::Bearer(&"a".repeat(64))).unwrap().name, LOCAL_ADMIN);
+        assert!(auth.identify(Credential::Bearer("garbage")).is_err());
+        assert!(auth.identify(Credential::Bearer("")).is_err());
+        assert_eq!(auth.identify(Credential::UnixPeer(1234)).unwrap().name, "ci");
+        assert_eq!(auth.identify(Credential::UnixPeer(0)).unwrap().name, LOCAL_ADMIN);
+        assert_eq!(auth.identify(Credential::UnixPeer(999)).unwrap().name, LOCAL_ADMIN);
+        assert!(auth.identify(Credential::UnixPeer(4321)).is_err(), "an unmapped uid");
+        assert!(auth.identify(Credential::None).is_err());
+    }
+
+    #[test]
+    fn the_local_admin_token_is_made_once_and_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("admin.token");
+        let first = local_admin_token(&path).unwrap();
+        assert_eq!(local_admin_token(&path).unwrap(), first);
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(std::fs::read_to_string(&path).unwrap().len(), 64);
+    }
+}

@@ -1,0 +1,131 @@
+//! Admission: a hard bound on what runs at once, reserved atomically
+//! *before* anything is stored and released exactly once. Executions and
+//! sessions are bounded separately; a principal's `max_running` counts
+//! both of its kinds.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Work {
+    Execution,
+    Session,
+}
+
+struct Slot {
+    work: Work,
+    principal: String,
+    cancel: CancellationToken,
+}
+
+/// Why admission said no.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Refused(pub String);
+
+pub struct Admission {
+    max_executions: usize,
+    max_sessions: usize,
+    slots: Mutex<HashMap<String, Slot>>,
+}
+
+impl Admission {
+    pub fn new(max_executions: usize, max_sessions: usize) -> Admission {
+        Admission { max_executions: max_executions.max(1), max_sessions: max_sessions.max(1), slots: Mutex::default() }
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes a slot for `id`, or says which bound is full.
+    pub fn reserve(
+        &self,
+        id: &str,
+        work: Work,
+        principal: &str,
+        quota: Option<usize>,
+    ) -> Result<CancellationToken, Refused> {
+        let mut slots = self.slots();
+        let of_kind = slots.values().filter(|s| s.work == work).count();
+        let (max, what) = match work {
+            Work::Execution => (self.max_executions, "executions"),
+            Work::Session => (self.max_sessions, "sessions"),
+        };
+        if of_kind >= max {
+            return Err(Refused(format!("{of_kind} {what} are running, the most this daemon admits; retry later")));
+        }
+        if let Some(quota) = quota {
+            let mine = slots.values().filter(|s| s.principal == principal).count();
+            if mine >= quota {
+                return Err(Refused(format!(
+                    "principal {principal} has {mine} executions and sessions running: its max_running quota of {quota} is reached"
+                )));
+            }
+        }
+        if slots.contains_key(id) {
+            return Err(Refused(format!("{id} is already running")));
+        }
+        let cancel = CancellationToken::new();
+        slots.insert(id.to_string(), Slot { work, principal: principal.to_string(), cancel: cancel.clone() });
+        Ok(cancel)
+    }
+
+    /// Gives the slot back; a second release does nothing.
+    pub fn release(&self, id: &str) {
+        self.slots().remove(id);
+    }
+
+    /// Cancels the work holding `id`'s slot, if it runs here.
+    pub fn cancel(&self, id: &str) -> bool {
+        match self.slots().get(id) {
+            Some(slot) => {
+                slot.cancel.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn running(&self, work: Work) -> usize {
+        self.slots().values().filter(|s| s.work == work).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounds_are_hard_and_per_kind() {
+        let a = Admission::new(2, 1);
+        assert!(a.reserve("e1", Work::Execution, "p", None).is_ok());
+        assert!(a.reserve("e2", Work::Execution, "p", None).is_ok());
+        assert!(a.reserve("e3", Work::Execution, "p", None).unwrap_err().0.contains("2 executions"));
+        assert!(a.reserve("s1", Work::Session, "p", None).is_ok());
+        assert!(a.reserve("s2", Work::Session, "p", None).unwrap_err().0.contains("1 sessions"));
+        a.release("e1");
+        a.release("e1");
+        assert!(a.reserve("e3", Work::Execution, "p", None).is_ok());
+        assert_eq!(a.running(Work::Execution), 2);
+    }
+
+    #[test]
+    fn a_principals_quota_counts_both_kinds() {
+        let a = Admission::new(10, 10);
+        assert!(a.reserve("e1", Work::Execution, "ci", Some(2)).is_ok());
+        assert!(a.reserve("s1", Work::Session, "ci", Some(2)).is_ok());
+        let refused = a.reserve("e2", Work::Execution, "ci", Some(2)).unwrap_err();
+        assert!(refused.0.contains("max_running quota of 2"), "{}", refused.0);
+        assert!(a.reserve("e2", Work::Execution, "other", Some(2)).is_ok(), "another principal is not affected");
+    }
+
+    #[test]
+    fn cancel_reaches_the_slot() {
+        let a = Admission::new(1, 1);
+        let token = a.reserve("e1", Work::Execution, "p", None).unwrap();
+        assert!(a.cancel("e1") && token.is_cancelled());
+        assert!(!a.cancel("nope"));
+    }
+}

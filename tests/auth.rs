@@ -1,0 +1,313 @@
+//! Who is calling: every corral RPC needs a principal; a principal sees
+//! only its projects, cannot claim another type, cannot pass policies unless
+//! adm; the owner (and adm) get the raw output; quotas are hard.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::{require_bwrap, Options, TestDaemon};
+use corral::auth::PrincipalConfig;
+use corral::pb;
+use corral::pb::catalog_service_client::CatalogServiceClient;
+use corral::pb::execution_service_client::ExecutionServiceClient;
+use corral::pb::session_service_client::SessionServiceClient;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::Code;
+
+const TOKEN_A: &str = "token-of-principal-a-0123456789abcdef0123";
+const TOKEN_A2: &str = "token-of-principal-a2-0123456789abcdef012";
+const TOKEN_B: &str = "token-of-principal-b-0123456789abcdef0123";
+const TOKEN_Q: &str = "token-of-principal-q-0123456789abcdef0123";
+
+fn digest(token: &str) -> String {
+    use sha2::Digest;
+    corral::sandbox::hex_digest(&sha2::Sha256::digest(token.as_bytes()))
+}
+
+fn principal(name: &str, kind: &str, projects: &[&str], token: &str) -> PrincipalConfig {
+    PrincipalConfig {
+        name: name.into(),
+        kind: kind.into(),
+        projects: projects.iter().map(|p| p.to_string()).collect(),
+        token_sha256: Some(digest(token)),
+        ..Default::default()
+    }
+}
+
+async fn daemon(extra: Vec<PrincipalConfig>) -> TestDaemon {
+    require_bwrap();
+    let mut principals = vec![
+        principal("agt-a", "agt", &["proj-a"], TOKEN_A),
+        principal("agt-a2", "agt", &["proj-a"], TOKEN_A2),
+        principal("agt-b", "agt", &["proj-b"], TOKEN_B),
+    ];
+    principals.extend(extra);
+    TestDaemon::start(Options {
+        config: Box::new(move |c| {
+            c.principals = principals;
+            c.unix_socket_group = Some("4242".into());
+        }),
+        ..Options::default()
+    })
+    .await
+}
+
+#[derive(Clone)]
+struct Bearer(Option<String>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(token) = &self.0 {
+            request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+        }
+        Ok(request)
+    }
+}
+
+type Conn = InterceptedService<Channel, Bearer>;
+
+async fn tcp(daemon: &TestDaemon, token: Option<&str>) -> Conn {
+    let _ = daemon.channel().await; // wait until it serves
+    let channel = Channel::from_shared(daemon.url.clone()).unwrap().connect().await.unwrap();
+    InterceptedService::new(channel, Bearer(token.map(String::from)))
+}
+
+fn start_request(project: &str, description: &str) -> pb::ExecuteRequest {
+    pb::ExecuteRequest {
+        harness_profile_ref: "builtin.shell".into(),
+        title: "t".into(),
+        description: description.into(),
+        project: project.into(),
+        ..Default::default()
+    }
+}
+
+fn reason(status: &tonic::Status) -> String {
+    use tonic_types::StatusExt;
+    status.get_error_details().error_info().map(|i| i.reason.clone()).unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_credentials_or_a_garbage_token_is_unauthenticated_and_health_answers() {
+    let daemon = daemon(vec![]).await;
+    for token in [None, Some("garbage")] {
+        let conn = tcp(&daemon, token).await;
+        let mut ex = ExecutionServiceClient::new(conn.clone());
+        let mut cat = CatalogServiceClient::new(conn.clone());
+        let mut ses = SessionServiceClient::new(conn.clone());
+        let id = "01a2314c-63f1-72ed-b54e-9dacfa3005f8".to_string();
+        let codes = vec![
+            ex.list_executions(pb::ListExecutionsRequest::default()).await.map(|_| ()),
+            ex.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 })
+                .await
+                .map(|_| ()),
+            ex.start_execution(start_request("proj-a", "true")).await.map(|_| ()),
+            ex.execute(start_request("proj-a", "true")).await.map(|_| ()),
+            ex.watch_execution(pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 }).await.map(|_| ()),
+            ex.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.map(|_| ()),
+            cat.list_profiles(pb::ListProfilesRequest {}).await.map(|_| ()),
+            cat.resolve_profile(pb::ResolveProfileRequest { r#ref: "builtin.shell".into(), actor: String::new() })
+                .await
+                .map(|_| ()),
+            ses.list_sessions(pb::ListSessionsRequest::default()).await.map(|_| ()),
+            ses.get_session(pb::GetSessionRequest { session_id: id.clone() }).await.map(|_| ()),
+        ];
+        for (i, result) in codes.into_iter().enumerate() {
+            let status = result.expect_err("served without a principal");
+            assert_eq!(status.code(), Code::Unauthenticated, "call {i} with {token:?}: {status:?}");
+        }
+    }
+    let conn = tcp(&daemon, None).await;
+    let mut health = tonic_health::pb::health_client::HealthClient::new(conn);
+    let answer = health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.unwrap();
+    assert_eq!(answer.into_inner().status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    // Nothing was stored by the refused calls.
+    let mut admin = ExecutionServiceClient::new(daemon.channel().await);
+    assert!(admin
+        .list_executions(pb::ListExecutionsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .executions
+        .is_empty());
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_principal_sees_and_touches_only_its_own_projects() {
+    let daemon = daemon(vec![]).await;
+    let mut a = ExecutionServiceClient::new(tcp(&daemon, Some(TOKEN_A)).await);
+    let mut b = ExecutionServiceClient::new(tcp(&daemon, Some(TOKEN_B)).await);
+    let mut b_sessions = SessionServiceClient::new(tcp(&daemon, Some(TOKEN_B)).await);
+    let mut a_sessions = SessionServiceClient::new(tcp(&daemon, Some(TOKEN_A)).await);
+
+    let theirs = b.start_execution(start_request("", "sleep 20")).await.unwrap().into_inner();
+    assert_eq!(theirs.consumer.as_ref().unwrap().project, "proj-b", "the principal's only project");
+    assert_eq!(theirs.consumer.as_ref().unwrap().actor, "agt");
+    assert_eq!(theirs.consumer.as_ref().unwrap().principal, "agt-b");
+    let id = theirs.execution_id.clone();
+    let listed = a.list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
+    assert!(listed.executions.iter().all(|e| e.execution_id != id), "A lists B's execution");
+    for status in [
+        a.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 })
+            .await
+            .unwrap_err(),
+        a.watch_execution(pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 }).await.unwrap_err(),
+        a.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.unwrap_err(),
+    ] {
+        assert_eq!(status.code(), Code::NotFound, "{status:?}");
+    }
+    // Its own project: fine. Another project or another type: refused.
+    let mine = a.start_execution(start_request("proj-a", "true")).await.unwrap().into_inner();
+    assert!(a
+        .get_execution(pb::GetExecutionRequest { execution_id: mine.execution_id, view: 0 })
+        .await
+        .is_ok());
+    let other = a.start_execution(start_request("proj-b", "true")).await.unwrap_err();
+    assert_eq!((other.code(), reason(&other).as_str()), (Code::PermissionDenied, "PROJECT_NOT_ALLOWED"));
+    let mut claim = start_request("proj-a", "true");
+    claim.actor = "adm".into();
+    let claimed = a.start_execution(claim).await.unwrap_err();
+    assert_eq!((claimed.code(), reason(&claimed).as_str()), (Code::PermissionDenied, "ACTOR_NOT_PRINCIPAL_TYPE"));
+
+    // Sessions: B's is invisible to A; A may not pass policies.
+    let session = b_sessions
+        .create_session(pb::CreateSessionRequest { profile_ref: "test.fake-agent".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    let sid = session.session_id.clone();
+    let turn = pb::SendTurnRequest {
+        session_id: sid.clone(),
+        tool_call: Some(pb::ToolCall { tool: "echo".into(), arguments_json: "{}".into() }),
+    };
+    for status in [
+        a_sessions.send_turn(turn).await.unwrap_err(),
+        a_sessions.get_session(pb::GetSessionRequest { session_id: sid.clone() }).await.unwrap_err(),
+        a_sessions.end_session(pb::EndSessionRequest { session_id: sid.clone() }).await.unwrap_err(),
+        a_sessions.cancel_turn(pb::CancelTurnRequest { session_id: sid.clone() }).await.unwrap_err(),
+        a_sessions
+            .watch_session(pb::WatchSessionRequest { session_id: sid.clone(), after_sequence: 0 })
+            .await
+            .unwrap_err(),
+    ] {
+        assert_eq!(status.code(), Code::NotFound, "{status:?}");
+    }
+    let listed = a_sessions.list_sessions(pb::ListSessionsRequest::default()).await.unwrap().into_inner();
+    assert!(listed.sessions.iter().all(|s| s.session_id != sid));
+    let with_policy = pb::CreateSessionRequest {
+        profile_ref: "test.fake-agent".into(),
+        policies: vec![pb::PolicySpec { name: "off".into(), kind: "deny_network".into(), ..Default::default() }],
+        ..Default::default()
+    };
+    let refused = a_sessions.create_session(with_policy).await.unwrap_err();
+    assert_eq!((refused.code(), reason(&refused).as_str()), (Code::PermissionDenied, "POLICIES_NEED_ADM"));
+    b_sessions.end_session(pb::EndSessionRequest { session_id: sid }).await.unwrap();
+    b.cancel_execution(pb::CancelExecutionRequest { execution_id: id }).await.unwrap();
+    daemon.stop().await;
+}
+
+async fn finished_execution(client: &mut ExecutionServiceClient<Conn>, description: &str) -> String {
+    let mut stream = client.execute(start_request("proj-a", description)).await.unwrap().into_inner();
+    let mut id = String::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        if let Some(pb::lifecycle_event::Kind::Accepted(a)) = event.kind {
+            id = a.execution_id;
+        }
+    }
+    id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_owner_and_adm_get_the_raw_output_and_no_one_else() {
+    let daemon = daemon(vec![]).await;
+    let mut owner = ExecutionServiceClient::new(tcp(&daemon, Some(TOKEN_A)).await);
+    let mut peer = ExecutionServiceClient::new(tcp(&daemon, Some(TOKEN_A2)).await);
+    let id = finished_execution(&mut owner, "echo RAW-OUTPUT-5521").await;
+    let full = pb::GetExecutionRequest {
+        execution_id: id.clone(),
+        view: pb::ExecutionView::Full as i32,
+        ..Default::default()
+    };
+    let mine = owner.get_execution(full.clone()).await.unwrap().into_inner();
+    assert!(mine.tool_output.contains("RAW-OUTPUT-5521"), "{mine:?}");
+    let basic = owner
+        .get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 })
+        .await
+        .unwrap();
+    assert!(basic.into_inner().tool_output.is_empty(), "BASIC carries no raw output");
+    let status = peer.get_execution(full.clone()).await.unwrap_err();
+    assert_eq!((status.code(), reason(&status).as_str()), (Code::PermissionDenied, "RAW_OUTPUT_OWNER_ONLY"));
+    let mut admin = ExecutionServiceClient::new(daemon.channel().await);
+    assert!(admin.get_execution(full).await.unwrap().into_inner().tool_output.contains("RAW-OUTPUT-5521"));
+    let watched = daemon.watch_all(&id, 0).await;
+    assert!(!format!("{watched:?}").contains("RAW-OUTPUT-5521"), "a watcher saw the raw output");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_principal_past_its_quota_is_refused_and_nothing_is_stored() {
+    let mut quota = principal("agt-q", "agt", &["proj-a"], TOKEN_Q);
+    quota.max_running = Some(1);
+    let daemon = daemon(vec![quota]).await;
+    let mut q = ExecutionServiceClient::new(tcp(&daemon, Some(TOKEN_Q)).await);
+    let first = q.start_execution(start_request("", "sleep 20")).await.unwrap().into_inner();
+    let status = q.start_execution(start_request("", "true")).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(status.message().contains("max_running quota of 1"), "{}", status.message());
+    let mut qs = SessionServiceClient::new(tcp(&daemon, Some(TOKEN_Q)).await);
+    let session = qs
+        .create_session(pb::CreateSessionRequest { profile_ref: "test.fake-agent".into(), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(session.code(), Code::ResourceExhausted, "sessions count too");
+    let mut admin = ExecutionServiceClient::new(daemon.channel().await);
+    let all = admin.list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
+    assert_eq!(all.executions.len(), 1, "a refused request was stored");
+    // Other principals are not held by it.
+    let mut a = ExecutionServiceClient::new(tcp(&daemon, Some(TOKEN_A)).await);
+    assert!(a.start_execution(start_request("proj-a", "true")).await.is_ok());
+    q.cancel_execution(pb::CancelExecutionRequest { execution_id: first.execution_id }).await.unwrap();
+    daemon.stop().await;
+}
+
+/// `corral` as another host user, over the unix socket.
+fn corral_as(uid: u32, socket: &Path, args: &[&str]) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+        .arg("--server")
+        .arg(format!("unix://{}", socket.display()))
+        .args(args)
+        .env("HOME", "/tmp")
+        .env_remove("CORRAL_TOKEN")
+        .uid(uid)
+        .gid(4242)
+        .output()
+        .expect("corral runs as another user")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_peer_uid_is_its_principal_and_an_unmapped_one_is_refused() {
+    let mut atm = principal("atm-user", "atm", &["proj-t"], "unused-token-0123456789abcdef0123456789");
+    atm.token_sha256 = None;
+    atm.unix_uids = vec![4242];
+    let daemon = daemon(vec![atm]).await;
+    let _ = daemon.channel().await;
+    let socket = daemon.socket();
+    let mapped = corral_as(
+        4242,
+        &socket,
+        &["--json", "exec", "--profile", "builtin.shell", "--title", "t", "--description", "echo hi"],
+    );
+    let text = String::from_utf8_lossy(&mapped.stdout);
+    assert!(mapped.status.success(), "{text}\n{}", String::from_utf8_lossy(&mapped.stderr));
+    assert!(text.contains("\"actor\":\"atm\"") && text.contains("\"project\":\"proj-t\""), "{text}");
+    let unmapped = corral_as(4343, &socket, &["ls"]);
+    assert!(!unmapped.status.success());
+    assert!(String::from_utf8_lossy(&unmapped.stderr).contains("Unauthenticated"), "{:?}", unmapped);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    daemon.stop().await;
+}
