@@ -57,6 +57,13 @@ pub struct Config {
     pub unix_socket: Option<PathBuf>,
     /// The group that owns the socket (mode 0660), by name or number.
     pub unix_socket_group: Option<String>,
+    /// TLS for the TCP listener: certificate chain and key (PEM).
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    /// With TLS, verify client certificates against this CA (PEM): mTLS.
+    /// A verified certificate's names map to principals (`tls_names`);
+    /// clients without one may still use bearer tokens.
+    pub client_ca: Option<PathBuf>,
     /// Names this daemon in a shared store (default: host name and data
     /// directory): recovery and hub delivery only touch its own rows.
     pub node_id: Option<String>,
@@ -110,6 +117,9 @@ impl Default for Config {
             principals_dir: None,
             unix_socket: None,
             unix_socket_group: None,
+            tls_cert: None,
+            tls_key: None,
+            client_ca: None,
             node_id: None,
         }
     }
@@ -222,14 +232,18 @@ impl Config {
             .listen
             .parse::<std::net::SocketAddr>()
             .map_err(|e| invalid("listen", format!("{:?} is not an address: {e}", self.listen)))?;
-        // Plaintext TCP is for loopback only; this build has no TLS yet.
-        if !listen.ip().is_loopback() {
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(invalid("tls_cert", "tls_cert and tls_key go together".into()));
+        }
+        if self.client_ca.is_some() && self.tls_cert.is_none() {
+            return Err(invalid("client_ca", "needs tls_cert and tls_key".into()));
+        }
+        // Plaintext TCP is for loopback only (every RPC still needs a
+        // principal).
+        if !listen.ip().is_loopback() && self.tls_cert.is_none() {
             return Err(invalid(
                 "listen",
-                format!(
-                    "{listen} is not a loopback address: a non-loopback listener needs TLS, which this build does \
-                     not provide; listen on loopback or use the unix socket"
-                ),
+                format!("{listen} is not a loopback address: a non-loopback listener needs TLS (tls_cert, tls_key)"),
             ));
         }
         if self.max_running_executions == 0 {

@@ -117,7 +117,9 @@ impl Daemon {
             Some(group) => Some(group_id(group).map_err(StartError::Policies)?),
             None => None,
         };
+        let tls = tls_config(&self.config).map_err(|(key, source)| StartError::DataDir { path: key, source })?;
         let parts = ApiParts {
+            tls,
             authenticator: self.authenticator,
             unix_socket: self.config.unix_socket_path().map(|p| (p, group)),
             engine: self.engine,
@@ -142,6 +144,23 @@ fn authenticator(config: &Config) -> Result<crate::auth::Authenticator, StartErr
     let mut local = vec![0];
     local.push(crate::sandbox::host::effective_uid());
     Ok(crate::auth::Authenticator::new(loaded, Some(token), &local))
+}
+
+/// The TCP listener's TLS from `tls_cert`, `tls_key` and `client_ca`;
+/// errors name the key and the file.
+fn tls_config(config: &Config) -> Result<Option<tonic::transport::ServerTlsConfig>, (String, std::io::Error)> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else { return Ok(None) };
+    let read =
+        |name: &str, path: &std::path::Path| std::fs::read(path).map_err(|e| (format!("{name} {}", path.display()), e));
+    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read("tls_cert", cert)?, read("tls_key", key)?));
+    if let Some(ca) = &config.client_ca {
+        // Optional: a client without a certificate may still present a
+        // bearer token; one with a certificate from another CA fails the
+        // handshake.
+        tls = tls.client_ca_root(Certificate::from_pem(read("client_ca", ca)?)).client_auth_optional(true);
+    }
+    Ok(Some(tls))
 }
 
 /// A group name or number as a gid.

@@ -101,9 +101,7 @@ async fn no_credentials_or_a_garbage_token_is_unauthenticated_and_health_answers
         let id = "01a2314c-63f1-72ed-b54e-9dacfa3005f8".to_string();
         let codes = vec![
             ex.list_executions(pb::ListExecutionsRequest::default()).await.map(|_| ()),
-            ex.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 })
-                .await
-                .map(|_| ()),
+            ex.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 }).await.map(|_| ()),
             ex.start_execution(start_request("proj-a", "true")).await.map(|_| ()),
             ex.execute(start_request("proj-a", "true")).await.map(|_| ()),
             ex.watch_execution(pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 }).await.map(|_| ()),
@@ -152,9 +150,7 @@ async fn a_principal_sees_and_touches_only_its_own_projects() {
     let listed = a.list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
     assert!(listed.executions.iter().all(|e| e.execution_id != id), "A lists B's execution");
     for status in [
-        a.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 })
-            .await
-            .unwrap_err(),
+        a.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 }).await.unwrap_err(),
         a.watch_execution(pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 }).await.unwrap_err(),
         a.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.unwrap_err(),
     ] {
@@ -162,10 +158,7 @@ async fn a_principal_sees_and_touches_only_its_own_projects() {
     }
     // Its own project: fine. Another project or another type: refused.
     let mine = a.start_execution(start_request("proj-a", "true")).await.unwrap().into_inner();
-    assert!(a
-        .get_execution(pb::GetExecutionRequest { execution_id: mine.execution_id, view: 0 })
-        .await
-        .is_ok());
+    assert!(a.get_execution(pb::GetExecutionRequest { execution_id: mine.execution_id, view: 0 }).await.is_ok());
     let other = a.start_execution(start_request("proj-b", "true")).await.unwrap_err();
     assert_eq!((other.code(), reason(&other).as_str()), (Code::PermissionDenied, "PROJECT_NOT_ALLOWED"));
     let mut claim = start_request("proj-a", "true");
@@ -234,10 +227,7 @@ async fn the_owner_and_adm_get_the_raw_output_and_no_one_else() {
     };
     let mine = owner.get_execution(full.clone()).await.unwrap().into_inner();
     assert!(mine.tool_output.contains("RAW-OUTPUT-5521"), "{mine:?}");
-    let basic = owner
-        .get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 })
-        .await
-        .unwrap();
+    let basic = owner.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 }).await.unwrap();
     assert!(basic.into_inner().tool_output.is_empty(), "BASIC carries no raw output");
     let status = peer.get_execution(full.clone()).await.unwrap_err();
     assert_eq!((status.code(), reason(&status).as_str()), (Code::PermissionDenied, "RAW_OUTPUT_OWNER_ONLY"));
@@ -310,4 +300,122 @@ async fn a_unix_peer_uid_is_its_principal_and_an_unmapped_one_is_refused() {
     assert!(String::from_utf8_lossy(&unmapped.stderr).contains("Unauthenticated"), "{:?}", unmapped);
     tokio::time::sleep(Duration::from_millis(10)).await;
     daemon.stop().await;
+}
+
+/// A CA and the PEM of certificates it signs.
+struct TestCa {
+    params: rcgen::CertificateParams,
+    key: rcgen::KeyPair,
+    pem: String,
+}
+
+impl TestCa {
+    fn new(name: &str) -> TestCa {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
+        let pem = params.self_signed(&key).unwrap().pem();
+        TestCa { params, key, pem }
+    }
+
+    /// (certificate PEM, key PEM) for `names` (the first is the CN).
+    fn sign(&self, names: &[&str], client: bool) -> (String, String) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params =
+            rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).unwrap();
+        params.distinguished_name.push(rcgen::DnType::CommonName, names[0]);
+        params.extended_key_usages = vec![if client {
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth
+        } else {
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth
+        }];
+        let issuer = rcgen::Issuer::from_params(&self.params, &self.key);
+        (params.signed_by(&key, &issuer).unwrap().pem(), key.serialize_pem())
+    }
+}
+
+async fn tls_channel(
+    port: u16,
+    ca: &str,
+    client: Option<&(String, String)>,
+) -> Result<Channel, tonic::transport::Error> {
+    let mut tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+        .domain_name("localhost");
+    if let Some((cert, key)) = client {
+        tls = tls.identity(tonic::transport::Identity::from_pem(cert, key));
+    }
+    Channel::from_shared(format!("https://127.0.0.1:{port}")).unwrap().tls_config(tls).unwrap().connect().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_maps_a_client_certificate_to_its_principal_and_refuses_another_ca() {
+    require_bwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("corral test ca");
+    let other = TestCa::new("some other ca");
+    let (server_cert, server_key) = ca.sign(&["localhost", "127.0.0.1"], false);
+    let good = ca.sign(&["ci-bot"], true);
+    let forged = other.sign(&["ci-bot"], true);
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let (cert, key, client_ca) =
+        (write("server.pem", &server_cert), write("server.key", &server_key), write("ca.pem", &ca.pem));
+    let mut bot = principal("ci-bot", "agt", &["proj-a"], "unused-0123456789abcdef0123456789abcdef");
+    bot.token_sha256 = None;
+    bot.tls_names = vec!["ci-bot".into()];
+    let daemon = TestDaemon::start(Options {
+        config: Box::new(move |c| {
+            c.principals = vec![bot];
+            c.tls_cert = Some(cert);
+            c.tls_key = Some(key);
+            c.client_ca = Some(client_ca);
+        }),
+        ..Options::default()
+    })
+    .await;
+    let _ = daemon.channel().await;
+    let port = daemon.addr.port();
+
+    let channel = tls_channel(port, &ca.pem, Some(&good)).await.expect("a certificate from the configured CA");
+    let mut client = ExecutionServiceClient::new(channel);
+    let started = client.start_execution(start_request("", "true")).await.unwrap().into_inner();
+    let consumer = started.consumer.unwrap();
+    assert_eq!((consumer.principal.as_str(), consumer.actor.as_str()), ("ci-bot", "agt"));
+
+    // Another CA's certificate for the same name: refused at the handshake.
+    let refused = match tls_channel(port, &ca.pem, Some(&forged)).await {
+        Err(e) => Err(e.to_string()),
+        Ok(channel) => ExecutionServiceClient::new(channel)
+            .list_executions(pb::ListExecutionsRequest::default())
+            .await
+            .map(|_| ())
+            .map_err(|s| s.to_string()),
+    };
+    assert!(refused.is_err(), "a certificate of another CA was served");
+    assert!(!refused.unwrap_err().contains("Unauthenticated"), "refused by the handshake, not after it");
+    // TLS without a certificate: no principal.
+    let bare = tls_channel(port, &ca.pem, None).await.unwrap();
+    let status =
+        ExecutionServiceClient::new(bare).list_executions(pb::ListExecutionsRequest::default()).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated);
+    daemon.stop().await;
+}
+
+#[test]
+fn a_non_loopback_plaintext_listener_fails_the_start_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+        .args(["serve", "--listen", "0.0.0.0:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("listen") && stderr.contains("TLS"), "{stderr}");
 }

@@ -30,8 +30,15 @@ impl Interceptor for Authenticate {
             None => None,
         };
         let peer = request.extensions().get::<UdsConnectInfo>().and_then(|i| i.peer_cred).map(|c| c.uid());
+        // A client certificate is verified against client_ca by the TLS
+        // handshake before any request arrives; here only its names count.
+        let cert_names: Vec<String> = request
+            .peer_certs()
+            .and_then(|certs| certs.first().map(|c| crate::auth::certificate_names(c.as_ref())))
+            .unwrap_or_default();
         let credential = match (bearer, peer) {
             (Some(token), _) => Credential::Bearer(token),
+            (None, _) if !cert_names.is_empty() => Credential::ClientCert(&cert_names),
             (None, Some(uid)) => Credential::UnixPeer(uid),
             (None, None) => Credential::None,
         };

@@ -36,6 +36,8 @@ pub struct ApiParts {
     /// The unix socket to serve on too (peer uid → principal), and the
     /// group that may connect (mode 0660).
     pub unix_socket: Option<(PathBuf, Option<u32>)>,
+    /// TLS for the TCP listener (with a client CA: mTLS).
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
     pub engine: Arc<Engine>,
     pub catalog: Arc<Catalog>,
     pub gate: Arc<Gate>,
@@ -107,13 +109,17 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
 
     // Health and reflection stay open; every corral RPC needs a principal.
     let authenticate = auth::Authenticate(parts.authenticator);
-    let router = Server::builder()
-        .add_service(health_service)
+    let routes = tonic::service::Routes::new(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(ExecutionServiceServer::with_interceptor(execution, authenticate.clone()))
         .add_service(CatalogServiceServer::with_interceptor(catalog, authenticate.clone()))
         .add_service(SessionServiceServer::with_interceptor(sessions, authenticate));
+    // TLS (and mTLS) on TCP; the unix socket is local and plain.
+    let mut tcp_server = Server::builder();
+    if let Some(tls) = parts.tls {
+        tcp_server = tcp_server.tls_config(tls)?;
+    }
     let unix = match parts.unix_socket {
         Some((path, group)) => Some(bind_unix(&path, group)?),
         None => None,
@@ -126,12 +132,15 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
     };
     // Lifecycle events are small frames: without TCP_NODELAY each waits
     // on Nagle and the peer's delayed ACK (tens of ms per Execute).
-    let tcp =
-        router.clone().serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), drained);
+    let tcp = tcp_server
+        .add_routes(routes.clone())
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), drained);
     match unix {
         Some((listener, path)) => {
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-            let on_unix = router.serve_with_incoming_shutdown(incoming, drain_done.cancelled_owned());
+            let on_unix = Server::builder()
+                .add_routes(routes)
+                .serve_with_incoming_shutdown(incoming, drain_done.cancelled_owned());
             let (a, b) = tokio::join!(tcp, on_unix);
             let _ = std::fs::remove_file(&path);
             a?;

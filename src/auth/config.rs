@@ -30,6 +30,9 @@ pub struct PrincipalConfig {
     pub token_env: Option<String>,
     /// Peer uids of the unix socket that are this principal.
     pub unix_uids: Vec<u32>,
+    /// Client certificates (mTLS) that are this principal: a name matching
+    /// the certificate's subject common name or one of its DNS names.
+    pub tls_names: Vec<String>,
     /// Executions and sessions it may have running at once.
     pub max_running: Option<usize>,
 }
@@ -40,6 +43,7 @@ pub struct Loaded {
     pub principal: Principal,
     pub token_digests: Vec<[u8; 32]>,
     pub unix_uids: Vec<u32>,
+    pub tls_names: Vec<String>,
 }
 
 /// The digest a bearer token is known by.
@@ -100,8 +104,13 @@ impl PrincipalConfig {
             let token = env(var).ok_or_else(|| format!("{key}.token_env: {var} is not set"))?;
             token_digests.push(strong(&token, &format!("{key}.token_env"))?);
         }
-        if token_digests.is_empty() && self.unix_uids.is_empty() {
-            return Err(format!("{key}: no credential (token_sha256, token_file, token_env or unix_uids)"));
+        for n in &self.tls_names {
+            if n.is_empty() || n.len() > 255 || n.chars().any(|c| c.is_control()) {
+                return Err(format!("{key}.tls_names: {n:?} is not a certificate name"));
+            }
+        }
+        if token_digests.is_empty() && self.unix_uids.is_empty() && self.tls_names.is_empty() {
+            return Err(format!("{key}: no credential (token_sha256, token_file, token_env, unix_uids or tls_names)"));
         }
         if self.max_running == Some(0) {
             return Err(format!("{key}.max_running: must be greater than 0"));
@@ -110,6 +119,7 @@ impl PrincipalConfig {
             principal: Principal { name: name.clone(), kind, projects, max_running: self.max_running },
             token_digests,
             unix_uids: self.unix_uids.clone(),
+            tls_names: self.tls_names.clone(),
         })
     }
 }

@@ -18,6 +18,8 @@ pub const LOCAL_ADMIN: &str = "local-admin";
 #[derive(Clone, Copy, Debug)]
 pub enum Credential<'a> {
     Bearer(&'a str),
+    /// The names of a verified client certificate (subject CN, DNS SANs).
+    ClientCert(&'a [String]),
     UnixPeer(u32),
     None,
 }
@@ -25,6 +27,7 @@ pub enum Credential<'a> {
 pub struct Authenticator {
     tokens: Vec<([u8; 32], Arc<Principal>)>,
     uids: HashMap<u32, Arc<Principal>>,
+    cert_names: HashMap<String, Arc<Principal>>,
 }
 
 fn ct_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
@@ -44,6 +47,7 @@ impl Authenticator {
         });
         let mut tokens = Vec::new();
         let mut uids = HashMap::new();
+        let mut cert_names = HashMap::new();
         for uid in local_uids {
             uids.insert(*uid, admin.clone());
         }
@@ -58,8 +62,11 @@ impl Authenticator {
             for uid in l.unix_uids {
                 uids.insert(uid, principal.clone());
             }
+            for name in l.tls_names {
+                cert_names.insert(name, principal.clone());
+            }
         }
-        Authenticator { tokens, uids }
+        Authenticator { tokens, uids, cert_names }
     }
 
     /// The principal behind a credential, or why there is none.
@@ -76,6 +83,10 @@ impl Authenticator {
                 }
                 found.ok_or("the bearer token is not known")
             }
+            Credential::ClientCert(names) => names
+                .iter()
+                .find_map(|n| self.cert_names.get(n).cloned())
+                .ok_or("the client certificate's names map to no principal"),
             Credential::UnixPeer(uid) => {
                 self.uids.get(&uid).cloned().ok_or("the socket peer's uid maps to no principal")
             }

@@ -11,6 +11,23 @@ mod identify;
 use std::collections::BTreeSet;
 
 pub use config::{load_principals, PrincipalConfig};
+
+/// The names a client certificate (DER) is known by: its subject's common
+/// names and its DNS subject alternative names. Empty if it does not parse.
+pub fn certificate_names(der: &[u8]) -> Vec<String> {
+    use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};
+    let Ok((_, cert)) = X509Certificate::from_der(der) else { return Vec::new() };
+    let mut names: Vec<String> =
+        cert.subject().iter_common_name().filter_map(|cn| cn.as_str().ok().map(String::from)).collect();
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for name in &san.value.general_names {
+            if let GeneralName::DNSName(dns) = name {
+                names.push(dns.to_string());
+            }
+        }
+    }
+    names
+}
 pub use identify::{local_admin_token, Authenticator, Credential, LOCAL_ADMIN};
 
 /// A governed consumer type.

@@ -90,7 +90,7 @@ async fn start_fake() -> SocketAddr {
 }
 
 fn opts(addr: SocketAddr, json: bool) -> ClientOpts {
-    ClientOpts { server: Some(format!("http://{addr}")), token_file: None, json }
+    ClientOpts { server: Some(format!("http://{addr}")), token_file: None, ca: None, cert: None, key: None, json }
 }
 
 fn exec_args(title: &str) -> ExecArgs {
@@ -139,6 +139,7 @@ async fn rpc_errors_exit_two() {
 
 #[tokio::test]
 async fn a_bad_server_address_is_a_usage_error() {
-    let bad = ClientOpts { server: Some("not a url".into()), token_file: None, json: false };
+    let bad =
+        ClientOpts { server: Some("not a url".into()), token_file: None, ca: None, cert: None, key: None, json: false };
     assert!(run(bad, ClientCommand::Get(GetArgs { id: "e1".into(), full: false })).await.is_err());
 }

@@ -45,6 +45,15 @@ pub struct ClientOpts {
     /// CORRAL_TOKEN).
     #[arg(long, env = "CORRAL_TOKEN_FILE", global = true)]
     pub token_file: Option<PathBuf>,
+    /// https: the CA that signed the daemon's certificate (PEM).
+    #[arg(long, env = "CORRAL_CA", global = true)]
+    pub ca: Option<PathBuf>,
+    /// https: a client certificate (PEM) for mTLS, with --key.
+    #[arg(long, env = "CORRAL_CERT", global = true, requires = "key")]
+    pub cert: Option<PathBuf>,
+    /// https: the client certificate's key (PEM).
+    #[arg(long, env = "CORRAL_KEY", global = true, requires = "cert")]
+    pub key: Option<PathBuf>,
     /// Machine output: one JSON object per line (canonical protobuf JSON).
     #[arg(long, global = true)]
     pub json: bool,
@@ -63,8 +72,23 @@ impl ClientOpts {
             ),
             (None, token) => token,
         };
-        Ok(Remote { url: self.server.clone().unwrap_or_else(default_server), token })
+        let read = |what: &str, path: &Option<PathBuf>| -> anyhow::Result<Option<Vec<u8>>> {
+            path.as_ref()
+                .map(|p| std::fs::read(p).with_context(|| format!("cannot read --{what} {}", p.display())))
+                .transpose()
+        };
+        let tls =
+            ClientTls { ca: read("ca", &self.ca)?, cert: read("cert", &self.cert)?, key: read("key", &self.key)? };
+        Ok(Remote { url: self.server.clone().unwrap_or_else(default_server), token, tls })
     }
+}
+
+/// TLS material for an `https://` daemon (PEM).
+#[derive(Clone, Debug, Default)]
+pub struct ClientTls {
+    pub ca: Option<Vec<u8>>,
+    pub cert: Option<Vec<u8>>,
+    pub key: Option<Vec<u8>>,
 }
 
 /// A daemon to talk to.
@@ -72,6 +96,7 @@ impl ClientOpts {
 pub struct Remote {
     pub url: String,
     pub token: Option<String>,
+    pub tls: ClientTls,
 }
 
 /// Sends the bearer token, if there is one, on every call.
@@ -97,7 +122,10 @@ impl Remote {
             Some(token) => Some(format!("Bearer {token}").parse().context("the token is not valid header text")?),
             None => None,
         };
-        Ok(tonic::service::interceptor::InterceptedService::new(connect(&self.url).await?, Bearer(bearer)))
+        Ok(tonic::service::interceptor::InterceptedService::new(
+            connect_with(&self.url, &self.tls).await?,
+            Bearer(bearer),
+        ))
     }
 }
 
@@ -260,6 +288,11 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
 
 /// Opens a channel to the daemon: `unix:///path` or an http(s) URL.
 pub async fn connect(server: &str) -> anyhow::Result<Channel> {
+    connect_with(server, &ClientTls::default()).await
+}
+
+/// The same, with TLS material for `https://`.
+pub async fn connect_with(server: &str, tls: &ClientTls) -> anyhow::Result<Channel> {
     use anyhow::Context as _;
     if let Some(path) = server.strip_prefix("unix://") {
         // The URI is a placeholder: the connector ignores it.
@@ -268,9 +301,19 @@ pub async fn connect(server: &str) -> anyhow::Result<Channel> {
             .await
             .with_context(|| format!("cannot connect to {server}"));
     }
-    let endpoint = Channel::from_shared(server.to_owned())
+    let mut endpoint = Channel::from_shared(server.to_owned())
         .with_context(|| format!("invalid --server address `{server}`"))?
         .tcp_nodelay(true);
+    if server.starts_with("https://") {
+        let mut config = tonic::transport::ClientTlsConfig::new().with_enabled_roots();
+        if let Some(ca) = &tls.ca {
+            config = config.ca_certificate(tonic::transport::Certificate::from_pem(ca));
+        }
+        if let (Some(cert), Some(key)) = (&tls.cert, &tls.key) {
+            config = config.identity(tonic::transport::Identity::from_pem(cert, key));
+        }
+        endpoint = endpoint.tls_config(config).context("TLS configuration")?;
+    }
     // The context keeps the transport error downcastable, so `run` still
     // maps a refused connection to exit code 2.
     endpoint.connect().await.with_context(|| format!("cannot connect to {server}"))
