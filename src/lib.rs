@@ -22,6 +22,7 @@ pub mod hub;
 pub mod lifecycle;
 pub mod net;
 pub mod policy;
+pub mod records;
 pub mod rein;
 pub mod sandbox;
 pub mod store;

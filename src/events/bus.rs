@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::broadcast;
 
 use super::Event;
-use crate::lifecycle::RawResult;
+use crate::records::RawResult;
 
 /// What only the direct caller may see, riding alongside a stored event.
 #[derive(Clone, Debug)]

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::{BusItem, Event, EventBus, EventKind, RawPart};
-use crate::lifecycle::now_ms;
+use crate::records::now_ms;
 use crate::store::Store;
 
 pub struct Recorder {

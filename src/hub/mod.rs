@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use tokio::sync::Notify;
 
 use crate::evidence::HubReportStatus;
-use crate::lifecycle::{now_ms, ExecutionRecord};
+use crate::records::{now_ms, ExecutionRecord};
 use crate::store::{OutboxRow, Store};
 
 #[derive(Clone, Debug, Deserialize)]

@@ -7,7 +7,7 @@ mod capture;
 mod core;
 mod execution;
 mod limits;
-mod record;
+
 mod recovery;
 mod session;
 mod watch;
@@ -20,9 +20,11 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use record::{now_ms, ExecuteCommand, ExecutionRecord, ExecutionState, RawResult};
+pub use crate::records::{
+    now_ms, ExecuteCommand, ExecutionRecord, ExecutionState, RawResult, SessionRecord, SessionState,
+};
 pub use recovery::RecoveryReport;
-pub use session::{CreateSessionCommand, EndReason, SessionRecord, SessionState};
+pub use session::{CreateSessionCommand, EndReason};
 pub use watch::{Lagged, Subscription};
 
 use crate::catalog::Catalog;

@@ -5,58 +5,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use super::admission;
 use super::core::{Core, OpenFailure, TurnOutcome};
-use super::{now_ms, Engine, EngineError, RawResult, Subscription};
+use super::{now_ms, Engine, EngineError, RawResult, SessionRecord, SessionState, Subscription};
 use crate::events::{EventKind, RawPart, Recorder};
-use crate::evidence::{Evidence, FailureStage, Outcome};
+use crate::evidence::{FailureStage, Outcome};
 use crate::policy::Policy;
 use crate::rein::{Task, ToolCall};
-use crate::sandbox::{Consumer, SandboxSpec, WORKSPACE_MOUNT};
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SessionState {
-    #[default]
-    Starting,
-    Active,
-    Ended,
-    Failed,
-    Refused,
-    Reaped,
-}
-
-impl SessionState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SessionState::Starting => "starting",
-            SessionState::Active => "active",
-            SessionState::Ended => "ended",
-            SessionState::Failed => "failed",
-            SessionState::Refused => "refused",
-            SessionState::Reaped => "reaped",
-        }
-    }
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct SessionRecord {
-    pub session_id: String,
-    pub profile_ref: String,
-    pub consumer: Consumer,
-    pub repo: String,
-    pub effective_sandbox: Option<SandboxSpec>,
-    pub state: SessionState,
-    pub evidence: Evidence,
-    pub turns: u64,
-    pub restarts: u64,
-    pub created_at_ms: i64,
-    pub ended_at_ms: Option<i64>,
-}
+use crate::sandbox::{Consumer, WORKSPACE_MOUNT};
 
 pub struct CreateSessionCommand {
     pub session_id: String,

@@ -11,8 +11,8 @@ use sqlx::any::AnyPoolOptions;
 use sqlx::AnyPool;
 use sqlx::{Executor, Row};
 
-use crate::events::Event;
-use crate::lifecycle::{now_ms, ExecutionRecord, ExecutionState, SessionRecord};
+use crate::records::Event;
+use crate::records::{now_ms, ExecutionRecord, ExecutionState, SessionRecord};
 use crate::sandbox::SandboxState;
 
 #[derive(Debug, thiserror::Error)]
