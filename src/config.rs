@@ -44,6 +44,9 @@ pub struct Config {
     pub sandbox: crate::sandbox::SandboxConfig,
     /// How a run's workspace is brought back.
     pub git: GitConfig,
+    /// Where the built-in Claude Code and Codex profiles send their model
+    /// requests (and which model they ask for).
+    pub harness: crate::catalog::HarnessConfig,
     /// Names this daemon in a shared store (default: host name and data
     /// directory): recovery and hub delivery only touch its own rows.
     pub node_id: Option<String>,
@@ -92,6 +95,7 @@ impl Default for Config {
             store: StoreConfig::default(),
             sandbox: crate::sandbox::SandboxConfig::default(),
             git: GitConfig::default(),
+            harness: crate::catalog::HarnessConfig::default(),
             node_id: None,
         }
     }
@@ -219,6 +223,7 @@ impl Config {
         }
         self.credentials.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.sandbox.validate().map_err(|(key, message)| invalid(&key, message))?;
+        self.harness.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {
             if !root.is_absolute() {
                 return Err(invalid("repo_roots", format!("{} must be absolute", root.display())));

@@ -1,6 +1,7 @@
 //! The catalog: every profile the daemon knows, and the resolution rules
 //! that turn a reference into exactly one runnable profile.
 
+mod agents;
 mod builtin;
 mod profile;
 
@@ -8,6 +9,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use agents::{Endpoint, HarnessConfig, ANTHROPIC_ROUTE, CLAUDE_ALLOWED_TOOLS, CODEX_DEFAULT_MODEL, OPENAI_ROUTE};
 pub use profile::{
     GitSettings, Limits, Preset, Profile, ProfileFile, ProfileStatus, Readiness, ReadinessState, ReinSpec, TaskInput,
 };
@@ -40,9 +42,19 @@ impl Catalog {
     /// The built-in profiles plus every `*.toml` in `dirs`. A malformed file
     /// is an error naming the file and the key.
     pub fn load(dirs: &[impl AsRef<Path>], credential_routes: &[&str]) -> Result<Catalog, CatalogError> {
+        Self::load_with(dirs, credential_routes, &HarnessConfig::default())
+    }
+
+    /// [`Catalog::load`], with the built-in agent profiles pointed where the
+    /// daemon's `[harness]` section says.
+    pub fn load_with(
+        dirs: &[impl AsRef<Path>],
+        credential_routes: &[&str],
+        harness: &HarnessConfig,
+    ) -> Result<Catalog, CatalogError> {
         let mut catalog =
             Catalog { routes: credential_routes.iter().map(|r| r.to_string()).collect(), ..Catalog::default() };
-        for file in builtin::builtin_profiles() {
+        for file in builtin::builtin_profiles(harness) {
             let profile = Profile::from_file(file, "builtin".into())
                 .map_err(|message| CatalogError::Invalid { file: "builtin".into(), message })?;
             catalog.insert(profile)?;
@@ -78,7 +90,9 @@ impl Catalog {
         // An unknown route makes the profile unusable, not the daemon: it is
         // listed with the reason and refused at resolution.
         if let Some(unknown) = profile.file.credential_route_refs.iter().find(|r| !self.routes.contains(r)) {
-            profile.unusable = Some(format!("unknown credential route {unknown}"));
+            profile.unusable = Some(format!(
+                "unknown credential route {unknown} (the daemon config has no [credentials.routes.{unknown}])"
+            ));
         }
         let versions = self.profiles.entry(profile.id().to_string()).or_default();
         if let Some(existing) = versions.get(&profile.version) {

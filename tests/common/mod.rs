@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod model_mock;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
