@@ -7,7 +7,7 @@
 //! a built-in pointed at `http://10.0.0.5:8080` may reach exactly
 //! `10.0.0.5:8080` and nothing else.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -232,9 +232,24 @@ pub fn cli_readiness(binary: &str, package: &str) -> Readiness {
     }
 }
 
+/// [`probe_version`], once per binary per process: a daemon loads its
+/// catalog once, and a test process starts many daemons.
+fn cli_version(path: &Path) -> Result<String, String> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static SEEN: OnceLock<Mutex<HashMap<PathBuf, Result<String, String>>>> = OnceLock::new();
+    let seen = SEEN.get_or_init(Mutex::default);
+    if let Some(known) = seen.lock().unwrap_or_else(|e| e.into_inner()).get(path) {
+        return known.clone();
+    }
+    let found = probe_version(path);
+    seen.lock().unwrap_or_else(|e| e.into_inner()).insert(path.to_path_buf(), found.clone());
+    found
+}
+
 /// The first line `<cli> --version` prints, run with a clean environment
 /// and no HOME (so it writes no state of its own).
-fn cli_version(path: &Path) -> Result<String, String> {
+fn probe_version(path: &Path) -> Result<String, String> {
     let mut child = std::process::Command::new(path)
         .arg("--version")
         .env_clear()
