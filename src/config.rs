@@ -255,6 +255,20 @@ mod tests {
     }
 
     #[test]
+    fn the_harness_section_is_read_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("corral.toml");
+        std::fs::write(&file, "[harness]\nanthropic_base_url = \"http://127.0.0.1:9000\"\nopenai_model = \"m-1\"\n")
+            .unwrap();
+        let config = Config::from_file(&file).unwrap();
+        assert_eq!(config.harness.anthropic_base_url, "http://127.0.0.1:9000");
+        assert!(config.validate().is_ok());
+        let mut bad = config.clone();
+        bad.harness.openai_base_url = "ftp://x".into();
+        assert!(bad.validate().unwrap_err().to_string().contains("harness.openai_base_url"));
+    }
+
+    #[test]
     fn errors_name_the_file_and_key() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("bad.toml");

@@ -214,6 +214,40 @@ mod tests {
     }
 
     #[test]
+    fn a_base_url_must_be_reachable_through_the_allowlist() {
+        let codex = |hosts: &str, preset: &str| {
+            format!(
+                "id = \"team.codex\"\nversion = \"1.0.0\"\n[rein]\npreset = \"{preset}\"\nargv = [\"codex\", \"exec\", \"-\"]\n\
+                 base_url = \"http://10.0.0.5:8080/v1\"\n[sandbox]\ntype = \"linux_bwrap\"\nallow_network = true\nallow_hosts = [{hosts}]\n"
+            )
+        };
+        let ok = catalog_with(&[("c.toml", &codex("\"10.0.0.5:8080\"", "codex_exec_json"))]).unwrap();
+        assert_eq!(ok.resolve("team.codex").unwrap().file.rein.base_url, "http://10.0.0.5:8080/v1");
+        let err = catalog_with(&[("c.toml", &codex("\"api.openai.com\"", "codex_exec_json"))]).unwrap_err().to_string();
+        assert!(err.contains("rein.base_url") && err.contains("10.0.0.5:8080"), "{err}");
+        let err = catalog_with(&[("c.toml", &codex("\"10.0.0.5:8080\"", "protocol"))]).unwrap_err().to_string();
+        assert!(err.contains("only for the claude_stream_json and codex_exec_json presets"), "{err}");
+    }
+
+    #[test]
+    fn the_builtin_agents_follow_the_harness_section_and_name_their_routes() {
+        let harness = HarnessConfig { anthropic_base_url: "http://127.0.0.1:9000".into(), ..HarnessConfig::default() };
+        let catalog = Catalog::load_with(&[] as &[&Path], &["openai"], &harness).unwrap();
+        let claude = catalog.lookup("builtin.claude-code").unwrap();
+        assert_eq!(claude.file.sandbox.allow_hosts, ["127.0.0.1:9000"]);
+        assert_eq!(claude.file.rein.base_url, "http://127.0.0.1:9000");
+        let refusal = catalog.resolve("builtin.claude-code").unwrap_err().0;
+        assert!(refusal.contains("unknown credential route anthropic"), "{refusal}");
+        assert_eq!(catalog.lookup("builtin.codex").unwrap().unusable, None, "its route exists");
+        let vendor = Catalog::load(&[] as &[&Path], &[]).unwrap();
+        assert_ne!(
+            vendor.lookup("builtin.claude-code").unwrap().digest,
+            claude.digest,
+            "the endpoint is in the digest"
+        );
+    }
+
+    #[test]
     fn builtins_exist_and_actor_rule_holds() {
         let catalog = Catalog::load(&[] as &[&Path], &[]).unwrap();
         assert!(catalog.resolve("builtin.shell@1.0.0").is_ok());
