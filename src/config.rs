@@ -64,6 +64,9 @@ pub struct Config {
     /// A verified certificate's names map to principals (`tls_names`);
     /// clients without one may still use bearer tokens.
     pub client_ca: Option<PathBuf>,
+    /// Where the built-in Claude Code and Codex profiles send their model
+    /// requests (and which model they ask for).
+    pub harness: crate::catalog::HarnessConfig,
     /// Names this daemon in a shared store (default: host name and data
     /// directory): recovery and hub delivery only touch its own rows.
     pub node_id: Option<String>,
@@ -120,6 +123,7 @@ impl Default for Config {
             tls_cert: None,
             tls_key: None,
             client_ca: None,
+            harness: crate::catalog::HarnessConfig::default(),
             node_id: None,
         }
     }
@@ -277,6 +281,7 @@ impl Config {
         }
         self.credentials.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.sandbox.validate().map_err(|(key, message)| invalid(&key, message))?;
+        self.harness.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {
             if !root.is_absolute() {
                 return Err(invalid("repo_roots", format!("{} must be absolute", root.display())));
@@ -305,6 +310,20 @@ mod tests {
             })
             .unwrap();
         assert_eq!((config.listen.as_str(), config.shutdown_grace_seconds), ("127.0.0.1:7001", 9));
+    }
+
+    #[test]
+    fn the_harness_section_is_read_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("corral.toml");
+        std::fs::write(&file, "[harness]\nanthropic_base_url = \"http://127.0.0.1:9000\"\nopenai_model = \"m-1\"\n")
+            .unwrap();
+        let config = Config::from_file(&file).unwrap();
+        assert_eq!(config.harness.anthropic_base_url, "http://127.0.0.1:9000");
+        assert!(config.validate().is_ok());
+        let mut bad = config.clone();
+        bad.harness.openai_base_url = "ftp://x".into();
+        assert!(bad.validate().unwrap_err().to_string().contains("harness.openai_base_url"));
     }
 
     #[test]

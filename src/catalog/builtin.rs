@@ -1,21 +1,22 @@
 //! Profiles the daemon knows with no files: a shell runner for scripted
 //! tasks and demos, a no-op for benchmarks, and presets for real harnesses.
 
-use super::profile::{Limits, Preset, ProfileFile, ProfileStatus, Readiness, ReadinessState, ReinSpec, TaskInput};
+use super::agents::{self, HarnessConfig};
+use super::profile::{Limits, Preset, ProfileFile, ProfileStatus, Readiness, ReinSpec, TaskInput};
 use crate::sandbox::{SandboxSpec, SandboxType};
 
 fn isolated() -> SandboxSpec {
     SandboxSpec::default()
 }
 
-fn with_network(env: &[&str], hosts: &[&str]) -> SandboxSpec {
+fn with_network(hosts: &[&str]) -> SandboxSpec {
     SandboxSpec {
         sandbox_type: SandboxType::LinuxBwrap,
         allow_network: true,
         allow_hosts: hosts.iter().map(|s| s.to_string()).collect(),
         write_paths: vec![".".into()],
         read_paths: Vec::new(),
-        env_passthrough: env.iter().map(|s| s.to_string()).collect(),
+        env_passthrough: Vec::new(),
     }
 }
 
@@ -35,51 +36,43 @@ fn file(id: &str, description: &str, rein: ReinSpec, sandbox: SandboxSpec, readi
     }
 }
 
-/// A harness CLI preset is usable only when its binary is installed where
-/// the sandbox can see it (under /usr, which is bound read-only).
-fn cli_readiness(binary: &str, package: &str) -> Readiness {
-    match crate::sandbox::find_on_path(binary) {
-        Some(path) if path.starts_with("/usr") => Readiness {
-            state: ReadinessState::Unverified,
-            reason: format!("{binary} found at {}; not verified end to end by this daemon", path.display()),
-            ..Readiness::default()
-        },
-        Some(path) => Readiness {
-            state: ReadinessState::Blocked,
-            reason: format!("{binary} at {} is outside /usr and not visible inside the sandbox", path.display()),
-            ..Readiness::default()
-        },
-        None => Readiness {
-            state: ReadinessState::Blocked,
-            reason: format!("{binary} CLI not found on PATH (install {package})"),
-            ..Readiness::default()
-        },
+/// A command rein with corral's own protocol.
+fn command(argv: &[&str], input: TaskInput) -> ReinSpec {
+    ReinSpec {
+        kind: "command".into(),
+        preset: Preset::Protocol,
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        input,
+        base_url: String::new(),
+        model: String::new(),
     }
 }
 
-pub fn builtin_profiles() -> Vec<ProfileFile> {
+/// A real agent CLI: its rein, sandbox and credential routes come from
+/// [`agents`], pointed where `[harness]` says.
+fn agent(
+    id: &str,
+    description: &str,
+    parts: (ReinSpec, SandboxSpec, Vec<String>),
+    readiness: Readiness,
+) -> ProfileFile {
+    let (rein, sandbox, routes) = parts;
+    ProfileFile { credential_route_refs: routes, ..file(id, description, rein, sandbox, readiness) }
+}
+
+pub fn builtin_profiles(harness: &HarnessConfig) -> Vec<ProfileFile> {
     vec![
         file(
             "builtin.shell",
             "The task description is a shell script, fed on stdin to `sh -s` in a bwrap sandbox without network.",
-            ReinSpec {
-                kind: "command".into(),
-                preset: Preset::Protocol,
-                argv: vec!["/bin/sh".into(), "-s".into()],
-                input: TaskInput::Description,
-            },
+            command(&["/bin/sh", "-s"], TaskInput::Description),
             isolated(),
             Readiness::default(),
         ),
         file(
             "builtin.noop",
             "Runs /usr/bin/true in a bwrap sandbox without network: the floor for benchmarks.",
-            ReinSpec {
-                kind: "command".into(),
-                preset: Preset::Protocol,
-                argv: vec!["/usr/bin/true".into()],
-                input: TaskInput::Nothing,
-            },
+            command(&["/usr/bin/true"], TaskInput::Nothing),
             isolated(),
             Readiness::default(),
         ),
@@ -87,38 +80,23 @@ pub fn builtin_profiles() -> Vec<ProfileFile> {
             "builtin.noop-net",
             "Runs /usr/bin/true in a bwrap sandbox whose egress goes through the daemon's proxy (nothing allowed): \
              the floor for the proxy's set-up cost.",
-            ReinSpec {
-                kind: "command".into(),
-                preset: Preset::Protocol,
-                argv: vec!["/usr/bin/true".into()],
-                input: TaskInput::Nothing,
-            },
-            with_network(&[], &[]),
+            command(&["/usr/bin/true"], TaskInput::Nothing),
+            with_network(&[]),
             Readiness::default(),
         ),
-        file(
+        agent(
             "builtin.claude-code",
-            "Claude Code in print mode with stream-json output; the prompt goes on stdin.",
-            ReinSpec {
-                kind: "command".into(),
-                preset: Preset::ClaudeStreamJson,
-                argv: ["claude", "-p", "--output-format", "stream-json", "--verbose"].map(String::from).to_vec(),
-                input: TaskInput::Prompt,
-            },
-            with_network(&["ANTHROPIC_API_KEY"], &["api.anthropic.com"]),
-            cli_readiness("claude", "the npm package @anthropic-ai/claude-code"),
+            "Claude Code in print mode with stream-json output, edits accepted and an explicit tool allowlist; \
+             the prompt goes on stdin, the key comes from the `anthropic` credential route.",
+            agents::claude_code(harness),
+            agents::cli_readiness("claude", "the npm package @anthropic-ai/claude-code"),
         ),
-        file(
+        agent(
             "builtin.codex",
-            "Codex `exec --json`; the prompt goes on stdin.",
-            ReinSpec {
-                kind: "command".into(),
-                preset: Preset::CodexExecJson,
-                argv: ["codex", "exec", "--json", "-"].map(String::from).to_vec(),
-                input: TaskInput::Prompt,
-            },
-            with_network(&["OPENAI_API_KEY"], &["api.openai.com", "chatgpt.com"]),
-            cli_readiness("codex", "the npm package @openai/codex"),
+            "Codex `exec --json` with a model provider written by the daemon; the prompt goes on stdin, the key \
+             comes from the `openai` credential route.",
+            agents::codex(harness),
+            agents::cli_readiness("codex", "the npm package @openai/codex"),
         ),
     ]
 }

@@ -1,6 +1,7 @@
 //! The catalog: every profile the daemon knows, and the resolution rules
 //! that turn a reference into exactly one runnable profile.
 
+mod agents;
 mod builtin;
 mod profile;
 
@@ -8,6 +9,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use agents::{Endpoint, HarnessConfig, ANTHROPIC_ROUTE, CLAUDE_ALLOWED_TOOLS, CODEX_DEFAULT_MODEL, OPENAI_ROUTE};
 pub use profile::{
     GitSettings, Limits, Preset, Profile, ProfileFile, ProfileStatus, Readiness, ReadinessState, ReinSpec, TaskInput,
 };
@@ -40,9 +42,19 @@ impl Catalog {
     /// The built-in profiles plus every `*.toml` in `dirs`. A malformed file
     /// is an error naming the file and the key.
     pub fn load(dirs: &[impl AsRef<Path>], credential_routes: &[&str]) -> Result<Catalog, CatalogError> {
+        Self::load_with(dirs, credential_routes, &HarnessConfig::default())
+    }
+
+    /// [`Catalog::load`], with the built-in agent profiles pointed where the
+    /// daemon's `[harness]` section says.
+    pub fn load_with(
+        dirs: &[impl AsRef<Path>],
+        credential_routes: &[&str],
+        harness: &HarnessConfig,
+    ) -> Result<Catalog, CatalogError> {
         let mut catalog =
             Catalog { routes: credential_routes.iter().map(|r| r.to_string()).collect(), ..Catalog::default() };
-        for file in builtin::builtin_profiles() {
+        for file in builtin::builtin_profiles(harness) {
             let profile = Profile::from_file(file, "builtin".into())
                 .map_err(|message| CatalogError::Invalid { file: "builtin".into(), message })?;
             catalog.insert(profile)?;
@@ -78,7 +90,9 @@ impl Catalog {
         // An unknown route makes the profile unusable, not the daemon: it is
         // listed with the reason and refused at resolution.
         if let Some(unknown) = profile.file.credential_route_refs.iter().find(|r| !self.routes.contains(r)) {
-            profile.unusable = Some(format!("unknown credential route {unknown}"));
+            profile.unusable = Some(format!(
+                "unknown credential route {unknown} (the daemon config has no [credentials.routes.{unknown}])"
+            ));
         }
         let versions = self.profiles.entry(profile.id().to_string()).or_default();
         if let Some(existing) = versions.get(&profile.version) {
@@ -197,6 +211,40 @@ mod tests {
         assert!(err.contains("colour"), "{err}");
         let err = catalog_with(&[("v.toml", &A1.replace("1.0.0", "one"))]).unwrap_err().to_string();
         assert!(err.contains("v.toml") && err.contains("version"), "{err}");
+    }
+
+    #[test]
+    fn a_base_url_must_be_reachable_through_the_allowlist() {
+        let codex = |hosts: &str, preset: &str| {
+            format!(
+                "id = \"team.codex\"\nversion = \"1.0.0\"\n[rein]\npreset = \"{preset}\"\nargv = [\"codex\", \"exec\", \"-\"]\n\
+                 base_url = \"http://10.0.0.5:8080/v1\"\n[sandbox]\ntype = \"linux_bwrap\"\nallow_network = true\nallow_hosts = [{hosts}]\n"
+            )
+        };
+        let ok = catalog_with(&[("c.toml", &codex("\"10.0.0.5:8080\"", "codex_exec_json"))]).unwrap();
+        assert_eq!(ok.resolve("team.codex").unwrap().file.rein.base_url, "http://10.0.0.5:8080/v1");
+        let err = catalog_with(&[("c.toml", &codex("\"api.openai.com\"", "codex_exec_json"))]).unwrap_err().to_string();
+        assert!(err.contains("rein.base_url") && err.contains("10.0.0.5:8080"), "{err}");
+        let err = catalog_with(&[("c.toml", &codex("\"10.0.0.5:8080\"", "protocol"))]).unwrap_err().to_string();
+        assert!(err.contains("only for the claude_stream_json and codex_exec_json presets"), "{err}");
+    }
+
+    #[test]
+    fn the_builtin_agents_follow_the_harness_section_and_name_their_routes() {
+        let harness = HarnessConfig { anthropic_base_url: "http://127.0.0.1:9000".into(), ..HarnessConfig::default() };
+        let catalog = Catalog::load_with(&[] as &[&Path], &["openai"], &harness).unwrap();
+        let claude = catalog.lookup("builtin.claude-code").unwrap();
+        assert_eq!(claude.file.sandbox.allow_hosts, ["127.0.0.1:9000"]);
+        assert_eq!(claude.file.rein.base_url, "http://127.0.0.1:9000");
+        let refusal = catalog.resolve("builtin.claude-code").unwrap_err().0;
+        assert!(refusal.contains("unknown credential route anthropic"), "{refusal}");
+        assert_eq!(catalog.lookup("builtin.codex").unwrap().unusable, None, "its route exists");
+        let vendor = Catalog::load(&[] as &[&Path], &[]).unwrap();
+        assert_ne!(
+            vendor.lookup("builtin.claude-code").unwrap().digest,
+            claude.digest,
+            "the endpoint is in the digest"
+        );
     }
 
     #[test]

@@ -72,6 +72,14 @@ pub struct ReinSpec {
     pub argv: Vec<String>,
     #[serde(default)]
     pub input: TaskInput,
+    /// For the `claude_stream_json` and `codex_exec_json` presets: the model
+    /// API the CLI is pointed at, `http(s)://host[:port][/path]`; its
+    /// `host:port` must be in `sandbox.allow_hosts`. Empty: the vendor's.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub base_url: String,
+    /// The model the CLI asks for; empty: the CLI's own default.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model: String,
 }
 
 fn default_rein_kind() -> String {
@@ -240,6 +248,35 @@ pub struct Profile {
     pub unusable: Option<String>,
 }
 
+/// A `rein.base_url` must belong to a CLI preset and be reachable through
+/// the sandbox's egress allowlist; `rein.model` must be plain text.
+fn check_endpoint(
+    rein: &ReinSpec,
+    sandbox: &crate::sandbox::SandboxSpec,
+    hosts: Vec<crate::net::HostPattern>,
+) -> Result<(), String> {
+    super::agents::check_model(&rein.model).map_err(|e| format!("rein.model: {e}"))?;
+    if rein.base_url.is_empty() {
+        return Ok(());
+    }
+    if rein.preset == Preset::Protocol {
+        return Err("rein.base_url: only for the claude_stream_json and codex_exec_json presets".into());
+    }
+    let endpoint = super::agents::Endpoint::parse(&rein.base_url).map_err(|e| format!("rein.base_url: {e}"))?;
+    let allowed = sandbox.allow_network
+        && matches!(
+            crate::net::Allowlist::new(hosts).check_name(&endpoint.host, endpoint.port),
+            crate::net::Verdict::Allow { .. }
+        );
+    if !allowed {
+        return Err(format!(
+            "rein.base_url: {} is not reachable: set sandbox.allow_network and add it to sandbox.allow_hosts",
+            endpoint.allow_entry()
+        ));
+    }
+    Ok(())
+}
+
 impl Profile {
     /// Validates a parsed profile; errors name the offending key.
     pub fn from_file(file: ProfileFile, source: String) -> Result<Profile, String> {
@@ -285,7 +322,9 @@ impl Profile {
                 return Err(format!("{key}: {value:?} must be 1-200 characters without control characters or <>"));
             }
         }
-        crate::net::parse_hosts(&file.sandbox.allow_hosts).map_err(|e| format!("sandbox.allow_hosts: {e}"))?;
+        let hosts =
+            crate::net::parse_hosts(&file.sandbox.allow_hosts).map_err(|e| format!("sandbox.allow_hosts: {e}"))?;
+        check_endpoint(&file.rein, &file.sandbox, hosts)?;
         for path in &file.sandbox.read_paths {
             if !path.starts_with('/') {
                 return Err(format!("sandbox.read_paths: {path:?} must be absolute"));

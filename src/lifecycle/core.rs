@@ -465,6 +465,9 @@ impl Core {
                 result.output = self.scrubber.scrub(&result.output);
                 result.error = self.scrubber.scrub(&result.error);
                 self.evidence.tokens_spent += result.tokens_spent;
+                if let Some(usage) = &result.usage {
+                    self.evidence.notes.push(usage.describe());
+                }
                 if !result.resolved_model.is_empty() {
                     self.evidence.resolved_model = result.resolved_model.clone();
                 }

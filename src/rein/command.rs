@@ -15,6 +15,8 @@ use serde_json::json;
 use tokio::io::AsyncWriteExt;
 use tokio::process::{ChildStdin, ChildStdout};
 
+use super::cli_setup::{self, SandboxTrust};
+use super::home;
 use super::lines::{CappedBuffer, LineReader};
 use super::protocol::{parse_line, Line, ParserState};
 use super::{Dispatch, HarnessEvent, HarnessSession, Rein, ReinError, StartContext, ToolCall, ToolResult};
@@ -38,9 +40,17 @@ impl Rein for CommandRein {
 
     async fn start_session(&self, ctx: StartContext) -> Result<Box<dyn HarnessSession>, ReinError> {
         let profile = &ctx.profile.file;
+        let trust = SandboxTrust::of(&ctx.sandbox);
+        let vars: Vec<&str> = ctx.credentials.iter().map(|(name, _)| name.as_str()).collect();
+        let prepared = cli_setup::prepare(&profile.rein, &trust, &vars).map_err(ReinError::Start)?;
+        for (path, text) in &prepared.home_files {
+            home::write_file(&ctx.sandbox.home, path, text.as_bytes(), ctx.sandbox.user)
+                .map_err(|e| ReinError::Start(format!("cannot write ~/{path} for the harness: {e}")))?;
+        }
+        let env = profile.git.author_env().into_iter().chain(prepared.env).chain(ctx.credentials.iter().cloned());
         let spec = ExecSpec {
-            argv: profile.rein.argv.clone(),
-            env: profile.git.author_env().into_iter().chain(ctx.credentials.iter().cloned()).collect(),
+            argv: prepared.argv,
+            env: env.collect(),
             consumer: ctx.consumer.clone(),
             credential_route_refs: profile.credential_route_refs.clone(),
             timeout: ctx.timeout,
@@ -68,7 +78,7 @@ impl Rein for CommandRein {
             input: profile.rein.input,
             preset: profile.rein.preset,
             max_output,
-            parser: ParserState::default(),
+            parser: ParserState::new(prepared.model),
             turns: 0,
         }))
     }
@@ -147,9 +157,11 @@ impl CommandSession {
             };
             match parse_line(self.preset, &line, &mut self.parser) {
                 Line::Plain => plain.push_line(&line, dropped),
-                Line::Event(event) => {
-                    // The lifecycle is gone only if it is shutting down.
-                    let _ = dispatch.events.send(event).await;
+                Line::Events(events) => {
+                    for event in events {
+                        // The lifecycle is gone only if it is shutting down.
+                        let _ = dispatch.events.send(event).await;
+                    }
                 }
                 Line::PolicyRequest { id, tool, arguments } => {
                     let outcome = dispatch.gate.check(&tool, &arguments);
@@ -210,6 +222,11 @@ impl CommandSession {
                 Some(status) => describe_exit(status, &stderr.text),
                 None => "harness reported failure".into(),
             };
+            // What the harness last said went wrong names the cause better
+            // than its exit status.
+            if !self.parser.last_error.is_empty() {
+                result.error = format!("{} ({})", self.parser.last_error, result.error);
+            }
         }
         Ok(result)
     }

@@ -4,7 +4,9 @@
 //! `start_session` → `dispatch_tool`... → `end_session` → `cleanup_session`;
 //! the lifecycle calls `cleanup_session` whenever `start_session` succeeded.
 
+mod cli_setup;
 mod command;
+mod home;
 mod lines;
 pub mod protocol;
 
@@ -89,15 +91,53 @@ pub struct Dispatch {
     pub gate: Arc<dyn ToolGate>,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct ToolResult {
     pub ok: bool,
     /// Raw: only for the direct caller.
     pub output: String,
     /// Raw: only for the direct caller.
     pub error: String,
+    /// Every token the model processed: `usage.total()` when the harness
+    /// reported its usage.
     pub tokens_spent: u64,
     pub resolved_model: String,
+    /// The harness's usage, kind by kind, when it reports one.
+    pub usage: Option<TokenUsage>,
+}
+
+/// Tokens by kind. The four counts are disjoint: `input` is what was read
+/// from no cache, so the total is their sum.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TokenUsage {
+    pub input: u64,
+    pub output: u64,
+    pub cache_read: u64,
+    pub cache_creation: u64,
+    /// What the harness says the run cost, when it says.
+    pub cost_usd: Option<f64>,
+}
+
+impl TokenUsage {
+    pub fn total(&self) -> u64 {
+        self.input + self.output + self.cache_read + self.cache_creation
+    }
+
+    /// One line for the evidence's notes.
+    pub fn describe(&self) -> String {
+        let mut text = format!(
+            "tokens {} = input {} + output {} + cache read {} + cache creation {}",
+            self.total(),
+            self.input,
+            self.output,
+            self.cache_read,
+            self.cache_creation
+        );
+        if let Some(cost) = self.cost_usd {
+            text.push_str(&format!("; cost ${cost:.6}"));
+        }
+        text
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod model_mock;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -420,6 +421,11 @@ impl ServeProcess {
 
     pub async fn channel(&self) -> Channel {
         unix_channel(&self.socket).await
+    }
+
+    /// The `--server` for the CLI: the unix socket, as the local admin.
+    pub fn cli_url(&self) -> String {
+        format!("unix://{}", self.socket.display())
     }
 
     pub fn pid(&self) -> i32 {

@@ -1,0 +1,290 @@
+//! Claude Code `-p --output-format stream-json --verbose`.
+//!
+//! What the stream says and how it maps:
+//! - `system/init` names the model and the permission mode: progress.
+//! - `system/api_retry` is a failed model request about to be retried:
+//!   progress, so a run waiting on an unreachable API is visibly alive.
+//! - `system/permission_denied` is a tool call refused by the permission
+//!   rules: progress, and the run fails at the end.
+//! - `assistant` lines carry one content block each (text, thinking,
+//!   tool_use) and repeat their message's usage on every block: tokens so
+//!   far count each message id once. Its `model` is the one the API says it
+//!   served (`<synthetic>` for Claude Code's own error messages).
+//! - `result` decides: `is_error` (with `api_error_status` for a model API
+//!   error), a non-`success` subtype, or any `permission_denials` fail the
+//!   run; its usage (input + output + cache read + cache creation) is the
+//!   run's tokens.
+
+use serde_json::Value;
+
+use super::{clip, progress, str_of, tool_use, u64_of, Line, ParserState};
+use crate::rein::{TokenUsage, ToolResult};
+
+#[derive(Debug, Default)]
+pub(super) struct State {
+    /// Tokens of each message id seen so far.
+    messages: Vec<(String, u64)>,
+    /// `tool: message` of each refused tool call.
+    denials: Vec<String>,
+}
+
+pub(super) fn parse(kind: &str, v: &Value, state: &mut ParserState) -> Line {
+    match kind {
+        "system" => system(v, state),
+        "assistant" => assistant(v, state),
+        "result" => Line::Result(result(v, state)),
+        _ => Line::Ignored,
+    }
+}
+
+fn system(v: &Value, state: &mut ParserState) -> Line {
+    let message = match str_of(v, "subtype").as_str() {
+        "init" => {
+            let model = str_of(v, "model");
+            if !model.is_empty() {
+                state.model = model;
+            }
+            format!(
+                "Claude Code {}: model {}, permission mode {}",
+                str_of(v, "claude_code_version"),
+                state.model,
+                str_of(v, "permissionMode")
+            )
+        }
+        "api_retry" => {
+            let status = v.get("error_status").filter(|s| !s.is_null()).map_or("no status".into(), Value::to_string);
+            let text = format!(
+                "model API request failed ({status}, {}); retry {} of {} in {} ms",
+                str_of(v, "error"),
+                u64_of(v, "attempt").unwrap_or(0),
+                u64_of(v, "max_retries").unwrap_or(0),
+                u64_of(v, "retry_delay_ms").unwrap_or(0)
+            );
+            state.last_error = text.clone();
+            text
+        }
+        "permission_denied" => {
+            let denial = format!("{}: {}", str_of(v, "tool_name"), str_of(v, "message"));
+            state.claude.denials.push(denial.clone());
+            format!("permission denied: {denial}")
+        }
+        _ => return Line::Ignored,
+    };
+    Line::Events(vec![progress(message, state)])
+}
+
+fn usage_of(usage: &Value) -> TokenUsage {
+    TokenUsage {
+        input: u64_of(usage, "input_tokens").unwrap_or(0),
+        output: u64_of(usage, "output_tokens").unwrap_or(0),
+        cache_read: u64_of(usage, "cache_read_input_tokens").unwrap_or(0),
+        cache_creation: u64_of(usage, "cache_creation_input_tokens").unwrap_or(0),
+        cost_usd: None,
+    }
+}
+
+fn assistant(v: &Value, state: &mut ParserState) -> Line {
+    let message = v.get("message").cloned().unwrap_or_default();
+    let synthetic = v.get("is_api_error_message").and_then(Value::as_bool).unwrap_or(false);
+    let model = str_of(&message, "model");
+    if !synthetic && !model.is_empty() && !model.starts_with('<') {
+        state.model = model;
+    }
+    if let Some(usage) = message.get("usage") {
+        let tokens = usage_of(usage).total();
+        let id = str_of(&message, "id");
+        match state.claude.messages.iter_mut().find(|(seen, _)| !id.is_empty() && *seen == id) {
+            Some((_, counted)) => *counted = tokens,
+            None => state.claude.messages.push((id, tokens)),
+        }
+        state.tokens = state.claude.messages.iter().map(|(_, t)| t).sum();
+    }
+    let mut events = Vec::new();
+    let mut text = Vec::new();
+    for part in message.get("content").and_then(Value::as_array).into_iter().flatten() {
+        match part.get("type").and_then(Value::as_str) {
+            Some("tool_use") | Some("server_tool_use") => events.push(tool_use(str_of(part, "name"), state)),
+            Some("text") => text.push(str_of(part, "text")),
+            Some("thinking") => text.push(format!("(thinking) {}", str_of(part, "thinking"))),
+            _ => {}
+        }
+    }
+    let text: Vec<String> = text.into_iter().filter(|t| !t.trim().is_empty()).collect();
+    if !text.is_empty() {
+        let joined = text.join("\n");
+        state.last_message = joined.clone();
+        events.push(progress(joined, state));
+    }
+    if events.is_empty() {
+        Line::Ignored
+    } else {
+        Line::Events(events)
+    }
+}
+
+fn result(v: &Value, state: &mut ParserState) -> ToolResult {
+    let mut usage = usage_of(&v.get("usage").cloned().unwrap_or_default());
+    usage.cost_usd = v.get("total_cost_usd").and_then(Value::as_f64);
+    let subtype = str_of(v, "subtype");
+    let is_error = v.get("is_error").and_then(Value::as_bool).unwrap_or(subtype != "success");
+    let text = str_of(v, "result");
+    let denials = refused(v, state);
+    let error = if is_error {
+        match v.get("api_error_status").and_then(Value::as_u64) {
+            Some(status) => {
+                let kind = str_of(v, "api_error_type");
+                let kind = if kind.is_empty() { String::new() } else { format!(" {kind}") };
+                format!("model API error {status}{kind}: {text}")
+            }
+            None if subtype != "success" => format!("Claude Code stopped ({subtype}): {text}"),
+            None => format!("Claude Code failed ({}): {text}", str_of(v, "terminal_reason")),
+        }
+    } else if !denials.is_empty() {
+        format!("Claude Code was refused permission for {} tool call(s): {}", denials.len(), denials.join("; "))
+    } else if subtype != "success" {
+        format!("Claude Code stopped ({subtype})")
+    } else {
+        String::new()
+    };
+    if state.model.is_empty() {
+        // No init line: the model the usage is counted under.
+        if let Some(model) = v.get("modelUsage").and_then(Value::as_object).and_then(|m| m.keys().next()) {
+            state.model = model.clone();
+        }
+    }
+    let tokens = if usage.total() > 0 { usage.total() } else { state.tokens };
+    ToolResult {
+        ok: error.is_empty(),
+        output: text,
+        error,
+        tokens_spent: tokens,
+        resolved_model: state.model.clone(),
+        usage: Some(usage),
+    }
+}
+
+/// The refused tool calls of a result: each with the reason Claude Code
+/// gave (from its `permission_denied` line) and what the call wanted.
+fn refused(v: &Value, state: &ParserState) -> Vec<String> {
+    let denials = v.get("permission_denials").and_then(Value::as_array).cloned().unwrap_or_default();
+    denials
+        .iter()
+        .map(|d| {
+            let tool = str_of(d, "tool_name");
+            let reason = state
+                .claude
+                .denials
+                .iter()
+                .find_map(|seen| seen.strip_prefix(&format!("{tool}: ")))
+                .unwrap_or("not allowed");
+            let input = d.get("tool_input").map(Value::to_string).unwrap_or_default();
+            format!("{tool} ({reason}) {}", clip(&input, 200))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::parse_line;
+    use super::*;
+    use crate::catalog::Preset;
+    use crate::rein::HarnessEvent;
+
+    /// Every line of a recorded transcript, and the result.
+    fn replay(transcript: &str) -> (Vec<HarnessEvent>, ToolResult) {
+        let mut state = ParserState::default();
+        let mut events = Vec::new();
+        let mut result = None;
+        for line in transcript.lines() {
+            match parse_line(Preset::ClaudeStreamJson, line.as_bytes(), &mut state) {
+                Line::Events(e) => events.extend(e),
+                Line::Result(r) => result = Some(r),
+                Line::Ignored => {}
+                other => panic!("unexpected {other:?} for {line}"),
+            }
+        }
+        (events, result.expect("a result line"))
+    }
+
+    fn tools(events: &[HarnessEvent]) -> Vec<&str> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                HarnessEvent::ToolUse { tool, .. } => Some(tool.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn tokens_so_far(events: &[HarnessEvent]) -> Vec<u64> {
+        events
+            .iter()
+            .map(|e| match e {
+                HarnessEvent::Progress { tokens_so_far, .. } | HarnessEvent::ToolUse { tokens_so_far, .. } => {
+                    *tokens_so_far
+                }
+                _ => 0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_run_that_writes_a_file() {
+        let (events, r) = replay(include_str!("../../../tests/fixtures/claude/write_file.jsonl"));
+        assert!(r.ok, "{r:?}");
+        assert_eq!(tools(&events), ["Write"]);
+        let usage = r.usage.clone().unwrap();
+        assert_eq!(r.tokens_spent, usage.total());
+        assert!(usage.cache_read > 0 && usage.cache_creation > 0, "{usage:?}");
+        assert_eq!(r.resolved_model, "claude-mock-1", "the model the API served");
+        // Tokens so far never go down, and a message's usage counts once.
+        let so_far = tokens_so_far(&events);
+        assert!(so_far.windows(2).all(|w| w[0] <= w[1]), "{so_far:?}");
+        assert!(*so_far.last().unwrap() <= r.tokens_spent, "{so_far:?} vs {}", r.tokens_spent);
+    }
+
+    #[test]
+    fn a_model_api_error_fails_with_its_status_and_message() {
+        let (_, r) = replay(include_str!("../../../tests/fixtures/claude/api_error_400.jsonl"));
+        assert!(!r.ok);
+        assert!(r.error.starts_with("model API error 400"), "{}", r.error);
+        assert!(r.error.contains("mock-model rejects this request"), "{}", r.error);
+        assert_ne!(r.resolved_model, "<synthetic>");
+        assert!(!r.resolved_model.is_empty(), "the init line's model is kept");
+    }
+
+    #[test]
+    fn a_refused_permission_fails_the_run() {
+        let (events, r) = replay(include_str!("../../../tests/fixtures/claude/permission_denied.jsonl"));
+        assert!(!r.ok, "{r:?}");
+        assert!(r.error.contains("refused permission") && r.error.contains("WebFetch"), "{}", r.error);
+        assert_eq!(tools(&events), ["WebFetch"]);
+    }
+
+    #[test]
+    fn retries_are_progress() {
+        let (events, r) = replay(include_str!("../../../tests/fixtures/claude/api_retry.jsonl"));
+        let retries = events
+            .iter()
+            .filter(|e| matches!(e, HarnessEvent::Progress { message, .. } if message.contains("retry")))
+            .count();
+        assert!(retries >= 1, "{events:?}");
+        assert!(!r.ok && r.error.contains("529"), "{}", r.error);
+    }
+
+    #[test]
+    fn repeated_usage_of_one_message_counts_once() {
+        let mut s = ParserState::default();
+        let line = |id: &str, part: &str| {
+            format!(
+                r#"{{"type":"assistant","message":{{"id":"{id}","model":"m","content":[{part}],"usage":{{"input_tokens":100,"output_tokens":1,"cache_read_input_tokens":0,"cache_creation_input_tokens":0}}}}}}"#
+            )
+        };
+        for l in [line("a", r#"{"type":"text","text":"hi"}"#), line("a", r#"{"type":"tool_use","name":"Bash"}"#)] {
+            parse_line(Preset::ClaudeStreamJson, l.as_bytes(), &mut s);
+        }
+        assert_eq!(s.tokens, 101);
+        parse_line(Preset::ClaudeStreamJson, line("b", r#"{"type":"text","text":"x"}"#).as_bytes(), &mut s);
+        assert_eq!(s.tokens, 202);
+    }
+}

@@ -1,0 +1,266 @@
+//! Codex `exec --json`.
+//!
+//! What the stream says and how it maps:
+//! - `item.started` / `item.updated` / `item.completed` with an item of
+//!   type `command_execution`, `file_change`, `mcp_tool_call` (as
+//!   `mcp__<server>__<tool>`), `collab_tool_call` or `web_search`: a
+//!   `tool_use` the first time an item id is seen, progress when it ends;
+//!   `agent_message`, `reasoning`, `todo_list` and `error` (a warning, not
+//!   a failure): progress; any other item type: progress naming it.
+//! - a top-level `error` is progress (`Reconnecting...` is a retry); the
+//!   last one is kept for a run that ends without a turn result.
+//! - `turn.completed` carries the turn's usage: the result, with tokens =
+//!   input + output (cached and cache-write input are part of input, as in
+//!   the Responses API). `turn.failed` fails the run with the model API's
+//!   own message when the error is the API's JSON.
+//! - The model is never in the stream: it is the one corral wrote into
+//!   Codex's config.
+
+use serde_json::Value;
+
+use super::{clip, progress, str_of, tool_use, u64_of, Line, ParserState};
+use crate::rein::{HarnessEvent, TokenUsage, ToolResult};
+
+#[derive(Debug, Default)]
+pub(super) struct State {
+    /// Item ids already reported as a tool use.
+    tools_seen: Vec<String>,
+    usage: TokenUsage,
+}
+
+pub(super) fn parse(kind: &str, v: &Value, state: &mut ParserState) -> Line {
+    match kind {
+        "item.started" | "item.updated" | "item.completed" => {
+            let item = v.get("item").cloned().unwrap_or_default();
+            let events = item_events(&item, kind == "item.completed", state);
+            if events.is_empty() {
+                Line::Ignored
+            } else {
+                Line::Events(events)
+            }
+        }
+        "turn.completed" => Line::Result(turn_completed(v, state)),
+        "turn.failed" => {
+            let message = v.get("error").map(|e| str_of(e, "message")).unwrap_or_default();
+            Line::Result(failed(api_error(&message), state))
+        }
+        "error" => {
+            let message = str_of(v, "message");
+            if !message.starts_with("Reconnecting") {
+                state.last_error = api_error(&message);
+            }
+            Line::Events(vec![progress(format!("error: {message}"), state)])
+        }
+        _ => Line::Ignored,
+    }
+}
+
+/// The tool an item stands for, if it is a tool call.
+fn tool_of(item: &Value, item_type: &str) -> Option<String> {
+    match item_type {
+        "command_execution" | "file_change" | "web_search" => Some(item_type.to_string()),
+        "mcp_tool_call" => Some(format!("mcp__{}__{}", str_of(item, "server"), str_of(item, "tool"))),
+        "collab_tool_call" => Some(str_of(item, "tool")).filter(|t| !t.is_empty()),
+        _ => None,
+    }
+}
+
+fn item_events(item: &Value, completed: bool, state: &mut ParserState) -> Vec<HarnessEvent> {
+    let item_type = str_of(item, "type");
+    let mut events = Vec::new();
+    if let Some(tool) = tool_of(item, &item_type) {
+        let id = str_of(item, "id");
+        if id.is_empty() || !state.codex.tools_seen.contains(&id) {
+            state.codex.tools_seen.push(id);
+            events.push(tool_use(tool, state));
+        }
+    }
+    let status = str_of(item, "status");
+    let message = match item_type.as_str() {
+        "command_execution" if completed => {
+            let exit = item.get("exit_code").filter(|c| !c.is_null()).map_or("no exit code".into(), Value::to_string);
+            Some(format!("command {status} ({exit}): {}", clip(&str_of(item, "command"), 300)))
+        }
+        "file_change" if completed => {
+            let changes: Vec<String> = item
+                .get("changes")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .map(|c| format!("{} {}", str_of(c, "kind"), str_of(c, "path")))
+                .collect();
+            Some(format!("file change {status}: {}", changes.join(", ")))
+        }
+        "mcp_tool_call" | "collab_tool_call" if completed => Some(format!("{} {status}", str_of(item, "tool"))),
+        "web_search" if completed => Some(format!("web search: {}", str_of(item, "query"))),
+        "todo_list" => {
+            let items = item.get("items").and_then(Value::as_array).cloned().unwrap_or_default();
+            let done = items.iter().filter(|i| i.get("completed").and_then(Value::as_bool).unwrap_or(false)).count();
+            Some(format!("todo list: {done} of {} done", items.len()))
+        }
+        "reasoning" if completed => Some(format!("(reasoning) {}", str_of(item, "text"))),
+        "agent_message" if completed => {
+            state.last_message = str_of(item, "text");
+            Some(state.last_message.clone())
+        }
+        "error" => Some(format!("warning: {}", str_of(item, "message"))),
+        "command_execution" | "file_change" | "mcp_tool_call" | "collab_tool_call" | "web_search" | "reasoning"
+        | "agent_message" => None,
+        other if completed => Some(format!("{other} item")),
+        _ => None,
+    };
+    if let Some(message) = message {
+        events.push(progress(message, state));
+    }
+    events
+}
+
+fn turn_completed(v: &Value, state: &mut ParserState) -> ToolResult {
+    let usage = v.get("usage").cloned().unwrap_or_default();
+    let input = u64_of(&usage, "input_tokens").unwrap_or(0);
+    let cached = u64_of(&usage, "cached_input_tokens").unwrap_or(0);
+    let cache_write = u64_of(&usage, "cache_write_input_tokens").unwrap_or(0);
+    let total = &mut state.codex.usage;
+    total.cache_read += cached;
+    total.cache_creation += cache_write;
+    total.input += input.saturating_sub(cached + cache_write);
+    total.output += u64_of(&usage, "output_tokens").unwrap_or(0);
+    state.tokens = total.total();
+    ToolResult {
+        ok: true,
+        output: state.last_message.clone(),
+        error: String::new(),
+        tokens_spent: state.tokens,
+        resolved_model: state.model.clone(),
+        usage: Some(state.codex.usage.clone()),
+    }
+}
+
+fn failed(error: String, state: &ParserState) -> ToolResult {
+    ToolResult {
+        ok: false,
+        output: state.last_message.clone(),
+        error,
+        tokens_spent: state.tokens,
+        resolved_model: state.model.clone(),
+        usage: (state.tokens > 0).then(|| state.codex.usage.clone()),
+    }
+}
+
+/// Codex passes a model API's error body through as its message: the API's
+/// own words and type, when the message is that JSON.
+fn api_error(message: &str) -> String {
+    let Ok(body) = serde_json::from_str::<Value>(message) else { return message.to_string() };
+    let Some(error) = body.get("error") else { return message.to_string() };
+    let kind = [str_of(error, "type"), str_of(error, "code")].into_iter().filter(|s| !s.is_empty()).collect::<Vec<_>>();
+    match str_of(error, "message") {
+        text if text.is_empty() => message.to_string(),
+        text if kind.is_empty() => format!("model API error: {text}"),
+        text => format!("model API error ({}): {text}", kind.join(", ")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::parse_line;
+    use super::*;
+    use crate::catalog::Preset;
+
+    fn replay(transcript: &str, model: &str) -> (Vec<HarnessEvent>, Option<ToolResult>) {
+        let mut state = ParserState { model: model.into(), ..ParserState::default() };
+        let mut events = Vec::new();
+        let mut result = None;
+        for line in transcript.lines() {
+            match parse_line(Preset::CodexExecJson, line.as_bytes(), &mut state) {
+                Line::Events(e) => events.extend(e),
+                Line::Result(r) => result = Some(r),
+                Line::Ignored | Line::Plain => {}
+                other => panic!("unexpected {other:?} for {line}"),
+            }
+        }
+        (events, result)
+    }
+
+    fn tools(events: &[HarnessEvent]) -> Vec<&str> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                HarnessEvent::ToolUse { tool, .. } => Some(tool.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_run_that_writes_a_file() {
+        let (events, r) = replay(include_str!("../../../tests/fixtures/codex/write_file.jsonl"), "gpt-mock-1");
+        let r = r.expect("a result");
+        assert!(r.ok, "{r:?}");
+        assert_eq!(tools(&events), ["command_execution"], "started and completed count once");
+        let usage = r.usage.clone().unwrap();
+        assert!(usage.cache_read > 0, "{usage:?}");
+        assert_eq!(r.tokens_spent, usage.total());
+        assert_eq!(r.resolved_model, "gpt-mock-1");
+        assert!(!r.output.is_empty());
+    }
+
+    #[test]
+    fn a_model_api_error_fails_with_the_apis_message() {
+        let (_, r) = replay(include_str!("../../../tests/fixtures/codex/api_error_400.jsonl"), "gpt-mock-1");
+        let r = r.expect("a result");
+        assert!(!r.ok);
+        assert!(r.error.starts_with("model API error (invalid_request_error"), "{}", r.error);
+        assert!(r.error.contains("mock-model rejects this request"), "{}", r.error);
+        assert_eq!(r.resolved_model, "gpt-mock-1");
+    }
+
+    #[test]
+    fn every_item_type_is_mapped() {
+        let lines = [
+            r#"{"type":"item.started","item":{"id":"1","type":"file_change","changes":[{"path":"a.txt","kind":"add"}],"status":"in_progress"}}"#,
+            r#"{"type":"item.completed","item":{"id":"1","type":"file_change","changes":[{"path":"a.txt","kind":"add"}],"status":"completed"}}"#,
+            r#"{"type":"item.started","item":{"id":"2","type":"mcp_tool_call","server":"docs","tool":"search","status":"in_progress"}}"#,
+            r#"{"type":"item.completed","item":{"id":"3","type":"web_search","query":"rust bwrap"}}"#,
+            r#"{"type":"item.started","item":{"id":"4","type":"todo_list","items":[{"text":"a","completed":true},{"text":"b","completed":false}]}}"#,
+            r#"{"type":"item.completed","item":{"id":"5","type":"reasoning","text":"thinking"}}"#,
+            r#"{"type":"item.completed","item":{"id":"6","type":"collab_tool_call","tool":"spawn_agent","status":"completed"}}"#,
+            r#"{"type":"item.completed","item":{"id":"7","type":"error","message":"Model metadata not found"}}"#,
+            r#"{"type":"item.completed","item":{"id":"8","type":"image_view","path":"x.png"}}"#,
+            r#"{"type":"error","message":"Reconnecting... 1/5"}"#,
+        ]
+        .join("\n");
+        let (events, r) = replay(&lines, "");
+        assert!(r.is_none(), "nothing here ends the turn");
+        assert_eq!(tools(&events), ["file_change", "mcp__docs__search", "web_search", "spawn_agent"]);
+        let messages: Vec<&str> = events
+            .iter()
+            .filter_map(|e| match e {
+                HarnessEvent::Progress { message, .. } => Some(message.as_str()),
+                _ => None,
+            })
+            .collect();
+        for expected in [
+            "file change completed: add a.txt",
+            "web search: rust bwrap",
+            "todo list: 1 of 2 done",
+            "(reasoning) thinking",
+            "warning: Model metadata not found",
+            "image_view item",
+            "error: Reconnecting... 1/5",
+        ] {
+            assert!(messages.contains(&expected), "{expected:?} missing from {messages:?}");
+        }
+    }
+
+    #[test]
+    fn usage_adds_up_across_turns_and_cached_input_is_part_of_input() {
+        let mut s = ParserState::default();
+        for _ in 0..2 {
+            let line =
+                r#"{"type":"turn.completed","usage":{"input_tokens":100,"cached_input_tokens":80,"output_tokens":20}}"#;
+            parse_line(Preset::CodexExecJson, line.as_bytes(), &mut s);
+        }
+        assert_eq!(s.tokens, 240);
+        assert_eq!((s.codex.usage.input, s.codex.usage.cache_read, s.codex.usage.output), (40, 160, 40));
+    }
+}

@@ -1,0 +1,157 @@
+//! The JSON-lines harness protocol, and the presets that map real
+//! harnesses' stream formats onto it.
+//!
+//! corral's own protocol, one JSON object per line on stdout:
+//! `{"type":"progress","message":"...","tokens":12}`,
+//! `{"type":"tool_use","tool":"edit_file",...}`, and a final
+//! `{"type":"result","ok":true,"output":"...","tokens_spent":123,"resolved_model":"..."}`.
+//! Any other line is plain output.
+
+mod claude;
+mod codex;
+
+use serde_json::Value;
+
+use super::{HarnessEvent, ToolResult};
+use crate::catalog::Preset;
+
+/// What one stdout line means.
+#[derive(Debug, PartialEq)]
+pub enum Line {
+    Plain,
+    /// Progress, tool use: one line can carry several (a message with two
+    /// tool calls).
+    Events(Vec<HarnessEvent>),
+    Result(ToolResult),
+    /// `{"type":"policy_request","id":..,"tool":..,"arguments":..}`: the
+    /// harness asks the tool_call gate before using a tool.
+    PolicyRequest {
+        id: Value,
+        tool: String,
+        arguments: Value,
+    },
+    /// A protocol line with nothing to report (e.g. Claude's `user` lines).
+    Ignored,
+}
+
+/// Per-stream state the presets keep: the model, tokens so far, the last
+/// agent message and error, and each preset's own bookkeeping.
+#[derive(Debug, Default)]
+pub struct ParserState {
+    pub tokens: u64,
+    /// The model: Claude's init line (then the model the API says it
+    /// served); for Codex the one corral wrote into its config.
+    pub model: String,
+    pub last_message: String,
+    /// The last error the harness reported before it stopped, for a run
+    /// that ends without a result line.
+    pub last_error: String,
+    claude: claude::State,
+    codex: codex::State,
+}
+
+impl ParserState {
+    /// A fresh stream whose model is `model` until the stream says otherwise.
+    pub fn new(model: String) -> ParserState {
+        ParserState { model, ..ParserState::default() }
+    }
+}
+
+pub fn parse_line(preset: Preset, line: &[u8], state: &mut ParserState) -> Line {
+    let Ok(value @ Value::Object(_)) = serde_json::from_slice::<Value>(line) else {
+        return Line::Plain;
+    };
+    let Some(kind) = value.get("type").and_then(Value::as_str) else {
+        return Line::Plain;
+    };
+    match preset {
+        Preset::Protocol => protocol(kind, &value, state),
+        Preset::ClaudeStreamJson => claude::parse(kind, &value, state),
+        Preset::CodexExecJson => codex::parse(kind, &value, state),
+    }
+}
+
+fn str_of(v: &Value, key: &str) -> String {
+    v.get(key).and_then(Value::as_str).unwrap_or_default().to_string()
+}
+
+fn u64_of(v: &Value, key: &str) -> Option<u64> {
+    v.get(key).and_then(Value::as_u64)
+}
+
+fn progress(message: String, state: &ParserState) -> HarnessEvent {
+    HarnessEvent::Progress { message, tokens_so_far: state.tokens }
+}
+
+fn tool_use(tool: String, state: &ParserState) -> HarnessEvent {
+    HarnessEvent::ToolUse { tool, tokens_so_far: state.tokens }
+}
+
+/// At most `max` characters of `text`, marked when cut.
+fn clip(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_string(),
+    }
+}
+
+fn protocol(kind: &str, v: &Value, state: &mut ParserState) -> Line {
+    match kind {
+        "progress" => {
+            if let Some(tokens) = u64_of(v, "tokens") {
+                state.tokens = tokens;
+            }
+            Line::Events(vec![progress(str_of(v, "message"), state)])
+        }
+        "tool_use" => Line::Events(vec![tool_use(str_of(v, "tool"), state)]),
+        "result" => Line::Result(ToolResult {
+            ok: v.get("ok").and_then(Value::as_bool).unwrap_or(false),
+            output: str_of(v, "output"),
+            error: str_of(v, "error"),
+            tokens_spent: u64_of(v, "tokens_spent").unwrap_or(state.tokens),
+            resolved_model: str_of(v, "resolved_model"),
+            usage: None,
+        }),
+        "policy_request" => Line::PolicyRequest {
+            id: v.get("id").cloned().unwrap_or(Value::Null),
+            tool: str_of(v, "tool"),
+            arguments: v.get("arguments").cloned().unwrap_or(Value::Null),
+        },
+        _ => Line::Plain,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn protocol_lines() {
+        let mut s = ParserState::default();
+        let parse = |line: &str, s: &mut ParserState| parse_line(Preset::Protocol, line.as_bytes(), s);
+        assert_eq!(parse("hello", &mut s), Line::Plain);
+        assert_eq!(parse("[1,2]", &mut s), Line::Plain);
+        assert_eq!(
+            parse(r#"{"type":"progress","message":"m","tokens":7}"#, &mut s),
+            Line::Events(vec![HarnessEvent::Progress { message: "m".into(), tokens_so_far: 7 }])
+        );
+        assert_eq!(
+            parse(r#"{"type":"tool_use","tool":"edit"}"#, &mut s),
+            Line::Events(vec![HarnessEvent::ToolUse { tool: "edit".into(), tokens_so_far: 7 }])
+        );
+        let Line::Result(r) =
+            parse(r#"{"type":"result","ok":true,"output":"o","tokens_spent":42,"resolved_model":"m1"}"#, &mut s)
+        else {
+            panic!("result expected");
+        };
+        assert!(r.ok);
+        assert_eq!((r.output.as_str(), r.tokens_spent, r.resolved_model.as_str()), ("o", 42, "m1"));
+    }
+
+    #[test]
+    fn clip_marks_a_cut() {
+        assert_eq!(clip("abcdef", 3), "abc…");
+        assert_eq!(clip("abc", 3), "abc");
+        assert_eq!(clip("éé", 1), "é…");
+    }
+}

@@ -1,0 +1,377 @@
+//! The real Claude Code and Codex CLIs do real work through corral: the
+//! real `corral exec` against a real `corral serve`, the unchanged built-in
+//! profiles pointed at a scripted model server on loopback only through the
+//! daemon's `[harness]` section (what an operator would write), the key
+//! from a credential route. The agent runs in a real sandbox (non-root,
+//! egress only to that endpoint), writes a file that comes back in
+//! `refs/corral/<id>`; events name the tools it used; tokens and model are
+//! the mock's; a 400 from the model API and a refused permission fail the
+//! run with a raw error that names the cause.
+//!
+//! The CLIs are installed from npm by `.ci/run` (and `scripts/setup`); a
+//! host without them fails these tests saying how to install them.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::model_mock::{ModelMock, Step, CLAUDE_MODEL, OPENAI_MODEL};
+use common::{data_tempdir, git, git_repo, require_bwrap, ServeProcess};
+use serde_json::{json, Value};
+
+const CORRAL: &str = env!("CARGO_BIN_EXE_corral");
+/// The value both credential routes hold; it must reach the model API and
+/// nothing else.
+const KEY: &str = "sk-corral-test-3f9a27c1";
+/// How long one agent run may take here before the test gives up.
+const RUN_TIMEOUT: Duration = Duration::from_secs(240);
+
+/// Fails (never skips) when `name` is not installed where a sandbox sees it.
+fn require_cli(name: &str, package: &str) {
+    let found = ["/usr/bin", "/usr/local/bin"].iter().map(|d| Path::new(d).join(name)).find(|p| p.exists());
+    assert!(
+        found.is_some(),
+        "this test needs the real {name} CLI under /usr: npm install -g {package} (npm's prefix must be /usr; \
+         .ci/run and scripts/setup install the pinned version)"
+    );
+}
+
+fn require_claude() {
+    require_bwrap();
+    require_cli("claude", "@anthropic-ai/claude-code");
+}
+
+fn require_codex() {
+    require_bwrap();
+    require_cli("codex", "@openai/codex");
+}
+
+/// A `corral serve` whose `[harness]` points the built-ins at `mock` and
+/// whose `anthropic` and `openai` routes hold [`KEY`]; `with_routes =
+/// false` leaves the routes out.
+async fn serve(mock: &ModelMock, with_routes: bool) -> (tempfile::TempDir, ServeProcess) {
+    serve_with(mock, with_routes, &[]).await
+}
+
+/// [`serve`], with profile files of its own.
+async fn serve_with(
+    mock: &ModelMock,
+    with_routes: bool,
+    files: &[(&str, String)],
+) -> (tempfile::TempDir, ServeProcess) {
+    let dir = data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    for (name, text) in files {
+        std::fs::write(profiles.join(name), text).unwrap();
+    }
+    let key = dir.path().join("model.key");
+    std::fs::write(&key, format!("{KEY}\n")).unwrap();
+    let url = mock.url();
+    let mut config = format!(
+        "[harness]\nanthropic_base_url = \"{url}\"\nopenai_base_url = \"{url}/v1\"\nopenai_model = \"{OPENAI_MODEL}\"\n"
+    );
+    if with_routes {
+        for (route, var) in [("anthropic", "ANTHROPIC_API_KEY"), ("openai", "OPENAI_API_KEY")] {
+            config.push_str(&format!(
+                "[credentials.routes.{route}]\nfile = {:?}\ninject_as = \"{var}\"\n",
+                key.display().to_string()
+            ));
+        }
+    }
+    let serve = ServeProcess::start_with(&dir.path().join("data"), &profiles, &[], &config).await;
+    (dir, serve)
+}
+
+/// `corral exec --json` of `profile` on `repo`: the exit code and every
+/// event line.
+async fn exec(serve: &ServeProcess, profile: &str, repo: &Path, description: &str) -> (i32, Vec<Value>) {
+    let run = tokio::process::Command::new(CORRAL)
+        .args(["--server", &serve.cli_url(), "exec", "--json", "--profile", profile, "--repo"])
+        .arg(repo)
+        .args(["--title", "real agent test", "--description", description])
+        .env_remove("CORRAL_SERVER")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(RUN_TIMEOUT, run)
+        .await
+        .unwrap_or_else(|_| panic!("corral exec --profile {profile} did not finish within {RUN_TIMEOUT:?}"))
+        .expect("corral exec runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let events: Vec<Value> =
+        stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect();
+    assert!(
+        events.last().is_some_and(|e| e["finished"].is_object()),
+        "corral exec did not end with `finished`; stderr:\n{}\nstdout:\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), events)
+}
+
+fn execution(events: &[Value]) -> &Value {
+    &events.last().expect("events")["finished"]["execution"]
+}
+
+fn number(v: &Value) -> u64 {
+    v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_u64()).unwrap_or(0)
+}
+
+fn tools_used(events: &[Value]) -> Vec<String> {
+    events
+        .iter()
+        .filter(|e| e["progress"]["kind"] == "tool_use")
+        .map(|e| e["progress"]["tool"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+/// The hosts the sandbox's proxy let through, and those it refused.
+fn egress(events: &[Value]) -> (Vec<String>, Vec<String>) {
+    let mut allowed = Vec::new();
+    let mut denied = Vec::new();
+    for e in events.iter().filter(|e| e["egress"].is_object()) {
+        let target = format!("{}:{}", e["egress"]["host"].as_str().unwrap_or_default(), e["egress"]["port"]);
+        if e["egress"]["allowed"] == true {
+            allowed.push(target);
+        } else {
+            denied.push(target);
+        }
+    }
+    (allowed, denied)
+}
+
+/// `path` as committed in `refs/corral/<id>` of `origin`.
+fn file_in_ref(origin: &Path, id: &str, path: &str) -> String {
+    git(origin, &["show", &format!("refs/corral/{id}:{path}")])
+}
+
+/// What every successful real-agent run must show: the file and the
+/// sandbox facts came back, tokens and model are the mock's, the key
+/// reached the model API, egress went only to the mock.
+fn assert_real_work(mock: &ModelMock, origin: &Path, events: &[Value], file: &str, content: &str) {
+    let record = execution(events);
+    let id = record["executionId"].as_str().expect("an execution id");
+    let evidence = &record["evidence"];
+    assert_eq!(record["state"], "EXECUTION_STATE_SUCCEEDED", "{record:#}");
+    assert_eq!(file_in_ref(origin, id, file), content, "the agent's file is in refs/corral/{id}");
+    assert_eq!(file_in_ref(origin, id, "whoami.txt"), "1000", "the harness runs as the sandbox's non-root uid");
+    assert_eq!(file_in_ref(origin, id, "sandbox.txt"), "verified", "CORRAL_SANDBOX in the harness env");
+    assert_eq!(number(&evidence["tokensSpent"]), mock.tokens_served(), "tokens: {evidence:#}");
+    assert!(mock.tokens_served() > 0);
+    let notes: Vec<&str> = evidence["notes"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(notes.iter().any(|n| n.starts_with(&format!("tokens {} = input", mock.tokens_served()))), "{notes:?}");
+    assert_eq!(mock.unused(), 0, "every scripted reply was asked for");
+    for request in mock.model_requests() {
+        let key = request.header("x-api-key").or(request.header("authorization")).unwrap_or_default();
+        assert!(key.ends_with(KEY), "the credential route's key reaches the model API: {:?}", request.headers);
+    }
+    let (allowed, denied) = egress(events);
+    let mock_target = mock.addr.to_string();
+    assert!(!allowed.is_empty() && allowed.iter().all(|t| *t == mock_target), "egress only to the mock: {allowed:?}");
+    assert!(denied.is_empty(), "the CLI tried to reach other hosts: {denied:?}");
+    let text = serde_json::to_string(events).unwrap();
+    assert!(!text.contains(KEY), "the key is scrubbed from every event");
+}
+
+fn run_in_sandbox_facts(write: &str) -> String {
+    format!("id -u > whoami.txt && printf %s \"$CORRAL_SANDBOX\" > sandbox.txt && {write}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_writes_a_file_that_comes_back() {
+    require_claude();
+    let mock = ModelMock::start(vec![
+        Step::tool("Bash", json!({"command": run_in_sandbox_facts("true"), "description": "facts"})),
+        Step::tool("Write", json!({"file_path": "/workspace/hello-from-claude.txt", "content": "hello from claude\n"})),
+        Step::text("Wrote hello-from-claude.txt."),
+    ])
+    .await;
+    let (_dir, serve) = serve(&mock, true).await;
+    let origin = git_repo();
+    let (code, events) =
+        exec(&serve, "builtin.claude-code", origin.path(), "Write hello-from-claude.txt saying hello.").await;
+    assert_eq!(code, 0, "{:#}", execution(&events));
+    assert_real_work(&mock, origin.path(), &events, "hello-from-claude.txt", "hello from claude");
+    assert_eq!(tools_used(&events), ["Bash", "Write"], "tool_use events carry Claude Code's tool names");
+    let record = execution(&events);
+    assert_eq!(record["evidence"]["resolvedModel"], CLAUDE_MODEL);
+    assert_eq!(record["toolOutput"], "Wrote hello-from-claude.txt.");
+    // The prompt reached the model, and Claude Code ran in print mode with
+    // edits accepted (the Write needed no prompt).
+    let first = &mock.model_requests()[0].body;
+    assert!(first.to_string().contains("Write hello-from-claude.txt saying hello."), "the task is the prompt");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_fails_with_the_model_apis_message_on_a_400() {
+    require_claude();
+    let message = "mock-model rejects this request: refused on purpose by the test";
+    let mock = ModelMock::failing(Step::error(400, "invalid_request_error", message)).await;
+    let (_dir, serve) = serve(&mock, true).await;
+    let origin = git_repo();
+    let (code, events) = exec(&serve, "builtin.claude-code", origin.path(), "Say hello.").await;
+    let record = execution(&events);
+    assert_ne!(code, 0);
+    assert_eq!(record["state"], "EXECUTION_STATE_FAILED", "{record:#}");
+    let error = record["toolError"].as_str().unwrap_or_default();
+    assert!(error.contains("model API error 400") && error.contains(message), "raw error: {error}");
+    assert_eq!(record["evidence"]["error"], "execution failed; inspect direct caller error");
+    assert!(!record["evidence"]["resolvedModel"].as_str().unwrap_or_default().is_empty(), "the init line's model");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_fails_when_a_tool_call_is_refused() {
+    require_claude();
+    let mock = ModelMock::start(vec![
+        Step::tool("WebFetch", json!({"url": "https://example.com/", "prompt": "summarize"})),
+        Step::text("I could not fetch it."),
+    ])
+    .await;
+    let (_dir, serve) = serve(&mock, true).await;
+    let origin = git_repo();
+    let (code, events) = exec(&serve, "builtin.claude-code", origin.path(), "Summarize example.com.").await;
+    let record = execution(&events);
+    assert_ne!(code, 0);
+    assert_eq!(record["state"], "EXECUTION_STATE_FAILED", "{record:#}");
+    let error = record["toolError"].as_str().unwrap_or_default();
+    assert!(error.contains("refused permission") && error.contains("WebFetch"), "raw error: {error}");
+    assert_eq!(tools_used(&events), ["WebFetch"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_writes_a_file_that_comes_back() {
+    require_codex();
+    let write = "printf 'hello from codex\\n' > hello-from-codex.txt";
+    let mock = ModelMock::start(vec![
+        Step::tool("exec_command", json!({"cmd": run_in_sandbox_facts(write)})),
+        Step::text("Wrote hello-from-codex.txt."),
+    ])
+    .await;
+    let (_dir, serve) = serve(&mock, true).await;
+    let origin = git_repo();
+    let (code, events) = exec(&serve, "builtin.codex", origin.path(), "Write hello-from-codex.txt saying hello.").await;
+    assert_eq!(code, 0, "{:#}", execution(&events));
+    assert_real_work(&mock, origin.path(), &events, "hello-from-codex.txt", "hello from codex");
+    assert_eq!(tools_used(&events), ["command_execution"]);
+    let record = execution(&events);
+    assert_eq!(record["evidence"]["resolvedModel"], OPENAI_MODEL, "the model corral wrote into Codex's config");
+    assert_eq!(record["toolOutput"], "Wrote hello-from-codex.txt.");
+    for request in mock.model_requests() {
+        assert_eq!(request.body["model"], OPENAI_MODEL, "Codex asks for the configured model");
+        assert!(request.path.starts_with("/v1/responses"), "{}", request.path);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_fails_with_the_model_apis_message_on_a_400() {
+    require_codex();
+    let message = "mock-model rejects this request: refused on purpose by the test";
+    let mock = ModelMock::failing(Step::error(400, "invalid_request_error", message)).await;
+    let (_dir, serve) = serve(&mock, true).await;
+    let origin = git_repo();
+    let (code, events) = exec(&serve, "builtin.codex", origin.path(), "Say hello.").await;
+    let record = execution(&events);
+    assert_ne!(code, 0);
+    assert_eq!(record["state"], "EXECUTION_STATE_FAILED", "{record:#}");
+    let error = record["toolError"].as_str().unwrap_or_default();
+    assert!(error.contains("invalid_request_error") && error.contains(message), "raw error: {error}");
+    assert_eq!(record["evidence"]["resolvedModel"], OPENAI_MODEL);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_their_routes_the_builtins_are_refused_and_profiles_say_what_the_host_has() {
+    require_claude();
+    require_codex();
+    let mock = ModelMock::start(Vec::new()).await;
+    let (_dir, serve) = serve(&mock, false).await;
+    let origin = git_repo();
+    for (profile, route) in [("builtin.claude-code", "anthropic"), ("builtin.codex", "openai")] {
+        let (code, events) = exec(&serve, profile, origin.path(), "Say hello.").await;
+        let record = execution(&events);
+        assert_ne!(code, 0);
+        assert_eq!(record["state"], "EXECUTION_STATE_REFUSED", "{record:#}");
+        let error = record["toolError"].as_str().unwrap_or_default();
+        assert!(error.contains(&format!("unknown credential route {route}")), "{profile}: {error}");
+    }
+    assert_eq!(mock.replies(), 0, "nothing ran");
+    let out = std::process::Command::new(CORRAL).args(["--server", &serve.cli_url(), "profiles"]).output().unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}");
+    for cli in ["(Claude Code) at /usr/bin/claude", "codex-cli "] {
+        assert!(table.contains(cli), "`corral profiles` names the CLI version found: {table}");
+    }
+}
+
+/// Re-records the transcripts in `tests/fixtures/{claude,codex}/` that the
+/// parsers' unit tests replay: each CLI runs in a real sandbox against the
+/// mock, its stdout teed into the workspace and read back from the ref.
+/// `cargo test --test real_agents -- --ignored record_transcripts`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a tool: rewrites tests/fixtures/{claude,codex}/*.jsonl"]
+async fn record_transcripts() {
+    require_claude();
+    require_codex();
+    let write_claude = Step::tool("Write", json!({"file_path": "/workspace/hello.txt", "content": "hello\n"}));
+    let write_codex = Step::tool("exec_command", json!({"cmd": "printf 'hello\\n' > hello.txt"}));
+    let error =
+        Step::error(400, "invalid_request_error", "mock-model rejects this request: refused on purpose by the test");
+    let cases = [
+        ("claude", "write_file", vec![write_claude, Step::text("Done.")], None),
+        ("claude", "api_error_400", vec![], Some(error.clone())),
+        (
+            "claude",
+            "permission_denied",
+            vec![Step::tool("WebFetch", json!({"url": "https://example.com/", "prompt": "x"})), Step::text("Done.")],
+            None,
+        ),
+        ("claude", "api_retry", vec![], Some(Step::error(529, "overloaded_error", "Overloaded"))),
+        ("codex", "write_file", vec![write_codex, Step::text("Done.")], None),
+        ("codex", "api_error_400", vec![], Some(error)),
+    ];
+    for (cli, name, script, failing) in cases {
+        let mock = match failing {
+            Some(error) => ModelMock::failing(error).await,
+            None => ModelMock::start(script).await,
+        };
+        let argv = match cli {
+            "claude" => {
+                "CLAUDE_CODE_MAX_RETRIES=2 claude -p --output-format stream-json --verbose \
+                         --permission-mode acceptEdits --allowedTools Bash,Edit,Write,Read"
+            }
+            _ => "codex exec --json --skip-git-repo-check --dangerously-bypass-approvals-and-sandbox -",
+        };
+        let url = mock.url();
+        let (preset, base_url, route) = match cli {
+            "claude" => ("claude_stream_json", url.clone(), "anthropic"),
+            _ => ("codex_exec_json", format!("{url}/v1"), "openai"),
+        };
+        let profile = format!(
+            r#"id = "record.{cli}"
+version = "1.0.0"
+credential_route_refs = ["{route}"]
+[rein]
+preset = "{preset}"
+input = "prompt"
+argv = ["/bin/sh", "-c", "{argv} | tee /workspace/transcript.jsonl"]
+base_url = "{base_url}"
+model = "{model}"
+[sandbox]
+type = "linux_bwrap"
+allow_network = true
+allow_hosts = ["{addr}"]
+write_paths = ["."]
+"#,
+            model = if cli == "codex" { OPENAI_MODEL } else { "" },
+            addr = mock.addr,
+        );
+        let (_dir, serve) = serve_with(&mock, true, &[("record.toml", profile)]).await;
+        let origin = git_repo();
+        let (_, events) = exec(&serve, &format!("record.{cli}"), origin.path(), "Write hello.txt saying hello.").await;
+        let id = execution(&events)["executionId"].as_str().unwrap().to_string();
+        let transcript = file_in_ref(origin.path(), &id, "transcript.jsonl");
+        let path = Path::new(common::FIXTURES).join(cli).join(format!("{name}.jsonl"));
+        std::fs::write(&path, format!("{transcript}\n")).unwrap();
+        eprintln!("recorded {} ({} lines)", path.display(), transcript.lines().count());
+    }
+}
