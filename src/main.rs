@@ -50,6 +50,15 @@ struct ServeArgs {
     /// A directory of profile TOML files (repeatable).
     #[arg(long = "profiles")]
     profiles: Vec<PathBuf>,
+    /// Log lines as text (coloured only on a terminal) or as JSON objects.
+    #[arg(long, value_enum, default_value = "text", env = "CORRAL_LOG_FORMAT")]
+    log_format: LogFormat,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(clap::Args, Debug)]
@@ -82,10 +91,14 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match args.log_format {
+        // Spans (an execution's id) go into every line of either format.
+        LogFormat::Json => logs.json().with_current_span(true).with_span_list(false).init(),
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+    }
     let overrides = Overrides { listen: args.listen, data_dir: args.data_dir, profile_dirs: args.profiles };
     let config = Config::load(args.config.as_deref(), overrides)?;
     let listener = tokio::net::TcpListener::bind(&config.listen)

@@ -212,11 +212,16 @@ impl Engine {
         });
         let engine = self.clone();
         let task_record = record.clone();
-        self.tasks.spawn(async move {
-            execution::run(&engine, task_record, cmd, cancel).await;
-            engine.bus.close(&execution_id);
-            engine.release(&execution_id);
-        });
+        // Every log line of the run carries its id.
+        let span = tracing::info_span!("execution", execution_id = %execution_id);
+        self.tasks.spawn(tracing::Instrument::instrument(
+            async move {
+                execution::run(&engine, task_record, cmd, cancel).await;
+                engine.bus.close(&execution_id);
+                engine.release(&execution_id);
+            },
+            span,
+        ));
         let subscription = Subscription::live(live, true).catching_up(
             self.store.clone(),
             record.execution_id.clone(),

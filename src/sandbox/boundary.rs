@@ -179,14 +179,13 @@ impl Boundary {
     /// Kills everything of the sandbox and waits until nothing is alive,
     /// then removes its cgroup and its files. Succeeds only if all of that
     /// did.
+    ///
+    /// The cgroup finds and kills everything (nothing unprivileged leaves
+    /// it). A process leaves `cgroup.procs` as it starts to exit, before it
+    /// is gone, so with a uid of the sandbox's own the sweep of that uid then
+    /// waits until nothing of it is alive at all; it also serves sandboxes
+    /// without a cgroup and recovery, where the cgroup may be gone.
     pub async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
-        self.teardown(sandbox, false).await
-    }
-
-    /// The cgroup is authoritative (nothing unprivileged leaves it); the
-    /// sweep of the sandbox's uid is for sandboxes without one, and for
-    /// recovery, where the cgroup may be gone already.
-    async fn teardown(&self, sandbox: &Sandbox, sweep_uid: bool) -> Result<(), SandboxError> {
         let mut errors = Vec::new();
         self.processes.kill_all(&sandbox.id);
         // The proxies close with their sandbox: listener and every tunnel.
@@ -196,7 +195,7 @@ impl Boundary {
                 errors.push(e.to_string());
             }
         }
-        if let Some(user) = sandbox.user.filter(|_| sweep_uid || sandbox.cgroup.is_none()) {
+        if let Some(user) = sandbox.user {
             if let Err(e) = kill_uid(user.uid, KILL_TIMEOUT).await {
                 errors.push(e);
             }
@@ -242,7 +241,7 @@ impl Boundary {
             egress: None,
             receipt: Default::default(),
         };
-        self.teardown(&leftover, true).await
+        self.destroy(&leftover).await
     }
 }
 
