@@ -67,6 +67,8 @@ pub struct Config {
     /// Where the built-in Claude Code and Codex profiles send their model
     /// requests (and which model they ask for).
     pub harness: crate::catalog::HarnessConfig,
+    /// Where Prometheus scrapes `GET /metrics` (unset: no metrics listener).
+    pub metrics_listen: Option<String>,
     /// Names this daemon in a shared store (default: host name and data
     /// directory): recovery and hub delivery only touch its own rows.
     pub node_id: Option<String>,
@@ -124,6 +126,7 @@ impl Default for Config {
             tls_key: None,
             client_ca: None,
             harness: crate::catalog::HarnessConfig::default(),
+            metrics_listen: None,
             node_id: None,
         }
     }
@@ -258,6 +261,10 @@ impl Config {
         }
         if self.session_idle_seconds == 0 {
             return Err(invalid("session_idle_seconds", "must be greater than 0".into()));
+        }
+        if let Some(addr) = &self.metrics_listen {
+            addr.parse::<std::net::SocketAddr>()
+                .map_err(|e| invalid("metrics_listen", format!("{addr:?} is not an address: {e}")))?;
         }
         if self.git.timeout_seconds == 0 {
             return Err(invalid("git.timeout_seconds", "must be greater than 0".into()));

@@ -26,6 +26,7 @@ pub mod records;
 pub mod rein;
 pub mod sandbox;
 pub mod store;
+pub mod telemetry;
 
 /// The wire contract, generated from `proto/corral/v1`.
 pub mod pb {

@@ -101,6 +101,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let overrides = Overrides { listen: args.listen, data_dir: args.data_dir, profile_dirs: args.profiles };
     let config = Config::load(args.config.as_deref(), overrides)?;
+    if let Some(addr) = &config.metrics_listen {
+        // Validated with the config: it parses.
+        let addr = addr.parse().map_err(|e| anyhow::anyhow!("metrics_listen: {e}"))?;
+        corral::telemetry::install(addr).map_err(anyhow::Error::msg)?;
+        tracing::info!(%addr, "metrics on GET /metrics");
+    }
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;

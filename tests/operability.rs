@@ -41,3 +41,85 @@ async fn json_logs_parse_and_carry_the_execution_id() {
         "no line of the execution carries its id: {log}"
     );
 }
+
+/// `GET /metrics` over plain HTTP/1.1.
+async fn scrape(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("the metrics listener answers");
+    socket.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").await.unwrap();
+    let mut response = String::new();
+    socket.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default()
+}
+
+/// The value of the sample `name{labels}` in a Prometheus exposition,
+/// checking every line is well-formed on the way.
+fn sample(exposition: &str, name: &str, labels: &str) -> Option<f64> {
+    let mut found = None;
+    for line in exposition.lines() {
+        if line.is_empty() || line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
+            continue;
+        }
+        let (key, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("malformed line {line:?}"));
+        let value: f64 = value.parse().unwrap_or_else(|_| panic!("malformed value in {line:?}"));
+        let metric = key.split('{').next().unwrap();
+        assert!(
+            metric.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "malformed metric name in {line:?}"
+        );
+        if key.contains('{') {
+            assert!(key.ends_with('}'), "malformed labels in {line:?}");
+        }
+        let want = if labels.is_empty() { name.to_string() } else { format!("{name}{{{labels}}}") };
+        if key == want {
+            found = Some(value);
+        }
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_outcomes_stages_and_gate_decisions() {
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(
+        profiles.join("deny.toml"),
+        r#"id = "test.denied"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-s"]
+input = "description"
+[[guardrails.policies]]
+name = "never"
+kind = "expr"
+arguments = { expression = "false", reason = "never" }
+"#,
+    )
+    .unwrap();
+    let data = dir.path().join("data");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
+    let daemon = ServeProcess::start_with(&data, &profiles, &[], &extra).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    for (profile, script) in
+        [("builtin.shell", "true"), ("builtin.shell", "exit 3"), ("no.such.profile", "true"), ("test.denied", "true")]
+    {
+        let mut stream = client.execute(request(profile, script)).await.unwrap().into_inner();
+        while stream.message().await.unwrap().is_some() {}
+    }
+    let text = scrape(port).await;
+    let count = |labels: &str| sample(&text, "corral_executions_finished_total", labels).unwrap_or(0.0);
+    assert_eq!(count(r#"outcome="succeeded",stage="none""#), 1.0, "{text}");
+    assert_eq!(count(r#"outcome="failed",stage="execution""#), 1.0, "{text}");
+    assert_eq!(count(r#"outcome="refused",stage="resolution""#), 1.0, "{text}");
+    assert_eq!(count(r#"outcome="refused",stage="gate""#), 1.0, "{text}");
+    let denials = sample(&text, "corral_gate_decisions_total", r#"source="profile",action="deny""#);
+    assert_eq!(denials, Some(1.0), "{text}");
+    assert!(sample(&text, "corral_events_stored_total", "").unwrap_or(0.0) > 10.0, "{text}");
+    assert_eq!(sample(&text, "corral_sandboxes_alive", ""), Some(0.0), "{text}");
+    assert!(text.contains("corral_stage_duration_seconds_bucket{stage=\"harness\""), "{text}");
+    assert!(!text.contains("exit 3"), "a task text in a label");
+}

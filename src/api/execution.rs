@@ -53,6 +53,15 @@ pub fn event_stream_with(
 ) -> EventStream {
     let (tx, rx) = mpsc::channel(17);
     tokio::spawn(async move {
+        // Counted while it streams.
+        struct Watching;
+        impl Drop for Watching {
+            fn drop(&mut self) {
+                crate::telemetry::watchers(-1.0);
+            }
+        }
+        crate::telemetry::watchers(1.0);
+        let _watching = Watching;
         let disconnected = |on_disconnect: Option<Box<dyn FnOnce() + Send>>| {
             if let Some(callback) = on_disconnect {
                 callback();

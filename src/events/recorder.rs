@@ -70,8 +70,12 @@ impl Recorder {
     async fn persist(&self, events: &[Event]) -> bool {
         let mut delay = std::time::Duration::from_millis(20);
         for attempt in 1..=5 {
+            let started = std::time::Instant::now();
             match self.store.append_events(events).await {
-                Ok(()) => return true,
+                Ok(()) => {
+                    crate::telemetry::events_stored(events.len(), started.elapsed().as_secs_f64());
+                    return true;
+                }
                 Err(error) if attempt == 5 => {
                     tracing::error!(subject = %self.subject, count = events.len(), %error, "events not stored");
                 }

@@ -200,6 +200,7 @@ impl Hub {
         let outcome = match result {
             Ok(code) if (200..300).contains(&code) => {
                 tracing::info!(execution_id = %row.subject_id, attempts, "hub accepted the report");
+                crate::telemetry::hub_delivery(true);
                 Some(HubReportStatus::Accepted)
             }
             other => {
@@ -212,6 +213,7 @@ impl Hub {
                 let expired = now_ms() - row.created_at_ms >= (self.config.max_age_seconds * 1000) as i64;
                 if expired {
                     tracing::warn!(execution_id = %row.subject_id, attempts, %why, "hub report given up");
+                    crate::telemetry::hub_delivery(false);
                     Some(HubReportStatus::Failed)
                 } else {
                     tracing::debug!(execution_id = %row.subject_id, attempts, %why, "hub report will be retried");

@@ -54,11 +54,13 @@ impl Admission {
             Work::Session => (self.max_sessions, "sessions"),
         };
         if of_kind >= max {
+            crate::telemetry::admission_refused(what);
             return Err(Refused(format!("{of_kind} {what} are running, the most this daemon admits; retry later")));
         }
         if let Some(quota) = quota {
             let mine = slots.values().filter(|s| s.principal == principal).count();
             if mine >= quota {
+                crate::telemetry::admission_refused("quota");
                 return Err(Refused(format!(
                     "principal {principal} has {mine} executions and sessions running: its max_running quota of {quota} is reached"
                 )));
@@ -69,12 +71,20 @@ impl Admission {
         }
         let cancel = CancellationToken::new();
         slots.insert(id.to_string(), Slot { work, principal: principal.to_string(), cancel: cancel.clone() });
+        crate::telemetry::running(what, of_kind + 1);
         Ok(cancel)
     }
 
     /// Gives the slot back; a second release does nothing.
     pub fn release(&self, id: &str) {
-        self.slots().remove(id);
+        let mut slots = self.slots();
+        if let Some(slot) = slots.remove(id) {
+            let (work, what) = match slot.work {
+                Work::Execution => (Work::Execution, "executions"),
+                Work::Session => (Work::Session, "sessions"),
+            };
+            crate::telemetry::running(what, slots.values().filter(|s| s.work == work).count());
+        }
     }
 
     /// Cancels the work holding `id`'s slot, if it runs here.

@@ -225,6 +225,9 @@ impl Core {
     }
 
     async fn record_gate(&mut self, outcome: &GateOutcome) {
+        for decision in &outcome.decisions {
+            crate::telemetry::gate_decision(&decision.source, decision.action);
+        }
         self.evidence.gate_decisions.extend(outcome.decisions.iter().cloned());
         let event = EventKind::Gated {
             phase: outcome.phase.as_str().into(),
@@ -298,6 +301,7 @@ impl Core {
         };
         self.evidence.sandbox_id = sandbox.id.clone();
         self.evidence.time("sandbox_create", t);
+        crate::telemetry::sandbox_alive(1.0);
         let ready = sandbox.state == SandboxState::Ready;
         self.set_sandbox_state(&sandbox.id, if ready { SandboxState::Ready } else { SandboxState::Failed }).await;
         self.sandbox = Some((backend, sandbox.clone()));
@@ -485,6 +489,7 @@ impl Core {
         let Some(log) = self.sandbox.as_ref().and_then(|(_, s)| s.egress.clone()) else { return };
         let mut batch = Vec::new();
         for d in log.drain() {
+            crate::telemetry::egress(d.allowed);
             if self.egress_events >= MAX_EGRESS_EVENTS {
                 continue;
             }
@@ -709,7 +714,9 @@ impl Core {
     async fn destroy(&mut self) {
         let Some((backend, sandbox)) = self.sandbox.take() else { return };
         self.set_sandbox_state(&sandbox.id, SandboxState::Destroying).await;
-        self.sandbox_destroy = match backend.destroy(&sandbox).await {
+        let destroyed = backend.destroy(&sandbox).await;
+        crate::telemetry::sandbox_alive(-1.0);
+        self.sandbox_destroy = match destroyed {
             Ok(()) => {
                 self.set_sandbox_state(&sandbox.id, SandboxState::Destroyed).await;
                 TeardownResult::Succeeded

@@ -107,6 +107,7 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     // Out of admission's count before anyone hears it finished, so a caller
     // may start the next one at once.
     core.engine.release(&record.execution_id);
+    crate::telemetry::execution_finished(&record.evidence);
     let finished = EventKind::Finished { execution: Box::new(record.clone()) };
     let raw = RawPart::Finished(std::mem::take(&mut core.raw));
     core.recorder.emit(finished, Some(raw)).await;

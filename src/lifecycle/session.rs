@@ -310,6 +310,7 @@ impl Engine {
     }
 
     async fn finish_session(&self, core: &mut Core, record: &mut SessionRecord) {
+        crate::telemetry::session_finished(record.state.as_str());
         let mut evidence = core.evidence.clone();
         evidence.outcome = match (record.state, evidence.failure_stage) {
             (SessionState::Refused, _) => Outcome::Refused,

@@ -382,7 +382,9 @@ impl ServeProcess {
         std::fs::write(&secret, ROUTE_TEST_VALUE).unwrap();
         let config = data_dir.with_extension("toml");
         let text = format!(
-            "[credentials.routes.\"route.test\"]\nfile = {:?}\ninject_as = \"ROUTE_TEST_TOKEN\"\n{extra_config}\n[sandbox]\nuids = {:?}\n",
+            // The extra config first: its top-level keys must come before
+            // any table.
+            "{extra_config}\n[credentials.routes.\"route.test\"]\nfile = {:?}\ninject_as = \"ROUTE_TEST_TOKEN\"\n[sandbox]\nuids = {:?}\n",
             secret.display().to_string(),
             unique_uids()
         );

@@ -1,0 +1,95 @@
+//! Prometheus metrics (`metrics` + `metrics-exporter-prometheus`), served on
+//! `metrics_listen` when it is set. Labels are fixed sets (outcome, stage,
+//! source, action, kind): never a secret, a task text, an id or anything
+//! else a caller controls the size of.
+
+use std::net::SocketAddr;
+
+use metrics::{counter, gauge, histogram};
+
+use crate::evidence::Evidence;
+
+/// Starts the exporter on `addr` (HTTP, `GET /metrics`). The recorder is
+/// process-wide: a second daemon in the same process shares the first's.
+pub fn install(addr: SocketAddr) -> Result<(), String> {
+    describe();
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets(&[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0, 600.0])
+        .map_err(|e| e.to_string())?
+        .install()
+        .map_err(|e| format!("metrics_listen {addr}: {e}"))
+}
+
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!("corral_executions_finished_total", "Executions finished, by outcome and failure stage.");
+    describe_counter!("corral_sessions_finished_total", "Sessions finished, by final state.");
+    describe_histogram!("corral_stage_duration_seconds", Unit::Seconds, "Time spent in each stage of a run.");
+    describe_counter!("corral_gate_decisions_total", "Policy decisions, by policy source and action.");
+    describe_counter!("corral_egress_total", "Egress attempts through sandbox proxies, by decision.");
+    describe_counter!("corral_admission_refused_total", "Requests refused by admission, by kind.");
+    describe_gauge!("corral_running", "Executions and sessions running, by kind.");
+    describe_gauge!("corral_sandboxes_alive", "Sandboxes created and not yet destroyed.");
+    describe_counter!("corral_events_stored_total", "Lifecycle events stored.");
+    describe_histogram!("corral_store_write_seconds", Unit::Seconds, "Time to store a batch of events.");
+    describe_gauge!("corral_watchers", "Event streams open to callers and watchers.");
+    describe_counter!("corral_hub_deliveries_total", "Hub report delivery attempts, by result.");
+}
+
+/// A finished execution: its outcome, its stage, its stage timings.
+pub fn execution_finished(evidence: &Evidence) {
+    let outcome = serde_label(&evidence.outcome);
+    let stage = evidence.failure_stage.map(|s| s.as_str()).unwrap_or("none");
+    counter!("corral_executions_finished_total", "outcome" => outcome, "stage" => stage).increment(1);
+    for timing in &evidence.stage_timings {
+        // Stage names are the daemon's own fixed set.
+        histogram!("corral_stage_duration_seconds", "stage" => timing.stage.clone()).record(timing.micros as f64 / 1e6);
+    }
+}
+
+pub fn session_finished(state: &'static str) {
+    counter!("corral_sessions_finished_total", "state" => state).increment(1);
+}
+
+pub fn gate_decision(source: &str, action: crate::policy::Action) {
+    let source = match source {
+        "session" | "profile" | "admin" | "builtin" => source.to_string(),
+        _ => "other".to_string(),
+    };
+    counter!("corral_gate_decisions_total", "source" => source, "action" => serde_label(&action)).increment(1);
+}
+
+pub fn egress(allowed: bool) {
+    counter!("corral_egress_total", "decision" => if allowed { "allowed" } else { "denied" }).increment(1);
+}
+
+pub fn admission_refused(kind: &'static str) {
+    counter!("corral_admission_refused_total", "kind" => kind).increment(1);
+}
+
+pub fn running(kind: &'static str, count: usize) {
+    gauge!("corral_running", "kind" => kind).set(count as f64);
+}
+
+pub fn sandbox_alive(delta: f64) {
+    gauge!("corral_sandboxes_alive").increment(delta);
+}
+
+pub fn events_stored(count: usize, seconds: f64) {
+    counter!("corral_events_stored_total").increment(count as u64);
+    histogram!("corral_store_write_seconds").record(seconds);
+}
+
+pub fn watchers(delta: f64) {
+    gauge!("corral_watchers").increment(delta);
+}
+
+pub fn hub_delivery(accepted: bool) {
+    counter!("corral_hub_deliveries_total", "result" => if accepted { "accepted" } else { "failed" }).increment(1);
+}
+
+/// The snake_case name serde gives a unit enum variant.
+fn serde_label<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_value(value).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_else(|| "unknown".into())
+}
