@@ -32,6 +32,12 @@ enum Command {
     /// and which profiles the gate would refuse here; exit 1 if linux_bwrap
     /// cannot run.
     Doctor(DoctorArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff) on stdout.
+    Man,
     #[command(flatten)]
     Client(ClientCommand),
 }
@@ -79,6 +85,15 @@ fn main() -> anyhow::Result<()> {
     let code = runtime.block_on(async move {
         match cli.command {
             Command::Serve(args) => serve(args).await.map(|()| 0),
+            Command::Completions { shell } => {
+                let mut command = <Cli as clap::CommandFactory>::command();
+                clap_complete::generate(shell, &mut command, "corral", &mut std::io::stdout());
+                Ok(0)
+            }
+            Command::Man => {
+                clap_mangen::Man::new(<Cli as clap::CommandFactory>::command()).render(&mut std::io::stdout())?;
+                Ok(0)
+            }
             Command::Doctor(args) => {
                 let overrides = Overrides { profile_dirs: args.profiles, ..Overrides::default() };
                 let config = Config::load(args.config.as_deref(), overrides)?;

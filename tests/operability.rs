@@ -123,3 +123,32 @@ arguments = { expression = "false", reason = "never" }
     assert!(text.contains("corral_stage_duration_seconds_bucket{stage=\"harness\""), "{text}");
     assert!(!text.contains("exit 3"), "a task text in a label");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corral_exec_shows_each_output_line_as_it_is_printed() {
+    use tokio::io::AsyncBufReadExt;
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let daemon = ServeProcess::start(&dir.path().join("data"), &profiles, &[]).await;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+        .args(["--server", &daemon.cli_url(), "exec", "--profile", "builtin.shell", "--title", "t", "--description"])
+        .arg("for i in 1 2 3; do echo line-$i; sleep 1; done")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    while let Some(line) = lines.next_line().await.unwrap() {
+        if line.starts_with("line-") {
+            seen.push((line, started.elapsed()));
+        }
+    }
+    assert!(child.wait().await.unwrap().success());
+    let names: Vec<&str> = seen.iter().map(|(l, _)| l.as_str()).collect();
+    assert_eq!(names, ["line-1", "line-2", "line-3"], "each line once, in order");
+    // Printed one second apart, shown one second apart: not all at the end.
+    assert!(seen[2].1 - seen[0].1 >= std::time::Duration::from_millis(1500), "{seen:?}");
+}

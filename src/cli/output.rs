@@ -7,13 +7,15 @@ use super::{record, render, table};
 use crate::pb;
 
 pub(super) enum Printer {
-    Human,
+    /// Whether output lines were shown live (then the final block of
+    /// output is not repeated).
+    Human(std::cell::Cell<bool>),
     Json(JsonEncoder),
 }
 
 impl Printer {
     pub(super) fn new(json: bool) -> anyhow::Result<Self> {
-        Ok(if json { Self::Json(JsonEncoder::new()?) } else { Self::Human })
+        Ok(if json { Self::Json(JsonEncoder::new()?) } else { Self::Human(std::cell::Cell::new(false)) })
     }
 
     /// One event as it arrives; `finished` also prints the raw output in
@@ -21,11 +23,18 @@ impl Printer {
     pub(super) fn event(&self, event: &pb::LifecycleEvent) -> anyhow::Result<()> {
         match self {
             Self::Json(encoder) => write_line(&encoder.line(event)?),
-            Self::Human => {
+            Self::Human(streamed) => {
+                // The harness's own output lines, as they come: as printed.
+                if let Some(pb::lifecycle_event::Kind::Progress(p)) = &event.kind {
+                    if p.kind == "output" && !p.message.is_empty() {
+                        streamed.set(true);
+                        return write_text(&format!("{}\n", p.message));
+                    }
+                }
                 let mut text = render::event_line(event);
                 text.push('\n');
                 if let Some(pb::lifecycle_event::Kind::Finished(f)) = &event.kind {
-                    text.push_str(&render::raw_outputs(f));
+                    text.push_str(&render::raw_outputs(f, streamed.get()));
                 }
                 write_text(&text)
             }
@@ -47,7 +56,7 @@ impl Printer {
     fn either<M: WireMessage>(&self, message: &M, human: impl FnOnce() -> String) -> anyhow::Result<()> {
         match self {
             Self::Json(encoder) => write_line(&encoder.line(message)?),
-            Self::Human => write_text(&human()),
+            Self::Human(_) => write_text(&human()),
         }
     }
 }

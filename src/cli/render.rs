@@ -269,9 +269,13 @@ fn finished_facts(finished: &pb::Finished, facts: &mut Facts) {
 /// The raw harness output and error a `finished` event carries on the
 /// direct caller's stream, printed verbatim after the event line; empty
 /// when there is none.
-pub(super) fn raw_outputs(finished: &pb::Finished) -> String {
+/// The raw output and error of a finished execution; the output is left
+/// out when its lines were shown live already.
+pub(super) fn raw_outputs(finished: &pb::Finished, output_shown: bool) -> String {
     match &finished.record {
-        Some(pb::finished::Record::Execution(e)) => raw_block(&e.tool_output, &e.tool_error),
+        Some(pb::finished::Record::Execution(e)) => {
+            raw_block(if output_shown { "" } else { &e.tool_output }, &e.tool_error)
+        }
         _ => String::new(),
     }
 }

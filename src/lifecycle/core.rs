@@ -584,6 +584,7 @@ impl Core {
         while let Some(event) = next.take() {
             let bytes = match &event {
                 HarnessEvent::Progress { message, .. } => message.len(),
+                HarnessEvent::Output { line } => line.len(),
                 HarnessEvent::ToolUse { tool, .. } => tool.len(),
                 HarnessEvent::OutputTruncated { .. } | HarnessEvent::Gated(_) => 0,
             };
@@ -605,6 +606,10 @@ impl Core {
                     let tool = self.scrubber.scrub(&tool);
                     batch.push((EventKind::Progress { progress_kind: "tool_use".into(), tool, tokens_so_far }, None));
                 }
+                HarnessEvent::Output { line } => batch.push((
+                    EventKind::Progress { progress_kind: "output".into(), tool: String::new(), tokens_so_far: 0 },
+                    Some(RawPart::ProgressMessage(self.scrubber.scrub(&line))),
+                )),
                 HarnessEvent::OutputTruncated { stream, bytes_dropped } => {
                     batch.push((EventKind::OutputTruncated { stream: stream.into(), bytes_dropped }, None));
                 }

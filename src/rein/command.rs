@@ -156,7 +156,16 @@ impl CommandSession {
                 break;
             };
             match parse_line(self.preset, &line, &mut self.parser) {
-                Line::Plain => plain.push_line(&line, dropped),
+                Line::Plain => {
+                    // Live for the direct caller, while it runs; kept for the
+                    // result as well. A line past the output cap is dropped
+                    // from both.
+                    if plain.dropped == 0 && dropped == 0 && plain.text.len() + line.len() < self.max_output {
+                        let text = String::from_utf8_lossy(&line).into_owned();
+                        let _ = dispatch.events.send(HarnessEvent::Output { line: text }).await;
+                    }
+                    plain.push_line(&line, dropped);
+                }
                 Line::Events(events) => {
                     for event in events {
                         // The lifecycle is gone only if it is shutting down.

@@ -75,6 +75,11 @@ pub enum HarnessEvent {
         stream: &'static str,
         bytes_dropped: u64,
     },
+    /// A plain (non-protocol) line of the harness's stdout, as it comes:
+    /// raw output, so only the direct caller sees its text.
+    Output {
+        line: String,
+    },
     /// The harness asked the gate about a tool call (`policy_request`).
     Gated(GateOutcome),
 }
