@@ -33,9 +33,7 @@ enum Command {
     /// cannot run.
     Doctor(DoctorArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
-    Completions {
-        shell: clap_complete::Shell,
-    },
+    Completions { shell: clap_complete::Shell },
     /// Print the man page (roff) on stdout.
     Man,
     #[command(flatten)]
