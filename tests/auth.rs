@@ -101,9 +101,7 @@ async fn no_credentials_or_a_garbage_token_is_unauthenticated_and_health_answers
         let id = "01a2314c-63f1-72ed-b54e-9dacfa3005f8".to_string();
         let codes = vec![
             ex.list_executions(pb::ListExecutionsRequest::default()).await.map(|_| ()),
-            ex.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 })
-                .await
-                .map(|_| ()),
+            ex.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 }).await.map(|_| ()),
             ex.start_execution(start_request("proj-a", "true")).await.map(|_| ()),
             ex.execute(start_request("proj-a", "true")).await.map(|_| ()),
             ex.watch_execution(pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 }).await.map(|_| ()),
@@ -152,9 +150,7 @@ async fn a_principal_sees_and_touches_only_its_own_projects() {
     let listed = a.list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
     assert!(listed.executions.iter().all(|e| e.execution_id != id), "A lists B's execution");
     for status in [
-        a.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 })
-            .await
-            .unwrap_err(),
+        a.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 }).await.unwrap_err(),
         a.watch_execution(pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 }).await.unwrap_err(),
         a.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.unwrap_err(),
     ] {
@@ -162,10 +158,7 @@ async fn a_principal_sees_and_touches_only_its_own_projects() {
     }
     // Its own project: fine. Another project or another type: refused.
     let mine = a.start_execution(start_request("proj-a", "true")).await.unwrap().into_inner();
-    assert!(a
-        .get_execution(pb::GetExecutionRequest { execution_id: mine.execution_id, view: 0 })
-        .await
-        .is_ok());
+    assert!(a.get_execution(pb::GetExecutionRequest { execution_id: mine.execution_id, view: 0 }).await.is_ok());
     let other = a.start_execution(start_request("proj-b", "true")).await.unwrap_err();
     assert_eq!((other.code(), reason(&other).as_str()), (Code::PermissionDenied, "PROJECT_NOT_ALLOWED"));
     let mut claim = start_request("proj-a", "true");
@@ -234,10 +227,7 @@ async fn the_owner_and_adm_get_the_raw_output_and_no_one_else() {
     };
     let mine = owner.get_execution(full.clone()).await.unwrap().into_inner();
     assert!(mine.tool_output.contains("RAW-OUTPUT-5521"), "{mine:?}");
-    let basic = owner
-        .get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 })
-        .await
-        .unwrap();
+    let basic = owner.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 }).await.unwrap();
     assert!(basic.into_inner().tool_output.is_empty(), "BASIC carries no raw output");
     let status = peer.get_execution(full.clone()).await.unwrap_err();
     assert_eq!((status.code(), reason(&status).as_str()), (Code::PermissionDenied, "RAW_OUTPUT_OWNER_ONLY"));

@@ -6,6 +6,8 @@ mod auth;
 mod catalog;
 mod convert;
 mod execution;
+mod limits;
+pub mod page;
 mod session;
 pub mod status;
 mod validate;
@@ -16,6 +18,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 
@@ -41,6 +44,10 @@ pub struct ApiParts {
     pub gate: Arc<Gate>,
     pub repo_roots: Vec<PathBuf>,
     pub shutdown_grace: Duration,
+    /// The server's limits (`[grpc]`).
+    pub grpc: crate::config::GrpcConfig,
+    /// Signs and checks the listings' page tokens.
+    pub page_tokens: Arc<page::PageTokens>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -81,14 +88,19 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         crate::net::protect(addr);
     }
     let streams_end = CancellationToken::new();
-    let execution =
-        ExecutionApi { engine: parts.engine.clone(), repo_roots: parts.repo_roots, shutdown: streams_end.clone() };
+    let execution = ExecutionApi {
+        engine: parts.engine.clone(),
+        repo_roots: parts.repo_roots,
+        shutdown: streams_end.clone(),
+        page_tokens: parts.page_tokens.clone(),
+    };
     let sessions = SessionApi {
         engine: parts.engine.clone(),
         repo_roots: execution.repo_roots.clone(),
         shutdown: streams_end.clone(),
+        page_tokens: parts.page_tokens,
     };
-    let catalog = CatalogApi { catalog: parts.catalog, gate: parts.gate };
+    let catalog = CatalogApi { catalog: parts.catalog, gate: parts.gate, repo_roots: execution.repo_roots.clone() };
 
     let engine = parts.engine;
     let grace = parts.shutdown_grace;
@@ -105,15 +117,25 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         tracing::info!("drained");
     };
 
+    // ---- Server limits (`[grpc]`): streams per connection, keepalive, and
+    // each corral service's message sizes. Nothing else in this block.
+    let grpc = &parts.grpc;
+    let builder = limits::server(Server::builder(), grpc);
+    let execution = limits::sized!(ExecutionServiceServer::new(execution), grpc);
+    let catalog = limits::sized!(CatalogServiceServer::new(catalog), grpc);
+    let sessions = limits::sized!(SessionServiceServer::new(sessions), grpc);
+    // ---- end of server limits.
+
     // Health and reflection stay open; every corral RPC needs a principal.
     let authenticate = auth::Authenticate(parts.authenticator);
-    let router = Server::builder()
+    let mut builder = builder;
+    let router = builder
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(ExecutionServiceServer::with_interceptor(execution, authenticate.clone()))
-        .add_service(CatalogServiceServer::with_interceptor(catalog, authenticate.clone()))
-        .add_service(SessionServiceServer::with_interceptor(sessions, authenticate));
+        .add_service(InterceptedService::new(execution, authenticate.clone()))
+        .add_service(InterceptedService::new(catalog, authenticate.clone()))
+        .add_service(InterceptedService::new(sessions, authenticate));
     let unix = match parts.unix_socket {
         Some((path, group)) => Some(bind_unix(&path, group)?),
         None => None,
