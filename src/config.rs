@@ -68,7 +68,8 @@ pub struct Config {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GrpcConfig {
-    /// The largest request message accepted (RESOURCE_EXHAUSTED beyond).
+    /// The largest request message accepted (beyond it tonic answers
+    /// OUT_OF_RANGE, naming the limit).
     pub max_recv_message_bytes: usize,
     /// The largest response message sent. A `finished` event is kept under
     /// it: the raw output riding on it is cut to fit, and an
