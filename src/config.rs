@@ -106,21 +106,21 @@ impl Default for GrpcConfig {
 }
 
 impl GrpcConfig {
-    /// The smallest message limit: a request with every field at its
-    /// largest (a 256 KiB description, ...) and a `finished` record must fit.
-    pub const MIN_MESSAGE_BYTES: usize = 1 << 20;
+    /// The smallest request limit: a request with every field at its
+    /// largest (a 256 KiB description, 32 policies of 16 KiB, ...) fits.
+    pub const MIN_RECV_BYTES: usize = 1 << 20;
+    /// The smallest response limit: a progress event carries a harness
+    /// line of up to 1 MiB, and a `finished` record needs room of its own.
+    pub const MIN_SEND_BYTES: usize = 2 << 20;
 
     fn validate(&self) -> Result<(), (String, String)> {
         let key = |name: &str| format!("grpc.{name}");
-        for (name, value) in [
-            ("max_recv_message_bytes", self.max_recv_message_bytes),
-            ("max_send_message_bytes", self.max_send_message_bytes),
+        for (name, value, min) in [
+            ("max_recv_message_bytes", self.max_recv_message_bytes, Self::MIN_RECV_BYTES),
+            ("max_send_message_bytes", self.max_send_message_bytes, Self::MIN_SEND_BYTES),
         ] {
-            if !(Self::MIN_MESSAGE_BYTES..=1 << 30).contains(&value) {
-                return Err((
-                    key(name),
-                    format!("{value} must be between {} and {}", Self::MIN_MESSAGE_BYTES, 1 << 30),
-                ));
+            if !(min..=1 << 30).contains(&value) {
+                return Err((key(name), format!("{value} must be between {min} and {}", 1 << 30)));
             }
         }
         if self.max_concurrent_streams == 0 {

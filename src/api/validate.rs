@@ -30,7 +30,7 @@ pub const MAX_PATH: usize = 4096;
 pub const MAX_PAGE: u32 = 500;
 pub const DEFAULT_PAGE: u32 = 50;
 pub const MAX_POLICIES: usize = 32;
-pub const MAX_POLICY_ARGUMENTS: usize = 64 * 1024;
+pub const MAX_POLICY_ARGUMENTS: usize = 16 * 1024;
 pub const MAX_SELECTORS: usize = 16;
 /// A tool call's JSON arguments.
 pub const MAX_ARGUMENTS: usize = 256 * 1024;
