@@ -612,16 +612,26 @@ async fn watchers_are_bounded_and_a_deadline_ends_a_stream() {
             Err(status) => panic!("the place was not given back: {status:?}"),
         }
     };
-    drop(_a2);
+    drop((_a2, _b1, _b2));
 
     // A stream with a deadline ends with DEADLINE_EXCEEDED when it passes;
-    // the execution goes on.
+    // the execution goes on. (The watchers just dropped give their places
+    // back as the daemon notices they are gone.)
     let mut e = c.exec.clone();
     let deadline_watch = async {
-        let mut req = tonic::Request::new(pb::WatchRequest { execution_id: a.clone(), after_sequence: 0 });
-        req.set_timeout(Duration::from_millis(500));
-        let t = Instant::now();
-        let mut stream = e.watch_execution(req).await.expect("watch with a deadline").into_inner();
+        let until = Instant::now() + Duration::from_secs(10);
+        let (t, mut stream) = loop {
+            let mut req = tonic::Request::new(pb::WatchRequest { execution_id: a.clone(), after_sequence: 0 });
+            req.set_timeout(Duration::from_millis(500));
+            let t = Instant::now();
+            match e.watch_execution(req).await {
+                Ok(stream) => break (t, stream.into_inner()),
+                Err(status) if status.code() == Code::ResourceExhausted && Instant::now() < until => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(status) => panic!("watch with a deadline: {status:?}"),
+            }
+        };
         let ended = loop {
             match stream.message().await {
                 Ok(Some(_)) => continue,
@@ -639,7 +649,6 @@ async fn watchers_are_bounded_and_a_deadline_ends_a_stream() {
     for id in [&a, &b] {
         c.exec.clone().cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.unwrap();
     }
-    drop((_b1, _b2));
     daemon.stop().await;
 }
 
@@ -845,4 +854,42 @@ fn arbitrary_requests_never_panic_and_rejected_ones_store_nothing() {
     let sandboxes = runtime.block_on(rows(&daemon)).into_iter().find(|(t, _)| *t == "sandboxes").unwrap().1;
     assert_eq!(sandboxes, 0);
     runtime.block_on(daemon.stop());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unary_deadline_never_leaves_a_half_made_session() {
+    common::require_bwrap();
+    let daemon =
+        TestDaemon::start(Options { config: Box::new(|c| c.max_running_sessions = 1), ..Options::default() }).await;
+    let c = Clients::new(&daemon).await;
+    let mut req = tonic::Request::new(pb::CreateSessionRequest { session_id: "hurried".into(), ..session_request() });
+    req.set_timeout(Duration::from_millis(1));
+    let status = c.sessions.clone().create_session(req).await.expect_err("past its deadline");
+    assert!(matches!(status.code(), Code::Cancelled | Code::DeadlineExceeded), "{status:?}");
+    // The start goes on without the caller, to a whole session.
+    let get = || {
+        let mut s = c.sessions.clone();
+        async move { s.get_session(pb::GetSessionRequest { session_id: "hurried".into() }).await }
+    };
+    let until = Instant::now() + Duration::from_secs(30);
+    let state = loop {
+        match get().await {
+            Ok(session) if session.get_ref().state != pb::SessionState::Starting as i32 => {
+                break session.into_inner().state
+            }
+            _ if Instant::now() < until => tokio::time::sleep(Duration::from_millis(50)).await,
+            other => panic!("the session never settled: {other:?}"),
+        }
+    };
+    assert_eq!(state, pb::SessionState::Active as i32);
+    let busy = c.sessions.clone().create_session(session_request()).await.expect_err("its slot is held");
+    assert_eq!(busy.code(), Code::ResourceExhausted, "{busy:?}");
+    let ended = c.sessions.clone().end_session(pb::EndSessionRequest { session_id: "hurried".into() }).await.unwrap();
+    assert_eq!(ended.into_inner().state, pb::SessionState::Ended as i32);
+    // Its admission slot came back exactly once.
+    let req = pb::CreateSessionRequest { session_id: "hurried-2".into(), ..session_request() };
+    let again = c.sessions.clone().create_session(req).await.expect("room again").into_inner();
+    c.sessions.clone().end_session(pb::EndSessionRequest { session_id: again.session_id }).await.unwrap();
+    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+    daemon.stop().await;
 }

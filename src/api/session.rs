@@ -147,7 +147,12 @@ impl SessionService for SessionApi {
         let req = request.into_inner();
         validate::id("session_id", &req.session_id)?;
         self.visible(&principal, &req.session_id).await?;
-        let record = self.engine.end_session(&req.session_id, EndReason::Requested).await?;
+        // Teardown belongs to the engine, not to this call: a caller that
+        // goes away (or whose deadline passes) mid-teardown must not leave a
+        // sandbox half destroyed.
+        let (engine, id) = (self.engine.clone(), req.session_id.clone());
+        let ending = tokio::spawn(async move { engine.end_session(&id, EndReason::Requested).await });
+        let record = ending.await.map_err(|_| Status::internal("ending the session failed"))??;
         audit(&principal, "EndSession", &req.session_id);
         Ok(Response::new(convert::session(&record, None)))
     }
