@@ -670,6 +670,8 @@ timeout_seconds = 60
 "#;
     let daemon =
         TestDaemon::start(Options { profiles: vec![("big.toml".into(), profile.into())], ..Options::default() }).await;
+    // The daemon answers on its socket before the client runs.
+    let c = Clients::new(&daemon).await;
     let server = format!("unix://{}", daemon.socket().display());
     let args =
         ["--server", &server, "--json", "exec", "--profile", "test.big-output", "--title", "t", "--description", "d"];
@@ -693,7 +695,6 @@ timeout_seconds = 60
     assert!(text.contains("tool_output"), "no output_truncated for tool_output in {:.3000}", text);
 
     // The record holds the same, cut output for its owner.
-    let c = Clients::new(&daemon).await;
     let list = c.exec.clone().list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
     let id = list.executions[0].execution_id.clone();
     let full = c.exec.clone().get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 2 }).await;
