@@ -207,8 +207,8 @@ async fn every_malformed_field_of_every_rpc_is_invalid_argument_and_stores_nothi
             let mut req = request(FAKE, "NOWORK");
             set(&mut req, value.clone());
             let shown = format!("{value:.40?}");
-            add(format!("StartExecution {field}={shown}"), *field, start_execution(&c, req.clone()));
-            add(format!("Execute {field}={shown}"), *field, execute(&c, req));
+            add(format!("StartExecution {field}={shown}"), field, start_execution(&c, req.clone()));
+            add(format!("Execute {field}={shown}"), field, execute(&c, req));
         }
     }
     // Records by id.
