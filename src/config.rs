@@ -72,6 +72,86 @@ pub struct Config {
     /// Names this daemon in a shared store (default: host name and data
     /// directory): recovery and hub delivery only touch its own rows.
     pub node_id: Option<String>,
+    /// The server's limits: message sizes, streams, keepalive, watchers.
+    pub grpc: GrpcConfig,
+}
+
+/// The `[grpc]` section: what one client can ask of the server.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcConfig {
+    /// The largest request message accepted (beyond it tonic answers
+    /// OUT_OF_RANGE, naming the limit).
+    pub max_recv_message_bytes: usize,
+    /// The largest response message sent. A `finished` event is kept under
+    /// it: the raw output riding on it is cut to fit, and an
+    /// `output_truncated` event says how much was dropped.
+    pub max_send_message_bytes: usize,
+    /// Streams (calls) at once on one HTTP/2 connection.
+    pub max_concurrent_streams: u32,
+    /// An HTTP/2 PING to each connection this often (0: never), so dead
+    /// peers are noticed and their streams ended.
+    pub keepalive_interval_seconds: u64,
+    /// A PING unanswered this long closes the connection.
+    pub keepalive_timeout_seconds: u64,
+    /// Watch streams on one execution or session at once; more are refused
+    /// with RESOURCE_EXHAUSTED.
+    pub max_watchers_per_subject: usize,
+    /// Watch streams in total.
+    pub max_watchers: usize,
+}
+
+impl Default for GrpcConfig {
+    fn default() -> Self {
+        GrpcConfig {
+            // What gRPC clients accept by default: a larger response would
+            // be refused by a client left at its defaults.
+            max_recv_message_bytes: 4 << 20,
+            max_send_message_bytes: 4 << 20,
+            max_concurrent_streams: 256,
+            keepalive_interval_seconds: 60,
+            keepalive_timeout_seconds: 20,
+            max_watchers_per_subject: 2048,
+            max_watchers: 16384,
+        }
+    }
+}
+
+impl GrpcConfig {
+    /// The smallest request limit: a request with every field at its
+    /// largest (a 256 KiB description, 32 policies of 16 KiB, ...) fits.
+    pub const MIN_RECV_BYTES: usize = 1 << 20;
+    /// The smallest response limit: a progress event carries a harness
+    /// line of up to 1 MiB, and a `finished` record needs room of its own.
+    pub const MIN_SEND_BYTES: usize = 2 << 20;
+
+    fn validate(&self) -> Result<(), (String, String)> {
+        let key = |name: &str| format!("grpc.{name}");
+        for (name, value, min) in [
+            ("max_recv_message_bytes", self.max_recv_message_bytes, Self::MIN_RECV_BYTES),
+            ("max_send_message_bytes", self.max_send_message_bytes, Self::MIN_SEND_BYTES),
+        ] {
+            if !(min..=1 << 30).contains(&value) {
+                return Err((key(name), format!("{value} must be between {min} and {}", 1 << 30)));
+            }
+        }
+        if self.max_concurrent_streams == 0 {
+            return Err((key("max_concurrent_streams"), "must be greater than 0".into()));
+        }
+        if self.keepalive_interval_seconds > 0 && self.keepalive_timeout_seconds == 0 {
+            return Err((key("keepalive_timeout_seconds"), "must be greater than 0 when keepalive is on".into()));
+        }
+        if self.max_watchers == 0 || self.max_watchers_per_subject == 0 {
+            return Err((
+                key("max_watchers"),
+                "max_watchers and max_watchers_per_subject must be greater than 0".into(),
+            ));
+        }
+        if self.max_watchers_per_subject > self.max_watchers {
+            return Err((key("max_watchers_per_subject"), "must not be greater than max_watchers".into()));
+        }
+        Ok(())
+    }
 }
 
 /// The `[git]` section: the capture of a workspace at the end of a run.
@@ -128,6 +208,7 @@ impl Default for Config {
             harness: crate::catalog::HarnessConfig::default(),
             metrics_listen: None,
             node_id: None,
+            grpc: GrpcConfig::default(),
         }
     }
 }
@@ -287,6 +368,7 @@ impl Config {
             hub.validate().map_err(|(key, message)| invalid(&key, message))?;
         }
         self.credentials.validate().map_err(|(key, message)| invalid(&key, message))?;
+        self.grpc.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.sandbox.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.harness.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {
@@ -342,5 +424,20 @@ mod tests {
         assert!(err.contains("bad.toml") && err.contains("lisen"), "{err}");
         let config = Config { listen: "nowhere".into(), ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("listen"));
+    }
+
+    #[test]
+    fn server_limits_are_checked() {
+        assert!(Config::default().validate().is_ok());
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("limits.toml");
+        std::fs::write(&file, "[grpc]\nmax_send_message_bytes = 1024\n").unwrap();
+        let err = Config::from_file(&file).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("grpc.max_send_message_bytes"), "{err}");
+        std::fs::write(&file, "[grpc]\nmax_watchers = 10\nmax_watchers_per_subject = 11\n").unwrap();
+        let err = Config::from_file(&file).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("grpc.max_watchers_per_subject"), "{err}");
+        std::fs::write(&file, "[grpc]\nmax_streams = 1\n").unwrap();
+        assert!(Config::from_file(&file).unwrap_err().to_string().contains("max_streams"));
     }
 }

@@ -36,6 +36,7 @@ pub enum StartError {
 
 pub struct Daemon {
     pub authenticator: Arc<crate::auth::Authenticator>,
+    pub page_tokens: Arc<crate::api::page::PageTokens>,
     pub config: Config,
     pub engine: Arc<Engine>,
     pub catalog: Arc<Catalog>,
@@ -93,6 +94,9 @@ impl Daemon {
             credentials: Arc::new(config.credentials.clone()),
             max_running: config.max_running_executions,
             max_sessions: config.max_running_sessions,
+            max_watchers_per_subject: config.grpc.max_watchers_per_subject,
+            max_watchers: config.grpc.max_watchers,
+            max_message_bytes: config.grpc.max_send_message_bytes,
             git: config.git.clone(),
             uid_range: match uid_mode {
                 UidMode::PerSandbox(range) => Some(range),
@@ -109,7 +113,10 @@ impl Daemon {
         let retention = Duration::from_secs(config.event_retention_seconds);
         engine.spawn_compactor(retention, (retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(3600)));
         let authenticator = Arc::new(authenticator(&config)?);
-        Ok(Daemon { authenticator, config, engine, catalog, gate })
+        // Kept in the data directory, so page tokens survive a restart.
+        let page_tokens = crate::api::page::PageTokens::load_or_create(&data_dir.join("page-token.key"))
+            .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
+        Ok(Daemon { authenticator, page_tokens: Arc::new(page_tokens), config, engine, catalog, gate })
     }
 
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<(), StartError> {
@@ -127,6 +134,8 @@ impl Daemon {
             gate: self.gate,
             repo_roots: self.config.repo_roots.clone(),
             shutdown_grace: Duration::from_secs(self.config.shutdown_grace_seconds),
+            grpc: self.config.grpc.clone(),
+            page_tokens: self.page_tokens,
         };
         api::serve(parts, listener, shutdown).await?;
         Ok(())

@@ -1,6 +1,7 @@
 //! CatalogService: what the daemon knows, and dry runs of resolution and
 //! the gate with exactly the rules an execution uses.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use tonic::{Code, Request, Response, Status};
@@ -15,6 +16,7 @@ use crate::policy::{Gate, GateInput, Phase};
 pub struct CatalogApi {
     pub catalog: Arc<Catalog>,
     pub gate: Arc<Gate>,
+    pub repo_roots: Vec<PathBuf>,
 }
 
 /// A resolution refusal as a status: FAILED_PRECONDITION with the reason.
@@ -40,7 +42,10 @@ impl CatalogService for CatalogApi {
     async fn get_profile(&self, request: Request<pb::GetProfileRequest>) -> Result<Response<pb::Profile>, Status> {
         let req = request.into_inner();
         validate::profile_ref("ref", &req.r#ref)?;
-        let profile = self.catalog.lookup(&req.r#ref).map_err(|r| Status::not_found(r.0))?;
+        let profile = self
+            .catalog
+            .lookup(&req.r#ref)
+            .map_err(|r| status::with_reason(Code::NotFound, r.0, "NOT_FOUND", vec![]))?;
         Ok(Response::new(convert::profile(&profile)))
     }
 
@@ -50,6 +55,7 @@ impl CatalogService for CatalogApi {
     ) -> Result<Response<pb::ResolveProfileResponse>, Status> {
         let req = request.into_inner();
         validate::profile_ref("ref", &req.r#ref)?;
+        validate::token("actor", &req.actor)?;
         if !req.actor.is_empty() {
             check_actor(&req.actor).map_err(refused)?;
         }
@@ -66,16 +72,16 @@ impl CatalogService for CatalogApi {
     ) -> Result<Response<pb::EvaluateGateResponse>, Status> {
         let principal = super::auth::caller(&request)?;
         let req = request.into_inner();
-        validate::profile_ref("profile_ref", &req.profile_ref)?;
+        let (repo, specs) = validate::evaluate_gate(&req, &self.repo_roots).await?;
         check_actor(&req.actor).map_err(refused)?;
         let profile = self.catalog.resolve(&req.profile_ref).map_err(refused)?;
-        let session_policies = super::session::session_policies(&principal, &req.policies)?;
+        let session_policies = super::session::session_policies(&principal, specs)?;
         let outcome = self.gate.evaluate(&GateInput {
             phase: Phase::AgentStart,
             profile_ref: &profile.reference(),
             actor: &req.actor,
             project: &req.project,
-            repo: &req.repo,
+            repo: &repo,
             sandbox: &profile.file.sandbox,
             limits: &profile.file.limits.sandbox(),
             timeout_seconds: profile.file.limits.timeout_seconds,

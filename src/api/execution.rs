@@ -12,7 +12,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use super::auth::{audit, caller, denied, not_visible};
-use super::{convert, status, validate};
+use super::page::PageTokens;
+use super::{convert, limits, status, validate};
 use crate::lifecycle::{Engine, Lagged, Subscription};
 use crate::pb;
 use crate::pb::execution_service_server::ExecutionService;
@@ -24,14 +25,13 @@ pub struct ExecutionApi {
     pub engine: Arc<Engine>,
     pub repo_roots: Vec<PathBuf>,
     pub shutdown: CancellationToken,
+    pub page_tokens: Arc<PageTokens>,
 }
 
-const DEFAULT_PAGE: u32 = 50;
-const MAX_PAGE: u32 = 500;
-
-/// Pumps a subscription into a response stream on its own task.
-pub fn event_stream(subscription: Subscription, shutdown: CancellationToken) -> EventStream {
-    event_stream_with(subscription, shutdown, None)
+/// Pumps a subscription into a response stream on its own task, until the
+/// subject ends, the daemon stops, or the caller's deadline passes.
+pub fn event_stream(subscription: Subscription, shutdown: CancellationToken, deadline: Option<Instant>) -> EventStream {
+    event_stream_with(subscription, shutdown, deadline, None)
 }
 
 /// How long a client may read nothing while it is further behind than the
@@ -46,9 +46,14 @@ const STALL: Duration = Duration::from_secs(1);
 /// the live buffer is ended with RESOURCE_EXHAUSTED and the last sequence it
 /// was sent, so it can resume. One slot of the channel is kept free for
 /// that final status, since the client is not draining it.
+///
+/// A call with a deadline (`grpc-timeout`) ends with DEADLINE_EXCEEDED and
+/// the last sequence sent when it passes; for the caller that is the call
+/// going away, so `on_disconnect` runs as if it had disconnected.
 pub fn event_stream_with(
     mut subscription: Subscription,
     shutdown: CancellationToken,
+    deadline: Option<Instant>,
     on_disconnect: Option<Box<dyn FnOnce() + Send>>,
 ) -> EventStream {
     let (tx, rx) = mpsc::channel(17);
@@ -67,6 +72,13 @@ pub fn event_stream_with(
                 callback();
             }
         };
+        let expired = async move {
+            match deadline {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(expired);
         let mut sent = subscription.last_sequence();
         loop {
             let next = tokio::select! {
@@ -77,6 +89,12 @@ pub fn event_stream_with(
                         "daemon shutting down; resume with after_sequence = {sent}"
                     ))));
                     return;
+                }
+                _ = &mut expired => {
+                    let _ = tx.try_send(Err(Status::deadline_exceeded(format!(
+                        "the call's deadline passed; resume with after_sequence = {sent}"
+                    ))));
+                    return disconnected(on_disconnect);
                 }
             };
             let (message, sequence) = match next {
@@ -152,6 +170,7 @@ impl ExecutionService for ExecutionApi {
 
     async fn execute(&self, request: Request<pb::ExecuteRequest>) -> Result<Response<EventStream>, Status> {
         let principal = caller(&request)?;
+        let deadline = limits::deadline(&request);
         let request = request.into_inner();
         let cancel_on_disconnect = request.cancel_on_disconnect;
         let cmd = self.command(&principal, request).await?;
@@ -169,7 +188,7 @@ impl ExecutionService for ExecutionApi {
         } else {
             None
         };
-        Ok(Response::new(event_stream_with(submitted.subscription, self.shutdown.clone(), on_disconnect)))
+        Ok(Response::new(event_stream_with(submitted.subscription, self.shutdown.clone(), deadline, on_disconnect)))
     }
 
     async fn start_execution(&self, request: Request<pb::ExecuteRequest>) -> Result<Response<pb::Execution>, Status> {
@@ -182,11 +201,12 @@ impl ExecutionService for ExecutionApi {
 
     async fn watch_execution(&self, request: Request<pb::WatchRequest>) -> Result<Response<EventStream>, Status> {
         let principal = caller(&request)?;
+        let deadline = limits::deadline(&request);
         let req = request.into_inner();
-        validate::execution_id(&req.execution_id)?;
+        validate::id("execution_id", &req.execution_id)?;
         self.visible(&principal, &req.execution_id).await?;
         let subscription = self.engine.watch(&req.execution_id, req.after_sequence).await?;
-        Ok(Response::new(event_stream(subscription, self.shutdown.clone())))
+        Ok(Response::new(event_stream(subscription, self.shutdown.clone(), deadline)))
     }
 
     async fn get_execution(
@@ -195,9 +215,10 @@ impl ExecutionService for ExecutionApi {
     ) -> Result<Response<pb::Execution>, Status> {
         let principal = caller(&request)?;
         let req = request.into_inner();
-        validate::execution_id(&req.execution_id)?;
+        validate::id("execution_id", &req.execution_id)?;
+        let full = validate::view(req.view)?;
         let record = self.visible(&principal, &req.execution_id).await?;
-        if req.view == pb::ExecutionView::Full as i32 {
+        if full {
             if !principal.may_read_raw(&record.consumer.principal) {
                 return Err(denied(crate::auth::Denied {
                     reason: "RAW_OUTPUT_OWNER_ONLY",
@@ -216,32 +237,20 @@ impl ExecutionService for ExecutionApi {
     ) -> Result<Response<pb::ListExecutionsResponse>, Status> {
         let principal = caller(&request)?;
         let req = request.into_inner();
-        let state = validate::state_filter(req.state)?;
-        if req.page_size > MAX_PAGE {
-            return Err(status::invalid_argument("page_size", format!("at most {MAX_PAGE}")));
-        }
-        if !req.page_token.is_empty() {
-            validate::execution_id(&req.page_token)
-                .map_err(|_| status::invalid_argument("page_token", "not a page token"))?;
-        }
-        for (field, value) in [("profile", &req.profile), ("actor", &req.actor), ("project", &req.project)] {
-            if value.len() > validate::MAX_REF {
-                return Err(status::invalid_argument(field, format!("at most {} bytes", validate::MAX_REF)));
-            }
-        }
-        let limit = if req.page_size == 0 { DEFAULT_PAGE } else { req.page_size };
+        let listing = validate::list_executions(&req, &self.page_tokens)?;
         let filter = ExecutionFilter {
-            state,
+            state: listing.state,
             profile: req.profile,
             actor: req.actor,
             project: req.project,
-            before_id: req.page_token,
+            before_id: listing.before_id,
             projects: principal.visible_projects(),
-            limit,
+            limit: listing.limit,
         };
         let records = self.engine.list(&filter).await?;
-        let next_page_token = if records.len() == limit as usize {
-            records.last().map(|r| r.execution_id.clone()).unwrap_or_default()
+        let next_page_token = if records.len() == filter.limit as usize {
+            let last = records.last().map(|r| r.execution_id.as_str()).unwrap_or_default();
+            self.page_tokens.issue(validate::EXECUTIONS, &listing.scope, last)
         } else {
             String::new()
         };
@@ -257,7 +266,7 @@ impl ExecutionService for ExecutionApi {
     ) -> Result<Response<pb::Execution>, Status> {
         let principal = caller(&request)?;
         let req = request.into_inner();
-        validate::execution_id(&req.execution_id)?;
+        validate::id("execution_id", &req.execution_id)?;
         self.visible(&principal, &req.execution_id).await?;
         let record = self.engine.cancel(&req.execution_id).await?;
         audit(&principal, "CancelExecution", &req.execution_id);

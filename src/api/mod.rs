@@ -6,6 +6,8 @@ mod auth;
 mod catalog;
 mod convert;
 mod execution;
+mod limits;
+pub mod page;
 mod session;
 pub mod status;
 mod validate;
@@ -16,6 +18,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 
@@ -43,6 +46,10 @@ pub struct ApiParts {
     pub gate: Arc<Gate>,
     pub repo_roots: Vec<PathBuf>,
     pub shutdown_grace: Duration,
+    /// The server's limits (`[grpc]`).
+    pub grpc: crate::config::GrpcConfig,
+    /// Signs and checks the listings' page tokens.
+    pub page_tokens: Arc<page::PageTokens>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -83,14 +90,19 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         crate::net::protect(addr);
     }
     let streams_end = CancellationToken::new();
-    let execution =
-        ExecutionApi { engine: parts.engine.clone(), repo_roots: parts.repo_roots, shutdown: streams_end.clone() };
+    let execution = ExecutionApi {
+        engine: parts.engine.clone(),
+        repo_roots: parts.repo_roots,
+        shutdown: streams_end.clone(),
+        page_tokens: parts.page_tokens.clone(),
+    };
     let sessions = SessionApi {
         engine: parts.engine.clone(),
         repo_roots: execution.repo_roots.clone(),
         shutdown: streams_end.clone(),
+        page_tokens: parts.page_tokens,
     };
-    let catalog = CatalogApi { catalog: parts.catalog, gate: parts.gate };
+    let catalog = CatalogApi { catalog: parts.catalog, gate: parts.gate, repo_roots: execution.repo_roots.clone() };
 
     let engine = parts.engine;
     let grace = parts.shutdown_grace;
@@ -107,16 +119,26 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         tracing::info!("drained");
     };
 
+    // ---- Server limits (`[grpc]`): streams per connection, keepalive, and
+    // each corral service's message sizes. Nothing else in this block.
+    let grpc = &parts.grpc;
+    let builder = limits::server(Server::builder(), grpc);
+    let execution = limits::sized!(ExecutionServiceServer::new(execution), grpc);
+    let catalog = limits::sized!(CatalogServiceServer::new(catalog), grpc);
+    let sessions = limits::sized!(SessionServiceServer::new(sessions), grpc);
+    // ---- end of server limits.
+
     // Health and reflection stay open; every corral RPC needs a principal.
     let authenticate = auth::Authenticate(parts.authenticator);
     let routes = tonic::service::Routes::new(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(ExecutionServiceServer::with_interceptor(execution, authenticate.clone()))
-        .add_service(CatalogServiceServer::with_interceptor(catalog, authenticate.clone()))
-        .add_service(SessionServiceServer::with_interceptor(sessions, authenticate));
-    // TLS (and mTLS) on TCP; the unix socket is local and plain.
-    let mut tcp_server = Server::builder();
+        .add_service(InterceptedService::new(execution, authenticate.clone()))
+        .add_service(InterceptedService::new(catalog, authenticate.clone()))
+        .add_service(InterceptedService::new(sessions, authenticate));
+    // TLS (and mTLS) on TCP; the unix socket is local and plain. Both get
+    // the same server limits.
+    let mut tcp_server = builder;
     if let Some(tls) = parts.tls {
         tcp_server = tcp_server.tls_config(tls)?;
     }
@@ -138,7 +160,7 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
     match unix {
         Some((listener, path)) => {
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-            let on_unix = Server::builder()
+            let on_unix = limits::server(Server::builder(), grpc)
                 .add_routes(routes)
                 .serve_with_incoming_shutdown(incoming, drain_done.cancelled_owned());
             let (a, b) = tokio::join!(tcp, on_unix);

@@ -1,23 +1,45 @@
-//! Input validation at the edge: sizes, references, paths, enums. A bad
-//! request is refused before anything is stored or created.
+//! Input validation at the edge: the one module that knows each field's
+//! grammar — profile references (`id` or `id@semver`, the catalog's own
+//! rule), ids, client tokens, text, repository paths, enums, page sizes and
+//! tokens, policies and tool calls. Every RPC of every service checks its
+//! request here first, so the same bad value gets the same INVALID_ARGUMENT
+//! naming the field (in `google.rpc.BadRequest`), before anything is stored
+//! or created.
 
-use std::path::{Component, Path};
+use std::path::{Component, Path, PathBuf};
 
+use serde_json::Value;
 use tonic::Status;
 
+use super::page::PageTokens;
 use super::status::invalid_argument;
+use crate::catalog::ProfileRef;
 use crate::lifecycle::{ExecuteCommand, ExecutionState};
 use crate::pb;
+use crate::policy::PolicySpec;
 
 pub const MAX_TITLE: usize = 1024;
 pub const MAX_DESCRIPTION: usize = 256 * 1024;
+/// Ids and client tokens (request ids, actors, projects): far above any
+/// real identifier. An actor string that is no governed type is refused at
+/// resolution with the contract's sentence, whatever its length up to this.
 pub const MAX_ID: usize = 128;
+/// A reference: a profile id, `@`, and a version.
 pub const MAX_REF: usize = 200;
 pub const MAX_PATH: usize = 4096;
+pub const MAX_PAGE: u32 = 500;
+pub const DEFAULT_PAGE: u32 = 50;
+pub const MAX_POLICIES: usize = 32;
+pub const MAX_POLICY_ARGUMENTS: usize = 16 * 1024;
+pub const MAX_SELECTORS: usize = 16;
+/// A tool call's JSON arguments.
+pub const MAX_ARGUMENTS: usize = 256 * 1024;
 
-pub fn id_like(field: &str, value: &str, max: usize) -> Result<(), Status> {
-    if value.len() > max {
-        return Err(invalid_argument(field, format!("at most {max} bytes")));
+/// A client token (request id, correlation id, actor, project, ...):
+/// empty, or up to `MAX_ID` bytes of printable ASCII without spaces.
+pub fn token(field: &str, value: &str) -> Result<(), Status> {
+    if value.len() > MAX_ID {
+        return Err(invalid_argument(field, format!("at most {MAX_ID} bytes, got {}", value.len())));
     }
     if !value.chars().all(|c| c.is_ascii_graphic()) {
         return Err(invalid_argument(field, "printable ASCII without spaces only"));
@@ -25,20 +47,27 @@ pub fn id_like(field: &str, value: &str, max: usize) -> Result<(), Status> {
     Ok(())
 }
 
-pub fn profile_ref(field: &str, value: &str) -> Result<(), Status> {
+/// An id naming a record (execution, session): a non-empty token.
+pub fn id(field: &str, value: &str) -> Result<(), Status> {
+    if value.is_empty() {
+        return Err(invalid_argument(field, "must not be empty"));
+    }
+    token(field, value)
+}
+
+/// A profile reference: `id` or `id@version`, the catalog's grammar.
+pub fn profile_ref(field: &str, value: &str) -> Result<ProfileRef, Status> {
     if value.is_empty() {
         return Err(invalid_argument(field, "must not be empty"));
     }
     if value.len() > MAX_REF {
-        return Err(invalid_argument(field, format!("at most {MAX_REF} bytes")));
+        return Err(invalid_argument(field, format!("at most {MAX_REF} bytes, got {}", value.len())));
     }
-    if !value.chars().all(|c| c.is_ascii_alphanumeric() || "._-@+".contains(c)) {
-        return Err(invalid_argument(field, "use `id` or `id@version` (letters, digits, . _ - @ +)"));
-    }
-    Ok(())
+    ProfileRef::parse(value).map_err(|e| invalid_argument(field, e))
 }
 
-fn text(field: &str, value: &str, max: usize) -> Result<(), Status> {
+/// Free text: bounded, and no NUL (which the store and C tools cut at).
+pub fn text(field: &str, value: &str, max: usize) -> Result<(), Status> {
     if value.len() > max {
         return Err(invalid_argument(field, format!("at most {max} bytes, got {}", value.len())));
     }
@@ -50,42 +79,73 @@ fn text(field: &str, value: &str, max: usize) -> Result<(), Status> {
 
 /// A repository path: absolute, no `..`, under an allowed root once every
 /// symlink is resolved, and a git repository. Returns the canonical path,
-/// which is what the execution uses from then on.
-pub async fn repo(value: &str, roots: &[std::path::PathBuf]) -> Result<String, Status> {
+/// which is what the execution uses from then on; empty stays empty.
+pub async fn repo(field: &str, value: &str, roots: &[PathBuf]) -> Result<String, Status> {
     if value.is_empty() {
         return Ok(String::new());
     }
-    text("repo", value, MAX_PATH)?;
+    text(field, value, MAX_PATH)?;
     let path = Path::new(value);
     if !path.is_absolute() {
-        return Err(invalid_argument("repo", "must be an absolute path"));
+        return Err(invalid_argument(field, "must be an absolute path"));
     }
     if path.components().any(|c| matches!(c, Component::ParentDir)) {
-        return Err(invalid_argument("repo", "must not contain '..'"));
+        return Err(invalid_argument(field, "must not contain '..'"));
     }
-    let canonical = path.canonicalize().map_err(|_| invalid_argument("repo", "does not exist"))?;
-    let under = |root: &std::path::PathBuf| root.canonicalize().is_ok_and(|root| canonical.starts_with(root));
+    let canonical = path.canonicalize().map_err(|_| invalid_argument(field, "does not exist"))?;
+    let under = |root: &PathBuf| root.canonicalize().is_ok_and(|root| canonical.starts_with(root));
     if !roots.is_empty() && !roots.iter().any(under) {
-        return Err(invalid_argument("repo", "is outside the daemon's allowed repository roots"));
+        return Err(invalid_argument(field, "is outside the daemon's allowed repository roots"));
     }
     if !crate::sandbox::workspace::is_git_repo(&canonical).await {
-        return Err(invalid_argument("repo", "is not a git repository"));
+        return Err(invalid_argument(field, "is not a git repository"));
     }
-    canonical.into_os_string().into_string().map_err(|_| invalid_argument("repo", "must be valid UTF-8"))
+    canonical.into_os_string().into_string().map_err(|_| invalid_argument(field, "must be valid UTF-8"))
 }
 
-pub async fn execute_request(req: pb::ExecuteRequest, roots: &[std::path::PathBuf]) -> Result<ExecuteCommand, Status> {
+/// `UNSPECIFIED` means no filter; an unknown number is refused.
+pub fn state_filter(value: i32) -> Result<Option<ExecutionState>, Status> {
+    let state = pb::ExecutionState::try_from(value)
+        .map_err(|_| invalid_argument("state", format!("unknown ExecutionState {value}")))?;
+    Ok(match state {
+        pb::ExecutionState::Unspecified => None,
+        pb::ExecutionState::Pending => Some(ExecutionState::Pending),
+        pb::ExecutionState::Running => Some(ExecutionState::Running),
+        pb::ExecutionState::Succeeded => Some(ExecutionState::Succeeded),
+        pb::ExecutionState::Failed => Some(ExecutionState::Failed),
+        pb::ExecutionState::Refused => Some(ExecutionState::Refused),
+        pb::ExecutionState::Cancelled => Some(ExecutionState::Cancelled),
+    })
+}
+
+/// Whether the full view (raw output) was asked for.
+pub fn view(value: i32) -> Result<bool, Status> {
+    match pb::ExecutionView::try_from(value) {
+        Ok(pb::ExecutionView::Full) => Ok(true),
+        Ok(pb::ExecutionView::Basic | pb::ExecutionView::Unspecified) => Ok(false),
+        Err(_) => Err(invalid_argument("view", format!("unknown ExecutionView {value}"))),
+    }
+}
+
+/// `0` is the default page; more than [`MAX_PAGE`] is refused.
+pub fn page_size(value: u32) -> Result<u32, Status> {
+    match value {
+        0 => Ok(DEFAULT_PAGE),
+        n if n > MAX_PAGE => Err(invalid_argument("page_size", format!("at most {MAX_PAGE}"))),
+        n => Ok(n),
+    }
+}
+
+pub async fn execute_request(req: pb::ExecuteRequest, roots: &[PathBuf]) -> Result<ExecuteCommand, Status> {
     profile_ref("harness_profile_ref", &req.harness_profile_ref)?;
     text("title", &req.title, MAX_TITLE)?;
     text("description", &req.description, MAX_DESCRIPTION)?;
-    id_like("request_id", &req.request_id, MAX_ID)?;
-    id_like("correlation_id", &req.correlation_id, MAX_ID)?;
-    id_like("assignment_ref", &req.assignment_ref, MAX_ID)?;
-    // Well above any real identifier: a queue worker's id is refused at
-    // resolution with the contract's sentence, not here.
-    id_like("actor", &req.actor, MAX_ID)?;
-    id_like("project", &req.project, MAX_ID)?;
-    let repo = repo(&req.repo, roots).await?;
+    token("request_id", &req.request_id)?;
+    token("correlation_id", &req.correlation_id)?;
+    token("assignment_ref", &req.assignment_ref)?;
+    token("actor", &req.actor)?;
+    token("project", &req.project)?;
+    let repo = repo("repo", &req.repo, roots).await?;
     Ok(ExecuteCommand {
         harness_profile_ref: req.harness_profile_ref,
         repo,
@@ -102,24 +162,175 @@ pub async fn execute_request(req: pb::ExecuteRequest, roots: &[std::path::PathBu
     })
 }
 
-pub fn execution_id(value: &str) -> Result<(), Status> {
-    if value.is_empty() {
-        return Err(invalid_argument("execution_id", "must not be empty"));
-    }
-    id_like("execution_id", value, MAX_ID)
+/// `CreateSession`'s fields; returns the canonical repository path and the
+/// policies, checked for shape here and compiled once the caller may pass
+/// them.
+pub async fn create_session(
+    req: &pb::CreateSessionRequest,
+    roots: &[PathBuf],
+) -> Result<(String, Vec<PolicySpec>), Status> {
+    token("session_id", &req.session_id)?;
+    profile_ref("profile_ref", &req.profile_ref)?;
+    token("actor", &req.actor)?;
+    token("project", &req.project)?;
+    let specs = policies(&req.policies)?;
+    Ok((repo("repo", &req.repo, roots).await?, specs))
 }
 
-/// `UNSPECIFIED` means no filter; an unknown number is refused.
-pub fn state_filter(value: i32) -> Result<Option<ExecutionState>, Status> {
-    let state = pb::ExecutionState::try_from(value)
-        .map_err(|_| invalid_argument("state", format!("unknown ExecutionState {value}")))?;
-    Ok(match state {
-        pb::ExecutionState::Unspecified => None,
-        pb::ExecutionState::Pending => Some(ExecutionState::Pending),
-        pb::ExecutionState::Running => Some(ExecutionState::Running),
-        pb::ExecutionState::Succeeded => Some(ExecutionState::Succeeded),
-        pb::ExecutionState::Failed => Some(ExecutionState::Failed),
-        pb::ExecutionState::Refused => Some(ExecutionState::Refused),
-        pb::ExecutionState::Cancelled => Some(ExecutionState::Cancelled),
-    })
+/// `EvaluateGate`'s fields, the same way.
+pub async fn evaluate_gate(
+    req: &pb::EvaluateGateRequest,
+    roots: &[PathBuf],
+) -> Result<(String, Vec<PolicySpec>), Status> {
+    profile_ref("profile_ref", &req.profile_ref)?;
+    token("actor", &req.actor)?;
+    token("project", &req.project)?;
+    let specs = policies(&req.policies)?;
+    Ok((repo("repo", &req.repo, roots).await?, specs))
+}
+
+/// Policies from the wire, in shape: sizes, names, JSON arguments. Whether
+/// they compile is [`crate::policy::compile_all`]'s to say.
+pub fn policies(specs: &[pb::PolicySpec]) -> Result<Vec<PolicySpec>, Status> {
+    if specs.len() > MAX_POLICIES {
+        return Err(invalid_argument("policies", format!("at most {MAX_POLICIES}, got {}", specs.len())));
+    }
+    let mut parsed = Vec::with_capacity(specs.len());
+    for (i, spec) in specs.iter().enumerate() {
+        let field = |name: &str| format!("policies[{i}].{name}");
+        if spec.name.is_empty() {
+            return Err(invalid_argument(&field("name"), "must not be empty"));
+        }
+        text(&field("name"), &spec.name, MAX_ID)?;
+        token(&field("kind"), &spec.kind)?;
+        if spec.on.len() > MAX_SELECTORS {
+            return Err(invalid_argument(&field("on"), format!("at most {MAX_SELECTORS} entries")));
+        }
+        for (j, on) in spec.on.iter().enumerate() {
+            token(&format!("policies[{i}].on[{j}]"), on)?;
+        }
+        text(&field("arguments_json"), &spec.arguments_json, MAX_POLICY_ARGUMENTS)?;
+        let arguments = json_object(&field("arguments_json"), &spec.arguments_json)?;
+        parsed.push(PolicySpec { name: spec.name.clone(), kind: spec.kind.clone(), arguments, on: spec.on.clone() });
+    }
+    Ok(parsed)
+}
+
+/// A JSON object (or nothing, which is `{}`).
+fn json_object(field: &str, text: &str) -> Result<Value, Status> {
+    if text.is_empty() {
+        return Ok(Value::Object(Default::default()));
+    }
+    match serde_json::from_str(text) {
+        Ok(value @ Value::Object(_)) => Ok(value),
+        Ok(_) => Err(invalid_argument(field, "must be a JSON object")),
+        Err(e) => Err(invalid_argument(field, format!("not JSON: {e}"))),
+    }
+}
+
+/// `SendTurn`'s tool call: its name and JSON arguments.
+pub fn tool_call(call: Option<&pb::ToolCall>) -> Result<(String, Value), Status> {
+    let call = call.ok_or_else(|| invalid_argument("tool_call", "is required"))?;
+    id("tool_call.tool", &call.tool)?;
+    text("tool_call.arguments_json", &call.arguments_json, MAX_ARGUMENTS)?;
+    let arguments = if call.arguments_json.is_empty() {
+        Value::Object(Default::default())
+    } else {
+        serde_json::from_str(&call.arguments_json)
+            .map_err(|e| invalid_argument("tool_call.arguments_json", format!("not JSON: {e}")))?
+    };
+    Ok((call.tool.clone(), arguments))
+}
+
+/// A checked `ListExecutions` request.
+pub struct ExecutionListing {
+    pub state: Option<ExecutionState>,
+    pub limit: u32,
+    /// The id the page starts after (exclusive), from the page token.
+    pub before_id: String,
+    /// What a page token of this listing is bound to.
+    pub scope: String,
+}
+
+pub const EXECUTIONS: &str = "executions";
+pub const SESSIONS: &str = "sessions";
+
+pub fn list_executions(req: &pb::ListExecutionsRequest, tokens: &PageTokens) -> Result<ExecutionListing, Status> {
+    let state = state_filter(req.state)?;
+    if !req.profile.is_empty() {
+        profile_ref("profile", &req.profile)?;
+    }
+    token("actor", &req.actor)?;
+    token("project", &req.project)?;
+    let limit = page_size(req.page_size)?;
+    // A token belongs to the filter it was issued for: the same cursor under
+    // another filter would skip or repeat records.
+    let scope = format!("{}\n{}\n{}\n{}", req.state, req.profile, req.actor, req.project);
+    let before_id = tokens.open(EXECUTIONS, &scope, &req.page_token)?;
+    Ok(ExecutionListing { state, limit, before_id, scope })
+}
+
+/// A checked `ListSessions` request: the page size and the id it starts after.
+pub fn list_sessions(req: &pb::ListSessionsRequest, tokens: &PageTokens) -> Result<(u32, String), Status> {
+    let limit = page_size(req.page_size)?;
+    let after_id = tokens.open(SESSIONS, "", &req.page_token)?;
+    Ok((limit, after_id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(status: Status) -> String {
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        status.message().split(':').next().unwrap().to_string()
+    }
+
+    #[test]
+    fn malformed_references_are_invalid_everywhere_they_appear() {
+        for bad in ["", "a@", "@1.0.0", "x@not-semver", "p@1.0.0@2", "a b", "é", "a\0b"] {
+            assert_eq!(field_of(profile_ref("profile_ref", bad).unwrap_err()), "profile_ref", "{bad:?}");
+        }
+        assert!(profile_ref("r", &"a".repeat(MAX_REF + 1)).is_err());
+        assert_eq!(profile_ref("r", "team.a@1.0.0").unwrap().id, "team.a");
+    }
+
+    #[test]
+    fn tokens_ids_and_text() {
+        assert!(token("actor", "").is_ok());
+        assert!(token("actor", "rein-aharness@railiance01").is_ok(), "refused at resolution, not here");
+        for bad in ["a b", "ä", "a\0", "\t"] {
+            assert!(token("actor", bad).is_err(), "{bad:?}");
+        }
+        assert!(token("actor", &"a".repeat(MAX_ID + 1)).is_err());
+        assert!(id("execution_id", "").is_err());
+        assert!(text("title", "naïve title", MAX_TITLE).is_ok());
+        assert!(text("title", "a\0", MAX_TITLE).is_err());
+    }
+
+    #[test]
+    fn enums_and_pages() {
+        assert_eq!(state_filter(0).unwrap(), None);
+        assert_eq!(field_of(state_filter(99).unwrap_err()), "state");
+        assert!(view(2).unwrap() && !view(0).unwrap());
+        assert_eq!(field_of(view(-1).unwrap_err()), "view");
+        assert_eq!(page_size(0).unwrap(), DEFAULT_PAGE);
+        assert_eq!(field_of(page_size(MAX_PAGE + 1).unwrap_err()), "page_size");
+    }
+
+    #[test]
+    fn policies_and_tool_calls_name_the_element() {
+        let spec = |args: &str| pb::PolicySpec {
+            name: "p".into(),
+            kind: "expr".into(),
+            arguments_json: args.into(),
+            on: vec![],
+        };
+        assert_eq!(field_of(policies(&[spec("{}"), spec("[1]")]).unwrap_err()), "policies[1].arguments_json");
+        assert_eq!(field_of(policies(&[spec("{")]).unwrap_err()), "policies[0].arguments_json");
+        assert!(policies(&vec![spec("{}"); MAX_POLICIES + 1]).is_err());
+        assert_eq!(field_of(tool_call(None).unwrap_err()), "tool_call");
+        let call = pb::ToolCall { tool: "édit".into(), arguments_json: String::new() };
+        assert_eq!(field_of(tool_call(Some(&call)).unwrap_err()), "tool_call.tool");
+    }
 }

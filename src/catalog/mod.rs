@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 pub use agents::{Endpoint, HarnessConfig, ANTHROPIC_ROUTE, CLAUDE_ALLOWED_TOOLS, CODEX_DEFAULT_MODEL, OPENAI_ROUTE};
 pub use profile::{
-    GitSettings, Limits, Preset, Profile, ProfileFile, ProfileStatus, Readiness, ReadinessState, ReinSpec, TaskInput,
+    check_id, GitSettings, Limits, Preset, Profile, ProfileFile, ProfileRef, ProfileStatus, Readiness, ReadinessState,
+    ReinSpec, TaskInput,
 };
 
 /// The sentence rule 1 prescribes for a bad actor.
@@ -113,11 +114,10 @@ impl Catalog {
     /// Finds a profile by reference without judging whether it may run.
     pub fn lookup(&self, reference: &str) -> Result<Arc<Profile>, Refusal> {
         let unknown = || Refusal(format!("unknown harness profile: {reference}"));
-        match reference.split_once('@') {
-            Some((id, version)) => {
-                let version = semver::Version::parse(version).map_err(|_| unknown())?;
-                self.profiles.get(id).and_then(|v| v.get(&version)).cloned().ok_or_else(unknown)
-            }
+        // The edge refuses a malformed reference first; here it is unknown.
+        let parsed = ProfileRef::parse(reference).map_err(|_| unknown())?;
+        match parsed.version {
+            Some(version) => self.profiles.get(&parsed.id).and_then(|v| v.get(&version)).cloned().ok_or_else(unknown),
             None => {
                 let versions = self.profiles.get(reference).ok_or_else(unknown)?;
                 if versions.len() > 1 {
@@ -245,6 +245,16 @@ mod tests {
             claude.digest,
             "the endpoint is in the digest"
         );
+    }
+
+    #[test]
+    fn references_are_id_or_id_at_semver() {
+        assert_eq!(ProfileRef::parse("team.a").unwrap(), ProfileRef { id: "team.a".into(), version: None });
+        assert_eq!(ProfileRef::parse("team.a@1.2.3").unwrap().version, Some(semver::Version::new(1, 2, 3)));
+        for bad in ["", "a@", "@1.0.0", "x@not-semver", "p@1.0.0@2", "a b", "a/b", "é", "a\0", &"a".repeat(129)] {
+            assert!(ProfileRef::parse(bad).is_err(), "{bad:?} parsed");
+        }
+        assert!(check_id(&"a".repeat(128)).is_ok());
     }
 
     #[test]

@@ -208,6 +208,43 @@ impl GitSettings {
     }
 }
 
+/// The longest profile id.
+pub const MAX_ID: usize = 128;
+
+/// A profile id: 1 to [`MAX_ID`] letters, digits, '.', '_' and '-'. The
+/// same rule for a profile file and for a reference in a request.
+pub fn check_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.len() > MAX_ID || !id.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) {
+        return Err(format!("must be 1-{MAX_ID} letters, digits, '.', '_' and '-'"));
+    }
+    Ok(())
+}
+
+/// A reference to a profile: `id`, or `id@version` with a semver version.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProfileRef {
+    pub id: String,
+    pub version: Option<semver::Version>,
+}
+
+impl ProfileRef {
+    /// Parses a reference; the error says what is wrong without repeating it.
+    pub fn parse(text: &str) -> Result<ProfileRef, String> {
+        let (id, version) = match text.split_once('@') {
+            Some((id, version)) => (id, Some(version)),
+            None => (text, None),
+        };
+        check_id(id).map_err(|e| format!("use `id` or `id@version`: the id {e}"))?;
+        let version = match version {
+            None => None,
+            Some(v) => Some(
+                semver::Version::parse(v).map_err(|e| format!("use `id` or `id@version`: {v:?} is not semver: {e}"))?,
+            ),
+        };
+        Ok(ProfileRef { id: id.to_string(), version })
+    }
+}
+
 /// A profile file exactly as written in TOML.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -280,9 +317,7 @@ fn check_endpoint(
 impl Profile {
     /// Validates a parsed profile; errors name the offending key.
     pub fn from_file(file: ProfileFile, source: String) -> Result<Profile, String> {
-        if file.id.is_empty() || !file.id.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) {
-            return Err(format!("id: {:?} must be non-empty and use only letters, digits, '.', '_' and '-'", file.id));
-        }
+        check_id(&file.id).map_err(|e| format!("id: {:?} {e}", file.id))?;
         let version = semver::Version::parse(&file.version)
             .map_err(|e| format!("version: {:?} is not semver: {e}", file.version))?;
         if file.rein.kind != "command" {

@@ -361,7 +361,7 @@ mod tests {
             event_line(&event),
             r#"#9 - finished state=failed outcome=failed failure_stage=execution error="the harness failed" tokens=42"#
         );
-        assert_eq!(raw_outputs(&finished), "--- tool output ---\npartial\n--- tool error ---\nboom\n");
+        assert_eq!(raw_outputs(&finished, false), "--- tool output ---\npartial\n--- tool error ---\nboom\n");
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::core::{Core, OpenFailure, TurnOutcome};
+use super::fit::{fit_raw, json_len};
 use super::{now_ms, Engine, ExecuteCommand, ExecutionRecord, ExecutionState};
 use crate::events::{EventKind, RawPart, Recorder};
 use crate::evidence::{FailureStage, Outcome};
@@ -91,6 +92,13 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     record.effective_sandbox = core.effective.clone();
     record.state = ExecutionState::from_outcome(record.evidence.outcome);
     record.finished_at_ms = Some(now_ms());
+    // The `finished` event carries the record and the raw parts to the
+    // direct caller in one message: cut the raw parts to fit it, and say so.
+    let cut = fit_raw(&mut core.raw, json_len(record), core.engine.max_message_bytes);
+    if !cut.is_empty() {
+        record.evidence.notes.push("the raw output was cut to fit one message; see output_truncated".into());
+        core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
+    }
     // The report goes into the outbox with the final record, or not at all.
     let report = match (&core.engine.hub, record.report_to_hub) {
         (Some(_), true) => Some(crate::hub::report(record).to_string()),

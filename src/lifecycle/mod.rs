@@ -6,6 +6,7 @@ mod admission;
 mod capture;
 mod core;
 mod execution;
+mod fit;
 mod limits;
 
 mod recovery;
@@ -25,7 +26,7 @@ pub use crate::records::{
 };
 pub use recovery::RecoveryReport;
 pub use session::{CreateSessionCommand, EndReason};
-pub use watch::{Lagged, Subscription};
+pub use watch::{Lagged, Subscription, WatchPermit};
 
 use crate::catalog::Catalog;
 use crate::credentials::CredentialsConfig;
@@ -92,6 +93,10 @@ pub struct Engine {
     /// The workspace capture at the end of a run.
     pub git: crate::config::GitConfig,
     admission: admission::Admission,
+    /// Bounds on open watch streams.
+    watchers: Arc<watch::Watchers>,
+    /// The largest message the server sends: `finished` events fit in it.
+    max_message_bytes: usize,
     sessions: Mutex<HashMap<String, Arc<session::LiveSession>>>,
     tasks: TaskTracker,
     draining: CancellationToken,
@@ -109,6 +114,9 @@ pub struct EngineParts {
     pub credentials: Arc<CredentialsConfig>,
     pub max_running: usize,
     pub max_sessions: usize,
+    pub max_watchers_per_subject: usize,
+    pub max_watchers: usize,
+    pub max_message_bytes: usize,
     pub uid_range: Option<crate::sandbox::UidRange>,
     pub git: crate::config::GitConfig,
 }
@@ -129,6 +137,8 @@ impl Engine {
             uid_range: parts.uid_range,
             git: parts.git,
             admission: admission::Admission::new(parts.max_running, parts.max_sessions),
+            watchers: watch::Watchers::new(parts.max_watchers_per_subject, parts.max_watchers),
+            max_message_bytes: parts.max_message_bytes,
             sessions: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
             draining: CancellationToken::new(),
@@ -142,6 +152,10 @@ impl Engine {
 
     /// Accepts an execution and starts it on its own task. The same
     /// request id with the same request returns the existing execution.
+    ///
+    /// Everything after the admission slot is reserved runs on the engine's
+    /// own task: a caller that goes away (a disconnect, its deadline) drops
+    /// this future, never a half-stored execution or a slot still held.
     pub async fn submit(self: &Arc<Self>, cmd: ExecuteCommand) -> Result<Submitted, EngineError> {
         if self.is_draining() {
             return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
@@ -153,6 +167,25 @@ impl Engine {
             .admission
             .reserve(&execution_id, admission::Work::Execution, &cmd.principal, cmd.quota)
             .map_err(|refused| EngineError::Overloaded(refused.0))?;
+        let (answer, submitted) = tokio::sync::oneshot::channel();
+        let engine = self.clone();
+        // Every log line of the run carries its id.
+        let span = tracing::info_span!("execution", execution_id = %execution_id);
+        self.tasks.spawn(tracing::Instrument::instrument(
+            async move { engine.accept(execution_id, cmd, cancel, answer).await },
+            span,
+        ));
+        submitted.await.unwrap_or_else(|_| Err(EngineError::Unavailable("the execution was not accepted".into())))
+    }
+
+    /// Stores an admitted execution, answers the caller, and runs it.
+    async fn accept(
+        self: Arc<Self>,
+        execution_id: String,
+        cmd: ExecuteCommand,
+        cancel: CancellationToken,
+        answer: tokio::sync::oneshot::Sender<Result<Submitted, EngineError>>,
+    ) {
         let mut record = ExecutionRecord {
             execution_id: execution_id.clone(),
             request_id: cmd.request_id.clone(),
@@ -185,23 +218,30 @@ impl Engine {
                 HubReportStatus::Failed
             }
         };
-        // Subscribe before the task exists, so the caller sees event 1.
+        // Subscribe before the execution runs, so the caller sees event 1.
         let live = self.bus.open(&execution_id);
         match self.store.insert_execution(&record, &cmd.digest()).await {
             Ok(Inserted::Created) => {}
             Ok(Inserted::Existing { record, digest }) => {
                 self.bus.close(&execution_id);
                 self.release(&execution_id);
-                if digest != cmd.digest() {
-                    return Err(EngineError::AlreadyExists(cmd.request_id));
-                }
-                let subscription = self.watch(&record.execution_id, 0).await?;
-                return Ok(Submitted { record: *record, subscription, existing: true });
+                let existing = if digest != cmd.digest() {
+                    Err(EngineError::AlreadyExists(cmd.request_id))
+                } else {
+                    self.watch(&record.execution_id, 0).await.map(|subscription| Submitted {
+                        record: *record,
+                        subscription,
+                        existing: true,
+                    })
+                };
+                let _ = answer.send(existing);
+                return;
             }
             Err(e) => {
                 self.bus.close(&execution_id);
                 self.release(&execution_id);
-                return Err(e.into());
+                let _ = answer.send(Err(e.into()));
+                return;
             }
         }
         // A shutdown past its grace cancels it too.
@@ -210,24 +250,16 @@ impl Engine {
         tokio::spawn(async move {
             tokio::select! { _ = draining.cancelled() => slot.cancel(), _ = slot.cancelled() => {} }
         });
-        let engine = self.clone();
-        let task_record = record.clone();
-        // Every log line of the run carries its id.
-        let span = tracing::info_span!("execution", execution_id = %execution_id);
-        self.tasks.spawn(tracing::Instrument::instrument(
-            async move {
-                execution::run(&engine, task_record, cmd, cancel).await;
-                engine.bus.close(&execution_id);
-                engine.release(&execution_id);
-            },
-            span,
-        ));
         let subscription = Subscription::live(live, true).catching_up(
             self.store.clone(),
             record.execution_id.clone(),
             self.bus.capacity(),
         );
-        Ok(Submitted { record, subscription, existing: false })
+        // The caller may be gone already; the execution runs regardless.
+        let _ = answer.send(Ok(Submitted { record: record.clone(), subscription, existing: false }));
+        execution::run(&self, record, cmd, cancel).await;
+        self.bus.close(&execution_id);
+        self.release(&execution_id);
     }
 
     pub async fn get(&self, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
@@ -259,11 +291,13 @@ impl Engine {
     /// Replays stored events of an execution or a session after `after`,
     /// then follows live ones.
     pub async fn watch(&self, execution_id: &str, after: u64) -> Result<Subscription, EngineError> {
+        let permit = self.watchers.admit(execution_id).map_err(EngineError::Overloaded)?;
         // Subscribe before reading the store: an event is stored before it
         // is published, so every event is in one or the other.
         let live = self.bus.subscribe(execution_id);
         if let Some(oldest) = self.store.oldest_sequence(execution_id).await? {
-            if after + 1 < oldest {
+            // Near u64::MAX there is simply nothing after it.
+            if after.saturating_add(1) < oldest {
                 return Err(EngineError::OutOfRange { requested: after, oldest });
             }
         }
@@ -281,11 +315,9 @@ impl Engine {
             && self.store.is_shared()
             && !replay.last().is_some_and(|e| e.kind.is_finished())
             && !self.is_terminal(execution_id).await?;
-        let subscription = Subscription::replay_then_live(replay, live, after).catching_up(
-            self.store.clone(),
-            execution_id.to_string(),
-            self.bus.capacity(),
-        );
+        let subscription = Subscription::replay_then_live(replay, live, after)
+            .catching_up(self.store.clone(), execution_id.to_string(), self.bus.capacity())
+            .holding(permit);
         Ok(if remote { subscription.polling(self.store.clone(), execution_id.to_string()) } else { subscription })
     }
 

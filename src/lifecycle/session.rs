@@ -9,6 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::admission;
 use super::core::{Core, OpenFailure, TurnOutcome};
+use super::fit::{fit_raw, json_len};
 use super::{now_ms, Engine, EngineError, RawResult, SessionRecord, SessionState, Subscription};
 use crate::events::{EventKind, RawPart, Recorder};
 use crate::evidence::{FailureStage, Outcome};
@@ -63,11 +64,18 @@ impl Engine {
         self.admission
             .reserve(&id, admission::Work::Session, &cmd.principal, cmd.quota)
             .map_err(|refused| EngineError::Overloaded(refused.0))?;
-        let created = self.create_admitted(cmd, id.clone()).await;
-        if created.is_err() {
-            self.release(&id);
-        }
-        created
+        // On the engine's own task: a caller that goes away mid-start (a
+        // disconnect, its deadline) leaves a session that is whole, or none,
+        // and its slot is given back exactly when it should be.
+        let engine = self.clone();
+        let start = self.tasks.spawn(async move {
+            let created = engine.create_admitted(cmd, id.clone()).await;
+            if created.is_err() {
+                engine.release(&id);
+            }
+            created
+        });
+        start.await.unwrap_or_else(|_| Err(EngineError::Unavailable("the session start did not finish".into())))
     }
 
     async fn create_admitted(
@@ -226,6 +234,9 @@ impl Engine {
                 error,
                 tokens_spent: core.evidence.tokens_spent - tokens_before,
             };
+            let mut raw = raw;
+            let cut = fit_raw(&mut raw, json_len(&event), engine.max_message_bytes);
+            core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
             core.recorder.emit(event, Some(RawPart::Finished(raw))).await;
         });
         match subscription.await {
@@ -328,6 +339,8 @@ impl Engine {
         if let Err(e) = self.store.update_session(record).await {
             tracing::error!(session_id = %record.session_id, error = %e, "session record not stored");
         }
+        let cut = fit_raw(&mut core.raw, json_len(record), self.max_message_bytes);
+        core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
         let raw = RawPart::Finished(std::mem::take(&mut core.raw));
         core.recorder.emit(EventKind::SessionFinished { session: Box::new(record.clone()) }, Some(raw)).await;
         self.bus.close(&record.session_id);

@@ -8,7 +8,7 @@
 //! stops reading altogether is ended by its stream (see `api::execution`),
 //! using [`Subscription::overrun`].
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,7 +24,63 @@ pub struct Lagged {
     pub last_sequence: u64,
 }
 
+/// How many watch streams may be open, per subject and in total.
+pub(super) struct Watchers {
+    per_subject: usize,
+    total: usize,
+    open: std::sync::Mutex<(usize, HashMap<String, usize>)>,
+}
+
+/// One open watch stream, counted until it is dropped (with its
+/// subscription, when the stream ends for whatever reason).
+pub struct WatchPermit {
+    watchers: Arc<Watchers>,
+    subject: String,
+}
+
+impl Watchers {
+    pub(super) fn new(per_subject: usize, total: usize) -> Arc<Watchers> {
+        Arc::new(Watchers { per_subject: per_subject.max(1), total: total.max(1), open: Default::default() })
+    }
+
+    fn open(&self) -> std::sync::MutexGuard<'_, (usize, HashMap<String, usize>)> {
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A permit for one more watcher of `subject`, or which bound is full.
+    pub(super) fn admit(self: &Arc<Self>, subject: &str) -> Result<WatchPermit, String> {
+        let mut open = self.open();
+        let (total, by_subject) = &mut *open;
+        if *total >= self.total {
+            return Err(format!("{total} watch streams are open, the most this daemon serves; retry later"));
+        }
+        let here = by_subject.entry(subject.to_string()).or_default();
+        if *here >= self.per_subject {
+            return Err(format!("{here} watch streams follow {subject}, the most one subject may have; retry later"));
+        }
+        *here += 1;
+        *total += 1;
+        Ok(WatchPermit { watchers: self.clone(), subject: subject.to_string() })
+    }
+}
+
+impl Drop for WatchPermit {
+    fn drop(&mut self) {
+        let mut open = self.watchers.open();
+        let (total, by_subject) = &mut *open;
+        *total = total.saturating_sub(1);
+        if let Some(here) = by_subject.get_mut(&self.subject) {
+            *here -= 1;
+            if *here == 0 {
+                by_subject.remove(&self.subject);
+            }
+        }
+    }
+}
+
 pub struct Subscription {
+    /// Held while the subscription lives: the watcher counts against the bounds.
+    _permit: Option<WatchPermit>,
     replay: VecDeque<BusItem>,
     live: Option<broadcast::Receiver<BusItem>>,
     last: u64,
@@ -47,6 +103,7 @@ impl Subscription {
     /// The direct caller's stream: live from the first event, with raw parts.
     pub fn live(rx: broadcast::Receiver<BusItem>, with_raw: bool) -> Self {
         Subscription {
+            _permit: None,
             replay: VecDeque::new(),
             live: Some(rx),
             last: 0,
@@ -60,6 +117,7 @@ impl Subscription {
 
     pub fn replay_then_live(replay: Vec<Event>, live: Option<broadcast::Receiver<BusItem>>, after: u64) -> Self {
         Subscription {
+            _permit: None,
             replay: replay.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }).collect(),
             live,
             last: after,
@@ -85,6 +143,12 @@ impl Subscription {
             (Some(rx), Some((_, _, capacity))) => rx.len() > capacity.next_power_of_two(),
             _ => false,
         }
+    }
+
+    /// Counts this subscription as a watcher until it is dropped.
+    pub fn holding(mut self, permit: WatchPermit) -> Self {
+        self._permit = Some(permit);
+        self
     }
 
     /// Follows the subject through the store instead of a live channel.
@@ -129,7 +193,7 @@ impl Subscription {
                     if !self.with_raw {
                         item.raw = None;
                     }
-                    if item.event.sequence > self.last + 1 {
+                    if item.event.sequence > self.last.saturating_add(1) {
                         // Skipped in the live buffer: the gap comes from the store.
                         if let Some((store, subject, _)) = &self.catch_up {
                             match store.events_between(subject, self.last, item.event.sequence).await {
@@ -203,5 +267,22 @@ impl Subscription {
             self.done = true;
         }
         item
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watchers_are_bounded_per_subject_and_in_total() {
+        let w = Watchers::new(2, 3);
+        let a1 = w.admit("a").unwrap();
+        let _a2 = w.admit("a").unwrap();
+        assert!(w.admit("a").err().unwrap().contains("follow a"));
+        let _b1 = w.admit("b").unwrap();
+        assert!(w.admit("c").err().unwrap().contains("3 watch streams are open"));
+        drop(a1);
+        assert!(w.admit("a").is_ok(), "a dropped permit is given back");
     }
 }

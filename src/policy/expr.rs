@@ -1,38 +1,261 @@
 //! `expr` policies: an operator's own rule as a CEL expression over the gate
 //! input. The expression must evaluate to `true` to allow; `false` denies
 //! with the policy's reason; anything else (an error, a non-boolean) denies.
+//!
+//! CEL is not free: a few hundred bytes of nested macros
+//! (`l.all(a, l.all(b, ...))`) iterate for hours. So an expression is
+//! bounded twice. At load: its size and its nesting. At evaluation: a
+//! budget of loop steps and a deadline, checked on every iteration of every
+//! comprehension (each one's loop condition is wrapped in a call to a
+//! budget function, so the loops of `all`, `exists`, `map`, `filter` ...
+//! all pass through it), and the evaluation runs on its own thread, never
+//! on an async worker, with the caller waiting no longer than the deadline.
+//! Past the budget the policy denies (fail closed) and says so.
+//!
+//! The gate's `evaluate` stays synchronous (it runs in several places, some
+//! of them sync callbacks); the wait is wrapped in `block_in_place` on a
+//! multi-threaded runtime, so the worker's other tasks move to another
+//! thread while this one waits.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cel::common::ast::{CallExpr, Expr as Node};
+use cel::parser::Expression;
 use serde_json::Value;
+
+/// The longest expression accepted at load.
+pub const MAX_BYTES: usize = 4096;
+/// How deeply an expression may nest: brackets in the text, and levels of
+/// its syntax tree (`a + b + c` is two).
+pub const MAX_NESTING: u16 = 48;
+/// The parser's own rule depth: a backstop well above what `MAX_NESTING`
+/// brackets need (each bracket is about a dozen grammar rules).
+const PARSER_DEPTH: u16 = 2000;
+/// Loop steps (comprehension iterations) one evaluation may take.
+pub const MAX_STEPS: u64 = 100_000;
+/// How long one evaluation may take.
+pub const DEADLINE: Duration = Duration::from_millis(100);
+/// Evaluations running at once; past it a policy denies at once rather
+/// than queue (only a run-away evaluation can hold a thread long).
+const MAX_IN_FLIGHT: usize = 16;
+
+/// The budget function wrapped around every loop condition.
+const BUDGET: &str = "__corral_budget";
 
 #[derive(Clone, Debug)]
 pub struct Expr {
     pub source: String,
     pub reason: String,
+    /// The parsed expression, its loops instrumented with [`BUDGET`].
+    program: Arc<Expression>,
+}
+
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+/// Why an evaluation stopped early.
+struct Budget {
+    started: Instant,
+    steps: AtomicU64,
+    exceeded: AtomicBool,
+}
+
+impl Budget {
+    fn tick(&self) -> bool {
+        let steps = self.steps.fetch_add(1, Ordering::Relaxed) + 1;
+        if steps > MAX_STEPS || self.started.elapsed() > DEADLINE {
+            self.exceeded.store(true, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
 }
 
 impl Expr {
-    /// Checks the syntax once, at load. (Programs are compiled again per
-    /// evaluation: they are cheap to build and not shareable across threads.)
+    /// Checks size, nesting and syntax once, at load; the error names the
+    /// argument (the caller adds the policy).
     pub fn compile(source: &str, reason: String) -> Result<Expr, String> {
-        cel::Program::compile(source).map_err(|e| format!("arguments.expression: CEL syntax error: {e}"))?;
-        Ok(Expr { source: source.to_string(), reason })
+        if source.len() > MAX_BYTES {
+            return Err(format!("arguments.expression: {} bytes, at most {MAX_BYTES}", source.len()));
+        }
+        let too_deep = || format!("arguments.expression: nested deeper than {MAX_NESTING} levels");
+        // Brackets first, on the text: the parser recurses on them before
+        // any limit of its own applies.
+        if bracket_depth(source) > MAX_NESTING {
+            return Err(too_deep());
+        }
+        // Parsed on a thread with a known, large stack (the parser and the
+        // tree it builds recurse), then held to the nesting bound, which
+        // also bounds the evaluator's recursion.
+        let text = source.to_string();
+        let parsed = std::thread::Builder::new()
+            .name("cel-parse".into())
+            .stack_size(32 << 20)
+            .spawn(move || {
+                let mut program = cel::parser::Parser::new()
+                    .max_recursion_depth(PARSER_DEPTH)
+                    .parse(&text)
+                    .map_err(|e| Some(e.to_string()))?;
+                if depth(&program) > MAX_NESTING as usize {
+                    return Err(None::<String>);
+                }
+                instrument(&mut program);
+                Ok(program)
+            })
+            .map_err(|_| "arguments.expression: could not be parsed".to_string())?
+            .join()
+            .map_err(|_| "arguments.expression: could not be parsed".to_string())?;
+        let program = match parsed {
+            Ok(program) => program,
+            Err(None) => return Err(too_deep()),
+            Err(Some(e)) if e.contains("Recursion limit") => return Err(too_deep()),
+            Err(Some(e)) => return Err(format!("arguments.expression: CEL syntax error: {e}")),
+        };
+        Ok(Expr { source: source.to_string(), reason, program: Arc::new(program) })
     }
 
     /// `Ok(true)` allows, `Ok(false)` denies with the reason; `Err` carries a
     /// reason that names no input value (fail closed, leak nothing).
     pub fn evaluate(&self, input: &Value) -> Result<bool, String> {
-        let program = cel::Program::compile(&self.source).map_err(|_| "expression does not compile".to_string())?;
-        let mut context = cel::Context::default();
-        if let Value::Object(fields) = input {
-            for (name, value) in fields {
-                let value = cel::to_value(value).map_err(|_| format!("input {name} cannot be given to CEL"))?;
-                context.add_variable_from_value(name.clone(), value);
-            }
+        if IN_FLIGHT.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
+            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+            return Err("too many expressions are being evaluated at once".into());
         }
-        match program.execute(&context) {
-            Ok(cel::Value::Bool(b)) => Ok(b),
-            Ok(_) => Err("expression did not evaluate to a boolean".into()),
-            Err(_) => Err("expression failed to evaluate".into()),
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let program = self.program.clone();
+        let input = input.clone();
+        let spawned = std::thread::Builder::new().name("cel".into()).stack_size(8 << 20).spawn(move || {
+            let outcome = run(&program, &input);
+            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+            let _ = tx.send(outcome);
+        });
+        if spawned.is_err() {
+            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+            return Err("expression could not be evaluated".into());
+        }
+        // The budget stops the evaluation itself; this wait is the backstop
+        // for whatever the budget does not see.
+        let wait = || rx.recv_timeout(DEADLINE + Duration::from_millis(50));
+        let outcome = match tokio::runtime::Handle::try_current() {
+            Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(wait)
+            }
+            _ => wait(),
+        };
+        outcome.unwrap_or_else(|_| Err(exceeded()))
+    }
+}
+
+fn exceeded() -> String {
+    format!("expression exceeded its evaluation budget ({MAX_STEPS} loop steps or {} ms)", DEADLINE.as_millis())
+}
+
+/// Evaluates `program` over `input` under a fresh budget.
+fn run(program: &Expression, input: &Value) -> Result<bool, String> {
+    let budget =
+        Arc::new(Budget { started: Instant::now(), steps: AtomicU64::new(0), exceeded: AtomicBool::new(false) });
+    let mut context = cel::Context::default();
+    let tick = budget.clone();
+    let added = context.add_function(BUDGET, move |condition: cel::Value| -> Result<cel::Value, cel::ExecutionError> {
+        if tick.tick() {
+            Ok(condition)
+        } else {
+            Err(cel::ExecutionError::function_error(BUDGET, "evaluation budget exceeded"))
+        }
+    });
+    if added.is_err() {
+        return Err("expression could not be evaluated".into());
+    }
+    if let Value::Object(fields) = input {
+        for (name, value) in fields {
+            let value = cel::to_value(value).map_err(|_| format!("input {name} cannot be given to CEL"))?;
+            context.add_variable_from_value(name.clone(), value);
+        }
+    }
+    let result = context.resolve(program);
+    if budget.exceeded.load(Ordering::Relaxed) {
+        return Err(exceeded());
+    }
+    match result {
+        Ok(cel::Value::Bool(b)) => Ok(b),
+        Ok(_) => Err("expression did not evaluate to a boolean".into()),
+        Err(_) => Err("expression failed to evaluate".into()),
+    }
+}
+
+/// The deepest nesting of brackets in `source` (quotes not told apart: a
+/// bracket in a string literal counts too, which only errs on the safe side).
+fn bracket_depth(source: &str) -> u16 {
+    let (mut depth, mut deepest) = (0u16, 0u16);
+    for b in source.bytes() {
+        match b {
+            b'(' | b'[' | b'{' => {
+                depth = depth.saturating_add(1);
+                deepest = deepest.max(depth);
+            }
+            b')' | b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
+}
+
+/// The depth of a syntax tree.
+fn depth(node: &Expression) -> usize {
+    let children: Vec<&Expression> = match &node.expr {
+        Node::Comprehension(c) => vec![&c.iter_range, &c.accu_init, &c.loop_cond, &c.loop_step, &c.result],
+        Node::Call(call) => call.target.iter().map(|t| t.as_ref()).chain(call.args.iter()).collect(),
+        Node::List(list) => list.elements.iter().collect(),
+        Node::Map(map) => map.entries.iter().flat_map(|e| entry_children(&e.expr)).collect(),
+        Node::Struct(s) => s.entries.iter().flat_map(|e| entry_children(&e.expr)).collect(),
+        Node::Select(select) => vec![select.operand.as_ref()],
+        Node::Ident(_) | Node::Literal(_) | Node::Unspecified => vec![],
+    };
+    1 + children.into_iter().map(depth).max().unwrap_or(0)
+}
+
+fn entry_children(entry: &cel::common::ast::EntryExpr) -> Vec<&Expression> {
+    match entry {
+        cel::common::ast::EntryExpr::StructField(field) => vec![&field.value],
+        cel::common::ast::EntryExpr::MapEntry(entry) => vec![&entry.key, &entry.value],
+    }
+}
+
+/// Wraps every comprehension's loop condition in a call to [`BUDGET`]: it
+/// is evaluated once per iteration, by every macro's loop.
+fn instrument(node: &mut Expression) {
+    match &mut node.expr {
+        Node::Comprehension(c) => {
+            for child in [&mut c.iter_range, &mut c.accu_init, &mut c.loop_step, &mut c.result, &mut c.loop_cond] {
+                instrument(child);
+            }
+            let condition = std::mem::take(&mut c.loop_cond);
+            c.loop_cond = Expression {
+                id: condition.id,
+                expr: Node::Call(CallExpr { func_name: BUDGET.into(), target: None, args: vec![condition] }),
+            };
+        }
+        Node::Call(call) => {
+            if let Some(target) = &mut call.target {
+                instrument(target);
+            }
+            call.args.iter_mut().for_each(instrument);
+        }
+        Node::List(list) => list.elements.iter_mut().for_each(instrument),
+        Node::Map(map) => map.entries.iter_mut().for_each(|e| instrument_entry(&mut e.expr)),
+        Node::Struct(s) => s.entries.iter_mut().for_each(|e| instrument_entry(&mut e.expr)),
+        Node::Select(select) => instrument(&mut select.operand),
+        Node::Ident(_) | Node::Literal(_) | Node::Unspecified => {}
+    }
+}
+
+fn instrument_entry(entry: &mut cel::common::ast::EntryExpr) {
+    match entry {
+        cel::common::ast::EntryExpr::StructField(field) => instrument(&mut field.value),
+        cel::common::ast::EntryExpr::MapEntry(entry) => {
+            instrument(&mut entry.key);
+            instrument(&mut entry.value);
         }
     }
 }
@@ -53,5 +276,51 @@ mod tests {
         let not_bool = Expr::compile("actor", "r".into()).unwrap();
         assert!(not_bool.evaluate(&input).is_err());
         assert!(Expr::compile("actor == ", "r".into()).unwrap_err().contains("syntax"));
+    }
+
+    #[test]
+    fn macros_still_work_through_the_budget() {
+        let input = serde_json::json!({"l": [1, 2, 3], "m": {"a": 1}});
+        for (source, expected) in [
+            ("l.all(x, x > 0)", true),
+            ("l.exists(x, x == 2)", true),
+            ("l.exists_one(x, x > 2)", true),
+            ("l.map(x, [x]).size() == 3", true),
+            ("l.filter(x, x > 1).size() == 2", true),
+            ("l.all(x, l.all(y, x * y < 9u))", false),
+            ("has(m.a) && [1, 2].map(x, {'k': x}).size() == 2", true),
+        ] {
+            assert_eq!(Expr::compile(source, "r".into()).unwrap().evaluate(&input), Ok(expected), "{source}");
+        }
+    }
+
+    #[test]
+    fn size_and_nesting_are_bounded_at_load() {
+        let long = format!("actor == '{}'", "a".repeat(MAX_BYTES));
+        assert!(Expr::compile(&long, "r".into()).unwrap_err().contains("at most 4096"));
+        for deep in [
+            format!("{}true{}", "(".repeat(200), ")".repeat(200)),
+            format!("{}1{}", "[".repeat(60), "]".repeat(60)),
+            format!("1{} == 0", " + 1".repeat(900)),
+        ] {
+            assert!(Expr::compile(&deep, "r".into()).unwrap_err().contains("nested deeper"), "{deep}");
+        }
+        let nested = format!("{}true{}", "(".repeat(40), ")".repeat(40));
+        assert_eq!(Expr::compile(&nested, "r".into()).unwrap().evaluate(&serde_json::json!({})), Ok(true));
+    }
+
+    #[test]
+    fn a_bomb_is_stopped_by_its_budget() {
+        let list = "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]";
+        let mut bomb = "true".to_string();
+        for v in ["a", "b", "c", "d", "e", "f", "g", "h"] {
+            bomb = format!("{list}.all({v}, {bomb})");
+        }
+        assert!(bomb.len() < 1024);
+        let expr = Expr::compile(&bomb, "r".into()).unwrap();
+        let t = Instant::now();
+        let verdict = expr.evaluate(&serde_json::json!({}));
+        assert!(verdict.as_ref().unwrap_err().contains("evaluation budget"), "{verdict:?}");
+        assert!(t.elapsed() < DEADLINE * 3, "took {:?}", t.elapsed());
     }
 }

@@ -195,7 +195,9 @@ impl Boundary {
                 errors.push(e.to_string());
             }
         }
-        if let Some(user) = sandbox.user {
+        // Only a uid that is the sandbox's alone: never one shared with
+        // anything else on the host (the benchmark's floor runs as nobody).
+        if let Some(user) = sandbox.user.filter(|_| sandbox.receipt.own_uid) {
             if let Err(e) = kill_uid(user.uid, KILL_TIMEOUT).await {
                 errors.push(e);
             }
@@ -239,7 +241,8 @@ impl Boundary {
             limits: SandboxLimits::default(),
             cgroup,
             egress: None,
-            receipt: Default::default(),
+            // A uid from the store is the sandbox's own.
+            receipt: super::EnforcementReceipt { own_uid: user.is_some(), ..Default::default() },
         };
         self.destroy(&leftover).await
     }

@@ -323,6 +323,24 @@ impl Store {
         Ok(sqlx::query("SELECT COUNT(*) FROM executions").fetch_one(&self.pool).await?.get(0))
     }
 
+    /// Rows of every table a request can add to: executions, sessions,
+    /// events, sandboxes, raw results, the hub outbox (for tests and
+    /// diagnostics).
+    pub async fn row_counts(&self) -> Result<[(&'static str, i64); 6], StoreError> {
+        let mut counts = [
+            ("executions", 0),
+            ("sessions", 0),
+            ("events", 0),
+            ("sandboxes", 0),
+            ("execution_raw", 0),
+            ("hub_outbox", 0),
+        ];
+        for (table, count) in &mut counts {
+            *count = sqlx::query(&format!("SELECT COUNT(*) FROM {table}")).fetch_one(&self.pool).await?.get(0);
+        }
+        Ok(counts)
+    }
+
     /// Stores several events in one transaction.
     pub async fn append_events(&self, events: &[Event]) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
@@ -388,8 +406,8 @@ impl Store {
              WHERE subject_id = $1 AND sequence > $2 AND sequence < $3 ORDER BY sequence",
         )
         .bind(subject)
-        .bind(after as i64)
-        .bind(before as i64)
+        .bind(sequence(after))
+        .bind(sequence(before))
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(|r| event_from_row(subject, r)).collect()
@@ -401,7 +419,7 @@ impl Store {
             "SELECT sequence, time_ms, body FROM events WHERE subject_id = $1 AND sequence > $2 ORDER BY sequence",
         )
         .bind(subject)
-        .bind(after as i64)
+        .bind(sequence(after))
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(|r| event_from_row(subject, r)).collect()
@@ -623,4 +641,10 @@ fn event_from_row(subject: &str, row: &sqlx::any::AnyRow) -> Result<Event, Store
         time_ms: row.get("time_ms"),
         kind: serde_json::from_str(row.get::<&str, _>("body"))?,
     })
+}
+
+/// A sequence number as the store keeps it (BIGINT): one past `i64::MAX`
+/// is no different from it, since no event has such a sequence.
+fn sequence(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }

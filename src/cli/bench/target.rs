@@ -77,12 +77,15 @@ impl Target {
         let fake_agent = harness.join("fake_agent.py");
         std::fs::write(&fake_agent, FAKE_AGENT)?;
         std::fs::write(profiles.join("bench-fake-agent.toml"), fake_agent_profile(&harness, &fake_agent))?;
-        let config = Config {
+        let mut config = Config {
             data_dir: root.join("data"),
             profile_dirs: vec![profiles],
             shutdown_grace_seconds: 5,
             ..Config::default()
         };
+        // Every daemon on a host needs its own sandbox uids: benches (and
+        // their tests) may run several in-process daemons side by side.
+        config.sandbox.uids = bench_uids();
         let data_dir = config.data_dir.clone();
         let daemon = Daemon::build(config, Backends::host_default(), default_reins())
             .await
@@ -229,4 +232,14 @@ mod tests {
         assert!(profile.rein.argv[2].ends_with("exec /usr/bin/python3 /x/harness/fake_agent.py"));
         assert_eq!(profile.sandbox.read_paths, vec!["/x/harness".to_string()]);
     }
+}
+
+/// A range of 64 sandbox uids for one in-process bench daemon, away from
+/// the default range and from other bench processes' ranges.
+fn bench_uids() -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let slot = (std::process::id() % 1000) * 16 + NEXT.fetch_add(1, Ordering::SeqCst) % 16;
+    let first = 600_000 + slot * 64;
+    format!("{first}-{}", first + 63)
 }
