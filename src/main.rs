@@ -127,8 +127,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let backends = Backends::for_host(&config.sandbox);
     let daemon = Daemon::build(config, backends, default_reins()).await?;
     tracing::info!(listen = %local, data_dir = %daemon.config.data_dir.display(), "corral serving");
-    // Printed on stdout so scripts can find the port when listening on :0.
-    println!("corral listening on {local}");
+    let socket = daemon.config.unix_socket_path();
+    if let Some(stale) = &socket {
+        use std::os::unix::fs::FileTypeExt;
+        // A socket left by an earlier run would look ready too soon.
+        if std::fs::symlink_metadata(stale).is_ok_and(|m| m.file_type().is_socket()) {
+            let _ = std::fs::remove_file(stale);
+        }
+    }
 
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();
@@ -136,7 +142,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         wait_for_signal().await;
         signal.cancel();
     });
-    daemon.serve(listener, shutdown).await?;
+    let mut serving = tokio::spawn(daemon.serve(listener, shutdown));
+    // Printed on stdout, once every listener accepts (the unix socket is
+    // bound as the server starts), so scripts can find the port of :0.
+    if let Some(socket) = socket {
+        for _ in 0..500 {
+            if socket.exists() || serving.is_finished() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+    println!("corral listening on {local}");
+    (&mut serving).await??;
     Ok(())
 }
 
