@@ -48,8 +48,9 @@ def connect(server):
     options = []
     if server.startswith("unix:"):
         target = server
-        # h2 needs a host in :authority; a socket path is none. grpcio sends
-        # "localhost" for unix targets already; say so explicitly.
+        # h2 needs a host in :authority. grpcio sends the socket path, which
+        # the daemon's h2 server refuses (the call ends INTERNAL, "RST_STREAM
+        # with error code 1"): send "localhost", as grpcurl's -authority does.
         options.append(("grpc.default_authority", "localhost"))
     else:
         target = server.removeprefix("http://")

@@ -98,8 +98,8 @@ function connect(server: string): ExecutionServiceClient {
   const options: grpc.ChannelOptions = {};
   let target = server;
   if (server.startsWith("unix:")) {
-    // h2 needs a host in :authority; a socket path is none. grpc-js sends
-    // "localhost" for unix targets already; say so explicitly.
+    // h2 needs a host in :authority, which a socket path is not. grpc-js
+    // sends "localhost" for unix targets (grpcio does not); say so anyway.
     options["grpc.default_authority"] = "localhost";
   } else if (server.startsWith("https://")) {
     fail("this example speaks plaintext only: use unix:///path or host:port (loopback)");
