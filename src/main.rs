@@ -48,7 +48,7 @@ struct ServeArgs {
     /// gRPC listen address [default: 127.0.0.1:50051].
     #[arg(long)]
     listen: Option<String>,
-    /// Data directory for the store and the workspaces [default: ~/.local/share/corral].
+    /// Data directory for the store and the workspaces [default: /var/lib/corral as root, else ~/.local/share/corral].
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// A directory of profile TOML files (repeatable).
@@ -75,8 +75,24 @@ struct DoctorArgs {
     profiles: Vec<PathBuf>,
 }
 
+/// `corral serve …` on its own, so that its help lists the daemon's flags
+/// only (the client options are global to every other command).
+#[derive(Parser, Debug)]
+#[command(name = "corral serve", version, about = "Run the daemon.")]
+struct ServeOnly {
+    #[command(flatten)]
+    args: ServeArgs,
+}
+
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let serve_only = std::env::args_os().nth(1).is_some_and(|a| a == "serve");
+    let cli = if serve_only {
+        let rest = std::env::args_os().skip(2);
+        let args = std::iter::once(std::ffi::OsString::from("corral serve")).chain(rest);
+        Cli { client: ClientOpts::default(), command: Command::Serve(ServeOnly::parse_from(args).args) }
+    } else {
+        Cli::parse()
+    };
     // One multi-threaded runtime whose workers live as long as the daemon:
     // bwrap's --die-with-parent is tied to the spawning thread.
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -152,3 +152,23 @@ async fn corral_exec_shows_each_output_line_as_it_is_printed() {
     // Printed one second apart, shown one second apart: not all at the end.
     assert!(seen[2].1 - seen[0].1 >= std::time::Duration::from_millis(1500), "{seen:?}");
 }
+
+#[test]
+fn serve_help_lists_only_the_daemons_flags_and_completions_and_man_print() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_corral")).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let help = run(&["serve", "--help"]);
+    assert!(
+        help.contains("Usage: corral serve") && help.contains("--listen") && help.contains("--log-format"),
+        "{help}"
+    );
+    for client_only in ["--server", "--token-file", "--json", "--ca"] {
+        assert!(!help.contains(client_only), "serve --help lists {client_only}:\n{help}");
+    }
+    assert!(run(&["exec", "--help"]).contains("--server"), "client commands keep their options");
+    assert!(run(&["completions", "bash"]).contains("_corral()"));
+    assert!(run(&["man"]).contains(".TH corral 1"));
+}

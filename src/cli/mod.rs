@@ -34,7 +34,7 @@ pub fn default_server() -> String {
 }
 
 /// Options shared by every client command.
-#[derive(clap::Args, Debug, Clone)]
+#[derive(clap::Args, Debug, Clone, Default)]
 pub struct ClientOpts {
     /// Daemon address: `unix:///path/to/corral.sock` or `http://host:port`
     /// [default: the unix socket in the default data directory; `bench`
