@@ -107,6 +107,7 @@ async fn no_credentials_or_a_garbage_token_is_unauthenticated_and_health_answers
             ex.watch_execution(pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 }).await.map(|_| ()),
             ex.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.map(|_| ()),
             cat.list_profiles(pb::ListProfilesRequest {}).await.map(|_| ()),
+            cat.get_daemon_info(pb::GetDaemonInfoRequest {}).await.map(|_| ()),
             cat.resolve_profile(pb::ResolveProfileRequest { r#ref: "builtin.shell".into(), actor: String::new() })
                 .await
                 .map(|_| ()),

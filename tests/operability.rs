@@ -172,3 +172,23 @@ fn serve_help_lists_only_the_daemons_flags_and_completions_and_man_print() {
     assert!(run(&["completions", "bash"]).contains("_corral()"));
     assert!(run(&["man"]).contains(".TH corral 1"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corral_version_shows_the_daemons_version_and_what_its_host_enforces() {
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let daemon = ServeProcess::start(&dir.path().join("data"), &profiles, &[]).await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+        .args(["--server", &daemon.cli_url(), "version"])
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains(&format!("corral {} (daemon)", env!("CARGO_PKG_VERSION"))), "{text}");
+    for name in ["linux_bwrap", "seccomp", "sandbox_uids", "memory", "pids", "kill", "egress"] {
+        assert!(text.lines().any(|l| l.trim_start().starts_with(name) && l.contains(" ok ")), "{name}: {text}");
+    }
+}

@@ -98,4 +98,37 @@ impl CatalogService for CatalogApi {
             effective_timeout_seconds: outcome.effective_timeout_seconds,
         }))
     }
+
+    async fn get_daemon_info(
+        &self,
+        request: Request<pb::GetDaemonInfoRequest>,
+    ) -> Result<Response<pb::DaemonInfo>, Status> {
+        super::auth::caller(&request)?;
+        let host = self.gate.host();
+        let caps = &host.linux_bwrap;
+        let entry = |name: &str, support: &Result<String, String>| pb::Capability {
+            name: name.into(),
+            available: support.is_ok(),
+            detail: support.clone().unwrap_or_else(|reason| reason),
+        };
+        let seccomp =
+            crate::sandbox::seccomp::sandbox_filter().map(|f| f.digest().to_string()).map_err(|e| e.to_string());
+        let uid = crate::sandbox::host::effective_uid();
+        let uids = if uid == 0 {
+            Ok("one host uid per sandbox".to_string())
+        } else {
+            Err(format!("the daemon runs as uid {uid}: sandboxes share it"))
+        };
+        let capabilities = vec![
+            entry("linux_bwrap", &host.bwrap.clone().map(|()| "bubblewrap".to_string())),
+            entry("seccomp", &seccomp),
+            entry("sandbox_uids", &uids),
+            entry("memory", &caps.memory),
+            entry("pids", &caps.pids),
+            entry("cpu", &caps.cpu),
+            entry("kill", &caps.kill),
+            entry("egress", &caps.egress),
+        ];
+        Ok(Response::new(pb::DaemonInfo { version: env!("CARGO_PKG_VERSION").into(), capabilities }))
+    }
 }

@@ -24,6 +24,9 @@ impl WireMessage for pb::ListExecutionsResponse {
 impl WireMessage for pb::ListProfilesResponse {
     const FULL_NAME: &'static str = "corral.v1.ListProfilesResponse";
 }
+impl WireMessage for pb::DaemonInfo {
+    const FULL_NAME: &'static str = "corral.v1.DaemonInfo";
+}
 
 /// The corral descriptors, decoded once per process.
 pub(super) struct JsonEncoder {

@@ -142,6 +142,9 @@ pub enum ClientCommand {
     Ls(LsArgs),
     /// List the harness profiles the daemon knows.
     Profiles(ProfilesArgs),
+    /// This client's version, the daemon's, and what the daemon's host can
+    /// enforce.
+    Version,
     /// Measure corral against the bare sandbox: latency, throughput,
     /// fanout, ingest, peer (in-process daemon unless --server is given).
     Bench(bench::BenchArgs),
@@ -266,6 +269,7 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
         ClientCommand::Get(args) => query::get(server, args, &printer).await,
         ClientCommand::Ls(args) => query::ls(server, args, &printer).await,
         ClientCommand::Profiles(_) => query::profiles(server, &printer).await,
+        ClientCommand::Version => query::version(server, &printer).await,
         ClientCommand::Bench(args) => bench::run(opts.server.as_deref(), args, opts.json).await,
     };
     match result {

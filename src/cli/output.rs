@@ -53,6 +53,17 @@ impl Printer {
         self.either(response, || table::profiles(response))
     }
 
+    pub(super) fn daemon_info(&self, info: &pb::DaemonInfo) -> anyhow::Result<()> {
+        self.either(info, || {
+            let mut text = format!("corral {} (client)\ncorral {} (daemon)\n", env!("CARGO_PKG_VERSION"), info.version);
+            for c in &info.capabilities {
+                let mark = if c.available { "ok" } else { "NO" };
+                text.push_str(&format!("  {:<14} {mark:<3} {}\n", c.name, c.detail));
+            }
+            text
+        })
+    }
+
     fn either<M: WireMessage>(&self, message: &M, human: impl FnOnce() -> String) -> anyhow::Result<()> {
         match self {
             Self::Json(encoder) => write_line(&encoder.line(message)?),

@@ -32,6 +32,15 @@ pub(super) async fn ls(server: &Remote, args: LsArgs, printer: &Printer) -> anyh
     Ok(0)
 }
 
+/// `corral version`: this binary's version, then the daemon's and what its
+/// host can enforce.
+pub(super) async fn version(server: &Remote, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = CatalogServiceClient::new(server.open().await?);
+    let info = client.get_daemon_info(pb::GetDaemonInfoRequest {}).await?.into_inner();
+    printer.daemon_info(&info)?;
+    Ok(0)
+}
+
 pub(super) async fn profiles(server: &Remote, printer: &Printer) -> anyhow::Result<i32> {
     let mut client = CatalogServiceClient::new(server.open().await?);
     let response = client.list_profiles(pb::ListProfilesRequest {}).await?.into_inner();

@@ -183,6 +183,11 @@ impl Gate {
         Gate { admin_policies, host }
     }
 
+    /// What the host can enforce, as probed at start.
+    pub fn host(&self) -> &HostCapabilities {
+        &self.host
+    }
+
     pub fn evaluate(&self, input: &GateInput<'_>) -> GateOutcome {
         let mut outcome = GateOutcome {
             phase: input.phase,
