@@ -192,3 +192,28 @@ async fn corral_version_shows_the_daemons_version_and_what_its_host_enforces() {
         assert!(text.lines().any(|l| l.trim_start().starts_with(name) && l.contains(" ok ")), "{name}: {text}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corral_exec_shows_the_elapsed_time_on_a_terminal_only() {
+    require_bwrap();
+    assert!(std::path::Path::new("/usr/bin/script").exists(), "this test needs script(1) (Debian package bsdutils)");
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let daemon = ServeProcess::start(&dir.path().join("data"), &profiles, &[]).await;
+    let exec = format!(
+        "{} --server {} exec --profile builtin.shell --title t --description 'sleep 2.5; echo done'",
+        env!("CARGO_BIN_EXE_corral"),
+        daemon.cli_url()
+    );
+    // On a pseudo-terminal (script(1) gives it one): the status line.
+    let tty = tokio::process::Command::new("script").args(["-qec", &exec, "/dev/null"]).output().await.unwrap();
+    let text = String::from_utf8_lossy(&tty.stdout);
+    assert!(tty.status.success(), "{text}");
+    assert!(text.contains("running 0m01s") || text.contains("running 0m02s"), "no elapsed time on a terminal: {text}");
+    // In a pipe: none.
+    let piped = tokio::process::Command::new("sh").args(["-c", &exec]).output().await.unwrap();
+    let all = format!("{}{}", String::from_utf8_lossy(&piped.stdout), String::from_utf8_lossy(&piped.stderr));
+    assert!(piped.status.success() && all.contains("done"), "{all}");
+    assert!(!all.contains("running 0m") && !all.contains('\u{1b}'), "a status line in a pipe: {all}");
+}

@@ -79,9 +79,18 @@ async fn follow(mut stream: tonic::Streaming<pb::LifecycleEvent>, printer: &Prin
     tokio::pin!(interrupt);
     let mut interrupt_armed = true;
     let mut last: Option<(String, u64)> = None;
+    // A sign of life on a terminal: one status line with the elapsed time,
+    // rewritten in place every second and cleared before anything prints.
+    let status = Status::new();
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         let next = tokio::select! {
             message = stream.message() => message?,
+            _ = tick.tick(), if status.enabled => {
+                status.show(last.as_ref().map(|(_, s)| *s));
+                continue;
+            }
             signal = &mut interrupt, if interrupt_armed => {
                 match signal {
                     Ok(()) => {
@@ -97,6 +106,7 @@ async fn follow(mut stream: tonic::Streaming<pb::LifecycleEvent>, printer: &Prin
                 }
             }
         };
+        status.clear();
         let Some(event) = next else {
             eprintln!("error: the event stream ended before the execution finished");
             return Ok(1);
@@ -106,6 +116,35 @@ async fn follow(mut stream: tonic::Streaming<pb::LifecycleEvent>, printer: &Prin
             return Ok(exit_code(finished));
         }
         last = Some((subject_of(&event), event.sequence));
+    }
+}
+
+/// The elapsed-time line on stderr, only when both stdout and stderr are
+/// terminals (never in a pipe, a log or `--json` output read by a program).
+struct Status {
+    enabled: bool,
+    started: std::time::Instant,
+    shown: std::cell::Cell<bool>,
+}
+
+impl Status {
+    fn new() -> Status {
+        use std::io::IsTerminal;
+        let enabled = std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
+        Status { enabled, started: std::time::Instant::now(), shown: std::cell::Cell::new(false) }
+    }
+
+    fn show(&self, last_sequence: Option<u64>) {
+        let elapsed = self.started.elapsed().as_secs();
+        let at = last_sequence.map(|s| format!(", last event #{s}")).unwrap_or_default();
+        eprint!("\r\x1b[2K  running {}m{:02}s{at}", elapsed / 60, elapsed % 60);
+        self.shown.set(true);
+    }
+
+    fn clear(&self) {
+        if self.shown.replace(false) {
+            eprint!("\r\x1b[2K");
+        }
     }
 }
 
