@@ -69,6 +69,8 @@ pub struct Config {
     pub harness: crate::catalog::HarnessConfig,
     /// Where Prometheus scrapes `GET /metrics` (unset: no metrics listener).
     pub metrics_listen: Option<String>,
+    /// OpenTelemetry traces.
+    pub telemetry: TelemetryConfig,
     /// Names this daemon in a shared store (default: host name and data
     /// directory): recovery and hub delivery only touch its own rows.
     pub node_id: Option<String>,
@@ -154,6 +156,21 @@ impl GrpcConfig {
     }
 }
 
+/// The `[telemetry]` section: OpenTelemetry traces over OTLP/gRPC.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// e.g. `http://127.0.0.1:4317`; unset: no traces are exported.
+    pub otlp_endpoint: Option<String>,
+    pub service_name: String,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig { otlp_endpoint: None, service_name: "corral".into() }
+    }
+}
+
 /// The `[git]` section: the capture of a workspace at the end of a run.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -207,6 +224,7 @@ impl Default for Config {
             client_ca: None,
             harness: crate::catalog::HarnessConfig::default(),
             metrics_listen: None,
+            telemetry: TelemetryConfig::default(),
             node_id: None,
             grpc: GrpcConfig::default(),
         }

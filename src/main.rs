@@ -121,15 +121,39 @@ fn main() -> anyhow::Result<()> {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match args.log_format {
-        // Spans (an execution's id) go into every line of either format.
-        LogFormat::Json => logs.json().with_current_span(true).with_span_list(false).init(),
-        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
-    }
-    let overrides = Overrides { listen: args.listen, data_dir: args.data_dir, profile_dirs: args.profiles };
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+    let overrides =
+        Overrides { listen: args.listen.clone(), data_dir: args.data_dir.clone(), profile_dirs: args.profiles.clone() };
     let config = Config::load(args.config.as_deref(), overrides)?;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    // Spans (an execution's id) go into every line of either format.
+    let logs = match args.log_format {
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .with_writer(std::io::stderr)
+            .boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_ansi(std::io::stderr().is_terminal())
+            .with_writer(std::io::stderr)
+            .boxed(),
+    };
+    // Traces: only spans, never log events, go to the collector.
+    let provider = match &config.telemetry.otlp_endpoint {
+        Some(endpoint) => Some(
+            corral::telemetry::otlp_tracer_provider(endpoint, &config.telemetry.service_name)
+                .map_err(anyhow::Error::msg)?,
+        ),
+        None => None,
+    };
+    let traces = provider.as_ref().map(|provider| {
+        use opentelemetry::trace::TracerProvider as _;
+        tracing_opentelemetry::layer().with_tracer(provider.tracer("corral"))
+    });
+    tracing_subscriber::registry().with(filter).with(logs).with(traces).init();
     if let Some(addr) = &config.metrics_listen {
         // Validated with the config: it parses.
         let addr = addr.parse().map_err(|e| anyhow::anyhow!("metrics_listen: {e}"))?;
@@ -170,7 +194,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
     println!("corral listening on {local}");
-    (&mut serving).await??;
+    let served = (&mut serving).await;
+    if let Some(provider) = provider {
+        // Flush the spans still batched.
+        if let Err(e) = provider.shutdown() {
+            tracing::warn!(error = %e, "traces not flushed");
+        }
+    }
+    served??;
     Ok(())
 }
 

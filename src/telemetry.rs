@@ -1,5 +1,8 @@
 //! Prometheus metrics (`metrics` + `metrics-exporter-prometheus`), served on
-//! `metrics_listen` when it is set. Labels are fixed sets (outcome, stage,
+//! `metrics_listen` when it is set; OpenTelemetry traces (OTLP over gRPC,
+//! `tracing-opentelemetry`) when `[telemetry] otlp_endpoint` is set: one
+//! trace per execution (its span, a child per stage), joined to the
+//! caller's trace when the call carries a W3C `traceparent`. Labels are fixed sets (outcome, stage,
 //! source, action, kind): never a secret, a task text, an id or anything
 //! else a caller controls the size of.
 
@@ -92,4 +95,34 @@ pub fn hub_delivery(accepted: bool) {
 /// The snake_case name serde gives a unit enum variant.
 fn serde_label<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_value(value).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_else(|| "unknown".into())
+}
+
+/// An OTLP (gRPC) trace pipeline to `endpoint`, batched; shut it down to
+/// flush what is pending.
+pub fn otlp_tracer_provider(
+    endpoint: &str,
+    service_name: &str,
+) -> Result<opentelemetry_sdk::trace::SdkTracerProvider, String> {
+    use opentelemetry_otlp::WithExportConfig;
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .with_endpoint(endpoint)
+        .build()
+        .map_err(|e| format!("telemetry.otlp_endpoint {endpoint}: {e}"))?;
+    let resource = opentelemetry_sdk::Resource::builder().with_service_name(service_name.to_string()).build();
+    Ok(opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(resource)
+        .build())
+}
+
+/// Makes `span` a child of the caller's trace named by a W3C `traceparent`
+/// (ignored when it does not parse).
+pub fn set_parent(span: &tracing::Span, traceparent: &str) {
+    use opentelemetry::propagation::TextMapPropagator;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let carrier: std::collections::HashMap<String, String> =
+        [("traceparent".to_string(), traceparent.to_string())].into_iter().collect();
+    let context = opentelemetry_sdk::propagation::TraceContextPropagator::new().extract(&carrier);
+    let _ = span.set_parent(context);
 }

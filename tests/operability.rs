@@ -217,3 +217,67 @@ async fn corral_exec_shows_the_elapsed_time_on_a_terminal_only() {
     assert!(piped.status.success() && all.contains("done"), "{all}");
     assert!(!all.contains("running 0m") && !all.contains('\u{1b}'), "a status line in a pipe: {all}");
 }
+
+/// A test OTLP collector: keeps every span it is sent.
+#[derive(Clone, Default)]
+struct Collector {
+    spans: std::sync::Arc<std::sync::Mutex<Vec<opentelemetry_proto::tonic::trace::v1::Span>>>,
+}
+
+#[tonic::async_trait]
+impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest>,
+    ) -> Result<
+        tonic::Response<opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse>,
+        tonic::Status,
+    > {
+        let mut spans = self.spans.lock().unwrap();
+        for resource in request.into_inner().resource_spans {
+            for scope in resource.scope_spans {
+                spans.extend(scope.spans);
+            }
+        }
+        Ok(tonic::Response::new(Default::default()))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execution_is_one_trace_joined_to_the_callers_with_a_span_per_stage() {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer;
+    require_bwrap();
+    let collector = Collector::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let service = TraceServiceServer::new(collector.clone());
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await
+            .unwrap();
+    });
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let extra = format!("[telemetry]\notlp_endpoint = \"http://127.0.0.1:{port}\"\n");
+    let mut daemon = ServeProcess::start_with(&dir.path().join("data"), &profiles, &[], &extra).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut request = tonic::Request::new(request("builtin.shell", "echo traced"));
+    request.metadata_mut().insert("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01").parse().unwrap());
+    let mut stream = client.execute(request).await.unwrap().into_inner();
+    while stream.message().await.unwrap().is_some() {}
+    // SAFETY: kill(2) on our own child; the daemon flushes its spans on the way out.
+    unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
+    daemon.child.wait().await.unwrap();
+    let spans = collector.spans.lock().unwrap().clone();
+    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let ours: Vec<&str> = spans.iter().filter(|s| hex(&s.trace_id) == trace_id).map(|s| s.name.as_str()).collect();
+    for stage in ["execution", "resolve", "gate", "sandbox_create", "session_start", "harness", "teardown"] {
+        assert!(ours.contains(&stage), "no {stage} span in the caller's trace: {ours:?} (all: {})", spans.len());
+    }
+    let execution = spans.iter().find(|s| s.name == "execution" && hex(&s.trace_id) == trace_id).unwrap();
+    assert_eq!(hex(&execution.parent_span_id), "00f067aa0ba902b7", "the run's span is a child of the caller's");
+}

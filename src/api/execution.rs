@@ -131,6 +131,12 @@ pub fn event_stream_with(
     Box::pin(ReceiverStream::new(rx))
 }
 
+/// The W3C `traceparent` the caller sent, if any (bounded: it is 55 bytes).
+fn traceparent<T>(request: &Request<T>) -> Option<String> {
+    let value = request.metadata().get("traceparent")?.to_str().ok()?;
+    (value.len() <= 128).then(|| value.to_string())
+}
+
 impl ExecutionApi {
     /// The request as a command of `principal`: validated, its actor and
     /// project checked against the principal's.
@@ -171,9 +177,11 @@ impl ExecutionService for ExecutionApi {
     async fn execute(&self, request: Request<pb::ExecuteRequest>) -> Result<Response<EventStream>, Status> {
         let principal = caller(&request)?;
         let deadline = limits::deadline(&request);
+        let traceparent = traceparent(&request);
         let request = request.into_inner();
         let cancel_on_disconnect = request.cancel_on_disconnect;
-        let cmd = self.command(&principal, request).await?;
+        let mut cmd = self.command(&principal, request).await?;
+        cmd.traceparent = traceparent;
         let submitted = self.engine.submit(cmd).await?;
         audit(&principal, "Execute", &submitted.record.execution_id);
         let on_disconnect: Option<Box<dyn FnOnce() + Send>> = if cancel_on_disconnect && !submitted.existing {
@@ -193,7 +201,9 @@ impl ExecutionService for ExecutionApi {
 
     async fn start_execution(&self, request: Request<pb::ExecuteRequest>) -> Result<Response<pb::Execution>, Status> {
         let principal = caller(&request)?;
-        let cmd = self.command(&principal, request.into_inner()).await?;
+        let traceparent = traceparent(&request);
+        let mut cmd = self.command(&principal, request.into_inner()).await?;
+        cmd.traceparent = traceparent;
         let submitted = self.engine.submit(cmd).await?;
         audit(&principal, "StartExecution", &submitted.record.execution_id);
         Ok(Response::new(convert::execution(&submitted.record, None)))

@@ -159,6 +159,7 @@ pub async fn execute_request(req: pb::ExecuteRequest, roots: &[PathBuf]) -> Resu
         project: req.project,
         principal: String::new(),
         quota: None,
+        traceparent: None,
     })
 }
 

@@ -11,8 +11,10 @@
 //! reach only the direct caller.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -152,8 +154,9 @@ impl Core {
     /// resolve → agent_start gate → sandbox → workspace → harness. On any
     /// failure, whatever was created is torn down before it returns.
     pub async fn open(&mut self, profile_ref: &str, cancel: &CancellationToken) -> Result<(), OpenFailure> {
-        let profile = self.resolve(profile_ref).await?;
-        let outcome = self.gate_agent_start(&profile).await;
+        // A span per stage: in a trace, each is a child of the run's span.
+        let profile = self.resolve(profile_ref).instrument(tracing::info_span!("resolve")).await?;
+        let outcome = self.gate_agent_start(&profile).instrument(tracing::info_span!("gate")).await;
         if let Some(denial) = outcome.denial() {
             let (policy, reason) = (denial.policy.clone(), denial.reason.clone());
             self.refused(FailureStage::Gate, &format!("denied by policy {policy}: {reason}"));
@@ -162,8 +165,8 @@ impl Core {
         if cancel.is_cancelled() {
             return Err(OpenFailure::Cancelled);
         }
-        self.create_sandbox(&outcome.effective_sandbox).await?;
-        if let Err(error) = self.start_harness().await {
+        self.create_sandbox(&outcome.effective_sandbox).instrument(tracing::info_span!("sandbox_create")).await?;
+        if let Err(error) = self.start_harness().instrument(tracing::info_span!("session_start")).await {
             self.failed(FailureStage::SessionStart, &error.to_string());
             self.destroy().await;
             return Err(OpenFailure::Failed { stage: FailureStage::SessionStart });

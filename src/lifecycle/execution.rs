@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::core::{Core, OpenFailure, TurnOutcome};
 use super::fit::{fit_raw, json_len};
@@ -48,7 +49,7 @@ pub(super) async fn run(
                     workspace: WORKSPACE_MOUNT.into(),
                 },
             };
-            match core.turn(call, cancel.clone()).await {
+            match core.turn(call, cancel.clone()).instrument(tracing::info_span!("harness")).await {
                 TurnOutcome::Done(result) => {
                     core.raw.tool_output = result.output;
                     if !result.ok {
@@ -62,13 +63,13 @@ pub(super) async fn run(
                 TurnOutcome::Failed(e) => core.failed(FailureStage::Execution, &e.to_string()),
                 TurnOutcome::Cancelled => cancelled = true,
             }
-            core.close(cancelled).await;
+            core.close(cancelled).instrument(tracing::info_span!("teardown")).await;
         }
         Err(OpenFailure::Cancelled) => {
             cancelled = true;
-            core.close(true).await;
+            core.close(true).instrument(tracing::info_span!("teardown")).await;
         }
-        Err(_) => core.close(false).await,
+        Err(_) => core.close(false).instrument(tracing::info_span!("teardown")).await,
     }
     finish(&mut core, &mut record, cancelled, started).await;
 }

@@ -69,6 +69,10 @@ pub struct ExecuteCommand {
     /// The principal's `max_running`, if it has one.
     #[serde(skip)]
     pub quota: Option<usize>,
+    /// The caller's W3C `traceparent`, to join its trace (not part of the
+    /// request's digest).
+    #[serde(skip)]
+    pub traceparent: Option<String>,
 }
 
 impl ExecuteCommand {
