@@ -174,6 +174,26 @@ fn assert_real_work(mock: &ModelMock, origin: &Path, events: &[Value], file: &st
     assert!(!text.contains(KEY), "the key is scrubbed from every event");
 }
 
+/// `corral profiles`'s line for `profile` (it must succeed).
+fn profiles_line(serve: &ServeProcess, profile: &str) -> String {
+    let out = std::process::Command::new(CORRAL).args(["--server", &serve.cli_url(), "profiles"]).output().unwrap();
+    let table = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{table}");
+    table
+        .lines()
+        .find(|l| l.starts_with(&format!("{profile}@")))
+        .unwrap_or_else(|| panic!("{profile} in {table}"))
+        .to_string()
+}
+
+/// Before a run `corral profiles` says the built-in never succeeded end to
+/// end here; after a success, when it did.
+fn assert_end_to_end_check(before: &str, after: &str) {
+    assert!(before.contains("no end-to-end success on this daemon yet"), "{before}");
+    let when = after.split("last end-to-end success on this daemon: ").nth(1).unwrap_or_else(|| panic!("{after}"));
+    assert!(when.starts_with("20") && when.contains('T'), "an RFC 3339 time: {after}");
+}
+
 fn run_in_sandbox_facts(write: &str) -> String {
     format!("id -u > whoami.txt && printf %s \"$CORRAL_SANDBOX\" > sandbox.txt && {write}")
 }
@@ -189,9 +209,11 @@ async fn claude_code_writes_a_file_that_comes_back() {
     .await;
     let (_dir, serve) = serve(&mock, true).await;
     let origin = git_repo();
+    let before = profiles_line(&serve, "builtin.claude-code");
     let (code, events) =
         exec(&serve, "builtin.claude-code", origin.path(), "Write hello-from-claude.txt saying hello.").await;
     assert_eq!(code, 0, "{:#}", execution(&events));
+    assert_end_to_end_check(&before, &profiles_line(&serve, "builtin.claude-code"));
     assert_real_work(&mock, origin.path(), &events, "hello-from-claude.txt", "hello from claude");
     assert_eq!(tools_used(&events), ["Bash", "Write"], "tool_use events carry Claude Code's tool names");
     let record = execution(&events);
@@ -250,8 +272,10 @@ async fn codex_writes_a_file_that_comes_back() {
     .await;
     let (_dir, serve) = serve(&mock, true).await;
     let origin = git_repo();
+    let before = profiles_line(&serve, "builtin.codex");
     let (code, events) = exec(&serve, "builtin.codex", origin.path(), "Write hello-from-codex.txt saying hello.").await;
     assert_eq!(code, 0, "{:#}", execution(&events));
+    assert_end_to_end_check(&before, &profiles_line(&serve, "builtin.codex"));
     assert_real_work(&mock, origin.path(), &events, "hello-from-codex.txt", "hello from codex");
     assert_eq!(tools_used(&events), ["command_execution"]);
     let record = execution(&events);

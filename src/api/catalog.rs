@@ -8,15 +8,47 @@ use tonic::{Code, Request, Response, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
 use super::{convert, status, validate};
-use crate::catalog::{check_actor, Catalog, Refusal};
+use crate::catalog::{check_actor, Catalog, Profile, ReadinessState, Refusal};
 use crate::pb;
 use crate::pb::catalog_service_server::CatalogService;
 use crate::policy::{Gate, GateInput, Phase};
+use crate::records::ExecutionState;
+use crate::store::{ExecutionFilter, Store};
 
 pub struct CatalogApi {
     pub catalog: Arc<Catalog>,
     pub gate: Arc<Gate>,
     pub repo_roots: Vec<PathBuf>,
+    /// Where the last end-to-end success of an unverified profile is read.
+    pub store: Store,
+}
+
+impl CatalogApi {
+    /// The profile as the API shows it. An `unverified` profile's reason
+    /// says when it last succeeded end to end on this daemon (its store),
+    /// or that it never did: what `corral profiles` shows an operator.
+    async fn profile(&self, profile: &Profile) -> Result<pb::Profile, Status> {
+        let mut shown = convert::profile(profile);
+        if profile.file.readiness.state != ReadinessState::Unverified {
+            return Ok(shown);
+        }
+        let filter = ExecutionFilter {
+            state: Some(ExecutionState::Succeeded),
+            profile: profile.reference(),
+            limit: 1,
+            ..ExecutionFilter::default()
+        };
+        let last = self.store.list_executions(&filter).await.map_err(|e| Status::internal(e.to_string()))?;
+        let check = match last.first().and_then(|r| r.finished_at_ms) {
+            Some(ms) => format!("last end-to-end success on this daemon: {}", crate::hub::rfc3339(ms)),
+            None => "no end-to-end success on this daemon yet".to_string(),
+        };
+        if let Some(readiness) = shown.readiness.as_mut() {
+            readiness.reason =
+                if readiness.reason.is_empty() { check } else { format!("{}; {check}", readiness.reason) };
+        }
+        Ok(shown)
+    }
 }
 
 /// A resolution refusal as a status: FAILED_PRECONDITION with the reason.
@@ -35,7 +67,10 @@ impl CatalogService for CatalogApi {
         &self,
         _request: Request<pb::ListProfilesRequest>,
     ) -> Result<Response<pb::ListProfilesResponse>, Status> {
-        let profiles = self.catalog.list().iter().map(|p| convert::profile(p)).collect();
+        let mut profiles = Vec::new();
+        for profile in self.catalog.list().iter() {
+            profiles.push(self.profile(profile).await?);
+        }
         Ok(Response::new(pb::ListProfilesResponse { profiles }))
     }
 
@@ -46,7 +81,7 @@ impl CatalogService for CatalogApi {
             .catalog
             .lookup(&req.r#ref)
             .map_err(|r| status::with_reason(Code::NotFound, r.0, "NOT_FOUND", vec![]))?;
-        Ok(Response::new(convert::profile(&profile)))
+        Ok(Response::new(self.profile(&profile).await?))
     }
 
     async fn resolve_profile(

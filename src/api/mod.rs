@@ -102,7 +102,12 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         shutdown: streams_end.clone(),
         page_tokens: parts.page_tokens,
     };
-    let catalog = CatalogApi { catalog: parts.catalog, gate: parts.gate, repo_roots: execution.repo_roots.clone() };
+    let catalog = CatalogApi {
+        catalog: parts.catalog,
+        gate: parts.gate,
+        repo_roots: execution.repo_roots.clone(),
+        store: parts.engine.store.clone(),
+    };
 
     let engine = parts.engine;
     let grace = parts.shutdown_grace;

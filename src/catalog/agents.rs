@@ -213,7 +213,7 @@ const VERSION_TIMEOUT: Duration = Duration::from_secs(5);
 /// What this host has of a harness CLI: usable only when installed where
 /// the sandbox can see it (under /usr, bound read-only) and when it runs.
 /// The version it reports goes into the reason, so `corral profiles` says
-/// what was found.
+/// what was found (the catalog service adds the last end-to-end success).
 pub fn cli_readiness(binary: &str, package: &str) -> Readiness {
     let blocked = |reason: String| Readiness { state: ReadinessState::Blocked, reason, ..Readiness::default() };
     let Some(path) = crate::sandbox::find_on_path(binary) else {
@@ -225,7 +225,7 @@ pub fn cli_readiness(binary: &str, package: &str) -> Readiness {
     match cli_version(&path) {
         Ok(version) => Readiness {
             state: ReadinessState::Unverified,
-            reason: format!("{version} at {}; not verified end to end by this daemon", path.display()),
+            reason: format!("{version} at {}", path.display()),
             ..Readiness::default()
         },
         Err(why) => blocked(format!("{binary} at {} does not run: {why}", path.display())),
