@@ -243,8 +243,8 @@ impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::Tra
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_execution_is_one_trace_joined_to_the_callers_with_a_span_per_stage() {
+/// A collector on loopback and a daemon exporting its traces to it.
+async fn traced_daemon(profiles: &[(&str, String)]) -> (Collector, tempfile::TempDir, ServeProcess) {
     use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer;
     require_bwrap();
     let collector = Collector::default();
@@ -259,25 +259,98 @@ async fn an_execution_is_one_trace_joined_to_the_callers_with_a_span_per_stage()
             .unwrap();
     });
     let dir = common::data_tempdir();
-    let profiles = dir.path().join("profiles");
-    std::fs::create_dir_all(&profiles).unwrap();
+    let profile_dir = dir.path().join("profiles");
+    std::fs::create_dir_all(&profile_dir).unwrap();
+    for (name, text) in profiles {
+        std::fs::write(profile_dir.join(name), text).unwrap();
+    }
     let extra = format!("[telemetry]\notlp_endpoint = \"http://127.0.0.1:{port}\"\n");
-    let mut daemon = ServeProcess::start_with(&dir.path().join("data"), &profiles, &[], &extra).await;
-    let mut client = ExecutionServiceClient::new(daemon.channel().await);
-    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let mut request = tonic::Request::new(request("builtin.shell", "echo traced"));
-    request.metadata_mut().insert("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01").parse().unwrap());
-    let mut stream = client.execute(request).await.unwrap().into_inner();
-    while stream.message().await.unwrap().is_some() {}
-    // SAFETY: kill(2) on our own child; the daemon flushes its spans on the way out.
+    let daemon = ServeProcess::start_with(&dir.path().join("data"), &profile_dir, &[], &extra).await;
+    (collector, dir, daemon)
+}
+
+/// Stops the daemon: it flushes its spans on the way out.
+async fn stop(mut daemon: ServeProcess) {
+    // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
     daemon.child.wait().await.unwrap();
-    let spans = collector.spans.lock().unwrap().clone();
+}
+
+/// The names of the collected spans of `trace_id`, with their parents' ids.
+fn spans_of(collector: &Collector, trace_id: &str) -> Vec<(String, String)> {
     let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
-    let ours: Vec<&str> = spans.iter().filter(|s| hex(&s.trace_id) == trace_id).map(|s| s.name.as_str()).collect();
-    for stage in ["execution", "resolve", "gate", "sandbox_create", "session_start", "harness", "teardown"] {
-        assert!(ours.contains(&stage), "no {stage} span in the caller's trace: {ours:?} (all: {})", spans.len());
+    let spans = collector.spans.lock().unwrap();
+    spans.iter().filter(|s| hex(&s.trace_id) == trace_id).map(|s| (s.name.clone(), hex(&s.parent_span_id))).collect()
+}
+
+fn traceparent<T>(message: T, trace_id: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01").parse().unwrap());
+    request
+}
+
+fn assert_spans(ours: &[(String, String)], root: &str, stages: &[&str]) {
+    let names: Vec<&str> = ours.iter().map(|(name, _)| name.as_str()).collect();
+    for stage in stages {
+        assert!(names.contains(stage), "no {stage} span in the caller's trace: {names:?}");
     }
-    let execution = spans.iter().find(|s| s.name == "execution" && hex(&s.trace_id) == trace_id).unwrap();
-    assert_eq!(hex(&execution.parent_span_id), "00f067aa0ba902b7", "the run's span is a child of the caller's");
+    let parent = ours.iter().find(|(name, _)| name == root).map(|(_, parent)| parent.as_str());
+    assert_eq!(parent, Some("00f067aa0ba902b7"), "the {root} span is a child of the caller's: {ours:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execution_is_one_trace_joined_to_the_callers_with_a_span_per_stage() {
+    let (collector, _dir, daemon) = traced_daemon(&[]).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut stream =
+        client.execute(traceparent(request("builtin.shell", "echo traced"), trace_id)).await.unwrap().into_inner();
+    while stream.message().await.unwrap().is_some() {}
+    stop(daemon).await;
+    let ours = spans_of(&collector, trace_id);
+    let stages = ["execution", "resolve", "gate", "sandbox_create", "session_start", "harness", "teardown"];
+    assert_spans(&ours, "execution", &stages);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_start_and_each_turn_join_the_callers_traces() {
+    use corral::pb::session_service_client::SessionServiceClient;
+    let profile = format!(
+        r#"id = "test.traced-session"
+version = "1.0.0"
+[rein]
+argv = ["/usr/bin/python3", "{fixtures}/session_agent.py"]
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+read_paths = ["{fixtures}"]
+[limits]
+timeout_seconds = 60
+max_output_bytes = 65536
+"#,
+        fixtures = common::FIXTURES
+    );
+    let (collector, _dir, daemon) = traced_daemon(&[("session.toml", profile)]).await;
+    let mut client = SessionServiceClient::new(daemon.channel().await);
+    let (start_trace, turn_trace) = ("0af7651916cd43dd8448eb211c80319c", "5b8aa5a2d2c872e8321cf37308d69df2");
+    let create = pb::CreateSessionRequest {
+        profile_ref: "test.traced-session".into(),
+        actor: "adm".into(),
+        project: "proj".into(),
+        ..Default::default()
+    };
+    let session = client.create_session(traceparent(create, start_trace)).await.unwrap().into_inner();
+    let turn = pb::SendTurnRequest {
+        session_id: session.session_id.clone(),
+        tool_call: Some(pb::ToolCall { tool: "echo".into(), arguments_json: r#"{"echo": "traced"}"#.into() }),
+    };
+    let mut stream = client.send_turn(traceparent(turn, turn_trace)).await.unwrap().into_inner();
+    while stream.message().await.unwrap().is_some() {}
+    stop(daemon).await;
+    let (started, turned) = (spans_of(&collector, start_trace), spans_of(&collector, turn_trace));
+    assert_spans(&started, "session", &["session", "resolve", "gate", "sandbox_create", "session_start"]);
+    assert_spans(&turned, "turn", &["turn", "harness"]);
+    assert!(!turned.iter().any(|(name, _)| name == "session_start"), "the turn's trace is the turn's: {turned:?}");
 }

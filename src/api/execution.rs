@@ -132,7 +132,7 @@ pub fn event_stream_with(
 }
 
 /// The W3C `traceparent` the caller sent, if any (bounded: it is 55 bytes).
-fn traceparent<T>(request: &Request<T>) -> Option<String> {
+pub(super) fn traceparent<T>(request: &Request<T>) -> Option<String> {
     let value = request.metadata().get("traceparent")?.to_str().ok()?;
     (value.len() <= 128).then(|| value.to_string())
 }

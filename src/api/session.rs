@@ -60,6 +60,7 @@ impl SessionService for SessionApi {
         request: Request<pb::CreateSessionRequest>,
     ) -> Result<Response<pb::Session>, Status> {
         let principal = caller(&request)?;
+        let traceparent = super::execution::traceparent(&request);
         let req = request.into_inner();
         let (repo, specs) = validate::create_session(&req, &self.repo_roots).await?;
         let (actor, project) = principal.admit(&req.actor, &req.project).map_err(denied)?;
@@ -73,6 +74,7 @@ impl SessionService for SessionApi {
             policies,
             principal: principal.name.clone(),
             quota: principal.max_running,
+            traceparent,
         };
         let record = self.engine.create_session(cmd).await?;
         audit(&principal, "CreateSession", &record.session_id);
@@ -82,11 +84,12 @@ impl SessionService for SessionApi {
     async fn send_turn(&self, request: Request<pb::SendTurnRequest>) -> Result<Response<EventStream>, Status> {
         let principal = caller(&request)?;
         let deadline = limits::deadline(&request);
+        let traceparent = super::execution::traceparent(&request);
         let req = request.into_inner();
         validate::id("session_id", &req.session_id)?;
         let (tool, arguments) = validate::tool_call(req.tool_call.as_ref())?;
         self.visible(&principal, &req.session_id).await?;
-        let subscription = self.engine.send_turn(&req.session_id, tool, arguments).await?;
+        let subscription = self.engine.send_turn(&req.session_id, tool, arguments, traceparent).await?;
         Ok(Response::new(event_stream(subscription, self.shutdown.clone(), deadline)))
     }
 

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::admission;
 use super::core::{Core, OpenFailure, TurnOutcome};
@@ -27,6 +28,8 @@ pub struct CreateSessionCommand {
     /// The principal that asked for it, and its `max_running`.
     pub principal: String,
     pub quota: Option<usize>,
+    /// The caller's W3C trace context: the session's start joins it.
+    pub traceparent: Option<String>,
 }
 
 /// A session whose harness is alive.
@@ -68,13 +71,22 @@ impl Engine {
         // disconnect, its deadline) leaves a session that is whole, or none,
         // and its slot is given back exactly when it should be.
         let engine = self.clone();
-        let start = self.tasks.spawn(async move {
-            let created = engine.create_admitted(cmd, id.clone()).await;
-            if created.is_err() {
-                engine.release(&id);
+        // One trace for the start (resolve, gate, sandbox, harness start),
+        // joined to the caller's; every log line carries the session's id.
+        let span = tracing::info_span!("session", session_id = %id);
+        if let Some(traceparent) = &cmd.traceparent {
+            crate::telemetry::set_parent(&span, traceparent);
+        }
+        let start = self.tasks.spawn(
+            async move {
+                let created = engine.create_admitted(cmd, id.clone()).await;
+                if created.is_err() {
+                    engine.release(&id);
+                }
+                created
             }
-            created
-        });
+            .instrument(span),
+        );
         start.await.unwrap_or_else(|_| Err(EngineError::Unavailable("the session start did not finish".into())))
     }
 
@@ -147,11 +159,14 @@ impl Engine {
     }
 
     /// Starts one turn; the subscription ends with its `turn_finished`.
+    /// The turn is a trace of its own, joined to `traceparent` when the
+    /// caller sent one.
     pub async fn send_turn(
         self: &Arc<Self>,
         session_id: &str,
         tool: String,
         arguments: serde_json::Value,
+        traceparent: Option<String>,
     ) -> Result<Subscription, EngineError> {
         let live = self.live_or_ended(session_id).await?;
         if live.busy.swap(true, Ordering::SeqCst) {
@@ -163,7 +178,11 @@ impl Engine {
         let engine = self.clone();
         let id = session_id.to_string();
         let (subscribed, subscription) = tokio::sync::oneshot::channel();
-        self.tasks.spawn(async move {
+        let span = tracing::info_span!("turn", session_id = %id, turn);
+        if let Some(traceparent) = &traceparent {
+            crate::telemetry::set_parent(&span, traceparent);
+        }
+        let task = async move {
             let mut core = live.core.lock().await;
             // Subscribed under the lock: the stream holds this turn's events
             // and none of the previous turn's.
@@ -186,7 +205,7 @@ impl Engine {
                 },
             };
             let tokens_before = core.evidence.tokens_spent;
-            let outcome = core.turn(call, cancel).await;
+            let outcome = core.turn(call, cancel).instrument(tracing::info_span!("harness")).await;
             let (ok, error, raw) = match outcome {
                 TurnOutcome::Done(r) if r.ok => {
                     (true, String::new(), RawResult { tool_output: r.output, tool_error: String::new() })
@@ -238,7 +257,8 @@ impl Engine {
             let cut = fit_raw(&mut raw, json_len(&event), engine.max_message_bytes);
             core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
             core.recorder.emit(event, Some(RawPart::Finished(raw))).await;
-        });
+        };
+        self.tasks.spawn(task.instrument(span));
         match subscription.await {
             Ok(Some((rx, after))) => Ok(Subscription::live(rx, true).after(after).until_turn(turn).catching_up(
                 self.store.clone(),
