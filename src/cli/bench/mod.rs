@@ -182,6 +182,11 @@ async fn measure(target: &Target, args: &BenchArgs) -> anyhow::Result<BenchRepor
     if all || args.scenario == Scenario::Latency {
         report.latency = Some(latency::run(target, args).await?);
     }
+    // Peer (corral against srt) right after latency, on the same small
+    // daemon: after fanout has grown it, its Execute p50 is not the floor.
+    if all || args.scenario == Scenario::Peer {
+        report.peer = Some(peer::run(target, args).await?);
+    }
     if all || args.scenario == Scenario::Throughput {
         report.throughput = Some(throughput::run(target, args).await?);
     }
@@ -190,9 +195,6 @@ async fn measure(target: &Target, args: &BenchArgs) -> anyhow::Result<BenchRepor
     }
     if all || args.scenario == Scenario::Fanout {
         report.fanout = Some(fanout::run(target, args).await?);
-    }
-    if all || args.scenario == Scenario::Peer {
-        report.peer = Some(peer::run(target, args).await?);
     }
     report.targets = render::targets(&report);
     report.load_average_end = system::load_average();
