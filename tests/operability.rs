@@ -313,7 +313,7 @@ async fn an_execution_is_one_trace_joined_to_the_callers_with_a_span_per_stage()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sessions_start_and_each_turn_join_the_callers_traces() {
+async fn a_sessions_start_each_turn_and_its_end_join_the_callers_traces() {
     use corral::pb::session_service_client::SessionServiceClient;
     let profile = format!(
         r#"id = "test.traced-session"
@@ -334,7 +334,8 @@ max_output_bytes = 65536
     );
     let (collector, _dir, daemon) = traced_daemon(&[("session.toml", profile)]).await;
     let mut client = SessionServiceClient::new(daemon.channel().await);
-    let (start_trace, turn_trace) = ("0af7651916cd43dd8448eb211c80319c", "5b8aa5a2d2c872e8321cf37308d69df2");
+    let (start_trace, turn_trace, end_trace) =
+        ("0af7651916cd43dd8448eb211c80319c", "5b8aa5a2d2c872e8321cf37308d69df2", "9c1b3e7d2a4f5e6b7c8d9e0f1a2b3c4d");
     let create = pb::CreateSessionRequest {
         profile_ref: "test.traced-session".into(),
         actor: "adm".into(),
@@ -348,8 +349,11 @@ max_output_bytes = 65536
     };
     let mut stream = client.send_turn(traceparent(turn, turn_trace)).await.unwrap().into_inner();
     while stream.message().await.unwrap().is_some() {}
+    let end = pb::EndSessionRequest { session_id: session.session_id.clone() };
+    client.end_session(traceparent(end, end_trace)).await.unwrap();
     stop(daemon).await;
     let (started, turned) = (spans_of(&collector, start_trace), spans_of(&collector, turn_trace));
+    assert_spans(&spans_of(&collector, end_trace), "session_end", &["session_end", "teardown"]);
     assert_spans(&started, "session", &["session", "resolve", "gate", "sandbox_create", "session_start"]);
     assert_spans(&turned, "turn", &["turn", "harness"]);
     assert!(!turned.iter().any(|(name, _)| name == "session_start"), "the turn's trace is the turn's: {turned:?}");

@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use super::auth::{audit, caller, denied, not_visible};
-use super::execution::{event_stream, EventStream};
+use super::execution::{event_stream, traceparent, EventStream};
 use super::page::PageTokens;
 use super::{convert, limits, status, validate};
 use crate::lifecycle::{CreateSessionCommand, EndReason, Engine};
@@ -60,7 +61,7 @@ impl SessionService for SessionApi {
         request: Request<pb::CreateSessionRequest>,
     ) -> Result<Response<pb::Session>, Status> {
         let principal = caller(&request)?;
-        let traceparent = super::execution::traceparent(&request);
+        let trace_parent = traceparent(&request);
         let req = request.into_inner();
         let (repo, specs) = validate::create_session(&req, &self.repo_roots).await?;
         let (actor, project) = principal.admit(&req.actor, &req.project).map_err(denied)?;
@@ -74,7 +75,7 @@ impl SessionService for SessionApi {
             policies,
             principal: principal.name.clone(),
             quota: principal.max_running,
-            traceparent,
+            traceparent: trace_parent,
         };
         let record = self.engine.create_session(cmd).await?;
         audit(&principal, "CreateSession", &record.session_id);
@@ -84,12 +85,12 @@ impl SessionService for SessionApi {
     async fn send_turn(&self, request: Request<pb::SendTurnRequest>) -> Result<Response<EventStream>, Status> {
         let principal = caller(&request)?;
         let deadline = limits::deadline(&request);
-        let traceparent = super::execution::traceparent(&request);
+        let trace_parent = traceparent(&request);
         let req = request.into_inner();
         validate::id("session_id", &req.session_id)?;
         let (tool, arguments) = validate::tool_call(req.tool_call.as_ref())?;
         self.visible(&principal, &req.session_id).await?;
-        let subscription = self.engine.send_turn(&req.session_id, tool, arguments, traceparent).await?;
+        let subscription = self.engine.send_turn(&req.session_id, tool, arguments, trace_parent).await?;
         Ok(Response::new(event_stream(subscription, self.shutdown.clone(), deadline)))
     }
 
@@ -147,6 +148,7 @@ impl SessionService for SessionApi {
 
     async fn end_session(&self, request: Request<pb::EndSessionRequest>) -> Result<Response<pb::Session>, Status> {
         let principal = caller(&request)?;
+        let trace_parent = traceparent(&request);
         let req = request.into_inner();
         validate::id("session_id", &req.session_id)?;
         self.visible(&principal, &req.session_id).await?;
@@ -154,7 +156,12 @@ impl SessionService for SessionApi {
         // goes away (or whose deadline passes) mid-teardown must not leave a
         // sandbox half destroyed.
         let (engine, id) = (self.engine.clone(), req.session_id.clone());
-        let ending = tokio::spawn(async move { engine.end_session(&id, EndReason::Requested).await });
+        // Its own trace (`session_end` > `teardown`), joined to the caller's.
+        let span = tracing::info_span!("session_end", session_id = %id);
+        if let Some(parent) = &trace_parent {
+            crate::telemetry::set_parent(&span, parent);
+        }
+        let ending = tokio::spawn(async move { engine.end_session(&id, EndReason::Requested).await }.instrument(span));
         let record = ending.await.map_err(|_| Status::internal("ending the session failed"))??;
         audit(&principal, "EndSession", &req.session_id);
         Ok(Response::new(convert::session(&record, None)))

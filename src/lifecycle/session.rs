@@ -330,7 +330,7 @@ impl Engine {
         if let EndReason::Idle(idle) = reason {
             core.recorder.emit(EventKind::Reaped { idle_seconds: idle.as_secs() }, None).await;
         }
-        core.close(false).await;
+        core.close(false).instrument(tracing::info_span!("teardown")).await;
         record.state = match reason {
             EndReason::Idle(_) => SessionState::Reaped,
             EndReason::Requested | EndReason::Shutdown => SessionState::Ended,
