@@ -398,3 +398,46 @@ async fn catalog_lists_resolves_and_dry_runs_the_gate() {
     assert!(!sandbox.allow_network, "{sandbox:?}");
     daemon.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unverified_profile_says_when_it_last_succeeded_end_to_end() {
+    common::require_bwrap();
+    let unverified = "[readiness]\nstate = \"unverified\"\nreason = \"new agent\"\n";
+    let mut options = Options::default();
+    options.profiles.push(("unverified.toml".into(), common::fake_agent_profile("test.unverified", unverified)));
+    let daemon = TestDaemon::start(options).await;
+    let mut catalog = daemon.catalog().await;
+    let reason = |profile: pb::Profile| profile.readiness.expect("readiness").reason;
+    let get = pb::GetProfileRequest { r#ref: "test.unverified".into() };
+
+    let before = reason(catalog.get_profile(get.clone()).await.expect("get").into_inner());
+    assert_eq!(before, "new agent; no end-to-end success on this daemon yet");
+    // A failure is not a success; a ready profile says nothing of the kind.
+    daemon.execute(request("test.unverified", "FAIL boom")).await;
+    assert_eq!(reason(catalog.get_profile(get.clone()).await.expect("get").into_inner()), before);
+    let ready = reason(catalog.get_profile(pb::GetProfileRequest { r#ref: FAKE.into() }).await.unwrap().into_inner());
+    assert!(!ready.contains("end-to-end"), "{ready}");
+
+    let events = daemon.execute(request("test.unverified", "PROGRESS 1")).await;
+    let finished = events.iter().rev().find_map(|e| match &e.kind {
+        Some(Kind::Finished(pb::Finished { record: Some(pb::finished::Record::Execution(e)) })) => Some(e.clone()),
+        _ => None,
+    });
+    let finished = finished.expect("finished");
+    assert_eq!(finished.state, pb::ExecutionState::Succeeded as i32);
+    let when = convert_time(finished.finished_at.expect("finished_at"));
+    let listed = catalog.list_profiles(pb::ListProfilesRequest {}).await.expect("list").into_inner();
+    let after = listed.profiles.into_iter().find(|p| p.r#ref == "test.unverified@1.0.0").map(reason).unwrap();
+    assert_eq!(after, format!("new agent; last end-to-end success on this daemon: {when}"));
+}
+
+/// A protobuf timestamp as the catalog writes it: RFC 3339, UTC, to the ms.
+fn convert_time(ts: prost_types::Timestamp) -> String {
+    let ms = ts.seconds * 1000 + i64::from(ts.nanos) / 1_000_000;
+    let secs = ms.div_euclid(1000);
+    let out = std::process::Command::new("date")
+        .args(["-u", "-d", &format!("@{secs}"), "+%Y-%m-%dT%H:%M:%S"])
+        .output()
+        .unwrap();
+    format!("{}.{:03}Z", String::from_utf8_lossy(&out.stdout).trim(), ms.rem_euclid(1000))
+}

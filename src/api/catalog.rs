@@ -12,8 +12,7 @@ use crate::catalog::{check_actor, Catalog, Profile, ReadinessState, Refusal};
 use crate::pb;
 use crate::pb::catalog_service_server::CatalogService;
 use crate::policy::{Gate, GateInput, Phase};
-use crate::records::ExecutionState;
-use crate::store::{ExecutionFilter, Store};
+use crate::store::Store;
 
 pub struct CatalogApi {
     pub catalog: Arc<Catalog>,
@@ -32,14 +31,8 @@ impl CatalogApi {
         if profile.file.readiness.state != ReadinessState::Unverified {
             return Ok(shown);
         }
-        let filter = ExecutionFilter {
-            state: Some(ExecutionState::Succeeded),
-            profile: profile.reference(),
-            limit: 1,
-            ..ExecutionFilter::default()
-        };
-        let last = self.store.list_executions(&filter).await.map_err(|e| Status::internal(e.to_string()))?;
-        let check = match last.first().and_then(|r| r.finished_at_ms) {
+        let last = self.store.last_success(&profile.reference()).await.map_err(|e| Status::internal(e.to_string()))?;
+        let check = match last {
             Some(ms) => format!("last end-to-end success on this daemon: {}", crate::hub::rfc3339(ms)),
             None => "no end-to-end success on this daemon yet".to_string(),
         };

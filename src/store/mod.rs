@@ -319,6 +319,17 @@ impl Store {
         rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
     }
 
+    /// When an execution of `profile_ref` (pinned `id@version`) last
+    /// succeeded, in ms since the epoch (one index lookup).
+    pub async fn last_success(&self, profile_ref: &str) -> Result<Option<i64>, StoreError> {
+        let row = sqlx::query("SELECT MAX(finished_at_ms) FROM executions WHERE profile_ref = $1 AND state = $2")
+            .bind(profile_ref)
+            .bind(ExecutionState::Succeeded.as_str())
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(row.get::<Option<i64>, _>(0))
+    }
+
     pub async fn count_executions(&self) -> Result<i64, StoreError> {
         Ok(sqlx::query("SELECT COUNT(*) FROM executions").fetch_one(&self.pool).await?.get(0))
     }
