@@ -117,8 +117,9 @@ pub fn otlp_tracer_provider(
 }
 
 /// Makes `span` a child of the caller's trace named by a W3C `traceparent`
-/// (ignored when it does not parse).
-pub fn set_parent(span: &tracing::Span, traceparent: &str) {
+/// (nothing when the caller sent none or it does not parse).
+pub fn set_parent(span: &tracing::Span, traceparent: Option<&str>) {
+    let Some(traceparent) = traceparent else { return };
     use opentelemetry::propagation::TextMapPropagator;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
     let carrier: std::collections::HashMap<String, String> =

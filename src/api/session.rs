@@ -158,9 +158,7 @@ impl SessionService for SessionApi {
         let (engine, id) = (self.engine.clone(), req.session_id.clone());
         // Its own trace (`session_end` > `teardown`), joined to the caller's.
         let span = tracing::info_span!("session_end", session_id = %id);
-        if let Some(parent) = &trace_parent {
-            crate::telemetry::set_parent(&span, parent);
-        }
+        crate::telemetry::set_parent(&span, trace_parent.as_deref());
         let ending = tokio::spawn(async move { engine.end_session(&id, EndReason::Requested).await }.instrument(span));
         let record = ending.await.map_err(|_| Status::internal("ending the session failed"))??;
         audit(&principal, "EndSession", &req.session_id);

@@ -171,9 +171,7 @@ impl Engine {
         let engine = self.clone();
         // Every log line of the run carries its id.
         let span = tracing::info_span!("execution", execution_id = %execution_id);
-        if let Some(traceparent) = &cmd.traceparent {
-            crate::telemetry::set_parent(&span, traceparent);
-        }
+        crate::telemetry::set_parent(&span, cmd.traceparent.as_deref());
         self.tasks.spawn(tracing::Instrument::instrument(
             async move { engine.accept(execution_id, cmd, cancel, answer).await },
             span,

@@ -74,9 +74,7 @@ impl Engine {
         // One trace for the start (resolve, gate, sandbox, harness start),
         // joined to the caller's; every log line carries the session's id.
         let span = tracing::info_span!("session", session_id = %id);
-        if let Some(traceparent) = &cmd.traceparent {
-            crate::telemetry::set_parent(&span, traceparent);
-        }
+        crate::telemetry::set_parent(&span, cmd.traceparent.as_deref());
         let start = self.tasks.spawn(
             async move {
                 let created = engine.create_admitted(cmd, id.clone()).await;
@@ -179,9 +177,7 @@ impl Engine {
         let id = session_id.to_string();
         let (subscribed, subscription) = tokio::sync::oneshot::channel();
         let span = tracing::info_span!("turn", session_id = %id, turn);
-        if let Some(traceparent) = &traceparent {
-            crate::telemetry::set_parent(&span, traceparent);
-        }
+        crate::telemetry::set_parent(&span, traceparent.as_deref());
         let task = async move {
             let mut core = live.core.lock().await;
             // Subscribed under the lock: the stream holds this turn's events
