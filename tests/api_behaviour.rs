@@ -81,6 +81,13 @@ async fn watch_from_zero_replays_the_callers_events_without_raw_parts() {
     assert!(watched_record.tool_error.is_empty(), "watcher got raw error: {:?}", watched_record.tool_error);
 
     assert_eq!(without_raw_parts(&caller), watched, "replay differs from what the caller saw");
+
+    // The replayed record came from the execution's row: `finished` is
+    // stored as a stub, not as a second copy of the record (issue 16).
+    let stored = daemon.engine.store.stored_event_sizes(&record.execution_id).await.expect("stored events");
+    let (sequence, kind, bytes) = stored.last().cloned().expect("events stored");
+    assert_eq!((sequence, kind.as_str()), (watched.last().unwrap().sequence, "finished"));
+    assert!(bytes < 64, "finished stored in {bytes} bytes: it repeats the record");
     daemon.stop().await;
 }
 

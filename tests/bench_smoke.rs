@@ -74,14 +74,43 @@ async fn fanout_delivers_every_event_to_every_watcher() {
     assert!(level.rss_before_kib.is_some() && level.rss_peak_kib.is_some());
 }
 
+/// Every level on a daemon of its own, the 10,000-watcher one included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fanout_reaches_ten_thousand_watchers() {
+    let report = bench(&["fanout", "--watchers", "3:5,10000:3"]).await;
+    let f = report.fanout.expect("a fanout report");
+    let shapes: Vec<(usize, u64)> = f.levels.iter().map(|l| (l.watchers, l.events)).collect();
+    assert_eq!(shapes, vec![(3, 5), (10_000, 3)]);
+    let wide = &f.levels[1];
+    assert_eq!(wide.aborted, None);
+    assert_eq!(wide.complete_watchers, 10_000, "{wide:?}");
+    assert_eq!(wide.delivered, 30_000);
+    assert!(wide.errors.is_empty(), "{:?}", wide.errors);
+    assert!(report.targets.iter().any(|t| t.target.starts_with("fanout W=10000") && t.met.is_some()));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ingest_rates_stored_events() {
-    let report = bench(&["ingest", "--events", "200"]).await;
+    let report = bench(&["ingest", "--events", "200", "--ingest-harnesses", "2"]).await;
     let i = report.ingest.expect("an ingest report");
     assert_eq!(i.execution_state, "SUCCEEDED");
     assert_eq!(i.stored, 200);
     assert!(i.span_ms > 0.0 && i.per_second > 0.0, "{i:?}");
     assert!(i.emitter_alone_per_second > 0.0);
+    let p = i.parallel.expect("two harnesses at once");
+    assert_eq!((p.harnesses, p.stored), (2, 400));
+    assert_eq!(p.execution_states, vec!["SUCCEEDED", "SUCCEEDED"]);
+    assert!(p.per_second > 0.0 && p.emitter_alone_per_second > 0.0, "{p:?}");
+}
+
+/// The store grows by what executions write, and `finished` is stored
+/// without repeating the record (issue 16).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_reports_store_bytes_per_execution() {
+    let report = bench(&["latency", "--n", "20", "--warmup", "1"]).await;
+    let l = report.latency.expect("a latency report");
+    let bytes = l.store_bytes_per_execution.expect("in-process: the store is measured");
+    assert!(bytes > 500.0 && bytes < 20_000.0, "{bytes} bytes per execution");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -99,7 +128,11 @@ fn bench_arguments_have_the_documented_defaults() {
     let args = BenchArgs::parse(&["latency"]).unwrap();
     assert_eq!(args.n, None);
     assert_eq!(args.concurrency, vec![1, 4, 16, 64]);
-    assert_eq!(args.watchers, vec![1, 100, 1000]);
+    let levels: Vec<(usize, Option<u64>)> = args.watchers.iter().map(|w| (w.watchers, w.events)).collect();
+    assert_eq!(levels, vec![(1, None), (100, None), (1000, None), (10_000, Some(10_000))]);
+    assert_eq!(args.ingest_harnesses, 4);
+    assert!(BenchArgs::parse(&["fanout", "--watchers", "0"]).is_err());
+    assert!(BenchArgs::parse(&["fanout", "--watchers", "5:x"]).is_err());
     assert_eq!(args.events, 100_000);
     assert_eq!(args.noop_profile, "builtin.noop@1.0.0");
     assert!(BenchArgs::parse(&["nonsense"]).is_err());

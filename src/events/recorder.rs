@@ -65,19 +65,46 @@ impl Recorder {
         }
     }
 
+    /// The subject's next event, not stored yet: for a caller that stores
+    /// it in a transaction of its own (the final record's, see
+    /// [`Store::finish_execution`]) through [`Recorder::persist_with`],
+    /// then hands it to [`Recorder::publish`].
+    pub fn prepare(&self, kind: EventKind) -> Event {
+        Event { subject_id: self.subject.clone(), sequence: self.next, time_ms: now_ms(), kind }
+    }
+
+    /// Publishes an event from [`Recorder::prepare`] that the caller stored.
+    pub fn publish(&mut self, event: Event, raw: Option<RawPart>) -> Arc<Event> {
+        debug_assert_eq!(event.sequence, self.next, "events are published in order");
+        self.next = event.sequence + 1;
+        let event = Arc::new(event);
+        self.bus.publish(BusItem { event: event.clone(), raw: raw.map(Arc::new) });
+        event
+    }
+
     /// Writes `events` in one transaction, retrying a few times; `false`
     /// when the store still refuses them.
     async fn persist(&self, events: &[Event]) -> bool {
+        self.persist_with(events.len(), || self.store.append_events(events)).await
+    }
+
+    /// Runs `write` (which stores `count` events), retrying a few times (a
+    /// busy pool, a failover); `false` when the store still refuses.
+    pub async fn persist_with<F, Fut>(&self, count: usize, mut write: F) -> bool
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<(), crate::store::StoreError>>,
+    {
         let mut delay = std::time::Duration::from_millis(20);
         for attempt in 1..=5 {
             let started = std::time::Instant::now();
-            match self.store.append_events(events).await {
+            match write().await {
                 Ok(()) => {
-                    crate::telemetry::events_stored(events.len(), started.elapsed().as_secs_f64());
+                    crate::telemetry::events_stored(count, started.elapsed().as_secs_f64());
                     return true;
                 }
                 Err(error) if attempt == 5 => {
-                    tracing::error!(subject = %self.subject, count = events.len(), %error, "events not stored");
+                    tracing::error!(subject = %self.subject, count, %error, "events not stored");
                 }
                 Err(error) => {
                     tracing::warn!(subject = %self.subject, attempt, %error, "storing events failed; retrying");

@@ -424,12 +424,17 @@ impl Core {
             _ => None,
         };
         let t = Instant::now();
-        let (tx, mut rx) = mpsc::channel::<HarnessEvent>(256);
+        let (tx, mut rx) = mpsc::channel::<HarnessEvent>(1024);
         let result = {
             let dispatch = harness.dispatch_tool(call, Dispatch { events: tx, cancel, gate });
             tokio::pin!(dispatch);
             let egress = self.sandbox.as_ref().and_then(|(_, s)| s.egress.clone());
+            // The harness's result, when it came while a burst was stored.
+            let mut ended = None;
             let result = loop {
+                if let Some(result) = ended.take() {
+                    break result;
+                }
                 let egress_news = async {
                     match &egress {
                         Some(log) => log.notify().notified().await,
@@ -438,7 +443,18 @@ impl Core {
                 };
                 tokio::select! {
                     biased;
-                    Some(event) = rx.recv() => self.harness_events(event, &mut rx).await,
+                    Some(event) = rx.recv() => {
+                        // The harness is read on (into `rx`) while its last
+                        // burst is stored: parsing and storing overlap.
+                        let recording = self.harness_events(event, &mut rx);
+                        tokio::pin!(recording);
+                        loop {
+                            tokio::select! {
+                                _ = &mut recording => break,
+                                result = &mut dispatch, if ended.is_none() => ended = Some(result),
+                            }
+                        }
+                    }
                     _ = egress_news => self.record_egress().await,
                     result = &mut dispatch => break result,
                 }

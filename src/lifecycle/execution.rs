@@ -105,21 +105,28 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
         (Some(_), true) => Some(crate::hub::report(record).to_string()),
         _ => None,
     };
-    // Kept (scrubbed, like everything the harness said) for the owner and adm.
-    let raw = (core.raw.tool_output.as_str(), core.raw.tool_error.as_str());
-    if let Err(error) = core.engine.store.finish_execution(record, report.as_deref(), Some(raw)).await {
-        tracing::error!(execution_id = %record.execution_id, %error, "execution record not stored");
-    }
-    if let (Some(hub), Some(_)) = (&core.engine.hub, &report) {
-        hub.notify();
-    }
     // Out of admission's count before anyone hears it finished, so a caller
-    // may start the next one at once.
+    // may start the next one at once (its sandbox is gone already).
     core.engine.release(&record.execution_id);
     crate::telemetry::execution_finished(&record.evidence);
-    let finished = EventKind::Finished { execution: Box::new(record.clone()) };
-    let raw = RawPart::Finished(std::mem::take(&mut core.raw));
-    core.recorder.emit(finished, Some(raw)).await;
+    // The final record, its raw result (kept scrubbed, like everything the
+    // harness said, for the owner and adm), its hub report and the
+    // `finished` event: one transaction, then the event is sent.
+    let finished = core.recorder.prepare(EventKind::Finished { execution: Box::new(record.clone()) });
+    let store = &core.engine.store;
+    let raw = (core.raw.tool_output.as_str(), core.raw.tool_error.as_str());
+    let stored = core
+        .recorder
+        .persist_with(1, || store.finish_execution(record, report.as_deref(), Some(raw), Some(&finished)))
+        .await;
+    if stored {
+        if let (Some(hub), Some(_)) = (&core.engine.hub, &report) {
+            hub.notify();
+        }
+        core.recorder.publish(finished, Some(RawPart::Finished(std::mem::take(&mut core.raw))));
+    } else {
+        tracing::error!(execution_id = %record.execution_id, "execution record not stored");
+    }
     tracing::info!(
         execution_id = %record.execution_id,
         outcome = ?record.evidence.outcome,

@@ -352,13 +352,16 @@ impl Engine {
         record.evidence = evidence;
         record.restarts = core.restarts;
         record.ended_at_ms = Some(now_ms());
-        if let Err(e) = self.store.update_session(record).await {
-            tracing::error!(session_id = %record.session_id, error = %e, "session record not stored");
-        }
         let cut = fit_raw(&mut core.raw, json_len(record), self.max_message_bytes);
         core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
-        let raw = RawPart::Finished(std::mem::take(&mut core.raw));
-        core.recorder.emit(EventKind::SessionFinished { session: Box::new(record.clone()) }, Some(raw)).await;
+        // The final record and the `finished` event in one transaction.
+        let finished = core.recorder.prepare(EventKind::SessionFinished { session: Box::new(record.clone()) });
+        let store = &self.store;
+        if core.recorder.persist_with(1, || store.finish_session(record, &finished)).await {
+            core.recorder.publish(finished, Some(RawPart::Finished(std::mem::take(&mut core.raw))));
+        } else {
+            tracing::error!(session_id = %record.session_id, "session record not stored");
+        }
         self.bus.close(&record.session_id);
         tracing::info!(session_id = %record.session_id, state = record.state.as_str(), "session finished");
     }

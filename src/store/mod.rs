@@ -11,8 +11,8 @@ use sqlx::any::AnyPoolOptions;
 use sqlx::AnyPool;
 use sqlx::{Executor, Row};
 
-use crate::records::Event;
 use crate::records::{now_ms, ExecutionRecord, ExecutionState, SessionRecord};
+use crate::records::{Event, EventKind};
 use crate::sandbox::SandboxState;
 
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +23,8 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("store encoding: {0}")]
     Encoding(#[from] serde_json::Error),
+    #[error("store: {0} is missing")]
+    Missing(String),
 }
 
 /// The result of inserting an execution under a request id.
@@ -154,20 +156,29 @@ impl Store {
     }
 
     pub async fn update_execution(&self, record: &ExecutionRecord) -> Result<(), StoreError> {
-        self.finish_execution(record, None, None).await
+        self.finish_execution(record, None, None, None).await
     }
 
     /// Stores the record and, when asked, its hub report, in one
     /// transaction: a report is never lost nor sent for an unrecorded end.
     /// The final record, its hub report and its raw result, in one
     /// transaction.
+    ///
+    /// With `finished` (the execution's `finished` event), that event is
+    /// stored in the same transaction, without the record it carries: the
+    /// record is this row, and reading the event back joins it (see
+    /// [`FINISHED_STUB`]).
     pub async fn finish_execution(
         &self,
         record: &ExecutionRecord,
         report: Option<&str>,
         raw: Option<(&str, &str)>,
+        finished: Option<&Event>,
     ) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
+        if let Some(event) = finished {
+            insert_events(&mut *tx, std::slice::from_ref(event), true, !self.shared).await?;
+        }
         if let Some((output, error)) = raw {
             sqlx::query("INSERT INTO execution_raw (execution_id, output, error) VALUES ($1, $2, $3)")
                 .bind(&record.execution_id)
@@ -354,19 +365,18 @@ impl Store {
 
     /// Stores several events in one transaction.
     pub async fn append_events(&self, events: &[Event]) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await?;
-        for event in events {
-            sqlx::query("INSERT INTO events (subject_id, sequence, time_ms, kind, body) VALUES ($1, $2, $3, $4, $5)")
-                .bind(&event.subject_id)
-                .bind(event.sequence as i64)
-                .bind(event.time_ms)
-                .bind(event.kind.name())
-                .bind(serde_json::to_string(&event.kind)?)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(())
+        insert_events(&self.pool, events, false, !self.shared).await
+    }
+
+    /// What each stored event of a subject takes: (sequence, kind, bytes of
+    /// its stored body). For diagnostics: a `finished` stored with its
+    /// record is a stub of a few bytes.
+    pub async fn stored_event_sizes(&self, subject: &str) -> Result<Vec<(u64, String, usize)>, StoreError> {
+        let rows = sqlx::query("SELECT sequence, kind, body FROM events WHERE subject_id = $1 ORDER BY sequence")
+            .bind(subject)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(|r| (r.get::<i64, _>(0) as u64, r.get::<String, _>(1), r.get::<&str, _>(2).len())).collect())
     }
 
     /// The lowest sequence still stored for a subject.
@@ -421,7 +431,7 @@ impl Store {
         .bind(sequence(before))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(|r| event_from_row(subject, r)).collect()
+        self.events_from_rows(subject, &rows).await
     }
 
     /// The stored events of a subject after `after`, in order.
@@ -433,7 +443,34 @@ impl Store {
         .bind(sequence(after))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(|r| event_from_row(subject, r)).collect()
+        self.events_from_rows(subject, &rows).await
+    }
+
+    /// Decodes stored events; a `finished` stored as its stub gets its
+    /// subject's record back.
+    async fn events_from_rows(&self, subject: &str, rows: &[sqlx::any::AnyRow]) -> Result<Vec<Event>, StoreError> {
+        let mut events = Vec::with_capacity(rows.len());
+        for row in rows {
+            let body = row.get::<&str, _>("body");
+            let kind = match body {
+                FINISHED_STUB => match self.get_execution(subject).await? {
+                    Some(record) => EventKind::Finished { execution: Box::new(record) },
+                    None => return Err(StoreError::Missing(format!("the record of execution {subject}"))),
+                },
+                SESSION_FINISHED_STUB => match self.get_session(subject).await? {
+                    Some(record) => EventKind::SessionFinished { session: Box::new(record) },
+                    None => return Err(StoreError::Missing(format!("the record of session {subject}"))),
+                },
+                body => serde_json::from_str(body)?,
+            };
+            events.push(Event {
+                subject_id: subject.to_string(),
+                sequence: row.get::<i64, _>("sequence") as u64,
+                time_ms: row.get("time_ms"),
+                kind,
+            });
+        }
+        Ok(events)
     }
 
     /// Inserts a new session; `false` when the id is taken.
@@ -466,6 +503,21 @@ impl Store {
             .bind(&record.session_id)
             .execute(&self.pool)
             .await?;
+        Ok(())
+    }
+
+    /// The session's final record and its `finished` event (stored as its
+    /// stub, see [`FINISHED_STUB`]), in one transaction.
+    pub async fn finish_session(&self, record: &SessionRecord, finished: &Event) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        insert_events(&mut *tx, std::slice::from_ref(finished), true, !self.shared).await?;
+        sqlx::query("UPDATE sessions SET state = $1, record = $2 WHERE session_id = $3")
+            .bind(record.state.as_str())
+            .bind(serde_json::to_string(record)?)
+            .bind(&record.session_id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
         Ok(())
     }
 
@@ -645,17 +697,86 @@ impl Store {
     }
 }
 
-fn event_from_row(subject: &str, row: &sqlx::any::AnyRow) -> Result<Event, StoreError> {
-    Ok(Event {
-        subject_id: subject.to_string(),
-        sequence: row.get::<i64, _>("sequence") as u64,
-        time_ms: row.get("time_ms"),
-        kind: serde_json::from_str(row.get::<&str, _>("body"))?,
-    })
+/// The stored body of a `finished` event written with its subject's final
+/// record (one transaction): the record is not repeated in the event, and
+/// reading the event back ([`Store::events_after`]) puts the subject's
+/// record back in. A replayed `finished` therefore carries the record as it
+/// is now (e.g. with the hub report's final status).
+const FINISHED_STUB: &str = r#"{"kind":"finished"}"#;
+const SESSION_FINISHED_STUB: &str = r#"{"kind":"session_finished"}"#;
+
+/// Inserts a batch of events in one statement, whatever its size: the rows
+/// travel as one JSON array parameter (`[[subject, sequence, time, kind,
+/// body], ...]`), so a batch is one hand-off to the database (a statement
+/// is atomic on its own: no BEGIN/COMMIT round trips) and one cached
+/// prepared statement serves every batch size.
+const INSERT_EVENTS_SQLITE: &str = "INSERT INTO events (subject_id, sequence, time_ms, kind, body)
+     SELECT e.value ->> 0, e.value ->> 1, e.value ->> 2, e.value ->> 3, e.value ->> 4 FROM json_each($1) AS e";
+const INSERT_EVENTS_POSTGRES: &str = "INSERT INTO events (subject_id, sequence, time_ms, kind, body)
+     SELECT e ->> 0, (e ->> 1)::BIGINT, (e ->> 2)::BIGINT, e ->> 3, e ->> 4 FROM json_array_elements($1::json) AS e";
+
+/// The rows of [`INSERT_EVENTS_SQLITE`] as its JSON parameter; with
+/// `stub_finished`, a `finished` event is stored as its stub (only when its
+/// record is written in the same transaction).
+fn events_rows_json(events: &[Event], stub_finished: bool) -> Result<String, StoreError> {
+    let mut rows = Vec::with_capacity(events.len());
+    for event in events {
+        let body = match &event.kind {
+            EventKind::Finished { .. } if stub_finished => FINISHED_STUB.to_string(),
+            EventKind::SessionFinished { .. } if stub_finished => SESSION_FINISHED_STUB.to_string(),
+            kind => serde_json::to_string(kind)?,
+        };
+        rows.push((event.subject_id.as_str(), sequence(event.sequence), event.time_ms, event.kind.name(), body));
+    }
+    Ok(serde_json::to_string(&rows)?)
+}
+
+/// Inserts `events` with one statement on `conn` (the pool, or a
+/// transaction's connection).
+async fn insert_events<'c, E>(conn: E, events: &[Event], stub_finished: bool, sqlite: bool) -> Result<(), StoreError>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Any>,
+{
+    if events.is_empty() {
+        return Ok(());
+    }
+    let sql = if sqlite { INSERT_EVENTS_SQLITE } else { INSERT_EVENTS_POSTGRES };
+    sqlx::query(sql).bind(events_rows_json(events, stub_finished)?).execute(conn).await?;
+    Ok(())
 }
 
 /// A sequence number as the store keeps it (BIGINT): one past `i64::MAX`
 /// is no different from it, since no event has such a sequence.
 fn sequence(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_travels_as_one_json_array_of_rows() {
+        let event = |sequence, kind| Event { subject_id: "s1".into(), sequence, time_ms: 7, kind };
+        let events = [
+            event(1, EventKind::Dispatched { tool: "run_task".into() }),
+            event(2, EventKind::Reaped { idle_seconds: 3 }),
+        ];
+        assert_eq!(
+            events_rows_json(&events, true).unwrap(),
+            r#"[["s1",1,7,"dispatched","{\"kind\":\"dispatched\",\"tool\":\"run_task\"}"],["s1",2,7,"reaped","{\"kind\":\"reaped\",\"idle_seconds\":3}"]]"#
+        );
+    }
+
+    #[test]
+    fn the_finished_stubs_are_what_the_events_serialise_to_without_their_record() {
+        // A stub must never collide with a full body: a full `finished`
+        // always has its record.
+        assert_eq!(serde_json::from_str::<serde_json::Value>(FINISHED_STUB).unwrap()["kind"], "finished");
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(SESSION_FINISHED_STUB).unwrap()["kind"],
+            "session_finished"
+        );
+        assert!(serde_json::from_str::<EventKind>(FINISHED_STUB).is_err(), "a stub alone is not an event");
+    }
 }

@@ -17,7 +17,7 @@ use super::client::{code_name, request};
 use super::emitter::{release, Emitter};
 use super::stats::{median, Histogram};
 use super::target::Target;
-use super::BenchArgs;
+use super::{BenchArgs, Daemons};
 use crate::pb;
 use crate::pb::execution_service_client::ExecutionServiceClient;
 use crate::pb::lifecycle_event::Kind;
@@ -98,15 +98,24 @@ pub fn rss_of(target: &Target) -> String {
     }
 }
 
-pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<FanoutReport> {
-    let emitter = args.emitter(target);
-    let (profile, _) = emitter.task(args.events);
-    let profile = args.emitter_profile.clone().unwrap_or(profile);
-    let mut levels = Vec::new();
-    for &watchers in &args.watchers {
-        levels.push(level(target, args, emitter, &profile, watchers.max(1)).await?);
+/// Each level on a daemon of its own (see [`Daemons`]).
+pub async fn run(daemons: &Daemons, args: &BenchArgs) -> anyhow::Result<FanoutReport> {
+    let mut report = None;
+    for spec in &args.watchers {
+        let events = spec.events.unwrap_or(args.events);
+        let name = format!("fanout-{}x{events}", spec.watchers);
+        let (level, emitter, profile, rss_of) = daemons
+            .with(&name, async |target| {
+                let emitter = args.emitter(target);
+                let (profile, _) = emitter.task(events);
+                let profile = args.emitter_profile.clone().unwrap_or(profile);
+                let level = level(target, args, emitter, &profile, spec.watchers.max(1), events).await?;
+                Ok((level, emitter, profile, rss_of(target)))
+            })
+            .await?;
+        report.get_or_insert_with(|| FanoutReport { profile, emitter, rss_of, levels: Vec::new() }).levels.push(level);
     }
-    Ok(FanoutReport { profile, emitter, rss_of: rss_of(target), levels })
+    report.ok_or_else(|| anyhow::anyhow!("no fanout level given (--watchers)"))
 }
 
 async fn level(
@@ -115,8 +124,9 @@ async fn level(
     emitter: Emitter,
     profile: &str,
     watchers: usize,
+    events: u64,
 ) -> anyhow::Result<FanoutLevel> {
-    let (_, description) = emitter.task(args.events);
+    let (_, description) = emitter.task(events);
     let control = target.connect().await?;
     let rss_before = target.daemon_rss_kib();
     let mut channels = Vec::new();
@@ -218,10 +228,10 @@ async fn level(
     let ms = |us: u64| us as f64 / 1e3;
     Ok(FanoutLevel {
         watchers,
-        events: args.events,
+        events,
         execution_id: id,
         execution_state,
-        complete_watchers: outcomes.iter().filter(|w| w.finished.is_some() && w.progress == args.events).count(),
+        complete_watchers: outcomes.iter().filter(|w| w.finished.is_some() && w.progress == events).count(),
         delivered,
         seconds,
         aggregate_per_second: if seconds > 0.0 { delivered as f64 / seconds } else { 0.0 },

@@ -35,6 +35,22 @@ pub struct IngestReport {
     /// ceiling the daemon could reach with it.
     pub emitter_alone_per_second: f64,
     pub barrier_released: bool,
+    /// `--ingest-harnesses` emitters at once (absent when 0 or 1).
+    pub parallel: Option<IngestParallel>,
+}
+
+/// H harnesses emitting at once, each `events` progress lines.
+#[derive(Clone, Debug, Serialize)]
+pub struct IngestParallel {
+    pub harnesses: usize,
+    /// Progress events stored, over every execution.
+    pub stored: u64,
+    /// From the earliest first progress event to the latest `finished`.
+    pub span_ms: f64,
+    pub per_second: f64,
+    /// The same H emitters at once outside any sandbox, summed.
+    pub emitter_alone_per_second: f64,
+    pub execution_states: Vec<String>,
 }
 
 pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<IngestReport> {
@@ -55,8 +71,13 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<IngestRepo
     let barrier_released = release(&workspace).is_ok();
     let execution_state = final_state_within(&channel, &id, Duration::from_secs(args.level_timeout)).await;
 
-    let (stored, span_ms) = stored_span(&channel, &id).await?;
+    let span = stored_span(&channel, &id).await?;
+    let (stored, span_ms) = (span.stored, span.ms());
     let emitter_alone_per_second = emitter.alone_per_second(target, args.events).await?;
+    let parallel = match args.ingest_harnesses {
+        0 | 1 => None,
+        h => Some(parallel(target, args, &profile, &description, h).await?),
+    };
     Ok(IngestReport {
         profile,
         emitter,
@@ -68,6 +89,62 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<IngestRepo
         per_second: if span_ms > 0.0 { stored as f64 / (span_ms / 1e3) } else { 0.0 },
         emitter_alone_per_second,
         barrier_released,
+        parallel,
+    })
+}
+
+/// `harnesses` executions of the emitter, released together.
+async fn parallel(
+    target: &Target,
+    args: &BenchArgs,
+    profile: &str,
+    description: &str,
+    harnesses: usize,
+) -> anyhow::Result<IngestParallel> {
+    let channel = target.connect().await?;
+    let mut client = ExecutionServiceClient::new(channel.clone());
+    let mut ids = Vec::new();
+    let mut workspaces = Vec::new();
+    for _ in 0..harnesses {
+        let started = client
+            .start_execution(request(profile, "corral bench ingest", description))
+            .await
+            .with_context(|| format!("StartExecution of {profile}"))?
+            .into_inner();
+        let workspace = tokio::time::timeout(Duration::from_secs(60), workspace_of(&channel, &started.execution_id))
+            .await
+            .context("no sandbox_ready within 60 s")??;
+        ids.push(started.execution_id);
+        workspaces.push(workspace);
+    }
+    for workspace in &workspaces {
+        let _ = release(workspace);
+    }
+    let mut execution_states = Vec::new();
+    for id in &ids {
+        execution_states.push(final_state_within(&channel, id, Duration::from_secs(args.level_timeout)).await);
+    }
+    let (mut stored, mut first, mut last) = (0, f64::MAX, 0f64);
+    for id in &ids {
+        let span = stored_span(&channel, id).await?;
+        stored += span.stored;
+        if let (Some(a), Some(b)) = (span.first_ms, span.finished_ms) {
+            first = first.min(a);
+            last = last.max(b);
+        }
+    }
+    let span_ms = (last - first).max(0.0);
+    let emitter = args.emitter(target);
+    let alone =
+        futures_util::future::try_join_all((0..harnesses).map(|_| emitter.alone_per_second(target, args.events)));
+    let emitter_alone_per_second = alone.await?.into_iter().sum();
+    Ok(IngestParallel {
+        harnesses,
+        stored,
+        span_ms,
+        per_second: if span_ms > 0.0 { stored as f64 / (span_ms / 1e3) } else { 0.0 },
+        emitter_alone_per_second,
+        execution_states,
     })
 }
 
@@ -96,27 +173,40 @@ async fn final_state_within(channel: &Channel, id: &str, limit: Duration) -> Str
     }
 }
 
-/// Progress events stored, and the ms from the first of them to `finished`.
-async fn stored_span(channel: &Channel, id: &str) -> anyhow::Result<(u64, f64)> {
+/// Progress events stored, with the times of the first of them and of
+/// `finished` (ms since the epoch, as the daemon stamped them).
+struct StoredSpan {
+    stored: u64,
+    first_ms: Option<f64>,
+    finished_ms: Option<f64>,
+}
+
+impl StoredSpan {
+    fn ms(&self) -> f64 {
+        match (self.first_ms, self.finished_ms) {
+            (Some(a), Some(b)) => (b - a).max(0.0),
+            _ => 0.0,
+        }
+    }
+}
+
+async fn stored_span(channel: &Channel, id: &str) -> anyhow::Result<StoredSpan> {
     let mut client = ExecutionServiceClient::new(channel.clone());
     let req = pb::WatchRequest { execution_id: id.to_string(), after_sequence: 0 };
     let mut stream = client.watch_execution(req).await?.into_inner();
     let ms = |t: &prost_types::Timestamp| t.seconds as f64 * 1e3 + f64::from(t.nanos) / 1e6;
-    let (mut first, mut finished, mut stored) = (None, None, 0u64);
+    let mut span = StoredSpan { stored: 0, first_ms: None, finished_ms: None };
     while let Some(event) = stream.message().await? {
         match &event.kind {
             Some(Kind::Progress(p)) if p.kind == "progress" => {
-                stored += 1;
-                if first.is_none() {
-                    first = event.time.as_ref().map(ms);
+                span.stored += 1;
+                if span.first_ms.is_none() {
+                    span.first_ms = event.time.as_ref().map(ms);
                 }
             }
-            Some(Kind::Finished(_)) => finished = event.time.as_ref().map(ms),
+            Some(Kind::Finished(_)) => span.finished_ms = event.time.as_ref().map(ms),
             _ => {}
         }
     }
-    Ok(match (first, finished) {
-        (Some(a), Some(b)) => (stored, (b - a).max(0.0)),
-        _ => (stored, 0.0),
-    })
+    Ok(span)
 }

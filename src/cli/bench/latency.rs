@@ -41,6 +41,10 @@ pub struct LatencyReport {
     /// Executions that did not succeed, by status code or final state.
     pub errors: BTreeMap<String, usize>,
     pub floor_errors: usize,
+    /// What one execution adds to the store on disk: the growth of the
+    /// SQLite store over the N timed executions, divided by N (in-process
+    /// daemons only: the bench must know the data directory).
+    pub store_bytes_per_execution: Option<f64>,
 }
 
 /// One Execute of `profile`; a failure is counted in `errors`.
@@ -109,6 +113,7 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<LatencyRep
     errors.clear();
     let mut ok = Vec::with_capacity(n);
     let mut floor_ms = Vec::with_capacity(n);
+    let store_before = target.store_bytes().await;
     for _ in 0..n {
         if let Some(e) = one(&channel, &args.noop_profile, &mut errors).await {
             ok.push(e);
@@ -118,6 +123,10 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<LatencyRep
             Err(_) => floor_errors += 1,
         }
     }
+    let store_bytes_per_execution = match (store_before, target.store_bytes().await) {
+        (Some(before), Some(after)) if n > 0 => Some(after.saturating_sub(before) as f64 / n as f64),
+        _ => None,
+    };
     let corral = Percentiles::of_ms(&ok.iter().map(|e| e.client.as_secs_f64() * 1e3).collect::<Vec<_>>());
     let floor_p = Percentiles::of_ms(&floor_ms);
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
@@ -135,6 +144,7 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<LatencyRep
         stages_p50_ms: stage_breakdown(&ok),
         errors,
         floor_errors,
+        store_bytes_per_execution,
     })
 }
 

@@ -26,7 +26,8 @@ use serde::Serialize;
 
 pub use emitter::Emitter;
 pub use fanout::{FanoutLevel, FanoutReport};
-pub use ingest::IngestReport;
+
+pub use ingest::{IngestParallel, IngestReport};
 pub use latency::LatencyReport;
 pub use peer::PeerReport;
 pub use render::TargetCheck;
@@ -71,12 +72,16 @@ pub struct BenchArgs {
     /// throughput: concurrency levels.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
     pub concurrency: Vec<usize>,
-    /// fanout: watcher counts, one execution each.
-    #[arg(long, value_delimiter = ',', default_value = "1,100,1000")]
-    pub watchers: Vec<usize>,
+    /// fanout: one level per entry, one execution each: `W` watchers (of
+    /// `--events` events), or `W:N` (W watchers of N events).
+    #[arg(long, value_delimiter = ',', default_value = "1,100,1000,10000:10000")]
+    pub watchers: Vec<FanoutSpec>,
     /// fanout, ingest: progress events the harness emits.
     #[arg(long, default_value_t = 100_000)]
     pub events: u64,
+    /// ingest: also this many harnesses emitting at once (0 or 1: not).
+    #[arg(long, default_value_t = 4)]
+    pub ingest_harnesses: usize,
     /// fanout, ingest: the emitting harness [default: fake-agent in-process,
     /// shell with --server].
     #[arg(long, value_enum)]
@@ -100,6 +105,31 @@ pub struct BenchArgs {
     /// directory, removed afterwards).
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
+}
+
+/// One fanout level: W watchers of an execution that emits N events
+/// (`--events` when not given).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FanoutSpec {
+    pub watchers: usize,
+    pub events: Option<u64>,
+}
+
+impl std::str::FromStr for FanoutSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (w, n) = match s.split_once(':') {
+            Some((w, n)) => (w, Some(n)),
+            None => (s, None),
+        };
+        let watchers = w.trim().parse().map_err(|_| format!("{s:?}: expected W or W:N (watchers, events)"))?;
+        let events = n.map(|n| n.trim().parse()).transpose().map_err(|_| format!("{s:?}: N must be a number"))?;
+        if watchers == 0 || events == Some(0) {
+            return Err(format!("{s:?}: watchers and events must be at least 1"));
+        }
+        Ok(FanoutSpec { watchers, events })
+    }
 }
 
 impl BenchArgs {
@@ -145,56 +175,96 @@ pub struct BenchReport {
     pub load_average_end: String,
 }
 
-/// Runs a scenario against the daemon at `server`, or against one started
-/// in this process when `server` is `None`.
-pub async fn run_scenario(args: &BenchArgs, server: Option<&str>) -> anyhow::Result<BenchReport> {
-    let target = match server {
-        Some(url) => Target::server(url).await?,
-        None => Target::in_process(args.data_dir.as_deref()).await?,
-    };
-    let result = measure(&target, args).await;
-    let stopped = target.stop().await;
-    let report = result?;
-    stopped?;
-    Ok(report)
+/// Where each scenario's daemon comes from. With an address, that daemon,
+/// every time (run one scenario per fresh `corral serve` to get figures
+/// that do not depend on what ran before). Without one, a **fresh**
+/// in-process daemon per scenario and per fanout level: a daemon keeps the
+/// memory it grew and then forks more slowly, so no figure is taken on a
+/// daemon another one grew, and each means the same alone and in `all`.
+pub struct Daemons {
+    server: Option<String>,
+    data_dir: Option<PathBuf>,
+    started: std::sync::atomic::AtomicUsize,
 }
 
-async fn measure(target: &Target, args: &BenchArgs) -> anyhow::Result<BenchReport> {
-    // Connected once first, so an in-process daemon is serving before its
-    // idle memory is read.
-    drop(target.connect().await?);
-    let mut report = BenchReport {
-        scenario: args.scenario,
-        mode: if target.in_process_mode() { "in-process" } else { "server" }.into(),
-        server: target.url.clone(),
-        host: HostInfo::detect(),
-        daemon_idle_rss_kib: target.daemon_rss_kib(),
-        daemon_fresh: target.is_fresh().await,
-        latency: None,
-        throughput: None,
-        fanout: None,
-        ingest: None,
-        peer: None,
-        targets: Vec::new(),
-        load_average_end: String::new(),
-    };
+impl Daemons {
+    pub fn new(server: Option<&str>, data_dir: Option<&std::path::Path>) -> Daemons {
+        Daemons {
+            server: server.map(str::to_string),
+            data_dir: data_dir.map(|d| d.to_path_buf()),
+            started: Default::default(),
+        }
+    }
+
+    /// The daemon for the next scenario (or level) named `name`.
+    async fn next(&self, name: &str) -> anyhow::Result<Target> {
+        match &self.server {
+            Some(url) => Target::server(url).await,
+            None => {
+                let n = self.started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                // With --data-dir each daemon gets a directory of its own in it.
+                let dir = self.data_dir.as_ref().map(|d| d.join(format!("{n:02}-{name}")));
+                Target::in_process(dir.as_deref()).await
+            }
+        }
+    }
+
+    /// Runs `f` against the next daemon, then stops that daemon.
+    async fn with<T>(&self, name: &str, f: impl AsyncFnOnce(&Target) -> anyhow::Result<T>) -> anyhow::Result<T> {
+        let target = self.next(name).await?;
+        // Connected once first, so an in-process daemon is serving.
+        let result = match target.connect().await {
+            Ok(channel) => {
+                drop(channel);
+                f(&target).await
+            }
+            Err(e) => Err(e),
+        };
+        let stopped = target.stop().await;
+        let value = result?;
+        stopped?;
+        Ok(value)
+    }
+}
+
+/// Runs a scenario against the daemon at `server`, or against fresh ones
+/// started in this process when `server` is `None` (see [`Daemons`]).
+pub async fn run_scenario(args: &BenchArgs, server: Option<&str>) -> anyhow::Result<BenchReport> {
+    let daemons = Daemons::new(server, args.data_dir.as_deref());
+    let mut report = daemons
+        .with("idle", async |target| {
+            Ok(BenchReport {
+                scenario: args.scenario,
+                mode: if target.in_process_mode() { "in-process" } else { "server" }.into(),
+                server: target.url.clone(),
+                host: HostInfo::detect(),
+                daemon_idle_rss_kib: target.daemon_rss_kib(),
+                daemon_fresh: target.is_fresh().await,
+                latency: None,
+                throughput: None,
+                fanout: None,
+                ingest: None,
+                peer: None,
+                targets: Vec::new(),
+                load_average_end: String::new(),
+            })
+        })
+        .await?;
     let all = args.scenario == Scenario::All;
     if all || args.scenario == Scenario::Latency {
-        report.latency = Some(latency::run(target, args).await?);
+        report.latency = Some(daemons.with("latency", async |t| latency::run(t, args).await).await?);
     }
-    // Peer (corral against srt) right after latency, on the same small
-    // daemon: after fanout has grown it, its Execute p50 is not the floor.
     if all || args.scenario == Scenario::Peer {
-        report.peer = Some(peer::run(target, args).await?);
+        report.peer = Some(daemons.with("peer", async |t| peer::run(t, args).await).await?);
     }
     if all || args.scenario == Scenario::Throughput {
-        report.throughput = Some(throughput::run(target, args).await?);
+        report.throughput = Some(daemons.with("throughput", async |t| throughput::run(t, args).await).await?);
     }
     if all || args.scenario == Scenario::Ingest {
-        report.ingest = Some(ingest::run(target, args).await?);
+        report.ingest = Some(daemons.with("ingest", async |t| ingest::run(t, args).await).await?);
     }
     if all || args.scenario == Scenario::Fanout {
-        report.fanout = Some(fanout::run(target, args).await?);
+        report.fanout = Some(fanout::run(&daemons, args).await?);
     }
     report.targets = render::targets(&report);
     report.load_average_end = system::load_average();

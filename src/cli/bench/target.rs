@@ -86,6 +86,10 @@ impl Target {
         // Every daemon on a host needs its own sandbox uids: benches (and
         // their tests) may run several in-process daemons side by side.
         config.sandbox.uids = bench_uids();
+        // The fanout scenario's widest level follows one execution with
+        // 10,000 watchers.
+        config.grpc.max_watchers_per_subject = config.grpc.max_watchers_per_subject.max(16_384);
+        config.grpc.max_watchers = config.grpc.max_watchers.max(20_000);
         let data_dir = config.data_dir.clone();
         let daemon = Daemon::build(config, Backends::host_default(), default_reins())
             .await
@@ -148,6 +152,22 @@ impl Target {
     /// process, client included).
     pub fn daemon_rss_kib(&self) -> Option<u64> {
         self.daemon_pid.and_then(system::rss_kib)
+    }
+
+    /// Bytes the daemon's SQLite store uses (pages in use × page size, the
+    /// write-ahead log included), when this process knows its data
+    /// directory.
+    pub async fn store_bytes(&self) -> Option<u64> {
+        use sqlx::{Connection as _, Row as _};
+        let db = self.data_dir.as_ref()?.join("corral.db");
+        let url = format!("sqlite://{}?mode=ro", db.display());
+        let mut conn = sqlx::AnyConnection::connect(&url).await.ok()?;
+        let mut pragma = async |name: &str| -> Option<i64> {
+            sqlx::query(&format!("PRAGMA {name}")).fetch_one(&mut conn).await.ok()?.try_get(0).ok()
+        };
+        let (pages, free, size) =
+            (pragma("page_count").await?, pragma("freelist_count").await?, pragma("page_size").await?);
+        Some(((pages - free) * size) as u64)
     }
 
     /// Whether the daemon's store lists no execution yet.
