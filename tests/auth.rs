@@ -108,9 +108,12 @@ async fn no_credentials_or_a_garbage_token_is_unauthenticated_and_health_answers
             ex.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.map(|_| ()),
             cat.list_profiles(pb::ListProfilesRequest {}).await.map(|_| ()),
             cat.get_daemon_info(pb::GetDaemonInfoRequest {}).await.map(|_| ()),
-            cat.resolve_profile(pb::ResolveProfileRequest { r#ref: "builtin.shell".into(), actor: String::new() })
-                .await
-                .map(|_| ()),
+            cat.resolve_profile(pb::ResolveProfileRequest {
+                profile_ref: "builtin.shell".into(),
+                actor: String::new(),
+            })
+            .await
+            .map(|_| ()),
             ses.list_sessions(pb::ListSessionsRequest::default()).await.map(|_| ()),
             ses.get_session(pb::GetSessionRequest { session_id: id.clone() }).await.map(|_| ()),
         ];

@@ -269,8 +269,8 @@ async fn every_malformed_field_of_every_rpc_is_invalid_argument_and_stores_nothi
         list_executions(&c, pb::ListExecutionsRequest { page_size: 501, ..Default::default() }),
     );
     for value in malformed_refs().into_iter().filter(|v| !v.is_empty()) {
-        let req = pb::ListExecutionsRequest { profile: value, ..Default::default() };
-        add("ListExecutions profile".into(), "profile", list_executions(&c, req));
+        let req = pb::ListExecutionsRequest { profile_ref: value, ..Default::default() };
+        add("ListExecutions profile_ref".into(), "profile_ref", list_executions(&c, req));
     }
     for value in malformed_tokens() {
         let req = pb::ListExecutionsRequest { actor: value.clone(), ..Default::default() };
@@ -358,17 +358,25 @@ async fn every_malformed_field_of_every_rpc_is_invalid_argument_and_stores_nothi
     // CatalogService.
     for value in malformed_refs() {
         let mut k = c.catalog.clone();
-        let get = pb::GetProfileRequest { r#ref: value.clone() };
-        add("GetProfile ref".into(), "ref", Box::pin(async move { k.get_profile(get).await.map(|_| ()) }));
+        let get = pb::GetProfileRequest { profile_ref: value.clone() };
+        add(
+            "GetProfile profile_ref".into(),
+            "profile_ref",
+            Box::pin(async move { k.get_profile(get).await.map(|_| ()) }),
+        );
         let mut k = c.catalog.clone();
-        let resolve = pb::ResolveProfileRequest { r#ref: value.clone(), actor: String::new() };
-        add("ResolveProfile ref".into(), "ref", Box::pin(async move { k.resolve_profile(resolve).await.map(|_| ()) }));
+        let resolve = pb::ResolveProfileRequest { profile_ref: value.clone(), actor: String::new() };
+        add(
+            "ResolveProfile profile_ref".into(),
+            "profile_ref",
+            Box::pin(async move { k.resolve_profile(resolve).await.map(|_| ()) }),
+        );
         let gate = pb::EvaluateGateRequest { profile_ref: value, actor: "adm".into(), ..Default::default() };
         add("EvaluateGate profile_ref".into(), "profile_ref", evaluate_gate(&c, gate));
     }
     for value in malformed_tokens() {
         let mut k = c.catalog.clone();
-        let resolve = pb::ResolveProfileRequest { r#ref: FAKE.into(), actor: value.clone() };
+        let resolve = pb::ResolveProfileRequest { profile_ref: FAKE.into(), actor: value.clone() };
         add(
             "ResolveProfile actor".into(),
             "actor",
@@ -470,7 +478,7 @@ async fn a_queue_worker_actor_is_refused_at_resolution_on_every_path() {
         assert_eq!(evidence.error, corral::catalog::ACTOR_REFUSAL);
     }
     // ResolveProfile says the same.
-    let req = pb::ResolveProfileRequest { r#ref: FAKE.into(), actor: WORKER.into() };
+    let req = pb::ResolveProfileRequest { profile_ref: FAKE.into(), actor: WORKER.into() };
     let status = c.catalog.clone().resolve_profile(req).await.expect_err("refused");
     assert_eq!((status.code(), status.message()), (Code::FailedPrecondition, corral::catalog::ACTOR_REFUSAL));
     // Only past the size bound is it malformed.
@@ -769,10 +777,16 @@ fn arbitrary_requests_never_panic_and_rejected_ones_store_nothing() {
         project,
         ..Default::default()
     });
-    let listing =
-        (text(), text(), any::<i32>(), 0u32..600, text()).prop_map(|(profile, actor, state, page_size, page_token)| {
-            pb::ListExecutionsRequest { state, profile, actor, project: String::new(), page_size, page_token }
-        });
+    let listing = (text(), text(), any::<i32>(), 0u32..600, text()).prop_map(
+        |(profile_ref, actor, state, page_size, page_token)| pb::ListExecutionsRequest {
+            state,
+            profile_ref,
+            actor,
+            project: String::new(),
+            page_size,
+            page_token,
+        },
+    );
     let strategy = (execute, session, listing, text(), any::<u64>(), any::<i32>());
 
     let mut runner = TestRunner::new(Config { cases: 48, failure_persistence: None, ..Config::default() });
@@ -836,7 +850,7 @@ fn arbitrary_requests_never_panic_and_rejected_ones_store_nothing() {
                             "GetProfile",
                             c.catalog
                                 .clone()
-                                .get_profile(pb::GetProfileRequest { r#ref: id.clone() })
+                                .get_profile(pb::GetProfileRequest { profile_ref: id.clone() })
                                 .await
                                 .map(|_| ()),
                         ),

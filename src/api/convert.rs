@@ -171,7 +171,7 @@ pub fn execution(r: &ExecutionRecord, raw: Option<&RawResult>) -> pb::Execution 
         execution_id: r.execution_id.clone(),
         request_id: r.request_id.clone(),
         state: execution_state(r.state) as i32,
-        harness_profile_ref: r.harness_profile_ref.clone(),
+        profile_ref: r.harness_profile_ref.clone(),
         title: r.title.clone(),
         repo: r.repo.clone(),
         consumer: Some(consumer(&r.consumer)),

@@ -258,15 +258,15 @@ pub const SESSIONS: &str = "sessions";
 
 pub fn list_executions(req: &pb::ListExecutionsRequest, tokens: &PageTokens) -> Result<ExecutionListing, Status> {
     let state = state_filter(req.state)?;
-    if !req.profile.is_empty() {
-        profile_ref("profile", &req.profile)?;
+    if !req.profile_ref.is_empty() {
+        profile_ref("profile_ref", &req.profile_ref)?;
     }
     token("actor", &req.actor)?;
     token("project", &req.project)?;
     let limit = page_size(req.page_size)?;
     // A token belongs to the filter it was issued for: the same cursor under
     // another filter would skip or repeat records.
-    let scope = format!("{}\n{}\n{}\n{}", req.state, req.profile, req.actor, req.project);
+    let scope = format!("{}\n{}\n{}\n{}", req.state, req.profile_ref, req.actor, req.project);
     let before_id = tokens.open(EXECUTIONS, &scope, &req.page_token)?;
     Ok(ExecutionListing { state, limit, before_id, scope })
 }

@@ -37,7 +37,7 @@ impl Lines {
 pub(super) fn execution(e: &pb::Execution) -> String {
     let mut out = Lines::default();
     out.field("execution", &e.execution_id).field("state", render::state(e.state));
-    out.field("profile", &e.harness_profile_ref).field("title", &e.title);
+    out.field("profile", &e.profile_ref).field("title", &e.title);
     out.field("repo", &e.repo);
     if let Some(c) = &e.consumer {
         out.field("actor", &c.actor).field("project", &c.project);
@@ -122,7 +122,7 @@ mod tests {
         let e = pb::Execution {
             execution_id: "e1".into(),
             state: pb::ExecutionState::Failed as i32,
-            harness_profile_ref: "claude@1.0.0".into(),
+            profile_ref: "claude@1.0.0".into(),
             evidence: Some(pb::Evidence {
                 outcome: pb::Outcome::Failed as i32,
                 failure_stage: pb::FailureStage::SandboxCreate as i32,
@@ -136,6 +136,7 @@ mod tests {
         assert!(text.starts_with("execution        e1\nstate            failed\n"), "{text}");
         assert!(text.contains("failure_stage    sandbox_create\n"), "{text}");
         assert!(text.contains("timing           gate 1.5ms\n"), "{text}");
+        assert!(text.contains("\nprofile          claude@1.0.0\n"), "{text}");
         assert!(!text.contains("\nrepo "), "{text}");
         assert!(!text.contains("unspecified"), "{text}");
         assert!(!text.contains("tool output"), "{text}");

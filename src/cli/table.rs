@@ -54,7 +54,7 @@ pub(super) fn executions(response: &pb::ListExecutionsResponse) -> String {
             vec![
                 e.execution_id.clone(),
                 render::state(e.state),
-                e.harness_profile_ref.clone(),
+                e.profile_ref.clone(),
                 actor,
                 project,
                 render::timestamp_seconds(e.created_at.as_ref()),
