@@ -19,7 +19,7 @@ fn progress_messages(events: &[pb::LifecycleEvent]) -> Vec<String> {
     events
         .iter()
         .filter_map(|e| match &e.kind {
-            Some(Kind::Progress(p)) if p.kind == "progress" => Some(p.message.clone()),
+            Some(Kind::Progress(p)) if p.kind() == pb::ProgressKind::Progress => Some(p.message.clone()),
             _ => None,
         })
         .collect()

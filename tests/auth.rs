@@ -197,7 +197,11 @@ async fn a_principal_sees_and_touches_only_its_own_projects() {
     assert!(listed.sessions.iter().all(|s| s.session_id != sid));
     let with_policy = pb::CreateSessionRequest {
         profile_ref: "test.fake-agent".into(),
-        policies: vec![pb::PolicySpec { name: "off".into(), kind: "deny_network".into(), ..Default::default() }],
+        policies: vec![pb::PolicySpec {
+            name: "off".into(),
+            kind: pb::PolicyKind::DenyNetwork as i32,
+            ..Default::default()
+        }],
         ..Default::default()
     };
     let refused = a_sessions.create_session(with_policy).await.unwrap_err();

@@ -105,10 +105,10 @@ fn session_request() -> pb::CreateSessionRequest {
     pb::CreateSessionRequest { profile_ref: FAKE.into(), project: "proj-a".into(), ..Default::default() }
 }
 
-fn policy(name: &str, kind: &str, arguments_json: &str, on: &[&str]) -> pb::PolicySpec {
+fn policy(name: &str, kind: pb::PolicyKind, arguments_json: &str, on: &[&str]) -> pb::PolicySpec {
     pb::PolicySpec {
         name: name.into(),
-        kind: kind.into(),
+        kind: kind as i32,
         arguments_json: arguments_json.into(),
         on: on.iter().map(|s| s.to_string()).collect(),
     }
@@ -116,18 +116,24 @@ fn policy(name: &str, kind: &str, arguments_json: &str, on: &[&str]) -> pb::Poli
 
 /// Session and gate policies that are wrong in shape, and the field named.
 fn malformed_policies() -> Vec<(&'static str, Vec<pb::PolicySpec>)> {
+    use pb::PolicyKind::{DenyNetwork, Expr};
     let expr = |expression: &str| format!(r#"{{"expression": {expression:?}, "reason": "r"}}"#);
+    let kind = |kind: i32| pb::PolicySpec { kind, ..policy("p", DenyNetwork, "{}", &[]) };
     vec![
-        ("policies[0].name", vec![policy("", "deny_network", "{}", &[])]),
-        ("policies[0].kind", vec![policy("p", "dény", "{}", &[])]),
-        ("policies[1].arguments_json", vec![policy("p", "deny_network", "{}", &[]), policy("q", "expr", "[1]", &[])]),
-        ("policies[0].arguments_json", vec![policy("p", "expr", "{", &[])]),
-        ("policies[0].on[0]", vec![policy("p", "deny_network", "{}", &["tool call"])]),
-        ("policies", vec![policy("p", "deny_network", "{}", &[]); 33]),
-        // Shape is right; it does not load: too large, too deep, unknown kind.
-        ("policies[0]", vec![policy("big", "expr", &expr(&format!("actor == '{}'", "a".repeat(5000))), &[])]),
-        ("policies[0]", vec![policy("deep", "expr", &expr(&format!("{}true{}", "(".repeat(80), ")".repeat(80))), &[])]),
-        ("policies[0]", vec![policy("p", "no_such_kind", "{}", &[])]),
+        ("policies[0].name", vec![policy("", DenyNetwork, "{}", &[])]),
+        // A kind is required, and must be one the daemon has built in.
+        ("policies[0].kind", vec![kind(pb::PolicyKind::Unspecified as i32)]),
+        ("policies[1].kind", vec![policy("p", DenyNetwork, "{}", &[]), kind(99)]),
+        ("policies[0].kind", vec![kind(-1)]),
+        ("policies[1].arguments_json", vec![policy("p", DenyNetwork, "{}", &[]), policy("q", Expr, "[1]", &[])]),
+        ("policies[0].arguments_json", vec![policy("p", Expr, "{", &[])]),
+        ("policies[0].on[0]", vec![policy("p", DenyNetwork, "{}", &["tool call"])]),
+        ("policies", vec![policy("p", DenyNetwork, "{}", &[]); 33]),
+        // Shape is right; it does not load: too large, too deep, arguments
+        // its kind does not take.
+        ("policies[0]", vec![policy("big", Expr, &expr(&format!("actor == '{}'", "a".repeat(5000))), &[])]),
+        ("policies[0]", vec![policy("deep", Expr, &expr(&format!("{}true{}", "(".repeat(80), ")".repeat(80))), &[])]),
+        ("policies[0]", vec![policy("p", DenyNetwork, r#"{"hosts": ["x"]}"#, &[])]),
     ]
 }
 
@@ -700,7 +706,7 @@ timeout_seconds = 60
     );
     let events: Vec<serde_json::Value> = stdout.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let text = serde_json::to_string(&events).unwrap();
-    assert!(text.contains("tool_output"), "no output_truncated for tool_output in {:.3000}", text);
+    assert!(text.contains("OUTPUT_STREAM_TOOL_OUTPUT"), "no output_truncated for tool_output in {:.3000}", text);
 
     // The record holds the same, cut output for its owner.
     let list = c.exec.clone().list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
@@ -713,12 +719,12 @@ timeout_seconds = 60
     let cut: Vec<_> = events
         .iter()
         .filter_map(|e| match &e.kind {
-            Some(Kind::OutputTruncated(t)) => Some((t.stream.clone(), t.bytes_dropped)),
+            Some(Kind::OutputTruncated(t)) => Some((t.stream(), t.bytes_dropped)),
             _ => None,
         })
         .collect();
-    assert!(cut.iter().any(|(s, n)| s == "stdout" && *n > 0), "{cut:?}");
-    assert!(cut.iter().any(|(s, n)| s == "tool_output" && *n > 0), "{cut:?}");
+    assert!(cut.iter().any(|&(s, n)| s == pb::OutputStream::Stdout && n > 0), "{cut:?}");
+    assert!(cut.iter().any(|&(s, n)| s == pb::OutputStream::ToolOutput && n > 0), "{cut:?}");
     daemon.stop().await;
 }
 

@@ -4,6 +4,7 @@
 use std::fmt::Write as _;
 
 use super::render::{self, quote};
+use crate::api::words::shown;
 use crate::pb;
 
 /// Labels are padded to this width so the values line up.
@@ -88,12 +89,13 @@ fn evidence(out: &mut Lines, ev: &pb::Evidence) {
     out.enum_field("sandbox_destroy", ev.sandbox_destroy, render::teardown);
     out.field("resolved_ref", &ev.profile_ref).field("digest", &ev.profile_digest);
     out.field("readiness", render::readiness(ev.readiness.as_ref()));
-    out.field("rein", &ev.rein).field("sandbox_id", &ev.sandbox_id);
+    out.field("rein", shown::<pb::ReinKind>(ev.rein)).field("sandbox_id", &ev.sandbox_id);
     out.field("commit", &ev.commit_sha).field("model", &ev.resolved_model);
     out.field("tokens", ev.tokens_spent.to_string());
     out.enum_field("hub_report", ev.hub_report_status, render::hub_status);
     for d in &ev.gate_decisions {
-        let line = format!("{} [{}] {}: {}", d.policy, d.source, render::gate_action(d.action), d.reason);
+        let source = shown::<pb::PolicySource>(d.source);
+        let line = format!("{} [{source}] {}: {}", d.policy, render::gate_action(d.action), d.reason);
         out.field("gate", line);
     }
     for t in &ev.stage_timings {
@@ -128,6 +130,13 @@ mod tests {
                 failure_stage: pb::FailureStage::SandboxCreate as i32,
                 error: "the sandbox could not be created".into(),
                 stage_timings: vec![pb::StageTiming { stage: "gate".into(), micros: 1_500 }],
+                rein: pb::ReinKind::Command as i32,
+                gate_decisions: vec![pb::PolicyDecision {
+                    policy: "host_enforceability".into(),
+                    source: pb::PolicySource::Builtin as i32,
+                    action: pb::GateAction::Deny as i32,
+                    reason: "no cgroup".into(),
+                }],
                 ..Default::default()
             }),
             ..Default::default()
@@ -137,6 +146,8 @@ mod tests {
         assert!(text.contains("failure_stage    sandbox_create\n"), "{text}");
         assert!(text.contains("timing           gate 1.5ms\n"), "{text}");
         assert!(text.contains("\nprofile          claude@1.0.0\n"), "{text}");
+        assert!(text.contains("\nrein             command\n"), "{text}");
+        assert!(text.contains("\ngate             host_enforceability [builtin] deny: no cgroup\n"), "{text}");
         assert!(!text.contains("\nrepo "), "{text}");
         assert!(!text.contains("unspecified"), "{text}");
         assert!(!text.contains("tool output"), "{text}");

@@ -105,7 +105,7 @@ async fn stored_span(channel: &Channel, id: &str) -> anyhow::Result<(u64, f64)> 
     let (mut first, mut finished, mut stored) = (None, None, 0u64);
     while let Some(event) = stream.message().await? {
         match &event.kind {
-            Some(Kind::Progress(p)) if p.kind == "progress" => {
+            Some(Kind::Progress(p)) if p.kind == pb::ProgressKind::Progress as i32 => {
                 stored += 1;
                 if first.is_none() {
                     first = event.time.as_ref().map(ms);
