@@ -19,7 +19,7 @@ fn progress_messages(events: &[pb::LifecycleEvent]) -> Vec<String> {
     events
         .iter()
         .filter_map(|e| match &e.kind {
-            Some(Kind::Progress(p)) if p.kind == "progress" => Some(p.message.clone()),
+            Some(Kind::Progress(p)) if p.kind() == pb::ProgressKind::Progress => Some(p.message.clone()),
             _ => None,
         })
         .collect()
@@ -374,7 +374,7 @@ async fn catalog_lists_resolves_and_dry_runs_the_gate() {
     }
 
     let resolved = catalog
-        .resolve_profile(pb::ResolveProfileRequest { r#ref: FAKE.into(), actor: String::new() })
+        .resolve_profile(pb::ResolveProfileRequest { profile_ref: FAKE.into(), actor: String::new() })
         .await
         .expect("resolve")
         .into_inner();
@@ -382,7 +382,7 @@ async fn catalog_lists_resolves_and_dry_runs_the_gate() {
     assert_eq!(resolved.profile.expect("profile").r#ref, "test.fake-agent@1.0.0");
 
     let status = catalog
-        .resolve_profile(pb::ResolveProfileRequest { r#ref: "nope".into(), actor: String::new() })
+        .resolve_profile(pb::ResolveProfileRequest { profile_ref: "nope".into(), actor: String::new() })
         .await
         .expect_err("unknown profile");
     assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
@@ -415,14 +415,15 @@ async fn an_unverified_profile_says_when_it_last_succeeded_end_to_end() {
     let daemon = TestDaemon::start(options).await;
     let mut catalog = daemon.catalog().await;
     let reason = |profile: pb::Profile| profile.readiness.expect("readiness").reason;
-    let get = pb::GetProfileRequest { r#ref: "test.unverified".into() };
+    let get = pb::GetProfileRequest { profile_ref: "test.unverified".into() };
 
     let before = reason(catalog.get_profile(get.clone()).await.expect("get").into_inner());
     assert_eq!(before, "new agent; no end-to-end success on this daemon yet");
     // A failure is not a success; a ready profile says nothing of the kind.
     daemon.execute(request("test.unverified", "FAIL boom")).await;
     assert_eq!(reason(catalog.get_profile(get.clone()).await.expect("get").into_inner()), before);
-    let ready = reason(catalog.get_profile(pb::GetProfileRequest { r#ref: FAKE.into() }).await.unwrap().into_inner());
+    let ready =
+        reason(catalog.get_profile(pb::GetProfileRequest { profile_ref: FAKE.into() }).await.unwrap().into_inner());
     assert!(!ready.contains("end-to-end"), "{ready}");
 
     let events = daemon.execute(request("test.unverified", "PROGRESS 1")).await;

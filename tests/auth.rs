@@ -108,9 +108,12 @@ async fn no_credentials_or_a_garbage_token_is_unauthenticated_and_health_answers
             ex.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.map(|_| ()),
             cat.list_profiles(pb::ListProfilesRequest {}).await.map(|_| ()),
             cat.get_daemon_info(pb::GetDaemonInfoRequest {}).await.map(|_| ()),
-            cat.resolve_profile(pb::ResolveProfileRequest { r#ref: "builtin.shell".into(), actor: String::new() })
-                .await
-                .map(|_| ()),
+            cat.resolve_profile(pb::ResolveProfileRequest {
+                profile_ref: "builtin.shell".into(),
+                actor: String::new(),
+            })
+            .await
+            .map(|_| ()),
             ses.list_sessions(pb::ListSessionsRequest::default()).await.map(|_| ()),
             ses.get_session(pb::GetSessionRequest { session_id: id.clone() }).await.map(|_| ()),
         ];
@@ -194,7 +197,11 @@ async fn a_principal_sees_and_touches_only_its_own_projects() {
     assert!(listed.sessions.iter().all(|s| s.session_id != sid));
     let with_policy = pb::CreateSessionRequest {
         profile_ref: "test.fake-agent".into(),
-        policies: vec![pb::PolicySpec { name: "off".into(), kind: "deny_network".into(), ..Default::default() }],
+        policies: vec![pb::PolicySpec {
+            name: "off".into(),
+            kind: pb::PolicyKind::DenyNetwork as i32,
+            ..Default::default()
+        }],
         ..Default::default()
     };
     let refused = a_sessions.create_session(with_policy).await.unwrap_err();

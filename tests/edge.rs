@@ -105,10 +105,10 @@ fn session_request() -> pb::CreateSessionRequest {
     pb::CreateSessionRequest { profile_ref: FAKE.into(), project: "proj-a".into(), ..Default::default() }
 }
 
-fn policy(name: &str, kind: &str, arguments_json: &str, on: &[&str]) -> pb::PolicySpec {
+fn policy(name: &str, kind: pb::PolicyKind, arguments_json: &str, on: &[&str]) -> pb::PolicySpec {
     pb::PolicySpec {
         name: name.into(),
-        kind: kind.into(),
+        kind: kind as i32,
         arguments_json: arguments_json.into(),
         on: on.iter().map(|s| s.to_string()).collect(),
     }
@@ -116,18 +116,24 @@ fn policy(name: &str, kind: &str, arguments_json: &str, on: &[&str]) -> pb::Poli
 
 /// Session and gate policies that are wrong in shape, and the field named.
 fn malformed_policies() -> Vec<(&'static str, Vec<pb::PolicySpec>)> {
+    use pb::PolicyKind::{DenyNetwork, Expr};
     let expr = |expression: &str| format!(r#"{{"expression": {expression:?}, "reason": "r"}}"#);
+    let kind = |kind: i32| pb::PolicySpec { kind, ..policy("p", DenyNetwork, "{}", &[]) };
     vec![
-        ("policies[0].name", vec![policy("", "deny_network", "{}", &[])]),
-        ("policies[0].kind", vec![policy("p", "dény", "{}", &[])]),
-        ("policies[1].arguments_json", vec![policy("p", "deny_network", "{}", &[]), policy("q", "expr", "[1]", &[])]),
-        ("policies[0].arguments_json", vec![policy("p", "expr", "{", &[])]),
-        ("policies[0].on[0]", vec![policy("p", "deny_network", "{}", &["tool call"])]),
-        ("policies", vec![policy("p", "deny_network", "{}", &[]); 33]),
-        // Shape is right; it does not load: too large, too deep, unknown kind.
-        ("policies[0]", vec![policy("big", "expr", &expr(&format!("actor == '{}'", "a".repeat(5000))), &[])]),
-        ("policies[0]", vec![policy("deep", "expr", &expr(&format!("{}true{}", "(".repeat(80), ")".repeat(80))), &[])]),
-        ("policies[0]", vec![policy("p", "no_such_kind", "{}", &[])]),
+        ("policies[0].name", vec![policy("", DenyNetwork, "{}", &[])]),
+        // A kind is required, and must be one the daemon has built in.
+        ("policies[0].kind", vec![kind(pb::PolicyKind::Unspecified as i32)]),
+        ("policies[1].kind", vec![policy("p", DenyNetwork, "{}", &[]), kind(99)]),
+        ("policies[0].kind", vec![kind(-1)]),
+        ("policies[1].arguments_json", vec![policy("p", DenyNetwork, "{}", &[]), policy("q", Expr, "[1]", &[])]),
+        ("policies[0].arguments_json", vec![policy("p", Expr, "{", &[])]),
+        ("policies[0].on[0]", vec![policy("p", DenyNetwork, "{}", &["tool call"])]),
+        ("policies", vec![policy("p", DenyNetwork, "{}", &[]); 33]),
+        // Shape is right; it does not load: too large, too deep, arguments
+        // its kind does not take.
+        ("policies[0]", vec![policy("big", Expr, &expr(&format!("actor == '{}'", "a".repeat(5000))), &[])]),
+        ("policies[0]", vec![policy("deep", Expr, &expr(&format!("{}true{}", "(".repeat(80), ")".repeat(80))), &[])]),
+        ("policies[0]", vec![policy("p", DenyNetwork, r#"{"hosts": ["x"]}"#, &[])]),
     ]
 }
 
@@ -269,8 +275,8 @@ async fn every_malformed_field_of_every_rpc_is_invalid_argument_and_stores_nothi
         list_executions(&c, pb::ListExecutionsRequest { page_size: 501, ..Default::default() }),
     );
     for value in malformed_refs().into_iter().filter(|v| !v.is_empty()) {
-        let req = pb::ListExecutionsRequest { profile: value, ..Default::default() };
-        add("ListExecutions profile".into(), "profile", list_executions(&c, req));
+        let req = pb::ListExecutionsRequest { profile_ref: value, ..Default::default() };
+        add("ListExecutions profile_ref".into(), "profile_ref", list_executions(&c, req));
     }
     for value in malformed_tokens() {
         let req = pb::ListExecutionsRequest { actor: value.clone(), ..Default::default() };
@@ -358,17 +364,25 @@ async fn every_malformed_field_of_every_rpc_is_invalid_argument_and_stores_nothi
     // CatalogService.
     for value in malformed_refs() {
         let mut k = c.catalog.clone();
-        let get = pb::GetProfileRequest { r#ref: value.clone() };
-        add("GetProfile ref".into(), "ref", Box::pin(async move { k.get_profile(get).await.map(|_| ()) }));
+        let get = pb::GetProfileRequest { profile_ref: value.clone() };
+        add(
+            "GetProfile profile_ref".into(),
+            "profile_ref",
+            Box::pin(async move { k.get_profile(get).await.map(|_| ()) }),
+        );
         let mut k = c.catalog.clone();
-        let resolve = pb::ResolveProfileRequest { r#ref: value.clone(), actor: String::new() };
-        add("ResolveProfile ref".into(), "ref", Box::pin(async move { k.resolve_profile(resolve).await.map(|_| ()) }));
+        let resolve = pb::ResolveProfileRequest { profile_ref: value.clone(), actor: String::new() };
+        add(
+            "ResolveProfile profile_ref".into(),
+            "profile_ref",
+            Box::pin(async move { k.resolve_profile(resolve).await.map(|_| ()) }),
+        );
         let gate = pb::EvaluateGateRequest { profile_ref: value, actor: "adm".into(), ..Default::default() };
         add("EvaluateGate profile_ref".into(), "profile_ref", evaluate_gate(&c, gate));
     }
     for value in malformed_tokens() {
         let mut k = c.catalog.clone();
-        let resolve = pb::ResolveProfileRequest { r#ref: FAKE.into(), actor: value.clone() };
+        let resolve = pb::ResolveProfileRequest { profile_ref: FAKE.into(), actor: value.clone() };
         add(
             "ResolveProfile actor".into(),
             "actor",
@@ -470,7 +484,7 @@ async fn a_queue_worker_actor_is_refused_at_resolution_on_every_path() {
         assert_eq!(evidence.error, corral::catalog::ACTOR_REFUSAL);
     }
     // ResolveProfile says the same.
-    let req = pb::ResolveProfileRequest { r#ref: FAKE.into(), actor: WORKER.into() };
+    let req = pb::ResolveProfileRequest { profile_ref: FAKE.into(), actor: WORKER.into() };
     let status = c.catalog.clone().resolve_profile(req).await.expect_err("refused");
     assert_eq!((status.code(), status.message()), (Code::FailedPrecondition, corral::catalog::ACTOR_REFUSAL));
     // Only past the size bound is it malformed.
@@ -692,7 +706,7 @@ timeout_seconds = 60
     );
     let events: Vec<serde_json::Value> = stdout.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let text = serde_json::to_string(&events).unwrap();
-    assert!(text.contains("tool_output"), "no output_truncated for tool_output in {:.3000}", text);
+    assert!(text.contains("OUTPUT_STREAM_TOOL_OUTPUT"), "no output_truncated for tool_output in {:.3000}", text);
 
     // The record holds the same, cut output for its owner.
     let list = c.exec.clone().list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
@@ -705,12 +719,12 @@ timeout_seconds = 60
     let cut: Vec<_> = events
         .iter()
         .filter_map(|e| match &e.kind {
-            Some(Kind::OutputTruncated(t)) => Some((t.stream.clone(), t.bytes_dropped)),
+            Some(Kind::OutputTruncated(t)) => Some((t.stream(), t.bytes_dropped)),
             _ => None,
         })
         .collect();
-    assert!(cut.iter().any(|(s, n)| s == "stdout" && *n > 0), "{cut:?}");
-    assert!(cut.iter().any(|(s, n)| s == "tool_output" && *n > 0), "{cut:?}");
+    assert!(cut.iter().any(|&(s, n)| s == pb::OutputStream::Stdout && n > 0), "{cut:?}");
+    assert!(cut.iter().any(|&(s, n)| s == pb::OutputStream::ToolOutput && n > 0), "{cut:?}");
     daemon.stop().await;
 }
 
@@ -769,10 +783,16 @@ fn arbitrary_requests_never_panic_and_rejected_ones_store_nothing() {
         project,
         ..Default::default()
     });
-    let listing =
-        (text(), text(), any::<i32>(), 0u32..600, text()).prop_map(|(profile, actor, state, page_size, page_token)| {
-            pb::ListExecutionsRequest { state, profile, actor, project: String::new(), page_size, page_token }
-        });
+    let listing = (text(), text(), any::<i32>(), 0u32..600, text()).prop_map(
+        |(profile_ref, actor, state, page_size, page_token)| pb::ListExecutionsRequest {
+            state,
+            profile_ref,
+            actor,
+            project: String::new(),
+            page_size,
+            page_token,
+        },
+    );
     let strategy = (execute, session, listing, text(), any::<u64>(), any::<i32>());
 
     let mut runner = TestRunner::new(Config { cases: 48, failure_persistence: None, ..Config::default() });
@@ -836,7 +856,7 @@ fn arbitrary_requests_never_panic_and_rejected_ones_store_nothing() {
                             "GetProfile",
                             c.catalog
                                 .clone()
-                                .get_profile(pb::GetProfileRequest { r#ref: id.clone() })
+                                .get_profile(pb::GetProfileRequest { profile_ref: id.clone() })
                                 .await
                                 .map(|_| ()),
                         ),

@@ -171,7 +171,7 @@ async fn egress_goes_only_through_the_proxy_to_allowed_hosts() {
     });
     let receipt = ready.expect("receipt");
     assert!(receipt.network_isolated);
-    assert_eq!(receipt.egress, "proxy");
+    assert_eq!(receipt.egress(), pb::EgressMode::Proxy);
     assert_eq!(receipt.allow_hosts, [format!("127.0.0.1:{a}")]);
     daemon.stop().await;
 }
@@ -240,7 +240,7 @@ arguments = {{ allow_hosts = ["127.0.0.1:{a}", "127.0.0.1:{c}"] }}"#
     assert!(out.contains(&format!("tunnel {b} refused")), "the policy did not narrow: {out}");
     assert!(out.contains(&format!("tunnel {c} refused")), "the policy widened the allowlist: {out}");
     let gated = events.iter().find_map(|e| match &e.kind {
-        Some(Kind::Gated(g)) if g.phase == "agent_start" => g.effective_sandbox.clone(),
+        Some(Kind::Gated(g)) if g.phase() == pb::GatePhase::AgentStart => g.effective_sandbox.clone(),
         _ => None,
     });
     assert_eq!(gated.unwrap().allow_hosts, [format!("127.0.0.1:{a}")]);

@@ -313,7 +313,7 @@ EOF"#;
         .and_then(|n| n.trim().parse().ok())
         .unwrap_or_else(|| panic!("no count: {}", execution.tool_output));
     assert!(started < 50, "{started} of 200 children started under max_processes = 50");
-    assert!(limit_events(&events).iter().any(|l| l.limit == "pids"), "no limit event for pids");
+    assert!(limit_events(&events).iter().any(|l| l.limit() == pb::LimitKind::Pids), "no limit event for pids");
     let receipt = receipt(&events);
     let pids = receipt.limits.iter().find(|l| l.name == "max_processes").expect("max_processes in the receipt");
     assert_eq!(pids.value, 50);
@@ -329,7 +329,7 @@ async fn memory_bytes_stops_a_1_gib_allocation_and_reports_a_limit_hit() {
     assert!(!execution.tool_output.contains("ALLOCATED"), "1 GiB allocated under a 256 MiB limit");
     assert_eq!(execution.state, pb::ExecutionState::Failed as i32);
     let hits = limit_events(&events);
-    assert!(hits.iter().any(|l| l.limit == "memory" && l.value == 256 << 20), "{hits:?}");
+    assert!(hits.iter().any(|l| l.limit() == pb::LimitKind::Memory && l.value == 256 << 20), "{hits:?}");
     assert!(execution.tool_error.contains("memory_bytes"), "{}", execution.tool_error);
     // The daemon is fine: the next run works.
     let (next, _) = run(&daemon, "builtin.shell", "echo alive").await;
@@ -344,7 +344,7 @@ async fn max_workspace_bytes_exceeded_fails_the_run() {
     let (execution, events) = run(&daemon, "test.workspace", script).await;
     assert_eq!(execution.state, pb::ExecutionState::Failed as i32, "{execution:?}");
     assert_eq!(execution.evidence.as_ref().unwrap().failure_stage, pb::FailureStage::Execution as i32);
-    assert!(limit_events(&events).iter().any(|l| l.limit == "workspace"), "no workspace limit event");
+    assert!(limit_events(&events).iter().any(|l| l.limit() == pb::LimitKind::Workspace), "no workspace limit event");
     assert!(!execution.tool_output.contains("DONE"), "the run went on past its workspace limit");
     daemon.stop().await;
 }
@@ -358,7 +358,7 @@ async fn an_event_flood_is_cut_at_the_limit() {
     assert!(progress <= 100, "{progress} progress events recorded past max_events = 100");
     let hits = limit_events(&events);
     assert_eq!(hits.len(), 1, "exactly one event says the stream was cut: {hits:?}");
-    assert_eq!(hits[0].limit, "events");
+    assert_eq!(hits[0].limit(), pb::LimitKind::Events);
     assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32);
     let stored = daemon.watch_all(&execution.execution_id, 0).await;
     assert!(stored.len() < 120, "{} events stored", stored.len());

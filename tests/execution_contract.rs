@@ -75,14 +75,18 @@ async fn success_runs_the_rein_in_order_and_destroys_the_sandbox_once() {
 
     let k = kinds(&events);
     assert_eq!(&k[..6], ["accepted", "resolved", "gated", "sandbox_ready", "gated", "dispatched"]);
-    let phases: Vec<String> = events
+    let phases: Vec<pb::GatePhase> = events
         .iter()
         .filter_map(|e| match &e.kind {
-            Some(Kind::Gated(g)) => Some(g.phase.clone()),
+            Some(Kind::Gated(g)) => Some(g.phase()),
             _ => None,
         })
         .collect();
-    assert_eq!(phases, ["agent_start", "tool_call"], "the gate runs before the start and before the dispatch");
+    assert_eq!(
+        phases,
+        [pb::GatePhase::AgentStart, pb::GatePhase::ToolCall],
+        "the gate runs before the start and before the dispatch"
+    );
     assert_eq!(&k[k.len() - 2..], ["teardown", "finished"]);
     assert!(k.contains(&"progress"));
     let sequences: Vec<u64> = events.iter().map(|e| e.sequence).collect();

@@ -64,23 +64,35 @@ async fn grpcurl_lists_describes_and_calls_the_daemon_through_reflection() {
     // Every corral RPC needs a principal: the local admin token over TCP
     // (or the unix socket, where the peer uid is the credential).
     let bearer = format!("authorization: Bearer {}", daemon.admin_token());
-    let resolved =
-        grpcurl(&["-H", &bearer, "-d", r#"{"ref":"builtin.shell"}"#, &addr, "corral.v1.CatalogService/ResolveProfile"])
-            .await;
+    let resolved = grpcurl(&[
+        "-H",
+        &bearer,
+        "-d",
+        r#"{"profile_ref":"builtin.shell"}"#,
+        &addr,
+        "corral.v1.CatalogService/ResolveProfile",
+    ])
+    .await;
     let socket = daemon.socket().display().to_string();
     let over_unix = grpcurl(&[
         "-unix",
         "-authority",
         "localhost",
         "-d",
-        r#"{"ref":"builtin.shell"}"#,
+        r#"{"profile_ref":"builtin.shell"}"#,
         &socket,
         "corral.v1.CatalogService/ResolveProfile",
     ])
     .await;
     assert!(over_unix.contains("builtin.shell@1.0.0"), "over the unix socket:\n{over_unix}");
     let anonymous = tokio::process::Command::new("grpcurl")
-        .args(["-plaintext", "-d", r#"{"ref":"builtin.shell"}"#, &addr, "corral.v1.CatalogService/ResolveProfile"])
+        .args([
+            "-plaintext",
+            "-d",
+            r#"{"profile_ref":"builtin.shell"}"#,
+            &addr,
+            "corral.v1.CatalogService/ResolveProfile",
+        ])
         .output()
         .await
         .unwrap();

@@ -121,7 +121,7 @@ fn number(v: &Value) -> u64 {
 fn tools_used(events: &[Value]) -> Vec<String> {
     events
         .iter()
-        .filter(|e| e["progress"]["kind"] == "tool_use")
+        .filter(|e| e["progress"]["kind"] == "PROGRESS_KIND_TOOL_USE")
         .map(|e| e["progress"]["tool"].as_str().unwrap_or_default().to_string())
         .collect()
 }

@@ -95,12 +95,12 @@ async fn flooded_output_is_capped_and_reported() {
     let truncated: Vec<_> = events
         .iter()
         .filter_map(|e| match &e.kind {
-            Some(Kind::OutputTruncated(t)) => Some(t.clone()),
+            Some(Kind::OutputTruncated(t)) => Some(*t),
             _ => None,
         })
         .collect();
     assert_eq!(truncated.len(), 1, "{:?}", kinds(&events));
-    assert_eq!(truncated[0].stream, "stdout");
+    assert_eq!(truncated[0].stream(), pb::OutputStream::Stdout);
     assert!(truncated[0].bytes_dropped >= 512 * 1024 - 65536, "{}", truncated[0].bytes_dropped);
     assert!(execution.tool_output.len() <= 65536 + 1024);
 }

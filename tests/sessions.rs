@@ -102,8 +102,8 @@ fn force_bwrap_spec(name: &str) -> PolicySpec {
     }
 }
 
-fn wire_policy(name: &str, kind: &str, arguments: Value) -> pb::PolicySpec {
-    pb::PolicySpec { name: name.into(), kind: kind.into(), arguments_json: arguments.to_string(), on: vec![] }
+fn wire_policy(name: &str, kind: pb::PolicyKind, arguments: Value) -> pb::PolicySpec {
+    pb::PolicySpec { name: name.into(), kind: kind as i32, arguments_json: arguments.to_string(), on: vec![] }
 }
 
 fn daemon_options(profiles: Vec<(&str, String)>) -> Options {
@@ -313,11 +313,11 @@ async fn profile_enforce_sandbox_runs_a_none_profile_under_bwrap() {
     assert_eq!(ended.state, pb::SessionState::Ended as i32, "{ended:?}");
     let history = watch(&mut client, &session.session_id, 0).await;
     let start = &gated(&history)[0];
-    assert_eq!(start.phase, "agent_start");
+    assert_eq!(start.phase(), pb::GatePhase::AgentStart);
     assert_eq!(start.action, pb::GateAction::Allow as i32);
     assert_forced_spec(&start.effective_sandbox, "gated event");
     let profile_decision = start.decisions.iter().find(|d| d.policy == "force-bwrap").expect("force-bwrap decided");
-    assert_eq!(profile_decision.source, "profile");
+    assert_eq!(profile_decision.source(), pb::PolicySource::Profile);
     let ready = history
         .iter()
         .find_map(|e| match &e.kind {
@@ -377,7 +377,7 @@ async fn admin_enforce_sandbox_runs_a_none_profile_under_bwrap() {
     let history = watch(&mut client, &session.session_id, 0).await;
     let start = &gated(&history)[0];
     let decision = start.decisions.iter().find(|d| d.policy == "admin-force-bwrap").expect("admin policy decided");
-    assert_eq!(decision.source, "admin");
+    assert_eq!(decision.source(), pb::PolicySource::Admin);
     daemon.stop().await;
 }
 
@@ -389,7 +389,7 @@ async fn session_enforce_sandbox_runs_a_none_profile_under_bwrap() {
     let mut client = sessions(&daemon).await;
     let policy = wire_policy(
         "session-force-bwrap",
-        "enforce_sandbox",
+        pb::PolicyKind::EnforceSandbox,
         json!({"sandbox_type": "linux_bwrap", "allow_network": false, "write_paths": ["."]}),
     );
 
@@ -410,7 +410,7 @@ async fn session_enforce_sandbox_runs_a_none_profile_under_bwrap() {
     let history = watch(&mut client, &session.session_id, 0).await;
     let start = &gated(&history)[0];
     let decision = start.decisions.iter().find(|d| d.policy == "session-force-bwrap").expect("session policy decided");
-    assert_eq!(decision.source, "session");
+    assert_eq!(decision.source(), pb::PolicySource::Session);
     daemon.stop().await;
 }
 
@@ -481,7 +481,7 @@ async fn assert_restarted_under_forced_sandbox(
 ) {
     let (events, output) = probe_turn(client, session_id).await;
     assert_probe_under_bwrap(&output);
-    let start = position(&events, |k| matches!(k, Kind::Gated(g) if g.phase == "agent_start"))
+    let start = position(&events, |k| matches!(k, Kind::Gated(g) if g.phase() == pb::GatePhase::AgentStart))
         .unwrap_or_else(|| panic!("no agent_start gate before the restart: {:?}", kinds(&events)));
     let restarted = position(&events, |k| matches!(k, Kind::HarnessRestarted(_)))
         .unwrap_or_else(|| panic!("no harness_restarted: {:?}", kinds(&events)));
@@ -503,7 +503,7 @@ async fn assert_restarted_under_forced_sandbox(
     let agent_starts: Vec<usize> = history
         .iter()
         .enumerate()
-        .filter(|(_, e)| matches!(&e.kind, Some(Kind::Gated(g)) if g.phase == "agent_start"))
+        .filter(|(_, e)| matches!(&e.kind, Some(Kind::Gated(g)) if g.phase() == pb::GatePhase::AgentStart))
         .map(|(i, _)| i)
         .collect();
     assert_eq!(agent_starts.len(), 2, "one gate for the start, one for the restart: {names:?}");
@@ -515,7 +515,7 @@ async fn assert_restarted_under_forced_sandbox(
     assert!(names[agent_starts[1]..restarted].iter().all(|k| *k == "gated"), "{names:?}");
     assert_eq!(&names[..4], &["accepted", "resolved", "gated", "sandbox_ready"], "{names:?}");
     assert_eq!(&names[names.len() - 2..], &["teardown", "finished"], "{names:?}");
-    for g in gated(&history).iter().filter(|g| g.phase == "agent_start") {
+    for g in gated(&history).iter().filter(|g| g.phase() == pb::GatePhase::AgentStart) {
         assert_forced_spec(&g.effective_sandbox, "every agent_start gate");
     }
 }
@@ -643,7 +643,7 @@ async fn a_tool_call_deny_fails_the_turn_and_the_session_stays_usable() {
     let events = send_turn(&mut client, &session.session_id, "rm", json!({"echo": "should not run"})).await;
     let gates = gated(&events);
     assert_eq!(gates.len(), 1, "{:?}", kinds(&events));
-    assert_eq!(gates[0].phase, "tool_call");
+    assert_eq!(gates[0].phase(), pb::GatePhase::ToolCall);
     assert_eq!(gates[0].action, pb::GateAction::Deny as i32, "{:?}", gates[0]);
     let deny = gates[0].decisions.iter().find(|d| d.policy == "no-rm").expect("no-rm decided");
     assert_eq!(deny.reason, "rm is not allowed");
@@ -684,7 +684,7 @@ async fn policy_requests_from_inside_the_harness_get_the_tool_call_verdict() {
     assert!(done.output.contains("rm is not allowed"), "the verdict carries the reason: {}", done.output);
     let gates = gated(&events);
     assert_eq!(gates.len(), 2, "one gate for the turn, one for the request: {:?}", kinds(&events));
-    assert_eq!(gates[1].phase, "tool_call");
+    assert_eq!(gates[1].phase(), pb::GatePhase::ToolCall);
     assert_eq!(gates[1].action, pb::GateAction::Deny as i32);
 
     let events =
@@ -866,8 +866,8 @@ arguments = { types = ["adm"] }
     let mut client = sessions(&daemon).await;
     let mut catalog = daemon.catalog().await;
     let session_policies = vec![
-        wire_policy("session-timeout", "max_timeout", json!({"seconds": 30})),
-        wire_policy("session-no-env", "enforce_sandbox", json!({"env_passthrough": []})),
+        wire_policy("session-timeout", pb::PolicyKind::MaxTimeout, json!({"seconds": 30})),
+        wire_policy("session-no-env", pb::PolicyKind::EnforceSandbox, json!({"env_passthrough": []})),
     ];
 
     let cases = [
@@ -900,7 +900,7 @@ arguments = { types = ["adm"] }
         }
         let history = watch(&mut client, &session_id, 0).await;
         let real = &gated(&history)[0];
-        assert_eq!(real.phase, "agent_start");
+        assert_eq!(real.phase(), pb::GatePhase::AgentStart);
         assert_eq!(real.action, dry.action, "{profile}: action");
         assert_eq!(real.decisions, dry.decisions, "{profile}: decisions");
         assert_eq!(real.effective_sandbox, dry.effective_sandbox, "{profile}: effective sandbox");
@@ -954,8 +954,8 @@ async fn end_session_tears_down_and_cancel_turn_only_acts_on_a_turn_in_flight() 
     let done = turn_finished(&events);
     assert!(done.ok, "{done:?}");
     assert!(done.output.contains("echo after cancel"), "{done:?}");
-    let start =
-        position(&events, |k| matches!(k, Kind::Gated(g) if g.phase == "agent_start")).expect("agent_start gate");
+    let start = position(&events, |k| matches!(k, Kind::Gated(g) if g.phase() == pb::GatePhase::AgentStart))
+        .expect("agent_start gate");
     let restarted = position(&events, |k| matches!(k, Kind::HarnessRestarted(_))).expect("harness_restarted");
     assert!(start < restarted, "{:?}", kinds(&events));
 

@@ -23,7 +23,7 @@ import grpc  # noqa: E402
 from google.rpc import error_details_pb2, status_pb2  # noqa: E402
 
 try:
-    from corral.v1 import execution_pb2, execution_pb2_grpc, types_pb2  # noqa: E402
+    from corral.v1 import events_pb2, execution_pb2, execution_pb2_grpc, types_pb2  # noqa: E402
 except ImportError as e:  # pragma: no cover - a hint for a direct run
     sys.exit(f"corral stubs not found in {HERE}/.gen ({e}): run examples/python/run.sh, which generates them")
 
@@ -95,20 +95,22 @@ def describe(event):
     elif kind == "resolved":
         text = f"profile_ref={e.profile_ref} readiness={enum_name(types_pb2.ReadinessState, e.readiness.state)}"
     elif kind == "gated":
-        text = f"phase={e.phase} action={enum_name(types_pb2.GateAction, e.action)} decisions={len(e.decisions)}"
+        phase = enum_name(events_pb2.GatePhase, e.phase)
+        text = f"phase={phase} action={enum_name(types_pb2.GateAction, e.action)} decisions={len(e.decisions)}"
     elif kind == "sandbox_ready":
         backend = enum_name(types_pb2.SandboxType, e.backend)
         text = f"sandbox_id={e.sandbox_id} backend={backend} host_uid={e.receipt.host_uid}"
     elif kind == "dispatched":
         text = f"tool={e.tool}"
     elif kind == "progress":
-        text = f"kind={e.kind} tool={e.tool} tokens={e.tokens_so_far} message={one_line(e.message)}"
+        progress = enum_name(events_pb2.ProgressKind, e.kind)
+        text = f"kind={progress} tool={e.tool} tokens={e.tokens_so_far} message={one_line(e.message)}"
     elif kind == "output_truncated":
-        text = f"stream={e.stream} bytes_dropped={e.bytes_dropped}"
+        text = f"stream={enum_name(events_pb2.OutputStream, e.stream)} bytes_dropped={e.bytes_dropped}"
     elif kind == "egress":
         text = f"host={e.host}:{e.port} allowed={str(e.allowed).lower()} rule_or_reason={e.rule_or_reason}"
     elif kind == "limit":
-        text = f"limit={e.limit} value={e.value} detail={e.detail}"
+        text = f"limit={enum_name(events_pb2.LimitKind, e.limit)} value={e.value} detail={e.detail}"
     elif kind == "teardown":
         text = (
             f"session_cleanup={enum_name(types_pb2.TeardownResult, e.session_cleanup)} "

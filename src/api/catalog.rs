@@ -69,10 +69,10 @@ impl CatalogService for CatalogApi {
 
     async fn get_profile(&self, request: Request<pb::GetProfileRequest>) -> Result<Response<pb::Profile>, Status> {
         let req = request.into_inner();
-        validate::profile_ref("ref", &req.r#ref)?;
+        validate::profile_ref("profile_ref", &req.profile_ref)?;
         let profile = self
             .catalog
-            .lookup(&req.r#ref)
+            .lookup(&req.profile_ref)
             .map_err(|r| status::with_reason(Code::NotFound, r.0, "NOT_FOUND", vec![]))?;
         Ok(Response::new(self.profile(&profile).await?))
     }
@@ -82,12 +82,12 @@ impl CatalogService for CatalogApi {
         request: Request<pb::ResolveProfileRequest>,
     ) -> Result<Response<pb::ResolveProfileResponse>, Status> {
         let req = request.into_inner();
-        validate::profile_ref("ref", &req.r#ref)?;
+        validate::profile_ref("profile_ref", &req.profile_ref)?;
         validate::token("actor", &req.actor)?;
         if !req.actor.is_empty() {
             check_actor(&req.actor).map_err(refused)?;
         }
-        let profile = self.catalog.resolve(&req.r#ref).map_err(refused)?;
+        let profile = self.catalog.resolve(&req.profile_ref).map_err(refused)?;
         Ok(Response::new(pb::ResolveProfileResponse {
             pinned_ref: profile.reference(),
             profile: Some(convert::profile(&profile)),

@@ -1,4 +1,5 @@
-//! Domain → wire conversions. The only place that knows both shapes.
+//! Domain → wire conversions. The only place that knows both shapes;
+//! enums the domain keeps as words go through [`super::words`].
 
 use crate::catalog::{self, Profile, ReadinessState};
 use crate::events::{BusItem, EventKind, RawPart};
@@ -7,6 +8,8 @@ use crate::lifecycle::{ExecutionRecord, ExecutionState, RawResult, SessionRecord
 use crate::pb;
 use crate::policy::{self, Action};
 use crate::sandbox::{self, SandboxType};
+
+use super::words::wire;
 
 pub fn timestamp(ms: i64) -> prost_types::Timestamp {
     prost_types::Timestamp { seconds: ms.div_euclid(1000), nanos: (ms.rem_euclid(1000) * 1_000_000) as i32 }
@@ -64,7 +67,7 @@ pub fn action(a: Action) -> pb::GateAction {
 pub fn decision(d: &policy::PolicyDecision) -> pb::PolicyDecision {
     pb::PolicyDecision {
         policy: d.policy.clone(),
-        source: d.source.clone(),
+        source: wire::<pb::PolicySource>(&d.source),
         action: action(d.action) as i32,
         reason: d.reason.clone(),
     }
@@ -132,7 +135,7 @@ pub fn evidence(e: &evidence::Evidence) -> pb::Evidence {
         profile_ref: e.profile_ref.clone(),
         profile_digest: e.profile_digest.clone(),
         readiness: e.readiness.as_ref().map(readiness),
-        rein: e.rein.clone(),
+        rein: wire::<pb::ReinKind>(&e.rein),
         sandbox_id: e.sandbox_id.clone(),
         commit_sha: e.commit_sha.clone(),
         tokens_spent: e.tokens_spent,
@@ -171,7 +174,7 @@ pub fn execution(r: &ExecutionRecord, raw: Option<&RawResult>) -> pb::Execution 
         execution_id: r.execution_id.clone(),
         request_id: r.request_id.clone(),
         state: execution_state(r.state) as i32,
-        harness_profile_ref: r.harness_profile_ref.clone(),
+        profile_ref: r.harness_profile_ref.clone(),
         title: r.title.clone(),
         repo: r.repo.clone(),
         consumer: Some(consumer(&r.consumer)),
@@ -206,7 +209,7 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
             readiness: Some(readiness(r)),
         }),
         EventKind::Gated { phase, action: a, decisions, effective_sandbox } => Kind::Gated(pb::Gated {
-            phase: phase.clone(),
+            phase: wire::<pb::GatePhase>(phase),
             action: action(*a) as i32,
             decisions: decisions.iter().map(decision).collect(),
             effective_sandbox: Some(sandbox_spec(effective_sandbox)),
@@ -221,7 +224,7 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
         }
         EventKind::Dispatched { tool } => Kind::Dispatched(pb::Dispatched { tool: tool.clone() }),
         EventKind::Progress { progress_kind, tool, tokens_so_far } => Kind::Progress(pb::Progress {
-            kind: progress_kind.clone(),
+            kind: wire::<pb::ProgressKind>(progress_kind),
             tool: tool.clone(),
             tokens_so_far: *tokens_so_far,
             message: match raw {
@@ -229,9 +232,10 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
                 _ => String::new(),
             },
         }),
-        EventKind::OutputTruncated { stream, bytes_dropped } => {
-            Kind::OutputTruncated(pb::OutputTruncated { stream: stream.clone(), bytes_dropped: *bytes_dropped })
-        }
+        EventKind::OutputTruncated { stream, bytes_dropped } => Kind::OutputTruncated(pb::OutputTruncated {
+            stream: wire::<pb::OutputStream>(stream),
+            bytes_dropped: *bytes_dropped,
+        }),
         EventKind::HarnessRestarted { attempt, reason } => {
             Kind::HarnessRestarted(pb::HarnessRestarted { attempt: *attempt, reason: reason.clone() })
         }
@@ -257,10 +261,10 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
             port: u32::from(*port),
             allowed: *allowed,
             rule_or_reason: rule_or_reason.clone(),
-            method: method.clone(),
+            method: wire::<pb::EgressMethod>(method),
         }),
         EventKind::LimitHit { limit, value, detail } => {
-            Kind::Limit(pb::LimitHit { limit: limit.clone(), value: *value, detail: detail.clone() })
+            Kind::Limit(pb::LimitHit { limit: wire::<pb::LimitKind>(limit), value: *value, detail: detail.clone() })
         }
         EventKind::SessionFinished { session: record } => {
             let raw = match raw {
@@ -320,16 +324,13 @@ pub fn profile(p: &Profile) -> pb::Profile {
         id: f.id.clone(),
         version: p.version.to_string(),
         r#ref: p.reference(),
-        status: match f.status {
-            catalog::ProfileStatus::Enabled => "enabled".into(),
-            catalog::ProfileStatus::Disabled => "disabled".into(),
-        },
+        status: profile_status(f.status) as i32,
         readiness: Some(readiness(&f.readiness)),
         rein: Some(pb::Rein {
-            kind: f.rein.kind.clone(),
-            preset: enum_name(&f.rein.preset),
+            kind: wire::<pb::ReinKind>(&f.rein.kind),
+            preset: preset(f.rein.preset) as i32,
             argv: f.rein.argv.clone(),
-            input: enum_name(&f.rein.input),
+            input: task_input(f.rein.input) as i32,
         }),
         sandbox: Some(sandbox_spec(&f.sandbox)),
         limits: Some(pb::Limits {
@@ -352,7 +353,7 @@ pub fn profile(p: &Profile) -> pb::Profile {
             .iter()
             .map(|p| pb::PolicySpec {
                 name: p.name.clone(),
-                kind: p.kind.clone(),
+                kind: wire::<pb::PolicyKind>(&p.kind),
                 arguments_json: p.arguments.to_string(),
                 on: p.on.clone(),
             })
@@ -369,7 +370,7 @@ fn enforcement_receipt(r: &crate::sandbox::EnforcementReceipt) -> pb::Enforcemen
     pb::EnforcementReceipt {
         command_digest: r.command_digest.clone(),
         network_isolated: r.network_isolated,
-        egress: r.egress.clone(),
+        egress: wire::<pb::EgressMode>(&r.egress),
         allow_hosts: r.allow_hosts.clone(),
         write_roots: r.write_roots.clone(),
         host_uid: r.host_uid,
@@ -385,7 +386,52 @@ fn enforcement_receipt(r: &crate::sandbox::EnforcementReceipt) -> pb::Enforcemen
     }
 }
 
-/// The snake_case name serde gives a unit enum variant.
-fn enum_name<T: serde::Serialize>(value: &T) -> String {
-    serde_json::to_value(value).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+fn profile_status(s: catalog::ProfileStatus) -> pb::ProfileStatus {
+    match s {
+        catalog::ProfileStatus::Enabled => pb::ProfileStatus::Enabled,
+        catalog::ProfileStatus::Disabled => pb::ProfileStatus::Disabled,
+    }
+}
+
+fn preset(p: catalog::Preset) -> pb::ReinPreset {
+    match p {
+        catalog::Preset::Protocol => pb::ReinPreset::Protocol,
+        catalog::Preset::ClaudeStreamJson => pb::ReinPreset::ClaudeStreamJson,
+        catalog::Preset::CodexExecJson => pb::ReinPreset::CodexExecJson,
+    }
+}
+
+fn task_input(t: catalog::TaskInput) -> pb::TaskInput {
+    match t {
+        catalog::TaskInput::TaskJson => pb::TaskInput::TaskJson,
+        catalog::TaskInput::Description => pb::TaskInput::Description,
+        catalog::TaskInput::Prompt => pb::TaskInput::Prompt,
+        catalog::TaskInput::Nothing => pb::TaskInput::Nothing,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::words::Word as _;
+
+    /// The typed domain enums land on the wire value whose word is the one
+    /// serde writes in profiles (so `corral profiles` prints what the TOML
+    /// says).
+    #[test]
+    fn profile_enums_keep_their_words() {
+        fn serde_word<T: serde::Serialize>(value: T) -> String {
+            serde_json::to_value(value).unwrap().as_str().unwrap().to_owned()
+        }
+        use catalog::{Preset, ProfileStatus, TaskInput};
+        for p in [Preset::Protocol, Preset::ClaudeStreamJson, Preset::CodexExecJson] {
+            assert_eq!(preset(p).word(), serde_word(p));
+        }
+        for t in [TaskInput::TaskJson, TaskInput::Description, TaskInput::Prompt, TaskInput::Nothing] {
+            assert_eq!(task_input(t).word(), serde_word(t));
+        }
+        for s in [ProfileStatus::Enabled, ProfileStatus::Disabled] {
+            assert_eq!(profile_status(s).word(), serde_word(s));
+        }
+    }
 }

@@ -250,7 +250,7 @@ impl ExecutionService for ExecutionApi {
         let listing = validate::list_executions(&req, &self.page_tokens)?;
         let filter = ExecutionFilter {
             state: listing.state,
-            profile: req.profile,
+            profile: req.profile_ref,
             actor: req.actor,
             project: req.project,
             before_id: listing.before_id,

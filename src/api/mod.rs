@@ -11,6 +11,7 @@ pub mod page;
 mod session;
 pub mod status;
 mod validate;
+pub mod words;
 
 use std::path::PathBuf;
 use std::sync::Arc;

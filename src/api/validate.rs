@@ -13,6 +13,7 @@ use tonic::Status;
 
 use super::page::PageTokens;
 use super::status::invalid_argument;
+use super::words::Word;
 use crate::catalog::ProfileRef;
 use crate::lifecycle::{ExecuteCommand, ExecutionState};
 use crate::pb;
@@ -127,6 +128,16 @@ pub fn view(value: i32) -> Result<bool, Status> {
     }
 }
 
+/// A policy kind: required, and one the daemon has built in. Returns its
+/// word, which is what the gate compiles.
+pub fn policy_kind(field: &str, value: i32) -> Result<&'static str, Status> {
+    match pb::PolicyKind::try_from(value) {
+        Ok(pb::PolicyKind::Unspecified) => Err(invalid_argument(field, "is required")),
+        Ok(kind) => Ok(kind.word()),
+        Err(_) => Err(invalid_argument(field, format!("unknown PolicyKind {value}"))),
+    }
+}
+
 /// `0` is the default page; more than [`MAX_PAGE`] is refused.
 pub fn page_size(value: u32) -> Result<u32, Status> {
     match value {
@@ -203,7 +214,7 @@ pub fn policies(specs: &[pb::PolicySpec]) -> Result<Vec<PolicySpec>, Status> {
             return Err(invalid_argument(&field("name"), "must not be empty"));
         }
         text(&field("name"), &spec.name, MAX_ID)?;
-        token(&field("kind"), &spec.kind)?;
+        let kind = policy_kind(&field("kind"), spec.kind)?;
         if spec.on.len() > MAX_SELECTORS {
             return Err(invalid_argument(&field("on"), format!("at most {MAX_SELECTORS} entries")));
         }
@@ -212,7 +223,7 @@ pub fn policies(specs: &[pb::PolicySpec]) -> Result<Vec<PolicySpec>, Status> {
         }
         text(&field("arguments_json"), &spec.arguments_json, MAX_POLICY_ARGUMENTS)?;
         let arguments = json_object(&field("arguments_json"), &spec.arguments_json)?;
-        parsed.push(PolicySpec { name: spec.name.clone(), kind: spec.kind.clone(), arguments, on: spec.on.clone() });
+        parsed.push(PolicySpec { name: spec.name.clone(), kind: kind.into(), arguments, on: spec.on.clone() });
     }
     Ok(parsed)
 }
@@ -258,15 +269,15 @@ pub const SESSIONS: &str = "sessions";
 
 pub fn list_executions(req: &pb::ListExecutionsRequest, tokens: &PageTokens) -> Result<ExecutionListing, Status> {
     let state = state_filter(req.state)?;
-    if !req.profile.is_empty() {
-        profile_ref("profile", &req.profile)?;
+    if !req.profile_ref.is_empty() {
+        profile_ref("profile_ref", &req.profile_ref)?;
     }
     token("actor", &req.actor)?;
     token("project", &req.project)?;
     let limit = page_size(req.page_size)?;
     // A token belongs to the filter it was issued for: the same cursor under
     // another filter would skip or repeat records.
-    let scope = format!("{}\n{}\n{}\n{}", req.state, req.profile, req.actor, req.project);
+    let scope = format!("{}\n{}\n{}\n{}", req.state, req.profile_ref, req.actor, req.project);
     let before_id = tokens.open(EXECUTIONS, &scope, &req.page_token)?;
     Ok(ExecutionListing { state, limit, before_id, scope })
 }
@@ -317,19 +328,25 @@ mod tests {
         assert_eq!(field_of(view(-1).unwrap_err()), "view");
         assert_eq!(page_size(0).unwrap(), DEFAULT_PAGE);
         assert_eq!(field_of(page_size(MAX_PAGE + 1).unwrap_err()), "page_size");
+        assert_eq!(policy_kind("k", pb::PolicyKind::Expr as i32).unwrap(), "expr");
+        assert_eq!(field_of(policy_kind("k", 0).unwrap_err()), "k");
+        assert_eq!(field_of(policy_kind("k", 99).unwrap_err()), "k");
+        assert_eq!(field_of(policy_kind("k", -1).unwrap_err()), "k");
     }
 
     #[test]
     fn policies_and_tool_calls_name_the_element() {
         let spec = |args: &str| pb::PolicySpec {
             name: "p".into(),
-            kind: "expr".into(),
+            kind: pb::PolicyKind::Expr as i32,
             arguments_json: args.into(),
             on: vec![],
         };
         assert_eq!(field_of(policies(&[spec("{}"), spec("[1]")]).unwrap_err()), "policies[1].arguments_json");
         assert_eq!(field_of(policies(&[spec("{")]).unwrap_err()), "policies[0].arguments_json");
         assert!(policies(&vec![spec("{}"); MAX_POLICIES + 1]).is_err());
+        let unkinded = pb::PolicySpec { kind: 0, ..spec("{}") };
+        assert_eq!(field_of(policies(&[spec("{}"), unkinded]).unwrap_err()), "policies[1].kind");
         assert_eq!(field_of(tool_call(None).unwrap_err()), "tool_call");
         let call = pb::ToolCall { tool: "édit".into(), arguments_json: String::new() };
         assert_eq!(field_of(tool_call(Some(&call)).unwrap_err()), "tool_call.tool");

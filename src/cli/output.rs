@@ -26,7 +26,7 @@ impl Printer {
             Self::Human(streamed) => {
                 // The harness's own output lines, as they come: as printed.
                 if let Some(pb::lifecycle_event::Kind::Progress(p)) = &event.kind {
-                    if p.kind == "output" && !p.message.is_empty() {
+                    if p.kind == pb::ProgressKind::Output as i32 && !p.message.is_empty() {
                         streamed.set(true);
                         return write_text(&format!("{}\n", p.message));
                     }

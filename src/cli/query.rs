@@ -21,7 +21,7 @@ pub(super) async fn ls(server: &Remote, args: LsArgs, printer: &Printer) -> anyh
     // "no filter".
     let request = pb::ListExecutionsRequest {
         state: args.state.map_or(0, |s| s as i32),
-        profile: args.profile.unwrap_or_default(),
+        profile_ref: args.profile.unwrap_or_default(),
         actor: args.actor.unwrap_or_default(),
         project: args.project.unwrap_or_default(),
         page_size: args.page_size.unwrap_or_default(),

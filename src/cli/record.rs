@@ -4,6 +4,7 @@
 use std::fmt::Write as _;
 
 use super::render::{self, quote};
+use crate::api::words::shown;
 use crate::pb;
 
 /// Labels are padded to this width so the values line up.
@@ -37,7 +38,7 @@ impl Lines {
 pub(super) fn execution(e: &pb::Execution) -> String {
     let mut out = Lines::default();
     out.field("execution", &e.execution_id).field("state", render::state(e.state));
-    out.field("profile", &e.harness_profile_ref).field("title", &e.title);
+    out.field("profile", &e.profile_ref).field("title", &e.title);
     out.field("repo", &e.repo);
     if let Some(c) = &e.consumer {
         out.field("actor", &c.actor).field("project", &c.project);
@@ -88,12 +89,13 @@ fn evidence(out: &mut Lines, ev: &pb::Evidence) {
     out.enum_field("sandbox_destroy", ev.sandbox_destroy, render::teardown);
     out.field("resolved_ref", &ev.profile_ref).field("digest", &ev.profile_digest);
     out.field("readiness", render::readiness(ev.readiness.as_ref()));
-    out.field("rein", &ev.rein).field("sandbox_id", &ev.sandbox_id);
+    out.field("rein", shown::<pb::ReinKind>(ev.rein)).field("sandbox_id", &ev.sandbox_id);
     out.field("commit", &ev.commit_sha).field("model", &ev.resolved_model);
     out.field("tokens", ev.tokens_spent.to_string());
     out.enum_field("hub_report", ev.hub_report_status, render::hub_status);
     for d in &ev.gate_decisions {
-        let line = format!("{} [{}] {}: {}", d.policy, d.source, render::gate_action(d.action), d.reason);
+        let source = shown::<pb::PolicySource>(d.source);
+        let line = format!("{} [{source}] {}: {}", d.policy, render::gate_action(d.action), d.reason);
         out.field("gate", line);
     }
     for t in &ev.stage_timings {
@@ -122,12 +124,19 @@ mod tests {
         let e = pb::Execution {
             execution_id: "e1".into(),
             state: pb::ExecutionState::Failed as i32,
-            harness_profile_ref: "claude@1.0.0".into(),
+            profile_ref: "claude@1.0.0".into(),
             evidence: Some(pb::Evidence {
                 outcome: pb::Outcome::Failed as i32,
                 failure_stage: pb::FailureStage::SandboxCreate as i32,
                 error: "the sandbox could not be created".into(),
                 stage_timings: vec![pb::StageTiming { stage: "gate".into(), micros: 1_500 }],
+                rein: pb::ReinKind::Command as i32,
+                gate_decisions: vec![pb::PolicyDecision {
+                    policy: "host_enforceability".into(),
+                    source: pb::PolicySource::Builtin as i32,
+                    action: pb::GateAction::Deny as i32,
+                    reason: "no cgroup".into(),
+                }],
                 ..Default::default()
             }),
             ..Default::default()
@@ -136,6 +145,9 @@ mod tests {
         assert!(text.starts_with("execution        e1\nstate            failed\n"), "{text}");
         assert!(text.contains("failure_stage    sandbox_create\n"), "{text}");
         assert!(text.contains("timing           gate 1.5ms\n"), "{text}");
+        assert!(text.contains("\nprofile          claude@1.0.0\n"), "{text}");
+        assert!(text.contains("\nrein             command\n"), "{text}");
+        assert!(text.contains("\ngate             host_enforceability [builtin] deny: no cgroup\n"), "{text}");
         assert!(!text.contains("\nrepo "), "{text}");
         assert!(!text.contains("unspecified"), "{text}");
         assert!(!text.contains("tool output"), "{text}");

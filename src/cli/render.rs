@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use prost_types::Timestamp;
 
+use crate::api::words::shown;
 use crate::pb;
 use crate::pb::lifecycle_event::Kind;
 
@@ -144,7 +145,7 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
             "resolved"
         }
         Some(Kind::Gated(g)) => {
-            facts.add("phase", &g.phase).add("action", gate_action(g.action));
+            facts.add("phase", shown::<pb::GatePhase>(g.phase)).add("action", gate_action(g.action));
             if let Some(sandbox) = &g.effective_sandbox {
                 facts.add("sandbox", sandbox_type(sandbox.r#type));
                 facts.add("network", if sandbox.allow_network { "allowed" } else { "denied" });
@@ -162,7 +163,7 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
             facts.add("workspace", &s.workspace_path);
             if let Some(receipt) = &s.receipt {
                 facts.add("network_isolated", receipt.network_isolated.to_string());
-                if receipt.egress == "proxy" {
+                if receipt.egress == pb::EgressMode::Proxy as i32 {
                     facts.add("egress", format!("proxy to [{}]", receipt.allow_hosts.join(", ")));
                 }
                 facts.add("host_uid", receipt.host_uid.to_string());
@@ -180,12 +181,13 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
             "dispatched"
         }
         Some(Kind::Progress(p)) => {
-            facts.add("kind", &p.kind).add("tool", &p.tool);
+            facts.add("kind", shown::<pb::ProgressKind>(p.kind)).add("tool", &p.tool);
             facts.add("tokens", p.tokens_so_far.to_string()).add("message", &p.message);
             "progress"
         }
         Some(Kind::OutputTruncated(t)) => {
-            facts.add("stream", &t.stream).add("bytes_dropped", t.bytes_dropped.to_string());
+            facts.add("stream", shown::<pb::OutputStream>(t.stream));
+            facts.add("bytes_dropped", t.bytes_dropped.to_string());
             "output_truncated"
         }
         Some(Kind::Teardown(t)) => {
@@ -221,7 +223,8 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
             "egress"
         }
         Some(Kind::Limit(l)) => {
-            facts.add("limit", &l.limit).add("value", l.value.to_string()).add("detail", &l.detail);
+            facts.add("limit", shown::<pb::LimitKind>(l.limit)).add("value", l.value.to_string());
+            facts.add("detail", &l.detail);
             "limit"
         }
     };
@@ -326,7 +329,7 @@ mod tests {
             sequence: 7,
             time: Some(Timestamp { seconds: 1_700_000_000, nanos: 0 }),
             kind: Some(Kind::Progress(pb::Progress {
-                kind: "tool_use".into(),
+                kind: pb::ProgressKind::ToolUse as i32,
                 tool: "Bash".into(),
                 tokens_so_far: 1200,
                 message: "ran tests\n\u{1b}[31mok".into(),
@@ -369,11 +372,11 @@ mod tests {
         let event = pb::LifecycleEvent {
             sequence: 3,
             kind: Some(Kind::Gated(pb::Gated {
-                phase: "agent_start".into(),
+                phase: pb::GatePhase::AgentStart as i32,
                 action: pb::GateAction::Deny as i32,
                 decisions: vec![pb::PolicyDecision {
                     policy: "no-network".into(),
-                    source: "admin".into(),
+                    source: pb::PolicySource::Admin as i32,
                     action: pb::GateAction::Deny as i32,
                     reason: "network requested".into(),
                 }],
@@ -386,5 +389,30 @@ mod tests {
             r#"#3 - gated phase=agent_start action=deny denied_by="no-network: network requested""#
         );
         assert_eq!(state(99), "unknown(99)");
+    }
+
+    #[test]
+    fn event_enums_print_their_words() {
+        let line = |kind| event_line(&pb::LifecycleEvent { sequence: 1, kind: Some(kind), ..Default::default() });
+        let cut = pb::OutputTruncated { stream: pb::OutputStream::Stderr as i32, bytes_dropped: 5 };
+        assert_eq!(line(Kind::OutputTruncated(cut)), "#1 - output_truncated stream=stderr bytes_dropped=5");
+        let hit = pb::LimitHit { limit: pb::LimitKind::EventBytes as i32, value: 9, detail: "cut".into() };
+        assert_eq!(line(Kind::Limit(hit)), "#1 - limit limit=event_bytes value=9 detail=cut");
+        let hit = pb::LimitHit { limit: 42, value: 9, detail: String::new() };
+        assert_eq!(line(Kind::Limit(hit)), "#1 - limit limit=unknown(42) value=9");
+        let ready = pb::SandboxReady {
+            sandbox_id: "s1".into(),
+            backend: pb::SandboxType::LinuxBwrap as i32,
+            receipt: Some(pb::EnforcementReceipt {
+                egress: pb::EgressMode::Proxy as i32,
+                allow_hosts: vec!["api.anthropic.com".into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            line(Kind::SandboxReady(ready)),
+            r#"#1 - sandbox_ready sandbox=s1 backend=linux_bwrap network_isolated=false egress="proxy to [api.anthropic.com]" host_uid=0"#
+        );
     }
 }

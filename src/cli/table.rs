@@ -1,6 +1,7 @@
 //! Column-aligned tables for `corral ls` and `corral profiles`.
 
 use super::render;
+use crate::api::words::shown;
 use crate::pb;
 
 /// Left-aligned columns separated by two spaces; the last column is not
@@ -54,7 +55,7 @@ pub(super) fn executions(response: &pb::ListExecutionsResponse) -> String {
             vec![
                 e.execution_id.clone(),
                 render::state(e.state),
-                e.harness_profile_ref.clone(),
+                e.profile_ref.clone(),
                 actor,
                 project,
                 render::timestamp_seconds(e.created_at.as_ref()),
@@ -76,7 +77,7 @@ pub(super) fn profiles(response: &pb::ListProfilesResponse) -> String {
         .map(|p| {
             vec![
                 p.r#ref.clone(),
-                p.status.clone(),
+                shown::<pb::ProfileStatus>(p.status),
                 render::readiness(p.readiness.as_ref()),
                 p.sandbox.as_ref().map(|s| render::sandbox_type(s.r#type)).unwrap_or_default(),
                 p.source.clone(),
@@ -109,7 +110,7 @@ mod tests {
         let response = pb::ListProfilesResponse {
             profiles: vec![pb::Profile {
                 r#ref: "claude@1.0.0".into(),
-                status: "enabled".into(),
+                status: pb::ProfileStatus::Enabled as i32,
                 readiness: Some(pb::Readiness {
                     state: pb::ReadinessState::Blocked as i32,
                     reason: "no credentials".into(),

@@ -286,7 +286,7 @@ async fn watch(channel: Channel, execution_id: String, shared: Arc<Shared>) -> W
                     }
                     after = event.sequence;
                     match event.kind {
-                        Some(Kind::Progress(p)) if p.kind == "progress" => {
+                        Some(Kind::Progress(p)) if p.kind == pb::ProgressKind::Progress as i32 => {
                             out.progress += 1;
                             if let Some(time) = event.time {
                                 shared.delays.record(delay_us(&time));

@@ -198,7 +198,7 @@ async fn stored_span(channel: &Channel, id: &str) -> anyhow::Result<StoredSpan> 
     let mut span = StoredSpan { stored: 0, first_ms: None, finished_ms: None };
     while let Some(event) = stream.message().await? {
         match &event.kind {
-            Some(Kind::Progress(p)) if p.kind == "progress" => {
+            Some(Kind::Progress(p)) if p.kind == pb::ProgressKind::Progress as i32 => {
                 span.stored += 1;
                 if span.first_ms.is_none() {
                     span.first_ms = event.time.as_ref().map(ms);

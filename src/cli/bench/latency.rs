@@ -65,7 +65,7 @@ pub async fn one(channel: &Channel, profile: &str, errors: &mut BTreeMap<String,
 /// The profile as the daemon describes it (argv, limits, routes).
 pub async fn profile(channel: &Channel, reference: &str) -> anyhow::Result<pb::Profile> {
     let mut catalog = CatalogServiceClient::new(channel.clone());
-    let reply = catalog.get_profile(pb::GetProfileRequest { r#ref: reference.to_string() }).await;
+    let reply = catalog.get_profile(pb::GetProfileRequest { profile_ref: reference.to_string() }).await;
     Ok(reply.with_context(|| format!("GetProfile {reference}"))?.into_inner())
 }
 
