@@ -21,6 +21,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     let bytes = prost::Message::encode_to_vec(&fds);
     std::fs::write(out.join("corral_descriptor.bin"), bytes)?;
-    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
+    // Every watcher's stream moves each event through a channel and the
+    // encoder: the rare, large kinds are boxed so that a LifecycleEvent
+    // (and a progress event in it) stays small.
+    let mut builder = tonic_prost_build::configure().build_client(true).build_server(true);
+    for kind in ["accepted", "resolved", "gated", "sandbox_ready", "finished", "turn_finished", "teardown"] {
+        builder = builder.boxed(format!(".corral.v1.LifecycleEvent.kind.{kind}"));
+    }
+    builder.compile_fds(fds)?;
     Ok(())
 }

@@ -35,7 +35,8 @@ fn without_raw_parts(events: &[pb::LifecycleEvent]) -> Vec<pb::LifecycleEvent> {
     for event in &mut events {
         match &mut event.kind {
             Some(Kind::Progress(p)) => p.message.clear(),
-            Some(Kind::Finished(pb::Finished { record: Some(pb::finished::Record::Execution(e)) })) => {
+            Some(Kind::Finished(f)) => {
+                let Some(pb::finished::Record::Execution(e)) = &mut f.record else { continue };
                 e.tool_output.clear();
                 e.tool_error.clear();
             }
@@ -428,7 +429,10 @@ async fn an_unverified_profile_says_when_it_last_succeeded_end_to_end() {
 
     let events = daemon.execute(request("test.unverified", "PROGRESS 1")).await;
     let finished = events.iter().rev().find_map(|e| match &e.kind {
-        Some(Kind::Finished(pb::Finished { record: Some(pb::finished::Record::Execution(e)) })) => Some(e.clone()),
+        Some(Kind::Finished(f)) => match &f.record {
+            Some(pb::finished::Record::Execution(e)) => Some(e.clone()),
+            _ => None,
+        },
         _ => None,
     });
     let finished = finished.expect("finished");

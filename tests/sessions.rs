@@ -191,7 +191,7 @@ async fn get(client: &mut SessionServiceClient<Channel>, session_id: &str) -> pb
 /// The stream's last event, which must be a `turn_finished`.
 fn turn_finished(events: &[pb::LifecycleEvent]) -> pb::TurnFinished {
     match events.last().and_then(|e| e.kind.clone()) {
-        Some(Kind::TurnFinished(t)) => t,
+        Some(Kind::TurnFinished(t)) => *t,
         other => panic!("last event is not turn_finished: {other:?}\nkinds: {:?}", kinds(events)),
     }
 }
@@ -200,7 +200,7 @@ fn gated(events: &[pb::LifecycleEvent]) -> Vec<pb::Gated> {
     events
         .iter()
         .filter_map(|e| match &e.kind {
-            Some(Kind::Gated(g)) => Some(g.clone()),
+            Some(Kind::Gated(g)) => Some((**g).clone()),
             _ => None,
         })
         .collect()
@@ -212,7 +212,10 @@ fn position(events: &[pb::LifecycleEvent], what: impl Fn(&Kind) -> bool) -> Opti
 
 fn session_of(events: &[pb::LifecycleEvent]) -> pb::Session {
     match events.last().and_then(|e| e.kind.clone()) {
-        Some(Kind::Finished(pb::Finished { record: Some(pb::finished::Record::Session(s)) })) => s,
+        Some(Kind::Finished(f)) if matches!(f.record, Some(pb::finished::Record::Session(_))) => match f.record {
+            Some(pb::finished::Record::Session(s)) => s,
+            _ => unreachable!(),
+        },
         other => panic!("last event is not a finished session: {other:?}"),
     }
 }

@@ -197,30 +197,32 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
     let e = &item.event;
     let raw = item.raw.as_deref();
     let kind = match &e.kind {
-        EventKind::Accepted { execution_id, session_id, request_id, consumer: c } => Kind::Accepted(pb::Accepted {
-            execution_id: execution_id.clone(),
-            session_id: session_id.clone(),
-            request_id: request_id.clone(),
-            consumer: Some(consumer(c)),
-        }),
-        EventKind::Resolved { profile_ref, profile_digest, readiness: r } => Kind::Resolved(pb::Resolved {
+        EventKind::Accepted { execution_id, session_id, request_id, consumer: c } => {
+            Kind::Accepted(Box::new(pb::Accepted {
+                execution_id: execution_id.clone(),
+                session_id: session_id.clone(),
+                request_id: request_id.clone(),
+                consumer: Some(consumer(c)),
+            }))
+        }
+        EventKind::Resolved { profile_ref, profile_digest, readiness: r } => Kind::Resolved(Box::new(pb::Resolved {
             profile_ref: profile_ref.clone(),
             profile_digest: profile_digest.clone(),
             readiness: Some(readiness(r)),
-        }),
-        EventKind::Gated { phase, action: a, decisions, effective_sandbox } => Kind::Gated(pb::Gated {
+        })),
+        EventKind::Gated { phase, action: a, decisions, effective_sandbox } => Kind::Gated(Box::new(pb::Gated {
             phase: wire::<pb::GatePhase>(phase),
             action: action(*a) as i32,
             decisions: decisions.iter().map(decision).collect(),
             effective_sandbox: Some(sandbox_spec(effective_sandbox)),
-        }),
+        })),
         EventKind::SandboxReady { sandbox_id, backend, workspace_path, receipt } => {
-            Kind::SandboxReady(pb::SandboxReady {
+            Kind::SandboxReady(Box::new(pb::SandboxReady {
                 sandbox_id: sandbox_id.clone(),
                 backend: sandbox_type(*backend) as i32,
                 workspace_path: workspace_path.clone(),
                 receipt: Some(enforcement_receipt(receipt)),
-            })
+            }))
         }
         EventKind::Dispatched { tool } => Kind::Dispatched(pb::Dispatched { tool: tool.clone() }),
         EventKind::Progress { progress_kind, tool, tokens_so_far } => Kind::Progress(pb::Progress {
@@ -244,7 +246,7 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
                 Some(RawPart::Finished(r)) => Some(r),
                 _ => None,
             };
-            Kind::TurnFinished(pb::TurnFinished {
+            Kind::TurnFinished(Box::new(pb::TurnFinished {
                 turn: *turn,
                 tool: tool.clone(),
                 ok: *ok,
@@ -252,7 +254,7 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
                 tokens_spent: *tokens_spent,
                 output: raw.map(|r| r.tool_output.clone()).unwrap_or_default(),
                 raw_error: raw.map(|r| r.tool_error.clone()).unwrap_or_default(),
-            })
+            }))
         }
         EventKind::Reaped { idle_seconds } => Kind::Reaped(pb::Reaped { idle_seconds: *idle_seconds }),
         EventKind::Recovered { note } => Kind::Recovered(pb::Recovered { note: note.clone() }),
@@ -271,18 +273,20 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
                 Some(RawPart::Finished(r)) => Some(r),
                 _ => None,
             };
-            Kind::Finished(pb::Finished { record: Some(pb::finished::Record::Session(session(record, raw))) })
+            Kind::Finished(Box::new(pb::Finished { record: Some(pb::finished::Record::Session(session(record, raw))) }))
         }
-        EventKind::Teardown { session_cleanup, sandbox_destroy } => Kind::Teardown(pb::Teardown {
+        EventKind::Teardown { session_cleanup, sandbox_destroy } => Kind::Teardown(Box::new(pb::Teardown {
             session_cleanup: teardown(*session_cleanup),
             sandbox_destroy: teardown(*sandbox_destroy),
-        }),
+        })),
         EventKind::Finished { execution: record } => {
             let raw = match raw {
                 Some(RawPart::Finished(r)) => Some(r),
                 _ => None,
             };
-            Kind::Finished(pb::Finished { record: Some(pb::finished::Record::Execution(execution(record, raw))) })
+            Kind::Finished(Box::new(pb::Finished {
+                record: Some(pb::finished::Record::Execution(execution(record, raw))),
+            }))
         }
     };
     pb::LifecycleEvent {

@@ -28,17 +28,17 @@ impl ExecutionService for FakeDaemon {
         }
         let state = if request.title == "succeed" { pb::ExecutionState::Succeeded } else { pb::ExecutionState::Failed };
         let events = vec![
-            Ok(event(1, Kind::Accepted(pb::Accepted { execution_id: "e1".into(), ..Default::default() }))),
+            Ok(event(1, Kind::Accepted(Box::new(pb::Accepted { execution_id: "e1".into(), ..Default::default() })))),
             Ok(event(
                 2,
-                Kind::Finished(pb::Finished {
+                Kind::Finished(Box::new(pb::Finished {
                     record: Some(pb::finished::Record::Execution(pb::Execution {
                         execution_id: "e1".into(),
                         state: state as i32,
                         repo: request.repo,
                         ..Default::default()
                     })),
-                }),
+                })),
             )),
         ];
         Ok(Response::new(tokio_stream::iter(events)))

@@ -358,8 +358,11 @@ mod tests {
                 ..Default::default()
             })),
         };
-        let event =
-            pb::LifecycleEvent { sequence: 9, kind: Some(Kind::Finished(finished.clone())), ..Default::default() };
+        let event = pb::LifecycleEvent {
+            sequence: 9,
+            kind: Some(Kind::Finished(Box::new(finished.clone()))),
+            ..Default::default()
+        };
         assert_eq!(
             event_line(&event),
             r#"#9 - finished state=failed outcome=failed failure_stage=execution error="the harness failed" tokens=42"#
@@ -371,7 +374,7 @@ mod tests {
     fn gate_denials_name_the_policy_and_unknown_enums_survive() {
         let event = pb::LifecycleEvent {
             sequence: 3,
-            kind: Some(Kind::Gated(pb::Gated {
+            kind: Some(Kind::Gated(Box::new(pb::Gated {
                 phase: pb::GatePhase::AgentStart as i32,
                 action: pb::GateAction::Deny as i32,
                 decisions: vec![pb::PolicyDecision {
@@ -381,7 +384,7 @@ mod tests {
                     reason: "network requested".into(),
                 }],
                 effective_sandbox: None,
-            })),
+            }))),
             ..Default::default()
         };
         assert_eq!(
@@ -411,7 +414,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            line(Kind::SandboxReady(ready)),
+            line(Kind::SandboxReady(Box::new(ready))),
             r#"#1 - sandbox_ready sandbox=s1 backend=linux_bwrap network_isolated=false egress="proxy to [api.anthropic.com]" host_uid=0"#
         );
     }

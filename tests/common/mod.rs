@@ -303,9 +303,14 @@ pub fn request(profile: &str, description: &str) -> pb::ExecuteRequest {
 /// The `finished` execution of an event list.
 pub fn finished(events: &[pb::LifecycleEvent]) -> pb::Execution {
     match events.last().and_then(|e| e.kind.clone()) {
-        Some(pb::lifecycle_event::Kind::Finished(pb::Finished {
-            record: Some(pb::finished::Record::Execution(e)),
-        })) => e,
+        Some(pb::lifecycle_event::Kind::Finished(f))
+            if matches!(f.record, Some(pb::finished::Record::Execution(_))) =>
+        {
+            match f.record {
+                Some(pb::finished::Record::Execution(e)) => e,
+                _ => unreachable!(),
+            }
+        }
         other => panic!("last event is not finished: {other:?}"),
     }
 }

@@ -67,7 +67,8 @@ pub async fn execute(channel: &Channel, request: pb::ExecuteRequest) -> Result<E
                 executed.workspace_path = Some(ready.workspace_path);
                 executed.command_digest = ready.receipt.map(|r| r.command_digest);
             }
-            Some(Kind::Finished(pb::Finished { record: Some(pb::finished::Record::Execution(execution)) })) => {
+            Some(Kind::Finished(finished)) => {
+                let Some(pb::finished::Record::Execution(execution)) = finished.record else { continue };
                 executed.client = started.elapsed();
                 executed.execution_id = execution.execution_id;
                 executed.state = execution.state;
