@@ -79,12 +79,18 @@ pub fn event_stream_with(
             }
         };
         tokio::pin!(expired);
+        // Made once: a future per event (and a timer per event below) would
+        // be registered and dropped for every delivery to every watcher.
+        let closed = tx.closed();
+        tokio::pin!(closed);
+        let cancelled = shutdown.cancelled();
+        tokio::pin!(cancelled);
         let mut sent = subscription.last_sequence();
         loop {
             let next = tokio::select! {
-                next = subscription.next() => next,
-                _ = tx.closed() => return disconnected(on_disconnect),
-                _ = shutdown.cancelled() => {
+                biased;
+                _ = &mut closed => return disconnected(on_disconnect),
+                _ = &mut cancelled => {
                     let _ = tx.try_send(Err(Status::unavailable(format!(
                         "daemon shutting down; resume with after_sequence = {sent}"
                     ))));
@@ -96,6 +102,7 @@ pub fn event_stream_with(
                     ))));
                     return disconnected(on_disconnect);
                 }
+                next = subscription.next() => next,
             };
             let (message, sequence) = match next {
                 None => return,
@@ -104,6 +111,18 @@ pub fn event_stream_with(
                     let _ = tx.send(Err(status::lagged(lag))).await;
                     return;
                 }
+            };
+            // Room in the channel (the usual case): sent without a timer.
+            let message = match tx.try_reserve_many(2) {
+                Ok(mut permits) => {
+                    if let Some(permit) = permits.next() {
+                        permit.send(message);
+                    }
+                    sent = sequence;
+                    continue;
+                }
+                Err(mpsc::error::TrySendError::Closed(())) => return disconnected(on_disconnect),
+                Err(mpsc::error::TrySendError::Full(())) => message,
             };
             let mut stalled_since: Option<Instant> = None;
             loop {
