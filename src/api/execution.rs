@@ -86,9 +86,16 @@ pub fn event_stream_with(
         let cancelled = shutdown.cancelled();
         tokio::pin!(cancelled);
         let mut sent = subscription.last_sequence();
+        // The next event comes first; the stream's own ends are looked at
+        // whenever none is ready, and at least every CHECK_EVERY events.
+        const CHECK_EVERY: u32 = 64;
+        let mut unchecked = 0u32;
         loop {
+            unchecked += 1;
+            let check = unchecked >= CHECK_EVERY;
             let next = tokio::select! {
                 biased;
+                next = subscription.next(), if !check => Some(next),
                 _ = &mut closed => return disconnected(on_disconnect),
                 _ = &mut cancelled => {
                     let _ = tx.try_send(Err(Status::unavailable(format!(
@@ -102,7 +109,11 @@ pub fn event_stream_with(
                     ))));
                     return disconnected(on_disconnect);
                 }
-                next = subscription.next() => next,
+                _ = std::future::ready(()), if check => None,
+            };
+            let Some(next) = next else {
+                unchecked = 0;
+                continue;
             };
             let (message, sequence) = match next {
                 None => return,
