@@ -74,6 +74,19 @@ async fn fanout_delivers_every_event_to_every_watcher() {
     assert!(level.rss_before_kib.is_some() && level.rss_peak_kib.is_some());
 }
 
+/// A paced harness spreads its events over time: 10 events at 20/s take
+/// about half a second, and the targets are not judged on a paced run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fanout_paces_the_harness_when_asked() {
+    let report = bench(&["fanout", "--watchers", "2:10", "--pace", "20"]).await;
+    let f = report.fanout.expect("a fanout report");
+    assert_eq!(f.pace, Some(20));
+    let level = &f.levels[0];
+    assert_eq!((level.complete_watchers, level.delivered), (2, 20), "{level:?}");
+    assert!(level.seconds >= 0.4, "10 events at 20/s took {} s", level.seconds);
+    assert!(report.targets.iter().filter(|t| t.target.starts_with("fanout")).all(|t| t.met.is_none()));
+}
+
 /// Every level on a daemon of its own, the 10,000-watcher one included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fanout_reaches_ten_thousand_watchers() {

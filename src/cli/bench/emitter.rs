@@ -25,10 +25,14 @@ pub enum Emitter {
 
 impl Emitter {
     /// The profile and the task description that make `events` progress
-    /// lines after the barrier.
-    pub fn task(self, events: u64) -> (String, String) {
+    /// lines after the barrier, at `pace` per second (fake agent only;
+    /// as fast as it can without).
+    pub fn task(self, events: u64, pace: Option<u64>) -> (String, String) {
         match self {
-            Emitter::FakeAgent => (FAKE_AGENT_PROFILE.to_string(), format!("NOWORK\nPROGRESS {events}")),
+            Emitter::FakeAgent => {
+                let pace = pace.map(|p| format!("\nPACE {p}")).unwrap_or_default();
+                (FAKE_AGENT_PROFILE.to_string(), format!("NOWORK\nPROGRESS {events}{pace}"))
+            }
             Emitter::Shell => ("builtin.shell@1.0.0".to_string(), shell_script(events, true)),
         }
     }

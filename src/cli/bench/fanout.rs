@@ -69,6 +69,9 @@ pub struct FanoutReport {
     pub emitter: Emitter,
     /// What the RSS figures are the memory of.
     pub rss_of: String,
+    /// Events per second the harness was paced at (`--pace`); none: as
+    /// fast as it could.
+    pub pace: Option<u64>,
     pub levels: Vec<FanoutLevel>,
 }
 
@@ -107,13 +110,19 @@ pub async fn run(daemons: &Daemons, args: &BenchArgs) -> anyhow::Result<FanoutRe
         let (level, emitter, profile, rss_of) = daemons
             .with(&name, async |target| {
                 let emitter = args.emitter(target);
-                let (profile, _) = emitter.task(events);
+                if args.pace.is_some() && emitter != Emitter::FakeAgent {
+                    anyhow::bail!("--pace needs the fake-agent emitter");
+                }
+                let (profile, _) = emitter.task(events, args.pace);
                 let profile = args.emitter_profile.clone().unwrap_or(profile);
                 let level = level(target, args, emitter, &profile, spec.watchers.max(1), events).await?;
                 Ok((level, emitter, profile, rss_of(target)))
             })
             .await?;
-        report.get_or_insert_with(|| FanoutReport { profile, emitter, rss_of, levels: Vec::new() }).levels.push(level);
+        report
+            .get_or_insert_with(|| FanoutReport { profile, emitter, rss_of, pace: args.pace, levels: Vec::new() })
+            .levels
+            .push(level);
     }
     report.ok_or_else(|| anyhow::anyhow!("no fanout level given (--watchers)"))
 }
@@ -126,7 +135,7 @@ async fn level(
     watchers: usize,
     events: u64,
 ) -> anyhow::Result<FanoutLevel> {
-    let (_, description) = emitter.task(events);
+    let (_, description) = emitter.task(events, args.pace);
     let control = target.connect().await?;
     let rss_before = target.daemon_rss_kib();
     let mut channels = Vec::new();

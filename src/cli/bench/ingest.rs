@@ -55,7 +55,7 @@ pub struct IngestParallel {
 
 pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<IngestReport> {
     let emitter = args.emitter(target);
-    let (profile, description) = emitter.task(args.events);
+    let (profile, description) = emitter.task(args.events, None);
     let profile = args.emitter_profile.clone().unwrap_or(profile);
     let channel = target.connect().await?;
     let mut client = ExecutionServiceClient::new(channel.clone());

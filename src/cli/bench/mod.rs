@@ -79,6 +79,11 @@ pub struct BenchArgs {
     /// fanout, ingest: progress events the harness emits.
     #[arg(long, default_value_t = 100_000)]
     pub events: u64,
+    /// fanout: the harness emits this many events per second (fake-agent
+    /// emitter only) instead of as fast as it can: the delay then measures
+    /// delivery at that rate, not the queue a faster harness builds.
+    #[arg(long, value_name = "EVENTS_PER_SECOND")]
+    pub pace: Option<u64>,
     /// ingest: also this many harnesses emitting at once (0 or 1: not).
     #[arg(long, default_value_t = 4)]
     pub ingest_harnesses: usize,
