@@ -120,12 +120,29 @@ pub fn own_user(uid: u32) -> HostUser {
 /// (setsid, double fork, another process group). Zombies are dead already
 /// (their parent, often the host's init, reaps them in its own time).
 pub fn processes_of_uid(uid: u32) -> Vec<i32> {
+    if !uid_may_have_processes(uid) {
+        return Vec::new();
+    }
     let Ok(proc_dir) = std::fs::read_dir("/proc") else { return Vec::new() };
     proc_dir
         .filter_map(|entry| entry.ok())
         .filter_map(|entry| entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
         .filter(|pid| live_uid(*pid) == Some(uid))
         .collect()
+}
+
+/// Whether any task may have `uid` as its real uid, in one system call:
+/// `getpriority(PRIO_USER, uid)` fails with ESRCH when the kernel knows no
+/// task of that user (it looks the user up, then every task's real uid).
+/// `true` is only a maybe (it counts zombies too): the caller then reads
+/// /proc, which costs a millisecond or two on a busy host.
+fn uid_may_have_processes(uid: u32) -> bool {
+    // SAFETY: getpriority reads no memory of ours; errno is this thread's.
+    unsafe {
+        *libc::__errno_location() = 0;
+        let value = libc::getpriority(libc::PRIO_USER, uid);
+        !(value == -1 && *libc::__errno_location() == libc::ESRCH)
+    }
 }
 
 /// The real uid of `pid`, unless it is a zombie.
@@ -168,6 +185,13 @@ pub async fn kill_uid(uid: u32, timeout: Duration) -> Result<usize, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernel_says_which_uids_have_no_task() {
+        assert!(uid_may_have_processes(unsafe { libc::getuid() }), "this test's own uid has a task");
+        assert!(!uid_may_have_processes(3_999_999), "nothing runs as uid 3999999");
+        assert!(processes_of_uid(3_999_999).is_empty());
+    }
 
     #[test]
     fn uid_ranges_parse_and_refuse_what_they_must() {

@@ -95,6 +95,10 @@ impl Store {
         };
         let pool = AnyPoolOptions::new()
             .max_connections(if sqlite { 4 } else { 16 })
+            // A SQLite connection is a file in this process: pinging it
+            // before every use would be one more hand-off to its worker
+            // thread per query, for nothing. A PostgreSQL one may have died.
+            .test_before_acquire(!sqlite)
             .after_connect(move |conn, _| {
                 Box::pin(async move {
                     if sqlite {
