@@ -183,7 +183,9 @@ impl Store {
         if let Some(event) = finished {
             insert_events(&mut *tx, std::slice::from_ref(event), true, !self.shared).await?;
         }
-        if let Some((output, error)) = raw {
+        // Nothing to keep for a run that said nothing: no row (reading it
+        // back gives the same empty output and error).
+        if let Some((output, error)) = raw.filter(|(output, error)| !output.is_empty() || !error.is_empty()) {
             sqlx::query("INSERT INTO execution_raw (execution_id, output, error) VALUES ($1, $2, $3)")
                 .bind(&record.execution_id)
                 .bind(output)
