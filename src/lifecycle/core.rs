@@ -263,12 +263,25 @@ impl Core {
         // Its own host uid, reserved in the store before anything runs as it.
         let user = match self.engine.uid_range {
             None => None,
-            Some(range) => match store
+            // First a uid the kernel knows no task of (one system call
+            // each); only when there is none, one whose tasks are all
+            // zombies (a /proc scan each: an init that reaps slowly leaves
+            // the sandboxes' orphaned zombies around for a while).
+            Some(range) => match match store
                 .allocate_uid(range.first, range.last, &sandbox_id, |uid| {
-                    crate::sandbox::host::processes_of_uid(uid).is_empty()
+                    !crate::sandbox::host::uid_may_have_processes(uid)
                 })
                 .await
             {
+                Ok(None) => {
+                    store
+                        .allocate_uid(range.first, range.last, &sandbox_id, |uid| {
+                            crate::sandbox::host::processes_of_uid(uid).is_empty()
+                        })
+                        .await
+                }
+                other => other,
+            } {
                 Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
                 Ok(None) => {
                     let error = format!("no free sandbox uid in {}-{}", range.first, range.last);

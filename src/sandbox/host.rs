@@ -136,7 +136,7 @@ pub fn processes_of_uid(uid: u32) -> Vec<i32> {
 /// task of that user (it looks the user up, then every task's real uid).
 /// `true` is only a maybe (it counts zombies too): the caller then reads
 /// /proc, which costs a millisecond or two on a busy host.
-fn uid_may_have_processes(uid: u32) -> bool {
+pub fn uid_may_have_processes(uid: u32) -> bool {
     // SAFETY: getpriority reads no memory of ours; errno is this thread's.
     unsafe {
         *libc::__errno_location() = 0;
