@@ -92,6 +92,25 @@ async fn watch_from_zero_replays_the_callers_events_without_raw_parts() {
     daemon.stop().await;
 }
 
+/// A watch replays a finished execution a page (1,024 events) at a time:
+/// across page boundaries, from the start and from the middle, nothing is
+/// missed or repeated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_replay_comes_page_by_page_without_gap_or_duplicate() {
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let caller = daemon.execute(request(FAKE, "PROGRESS 2500")).await;
+    let record = finished(&caller);
+    assert_eq!(record.state, pb::ExecutionState::Succeeded as i32, "{record:?}");
+    let n = caller.last().unwrap().sequence;
+    assert!(n > 2500, "{n} events");
+    for after in [0, 1023, 1200, n - 1] {
+        let watched = daemon.watch_all(&record.execution_id, after).await;
+        assert_eq!(sequences(&watched), (after + 1..=n).collect::<Vec<_>>(), "watch after {after}");
+    }
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_after_any_sequence_resumes_without_gap_or_duplicate() {
     common::require_bwrap();

@@ -302,7 +302,8 @@ impl Engine {
                 return Err(EngineError::OutOfRange { requested: after, oldest });
             }
         }
-        let replay = self.store.events_after(execution_id, after).await?;
+        // The first page; the subscription reads the rest as it goes.
+        let replay = self.store.events_between(execution_id, after, after.saturating_add(watch::PAGE + 1)).await?;
         if replay.is_empty()
             && live.is_none()
             && self.store.get_execution(execution_id).await?.is_none()

@@ -94,7 +94,18 @@ pub struct Subscription {
     poll: Option<(Store, String)>,
     /// Where skipped events are read back from, and the live buffer's size.
     catch_up: Option<(Store, String, usize)>,
+    /// The live event that showed a gap, held until the gap before it has
+    /// been read back, page by page.
+    held: Option<BusItem>,
+    /// The subject ended: what this subscriber has not seen is read back
+    /// from the store, page by page.
+    draining: bool,
 }
+
+/// Events read back from the store at a time: what one lagging subscriber
+/// holds in memory at most, however far behind it is (a watch that starts
+/// far back, too).
+pub const PAGE: u64 = 1024;
 
 /// How often a subject of another daemon is polled.
 const POLL_EVERY: Duration = Duration::from_millis(100);
@@ -112,10 +123,16 @@ impl Subscription {
             until_turn: None,
             poll: None,
             catch_up: None,
+            held: None,
+            draining: false,
         }
     }
 
+    /// `replay` is the first page of stored events after `after`; without a
+    /// live channel the rest is read back from the store (see
+    /// [`Subscription::catching_up`]) a page at a time.
     pub fn replay_then_live(replay: Vec<Event>, live: Option<broadcast::Receiver<BusItem>>, after: u64) -> Self {
+        let draining = live.is_none();
         Subscription {
             _permit: None,
             replay: replay.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }).collect(),
@@ -126,6 +143,8 @@ impl Subscription {
             until_turn: None,
             poll: None,
             catch_up: None,
+            held: None,
+            draining,
         }
     }
 
@@ -154,6 +173,7 @@ impl Subscription {
     /// Follows the subject through the store instead of a live channel.
     pub fn polling(mut self, store: Store, subject: String) -> Self {
         self.poll = Some((store, subject));
+        self.draining = false;
         self
     }
 
@@ -182,6 +202,13 @@ impl Subscription {
         if let Some(item) = self.replay.pop_front() {
             return Some(Ok(self.deliver(item)));
         }
+        if let Some(result) = self.read_back().await {
+            return result;
+        }
+        if self.draining {
+            self.done = true;
+            return None;
+        }
         if self.live.is_none() {
             return self.poll_next().await;
         }
@@ -193,24 +220,11 @@ impl Subscription {
                     if !self.with_raw {
                         item.raw = None;
                     }
-                    if item.event.sequence > self.last.saturating_add(1) {
-                        // Skipped in the live buffer: the gap comes from the store.
-                        if let Some((store, subject, _)) = &self.catch_up {
-                            match store.events_between(subject, self.last, item.event.sequence).await {
-                                Ok(gap) => {
-                                    self.replay
-                                        .extend(gap.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }));
-                                }
-                                Err(e) => {
-                                    tracing::warn!(error = %e, "reading skipped events failed; ending the watch");
-                                    self.done = true;
-                                    return Some(Err(Lagged { last_sequence: self.last }));
-                                }
-                            }
-                        }
-                        self.replay.push_back(item);
-                        let first = self.replay.pop_front()?;
-                        return Some(Ok(self.deliver(first)));
+                    if item.event.sequence > self.last.saturating_add(1) && self.catch_up.is_some() {
+                        // Skipped in the live buffer: the gap comes from the
+                        // store, a page at a time, then this event.
+                        self.held = Some(item);
+                        return self.read_back().await.flatten();
                     }
                     return Some(Ok(self.deliver(item)));
                 }
@@ -223,17 +237,56 @@ impl Subscription {
                     // The subject ended; whatever this subscriber has not
                     // seen yet (it may have been behind) is in the store.
                     self.live = None;
-                    if let Some((store, subject, _)) = &self.catch_up {
-                        if let Ok(events) = store.events_after(subject, self.last).await {
-                            self.replay.extend(events.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }));
-                        }
+                    self.draining = self.catch_up.is_some();
+                    if let Some(result) = self.read_back().await {
+                        return result;
                     }
-                    let Some(item) = self.replay.pop_front() else {
-                        self.done = true;
-                        return None;
-                    };
-                    return Some(Ok(self.deliver(item)));
+                    self.done = true;
+                    return None;
                 }
+            }
+        }
+    }
+
+    /// The next event read back from the store: the next page of the gap
+    /// before a held live event (then that event), or of what is left
+    /// after the subject ended. `None` when there is nothing to read back.
+    async fn read_back(&mut self) -> Option<Option<Result<BusItem, Lagged>>> {
+        if self.held.is_none() && !self.draining {
+            return None;
+        }
+        let (store, subject, _) = self.catch_up.clone()?;
+        let next = self.last.saturating_add(1);
+        let before = match &self.held {
+            Some(held) if held.event.sequence <= next => {
+                let held = self.held.take()?;
+                return Some(Some(Ok(self.deliver(held))));
+            }
+            Some(held) => held.event.sequence.min(next.saturating_add(PAGE)),
+            None => next.saturating_add(PAGE),
+        };
+        match store.events_between(&subject, self.last, before).await {
+            Ok(page) if page.is_empty() => {
+                // Nothing stored where the gap is (compacted away): go on
+                // with the held event, or end.
+                self.draining = false;
+                match self.held.take() {
+                    Some(held) => Some(Some(Ok(self.deliver(held)))),
+                    None => {
+                        self.done = true;
+                        Some(None)
+                    }
+                }
+            }
+            Ok(page) => {
+                self.replay.extend(page.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }));
+                let item = self.replay.pop_front()?;
+                Some(Some(Ok(self.deliver(item))))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading skipped events failed; ending the watch");
+                self.done = true;
+                Some(Some(Err(Lagged { last_sequence: self.last })))
             }
         }
     }

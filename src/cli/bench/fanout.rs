@@ -50,6 +50,8 @@ pub struct FanoutLevel {
     /// Times a watcher was ended with RESOURCE_EXHAUSTED and resumed.
     pub resumes: u64,
     pub errors: BTreeMap<String, usize>,
+    /// One message for each status code in `errors`.
+    pub error_messages: BTreeMap<String, String>,
     pub rss_before_kib: Option<u64>,
     /// Every watcher subscribed, no event streamed yet.
     pub rss_attached_kib: Option<u64>,
@@ -90,7 +92,8 @@ struct Watched {
     progress: u64,
     finished: Option<Instant>,
     resumes: u64,
-    error: Option<String>,
+    /// Status code and message.
+    error: Option<(String, String)>,
 }
 
 pub fn rss_of(target: &Target) -> String {
@@ -224,8 +227,10 @@ async fn level(
         .collect();
     let delivered: u64 = outcomes.iter().map(|w| w.progress).sum();
     let mut errors: BTreeMap<String, usize> = BTreeMap::new();
-    for error in outcomes.iter().filter_map(|w| w.error.clone()) {
-        *errors.entry(error).or_default() += 1;
+    let mut error_messages: BTreeMap<String, String> = BTreeMap::new();
+    for (code, message) in outcomes.iter().filter_map(|w| w.error.clone()) {
+        error_messages.entry(code.clone()).or_insert(message);
+        *errors.entry(code).or_default() += 1;
     }
     if panicked > 0 {
         errors.insert("BENCH_WATCHER_PANICKED".into(), panicked);
@@ -251,6 +256,7 @@ async fn level(
         delay_max_ms: ms(shared.delays.quantile(1.0)),
         resumes: outcomes.iter().map(|w| w.resumes).sum(),
         errors,
+        error_messages,
         rss_before_kib: rss_before,
         rss_attached_kib: rss_attached,
         rss_peak_kib: rss_peak,
@@ -278,7 +284,7 @@ async fn watch(channel: Channel, execution_id: String, shared: Arc<Shared>) -> W
         let mut stream = match reply {
             Ok(reply) => reply.into_inner(),
             Err(status) => {
-                out.error = Some(code_name(status.code()));
+                out.error = Some((code_name(status.code()), status.message().chars().take(200).collect()));
                 break;
             }
         };
@@ -314,7 +320,7 @@ async fn watch(channel: Channel, execution_id: String, shared: Arc<Shared>) -> W
                     continue 'streams;
                 }
                 Err(status) => {
-                    out.error = Some(code_name(status.code()));
+                    out.error = Some((code_name(status.code()), status.message().chars().take(200).collect()));
                     break 'streams;
                 }
             }
