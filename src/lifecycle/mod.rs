@@ -95,6 +95,8 @@ pub struct Engine {
     admission: admission::Admission,
     /// Bounds on open watch streams.
     watchers: Arc<watch::Watchers>,
+    /// Stored events read back in pages shared by every subscriber.
+    pub(crate) event_pages: Arc<watch::EventPages>,
     /// The largest message the server sends: `finished` events fit in it.
     max_message_bytes: usize,
     sessions: Mutex<HashMap<String, Arc<session::LiveSession>>>,
@@ -123,6 +125,7 @@ pub struct EngineParts {
 
 impl Engine {
     pub fn new(parts: EngineParts) -> Arc<Engine> {
+        let event_pages = watch::EventPages::new(parts.store.clone());
         Arc::new(Engine {
             catalog: parts.catalog,
             gate: parts.gate,
@@ -138,6 +141,7 @@ impl Engine {
             git: parts.git,
             admission: admission::Admission::new(parts.max_running, parts.max_sessions),
             watchers: watch::Watchers::new(parts.max_watchers_per_subject, parts.max_watchers),
+            event_pages,
             max_message_bytes: parts.max_message_bytes,
             sessions: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
@@ -252,7 +256,7 @@ impl Engine {
             tokio::select! { _ = draining.cancelled() => slot.cancel(), _ = slot.cancelled() => {} }
         });
         let subscription = Subscription::live(live, true).catching_up(
-            self.store.clone(),
+            self.event_pages.clone(),
             record.execution_id.clone(),
             self.bus.capacity(),
         );
@@ -303,7 +307,7 @@ impl Engine {
             }
         }
         // The first page; the subscription reads the rest as it goes.
-        let replay = self.store.events_between(execution_id, after, after.saturating_add(watch::PAGE + 1)).await?;
+        let replay = self.event_pages.between(execution_id, after, u64::MAX).await?;
         if replay.is_empty()
             && live.is_none()
             && self.store.get_execution(execution_id).await?.is_none()
@@ -318,7 +322,7 @@ impl Engine {
             && !replay.last().is_some_and(|e| e.kind.is_finished())
             && !self.is_terminal(execution_id).await?;
         let subscription = Subscription::replay_then_live(replay, live, after)
-            .catching_up(self.store.clone(), execution_id.to_string(), self.bus.capacity())
+            .catching_up(self.event_pages.clone(), execution_id.to_string(), self.bus.capacity())
             .holding(permit);
         Ok(if remote { subscription.polling(self.store.clone(), execution_id.to_string()) } else { subscription })
     }

@@ -257,7 +257,7 @@ impl Engine {
         self.tasks.spawn(task.instrument(span));
         match subscription.await {
             Ok(Some((rx, after))) => Ok(Subscription::live(rx, true).after(after).until_turn(turn).catching_up(
-                self.store.clone(),
+                self.event_pages.clone(),
                 session_id.to_string(),
                 self.bus.capacity(),
             )),

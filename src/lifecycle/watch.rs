@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::sync::broadcast::{self, error::RecvError};
 
 use crate::events::{BusItem, Event};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// The subscriber fell behind its bounded buffer and was ended; it can
 /// resume with `after_sequence = last_sequence`.
@@ -93,13 +93,74 @@ pub struct Subscription {
     /// polling the store, since its live channel is not here.
     poll: Option<(Store, String)>,
     /// Where skipped events are read back from, and the live buffer's size.
-    catch_up: Option<(Store, String, usize)>,
+    catch_up: Option<(Arc<EventPages>, String, usize)>,
     /// The live event that showed a gap, held until the gap before it has
     /// been read back, page by page.
     held: Option<BusItem>,
     /// The subject ended: what this subscriber has not seen is read back
     /// from the store, page by page.
     draining: bool,
+}
+
+/// Stored events read back in aligned pages (page k holds sequences
+/// k·PAGE+1 ..= (k+1)·PAGE), shared by every subscriber: a thousand
+/// watchers that fell behind together cost one store query per page, not
+/// one each, and hold the page once. Only full pages are kept (a page that
+/// is still filling may grow), the most recent [`PAGES_KEPT`].
+pub struct EventPages {
+    store: Store,
+    kept: std::sync::Mutex<(HashMap<(String, u64), Page>, VecDeque<(String, u64)>)>,
+    /// One store read at a time: subscribers that miss the same page wait
+    /// for the first one's read and then find it kept.
+    fill: tokio::sync::Mutex<()>,
+}
+
+type Page = Arc<[Arc<Event>]>;
+
+/// Full pages kept: 64 × 1,024 events.
+const PAGES_KEPT: usize = 64;
+
+impl EventPages {
+    pub fn new(store: Store) -> Arc<EventPages> {
+        Arc::new(EventPages { store, kept: Default::default(), fill: tokio::sync::Mutex::new(()) })
+    }
+
+    fn kept(&self, key: &(String, u64)) -> Option<Page> {
+        self.kept.lock().unwrap_or_else(|e| e.into_inner()).0.get(key).cloned()
+    }
+
+    /// The stored events of `subject` with `after < sequence < before`, up
+    /// to the end of the page that holds `after + 1`.
+    pub async fn between(&self, subject: &str, after: u64, before: u64) -> Result<Vec<Arc<Event>>, StoreError> {
+        let page = self.page(subject, after / PAGE).await?;
+        Ok(page.iter().filter(|e| e.sequence > after && e.sequence < before).cloned().collect())
+    }
+
+    async fn page(&self, subject: &str, index: u64) -> Result<Page, StoreError> {
+        let key = (subject.to_string(), index);
+        if let Some(page) = self.kept(&key) {
+            return Ok(page);
+        }
+        let _fill = self.fill.lock().await;
+        if let Some(page) = self.kept(&key) {
+            return Ok(page);
+        }
+        let first = index.saturating_mul(PAGE);
+        let events = self.store.events_between(subject, first, first.saturating_add(PAGE + 1)).await?;
+        let page: Page = events.into_iter().map(Arc::new).collect();
+        if page.len() as u64 == PAGE {
+            let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+            let (pages, order) = &mut *kept;
+            pages.insert(key.clone(), page.clone());
+            order.push_back(key);
+            while order.len() > PAGES_KEPT {
+                if let Some(old) = order.pop_front() {
+                    pages.remove(&old);
+                }
+            }
+        }
+        Ok(page)
+    }
 }
 
 /// Events read back from the store at a time: what one lagging subscriber
@@ -131,11 +192,11 @@ impl Subscription {
     /// `replay` is the first page of stored events after `after`; without a
     /// live channel the rest is read back from the store (see
     /// [`Subscription::catching_up`]) a page at a time.
-    pub fn replay_then_live(replay: Vec<Event>, live: Option<broadcast::Receiver<BusItem>>, after: u64) -> Self {
+    pub fn replay_then_live(replay: Vec<Arc<Event>>, live: Option<broadcast::Receiver<BusItem>>, after: u64) -> Self {
         let draining = live.is_none();
         Subscription {
             _permit: None,
-            replay: replay.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }).collect(),
+            replay: replay.into_iter().map(|event| BusItem { event, raw: None }).collect(),
             live,
             last: after,
             done: false,
@@ -149,9 +210,9 @@ impl Subscription {
     }
 
     /// Reads events this subscriber skipped in the live buffer back from
-    /// `store`; `capacity` is the live buffer's size.
-    pub fn catching_up(mut self, store: Store, subject: String, capacity: usize) -> Self {
-        self.catch_up = Some((store, subject, capacity));
+    /// the store through `pages`; `capacity` is the live buffer's size.
+    pub fn catching_up(mut self, pages: Arc<EventPages>, subject: String, capacity: usize) -> Self {
+        self.catch_up = Some((pages, subject, capacity));
         self
     }
 
@@ -255,7 +316,7 @@ impl Subscription {
         if self.held.is_none() && !self.draining {
             return None;
         }
-        let (store, subject, _) = self.catch_up.clone()?;
+        let (pages, subject, _) = self.catch_up.clone()?;
         let next = self.last.saturating_add(1);
         let before = match &self.held {
             Some(held) if held.event.sequence <= next => {
@@ -265,7 +326,7 @@ impl Subscription {
             Some(held) => held.event.sequence.min(next.saturating_add(PAGE)),
             None => next.saturating_add(PAGE),
         };
-        match store.events_between(&subject, self.last, before).await {
+        match pages.between(&subject, self.last, before).await {
             Ok(page) if page.is_empty() => {
                 // Nothing stored where the gap is (compacted away): go on
                 // with the held event, or end.
@@ -279,7 +340,7 @@ impl Subscription {
                 }
             }
             Ok(page) => {
-                self.replay.extend(page.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }));
+                self.replay.extend(page.into_iter().map(|event| BusItem { event, raw: None }));
                 let item = self.replay.pop_front()?;
                 Some(Some(Ok(self.deliver(item))))
             }
