@@ -84,6 +84,29 @@ pub fn listener_pid(port: u16) -> Option<u32> {
             }
         }
     }
+    pid_holding(&inodes)
+}
+
+/// The process on this host that listens on the unix socket at `path`,
+/// found through the socket inode in `/proc/net/unix`.
+pub fn unix_listener_pid(path: &std::path::Path) -> Option<u32> {
+    let text = std::fs::read_to_string("/proc/net/unix").ok()?;
+    let path = path.to_str()?;
+    let inodes: Vec<String> = text
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            // Num RefCount Protocol Flags Type St Inode Path
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let listening = fields.get(3) == Some(&"00010000");
+            (listening && fields.get(7) == Some(&path)).then(|| format!("socket:[{}]", fields[6]))
+        })
+        .collect();
+    pid_holding(&inodes)
+}
+
+/// The first process holding one of `inodes` (`socket:[N]`) open.
+fn pid_holding(inodes: &[String]) -> Option<u32> {
     if inodes.is_empty() {
         return None;
     }
@@ -157,4 +180,22 @@ pub fn leaked_processes(daemon_pid: Option<u32>, ids: &HashSet<String>) -> Leake
 /// Entries under a directory (0 when it does not exist).
 pub fn entries(dir: &Path) -> usize {
     std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_process_listening_on_a_unix_socket_is_found() {
+        let dir = std::env::temp_dir().join(format!("corral-unix-pid-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.sock");
+        let _ = std::fs::remove_file(&path);
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        assert_eq!(unix_listener_pid(&path), Some(std::process::id()));
+        drop(listener);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(unix_listener_pid(&path), None, "nobody listens there any more");
+    }
 }

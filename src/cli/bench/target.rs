@@ -122,7 +122,10 @@ impl Target {
         std::fs::create_dir_all(&scratch).with_context(|| format!("cannot create {}", scratch.display()))?;
         let fake_agent = root.join("fake_agent.py");
         std::fs::write(&fake_agent, FAKE_AGENT)?;
-        let daemon_pid = loopback_port(url).and_then(system::listener_pid);
+        let daemon_pid = match url.strip_prefix("unix://") {
+            Some(path) => system::unix_listener_pid(std::path::Path::new(path)),
+            None => loopback_port(url).and_then(system::listener_pid),
+        };
         Ok(Target {
             url: url.to_string(),
             mode: Mode::Server,
