@@ -228,17 +228,22 @@ impl Core {
     }
 
     async fn record_gate(&mut self, outcome: &GateOutcome) {
+        let event = self.gate_event(outcome);
+        self.recorder.emit(event, None).await;
+    }
+
+    /// The `gated` event of a decision, counted and kept in the evidence.
+    fn gate_event(&mut self, outcome: &GateOutcome) -> EventKind {
         for decision in &outcome.decisions {
             crate::telemetry::gate_decision(&decision.source, decision.action);
         }
         self.evidence.gate_decisions.extend(outcome.decisions.iter().cloned());
-        let event = EventKind::Gated {
+        EventKind::Gated {
             phase: outcome.phase.as_str().into(),
             action: outcome.action,
             decisions: outcome.decisions.clone(),
             effective_sandbox: outcome.effective_sandbox.clone(),
-        };
-        self.recorder.emit(event, None).await;
+        }
     }
 
     async fn create_sandbox(&mut self, spec: &SandboxSpec) -> Result<(), OpenFailure> {
@@ -417,11 +422,14 @@ impl Core {
         }
         let gate = self.tool_gate();
         let outcome = gate.check(&call.tool, &call.task.arguments);
-        self.record_gate(&outcome).await;
+        let gated = self.gate_event(&outcome);
         if let Some(denial) = outcome.denial() {
+            self.recorder.emit(gated, None).await;
             return TurnOutcome::Denied { policy: denial.policy.clone(), reason: denial.reason.clone() };
         }
-        self.recorder.emit(EventKind::Dispatched { tool: call.tool.clone() }, None).await;
+        // The decision and the dispatch it allows: one write.
+        let dispatched = EventKind::Dispatched { tool: call.tool.clone() };
+        self.recorder.emit_batch(vec![(gated, None), (dispatched, None)]).await;
         let Some(mut harness) = self.harness.take() else {
             return TurnOutcome::Failed(ReinError::Dispatch("no harness".into()));
         };
