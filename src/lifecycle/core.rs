@@ -268,25 +268,7 @@ impl Core {
         // Its own host uid, reserved in the store before anything runs as it.
         let user = match self.engine.uid_range {
             None => None,
-            // First a uid the kernel knows no task of (one system call
-            // each); only when there is none, one whose tasks are all
-            // zombies (a /proc scan each: an init that reaps slowly leaves
-            // the sandboxes' orphaned zombies around for a while).
-            Some(range) => match match store
-                .allocate_uid(range.first, range.last, &sandbox_id, |uid| {
-                    !crate::sandbox::host::uid_may_have_processes(uid)
-                })
-                .await
-            {
-                Ok(None) => {
-                    store
-                        .allocate_uid(range.first, range.last, &sandbox_id, |uid| {
-                            crate::sandbox::host::processes_of_uid(uid).is_empty()
-                        })
-                        .await
-                }
-                other => other,
-            } {
+            Some(range) => match allocate_own_uid(store, range, &sandbox_id).await {
                 Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
                 Ok(None) => {
                     let error = format!("no free sandbox uid in {}-{}", range.first, range.last);
@@ -816,5 +798,21 @@ impl ToolGate for CoreGate {
             self.tool_calls.fetch_add(1, Ordering::SeqCst);
         }
         outcome
+    }
+}
+
+/// A host uid in `range` for `sandbox_id`: first one the kernel knows no
+/// task of (one system call each); only when there is none, one whose tasks
+/// are all zombies (a /proc scan each: an init that reaps slowly leaves the
+/// sandboxes' orphaned zombies around for a while).
+async fn allocate_own_uid(
+    store: &crate::store::Store,
+    range: crate::sandbox::UidRange,
+    sandbox_id: &str,
+) -> Result<Option<u32>, crate::store::StoreError> {
+    use crate::sandbox::host::{processes_of_uid, uid_may_have_processes};
+    match store.allocate_uid(range.first, range.last, sandbox_id, |uid| !uid_may_have_processes(uid)).await? {
+        Some(uid) => Ok(Some(uid)),
+        None => store.allocate_uid(range.first, range.last, sandbox_id, |uid| processes_of_uid(uid).is_empty()).await,
     }
 }

@@ -109,13 +109,15 @@ pub struct Subscription {
 /// is still filling may grow), the most recent [`PAGES_KEPT`].
 pub struct EventPages {
     store: Store,
-    kept: std::sync::Mutex<(HashMap<(String, u64), Page>, VecDeque<(String, u64)>)>,
+    /// The kept pages by (subject, index), and their keys oldest first.
+    kept: std::sync::Mutex<(HashMap<PageKey, Page>, VecDeque<PageKey>)>,
     /// One store read at a time: subscribers that miss the same page wait
     /// for the first one's read and then find it kept.
     fill: tokio::sync::Mutex<()>,
 }
 
 type Page = Arc<[Arc<Event>]>;
+type PageKey = (String, u64);
 
 /// Full pages kept: 64 × 1,024 events.
 const PAGES_KEPT: usize = 64;
@@ -125,7 +127,7 @@ impl EventPages {
         Arc::new(EventPages { store, kept: Default::default(), fill: tokio::sync::Mutex::new(()) })
     }
 
-    fn kept(&self, key: &(String, u64)) -> Option<Page> {
+    fn kept(&self, key: &PageKey) -> Option<Page> {
         self.kept.lock().unwrap_or_else(|e| e.into_inner()).0.get(key).cloned()
     }
 
@@ -166,7 +168,7 @@ impl EventPages {
 /// Events read back from the store at a time: what one lagging subscriber
 /// holds in memory at most, however far behind it is (a watch that starts
 /// far back, too).
-pub const PAGE: u64 = 1024;
+const PAGE: u64 = 1024;
 
 /// How often a subject of another daemon is polled.
 const POLL_EVERY: Duration = Duration::from_millis(100);
@@ -317,14 +319,14 @@ impl Subscription {
             return None;
         }
         let (pages, subject, _) = self.catch_up.clone()?;
-        let next = self.last.saturating_add(1);
+        // A read gives at most the rest of one page (see EventPages).
         let before = match &self.held {
-            Some(held) if held.event.sequence <= next => {
+            Some(held) if held.event.sequence <= self.last.saturating_add(1) => {
                 let held = self.held.take()?;
                 return Some(Some(Ok(self.deliver(held))));
             }
-            Some(held) => held.event.sequence.min(next.saturating_add(PAGE)),
-            None => next.saturating_add(PAGE),
+            Some(held) => held.event.sequence,
+            None => u64::MAX,
         };
         match pages.between(&subject, self.last, before).await {
             Ok(page) if page.is_empty() => {

@@ -163,10 +163,8 @@ impl Store {
         self.finish_execution(record, None, None, None).await
     }
 
-    /// Stores the record and, when asked, its hub report, in one
-    /// transaction: a report is never lost nor sent for an unrecorded end.
     /// The final record, its hub report and its raw result, in one
-    /// transaction.
+    /// transaction: a report is never lost nor sent for an unrecorded end.
     ///
     /// With `finished` (the execution's `finished` event), that event is
     /// stored in the same transaction, without the record it carries: the
@@ -181,7 +179,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
         if let Some(event) = finished {
-            insert_events(&mut *tx, std::slice::from_ref(event), true, !self.shared).await?;
+            self.insert_events(&mut *tx, std::slice::from_ref(event), true).await?;
         }
         // Nothing to keep for a run that said nothing: no row (reading it
         // back gives the same empty output and error).
@@ -369,9 +367,25 @@ impl Store {
         Ok(counts)
     }
 
-    /// Stores several events in one transaction.
+    /// Stores several events in one statement.
     pub async fn append_events(&self, events: &[Event]) -> Result<(), StoreError> {
-        insert_events(&self.pool, events, false, !self.shared).await
+        self.insert_events(&self.pool, events, false).await
+    }
+
+    /// Inserts `events` with one statement on `conn` (the pool, or a
+    /// transaction's connection); with `stub_finished`, a `finished` event
+    /// is stored as its stub (only when its record is written in the same
+    /// transaction).
+    async fn insert_events<'c, E>(&self, conn: E, events: &[Event], stub_finished: bool) -> Result<(), StoreError>
+    where
+        E: sqlx::Executor<'c, Database = sqlx::Any>,
+    {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let sql = if self.shared { INSERT_EVENTS_POSTGRES } else { INSERT_EVENTS_SQLITE };
+        sqlx::query(sql).bind(events_rows_json(events, stub_finished)?).execute(conn).await?;
+        Ok(())
     }
 
     /// What each stored event of a subject takes: (sequence, kind, bytes of
@@ -503,26 +517,15 @@ impl Store {
     }
 
     pub async fn update_session(&self, record: &SessionRecord) -> Result<(), StoreError> {
-        sqlx::query("UPDATE sessions SET state = $1, record = $2 WHERE session_id = $3")
-            .bind(record.state.as_str())
-            .bind(serde_json::to_string(record)?)
-            .bind(&record.session_id)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+        update_session_on(&self.pool, record).await
     }
 
     /// The session's final record and its `finished` event (stored as its
     /// stub, see [`FINISHED_STUB`]), in one transaction.
     pub async fn finish_session(&self, record: &SessionRecord, finished: &Event) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
-        insert_events(&mut *tx, std::slice::from_ref(finished), true, !self.shared).await?;
-        sqlx::query("UPDATE sessions SET state = $1, record = $2 WHERE session_id = $3")
-            .bind(record.state.as_str())
-            .bind(serde_json::to_string(record)?)
-            .bind(&record.session_id)
-            .execute(&mut *tx)
-            .await?;
+        self.insert_events(&mut *tx, std::slice::from_ref(finished), true).await?;
+        update_session_on(&mut *tx, record).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -722,8 +725,7 @@ const INSERT_EVENTS_POSTGRES: &str = "INSERT INTO events (subject_id, sequence, 
      SELECT e ->> 0, (e ->> 1)::BIGINT, (e ->> 2)::BIGINT, e ->> 3, e ->> 4 FROM json_array_elements($1::json) AS e";
 
 /// The rows of [`INSERT_EVENTS_SQLITE`] as its JSON parameter; with
-/// `stub_finished`, a `finished` event is stored as its stub (only when its
-/// record is written in the same transaction).
+/// `stub_finished`, `finished` events as their stubs.
 fn events_rows_json(events: &[Event], stub_finished: bool) -> Result<String, StoreError> {
     let mut rows = Vec::with_capacity(events.len());
     for event in events {
@@ -737,17 +739,17 @@ fn events_rows_json(events: &[Event], stub_finished: bool) -> Result<String, Sto
     Ok(serde_json::to_string(&rows)?)
 }
 
-/// Inserts `events` with one statement on `conn` (the pool, or a
-/// transaction's connection).
-async fn insert_events<'c, E>(conn: E, events: &[Event], stub_finished: bool, sqlite: bool) -> Result<(), StoreError>
+/// Writes a session's record (and its state) on `conn`.
+async fn update_session_on<'c, E>(conn: E, record: &SessionRecord) -> Result<(), StoreError>
 where
     E: sqlx::Executor<'c, Database = sqlx::Any>,
 {
-    if events.is_empty() {
-        return Ok(());
-    }
-    let sql = if sqlite { INSERT_EVENTS_SQLITE } else { INSERT_EVENTS_POSTGRES };
-    sqlx::query(sql).bind(events_rows_json(events, stub_finished)?).execute(conn).await?;
+    sqlx::query("UPDATE sessions SET state = $1, record = $2 WHERE session_id = $3")
+        .bind(record.state.as_str())
+        .bind(serde_json::to_string(record)?)
+        .bind(&record.session_id)
+        .execute(conn)
+        .await?;
     Ok(())
 }
 
