@@ -58,16 +58,7 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<IngestRepo
     let (profile, description) = emitter.task(args.events, None);
     let profile = args.emitter_profile.clone().unwrap_or(profile);
     let channel = target.connect().await?;
-    let mut client = ExecutionServiceClient::new(channel.clone());
-    let started = client
-        .start_execution(request(&profile, "corral bench ingest", &description))
-        .await
-        .with_context(|| format!("StartExecution of {profile}"))?
-        .into_inner();
-    let id = started.execution_id;
-    let workspace = tokio::time::timeout(Duration::from_secs(60), workspace_of(&channel, &id))
-        .await
-        .context("no sandbox_ready within 60 s")??;
+    let (id, workspace) = start_behind_barrier(&channel, &profile, &description).await?;
     let barrier_released = release(&workspace).is_ok();
     let execution_state = final_state_within(&channel, &id, Duration::from_secs(args.level_timeout)).await;
 
@@ -86,7 +77,7 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<IngestRepo
         execution_state,
         stored,
         span_ms,
-        per_second: if span_ms > 0.0 { stored as f64 / (span_ms / 1e3) } else { 0.0 },
+        per_second: per_second(stored, span_ms),
         emitter_alone_per_second,
         barrier_released,
         parallel,
@@ -102,19 +93,11 @@ async fn parallel(
     harnesses: usize,
 ) -> anyhow::Result<IngestParallel> {
     let channel = target.connect().await?;
-    let mut client = ExecutionServiceClient::new(channel.clone());
     let mut ids = Vec::new();
     let mut workspaces = Vec::new();
     for _ in 0..harnesses {
-        let started = client
-            .start_execution(request(profile, "corral bench ingest", description))
-            .await
-            .with_context(|| format!("StartExecution of {profile}"))?
-            .into_inner();
-        let workspace = tokio::time::timeout(Duration::from_secs(60), workspace_of(&channel, &started.execution_id))
-            .await
-            .context("no sandbox_ready within 60 s")??;
-        ids.push(started.execution_id);
+        let (id, workspace) = start_behind_barrier(&channel, profile, description).await?;
+        ids.push(id);
         workspaces.push(workspace);
     }
     for workspace in &workspaces {
@@ -142,10 +125,33 @@ async fn parallel(
         harnesses,
         stored,
         span_ms,
-        per_second: if span_ms > 0.0 { stored as f64 / (span_ms / 1e3) } else { 0.0 },
+        per_second: per_second(stored, span_ms),
         emitter_alone_per_second,
         execution_states,
     })
+}
+
+/// Starts the emitter; its harness waits behind the barrier in the
+/// returned workspace.
+async fn start_behind_barrier(channel: &Channel, profile: &str, description: &str) -> anyhow::Result<(String, String)> {
+    let mut client = ExecutionServiceClient::new(channel.clone());
+    let started = client
+        .start_execution(request(profile, "corral bench ingest", description))
+        .await
+        .with_context(|| format!("StartExecution of {profile}"))?
+        .into_inner();
+    let workspace = tokio::time::timeout(Duration::from_secs(60), workspace_of(channel, &started.execution_id))
+        .await
+        .context("no sandbox_ready within 60 s")??;
+    Ok((started.execution_id, workspace))
+}
+
+fn per_second(stored: u64, span_ms: f64) -> f64 {
+    if span_ms > 0.0 {
+        stored as f64 / (span_ms / 1e3)
+    } else {
+        0.0
+    }
 }
 
 /// Follows the execution until its `sandbox_ready`, then lets go.
