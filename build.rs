@@ -14,6 +14,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Each file, not only the directory: a directory's own mtime does not
     // change when a file in a subdirectory is edited in place.
     println!("cargo:rerun-if-changed=proto");
+    // sqlx::migrate! reads these at compile time: a new file must rebuild.
+    println!("cargo:rerun-if-changed=migrations");
+    println!("cargo:rerun-if-changed=migrations/sqlite");
     for file in files {
         println!("cargo:rerun-if-changed={file}");
     }

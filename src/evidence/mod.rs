@@ -81,6 +81,7 @@ pub enum HubReportStatus {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct StageTiming {
     pub stage: String,
     pub micros: u64,

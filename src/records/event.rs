@@ -17,78 +17,115 @@ pub struct Event {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// Stored without its default-valued fields (see `store::stored`), so
+/// every field that can hold a default reads a missing one as it.
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum EventKind {
     Accepted {
+        #[serde(default)]
         execution_id: String,
+        #[serde(default)]
         session_id: String,
+        #[serde(default)]
         request_id: String,
+        #[serde(default)]
         consumer: Consumer,
     },
     Resolved {
+        #[serde(default)]
         profile_ref: String,
+        #[serde(default)]
         profile_digest: String,
+        #[serde(default)]
         readiness: Readiness,
     },
     Gated {
+        #[serde(default)]
         phase: String,
         action: Action,
+        #[serde(default)]
         decisions: Vec<PolicyDecision>,
         effective_sandbox: SandboxSpec,
     },
     SandboxReady {
+        #[serde(default)]
         sandbox_id: String,
         backend: SandboxType,
+        #[serde(default)]
         workspace_path: String,
+        #[serde(default)]
         receipt: EnforcementReceipt,
     },
     Dispatched {
+        #[serde(default)]
         tool: String,
     },
     /// The harness's own message is not stored: it is raw output and only
     /// reaches the direct caller (see [`RawPart`]).
     Progress {
+        #[serde(default)]
         progress_kind: String,
+        #[serde(default)]
         tool: String,
+        #[serde(default)]
         tokens_so_far: u64,
     },
     OutputTruncated {
+        #[serde(default)]
         stream: String,
+        #[serde(default)]
         bytes_dropped: u64,
     },
     /// A dead harness was started again, after the agent_start gate.
     HarnessRestarted {
+        #[serde(default)]
         attempt: u64,
+        #[serde(default)]
         reason: String,
     },
     /// A session's turn ended; its raw output rides as a [`RawPart`].
     TurnFinished {
+        #[serde(default)]
         turn: u64,
+        #[serde(default)]
         tool: String,
+        #[serde(default)]
         ok: bool,
+        #[serde(default)]
         error: String,
+        #[serde(default)]
         tokens_spent: u64,
     },
     /// An idle session was ended by the reaper.
     Reaped {
+        #[serde(default)]
         idle_seconds: u64,
     },
     /// A restarted daemon finished what its predecessor left running.
     Recovered {
+        #[serde(default)]
         note: String,
     },
     /// One egress attempt through the sandbox's proxy.
     Egress {
+        #[serde(default)]
         host: String,
+        #[serde(default)]
         port: u16,
+        #[serde(default)]
         allowed: bool,
+        #[serde(default)]
         rule_or_reason: String,
+        #[serde(default)]
         method: String,
     },
     /// A limit of the run was reached (memory, pids, workspace, events).
     LimitHit {
+        #[serde(default)]
         limit: String,
+        #[serde(default)]
         value: u64,
+        #[serde(default)]
         detail: String,
     },
     Teardown {

@@ -8,8 +8,11 @@
 use std::path::Path;
 
 use sqlx::any::AnyPoolOptions;
+use sqlx::migrate::Migrator;
 use sqlx::AnyPool;
 use sqlx::{Executor, Row};
+
+mod stored;
 
 use crate::records::{now_ms, ExecutionRecord, ExecutionState, SessionRecord};
 use crate::records::{Event, EventKind};
@@ -80,7 +83,20 @@ pub struct Store {
     shared: bool,
 }
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+static SHARED_MIGRATIONS: Migrator = sqlx::migrate!("./migrations");
+static SQLITE_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/sqlite");
+
+/// The shared migrations, plus SQLite's own on SQLite: one sequence of
+/// versions, so each store's history is checked whole (a version this
+/// binary does not know is an error).
+fn migrator(sqlite: bool) -> Migrator {
+    let mut migrations = SHARED_MIGRATIONS.migrations.to_vec();
+    if sqlite {
+        migrations.extend(SQLITE_MIGRATIONS.migrations.iter().cloned());
+        migrations.sort_by_key(|m| m.version);
+    }
+    Migrator { migrations: migrations.into(), ..Migrator::DEFAULT }
+}
 
 impl Store {
     /// Opens the store: `url` (a `postgres://` URL) or, without one,
@@ -114,7 +130,7 @@ impl Store {
             })
             .connect(&url)
             .await?;
-        MIGRATOR.run(&pool).await?;
+        migrator(sqlite).run(&pool).await?;
         Ok(Store { pool, node: node.to_string(), shared: !sqlite })
     }
 
@@ -135,13 +151,14 @@ impl Store {
         )
         .bind(&record.execution_id)
         .bind(request_id)
-        .bind(digest)
+        // Only a repeated request id compares digests.
+        .bind(if request_id.is_some() { digest } else { "" })
         .bind(record.state.as_str())
         .bind(&record.harness_profile_ref)
         .bind(&record.consumer.actor)
         .bind(&record.consumer.project)
         .bind(record.created_at_ms)
-        .bind(serde_json::to_string(record)?)
+        .bind(stored::to_stored(record)?)
         .bind(&self.node)
         .execute(&self.pool)
         .await;
@@ -202,7 +219,7 @@ impl Store {
         .bind(record.state.as_str())
         .bind(profile)
         .bind(record.finished_at_ms)
-        .bind(serde_json::to_string(record)?)
+        .bind(stored::to_stored(record)?)
         .bind(&record.execution_id)
         .execute(&mut *tx)
         .await?;
@@ -283,7 +300,7 @@ impl Store {
             let mut record: ExecutionRecord = serde_json::from_str(row.get::<&str, _>("record"))?;
             record.evidence.hub_report_status = status;
             sqlx::query("UPDATE executions SET record = $1 WHERE execution_id = $2")
-                .bind(serde_json::to_string(&record)?)
+                .bind(stored::to_stored(&record)?)
                 .bind(execution_id)
                 .execute(&mut *tx)
                 .await?;
@@ -443,7 +460,7 @@ impl Store {
     /// The stored events of a subject with `after < sequence < before`.
     pub async fn events_between(&self, subject: &str, after: u64, before: u64) -> Result<Vec<Event>, StoreError> {
         let rows = sqlx::query(
-            "SELECT sequence, time_ms, body FROM events
+            "SELECT sequence, time_ms, kind, body FROM events
              WHERE subject_id = $1 AND sequence > $2 AND sequence < $3 ORDER BY sequence",
         )
         .bind(subject)
@@ -457,7 +474,7 @@ impl Store {
     /// The stored events of a subject after `after`, in order.
     pub async fn events_after(&self, subject: &str, after: u64) -> Result<Vec<Event>, StoreError> {
         let rows = sqlx::query(
-            "SELECT sequence, time_ms, body FROM events WHERE subject_id = $1 AND sequence > $2 ORDER BY sequence",
+            "SELECT sequence, time_ms, kind, body FROM events WHERE subject_id = $1 AND sequence > $2 ORDER BY sequence",
         )
         .bind(subject)
         .bind(sequence(after))
@@ -481,7 +498,7 @@ impl Store {
                     Some(record) => EventKind::SessionFinished { session: Box::new(record) },
                     None => return Err(StoreError::Missing(format!("the record of session {subject}"))),
                 },
-                body => serde_json::from_str(body)?,
+                body => stored::event_from_stored(row.get::<&str, _>("kind"), body)?,
             };
             events.push(Event {
                 subject_id: subject.to_string(),
@@ -505,7 +522,7 @@ impl Store {
         .bind(&record.consumer.actor)
         .bind(&record.consumer.project)
         .bind(record.created_at_ms)
-        .bind(serde_json::to_string(record)?)
+        .bind(stored::to_stored(record)?)
         .bind(&self.node)
         .execute(&self.pool)
         .await;
@@ -576,18 +593,26 @@ impl Store {
         Ok(())
     }
 
-    /// Records a sandbox's state; a destroyed sandbox (nothing of it alive)
-    /// gives its uid back.
+    /// Records a sandbox's state. A destroyed sandbox (nothing of it
+    /// alive) gives its uid back and needs no row any more (the record
+    /// keeps its id). The uid goes first: a crash between the two leaves a
+    /// row that the next start's recovery destroys again, which is a no-op.
     pub async fn set_sandbox_state(&self, sandbox_id: &str, state: SandboxState) -> Result<(), StoreError> {
+        if state == SandboxState::Destroyed {
+            sqlx::query("DELETE FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2")
+                .bind(sandbox_id)
+                .bind(&self.node)
+                .execute(&self.pool)
+                .await?;
+            sqlx::query("DELETE FROM sandboxes WHERE sandbox_id = $1").bind(sandbox_id).execute(&self.pool).await?;
+            return Ok(());
+        }
         sqlx::query("UPDATE sandboxes SET state = $1, updated_at_ms = $2 WHERE sandbox_id = $3")
             .bind(state.as_str())
             .bind(now_ms())
             .bind(sandbox_id)
             .execute(&self.pool)
             .await?;
-        if state == SandboxState::Destroyed {
-            self.release_uid(sandbox_id).await?;
-        }
         Ok(())
     }
 
@@ -639,16 +664,6 @@ impl Store {
             .fetch_optional(&self.pool)
             .await?;
         Ok(row.map(|r| r.get::<i64, _>(0) as u32))
-    }
-
-    /// Gives a sandbox's uid back, once nothing of the sandbox is alive.
-    pub async fn release_uid(&self, sandbox_id: &str) -> Result<(), StoreError> {
-        sqlx::query("DELETE FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2")
-            .bind(sandbox_id)
-            .bind(&self.node)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
     }
 
     /// Sandboxes an earlier daemon instance did not finish destroying.
@@ -732,7 +747,7 @@ fn events_rows_json(events: &[Event], stub_finished: bool) -> Result<String, Sto
         let body = match &event.kind {
             EventKind::Finished { .. } if stub_finished => FINISHED_STUB.to_string(),
             EventKind::SessionFinished { .. } if stub_finished => SESSION_FINISHED_STUB.to_string(),
-            kind => serde_json::to_string(kind)?,
+            kind => stored::event_body(kind)?,
         };
         rows.push((event.subject_id.as_str(), sequence(event.sequence), event.time_ms, event.kind.name(), body));
     }
@@ -746,7 +761,7 @@ where
 {
     sqlx::query("UPDATE sessions SET state = $1, record = $2 WHERE session_id = $3")
         .bind(record.state.as_str())
-        .bind(serde_json::to_string(record)?)
+        .bind(stored::to_stored(record)?)
         .bind(&record.session_id)
         .execute(conn)
         .await?;
@@ -772,8 +787,38 @@ mod tests {
         ];
         assert_eq!(
             events_rows_json(&events, true).unwrap(),
-            r#"[["s1",1,7,"dispatched","{\"kind\":\"dispatched\",\"tool\":\"run_task\"}"],["s1",2,7,"reaped","{\"kind\":\"reaped\",\"idle_seconds\":3}"]]"#
+            r#"[["s1",1,7,"dispatched","{\"tool\":\"run_task\"}"],["s1",2,7,"reaped","{\"idle_seconds\":3}"]]"#
         );
+    }
+
+    /// A store made before SQLite's own migrations keeps its events (in
+    /// their old form) when the daemon that has them opens it.
+    #[tokio::test]
+    async fn an_older_sqlite_store_keeps_its_events_through_the_rowid_migration() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}?mode=rwc", dir.path().join("corral.db").display());
+        sqlx::any::install_default_drivers();
+        let pool = AnyPoolOptions::new().max_connections(1).connect(&url).await.unwrap();
+        SHARED_MIGRATIONS.run(&pool).await.unwrap();
+        sqlx::query(r#"INSERT INTO events VALUES ('s1', 1, 7, 'dispatched', '{"kind":"dispatched","tool":"t"}')"#)
+            .execute(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let events = store.events_after("s1", 0).await.unwrap();
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].kind, EventKind::Dispatched { tool: "t".into() });
+        let schema: String = sqlx::query("SELECT sql FROM sqlite_schema WHERE name = 'events'")
+            .fetch_one(&store.pool)
+            .await
+            .unwrap()
+            .get(0);
+        assert!(schema.contains("WITHOUT ROWID"), "{schema}");
+        // And once more: nothing left to apply, nothing unknown.
+        store.close().await;
+        Store::open(dir.path(), None, "n").await.unwrap().close().await;
     }
 
     #[test]
