@@ -11,12 +11,15 @@ pub struct Recorder {
     next: u64,
     store: Store,
     bus: Arc<EventBus>,
+    /// Events held back to be stored with the next one (see
+    /// [`Recorder::hold`]).
+    held: Vec<(EventKind, Option<RawPart>)>,
 }
 
 impl Recorder {
     /// A recorder whose next event gets `after + 1`.
     pub fn new(subject: String, after: u64, store: Store, bus: Arc<EventBus>) -> Self {
-        Recorder { subject, next: after + 1, store, bus }
+        Recorder { subject, next: after + 1, store, bus, held: Vec::new() }
     }
 
     pub fn subject(&self) -> &str {
@@ -27,26 +30,34 @@ impl Recorder {
         self.next - 1
     }
 
-    /// Stores the event, then publishes it. A store error is retried a few
-    /// times (a busy pool, a failover); an event the store still refuses is
-    /// not published (nobody may see what a later watcher could not
-    /// replay), and its sequence is reused, so there are never gaps.
-    pub async fn emit(&mut self, kind: EventKind, raw: Option<RawPart>) -> Option<Arc<Event>> {
-        let event = Event { subject_id: self.subject.clone(), sequence: self.next, time_ms: now_ms(), kind };
-        if !self.persist(std::slice::from_ref(&event)).await {
-            return None;
-        }
-        self.next += 1;
-        let event = Arc::new(event);
-        self.bus.publish(BusItem { event: event.clone(), raw: raw.map(Arc::new) });
-        Some(event)
+    /// Keeps `kind` back, to be stored in one write with the next event
+    /// emitted, and published with it: for steps that follow one another
+    /// within microseconds (an execution's `accepted`, `resolved` and first
+    /// `gated`), one write instead of one each. Nobody sees a held event
+    /// before it is stored, and nothing emitted later overtakes it.
+    pub fn hold(&mut self, kind: EventKind) {
+        self.held.push((kind, None));
     }
 
-    /// Stores several events in one transaction, then publishes them in
-    /// order. Same rules as [`Recorder::emit`].
-    pub async fn emit_batch(&mut self, kinds: Vec<(EventKind, Option<RawPart>)>) {
+    /// Stores the event (after any held ones), then publishes it. A store
+    /// error is retried a few times (a busy pool, a failover); events the
+    /// store still refuses are not published (nobody may see what a later
+    /// watcher could not replay), and their sequences are reused, so there
+    /// are never gaps.
+    pub async fn emit(&mut self, kind: EventKind, raw: Option<RawPart>) -> Option<Arc<Event>> {
+        self.emit_batch(vec![(kind, raw)]).await
+    }
+
+    /// Stores several events (after any held ones) in one write, then
+    /// publishes them in order; the last one, once published. Same rules
+    /// as [`Recorder::emit`].
+    pub async fn emit_batch(&mut self, kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
+        let mut kinds = kinds;
+        if !self.held.is_empty() {
+            kinds.splice(0..0, std::mem::take(&mut self.held));
+        }
         if kinds.is_empty() {
-            return;
+            return None;
         }
         let time_ms = now_ms();
         let (events, raws): (Vec<Event>, Vec<Option<RawPart>>) = kinds
@@ -57,19 +68,27 @@ impl Recorder {
             })
             .unzip();
         if !self.persist(&events).await {
-            return;
+            return None;
         }
         self.next += events.len() as u64;
+        let mut last = None;
         for (event, raw) in events.into_iter().zip(raws) {
-            self.bus.publish(BusItem { event: Arc::new(event), raw: raw.map(Arc::new) });
+            let event = Arc::new(event);
+            self.bus.publish(BusItem { event: event.clone(), raw: raw.map(Arc::new) });
+            last = Some(event);
         }
+        last
     }
 
     /// The subject's next event, not stored yet: for a caller that stores
     /// it in a transaction of its own (the final record's, see
     /// [`Store::finish_execution`]) through [`Recorder::persist_with`],
     /// then hands it to [`Recorder::publish`].
-    pub fn prepare(&self, kind: EventKind) -> Event {
+    /// Held events are stored and published first.
+    pub async fn prepare(&mut self, kind: EventKind) -> Event {
+        if !self.held.is_empty() {
+            self.emit_batch(Vec::new()).await;
+        }
         Event { subject_id: self.subject.clone(), sequence: self.next, time_ms: now_ms(), kind }
     }
 

@@ -194,7 +194,8 @@ impl Core {
         }
         let event =
             EventKind::Resolved { profile_ref: profile.reference(), profile_digest: profile.digest.clone(), readiness };
-        self.recorder.emit(event, None).await;
+        // Stored with the gate's decision, which follows at once.
+        self.recorder.hold(event);
         self.profile = Some(profile.clone());
         Ok(profile)
     }

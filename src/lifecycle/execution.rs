@@ -31,7 +31,8 @@ pub(super) async fn run(
         request_id: record.request_id.clone(),
         consumer: record.consumer.clone(),
     };
-    core.recorder.emit(accepted, None).await;
+    // Stored with `resolved` and the gate's decision, in one write.
+    core.recorder.hold(accepted);
 
     let mut cancelled = false;
     match core.open(&cmd.harness_profile_ref, &cancel).await {
@@ -112,7 +113,7 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     // The final record, its raw result (kept scrubbed, like everything the
     // harness said, for the owner and adm), its hub report and the
     // `finished` event: one transaction, then the event is sent.
-    let finished = core.recorder.prepare(EventKind::Finished { execution: Box::new(record.clone()) });
+    let finished = core.recorder.prepare(EventKind::Finished { execution: Box::new(record.clone()) }).await;
     let store = &core.engine.store;
     let raw = (core.raw.tool_output.as_str(), core.raw.tool_error.as_str());
     let stored = core
