@@ -124,6 +124,32 @@ arguments = { expression = "false", reason = "never" }
     assert!(!text.contains("exit 3"), "a task text in a label");
 }
 
+/// A no-op execution's eight events take five writes: `accepted`,
+/// `resolved` and the first `gated` are one, a turn's `gated` and
+/// `dispatched` another, then `sandbox_ready`, `teardown` and `finished`
+/// (with the final record) one each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_no_op_execution_stores_its_eight_events_in_five_writes() {
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
+    let daemon = ServeProcess::start_with(&dir.path().join("data"), &profiles, &[], &extra).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let mut stream = client.execute(request("builtin.noop", "")).await.unwrap().into_inner();
+    let mut kinds = Vec::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        kinds.push(format!("{:?}", event.kind.unwrap()).split('(').next().unwrap().to_string());
+    }
+    let expected = ["Accepted", "Resolved", "Gated", "SandboxReady", "Gated", "Dispatched", "Teardown", "Finished"];
+    assert_eq!(kinds, expected, "{kinds:?}");
+    let text = scrape(port).await;
+    assert_eq!(sample(&text, "corral_events_stored_total", ""), Some(kinds.len() as f64), "{text}");
+    assert_eq!(sample(&text, "corral_store_write_seconds_count", ""), Some(5.0), "{text}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corral_exec_shows_each_output_line_as_it_is_printed() {
     use tokio::io::AsyncBufReadExt;
