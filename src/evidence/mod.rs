@@ -80,11 +80,39 @@ pub enum HubReportStatus {
     Unknown,
 }
 
+/// Stored as `["stage", micros]` (a record has one per stage); the
+/// `{"stage": …, "micros": …}` form of older records still reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(into = "(String, u64)", from = "StoredTiming")]
 pub struct StageTiming {
     pub stage: String,
     pub micros: u64,
+}
+
+impl From<StageTiming> for (String, u64) {
+    fn from(t: StageTiming) -> Self {
+        (t.stage, t.micros)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StoredTiming {
+    Pair(String, u64),
+    Object {
+        #[serde(default)]
+        stage: String,
+        #[serde(default)]
+        micros: u64,
+    },
+}
+
+impl From<StoredTiming> for StageTiming {
+    fn from(t: StoredTiming) -> Self {
+        match t {
+            StoredTiming::Pair(stage, micros) | StoredTiming::Object { stage, micros } => StageTiming { stage, micros },
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -165,6 +193,16 @@ impl Evidence {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stage_timing_is_stored_as_a_pair_and_reads_in_either_form() {
+        let t = StageTiming { stage: "gate".into(), micros: 10 };
+        assert_eq!(serde_json::to_string(&t).unwrap(), r#"["gate",10]"#);
+        assert_eq!(serde_json::from_str::<StageTiming>(r#"["gate",10]"#).unwrap(), t);
+        assert_eq!(serde_json::from_str::<StageTiming>(r#"{"stage":"gate","micros":10}"#).unwrap(), t);
+        let zero = StageTiming { stage: "workspace".into(), micros: 0 };
+        assert_eq!(serde_json::from_str::<StageTiming>(r#"{"stage":"workspace"}"#).unwrap(), zero);
+    }
 
     #[test]
     fn first_failure_decides_the_stage() {
