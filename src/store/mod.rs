@@ -158,18 +158,19 @@ impl Store {
         .bind(&record.consumer.actor)
         .bind(&record.consumer.project)
         .bind(record.created_at_ms)
-        .bind(stored::to_stored(record)?)
+        .bind(stored_execution(record)?)
         .bind(&self.node)
         .execute(&self.pool)
         .await;
         match result {
             Ok(_) => Ok(Inserted::Created),
             Err(sqlx::Error::Database(e)) if e.is_unique_violation() && request_id.is_some() => {
-                let row = sqlx::query("SELECT record, request_digest FROM executions WHERE request_id = $1")
-                    .bind(request_id)
-                    .fetch_one(&self.pool)
-                    .await?;
-                let record: ExecutionRecord = serde_json::from_str(row.get::<&str, _>("record"))?;
+                let row =
+                    sqlx::query(&format!("SELECT {EXECUTION}, request_digest FROM executions WHERE request_id = $1"))
+                        .bind(request_id)
+                        .fetch_one(&self.pool)
+                        .await?;
+                let record = execution_from_row(&row)?;
                 Ok(Inserted::Existing { record: Box::new(record), digest: row.get("request_digest") })
             }
             Err(e) => Err(e.into()),
@@ -219,7 +220,7 @@ impl Store {
         .bind(record.state.as_str())
         .bind(profile)
         .bind(record.finished_at_ms)
-        .bind(stored::to_stored(record)?)
+        .bind(stored_execution(record)?)
         .bind(&record.execution_id)
         .execute(&mut *tx)
         .await?;
@@ -292,15 +293,15 @@ impl Store {
             .bind(id)
             .execute(&mut *tx)
             .await?;
-        let row = sqlx::query("SELECT record FROM executions WHERE execution_id = $1")
+        let row = sqlx::query(&format!("SELECT {EXECUTION} FROM executions WHERE execution_id = $1"))
             .bind(execution_id)
             .fetch_optional(&mut *tx)
             .await?;
         if let Some(row) = row {
-            let mut record: ExecutionRecord = serde_json::from_str(row.get::<&str, _>("record"))?;
+            let mut record = execution_from_row(&row)?;
             record.evidence.hub_report_status = status;
             sqlx::query("UPDATE executions SET record = $1 WHERE execution_id = $2")
-                .bind(stored::to_stored(&record)?)
+                .bind(stored_execution(&record)?)
                 .bind(execution_id)
                 .execute(&mut *tx)
                 .await?;
@@ -310,11 +311,11 @@ impl Store {
     }
 
     pub async fn get_execution(&self, id: &str) -> Result<Option<ExecutionRecord>, StoreError> {
-        let row = sqlx::query("SELECT record FROM executions WHERE execution_id = $1")
+        let row = sqlx::query(&format!("SELECT {EXECUTION} FROM executions WHERE execution_id = $1"))
             .bind(id)
             .fetch_optional(&self.pool)
             .await?;
-        row.map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).transpose()
+        row.as_ref().map(execution_from_row).transpose()
     }
 
     /// Newest first. Ids are UUIDv7, so id order is creation order.
@@ -329,7 +330,7 @@ impl Store {
             }
         };
         let sql = format!(
-            "SELECT record FROM executions
+            "SELECT {EXECUTION} FROM executions
              WHERE ($1 = '' OR state = $1)
                AND ($2 = '' OR profile_ref = $2 OR profile_ref LIKE $2 || '@%')
                AND ($3 = '' OR actor = $3)
@@ -348,7 +349,7 @@ impl Store {
             query = query.bind(project);
         }
         let rows = query.fetch_all(&self.pool).await?;
-        rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
+        rows.iter().map(execution_from_row).collect()
     }
 
     /// When an execution of `profile_ref` (pinned `id@version`) last
@@ -691,14 +692,14 @@ impl Store {
     }
 
     pub async fn unfinished_executions(&self) -> Result<Vec<ExecutionRecord>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT record FROM executions WHERE state IN ('pending', 'running') AND (node = $1 OR node IS NULL)
-             ORDER BY execution_id",
-        )
+        let rows = sqlx::query(&format!(
+            "SELECT {EXECUTION} FROM executions WHERE state IN ('pending', 'running') AND (node = $1 OR node IS NULL)
+             ORDER BY execution_id"
+        ))
         .bind(&self.node)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
+        rows.iter().map(execution_from_row).collect()
     }
 
     pub async fn unfinished_sessions(&self) -> Result<Vec<SessionRecord>, StoreError> {
@@ -768,6 +769,37 @@ where
     Ok(())
 }
 
+/// The columns an execution is read from: its record, and the fields of
+/// the record that have columns of their own (see [`stored_execution`]).
+const EXECUTION: &str = "execution_id, state, created_at_ms, finished_at_ms, record";
+
+/// The fields of an execution record that its row has columns for, which
+/// its stored JSON leaves out (every write of the record writes them).
+const EXECUTION_COLUMNS: [&str; 4] = ["execution_id", "state", "created_at_ms", "finished_at_ms"];
+
+/// An execution's stored record: without its default-valued fields and
+/// without those its row's columns hold.
+fn stored_execution(record: &ExecutionRecord) -> Result<String, StoreError> {
+    Ok(stored::to_stored_without(record, &EXECUTION_COLUMNS)?)
+}
+
+/// An execution read back from [`EXECUTION`]'s columns. A record stored
+/// before [`stored_execution`] repeats the columns (and from before
+/// `finished_at_ms` had a column, holds it alone), so a missing column
+/// value keeps the record's.
+fn execution_from_row(row: &sqlx::any::AnyRow) -> Result<ExecutionRecord, StoreError> {
+    let mut record: ExecutionRecord = serde_json::from_str(row.get::<&str, _>("record"))?;
+    record.execution_id = row.get("execution_id");
+    if let Some(state) = ExecutionState::parse(row.get::<&str, _>("state")) {
+        record.state = state;
+    }
+    record.created_at_ms = row.get("created_at_ms");
+    if let Some(ms) = row.get::<Option<i64>, _>("finished_at_ms") {
+        record.finished_at_ms = Some(ms);
+    }
+    Ok(record)
+}
+
 /// A sequence number as the store keeps it (BIGINT): one past `i64::MAX`
 /// is no different from it, since no event has such a sequence.
 fn sequence(n: u64) -> i64 {
@@ -789,6 +821,45 @@ mod tests {
             events_rows_json(&events, true).unwrap(),
             r#"[["s1",1,7,"dispatched","{\"tool\":\"run_task\"}"],["s1",2,7,"reaped","{\"idle_seconds\":3}"]]"#
         );
+    }
+
+    /// A record's own columns are not repeated in its stored JSON; one
+    /// stored with them (by an older daemon, `finished_at_ms` in the JSON
+    /// alone) reads as it was.
+    #[tokio::test]
+    async fn a_record_is_read_from_its_columns_and_its_json_in_either_form() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let mut record = ExecutionRecord {
+            execution_id: "e1".into(),
+            state: ExecutionState::Succeeded,
+            title: "t".into(),
+            created_at_ms: 5,
+            finished_at_ms: Some(9),
+            ..Default::default()
+        };
+        assert!(matches!(store.insert_execution(&record, "d").await.unwrap(), Inserted::Created));
+        store.update_execution(&record).await.unwrap();
+        let json: String = sqlx::query("SELECT record FROM executions").fetch_one(&store.pool).await.unwrap().get(0);
+        let stored: serde_json::Value = serde_json::from_str(&json).unwrap();
+        for column in EXECUTION_COLUMNS {
+            assert!(stored.get(column).is_none(), "{column} repeated in {json}");
+        }
+        assert_eq!(stored["title"], "t");
+        assert_eq!(store.get_execution("e1").await.unwrap().unwrap(), record);
+
+        record.execution_id = "e2".into();
+        let old = serde_json::to_string(&record).unwrap();
+        sqlx::query(
+            "INSERT INTO executions (execution_id, request_digest, state, profile_ref, actor, project, created_at_ms, record)
+             VALUES ('e2', '', 'succeeded', '', '', '', 5, $1)",
+        )
+        .bind(old)
+        .execute(&store.pool)
+        .await
+        .unwrap();
+        assert_eq!(store.get_execution("e2").await.unwrap().unwrap(), record);
+        store.close().await;
     }
 
     /// A store made before SQLite's own migrations keeps its events (in

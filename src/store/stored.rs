@@ -19,6 +19,17 @@ pub fn to_stored(value: &impl Serialize) -> Result<String, serde_json::Error> {
     serde_json::to_string(&json)
 }
 
+/// [`to_stored`], also without the top-level fields `columns` (which the
+/// row keeps in columns of their own).
+pub fn to_stored_without(value: &impl Serialize, columns: &[&str]) -> Result<String, serde_json::Error> {
+    let mut json = serde_json::to_value(value)?;
+    prune(&mut json);
+    if let Value::Object(fields) = &mut json {
+        fields.retain(|name, _| !columns.contains(&name.as_str()));
+    }
+    serde_json::to_string(&json)
+}
+
 /// An event's stored body: [`to_stored`], less its `kind` when the row's
 /// `kind` column names it. The two `finished` kinds share one column
 /// value and `limit_hit`'s column says `limit`: those keep theirs, first.
