@@ -499,7 +499,7 @@ impl Store {
                     Some(record) => EventKind::SessionFinished { session: Box::new(record) },
                     None => return Err(StoreError::Missing(format!("the record of session {subject}"))),
                 },
-                body => stored::event_from_stored(row.get::<&str, _>("kind"), body)?,
+                body => stored::event_from_stored(subject, row.get::<&str, _>("kind"), body)?,
             };
             events.push(Event {
                 subject_id: subject.to_string(),
@@ -748,7 +748,7 @@ fn events_rows_json(events: &[Event], stub_finished: bool) -> Result<String, Sto
         let body = match &event.kind {
             EventKind::Finished { .. } if stub_finished => FINISHED_STUB.to_string(),
             EventKind::SessionFinished { .. } if stub_finished => SESSION_FINISHED_STUB.to_string(),
-            kind => stored::event_body(kind)?,
+            kind => stored::event_body(&event.subject_id, kind)?,
         };
         rows.push((event.subject_id.as_str(), sequence(event.sequence), event.time_ms, event.kind.name(), body));
     }
@@ -773,14 +773,9 @@ where
 /// the record that have columns of their own (see [`stored_execution`]).
 const EXECUTION: &str = "execution_id, state, created_at_ms, finished_at_ms, record";
 
-/// The fields of an execution record that its row has columns for, which
-/// its stored JSON leaves out (every write of the record writes them).
-const EXECUTION_COLUMNS: [&str; 4] = ["execution_id", "state", "created_at_ms", "finished_at_ms"];
-
-/// An execution's stored record: without its default-valued fields and
-/// without those its row's columns hold.
+/// An execution's stored record (see [`stored::execution_to_stored`]).
 fn stored_execution(record: &ExecutionRecord) -> Result<String, StoreError> {
-    Ok(stored::to_stored_without(record, &EXECUTION_COLUMNS)?)
+    Ok(stored::execution_to_stored(record)?)
 }
 
 /// An execution read back from [`EXECUTION`]'s columns. A record stored
@@ -796,6 +791,10 @@ fn execution_from_row(row: &sqlx::any::AnyRow) -> Result<ExecutionRecord, StoreE
     record.created_at_ms = row.get("created_at_ms");
     if let Some(ms) = row.get::<Option<i64>, _>("finished_at_ms") {
         record.finished_at_ms = Some(ms);
+    }
+    // An execution is its own run.
+    if record.consumer.run_id.is_empty() {
+        record.consumer.run_id = record.execution_id.clone();
     }
     Ok(record)
 }
@@ -832,6 +831,7 @@ mod tests {
         let store = Store::open(dir.path(), None, "n").await.unwrap();
         let mut record = ExecutionRecord {
             execution_id: "e1".into(),
+            consumer: crate::sandbox::Consumer { run_id: "e1".into(), ..Default::default() },
             state: ExecutionState::Succeeded,
             title: "t".into(),
             created_at_ms: 5,
@@ -842,13 +842,15 @@ mod tests {
         store.update_execution(&record).await.unwrap();
         let json: String = sqlx::query("SELECT record FROM executions").fetch_one(&store.pool).await.unwrap().get(0);
         let stored: serde_json::Value = serde_json::from_str(&json).unwrap();
-        for column in EXECUTION_COLUMNS {
+        for column in stored::EXECUTION_COLUMNS {
             assert!(stored.get(column).is_none(), "{column} repeated in {json}");
         }
         assert_eq!(stored["title"], "t");
+        assert!(stored["consumer"].get("run_id").is_none(), "{json}");
         assert_eq!(store.get_execution("e1").await.unwrap().unwrap(), record);
 
         record.execution_id = "e2".into();
+        record.consumer.run_id = "e2".into();
         let old = serde_json::to_string(&record).unwrap();
         sqlx::query(
             "INSERT INTO executions (execution_id, request_digest, state, profile_ref, actor, project, created_at_ms, record)

@@ -3,12 +3,13 @@
 //! event without the `kind` its row's column already names. Reading puts
 //! both back: every stored type reads a missing field as its default
 //! (checked for each one in the tests below), and rows written before this
-//! form (with every field and the `kind`) read as they always did.
+//! form (with every field and the `kind`) read as they always did. An
+//! `accepted` event also leaves out the ids that are its row's subject.
 
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::records::EventKind;
+use crate::records::{EventKind, ExecutionRecord};
 
 /// `value` as stored: its JSON without default-valued fields. An object
 /// that ends up empty is kept (`Some` of an all-default struct stays
@@ -19,13 +20,23 @@ pub fn to_stored(value: &impl Serialize) -> Result<String, serde_json::Error> {
     serde_json::to_string(&json)
 }
 
-/// [`to_stored`], also without the top-level fields `columns` (which the
-/// row keeps in columns of their own).
-pub fn to_stored_without(value: &impl Serialize, columns: &[&str]) -> Result<String, serde_json::Error> {
-    let mut json = serde_json::to_value(value)?;
+/// The fields of an execution record that its row has columns for, which
+/// its stored JSON leaves out (every write of the record writes them).
+pub const EXECUTION_COLUMNS: [&str; 4] = ["execution_id", "state", "created_at_ms", "finished_at_ms"];
+
+/// An execution's stored record: [`to_stored`], without the fields its
+/// row's columns hold, and without its consumer's `run_id` when that is
+/// its id (an execution's is): see `execution_from_row`.
+pub fn execution_to_stored(record: &ExecutionRecord) -> Result<String, serde_json::Error> {
+    let mut json = serde_json::to_value(record)?;
     prune(&mut json);
     if let Value::Object(fields) = &mut json {
-        fields.retain(|name, _| !columns.contains(&name.as_str()));
+        fields.retain(|name, _| !EXECUTION_COLUMNS.contains(&name.as_str()));
+        if let Some(Value::Object(consumer)) = fields.get_mut("consumer") {
+            if consumer.get("run_id").and_then(Value::as_str) == Some(record.execution_id.as_str()) {
+                consumer.remove("run_id");
+            }
+        }
     }
     serde_json::to_string(&json)
 }
@@ -33,9 +44,21 @@ pub fn to_stored_without(value: &impl Serialize, columns: &[&str]) -> Result<Str
 /// An event's stored body: [`to_stored`], less its `kind` when the row's
 /// `kind` column names it. The two `finished` kinds share one column
 /// value and `limit_hit`'s column says `limit`: those keep theirs, first.
-pub fn event_body(kind: &EventKind) -> Result<String, serde_json::Error> {
+/// An `accepted` event leaves out its `execution_id` and its consumer's
+/// `run_id` when they are the subject (an execution's are).
+pub fn event_body(subject: &str, kind: &EventKind) -> Result<String, serde_json::Error> {
     let mut json = serde_json::to_value(kind)?;
     prune(&mut json);
+    if let (EventKind::Accepted { .. }, Value::Object(fields)) = (kind, &mut json) {
+        if fields.get("execution_id").and_then(Value::as_str) == Some(subject) {
+            fields.remove("execution_id");
+        }
+        if let Some(Value::Object(consumer)) = fields.get_mut("consumer") {
+            if consumer.get("run_id").and_then(Value::as_str) == Some(subject) {
+                consumer.remove("run_id");
+            }
+        }
+    }
     let tag = json.as_object_mut().and_then(|fields| fields.remove("kind"));
     let rest = serde_json::to_string(&json)?;
     match tag.as_ref().and_then(Value::as_str) {
@@ -44,12 +67,25 @@ pub fn event_body(kind: &EventKind) -> Result<String, serde_json::Error> {
     }
 }
 
-/// Reads an event's stored body back, given its row's `kind` column.
-pub fn event_from_stored(column_kind: &str, body: &str) -> Result<EventKind, serde_json::Error> {
-    if body.starts_with(r#"{"kind":"#) {
-        return serde_json::from_str(body);
+/// Reads an event's stored body back, given its row's subject and `kind`
+/// column. An `accepted` event always names its subject: an execution's in
+/// `execution_id`, a session's in `session_id`, and either's consumer in
+/// `run_id`; a stored one without them gets the subject back.
+pub fn event_from_stored(subject: &str, column_kind: &str, body: &str) -> Result<EventKind, serde_json::Error> {
+    let mut kind: EventKind = if body.starts_with(r#"{"kind":"#) {
+        serde_json::from_str(body)?
+    } else {
+        serde_json::from_str(&with_kind(column_kind, body))?
+    };
+    if let EventKind::Accepted { execution_id, session_id, consumer, .. } = &mut kind {
+        if execution_id.is_empty() && session_id.is_empty() {
+            *execution_id = subject.to_string();
+        }
+        if consumer.run_id.is_empty() {
+            consumer.run_id = subject.to_string();
+        }
     }
-    serde_json::from_str(&with_kind(column_kind, body))
+    Ok(kind)
 }
 
 /// `{"kind":"<kind>", …fields of object}`.
@@ -91,8 +127,8 @@ mod tests {
     use crate::sandbox::{Consumer, EnforcementReceipt, LimitReceipt, SandboxSpec, SandboxType};
 
     fn round_trip(kind: EventKind) {
-        let body = event_body(&kind).unwrap();
-        let back = event_from_stored(kind.name(), &body).unwrap_or_else(|e| panic!("{body}: {e}"));
+        let body = event_body("s1", &kind).unwrap();
+        let back = event_from_stored("s1", kind.name(), &body).unwrap_or_else(|e| panic!("{body}: {e}"));
         assert_eq!(back, kind, "stored as {body}");
     }
 
@@ -109,11 +145,12 @@ mod tests {
             env_passthrough: vec![],
         };
         let zero = [
+            // An execution's (it names its subject: see the next test).
             EventKind::Accepted {
-                execution_id: String::new(),
+                execution_id: "s1".into(),
                 session_id: String::new(),
                 request_id: String::new(),
-                consumer: Consumer::default(),
+                consumer: Consumer { run_id: "s1".into(), ..Default::default() },
             },
             EventKind::Resolved {
                 profile_ref: String::new(),
@@ -177,18 +214,38 @@ mod tests {
     }
 
     #[test]
-    fn stored_form_leaves_out_defaults_and_the_kind() {
-        let kind = EventKind::Accepted {
+    fn stored_form_leaves_out_defaults_the_kind_and_the_subject() {
+        let consumer = |run_id: &str| Consumer { actor: "adm".into(), run_id: run_id.into(), ..Default::default() };
+        let execution = EventKind::Accepted {
             execution_id: "e1".into(),
             session_id: String::new(),
             request_id: String::new(),
-            consumer: Consumer { actor: "adm".into(), ..Default::default() },
+            consumer: consumer("e1"),
         };
-        assert_eq!(event_body(&kind).unwrap(), r#"{"consumer":{"actor":"adm"},"execution_id":"e1"}"#);
-        assert_eq!(event_body(&EventKind::Reaped { idle_seconds: 0 }).unwrap(), "{}");
-        assert_eq!(event_from_stored("reaped", "{}").unwrap(), EventKind::Reaped { idle_seconds: 0 });
+        assert_eq!(event_body("e1", &execution).unwrap(), r#"{"consumer":{"actor":"adm"}}"#);
+        assert_eq!(event_from_stored("e1", "accepted", r#"{"consumer":{"actor":"adm"}}"#).unwrap(), execution);
+        let session = EventKind::Accepted {
+            execution_id: String::new(),
+            session_id: "s1".into(),
+            request_id: "r".into(),
+            consumer: consumer("s1"),
+        };
+        let body = event_body("s1", &session).unwrap();
+        assert_eq!(body, r#"{"consumer":{"actor":"adm"},"request_id":"r","session_id":"s1"}"#);
+        assert_eq!(event_from_stored("s1", "accepted", &body).unwrap(), session);
+        // Ids that are not the subject stay.
+        let other = EventKind::Accepted {
+            execution_id: "e2".into(),
+            session_id: "s1".into(),
+            request_id: String::new(),
+            consumer: consumer("e2"),
+        };
+        assert_eq!(event_from_stored("s1", "accepted", &event_body("s1", &other).unwrap()).unwrap(), other);
+
+        assert_eq!(event_body("s1", &EventKind::Reaped { idle_seconds: 0 }).unwrap(), "{}");
+        assert_eq!(event_from_stored("s1", "reaped", "{}").unwrap(), EventKind::Reaped { idle_seconds: 0 });
         // The finished kinds share a column value, so they keep theirs.
-        let finished = event_body(&EventKind::SessionFinished { session: Box::default() }).unwrap();
+        let finished = event_body("s1", &EventKind::SessionFinished { session: Box::default() }).unwrap();
         assert!(finished.starts_with(r#"{"kind":"session_finished","session":{"#), "{finished}");
         // A value inside an array is kept in place, even a default one.
         let mut list = serde_json::json!({"a": [0, "", {"b": ""}], "c": {}});
@@ -199,6 +256,9 @@ mod tests {
     #[test]
     fn rows_written_with_every_field_still_read() {
         let old = r#"{"kind":"dispatched","tool":"run_task"}"#;
-        assert_eq!(event_from_stored("dispatched", old).unwrap(), EventKind::Dispatched { tool: "run_task".into() });
+        assert_eq!(
+            event_from_stored("s1", "dispatched", old).unwrap(),
+            EventKind::Dispatched { tool: "run_task".into() }
+        );
     }
 }
