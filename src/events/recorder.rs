@@ -51,8 +51,7 @@ impl Recorder {
     /// Stores several events (after any held ones) in one write, then
     /// publishes them in order; the last one, once published. Same rules
     /// as [`Recorder::emit`].
-    pub async fn emit_batch(&mut self, kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
-        let mut kinds = kinds;
+    pub async fn emit_batch(&mut self, mut kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
         if !self.held.is_empty() {
             kinds.splice(0..0, std::mem::take(&mut self.held));
         }

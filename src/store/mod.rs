@@ -158,7 +158,7 @@ impl Store {
         .bind(&record.consumer.actor)
         .bind(&record.consumer.project)
         .bind(record.created_at_ms)
-        .bind(stored_execution(record)?)
+        .bind(stored::execution_to_stored(record)?)
         .bind(&self.node)
         .execute(&self.pool)
         .await;
@@ -220,7 +220,7 @@ impl Store {
         .bind(record.state.as_str())
         .bind(profile)
         .bind(record.finished_at_ms)
-        .bind(stored_execution(record)?)
+        .bind(stored::execution_to_stored(record)?)
         .bind(&record.execution_id)
         .execute(&mut *tx)
         .await?;
@@ -301,7 +301,7 @@ impl Store {
             let mut record = execution_from_row(&row)?;
             record.evidence.hub_report_status = status;
             sqlx::query("UPDATE executions SET record = $1 WHERE execution_id = $2")
-                .bind(stored_execution(&record)?)
+                .bind(stored::execution_to_stored(&record)?)
                 .bind(execution_id)
                 .execute(&mut *tx)
                 .await?;
@@ -770,16 +770,12 @@ where
 }
 
 /// The columns an execution is read from: its record, and the fields of
-/// the record that have columns of their own (see [`stored_execution`]).
+/// the record that have columns of their own (see
+/// [`stored::execution_to_stored`]).
 const EXECUTION: &str = "execution_id, state, created_at_ms, finished_at_ms, record";
 
-/// An execution's stored record (see [`stored::execution_to_stored`]).
-fn stored_execution(record: &ExecutionRecord) -> Result<String, StoreError> {
-    Ok(stored::execution_to_stored(record)?)
-}
-
 /// An execution read back from [`EXECUTION`]'s columns. A record stored
-/// before [`stored_execution`] repeats the columns (and from before
+/// by an older daemon repeats the columns (and from before
 /// `finished_at_ms` had a column, holds it alone), so a missing column
 /// value keeps the record's.
 fn execution_from_row(row: &sqlx::any::AnyRow) -> Result<ExecutionRecord, StoreError> {
