@@ -469,6 +469,39 @@ async fn a_setsid_child_of_a_none_sandbox_does_not_survive_teardown() {
     daemon.stop().await;
 }
 
+/// Teardown trusts an emptied cgroup to mean nothing of the sandbox is
+/// left (it sweeps the sandbox's uid only without one), so no process of
+/// a sandbox may move itself out of its cgroup: not from bwrap (no
+/// cgroupfs inside), not from a `none` sandbox (the host's cgroupfs, but
+/// root's files), into any cgroup it can find.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_sandbox_process_can_leave_its_cgroup() {
+    let none = ("none.toml".to_string(), shell_profile("test.none", "type = \"none\"\nallow_network = true", ""));
+    let daemon = daemon_with(vec![none, bwrap_shell("test.bwrap", "")]).await;
+    let script = "for f in $(find /sys/fs/cgroup -maxdepth 4 -name cgroup.procs 2>/dev/null); do \
+                  if echo $$ > \"$f\" 2>/dev/null; then echo \"moved to $f\"; fi; done; \
+                  echo tried; cat /proc/self/cgroup";
+    for profile in ["test.none", "test.bwrap"] {
+        let (execution, events) = run(&daemon, profile, script).await;
+        assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{profile}: {execution:?}");
+        let output = &execution.tool_output;
+        assert!(output.contains("tried"), "{profile}: {output}");
+        assert!(!output.contains("moved"), "{profile}: a sandbox process left its cgroup:\n{output}");
+        if profile == "test.none" {
+            // The host's view: still in the sandbox's own cgroup.
+            let sandbox_id = events
+                .iter()
+                .find_map(|e| match &e.kind {
+                    Some(Kind::SandboxReady(ready)) => Some(ready.sandbox_id.clone()),
+                    _ => None,
+                })
+                .unwrap();
+            assert!(output.lines().any(|l| l.contains(&sandbox_id)), "not in its cgroup: {output}");
+        }
+    }
+    daemon.stop().await;
+}
+
 // ---------------------------------------------------------------------------
 // Receipt and capability report
 

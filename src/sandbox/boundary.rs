@@ -181,23 +181,29 @@ impl Boundary {
     /// did.
     ///
     /// The cgroup finds and kills everything (nothing unprivileged leaves
-    /// it). A process leaves `cgroup.procs` as it starts to exit, before it
-    /// is gone, so with a uid of the sandbox's own the sweep of that uid then
-    /// waits until nothing of it is alive at all; it also serves sandboxes
-    /// without a cgroup and recovery, where the cgroup may be gone.
+    /// it), and it is empty only when nothing of the sandbox can run again:
+    /// the kernel takes an exiting process out of `cgroup.procs`
+    /// (`cgroup_exit`) after it has let go of its memory and its files.
+    /// Without a cgroup (a host without one, or recovery after it is gone),
+    /// or if it would not empty, the sandbox's own uid is swept instead,
+    /// until nothing of that uid is alive at all. (Its uid is given to no
+    /// other sandbox while the kernel knows any task of it, zombies
+    /// included: see `allocate_own_uid`.)
     pub async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
         let mut errors = Vec::new();
         self.processes.kill_all(&sandbox.id);
         // The proxies close with their sandbox: listener and every tunnel.
         drop(self.proxies.lock().unwrap_or_else(|e| e.into_inner()).remove(&sandbox.id));
+        let mut emptied = false;
         if let Some(cgroup) = &sandbox.cgroup {
-            if let Err(e) = cgroup.kill_all(KILL_TIMEOUT).await {
-                errors.push(e.to_string());
+            match cgroup.kill_all(KILL_TIMEOUT).await {
+                Ok(()) => emptied = true,
+                Err(e) => errors.push(e.to_string()),
             }
         }
         // Only a uid that is the sandbox's alone: never one shared with
         // anything else on the host (the benchmark's floor runs as nobody).
-        if let Some(user) = sandbox.user.filter(|_| sandbox.receipt.own_uid) {
+        if let Some(user) = sandbox.user.filter(|_| sandbox.receipt.own_uid && !emptied) {
             if let Err(e) = kill_uid(user.uid, KILL_TIMEOUT).await {
                 errors.push(e);
             }
