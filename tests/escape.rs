@@ -479,7 +479,7 @@ async fn no_sandbox_process_can_leave_its_cgroup() {
     let none = ("none.toml".to_string(), shell_profile("test.none", "type = \"none\"\nallow_network = true", ""));
     let daemon = daemon_with(vec![none, bwrap_shell("test.bwrap", "")]).await;
     let script = "for f in $(find /sys/fs/cgroup -maxdepth 4 -name cgroup.procs 2>/dev/null); do \
-                  if echo $$ > \"$f\" 2>/dev/null; then echo \"moved to $f\"; fi; done; \
+                  echo \"try $f\"; if echo $$ > \"$f\" 2>/dev/null; then echo \"moved to $f\"; fi; done; \
                   echo tried; cat /proc/self/cgroup";
     for profile in ["test.none", "test.bwrap"] {
         let (execution, events) = run(&daemon, profile, script).await;
@@ -488,6 +488,8 @@ async fn no_sandbox_process_can_leave_its_cgroup() {
         assert!(output.contains("tried"), "{profile}: {output}");
         assert!(!output.contains("moved"), "{profile}: a sandbox process left its cgroup:\n{output}");
         if profile == "test.none" {
+            // It saw the host's cgroups (the root's among them) and tried them.
+            assert!(output.contains("try /sys/fs/cgroup/"), "{output}");
             // The host's view: still in the sandbox's own cgroup.
             let sandbox_id = events
                 .iter()
