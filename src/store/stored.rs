@@ -32,11 +32,7 @@ pub fn execution_to_stored(record: &ExecutionRecord) -> Result<String, serde_jso
     prune(&mut json);
     if let Value::Object(fields) = &mut json {
         fields.retain(|name, _| !EXECUTION_COLUMNS.contains(&name.as_str()));
-        if let Some(Value::Object(consumer)) = fields.get_mut("consumer") {
-            if consumer.get("run_id").and_then(Value::as_str) == Some(record.execution_id.as_str()) {
-                consumer.remove("run_id");
-            }
-        }
+        remove_run_id(fields, &record.execution_id);
     }
     serde_json::to_string(&json)
 }
@@ -50,14 +46,8 @@ pub fn event_body(subject: &str, kind: &EventKind) -> Result<String, serde_json:
     let mut json = serde_json::to_value(kind)?;
     prune(&mut json);
     if let (EventKind::Accepted { .. }, Value::Object(fields)) = (kind, &mut json) {
-        if fields.get("execution_id").and_then(Value::as_str) == Some(subject) {
-            fields.remove("execution_id");
-        }
-        if let Some(Value::Object(consumer)) = fields.get_mut("consumer") {
-            if consumer.get("run_id").and_then(Value::as_str) == Some(subject) {
-                consumer.remove("run_id");
-            }
-        }
+        remove_if(fields, "execution_id", subject);
+        remove_run_id(fields, subject);
     }
     let tag = json.as_object_mut().and_then(|fields| fields.remove("kind"));
     let rest = serde_json::to_string(&json)?;
@@ -86,6 +76,20 @@ pub fn event_from_stored(subject: &str, column_kind: &str, body: &str) -> Result
         }
     }
     Ok(kind)
+}
+
+/// Removes `fields[name]` when it is the string `value`.
+fn remove_if(fields: &mut serde_json::Map<String, Value>, name: &str, value: &str) {
+    if fields.get(name).and_then(Value::as_str) == Some(value) {
+        fields.remove(name);
+    }
+}
+
+/// Removes the consumer's `run_id` when it is `id`.
+fn remove_run_id(fields: &mut serde_json::Map<String, Value>, id: &str) {
+    if let Some(Value::Object(consumer)) = fields.get_mut("consumer") {
+        remove_if(consumer, "run_id", id);
+    }
 }
 
 /// `{"kind":"<kind>", …fields of object}`.
