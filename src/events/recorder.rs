@@ -13,7 +13,7 @@ pub struct Recorder {
     bus: Arc<EventBus>,
     /// Events held back to be stored with the next one (see
     /// [`Recorder::hold`]).
-    held: Vec<(EventKind, Option<RawPart>)>,
+    held: Vec<EventKind>,
 }
 
 impl Recorder {
@@ -36,7 +36,7 @@ impl Recorder {
     /// `gated`), one write instead of one each. Nobody sees a held event
     /// before it is stored, and nothing emitted later overtakes it.
     pub fn hold(&mut self, kind: EventKind) {
-        self.held.push((kind, None));
+        self.held.push(kind);
     }
 
     /// Stores the event (after any held ones), then publishes it. A store
@@ -53,7 +53,7 @@ impl Recorder {
     /// as [`Recorder::emit`].
     pub async fn emit_batch(&mut self, mut kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
         if !self.held.is_empty() {
-            kinds.splice(0..0, std::mem::take(&mut self.held));
+            kinds.splice(0..0, self.held.drain(..).map(|kind| (kind, None)));
         }
         if kinds.is_empty() {
             return None;
@@ -82,8 +82,8 @@ impl Recorder {
     /// The subject's next event, not stored yet: for a caller that stores
     /// it in a transaction of its own (the final record's, see
     /// [`Store::finish_execution`]) through [`Recorder::persist_with`],
-    /// then hands it to [`Recorder::publish`].
-    /// Held events are stored and published first.
+    /// then hands it to [`Recorder::publish`]. Held events are stored and
+    /// published first.
     pub async fn prepare(&mut self, kind: EventKind) -> Event {
         if !self.held.is_empty() {
             self.emit_batch(Vec::new()).await;

@@ -186,9 +186,10 @@ impl Boundary {
     /// (`cgroup_exit`) after it has let go of its memory and its files.
     /// Without a cgroup (a host without one, or recovery after it is gone),
     /// or if it would not empty, the sandbox's own uid is swept instead,
-    /// until nothing of that uid is alive at all. (Its uid is given to no
-    /// other sandbox while the kernel knows any task of it, zombies
-    /// included: see `allocate_own_uid`.)
+    /// until nothing of that uid is alive at all. (Its uid goes to no other
+    /// sandbox while any task of it is alive, nor while only its zombies
+    /// are left unless no uid in the range is free of tasks: see
+    /// `allocate_own_uid`.)
     pub async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
         let mut errors = Vec::new();
         self.processes.kill_all(&sandbox.id);

@@ -12,11 +12,11 @@ use sqlx::migrate::Migrator;
 use sqlx::AnyPool;
 use sqlx::{Executor, Row};
 
-mod stored;
-
 use crate::records::{now_ms, ExecutionRecord, ExecutionState, SessionRecord};
 use crate::records::{Event, EventKind};
 use crate::sandbox::SandboxState;
+
+mod stored;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
