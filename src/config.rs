@@ -32,8 +32,10 @@ pub struct Config {
     /// A finished execution's events are kept this long, then compacted to
     /// its final `finished` event (record and evidence).
     pub event_retention_seconds: u64,
-    /// Repositories an execution may name must be under one of these
-    /// (empty: any local repository).
+    /// Repositories an execution or session may name must be beneath one
+    /// of these (default: [`DEFAULT_REPO_ROOT`]; empty: none at all, every
+    /// workspace starts empty). `CORRAL_REPO_ROOTS` (colon-separated)
+    /// replaces the list.
     pub repo_roots: Vec<PathBuf>,
     /// The daemon's admin policies, evaluated after session and profile ones.
     pub policies: Vec<PolicySpec>,
@@ -208,7 +210,7 @@ impl Default for Config {
             max_running_executions: 64,
             max_running_sessions: 64,
             event_retention_seconds: 7 * 24 * 3600,
-            repo_roots: Vec::new(),
+            repo_roots: vec![PathBuf::from(DEFAULT_REPO_ROOT)],
             policies: Vec::new(),
             hub: None,
             credentials: CredentialsConfig::default(),
@@ -230,6 +232,10 @@ impl Default for Config {
         }
     }
 }
+
+/// Where repositories are, unless `repo_roots` says otherwise: a
+/// directory an operator fills on purpose, never "anything on the host".
+pub const DEFAULT_REPO_ROOT: &str = "/srv/corral/repos";
 
 /// `/var/lib/corral` for a root daemon (its sandboxes' uids must traverse
 /// it, and root's home is private); otherwise `$XDG_DATA_HOME/corral`, else
@@ -317,6 +323,9 @@ impl Config {
         if let Some(v) = get("CORRAL_PROFILES") {
             self.profile_dirs.extend(std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()));
         }
+        if let Some(v) = get("CORRAL_REPO_ROOTS") {
+            self.repo_roots = std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()).collect();
+        }
         if let Some(v) = get("CORRAL_UNIX_SOCKET") {
             self.unix_socket = Some(v.into());
         }
@@ -392,6 +401,11 @@ impl Config {
         for root in &self.repo_roots {
             if !root.is_absolute() {
                 return Err(invalid("repo_roots", format!("{} must be absolute", root.display())));
+            }
+            // "/" would make every directory of the host a repository a
+            // principal may name.
+            if root.components().count() < 2 {
+                return Err(invalid("repo_roots", format!("{} would allow the whole host", root.display())));
             }
         }
         Ok(())

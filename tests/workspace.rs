@@ -181,7 +181,12 @@ async fn an_agent_commit_with_the_provided_identity_comes_back() {
     let origin = git_repo();
     let script = "echo work > work.txt && git add work.txt && git commit -qm 'agent work' && echo committed";
     let execution = run_on(&daemon, origin.path(), script).await;
-    assert!(execution.tool_output.contains("committed"), "git commit failed inside: {}", execution.tool_output);
+    assert!(
+        execution.tool_output.contains("committed"),
+        "git commit failed inside: {} {}",
+        execution.tool_output,
+        execution.tool_error
+    );
     assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{}", execution.tool_error);
     let evidence = execution.evidence.unwrap();
     assert!(!evidence.workspace_snapshot);

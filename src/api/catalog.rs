@@ -100,7 +100,7 @@ impl CatalogService for CatalogApi {
     ) -> Result<Response<pb::EvaluateGateResponse>, Status> {
         let principal = super::auth::caller(&request)?;
         let req = request.into_inner();
-        let (repo, specs) = validate::evaluate_gate(&req, &self.repo_roots).await?;
+        let (repo, specs) = validate::evaluate_gate(&req, &self.repo_roots, &principal.repos).await?;
         check_actor(&req.actor).map_err(refused)?;
         let profile = self.catalog.resolve(&req.profile_ref).map_err(refused)?;
         let session_policies = super::session::session_policies(&principal, specs)?;

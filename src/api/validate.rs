@@ -78,10 +78,15 @@ pub fn text(field: &str, value: &str, max: usize) -> Result<(), Status> {
     Ok(())
 }
 
-/// A repository path: absolute, no `..`, under an allowed root once every
-/// symlink is resolved, and a git repository. Returns the canonical path,
-/// which is what the execution uses from then on; empty stays empty.
-pub async fn repo(field: &str, value: &str, roots: &[PathBuf]) -> Result<String, Status> {
+/// A repository path: absolute, no `..`, beneath one of the daemon's
+/// `roots` and the principal's `prefixes` (if it has any), opened there
+/// without leaving the root, and a git repository. Returns the canonical
+/// path, which is what the execution uses from then on; empty stays empty.
+///
+/// Whatever the reason, a refused path gets one answer, so a caller learns
+/// nothing about what exists on the host; the reason goes to the log.
+pub async fn repo(field: &str, value: &str, roots: &[PathBuf], prefixes: &[PathBuf]) -> Result<String, Status> {
+    use crate::sandbox::repo::{resolve, Refused, NOT_ALLOWED};
     if value.is_empty() {
         return Ok(String::new());
     }
@@ -93,15 +98,15 @@ pub async fn repo(field: &str, value: &str, roots: &[PathBuf]) -> Result<String,
     if path.components().any(|c| matches!(c, Component::ParentDir)) {
         return Err(invalid_argument(field, "must not contain '..'"));
     }
-    let canonical = path.canonicalize().map_err(|_| invalid_argument(field, "does not exist"))?;
-    let under = |root: &PathBuf| root.canonicalize().is_ok_and(|root| canonical.starts_with(root));
-    if !roots.is_empty() && !roots.iter().any(under) {
-        return Err(invalid_argument(field, "is outside the daemon's allowed repository roots"));
+    let refuse = |why: Refused| {
+        tracing::info!(target: "corral::audit", field, reason = %why, "repository refused");
+        invalid_argument(field, NOT_ALLOWED)
+    };
+    let open = resolve(path, roots, prefixes).map_err(refuse)?;
+    if !crate::sandbox::workspace::is_git_repo(&open).await {
+        return Err(refuse(Refused::NotGit));
     }
-    if !crate::sandbox::workspace::is_git_repo(&canonical).await {
-        return Err(invalid_argument(field, "is not a git repository"));
-    }
-    canonical.into_os_string().into_string().map_err(|_| invalid_argument(field, "must be valid UTF-8"))
+    open.canonical().to_str().map(str::to_string).ok_or_else(|| invalid_argument(field, "must be valid UTF-8"))
 }
 
 /// `UNSPECIFIED` means no filter; an unknown number is refused.
@@ -147,7 +152,11 @@ pub fn page_size(value: u32) -> Result<u32, Status> {
     }
 }
 
-pub async fn execute_request(req: pb::ExecuteRequest, roots: &[PathBuf]) -> Result<ExecuteCommand, Status> {
+pub async fn execute_request(
+    req: pb::ExecuteRequest,
+    roots: &[PathBuf],
+    prefixes: &[PathBuf],
+) -> Result<ExecuteCommand, Status> {
     profile_ref("harness_profile_ref", &req.harness_profile_ref)?;
     text("title", &req.title, MAX_TITLE)?;
     text("description", &req.description, MAX_DESCRIPTION)?;
@@ -156,7 +165,7 @@ pub async fn execute_request(req: pb::ExecuteRequest, roots: &[PathBuf]) -> Resu
     token("assignment_ref", &req.assignment_ref)?;
     token("actor", &req.actor)?;
     token("project", &req.project)?;
-    let repo = repo("repo", &req.repo, roots).await?;
+    let repo = repo("repo", &req.repo, roots, prefixes).await?;
     Ok(ExecuteCommand {
         harness_profile_ref: req.harness_profile_ref,
         repo,
@@ -180,25 +189,27 @@ pub async fn execute_request(req: pb::ExecuteRequest, roots: &[PathBuf]) -> Resu
 pub async fn create_session(
     req: &pb::CreateSessionRequest,
     roots: &[PathBuf],
+    prefixes: &[PathBuf],
 ) -> Result<(String, Vec<PolicySpec>), Status> {
     token("session_id", &req.session_id)?;
     profile_ref("profile_ref", &req.profile_ref)?;
     token("actor", &req.actor)?;
     token("project", &req.project)?;
     let specs = policies(&req.policies)?;
-    Ok((repo("repo", &req.repo, roots).await?, specs))
+    Ok((repo("repo", &req.repo, roots, prefixes).await?, specs))
 }
 
 /// `EvaluateGate`'s fields, the same way.
 pub async fn evaluate_gate(
     req: &pb::EvaluateGateRequest,
     roots: &[PathBuf],
+    prefixes: &[PathBuf],
 ) -> Result<(String, Vec<PolicySpec>), Status> {
     profile_ref("profile_ref", &req.profile_ref)?;
     token("actor", &req.actor)?;
     token("project", &req.project)?;
     let specs = policies(&req.policies)?;
-    Ok((repo("repo", &req.repo, roots).await?, specs))
+    Ok((repo("repo", &req.repo, roots, prefixes).await?, specs))
 }
 
 /// Policies from the wire, in shape: sizes, names, JSON arguments. Whether

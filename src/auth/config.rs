@@ -35,6 +35,9 @@ pub struct PrincipalConfig {
     pub tls_names: Vec<String>,
     /// Executions and sessions it may have running at once.
     pub max_running: Option<usize>,
+    /// Absolute prefixes its `repo` must be under (within the daemon's
+    /// `repo_roots`); empty: any repository under the roots.
+    pub repos: Vec<PathBuf>,
 }
 
 /// A principal with the digests of its credentials.
@@ -112,11 +115,22 @@ impl PrincipalConfig {
         if token_digests.is_empty() && self.unix_uids.is_empty() && self.tls_names.is_empty() {
             return Err(format!("{key}: no credential (token_sha256, token_file, token_env, unix_uids or tls_names)"));
         }
+        for repo in &self.repos {
+            if !repo.is_absolute() {
+                return Err(format!("{key}.repos: {} must be an absolute path", repo.display()));
+            }
+        }
         if self.max_running == Some(0) {
             return Err(format!("{key}.max_running: must be greater than 0"));
         }
         Ok(Loaded {
-            principal: Principal { name: name.clone(), kind, projects, max_running: self.max_running },
+            principal: Principal {
+                name: name.clone(),
+                kind,
+                projects,
+                max_running: self.max_running,
+                repos: self.repos.clone(),
+            },
             token_digests,
             unix_uids: self.unix_uids.clone(),
             tls_names: self.tls_names.clone(),

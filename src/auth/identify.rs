@@ -44,6 +44,7 @@ impl Authenticator {
             kind: ConsumerType::Adm,
             projects: Projects::All,
             max_running: None,
+            repos: Vec::new(),
         });
         let mut tokens = Vec::new();
         let mut uids = HashMap::new();

@@ -72,6 +72,9 @@ pub struct Principal {
     pub projects: Projects,
     /// Executions and sessions it may have running at once.
     pub max_running: Option<usize>,
+    /// Where its repositories may be (absolute prefixes), within the
+    /// daemon's `repo_roots`; empty: anywhere within them.
+    pub repos: Vec<std::path::PathBuf>,
 }
 
 /// Why a call is refused: a stable machine reason and a sentence.
@@ -179,11 +182,18 @@ mod tests {
             kind: ConsumerType::Agt,
             projects: Projects::Only(projects.iter().map(|p| p.to_string()).collect()),
             max_running: None,
+            repos: Vec::new(),
         }
     }
 
     fn adm() -> Principal {
-        Principal { name: "root".into(), kind: ConsumerType::Adm, projects: Projects::All, max_running: None }
+        Principal {
+            name: "root".into(),
+            kind: ConsumerType::Adm,
+            projects: Projects::All,
+            max_running: None,
+            repos: Vec::new(),
+        }
     }
 
     #[test]

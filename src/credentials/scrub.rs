@@ -1,9 +1,11 @@
 //! Replacing credential values with `[REDACTED:<route>]`.
 //!
 //! Harness output is read line by line, so a value written in two chunks
-//! across a flush arrives whole within its line. Base64 forms are caught at
-//! each of the three byte alignments a value can have inside a longer
-//! encoded string.
+//! across a flush arrives whole within its line. Besides the value itself,
+//! the encodings an agent most easily produces are caught: base64 (standard
+//! and URL-safe alphabets) at each of the three byte alignments a value can
+//! have inside a longer encoded string, hex (lower and upper case) and
+//! percent-encoding (as in a URL).
 
 use std::sync::Arc;
 
@@ -44,14 +46,53 @@ fn base64_forms(value: &[u8]) -> Vec<String> {
         .collect()
 }
 
+/// The value in hex, lower and upper case.
+fn hex_forms(value: &[u8]) -> [String; 2] {
+    let lower: String = value.iter().map(|b| format!("{b:02x}")).collect();
+    let upper = lower.to_ascii_uppercase();
+    [lower, upper]
+}
+
+/// The value percent-encoded (RFC 3986: everything but the unreserved
+/// characters), with upper- and lower-case hex digits; nothing when the
+/// value needs no encoding.
+fn percent_forms(value: &[u8]) -> Vec<String> {
+    let unreserved = |b: u8| b.is_ascii_alphanumeric() || b"-._~".contains(&b);
+    if value.iter().all(|b| unreserved(*b)) {
+        return Vec::new();
+    }
+    let encode = |upper: bool| -> String {
+        value
+            .iter()
+            .map(|&b| match (unreserved(b), upper) {
+                (true, _) => (b as char).to_string(),
+                (false, true) => format!("%{b:02X}"),
+                (false, false) => format!("%{b:02x}"),
+            })
+            .collect()
+    };
+    vec![encode(true), encode(false)]
+}
+
 impl Scrubber {
+    /// Adds `value` (and its encodings) as the secret of `route`.
     pub fn add(&mut self, route: &str, value: &str) {
+        if value.is_empty() {
+            return;
+        }
         let replacement = format!("[REDACTED:{route}]");
         let patterns = Arc::make_mut(&mut self.patterns);
-        patterns.push((value.to_string(), replacement.clone()));
+        let mut forms = vec![value.to_string()];
         for form in base64_forms(value.as_bytes()) {
-            patterns.push((form, replacement.clone()));
+            let url_safe = form.replace('+', "-").replace('/', "_");
+            forms.push(form);
+            forms.push(url_safe);
         }
+        forms.extend(hex_forms(value.as_bytes()));
+        forms.extend(percent_forms(value.as_bytes()));
+        forms.sort();
+        forms.dedup();
+        patterns.extend(forms.into_iter().map(|form| (form, replacement.clone())));
         patterns.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
     }
 
@@ -85,6 +126,31 @@ mod tests {
             assert!(scrubbed.contains("[REDACTED:github]"), "prefix {prefix:?}: {scrubbed}");
         }
         assert_eq!(s.scrub("nothing to see"), "nothing to see");
+    }
+
+    #[test]
+    fn hex_url_safe_base64_and_percent_forms_are_redacted() {
+        let mut s = Scrubber::default();
+        s.add("anthropic", "sk-ant/Key+9?x");
+        // Exact vectors of each form.
+        assert_eq!(hex_forms(b"sk"), ["736b".to_string(), "736B".to_string()]);
+        assert_eq!(percent_forms(b"a/b+"), ["a%2Fb%2B".to_string(), "a%2fb%2b".to_string()]);
+        assert!(percent_forms(b"plain-value_1.2~").is_empty());
+        let hex = "736b2d616e742f4b65792b393f78";
+        for text in [
+            format!("tool={hex}"),
+            format!("tool={}", hex.to_ascii_uppercase()),
+            "GET /x?k=sk-ant%2FKey%2B9%3Fx".to_string(),
+            "GET /x?k=sk-ant%2fKey%2b9%3fx".to_string(),
+            base64(b"sk-ant/Key+9?x").replace('+', "-").replace('/', "_"),
+        ] {
+            let scrubbed = s.scrub(&text);
+            assert!(scrubbed.contains("[REDACTED:anthropic]"), "{text} -> {scrubbed}");
+            assert!(!scrubbed.contains(hex) && !scrubbed.contains("Key"), "{scrubbed}");
+        }
+        let mut empty = Scrubber::default();
+        empty.add("r", "");
+        assert!(empty.is_empty(), "an empty value would match everything");
     }
 
     #[test]

@@ -495,8 +495,17 @@ impl Core {
                 if let Some(usage) = &result.usage {
                     self.evidence.notes.push(usage.describe());
                 }
+                // Untrusted: scrubbed, then kept only if it is a model name.
                 if !result.resolved_model.is_empty() {
-                    self.evidence.resolved_model = result.resolved_model.clone();
+                    let scrubbed = self.scrubber.scrub(&result.resolved_model);
+                    match crate::records::bounded::model_name(&scrubbed) {
+                        Some(model) => self.evidence.resolved_model = model,
+                        None => self
+                            .evidence
+                            .notes
+                            .push("the harness reported a model that is not a model name (withheld)".into()),
+                    }
+                    result.resolved_model = self.evidence.resolved_model.clone();
                 }
                 TurnOutcome::Done(result)
             }
@@ -626,7 +635,7 @@ impl Core {
                     Some(RawPart::ProgressMessage(self.scrubber.scrub(&message))),
                 )),
                 HarnessEvent::ToolUse { tool, tokens_so_far } => {
-                    let tool = self.scrubber.scrub(&tool);
+                    let tool = crate::records::bounded::tool_name(&self.scrubber.scrub(&tool));
                     batch.push((EventKind::Progress { progress_kind: "tool_use".into(), tool, tokens_so_far }, None));
                 }
                 HarnessEvent::Output { line } => batch.push((

@@ -3,6 +3,7 @@
 //! the event bus and the lifecycle, so that every import points down:
 //! `lifecycle` → `store`, `events`, `hub` → `records` → `evidence`, `sandbox`.
 
+pub mod bounded;
 mod event;
 mod execution;
 mod session;

@@ -12,6 +12,7 @@ pub mod host;
 pub mod netns;
 mod none;
 pub mod process;
+pub mod repo;
 pub mod seccomp;
 pub mod spec;
 pub mod workspace;

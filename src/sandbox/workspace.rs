@@ -20,6 +20,8 @@ use std::time::Duration;
 
 use tokio::process::Command;
 
+use super::repo::OpenRepo;
+
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct WorkspaceError(pub String);
@@ -42,12 +44,42 @@ fn git() -> Command {
         .env("GIT_NO_LAZY_FETCH", "1")
         .env("LANG", "C")
         .args(["-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "-c", "protocol.file.allow=always"])
-        // Workspaces belong to their sandbox's uid, not to the daemon; the
-        // daemon only ever names repositories it chose. Command-line config
-        // is protected config: a repository cannot set it.
-        .args(["-c", "safe.directory=*"])
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true);
+    cmd
+}
+
+/// `safe.directory` for the one checked repository (it may belong to
+/// another user than the daemon), as git sees it: through the open
+/// directory and at its canonical path, work tree and `.git` both.
+/// Command-line config is protected config: a repository cannot set it.
+fn safe_directories(repo: &OpenRepo) -> Vec<String> {
+    let mut out = Vec::new();
+    for base in [repo.proc_path(), repo.canonical().to_path_buf()] {
+        for dir in [base.clone(), base.join(".git")] {
+            out.push("-c".into());
+            out.push(format!("safe.directory={}", dir.display()));
+        }
+    }
+    out
+}
+
+/// A host git command run in the daemon's own fresh clone at `workspace`,
+/// before the sandbox has run anything (its directory may already belong
+/// to the sandbox's uid).
+fn git_in_fresh_clone(workspace: &Path) -> Command {
+    let mut cmd = git();
+    for dir in [workspace.to_path_buf(), workspace.join(".git")] {
+        cmd.arg("-c").arg(format!("safe.directory={}", dir.display()));
+    }
+    cmd.arg("-C").arg(workspace);
+    cmd
+}
+
+/// A host git command run in `repo` (the open directory itself).
+fn git_in(repo: &OpenRepo) -> Command {
+    let mut cmd = git();
+    cmd.args(safe_directories(repo)).arg("-C").arg(repo.proc_path());
     cmd
 }
 
@@ -65,25 +97,49 @@ async fn run(mut cmd: Command, what: &str) -> Result<String, WorkspaceError> {
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
 }
 
-/// Whether `path` is a git repository (work tree or bare).
-pub async fn is_git_repo(path: &Path) -> bool {
-    let mut cmd = git();
-    cmd.arg("-C").arg(path).args(["rev-parse", "--git-dir"]);
+/// Whether `repo` is a git repository (work tree or bare).
+pub async fn is_git_repo(repo: &OpenRepo) -> bool {
+    let mut cmd = git_in(repo);
+    cmd.args(["rev-parse", "--git-dir"]);
     run(cmd, "rev-parse").await.is_ok()
 }
 
-/// Clones `repo` into the (empty) `workspace` and returns the HEAD commit it
-/// started from (empty for a repository with no commits).
+/// Clones `repo` (a canonical path that passed [`super::repo::resolve`])
+/// into the (empty) `workspace` and returns the HEAD commit it started from
+/// (empty for a repository with no commits).
 ///
-/// `--no-hardlinks`: a local clone would otherwise share object files with
-/// the origin, and a harness could rewrite them in place.
+/// The workspace gets only what the origin's HEAD branch reaches: the
+/// clone goes through `git upload-pack` (`--no-local`), which sends the
+/// objects of the refs asked for and nothing else, on one branch, without
+/// tags. A local clone would copy every object of the origin, including
+/// those that earlier agents' work brought back under `refs/corral/*` —
+/// another tenant's commits. The origin is opened again without following
+/// any symlink (see [`OpenRepo::reopen`]).
 pub async fn clone_into(repo: &Path, workspace: &Path) -> Result<String, WorkspaceError> {
+    let origin =
+        OpenRepo::reopen(repo).map_err(|e| WorkspaceError(format!("clone: the repository cannot be opened: {e}")))?;
+    // upload-pack runs with the environment a local transport gives it,
+    // which drops command-line config: it gets its own safe.directory. The
+    // `/proc/<pid>/fd/<n>` path has no character a shell would read.
+    let mut upload_pack = String::from("git");
+    for dir in [origin.proc_path(), origin.proc_path().join(".git")] {
+        upload_pack.push_str(&format!(" -c safe.directory={}", dir.display()));
+    }
+    upload_pack.push_str(" upload-pack");
     let mut cmd = git();
-    cmd.args(["clone", "--quiet", "--no-hardlinks", "--"]).arg(repo).arg(workspace);
+    cmd.args(["clone", "--quiet", "--no-local", "--single-branch", "--no-tags", "--upload-pack"])
+        .arg(&upload_pack)
+        .arg("--")
+        .arg(origin.proc_path())
+        .arg(workspace);
     run(cmd, "clone").await?;
+    // The origin as the agent would know it (it cannot reach it).
+    let mut cmd = git_in_fresh_clone(workspace);
+    cmd.args(["remote", "set-url", "origin"]).arg(origin.canonical());
+    run(cmd, "remote set-url").await?;
     // Still the daemon's own, untouched clone: safe to read.
-    let mut cmd = git();
-    cmd.arg("-C").arg(workspace).args(["rev-parse", "--verify", "--quiet", "HEAD^{commit}"]);
+    let mut cmd = git_in_fresh_clone(workspace);
+    cmd.args(["rev-parse", "--verify", "--quiet", "HEAD^{commit}"]);
     Ok(run(cmd, "rev-parse HEAD").await.unwrap_or_default())
 }
 
@@ -220,18 +276,18 @@ pub fn take_bundle(path: &Path, private: &Path, max_bytes: u64) -> Result<(), Wo
 /// `refs/corral/<name>`; returns the commit it brought (the one the daemon
 /// saw in the bundle, not what anyone claimed).
 pub async fn fetch_bundle(origin: &Path, bundle: &Path, name: &str) -> Result<String, WorkspaceError> {
-    let mut cmd = git();
-    cmd.arg("-C").arg(origin).args(["bundle", "list-heads"]).arg(bundle).arg(CAPTURE_REF);
+    let origin = OpenRepo::reopen(origin)
+        .map_err(|e| WorkspaceError(format!("fetch back: the repository cannot be opened: {e}")))?;
+    let mut cmd = git_in(&origin);
+    cmd.args(["bundle", "list-heads"]).arg(bundle).arg(CAPTURE_REF);
     let heads = run(cmd, "bundle list-heads").await?;
     let commit = heads
         .lines()
         .find_map(|l| l.strip_suffix(CAPTURE_REF).map(str::trim).filter(|id| is_hex_id(id)))
         .ok_or_else(|| WorkspaceError("capture bundle names no commit".into()))?
         .to_string();
-    let mut cmd = git();
-    cmd.arg("-C")
-        .arg(origin)
-        .args(["-c", "fetch.fsckObjects=true", "-c", "transfer.fsckObjects=true", "-c", "fetch.writeCommitGraph=false"])
+    let mut cmd = git_in(&origin);
+    cmd.args(["-c", "fetch.fsckObjects=true", "-c", "transfer.fsckObjects=true", "-c", "fetch.writeCommitGraph=false"])
         .args(["fetch", "--quiet", "--no-tags", "--no-write-fetch-head"])
         .arg(bundle)
         .arg(format!("+{CAPTURE_REF}:refs/corral/{name}"));

@@ -111,6 +111,8 @@ impl TestDaemon {
         };
         config.sandbox.uids = unique_uids();
         config.principals = test_principals();
+        // The tests' repositories are temporary directories.
+        config.repo_roots = vec![std::env::temp_dir()];
         // The fake agent's profile names `route.test`.
         let secret = data.path().join("route-test.secret");
         std::fs::write(&secret, ROUTE_TEST_VALUE).unwrap();
@@ -402,6 +404,8 @@ impl ServeProcess {
             .arg(&config)
             .arg("--profiles")
             .arg(profiles)
+            // The tests' repositories are temporary directories.
+            .env("CORRAL_REPO_ROOTS", std::env::temp_dir())
             .envs(env.iter().copied())
             .env_remove("CORRAL_CONFIG")
             .stdout(std::process::Stdio::piped())
