@@ -116,6 +116,16 @@ fn unique_id(tag: &str) -> String {
     format!("sess-{tag}-{}", std::process::id())
 }
 
+/// The stored id of a session that the test principal of type `actor`
+/// created as `id`: ids a caller chooses are scoped to that caller, and
+/// anyone else (the local admin here) names them in full.
+fn stored_id(actor: &str, id: &str) -> String {
+    match actor {
+        "agt" | "atm" => format!("test-{actor}/{id}"),
+        _ => format!("local-admin/{id}"),
+    }
+}
+
 // ---------------------------------------------------------------------------
 // RPC helpers
 
@@ -614,9 +624,10 @@ arguments = { types = ["adm"] }
     assert_eq!(log.lock().unwrap().creates, 0, "no sandbox may be created for a denied start");
     assert!(daemon.leftover_sandboxes().is_empty());
 
-    let record = get(&mut client, &unique_id("denied")).await;
+    let record = get(&mut client, &stored_id("agt", &unique_id("denied"))).await;
     assert_eq!(record.state, pb::SessionState::Refused as i32, "{record:?}");
-    let history = watch(&mut client, &unique_id("denied"), 0).await;
+    assert_eq!(record.session_id, stored_id("agt", &unique_id("denied")));
+    let history = watch(&mut client, &stored_id("agt", &unique_id("denied")), 0).await;
     let names = kinds(&history);
     assert_eq!(names, vec!["accepted", "resolved", "gated", "teardown", "finished"], "{names:?}");
     assert_eq!(gated(&history)[0].action, pb::GateAction::Deny as i32);
@@ -901,7 +912,7 @@ arguments = { types = ["adm"] }
             let status = created.expect_err("the dry run denied it");
             assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
         }
-        let history = watch(&mut client, &session_id, 0).await;
+        let history = watch(&mut client, &stored_id(actor, &session_id), 0).await;
         let real = &gated(&history)[0];
         assert_eq!(real.phase(), pb::GatePhase::AgentStart);
         assert_eq!(real.action, dry.action, "{profile}: action");

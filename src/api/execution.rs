@@ -277,7 +277,7 @@ impl ExecutionService for ExecutionApi {
     ) -> Result<Response<pb::ListExecutionsResponse>, Status> {
         let principal = caller(&request)?;
         let req = request.into_inner();
-        let listing = validate::list_executions(&req, &self.page_tokens)?;
+        let listing = validate::list_executions(&req, &self.page_tokens, &principal.name)?;
         let filter = ExecutionFilter {
             state: listing.state,
             profile: req.profile_ref,

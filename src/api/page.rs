@@ -1,35 +1,44 @@
 //! Page tokens: opaque to the caller, checked by the daemon. A token is the
-//! listing's cursor (the last id of the page) with an HMAC-SHA256 over the
-//! listing it belongs to and the filter it was issued for, under a key kept
-//! in the data directory (so tokens survive a restart). A token that does
-//! not parse, was made up, edited, or comes from another listing or filter
-//! is INVALID_ARGUMENT naming `page_token`, never a cursor.
+//! listing's cursor (the last id of the page) sealed with ChaCha20-Poly1305
+//! (ring) under a key kept in the data directory (so tokens survive a
+//! restart), with the listing, the filter and the caller it was issued for
+//! as associated data: nothing of the cursor can be read from a token, and
+//! a token that does not parse, was made up, edited, or comes from another
+//! listing, filter or caller is INVALID_ARGUMENT naming `page_token`, never
+//! a cursor.
 
 use std::path::Path;
 
-use sha2::{Digest, Sha256};
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, CHACHA20_POLY1305, NONCE_LEN};
+use ring::rand::{SecureRandom, SystemRandom};
 use tonic::Status;
 
 use super::status::invalid_argument;
 
-/// Longer than any token this daemon issues (a 128-byte id in hex and a MAC).
-const MAX_TOKEN: usize = 512;
-const VERSION: &str = "v1";
+/// Longer than any token this daemon issues (a 200-byte id sealed, in hex).
+const MAX_TOKEN: usize = 600;
+const VERSION: &str = "v2";
 
 pub struct PageTokens {
-    key: [u8; 32],
+    key: LessSafeKey,
+    random: SystemRandom,
 }
 
 impl PageTokens {
+    fn with_key(key: &[u8; 32]) -> PageTokens {
+        let key = LessSafeKey::new(UnboundKey::new(&CHACHA20_POLY1305, key).expect("a 32-byte key"));
+        PageTokens { key, random: SystemRandom::new() }
+    }
+
     /// The key in `path`, created (32 random bytes, mode 0600) on first use.
     pub fn load_or_create(path: &Path) -> std::io::Result<PageTokens> {
-        use std::io::{Read, Write};
+        use std::io::Write;
         use std::os::unix::fs::OpenOptionsExt;
         match std::fs::read(path) {
             Ok(bytes) if bytes.len() == 32 => {
                 let mut key = [0u8; 32];
                 key.copy_from_slice(&bytes);
-                return Ok(PageTokens { key });
+                return Ok(PageTokens::with_key(&key));
             }
             Ok(_) => {
                 return Err(std::io::Error::other("the page token key is not 32 bytes; delete it to make a new one"))
@@ -38,16 +47,31 @@ impl PageTokens {
             Err(_) => {}
         }
         let mut key = [0u8; 32];
-        std::fs::File::open("/dev/urandom")?.read_exact(&mut key)?;
+        SystemRandom::new()
+            .fill(&mut key)
+            .map_err(|_| std::io::Error::other("no randomness for the page token key"))?;
         let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
         file.write_all(&key)?;
-        Ok(PageTokens { key })
+        Ok(PageTokens::with_key(&key))
     }
 
-    /// A token for `cursor` in `listing`, under `filter`.
+    /// A token for `cursor` in `listing`, under `filter` (which names the
+    /// caller too). Empty (no next page) in the one case the system's
+    /// randomness fails.
     pub fn issue(&self, listing: &str, filter: &str, cursor: &str) -> String {
-        let mac = self.mac(listing, filter, cursor);
-        format!("{VERSION}.{}.{}", hex(cursor.as_bytes()), hex(&mac))
+        let mut nonce = [0u8; NONCE_LEN];
+        // A random 96-bit nonce per token: far more tokens than a daemon
+        // will ever issue under one key before two share a nonce.
+        if self.random.fill(&mut nonce).is_err() {
+            return String::new();
+        }
+        let mut sealed = cursor.as_bytes().to_vec();
+        let aad = associated(listing, filter);
+        let nonce_value = Nonce::assume_unique_for_key(nonce);
+        if self.key.seal_in_place_append_tag(nonce_value, Aad::from(&aad), &mut sealed).is_err() {
+            return String::new();
+        }
+        format!("{VERSION}.{}{}", hex(&nonce), hex(&sealed))
     }
 
     /// The cursor of a token this daemon issued for `listing` and `filter`;
@@ -60,42 +84,32 @@ impl PageTokens {
         if token.len() > MAX_TOKEN {
             return Err(not_ours());
         }
-        let mut parts = token.split('.');
-        let (Some(VERSION), Some(cursor), Some(mac), None) = (parts.next(), parts.next(), parts.next(), parts.next())
-        else {
+        let body = token.strip_prefix(VERSION).and_then(|t| t.strip_prefix('.')).ok_or_else(not_ours)?;
+        let mut bytes = unhex(body).ok_or_else(not_ours)?;
+        if bytes.len() < NONCE_LEN {
             return Err(not_ours());
-        };
-        let cursor = unhex(cursor).and_then(|c| String::from_utf8(c).ok()).ok_or_else(not_ours)?;
-        let mac = unhex(mac).ok_or_else(not_ours)?;
-        let expected = self.mac(listing, filter, &cursor);
-        // Compared in constant time: the MAC must not be guessable byte by byte.
-        let differs =
-            mac.len() != expected.len() || mac.iter().zip(expected).fold(0u8, |acc, (a, b)| acc | (a ^ b)) != 0;
-        if differs || cursor.is_empty() {
+        }
+        let mut sealed = bytes.split_off(NONCE_LEN);
+        let nonce = Nonce::try_assume_unique_for_key(&bytes).map_err(|_| not_ours())?;
+        let aad = associated(listing, filter);
+        // ring checks the tag (in constant time) before anything is opened.
+        let cursor = self.key.open_in_place(nonce, Aad::from(&aad), &mut sealed).map_err(|_| not_ours())?;
+        let cursor = String::from_utf8(cursor.to_vec()).map_err(|_| not_ours())?;
+        if cursor.is_empty() {
             return Err(not_ours());
         }
         Ok(cursor)
     }
-
-    fn mac(&self, listing: &str, filter: &str, cursor: &str) -> [u8; 32] {
-        // Length-prefixed parts: no two (listing, filter, cursor) share an input.
-        let mut message = Vec::new();
-        for part in [VERSION, listing, filter, cursor] {
-            message.extend_from_slice(&(part.len() as u64).to_be_bytes());
-            message.extend_from_slice(part.as_bytes());
-        }
-        hmac_sha256(&self.key, &message)
-    }
 }
 
-/// HMAC-SHA256 (RFC 2104) for a key of at most one block.
-fn hmac_sha256(key: &[u8; 32], message: &[u8]) -> [u8; 32] {
-    const BLOCK: usize = 64;
-    let mut padded = [0u8; BLOCK];
-    padded[..key.len()].copy_from_slice(key);
-    let pad = |byte: u8| padded.map(|k| k ^ byte);
-    let inner = Sha256::new().chain_update(pad(0x36)).chain_update(message).finalize();
-    Sha256::new().chain_update(pad(0x5c)).chain_update(inner).finalize().into()
+/// Length-prefixed parts: no two (listing, filter) share associated data.
+fn associated(listing: &str, filter: &str) -> Vec<u8> {
+    let mut message = Vec::new();
+    for part in [VERSION, listing, filter] {
+        message.extend_from_slice(&(part.len() as u64).to_be_bytes());
+        message.extend_from_slice(part.as_bytes());
+    }
+    message
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -114,19 +128,18 @@ mod tests {
     use super::*;
 
     fn tokens() -> PageTokens {
-        PageTokens { key: [7u8; 32] }
+        PageTokens::with_key(&[7u8; 32])
     }
 
     #[test]
-    fn hmac_matches_rfc_4231_case_1() {
-        // The case's key is 20 bytes of 0x0b; HMAC zero-pads a short key, so
-        // the same bytes followed by zeros give the same MAC.
-        let mut key = [0u8; 32];
-        key[..20].copy_from_slice(&[0x0b; 20]);
-        assert_eq!(
-            hex(&hmac_sha256(&key, b"Hi There")),
-            "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"
-        );
+    fn a_token_shows_nothing_of_its_cursor() {
+        let t = tokens();
+        let cursor = "tenant-a/secret-session";
+        let token = t.issue("sessions", "tenant-a", cursor);
+        assert!(!token.contains(&hex(cursor.as_bytes())) && !token.contains("secret"), "{token}");
+        assert_ne!(token, t.issue("sessions", "tenant-a", cursor), "a fresh nonce per token");
+        assert_eq!(t.open("sessions", "tenant-a", &token).unwrap(), cursor);
+        assert!(t.open("sessions", "tenant-b", &token).is_err(), "another caller's token");
     }
 
     #[test]
@@ -136,8 +149,9 @@ mod tests {
         assert_eq!(t.open("executions", "f", &token).unwrap(), "0190-abc");
         assert_eq!(t.open("executions", "f", "").unwrap(), "");
         let mut edited = token.clone();
-        edited.replace_range(3..5, "31");
-        let other_key = PageTokens { key: [8u8; 32] }.issue("executions", "f", "0190-abc");
+        let flipped = if edited.ends_with('0') { "1" } else { "0" };
+        edited.replace_range(edited.len() - 1.., flipped);
+        let other_key = PageTokens::with_key(&[8u8; 32]).issue("executions", "f", "0190-abc");
         for bad in [
             "bogus-token".to_string(),
             edited,
@@ -145,8 +159,9 @@ mod tests {
             t.issue("sessions", "f", "0190-abc"),
             t.issue("executions", "g", "0190-abc"),
             format!("{token}.x"),
-            "v1..".into(),
-            "x".repeat(600),
+            "v2.".into(),
+            "v1.30313930.00".into(),
+            "x".repeat(700),
         ] {
             let status = t.open("executions", "f", &bad).unwrap_err();
             assert_eq!(status.code(), tonic::Code::InvalidArgument, "{bad}");

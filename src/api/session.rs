@@ -36,18 +36,39 @@ pub fn session_policies(principal: &crate::auth::Principal, specs: Vec<PolicySpe
     })
 }
 
+/// The stored id of a session that `principal` names `id` when it creates
+/// it: session ids a caller chooses are scoped to the caller, so two
+/// principals may both have an `s1`, and neither learns of the other's.
+/// (Principal names have no `/`, so no two scopes meet.) A generated id is
+/// a UUID and needs no scope.
+pub fn scoped_session_id(principal: &crate::auth::Principal, id: &str) -> String {
+    if id.is_empty() {
+        return String::new();
+    }
+    format!("{}/{id}", principal.name)
+}
+
 impl SessionApi {
-    /// The session, if the principal may see it; NOT_FOUND otherwise.
+    /// The session `principal` means by `id`: its own (`<principal>/<id>`)
+    /// first, else the session stored under `id` exactly (a generated id,
+    /// or a scoped id written in full) if the principal may see its
+    /// project. NOT_FOUND otherwise, worded the same whatever exists.
     async fn visible(
         &self,
         principal: &crate::auth::Principal,
         id: &str,
     ) -> Result<crate::lifecycle::SessionRecord, Status> {
-        let record = self.engine.get_session(id).await?;
-        if !principal.can_see(&record.consumer.project) {
-            return Err(not_visible("session", id));
+        use crate::lifecycle::EngineError;
+        let own = scoped_session_id(principal, id);
+        let found = match self.engine.get_session(&own).await {
+            Err(EngineError::NotFound(_)) => self.engine.get_session(id).await,
+            found => found,
+        };
+        match found {
+            Ok(record) if principal.can_see(&record.consumer.project) => Ok(record),
+            Ok(_) | Err(EngineError::NotFound(_)) => Err(not_visible("session", id)),
+            Err(e) => Err(e.into()),
         }
-        Ok(record)
     }
 }
 
@@ -67,7 +88,7 @@ impl SessionService for SessionApi {
         let (actor, project) = principal.admit(&req.actor, &req.project).map_err(denied)?;
         let policies = session_policies(&principal, specs)?;
         let cmd = CreateSessionCommand {
-            session_id: req.session_id,
+            session_id: scoped_session_id(&principal, &req.session_id),
             profile_ref: req.profile_ref,
             actor,
             project,
@@ -87,10 +108,10 @@ impl SessionService for SessionApi {
         let deadline = limits::deadline(&request);
         let trace_parent = traceparent(&request);
         let req = request.into_inner();
-        validate::id("session_id", &req.session_id)?;
+        validate::session_ref("session_id", &req.session_id)?;
         let (tool, arguments) = validate::tool_call(req.tool_call.as_ref())?;
-        self.visible(&principal, &req.session_id).await?;
-        let subscription = self.engine.send_turn(&req.session_id, tool, arguments, trace_parent).await?;
+        let id = self.visible(&principal, &req.session_id).await?.session_id;
+        let subscription = self.engine.send_turn(&id, tool, arguments, trace_parent).await?;
         Ok(Response::new(event_stream(subscription, self.shutdown.clone(), deadline)))
     }
 
@@ -98,16 +119,16 @@ impl SessionService for SessionApi {
         let principal = caller(&request)?;
         let deadline = limits::deadline(&request);
         let req = request.into_inner();
-        validate::id("session_id", &req.session_id)?;
-        self.visible(&principal, &req.session_id).await?;
-        let subscription = self.engine.watch(&req.session_id, req.after_sequence).await?;
+        validate::session_ref("session_id", &req.session_id)?;
+        let id = self.visible(&principal, &req.session_id).await?.session_id;
+        let subscription = self.engine.watch(&id, req.after_sequence).await?;
         Ok(Response::new(event_stream(subscription, self.shutdown.clone(), deadline)))
     }
 
     async fn get_session(&self, request: Request<pb::GetSessionRequest>) -> Result<Response<pb::Session>, Status> {
         let principal = caller(&request)?;
         let req = request.into_inner();
-        validate::id("session_id", &req.session_id)?;
+        validate::session_ref("session_id", &req.session_id)?;
         let record = self.visible(&principal, &req.session_id).await?;
         Ok(Response::new(convert::session(&record, None)))
     }
@@ -118,20 +139,17 @@ impl SessionService for SessionApi {
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
         let principal = caller(&request)?;
         let req = request.into_inner();
-        let (limit, after_id) = validate::list_sessions(&req, &self.page_tokens)?;
-        let records = self.engine.list_sessions(&after_id, limit).await?;
+        let (limit, after_id) = validate::list_sessions(&req, &self.page_tokens, &principal.name)?;
+        let projects = principal.visible_projects();
+        let records = self.engine.list_sessions(&after_id, limit, projects.as_deref()).await?;
         let next_page_token = if records.len() == limit as usize {
             let last = records.last().map(|r| r.session_id.as_str()).unwrap_or_default();
-            self.page_tokens.issue(validate::SESSIONS, "", last)
+            self.page_tokens.issue(validate::SESSIONS, &principal.name, last)
         } else {
             String::new()
         };
         Ok(Response::new(pb::ListSessionsResponse {
-            sessions: records
-                .iter()
-                .filter(|r| principal.can_see(&r.consumer.project))
-                .map(|r| convert::session(r, None))
-                .collect(),
+            sessions: records.iter().map(|r| convert::session(r, None)).collect(),
             next_page_token,
         }))
     }
@@ -139,10 +157,10 @@ impl SessionService for SessionApi {
     async fn cancel_turn(&self, request: Request<pb::CancelTurnRequest>) -> Result<Response<pb::Session>, Status> {
         let principal = caller(&request)?;
         let req = request.into_inner();
-        validate::id("session_id", &req.session_id)?;
-        self.visible(&principal, &req.session_id).await?;
-        let record = self.engine.cancel_turn(&req.session_id).await?;
-        audit(&principal, "CancelTurn", &req.session_id);
+        validate::session_ref("session_id", &req.session_id)?;
+        let id = self.visible(&principal, &req.session_id).await?.session_id;
+        let record = self.engine.cancel_turn(&id).await?;
+        audit(&principal, "CancelTurn", &id);
         Ok(Response::new(convert::session(&record, None)))
     }
 
@@ -150,18 +168,21 @@ impl SessionService for SessionApi {
         let principal = caller(&request)?;
         let trace_parent = traceparent(&request);
         let req = request.into_inner();
-        validate::id("session_id", &req.session_id)?;
-        self.visible(&principal, &req.session_id).await?;
+        validate::session_ref("session_id", &req.session_id)?;
+        let id = self.visible(&principal, &req.session_id).await?.session_id;
         // Teardown belongs to the engine, not to this call: a caller that
         // goes away (or whose deadline passes) mid-teardown must not leave a
         // sandbox half destroyed.
-        let (engine, id) = (self.engine.clone(), req.session_id.clone());
+        let engine = self.engine.clone();
         // Its own trace (`session_end` > `teardown`), joined to the caller's.
         let span = tracing::info_span!("session_end", session_id = %id);
         crate::telemetry::set_parent(&span, trace_parent.as_deref());
-        let ending = tokio::spawn(async move { engine.end_session(&id, EndReason::Requested).await }.instrument(span));
+        let ending = {
+            let id = id.clone();
+            tokio::spawn(async move { engine.end_session(&id, EndReason::Requested).await }.instrument(span))
+        };
         let record = ending.await.map_err(|_| Status::internal("ending the session failed"))??;
-        audit(&principal, "EndSession", &req.session_id);
+        audit(&principal, "EndSession", &id);
         Ok(Response::new(convert::session(&record, None)))
     }
 }

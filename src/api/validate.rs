@@ -56,6 +56,28 @@ pub fn id(field: &str, value: &str) -> Result<(), Status> {
     token(field, value)
 }
 
+/// A session a call names: an id as its creator chose it, or in full as
+/// stored (`<principal>/<id>`, see `scoped_session_id`), so up to a
+/// principal name (64 bytes) and a `/` longer than an id.
+pub fn session_ref(field: &str, value: &str) -> Result<(), Status> {
+    if value.is_empty() {
+        return Err(invalid_argument(field, "must not be empty"));
+    }
+    let scoped = value.split_once('/').is_some_and(|(principal, id)| {
+        (1..=64).contains(&principal.len())
+            && principal.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+            && id.len() <= MAX_ID
+    });
+    if value.len() > MAX_ID && !scoped {
+        return Err(invalid_argument(field, format!("at most {MAX_ID} bytes, got {}", value.len())));
+    }
+    token(field, if scoped { "" } else { value })?;
+    if !value.chars().all(|c| c.is_ascii_graphic()) {
+        return Err(invalid_argument(field, "printable ASCII without spaces only"));
+    }
+    Ok(())
+}
+
 /// A profile reference: `id` or `id@version`, the catalog's grammar.
 pub fn profile_ref(field: &str, value: &str) -> Result<ProfileRef, Status> {
     if value.is_empty() {
@@ -278,7 +300,12 @@ pub struct ExecutionListing {
 pub const EXECUTIONS: &str = "executions";
 pub const SESSIONS: &str = "sessions";
 
-pub fn list_executions(req: &pb::ListExecutionsRequest, tokens: &PageTokens) -> Result<ExecutionListing, Status> {
+/// `principal`: the caller, to whom a page token belongs.
+pub fn list_executions(
+    req: &pb::ListExecutionsRequest,
+    tokens: &PageTokens,
+    principal: &str,
+) -> Result<ExecutionListing, Status> {
     let state = state_filter(req.state)?;
     if !req.profile_ref.is_empty() {
         profile_ref("profile_ref", &req.profile_ref)?;
@@ -288,15 +315,20 @@ pub fn list_executions(req: &pb::ListExecutionsRequest, tokens: &PageTokens) -> 
     let limit = page_size(req.page_size)?;
     // A token belongs to the filter it was issued for: the same cursor under
     // another filter would skip or repeat records.
-    let scope = format!("{}\n{}\n{}\n{}", req.state, req.profile_ref, req.actor, req.project);
+    let scope = format!("{}\n{}\n{}\n{}\n{principal}", req.state, req.profile_ref, req.actor, req.project);
     let before_id = tokens.open(EXECUTIONS, &scope, &req.page_token)?;
     Ok(ExecutionListing { state, limit, before_id, scope })
 }
 
 /// A checked `ListSessions` request: the page size and the id it starts after.
-pub fn list_sessions(req: &pb::ListSessionsRequest, tokens: &PageTokens) -> Result<(u32, String), Status> {
+/// A token belongs to its caller, `principal`.
+pub fn list_sessions(
+    req: &pb::ListSessionsRequest,
+    tokens: &PageTokens,
+    principal: &str,
+) -> Result<(u32, String), Status> {
     let limit = page_size(req.page_size)?;
-    let after_id = tokens.open(SESSIONS, "", &req.page_token)?;
+    let after_id = tokens.open(SESSIONS, principal, &req.page_token)?;
     Ok((limit, after_id))
 }
 

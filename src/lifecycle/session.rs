@@ -299,8 +299,14 @@ impl Engine {
         self.store.get_session(session_id).await?.ok_or_else(|| EngineError::NotFound(format!("session {session_id}")))
     }
 
-    pub async fn list_sessions(&self, after_id: &str, limit: u32) -> Result<Vec<SessionRecord>, EngineError> {
-        let mut records = self.store.list_sessions(after_id, limit).await?;
+    /// A page of sessions after `after_id`, in `projects` only (`None`: all).
+    pub async fn list_sessions(
+        &self,
+        after_id: &str,
+        limit: u32,
+        projects: Option<&[String]>,
+    ) -> Result<Vec<SessionRecord>, EngineError> {
+        let mut records = self.store.list_sessions(after_id, limit, projects).await?;
         for record in &mut records {
             if let Some(live) = self.live_session(&record.session_id) {
                 *record = lock(&live.record).clone();

@@ -146,8 +146,8 @@ impl Store {
     pub async fn insert_execution(&self, record: &ExecutionRecord, digest: &str) -> Result<Inserted, StoreError> {
         let request_id = (!record.request_id.is_empty()).then_some(record.request_id.as_str());
         let result = sqlx::query(
-            "INSERT INTO executions (execution_id, request_id, request_digest, state, profile_ref, actor, project, created_at_ms, record, node)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            "INSERT INTO executions (execution_id, request_id, request_digest, state, profile_ref, actor, project, created_at_ms, record, node, principal)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
         )
         .bind(&record.execution_id)
         .bind(request_id)
@@ -160,16 +160,20 @@ impl Store {
         .bind(record.created_at_ms)
         .bind(stored::execution_to_stored(record)?)
         .bind(&self.node)
+        // Request ids are unique per principal, not across the daemon.
+        .bind(&record.consumer.principal)
         .execute(&self.pool)
         .await;
         match result {
             Ok(_) => Ok(Inserted::Created),
             Err(sqlx::Error::Database(e)) if e.is_unique_violation() && request_id.is_some() => {
-                let row =
-                    sqlx::query(&format!("SELECT {EXECUTION}, request_digest FROM executions WHERE request_id = $1"))
-                        .bind(request_id)
-                        .fetch_one(&self.pool)
-                        .await?;
+                let row = sqlx::query(&format!(
+                    "SELECT {EXECUTION}, request_digest FROM executions WHERE principal = $1 AND request_id = $2"
+                ))
+                .bind(&record.consumer.principal)
+                .bind(request_id)
+                .fetch_one(&self.pool)
+                .await?;
                 let record = execution_from_row(&row)?;
                 Ok(Inserted::Existing { record: Box::new(record), digest: row.get("request_digest") })
             }
@@ -556,13 +560,30 @@ impl Store {
         row.map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).transpose()
     }
 
-    /// Sessions in id order after `after_id`.
-    pub async fn list_sessions(&self, after_id: &str, limit: u32) -> Result<Vec<SessionRecord>, StoreError> {
-        let rows = sqlx::query("SELECT record FROM sessions WHERE session_id > $1 ORDER BY session_id LIMIT $2")
-            .bind(after_id)
-            .bind(limit as i64)
-            .fetch_all(&self.pool)
-            .await?;
+    /// Sessions in id order after `after_id`, in `projects` only (`None`:
+    /// every project). The filter is in the query, so a page holds only
+    /// what the caller may see and its cursor is one of them.
+    pub async fn list_sessions(
+        &self,
+        after_id: &str,
+        limit: u32,
+        projects: Option<&[String]>,
+    ) -> Result<Vec<SessionRecord>, StoreError> {
+        // The caller's projects as bound parameters ($3, $4, …), never text.
+        let visible = match projects {
+            None => String::new(),
+            Some([]) => " AND 1 = 0".to_string(),
+            Some(projects) => {
+                let marks: Vec<String> = (0..projects.len()).map(|i| format!("${}", 3 + i)).collect();
+                format!(" AND project IN ({})", marks.join(", "))
+            }
+        };
+        let sql = format!("SELECT record FROM sessions WHERE session_id > $1{visible} ORDER BY session_id LIMIT $2");
+        let mut query = sqlx::query(&sql).bind(after_id).bind(limit as i64);
+        for project in projects.into_iter().flatten() {
+            query = query.bind(project);
+        }
+        let rows = query.fetch_all(&self.pool).await?;
         rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
     }
 
