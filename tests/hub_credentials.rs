@@ -348,9 +348,25 @@ async fn a_credential_the_harness_prints_is_redacted_everywhere() {
     }
     let execution = finished(&events);
     let encoded = b64(format!("prefix:{value}").as_bytes());
+    let hex: String = value.bytes().map(|b| format!("{b:02x}")).collect();
+    let percent: String = value.bytes().map(|b| format!("%{b:02X}")).collect();
+    // The harness named the key as its model: untrusted, so scrubbed and
+    // then withheld (a redaction marker is no model name).
+    let evidence = execution.evidence.clone().unwrap();
+    assert_eq!(evidence.resolved_model, "", "{evidence:?}");
+    assert!(evidence.notes.iter().any(|n| n.contains("not a model name")), "{:?}", evidence.notes);
+    let tools: Vec<&str> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::Progress(p)) if p.kind == pb::ProgressKind::ToolUse as i32 => Some(p.tool.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tools, vec!["[REDACTED:leak]"], "the hex-encoded key as a tool name");
     let caller = format!("{events:?}");
     assert!(!caller.contains(value), "the direct caller never sees the value");
     assert!(!caller.contains(&encoded[12..]), "nor its base64 form");
+    assert!(!caller.contains(&hex) && !caller.contains(&percent), "nor its hex or percent form");
     assert!(execution.tool_output.contains("leak output: [REDACTED:leak]"), "{}", execution.tool_output);
     assert!(execution.tool_error.contains("[REDACTED:leak]"), "{}", execution.tool_error);
     let progress: Vec<&str> = events
@@ -382,6 +398,8 @@ async fn a_credential_the_harness_prints_is_redacted_everywhere() {
     ] {
         assert!(!text.contains(value), "the credential is in {place}");
         assert!(!text.contains(&encoded[12..]), "its base64 form is in {place}");
+        assert!(!text.contains(&hex) && !text.contains(&hex.to_uppercase()), "its hex form is in {place}");
+        assert!(!text.contains(&percent), "its percent-encoded form is in {place}");
     }
 }
 

@@ -53,25 +53,26 @@ fn hex_forms(value: &[u8]) -> [String; 2] {
     [lower, upper]
 }
 
-/// The value percent-encoded (RFC 3986: everything but the unreserved
-/// characters), with upper- and lower-case hex digits; nothing when the
-/// value needs no encoding.
+/// The value percent-encoded as in a URL: the reserved characters only
+/// (RFC 3986's minimal form, when it differs from the value) and every
+/// byte, each with upper- and lower-case hex digits.
 fn percent_forms(value: &[u8]) -> Vec<String> {
     let unreserved = |b: u8| b.is_ascii_alphanumeric() || b"-._~".contains(&b);
-    if value.iter().all(|b| unreserved(*b)) {
-        return Vec::new();
-    }
-    let encode = |upper: bool| -> String {
+    let encode = |all: bool, upper: bool| -> String {
         value
             .iter()
-            .map(|&b| match (unreserved(b), upper) {
+            .map(|&b| match (unreserved(b) && !all, upper) {
                 (true, _) => (b as char).to_string(),
                 (false, true) => format!("%{b:02X}"),
                 (false, false) => format!("%{b:02x}"),
             })
             .collect()
     };
-    vec![encode(true), encode(false)]
+    let mut forms = vec![encode(true, true), encode(true, false)];
+    if !value.iter().all(|b| unreserved(*b)) {
+        forms.extend([encode(false, true), encode(false, false)]);
+    }
+    forms
 }
 
 impl Scrubber {
@@ -134,8 +135,8 @@ mod tests {
         s.add("anthropic", "sk-ant/Key+9?x");
         // Exact vectors of each form.
         assert_eq!(hex_forms(b"sk"), ["736b".to_string(), "736B".to_string()]);
-        assert_eq!(percent_forms(b"a/b+"), ["a%2Fb%2B".to_string(), "a%2fb%2b".to_string()]);
-        assert!(percent_forms(b"plain-value_1.2~").is_empty());
+        assert_eq!(percent_forms(b"a/"), ["%61%2F", "%61%2f", "a%2F", "a%2f"]);
+        assert_eq!(percent_forms(b"ab"), ["%61%62", "%61%62"], "no minimal form for a value needing none");
         let hex = "736b2d616e742f4b65792b393f78";
         for text in [
             format!("tool={hex}"),

@@ -64,6 +64,11 @@ impl Engine {
             return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
         }
         let id = if cmd.session_id.is_empty() { uuid::Uuid::now_v7().to_string() } else { cmd.session_id.clone() };
+        // The caller's own id (ids are scoped to their principal): taken is
+        // taken, whether the session still runs or has ended.
+        if self.live_session(&id).is_some() {
+            return Err(EngineError::AlreadyExists(format!("session {id}")));
+        }
         self.admission
             .reserve(&id, admission::Work::Session, &cmd.principal, cmd.quota)
             .map_err(|refused| EngineError::Overloaded(refused.0))?;

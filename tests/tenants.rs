@@ -1,0 +1,295 @@
+//! Tenants stay apart: two `agt` principals, `tenant-a` (project `pa`) and
+//! `tenant-b` (project `pb`), on one real daemon with real bubblewrap and
+//! real git. tenant-b attacks what tenant-a has — its repositories, the
+//! objects its agent brought back, its session and request ids — and
+//! learns nothing.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{finished, git, require_bwrap, Options, TestDaemon, FIXTURES};
+use corral::auth::PrincipalConfig;
+use corral::pb;
+use corral::pb::execution_service_client::ExecutionServiceClient;
+use corral::pb::session_service_client::SessionServiceClient;
+use tonic::transport::Channel;
+use tonic::Code;
+
+const TOKEN_A: &str = "tenant-a-token-0123456789abcdef0123456789";
+const TOKEN_B: &str = "tenant-b-token-0123456789abcdef0123456789";
+
+/// Runs its task description with `sh -s` in a bwrap sandbox.
+const SHELL: &str = r#"id = "test.sh"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-s"]
+input = "description"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+[limits]
+timeout_seconds = 60
+"#;
+
+fn session_profile() -> String {
+    format!(
+        r#"id = "test.session"
+version = "1.0.0"
+[rein]
+argv = ["/usr/bin/python3", "{FIXTURES}/session_agent.py"]
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+read_paths = ["{FIXTURES}"]
+[limits]
+timeout_seconds = 60
+"#
+    )
+}
+
+fn tenant(name: &str, project: &str, token: &str, repos: Vec<PathBuf>) -> PrincipalConfig {
+    use sha2::Digest;
+    PrincipalConfig {
+        name: name.into(),
+        kind: "agt".into(),
+        projects: vec![project.into()],
+        token_sha256: Some(corral::sandbox::hex_digest(&sha2::Sha256::digest(token.as_bytes()))),
+        repos,
+        ..Default::default()
+    }
+}
+
+/// The repository roots of one test: `<tmp>/roots`, with `pa/` and `pb/`
+/// the tenants' own prefixes and `shared/` for both.
+struct Roots {
+    dir: tempfile::TempDir,
+}
+
+impl Roots {
+    fn new() -> Roots {
+        let dir = common::data_tempdir();
+        for sub in ["roots/pa", "roots/pb", "roots/shared"] {
+            std::fs::create_dir_all(dir.path().join(sub)).unwrap();
+        }
+        Roots { dir }
+    }
+
+    fn root(&self) -> PathBuf {
+        self.dir.path().join("roots")
+    }
+
+    /// A git repository with one commit at `path`.
+    fn repo(&self, path: &Path) -> PathBuf {
+        std::fs::create_dir_all(path).unwrap();
+        git(path, &["init", "-q", "-b", "main"]);
+        std::fs::write(path.join("README.md"), "sample\n").unwrap();
+        git(path, &["add", "."]);
+        git(path, &["-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "init"]);
+        path.to_path_buf()
+    }
+}
+
+async fn daemon(roots: &Roots, b_repos: Vec<PathBuf>) -> TestDaemon {
+    let root = roots.root();
+    let a_repos = vec![root.join("pa"), root.join("shared")];
+    TestDaemon::start(Options {
+        profiles: vec![("sh.toml".into(), SHELL.into()), ("session.toml".into(), session_profile())],
+        config: Box::new(move |c| {
+            c.repo_roots = vec![root];
+            c.principals.push(tenant("tenant-a", "pa", TOKEN_A, a_repos));
+            c.principals.push(tenant("tenant-b", "pb", TOKEN_B, b_repos));
+        }),
+        ..Options::default()
+    })
+    .await
+}
+
+/// `message` as a request of the principal holding `token`.
+fn as_tenant<T>(token: &str, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    request
+}
+
+async fn tcp(daemon: &TestDaemon) -> Channel {
+    Channel::from_shared(daemon.url.clone()).unwrap().connect().await.unwrap()
+}
+
+fn shell(project: &str, repo: &Path, script: &str) -> pb::ExecuteRequest {
+    pb::ExecuteRequest {
+        harness_profile_ref: "test.sh".into(),
+        repo: repo.display().to_string(),
+        title: "t".into(),
+        description: script.into(),
+        project: project.into(),
+        ..Default::default()
+    }
+}
+
+async fn execute(client: &mut ExecutionServiceClient<Channel>, token: &str, req: pb::ExecuteRequest) -> pb::Execution {
+    let mut stream = client.execute(as_tenant(token, req)).await.expect("execute accepted").into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.expect("stream ok") {
+        events.push(event);
+    }
+    finished(&events)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repository_outside_the_roots_or_the_principals_repos_is_refused_with_one_answer() {
+    require_bwrap();
+    let roots = Roots::new();
+    let root = roots.root();
+    let outside = roots.repo(&roots.dir.path().join("outside/secret-repo"));
+    let a_repo = roots.repo(&root.join("pa/repo"));
+    let b_repo = roots.repo(&root.join("pb/repo"));
+    std::fs::create_dir_all(root.join("pb/plain-dir")).unwrap();
+    std::os::unix::fs::symlink(&outside, root.join("pb/link-out")).unwrap();
+    std::os::unix::fs::symlink("../pa/repo", root.join("pb/link-to-a")).unwrap();
+    let daemon = daemon(&roots, vec![root.join("pb")]).await;
+    let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
+    let before = daemon.engine.store.row_counts().await.unwrap();
+
+    let attempts: Vec<(&str, PathBuf)> = vec![
+        ("a root-only host file", PathBuf::from("/etc/shadow")),
+        ("a missing path", PathBuf::from("/nonexistent/repo")),
+        ("an existing repository outside the roots", outside.clone()),
+        ("tenant-a's repository", a_repo.clone()),
+        ("a missing path under its own prefix", root.join("pb/missing")),
+        ("a directory that is no repository", root.join("pb/plain-dir")),
+        ("a symlink out of the root", root.join("pb/link-out")),
+        ("a symlink into tenant-a's prefix", root.join("pb/link-to-a")),
+    ];
+    let mut answers = Vec::new();
+    for (what, path) in &attempts {
+        let status = client
+            .start_execution(as_tenant(TOKEN_B, shell("pb", path, "true")))
+            .await
+            .expect_err(&format!("{what} was accepted"));
+        assert_eq!(status.code(), Code::InvalidArgument, "{what}: {status:?}");
+        answers.push((what, status.message().to_string()));
+    }
+    for (what, message) in &answers {
+        assert_eq!(message, "repo: is not an allowed repository", "{what} reads differently");
+    }
+    assert_eq!(daemon.engine.store.row_counts().await.unwrap(), before, "a refused request stores nothing");
+
+    // Control: its own repository runs, and tenant-a's is tenant-a's.
+    let ok = execute(&mut client, TOKEN_B, shell("pb", &b_repo, "echo hi")).await;
+    assert_eq!(ok.state, pb::ExecutionState::Succeeded as i32, "{}", ok.tool_error);
+    let ok = execute(&mut client, TOKEN_A, shell("pa", &a_repo, "echo hi")).await;
+    assert_eq!(ok.state, pb::ExecutionState::Succeeded as i32, "{}", ok.tool_error);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_tenants_workspace_holds_no_object_of_an_earlier_agents_commits() {
+    require_bwrap();
+    let roots = Roots::new();
+    let shared = roots.repo(&roots.root().join("shared/repo"));
+    let daemon = daemon(&roots, vec![roots.root().join("pb"), roots.root().join("shared")]).await;
+    let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
+
+    // tenant-a's agent commits a secret; it comes back as refs/corral/<id>.
+    let commit_secret = "echo 'tenant-a secret 8d1f' > secret.txt && git add secret.txt && \
+                         git -c user.name=a -c user.email=a@a.invalid commit -qm secret";
+    let a = execute(&mut client, TOKEN_A, shell("pa", &shared, commit_secret)).await;
+    assert_eq!(a.state, pb::ExecutionState::Succeeded as i32, "{}", a.tool_error);
+    let a_commit = a.evidence.as_ref().unwrap().commit_sha.clone();
+    let a_blob = git(&shared, &["rev-parse", &format!("{a_commit}:secret.txt")]);
+    git(&shared, &["cat-file", "-e", &a_blob]); // it is in the origin
+
+    // tenant-b's agent lists every object its workspace holds.
+    let b = execute(&mut client, TOKEN_B, shell("pb", &shared, "git cat-file --batch-all-objects --batch-check")).await;
+    assert_eq!(b.state, pb::ExecutionState::Succeeded as i32, "{}", b.tool_error);
+    let objects: Vec<&str> = b.tool_output.lines().filter_map(|l| l.split_whitespace().next()).collect();
+    assert!(objects.len() >= 3, "the workspace has the base commit, its tree and README: {}", b.tool_output);
+    assert!(!objects.contains(&a_commit.as_str()), "tenant-a's commit is in tenant-b's workspace");
+    assert!(!objects.contains(&a_blob.as_str()), "tenant-a's secret is in tenant-b's workspace");
+    assert!(!b.tool_output.contains("8d1f"));
+
+    // And tenant-a's execution does not exist for tenant-b.
+    let status = client
+        .get_execution(as_tenant(TOKEN_B, pb::GetExecutionRequest { execution_id: a.execution_id.clone(), view: 0 }))
+        .await
+        .expect_err("tenant-a's execution");
+    assert_eq!(status.code(), Code::NotFound);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_and_request_ids_are_the_callers_own() {
+    require_bwrap();
+    let roots = Roots::new();
+    let daemon = daemon(&roots, vec![roots.root().join("pb")]).await;
+    let channel = tcp(&daemon).await;
+    let mut sessions = SessionServiceClient::new(channel.clone());
+    let mut executions = ExecutionServiceClient::new(channel);
+    let create = |project: &str, id: &str| pb::CreateSessionRequest {
+        session_id: id.into(),
+        profile_ref: "test.session".into(),
+        project: project.into(),
+        ..Default::default()
+    };
+
+    // Both may hold an `s1`; neither learns of the other's.
+    let a = sessions.create_session(as_tenant(TOKEN_A, create("pa", "s1"))).await.expect("tenant-a's s1").into_inner();
+    assert_eq!(a.session_id, "tenant-a/s1");
+    let b = sessions.create_session(as_tenant(TOKEN_B, create("pb", "s1"))).await.expect("tenant-b's own s1");
+    assert_eq!(b.into_inner().session_id, "tenant-b/s1");
+    let again = sessions.create_session(as_tenant(TOKEN_B, create("pb", "s1"))).await.expect_err("its own s1 again");
+    assert_eq!(again.code(), Code::AlreadyExists, "{again:?}");
+    // tenant-a's session under its full name is what a missing one is.
+    let get = |id: &str| pb::GetSessionRequest { session_id: id.into() };
+    let theirs = sessions.get_session(as_tenant(TOKEN_B, get("tenant-a/s1"))).await.expect_err("tenant-a's s1");
+    let missing = sessions.get_session(as_tenant(TOKEN_B, get("tenant-a/s9"))).await.expect_err("a missing one");
+    assert_eq!((theirs.code(), missing.code()), (Code::NotFound, Code::NotFound));
+    assert_eq!(theirs.message().replace("s1", "s9"), missing.message(), "the answers differ");
+    let end = pb::EndSessionRequest { session_id: "tenant-a/s1".into() };
+    assert_eq!(sessions.end_session(as_tenant(TOKEN_B, end)).await.unwrap_err().code(), Code::NotFound);
+
+    // Listing: only its own, and a page token carries no id in the clear.
+    sessions.create_session(as_tenant(TOKEN_B, create("pb", "s2"))).await.expect("tenant-b's s2");
+    let page = |token: &str| pb::ListSessionsRequest { page_size: 1, page_token: token.into() };
+    let first = sessions.list_sessions(as_tenant(TOKEN_B, page(""))).await.unwrap().into_inner();
+    assert_eq!(first.sessions.iter().map(|s| s.session_id.as_str()).collect::<Vec<_>>(), ["tenant-b/s1"]);
+    let token = first.next_page_token.clone();
+    let hex = |s: &str| s.bytes().map(|b| format!("{b:02x}")).collect::<String>();
+    assert!(!token.is_empty() && !token.contains("tenant") && !token.contains(&hex("tenant-b/s1")), "{token}");
+    let second = sessions.list_sessions(as_tenant(TOKEN_B, page(&token))).await.unwrap().into_inner();
+    assert_eq!(second.sessions.iter().map(|s| s.session_id.as_str()).collect::<Vec<_>>(), ["tenant-b/s2"]);
+    let stolen = sessions.list_sessions(as_tenant(TOKEN_A, page(&token))).await.expect_err("another caller's token");
+    assert_eq!(stolen.code(), Code::InvalidArgument);
+    let all_a = sessions.list_sessions(as_tenant(TOKEN_A, page(""))).await.unwrap().into_inner();
+    assert_eq!(all_a.sessions.iter().map(|s| s.session_id.as_str()).collect::<Vec<_>>(), ["tenant-a/s1"]);
+    for id in ["tenant-a/s1", "tenant-b/s1", "tenant-b/s2"] {
+        let token = if id.starts_with("tenant-a") { TOKEN_A } else { TOKEN_B };
+        sessions.end_session(as_tenant(token, pb::EndSessionRequest { session_id: id.into() })).await.unwrap();
+    }
+
+    // A request id tenant-a used is free for tenant-b: its own execution,
+    // not ALREADY_EXISTS, not tenant-a's record.
+    let request = |project: &str, script: &str| pb::ExecuteRequest {
+        harness_profile_ref: "test.sh".into(),
+        title: "t".into(),
+        description: script.into(),
+        project: project.into(),
+        request_id: "req-1".into(),
+        ..Default::default()
+    };
+    let first_a = executions.start_execution(as_tenant(TOKEN_A, request("pa", "echo a"))).await.unwrap().into_inner();
+    let first_b = executions.start_execution(as_tenant(TOKEN_B, request("pb", "echo b"))).await;
+    let first_b = first_b.expect("tenant-b's own req-1").into_inner();
+    assert_ne!(first_b.execution_id, first_a.execution_id, "tenant-b was handed tenant-a's execution");
+    assert_eq!(first_b.consumer.as_ref().unwrap().project, "pb");
+    // Within one principal the id still makes the call idempotent.
+    let again_a = executions.start_execution(as_tenant(TOKEN_A, request("pa", "echo a"))).await.unwrap().into_inner();
+    assert_eq!(again_a.execution_id, first_a.execution_id);
+    let other_a = executions.start_execution(as_tenant(TOKEN_A, request("pa", "echo other"))).await;
+    assert_eq!(other_a.expect_err("a different request under tenant-a's id").code(), Code::AlreadyExists);
+    daemon.stop().await;
+}
