@@ -434,6 +434,18 @@ mod tests {
     }
 
     #[test]
+    fn repositories_are_policy_by_default() {
+        assert_eq!(Config::default().repo_roots, vec![PathBuf::from(DEFAULT_REPO_ROOT)]);
+        let mut config = Config::default();
+        config.apply_env(|name| (name == "CORRAL_REPO_ROOTS").then(|| "/srv/a:/srv/b".into())).unwrap();
+        assert_eq!(config.repo_roots, vec![PathBuf::from("/srv/a"), PathBuf::from("/srv/b")]);
+        for bad in ["/", "relative/path"] {
+            let config = Config { repo_roots: vec![PathBuf::from(bad)], ..Config::default() };
+            assert!(config.validate().unwrap_err().to_string().contains("repo_roots"), "{bad}");
+        }
+    }
+
+    #[test]
     fn the_harness_section_is_read_and_checked() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("corral.toml");
