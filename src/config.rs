@@ -182,11 +182,24 @@ pub struct GitConfig {
     pub timeout_seconds: u64,
     /// The largest bundle fetched back into the origin.
     pub max_bundle_bytes: u64,
+    /// The most `refs/corral/*` refs one origin may hold: past it a run's
+    /// work is not fetched back (the run fails at `teardown` saying so)
+    /// until an operator prunes old ones.
+    pub max_capture_refs: u64,
+    /// The most bytes one origin's objects may take on disk (git
+    /// `count-objects`) for a fetch back to be made: runs cannot grow a
+    /// repository without bound.
+    pub max_origin_bytes: u64,
 }
 
 impl Default for GitConfig {
     fn default() -> Self {
-        GitConfig { timeout_seconds: 120, max_bundle_bytes: 1 << 30 }
+        GitConfig {
+            timeout_seconds: 120,
+            max_bundle_bytes: 256 << 20,
+            max_capture_refs: 1000,
+            max_origin_bytes: 8 << 30,
+        }
     }
 }
 
@@ -379,6 +392,12 @@ impl Config {
         }
         if self.git.max_bundle_bytes == 0 {
             return Err(invalid("git.max_bundle_bytes", "must be greater than 0".into()));
+        }
+        if self.git.max_capture_refs == 0 || self.git.max_origin_bytes == 0 {
+            return Err(invalid(
+                "git.max_capture_refs",
+                "max_capture_refs and max_origin_bytes must be greater than 0".into(),
+            ));
         }
         if self.watch_buffer < 16 {
             return Err(invalid("watch_buffer", "must be at least 16".into()));

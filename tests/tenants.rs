@@ -293,3 +293,54 @@ async fn session_and_request_ids_are_the_callers_own() {
     assert_eq!(other_a.expect_err("a different request under tenant-a's id").code(), Code::AlreadyExists);
     daemon.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_stops_coming_back_into_an_origin_that_is_full() {
+    require_bwrap();
+    let roots = Roots::new();
+    let shared = roots.repo(&roots.root().join("shared/repo"));
+    let root = roots.root();
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("sh.toml".into(), SHELL.into())],
+        config: Box::new(move |c| {
+            c.repo_roots = vec![root.clone()];
+            c.git.max_capture_refs = 2;
+            c.principals.push(tenant("tenant-a", "pa", TOKEN_A, vec![root.join("shared")]));
+        }),
+        ..Options::default()
+    })
+    .await;
+    let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
+    let commit =
+        |n: u32| format!("echo {n} > f{n} && git add f{n} && git -c user.name=a -c user.email=a@a commit -qm {n}");
+    for n in 0..2 {
+        let run = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit(n))).await;
+        assert_eq!(run.state, pb::ExecutionState::Succeeded as i32, "{}", run.tool_error);
+    }
+    let third = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit(2))).await;
+    assert_eq!(third.state, pb::ExecutionState::Failed as i32);
+    assert_eq!(third.evidence.as_ref().unwrap().failure_stage, pb::FailureStage::Teardown as i32);
+    assert!(third.tool_error.contains("git.max_capture_refs"), "{}", third.tool_error);
+    let refs = git(&shared, &["for-each-ref", "--format=%(refname)", "refs/corral/"]);
+    assert_eq!(refs.lines().count(), 2, "{refs}");
+    daemon.stop().await;
+
+    // And by size: an origin already over its byte budget takes nothing.
+    let root = roots.root();
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("sh.toml".into(), SHELL.into())],
+        config: Box::new(move |c| {
+            c.repo_roots = vec![root.clone()];
+            c.git.max_origin_bytes = 1;
+            c.principals.push(tenant("tenant-a", "pa", TOKEN_A, vec![root.join("shared")]));
+        }),
+        ..Options::default()
+    })
+    .await;
+    let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
+    let other = roots.repo(&roots.root().join("shared/other"));
+    let run = execute(&mut client, TOKEN_A, shell("pa", &other, &commit(9))).await;
+    assert!(run.tool_error.contains("git.max_origin_bytes"), "{}", run.tool_error);
+    assert_eq!(git(&other, &["for-each-ref", "refs/corral/"]), "");
+    daemon.stop().await;
+}

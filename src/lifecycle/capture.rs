@@ -38,6 +38,8 @@ pub struct CaptureJob<'a> {
     pub private: &'a Path,
     pub timeout: Duration,
     pub max_bundle_bytes: u64,
+    /// What the origin may hold (see [`workspace::OriginRoom`]).
+    pub room: workspace::OriginRoom,
     /// The daemon's shutdown grace is over: stop now.
     pub stop: tokio_util::sync::CancellationToken,
 }
@@ -74,7 +76,7 @@ impl CaptureJob<'_> {
         }
         let taken = workspace::take_bundle(&host_bundle, self.private, self.max_bundle_bytes);
         let fetched = match taken {
-            Ok(()) => workspace::fetch_bundle(self.origin, self.private, self.name).await,
+            Ok(()) => workspace::fetch_bundle(self.origin, self.private, self.name, self.room).await,
             Err(e) => Err(e),
         };
         let _ = std::fs::remove_file(self.private);

@@ -726,6 +726,10 @@ impl Core {
             private: &private,
             timeout: Duration::from_secs(self.engine.git.timeout_seconds),
             max_bundle_bytes: self.engine.git.max_bundle_bytes,
+            room: crate::sandbox::workspace::OriginRoom {
+                max_refs: self.engine.git.max_capture_refs,
+                max_bytes: self.engine.git.max_origin_bytes,
+            },
             stop: self.engine.grace_over(),
         };
         let t = Instant::now();

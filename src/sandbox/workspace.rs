@@ -272,12 +272,59 @@ pub fn take_bundle(path: &Path, private: &Path, max_bytes: u64) -> Result<(), Wo
     Ok(())
 }
 
+/// What one origin may hold for a fetch back to be made into it: runs
+/// cannot grow a shared repository without bound.
+#[derive(Clone, Copy, Debug)]
+pub struct OriginRoom {
+    /// `refs/corral/*` refs.
+    pub max_refs: u64,
+    /// Bytes of objects on disk (loose and packed), bundle included.
+    pub max_bytes: u64,
+}
+
+/// Whether `origin` has room for a bundle of `bundle_bytes`.
+async fn check_room(origin: &OpenRepo, bundle_bytes: u64, room: OriginRoom) -> Result<(), WorkspaceError> {
+    let mut cmd = git_in(origin);
+    cmd.args(["for-each-ref", "--format=x", "refs/corral/"]);
+    let refs = run(cmd, "for-each-ref").await?.lines().count() as u64;
+    if refs >= room.max_refs {
+        return Err(WorkspaceError(format!(
+            "the repository holds {refs} refs/corral refs, the most git.max_capture_refs allows: \
+             delete old ones (git update-ref -d refs/corral/<id>) to bring work back again"
+        )));
+    }
+    let mut cmd = git_in(origin);
+    cmd.args(["count-objects", "-v"]);
+    let counts = run(cmd, "count-objects").await?;
+    let kib: u64 = counts
+        .lines()
+        .filter_map(|l| l.strip_prefix("size: ").or_else(|| l.strip_prefix("size-pack: ")))
+        .filter_map(|v| v.trim().parse::<u64>().ok())
+        .sum();
+    let bytes = kib.saturating_mul(1024).saturating_add(bundle_bytes);
+    if bytes > room.max_bytes {
+        return Err(WorkspaceError(format!(
+            "the repository's objects would take {bytes} bytes, over git.max_origin_bytes ({}): \
+             prune refs/corral and gc it to bring work back again",
+            room.max_bytes
+        )));
+    }
+    Ok(())
+}
+
 /// Verifies the private bundle and fetches it into `origin` as
-/// `refs/corral/<name>`; returns the commit it brought (the one the daemon
-/// saw in the bundle, not what anyone claimed).
-pub async fn fetch_bundle(origin: &Path, bundle: &Path, name: &str) -> Result<String, WorkspaceError> {
+/// `refs/corral/<name>` if the origin has `room`; returns the commit it
+/// brought (the one the daemon saw in the bundle, not what anyone claimed).
+pub async fn fetch_bundle(
+    origin: &Path,
+    bundle: &Path,
+    name: &str,
+    room: OriginRoom,
+) -> Result<String, WorkspaceError> {
     let origin = OpenRepo::reopen(origin)
         .map_err(|e| WorkspaceError(format!("fetch back: the repository cannot be opened: {e}")))?;
+    let bundle_bytes = std::fs::metadata(bundle).map(|m| m.len()).unwrap_or(0);
+    check_room(&origin, bundle_bytes, room).await?;
     let mut cmd = git_in(&origin);
     cmd.args(["bundle", "list-heads"]).arg(bundle).arg(CAPTURE_REF);
     let heads = run(cmd, "bundle list-heads").await?;
