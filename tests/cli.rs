@@ -36,6 +36,8 @@ async fn serve(data_dir: &Path, stderr_log: &Path) -> Served {
     let mut child = clean(&mut Command::new(CORRAL))
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir)
+        // The tests' repositories are temporary directories.
+        .env("CORRAL_REPO_ROOTS", std::env::temp_dir())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::from(log))

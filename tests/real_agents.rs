@@ -60,6 +60,16 @@ async fn serve_with(
     with_routes: bool,
     files: &[(&str, String)],
 ) -> (tempfile::TempDir, ServeProcess) {
+    serve_configured(mock, with_routes, files, "").await
+}
+
+/// [`serve_with`], with `extra` appended to the daemon's config.
+async fn serve_configured(
+    mock: &ModelMock,
+    with_routes: bool,
+    files: &[(&str, String)],
+    extra: &str,
+) -> (tempfile::TempDir, ServeProcess) {
     let dir = data_tempdir();
     let profiles = dir.path().join("profiles");
     std::fs::create_dir_all(&profiles).unwrap();
@@ -80,6 +90,7 @@ async fn serve_with(
             ));
         }
     }
+    config.push_str(extra);
     let serve = ServeProcess::start_with(&dir.path().join("data"), &profiles, &[], &config).await;
     (dir, serve)
 }
@@ -398,4 +409,30 @@ write_paths = ["."]
         std::fs::write(&path, format!("{transcript}\n")).unwrap();
         eprintln!("recorded {} ({} lines)", path.display(), transcript.lines().count());
     }
+}
+
+/// A daemon policy on the agents' own tool calls cannot be enforced for
+/// Claude Code and Codex yet (their tools never ask corral's gate): the
+/// run is refused at agent_start saying so, never run with the policy
+/// silently ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_on_the_agents_own_tool_calls_refuses_the_run_instead_of_being_ignored() {
+    require_claude();
+    require_codex();
+    let mock = ModelMock::start(vec![Step::text("never asked")]).await;
+    let policy = "[[policies]]\nname = \"no-bash\"\nkind = \"expr\"\non = [\"tool_call:Bash\"]\n\
+                  arguments = { expression = \"false\", reason = \"Bash is not allowed here\" }\n";
+    let (_dir, serve) = serve_configured(&mock, true, &[], policy).await;
+    for profile in ["builtin.claude-code", "builtin.codex"] {
+        let origin = git_repo();
+        let (code, events) = exec(&serve, profile, origin.path(), "Run ls.").await;
+        let record = execution(&events);
+        assert_ne!(code, 0, "{profile}");
+        assert_eq!(record["state"], "EXECUTION_STATE_REFUSED", "{profile}: {record:#}");
+        assert_eq!(record["evidence"]["failureStage"], "FAILURE_STAGE_GATE", "{profile}");
+        let reason = record["evidence"]["error"].as_str().unwrap_or_default();
+        assert!(reason.contains("no-bash") && reason.contains("would be ignored"), "{profile}: {reason}");
+        assert!(events.iter().all(|e| e["sandboxReady"].is_null()), "{profile}: a sandbox was made");
+    }
+    assert!(mock.model_requests().is_empty(), "an agent ran");
 }

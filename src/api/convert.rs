@@ -335,6 +335,8 @@ pub fn profile(p: &Profile) -> pb::Profile {
             preset: preset(f.rein.preset) as i32,
             argv: f.rein.argv.clone(),
             input: task_input(f.rein.input) as i32,
+            tool_calls_gated: f.rein.tool_calls_ungated().is_none(),
+            tool_calls_ungated: f.rein.tool_calls_ungated().unwrap_or_default(),
         }),
         sandbox: Some(sandbox_spec(&f.sandbox)),
         limits: Some(pb::Limits {

@@ -82,6 +82,36 @@ pub struct ReinSpec {
     pub model: String,
 }
 
+impl ReinSpec {
+    /// Why the harness's own tool calls cannot pass the tool_call gate
+    /// before they run; `None` when they can. A policy that governs tool
+    /// calls is then refused at agent_start rather than silently ignored.
+    pub fn tool_calls_ungated(&self) -> Option<String> {
+        match (self.preset, self.input) {
+            // The harness asks with `policy_request` and waits for the
+            // verdict on the task channel.
+            (Preset::Protocol, TaskInput::TaskJson) => None,
+            (Preset::Protocol, input) => {
+                let input = match input {
+                    TaskInput::Description => "description",
+                    TaskInput::Prompt => "prompt",
+                    TaskInput::Nothing | TaskInput::TaskJson => "nothing",
+                };
+                Some(format!(
+                    "the harness gets its task as input = \"{input}\", so it has no channel to ask the gate \
+                     before a tool runs (a protocol harness needs input = \"task_json\")"
+                ))
+            }
+            (Preset::ClaudeStreamJson, _) => {
+                Some("Claude Code runs its own tools (Bash, Write, ...) without asking corral's gate".into())
+            }
+            (Preset::CodexExecJson, _) => {
+                Some("Codex runs its own tools (its shell, apply_patch) without asking corral's gate".into())
+            }
+        }
+    }
+}
+
 fn default_rein_kind() -> String {
     "command".into()
 }

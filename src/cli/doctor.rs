@@ -59,7 +59,12 @@ pub async fn run(config: &Config) -> anyhow::Result<i32> {
                         (readiness.state == crate::catalog::ReadinessState::Blocked)
                             .then(|| format!("readiness blocked: {}", readiness.reason))
                     });
-                out.push(line(&format!("  {}", profile.reference()), &verdict.map_or(Ok("can run here".into()), Err)));
+                let gating = match profile.file.rein.tool_calls_ungated() {
+                    None => "tool calls gated".to_string(),
+                    Some(why) => format!("tool calls not gated, so a tool_call policy refuses it: {why}"),
+                };
+                let verdict = verdict.map_or(Ok(format!("can run here; {gating}")), |e| Err(format!("{e}; {gating}")));
+                out.push(line(&format!("  {}", profile.reference()), &verdict));
             }
         }
         Err(e) => out.push(line("  catalog", &Err(e.to_string()))),

@@ -69,7 +69,8 @@ pub(super) fn executions(response: &pb::ListExecutionsResponse) -> String {
     out
 }
 
-/// `corral profiles`: ref, status, readiness (+reason), sandbox type, source.
+/// `corral profiles`: ref, status, readiness (+reason), sandbox type,
+/// whether the harness's own tool calls pass the gate, source.
 pub(super) fn profiles(response: &pb::ListProfilesResponse) -> String {
     let rows: Vec<Vec<String>> = response
         .profiles
@@ -80,11 +81,16 @@ pub(super) fn profiles(response: &pb::ListProfilesResponse) -> String {
                 shown::<pb::ProfileStatus>(p.status),
                 render::readiness(p.readiness.as_ref()),
                 p.sandbox.as_ref().map(|s| render::sandbox_type(s.r#type)).unwrap_or_default(),
+                match &p.rein {
+                    Some(r) if r.tool_calls_gated => "gated".into(),
+                    Some(_) => "not gated".into(),
+                    None => String::new(),
+                },
                 p.source.clone(),
             ]
         })
         .collect();
-    table(&["REF", "STATUS", "READINESS", "SANDBOX", "SOURCE"], &rows)
+    table(&["REF", "STATUS", "READINESS", "SANDBOX", "TOOL CALLS", "SOURCE"], &rows)
 }
 
 #[cfg(test)]
@@ -117,14 +123,15 @@ mod tests {
                     ..Default::default()
                 }),
                 sandbox: Some(pb::SandboxSpec { r#type: pb::SandboxType::LinuxBwrap as i32, ..Default::default() }),
+                rein: Some(pb::Rein { tool_calls_gated: false, ..Default::default() }),
                 source: "builtin".into(),
                 ..Default::default()
             }],
         };
         assert_eq!(
             profiles(&response),
-            "REF           STATUS   READINESS                 SANDBOX      SOURCE\n\
-             claude@1.0.0  enabled  blocked (no credentials)  linux_bwrap  builtin\n"
+            "REF           STATUS   READINESS                 SANDBOX      TOOL CALLS  SOURCE\n\
+             claude@1.0.0  enabled  blocked (no credentials)  linux_bwrap  not gated   builtin\n"
         );
     }
 }

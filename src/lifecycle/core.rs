@@ -218,6 +218,7 @@ impl Core {
             tool_calls: self.tool_calls.load(Ordering::SeqCst),
             session_policies: &self.session_policies,
             profile_policies: &profile.policies,
+            ungated_tool_calls: profile.file.rein.tool_calls_ungated().as_deref(),
         });
         self.evidence.time("gate", t);
         self.record_gate(&outcome).await;
@@ -807,6 +808,7 @@ impl ToolGate for CoreGate {
             tool_calls: self.tool_calls.load(Ordering::SeqCst),
             session_policies: &self.session_policies,
             profile_policies: self.profile.as_ref().map(|p| p.policies.as_slice()).unwrap_or(no_policies),
+            ungated_tool_calls: None,
         });
         if outcome.action == Action::Allow {
             self.tool_calls.fetch_add(1, Ordering::SeqCst);

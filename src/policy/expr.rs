@@ -46,6 +46,7 @@ const BUDGET: &str = "__corral_budget";
 
 #[derive(Clone, Debug)]
 pub struct Expr {
+    /// The expression as written.
     pub source: String,
     pub reason: String,
     /// The parsed expression, its loops instrumented with [`BUDGET`].
@@ -73,6 +74,16 @@ impl Budget {
 }
 
 impl Expr {
+    /// Whether the expression looks at the tool call (`tool`, `arguments`
+    /// or `tool_calls`): read as words of its source, so a mention inside a
+    /// string counts too (the safe side: such a policy is then treated as
+    /// governing tool calls).
+    pub fn reads_tool_call(&self) -> bool {
+        self.source
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .any(|word| matches!(word, "tool" | "arguments" | "tool_calls"))
+    }
+
     /// Checks size, nesting and syntax once, at load; the error names the
     /// argument (the caller adds the policy).
     pub fn compile(source: &str, reason: String) -> Result<Expr, String> {

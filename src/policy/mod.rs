@@ -115,6 +115,9 @@ pub struct GateInput<'a> {
     pub tool_calls: u64,
     pub session_policies: &'a [Policy],
     pub profile_policies: &'a [Policy],
+    /// At agent_start: why the harness's own tool calls cannot be gated
+    /// (see `ReinSpec::tool_calls_ungated`); `None` when they can.
+    pub ungated_tool_calls: Option<&'a str>,
 }
 
 /// The gate's decision: allow or deny, every evaluated policy's verdict, and
@@ -159,7 +162,24 @@ pub struct Gate {
     host: HostCapabilities,
 }
 
+/// The tool corral itself dispatches for an execution: gated by corral
+/// whatever the harness is.
+pub const DISPATCHED_TOOL: &str = "run_task";
+
 impl Policy {
+    /// Whether this policy governs the tool calls a harness makes itself
+    /// (not only corral's own `run_task` dispatch): a `max_tool_calls`, a
+    /// selector on `tool_call` or a tool other than `run_task`, or an
+    /// `expr` for every phase that looks at the tool call.
+    fn governs_tool_calls(&self) -> bool {
+        let selected = self.on.iter().any(|s| s.phase == Phase::ToolCall && s.tool.as_deref() != Some(DISPATCHED_TOOL));
+        match &self.kind {
+            Kind::MaxToolCalls { .. } => self.on.is_empty() || selected,
+            Kind::Expr(expr) if self.on.is_empty() => expr.reads_tool_call(),
+            _ => selected,
+        }
+    }
+
     /// Whether this policy has anything to say at `phase` for `tool`.
     fn applies(&self, phase: Phase, tool: &str) -> bool {
         let kind_phases: &[Phase] = match self.kind {
@@ -207,6 +227,22 @@ impl Gate {
             });
             if action == Action::Deny {
                 outcome.action = Action::Deny;
+                return outcome;
+            }
+        }
+        if let (Phase::AgentStart, Some(why)) = (input.phase, input.ungated_tool_calls) {
+            let policies = input.session_policies.iter().chain(input.profile_policies).chain(&self.admin_policies);
+            if let Some(policy) = policies.into_iter().find(|p| p.governs_tool_calls()) {
+                outcome.action = Action::Deny;
+                outcome.decisions.push(PolicyDecision {
+                    policy: "tool_call_gating".into(),
+                    source: "builtin".into(),
+                    action: Action::Deny,
+                    reason: format!(
+                        "policy {} governs tool calls, but {why}: it would be ignored, so the run is refused",
+                        policy.name
+                    ),
+                });
                 return outcome;
             }
         }

@@ -42,6 +42,7 @@ fn input<'a>(sandbox: &'a SandboxSpec, profile: &'a [Policy], session: &'a [Poli
         tool_calls: 0,
         session_policies: session,
         profile_policies: profile,
+        ungated_tool_calls: None,
     }
 }
 
@@ -196,4 +197,57 @@ fn a_limit_the_host_cannot_enforce_is_refused_with_the_reason() {
     assert_eq!(denial.reason, "limits.memory_bytes cannot be enforced on this host: no writable memory controller");
     // Without the limit the same host allows the run.
     assert_eq!(gate.evaluate(&input(&spec, &[], &[])).action, Action::Allow);
+}
+
+#[test]
+fn a_policy_on_tool_calls_refuses_a_harness_whose_tool_calls_are_not_gated() {
+    let spec = SandboxSpec::default();
+    let why = "Claude Code runs its own tools without asking corral's gate";
+    let cases: Vec<(Policy, bool)> = vec![
+        // (policy, refused when the harness is not gated)
+        (policy("no-bash", "expr", json!({"expression": "false", "reason": "r"}), &["tool_call:Bash"], "admin"), true),
+        (policy("any-call", "expr", json!({"expression": "true", "reason": "r"}), &["tool_call"], "profile"), true),
+        (policy("few", "max_tool_calls", json!({"limit": 3}), &[], "admin"), true),
+        (policy("reads-tool", "expr", json!({"expression": "tool != 'Bash'", "reason": "r"}), &[], "admin"), true),
+        (
+            policy(
+                "reads-args",
+                "expr",
+                json!({"expression": "arguments == null || size(arguments) < 10", "reason": "r"}),
+                &[],
+                "admin",
+            ),
+            true,
+        ),
+        // What corral dispatches itself, or what never looks at a call.
+        (policy("dispatch", "max_tool_calls", json!({"limit": 1}), &["tool_call:run_task"], "admin"), false),
+        (policy("actor", "expr", json!({"expression": "actor == 'agt'", "reason": "r"}), &[], "admin"), false),
+        (policy("start", "expr", json!({"expression": "true", "reason": "r"}), &["agent_start"], "admin"), false),
+        (policy("repos", "allowed_repos", json!({"prefixes": ["/"]}), &[], "admin"), false),
+    ];
+    for (p, refused) in cases {
+        let name = p.name.clone();
+        let profile = [p];
+        let gated = gate().evaluate(&input(&spec, &profile, &[]));
+        assert_eq!(gated.action, Action::Allow, "{name}: a gated harness starts");
+        let ungated = gate().evaluate(&GateInput { ungated_tool_calls: Some(why), ..input(&spec, &profile, &[]) });
+        if refused {
+            assert_eq!(ungated.action, Action::Deny, "{name}");
+            let last = ungated.decisions.last().unwrap();
+            assert_eq!((last.policy.as_str(), last.source.as_str()), ("tool_call_gating", "builtin"));
+            assert_eq!(
+                last.reason,
+                format!("policy {name} governs tool calls, but {why}: it would be ignored, so the run is refused")
+            );
+        } else {
+            assert_eq!(ungated.action, Action::Allow, "{name}: {:?}", ungated.decisions);
+        }
+    }
+    // Session and admin policies count as much as the profile's.
+    let admin = Gate::new(
+        vec![policy("no-bash", "expr", json!({"expression": "false", "reason": "r"}), &["tool_call:Bash"], "admin")],
+        HostCapabilities::everything(),
+    );
+    let ungated = admin.evaluate(&GateInput { ungated_tool_calls: Some(why), ..input(&spec, &[], &[]) });
+    assert_eq!(ungated.action, Action::Deny);
 }

@@ -1,0 +1,71 @@
+//! A policy is never silently ignored: a harness whose own tool calls
+//! cannot pass the tool_call gate, under a policy that governs tool calls,
+//! is refused at agent_start with the reason — before any sandbox exists.
+
+mod common;
+
+use common::{finished, request, require_bwrap, Options, TestDaemon};
+use corral::pb;
+use corral::policy::PolicySpec;
+use serde_json::json;
+
+fn no_bash() -> PolicySpec {
+    PolicySpec {
+        name: "no-bash".into(),
+        kind: "expr".into(),
+        arguments: json!({"expression": "false", "reason": "Bash is not allowed here"}),
+        on: vec!["tool_call:Bash".into()],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shell_harness_under_a_tool_call_policy_is_refused_and_a_protocol_harness_runs() {
+    require_bwrap();
+    let daemon =
+        TestDaemon::start(Options { config: Box::new(|c| c.policies.push(no_bash())), ..Options::default() }).await;
+    let mut catalog = daemon.catalog().await;
+
+    // What the catalog says of each.
+    let shell = catalog
+        .resolve_profile(pb::ResolveProfileRequest { profile_ref: "builtin.shell".into(), actor: String::new() })
+        .await
+        .unwrap()
+        .into_inner();
+    let rein = shell.profile.unwrap().rein.unwrap();
+    assert!(!rein.tool_calls_gated);
+    assert!(rein.tool_calls_ungated.contains("input = \"description\""), "{}", rein.tool_calls_ungated);
+    let fake = catalog
+        .resolve_profile(pb::ResolveProfileRequest { profile_ref: "test.fake-agent".into(), actor: String::new() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(fake.profile.unwrap().rein.unwrap().tool_calls_gated, "a task_json protocol harness asks the gate");
+
+    // The dry run and the real run agree: refused, naming the policy.
+    let dry = catalog
+        .evaluate_gate(pb::EvaluateGateRequest {
+            profile_ref: "builtin.shell".into(),
+            actor: "adm".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(dry.action, pb::GateAction::Deny as i32);
+    let events = daemon.execute(request("builtin.shell", "touch /tmp/ran-anyway")).await;
+    let execution = finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Refused as i32, "{execution:?}");
+    let evidence = execution.evidence.unwrap();
+    assert_eq!(evidence.failure_stage, pb::FailureStage::Gate as i32);
+    let refusal = evidence.gate_decisions.iter().find(|d| d.policy == "tool_call_gating").expect("the refusal");
+    assert!(
+        refusal.reason.contains("policy no-bash governs tool calls") && refusal.reason.contains("would be ignored")
+    );
+    assert!(evidence.sandbox_id.is_empty(), "a sandbox was made");
+    assert!(!common::kinds(&events).contains(&"sandbox_ready"));
+
+    // Control: a harness that asks the gate runs under the same policy.
+    let events = daemon.execute(request("test.fake-agent", "NOWORK")).await;
+    assert_eq!(finished(&events).state, pb::ExecutionState::Succeeded as i32);
+    daemon.stop().await;
+}
