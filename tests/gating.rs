@@ -69,3 +69,28 @@ async fn a_shell_harness_under_a_tool_call_policy_is_refused_and_a_protocol_harn
     assert_eq!(finished(&events).state, pb::ExecutionState::Succeeded as i32);
     daemon.stop().await;
 }
+
+/// `EvaluateGate` reads an empty actor as the caller's own type, like
+/// every other RPC: an `agt` sending policies is told they need `adm`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evaluate_gate_takes_an_empty_actor_as_the_callers_type() {
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut catalog = daemon.catalog().await;
+    let dry = |policies: Vec<pb::PolicySpec>| pb::EvaluateGateRequest {
+        profile_ref: "test.fake-agent".into(),
+        project: "proj-a".into(),
+        policies,
+        ..Default::default()
+    };
+    let as_adm = catalog.evaluate_gate(dry(vec![])).await.expect("the local admin, empty actor").into_inner();
+    assert_eq!(as_adm.action, pb::GateAction::Allow as i32);
+    let policy = pb::PolicySpec {
+        name: "p".into(),
+        kind: pb::PolicyKind::DenyNetwork as i32,
+        arguments_json: String::new(),
+        on: vec![],
+    };
+    let status = catalog.evaluate_gate(common::as_actor("agt", dry(vec![policy]))).await.expect_err("agt policies");
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    daemon.stop().await;
+}

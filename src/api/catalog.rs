@@ -101,13 +101,15 @@ impl CatalogService for CatalogApi {
         let principal = super::auth::caller(&request)?;
         let req = request.into_inner();
         let (repo, specs) = validate::evaluate_gate(&req, &self.repo_roots, &principal.repos).await?;
-        check_actor(&req.actor).map_err(refused)?;
+        // An empty actor is the principal's own type, as in every RPC.
+        let actor = if req.actor.is_empty() { principal.kind.as_str().to_string() } else { req.actor.clone() };
+        check_actor(&actor).map_err(refused)?;
         let profile = self.catalog.resolve(&req.profile_ref).map_err(refused)?;
         let session_policies = super::session::session_policies(&principal, specs)?;
         let outcome = self.gate.evaluate(&GateInput {
             phase: Phase::AgentStart,
             profile_ref: &profile.reference(),
-            actor: &req.actor,
+            actor: &actor,
             project: &req.project,
             repo: &repo,
             sandbox: &profile.file.sandbox,
