@@ -94,3 +94,35 @@ async fn evaluate_gate_takes_an_empty_actor_as_the_callers_type() {
     assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
     daemon.stop().await;
 }
+
+/// A session needs a harness that takes turns: one that reads its whole
+/// task at once (the shell runner, and Claude Code and Codex for now) is
+/// refused at resolution, before any sandbox exists, instead of failing
+/// every turn after the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_of_a_harness_that_cannot_take_turns_is_refused() {
+    let key = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(key.path(), "model-key-value").unwrap();
+    let file = key.path().to_path_buf();
+    let daemon = TestDaemon::start(Options {
+        config: Box::new(move |c| {
+            for (route, var) in [("anthropic", "ANTHROPIC_API_KEY"), ("openai", "OPENAI_API_KEY")] {
+                let route_config =
+                    corral::credentials::RouteConfig { env: None, file: Some(file.clone()), inject_as: var.into() };
+                c.credentials.routes.insert(route.into(), route_config);
+            }
+        }),
+        ..Options::default()
+    })
+    .await;
+    let mut sessions = pb::session_service_client::SessionServiceClient::new(daemon.channel().await);
+    for profile in ["builtin.shell", "builtin.claude-code", "builtin.codex"] {
+        let request =
+            pb::CreateSessionRequest { profile_ref: profile.into(), project: "proj-a".into(), ..Default::default() };
+        let status = sessions.create_session(request).await.expect_err(profile);
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{profile}: {status:?}");
+        assert!(status.message().contains("cannot take turns"), "{profile}: {}", status.message());
+    }
+    assert!(daemon.leftover_sandboxes().is_empty());
+    daemon.stop().await;
+}

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use super::capture::CaptureJob;
 use super::limits::{cgroup_hits, tree_bytes, workspace_hit, EventBudget, WorkspaceWatch};
 use super::{Engine, RawResult};
-use crate::catalog::{check_actor, Profile, ReadinessState};
+use crate::catalog::{check_actor, Profile, ReadinessState, TaskInput};
 use crate::credentials::Scrubber;
 use crate::events::{EventKind, RawPart, Recorder};
 use crate::evidence::{Evidence, FailureStage, TeardownResult};
@@ -179,6 +179,17 @@ impl Core {
         let t = Instant::now();
         let resolved = check_actor(&self.consumer.actor).and_then(|()| self.engine.catalog.resolve(profile_ref));
         self.evidence.time("resolve", t);
+        // A session's harness takes one task line per turn: a harness that
+        // reads its whole task at once would take the first turn and no other.
+        let resolved = resolved.and_then(|profile| match profile.file.rein.input {
+            TaskInput::TaskJson => Ok(profile),
+            _ if self.consumer.session_id.is_empty() => Ok(profile),
+            _ => Err(crate::catalog::Refusal(format!(
+                "profile {} cannot take turns: a session needs a harness with input = \"task_json\" \
+                 (sessions with Claude Code and Codex are not built yet)",
+                profile.reference()
+            ))),
+        });
         let profile = resolved.map_err(|refusal| {
             self.refused(FailureStage::Resolution, &refusal.0);
             OpenFailure::Refused { reason: refusal.0 }
