@@ -7,6 +7,7 @@ mod capture;
 mod core;
 mod execution;
 mod fit;
+mod leftover;
 mod limits;
 
 mod recovery;

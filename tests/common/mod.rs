@@ -386,12 +386,20 @@ impl ServeProcess {
         let secret = data_dir.with_extension("secret");
         std::fs::write(&secret, ROUTE_TEST_VALUE).unwrap();
         let config = data_dir.with_extension("toml");
+        // A restart of the same data directory keeps its uid range: recovery
+        // acts only on uids of its own range.
+        let uids = std::fs::read_to_string(&config)
+            .ok()
+            .and_then(|text| {
+                text.lines().find_map(|l| l.strip_prefix("uids = ").map(|u| u.trim_matches('"').to_string()))
+            })
+            .unwrap_or_else(unique_uids);
         let text = format!(
             // The extra config first: its top-level keys must come before
             // any table.
             "{extra_config}\n[credentials.routes.\"route.test\"]\nfile = {:?}\ninject_as = \"ROUTE_TEST_TOKEN\"\n[sandbox]\nuids = {:?}\n",
             secret.display().to_string(),
-            unique_uids()
+            uids
         );
         std::fs::write(&config, text).unwrap();
         let log = std::fs::OpenOptions::new().create(true).append(true).open(data_dir.with_extension("log")).unwrap();
