@@ -69,6 +69,9 @@ pub struct Config {
     pub harness: crate::catalog::HarnessConfig,
     /// Where Prometheus scrapes `GET /metrics` (unset: no metrics listener).
     pub metrics_listen: Option<String>,
+    /// A file holding the bearer token a scrape must present (at least 32
+    /// characters); required when `metrics_listen` is not loopback.
+    pub metrics_token_file: Option<PathBuf>,
     /// OpenTelemetry traces.
     pub telemetry: TelemetryConfig,
     /// Names this daemon in a shared store (default: host name and data
@@ -224,6 +227,7 @@ impl Default for Config {
             client_ca: None,
             harness: crate::catalog::HarnessConfig::default(),
             metrics_listen: None,
+            metrics_token_file: None,
             telemetry: TelemetryConfig::default(),
             node_id: None,
             grpc: GrpcConfig::default(),
@@ -362,8 +366,17 @@ impl Config {
             return Err(invalid("session_idle_seconds", "must be greater than 0".into()));
         }
         if let Some(addr) = &self.metrics_listen {
-            addr.parse::<std::net::SocketAddr>()
+            let metrics = addr
+                .parse::<std::net::SocketAddr>()
                 .map_err(|e| invalid("metrics_listen", format!("{addr:?} is not an address: {e}")))?;
+            if !metrics.ip().is_loopback() && self.metrics_token_file.is_none() {
+                return Err(invalid(
+                    "metrics_listen",
+                    format!(
+                        "{metrics} is not a loopback address: a non-loopback metrics listener needs metrics_token_file"
+                    ),
+                ));
+            }
         }
         if self.git.timeout_seconds == 0 {
             return Err(invalid("git.timeout_seconds", "must be greater than 0".into()));
@@ -442,6 +455,16 @@ mod tests {
         assert!(err.contains("bad.toml") && err.contains("lisen"), "{err}");
         let config = Config { listen: "nowhere".into(), ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("listen"));
+    }
+
+    #[test]
+    fn a_metrics_listener_off_loopback_needs_a_token() {
+        let open = Config { metrics_listen: Some("0.0.0.0:9464".into()), ..Config::default() };
+        let err = open.validate().unwrap_err().to_string();
+        assert!(err.contains("metrics_listen") && err.contains("metrics_token_file"), "{err}");
+        let with_token = Config { metrics_token_file: Some("/etc/corral/metrics.token".into()), ..open };
+        assert!(with_token.validate().is_ok());
+        assert!(Config { metrics_listen: Some("127.0.0.1:9464".into()), ..Config::default() }.validate().is_ok());
     }
 
     #[test]

@@ -125,6 +125,14 @@ impl Daemon {
             None => None,
         };
         let tls = tls_config(&self.config).map_err(|(key, source)| StartError::DataDir { path: key, source })?;
+        if let Some(addr) = &self.config.metrics_listen {
+            let addr = addr.parse().map_err(|e| StartError::Policies(format!("metrics_listen {addr:?}: {e}")))?;
+            let token = match &self.config.metrics_token_file {
+                Some(file) => Some(crate::metrics_http::load_token(file).map_err(StartError::Policies)?),
+                None => None,
+            };
+            crate::metrics_http::serve(addr, token, shutdown.clone()).await.map_err(StartError::Policies)?;
+        }
         let parts = ApiParts {
             tls,
             authenticator: self.authenticator,

@@ -20,6 +20,7 @@ pub mod events;
 pub mod evidence;
 pub mod hub;
 pub mod lifecycle;
+pub mod metrics_http;
 pub mod net;
 pub mod policy;
 pub mod records;

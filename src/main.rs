@@ -154,12 +154,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         tracing_opentelemetry::layer().with_tracer(provider.tracer("corral"))
     });
     tracing_subscriber::registry().with(filter).with(logs).with(traces).init();
-    if let Some(addr) = &config.metrics_listen {
-        // Validated with the config: it parses.
-        let addr = addr.parse().map_err(|e| anyhow::anyhow!("metrics_listen: {e}"))?;
-        corral::telemetry::install(addr).map_err(anyhow::Error::msg)?;
-        tracing::info!(%addr, "metrics on GET /metrics");
-    }
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;

@@ -262,3 +262,59 @@ async fn deny_network_leaves_nothing_reachable() {
     assert!(egress_events(&events).is_empty());
     daemon.stop().await;
 }
+
+/// A plain `GET /metrics` on the host, with an optional bearer token: the
+/// status line and body.
+async fn scrape(port: u16, token: Option<&str>) -> String {
+    // The daemon binds it as it starts serving: wait for it.
+    let mut attempts = 0;
+    let mut stream = loop {
+        match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+            Ok(stream) => break stream,
+            Err(e) if attempts < 100 => {
+                attempts += 1;
+                let _ = e;
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("the metrics listener does not answer: {e}"),
+        }
+    };
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Connection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.unwrap();
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_listener_is_protected_and_needs_its_token() {
+    require_bwrap();
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let token_dir = tempfile::tempdir().unwrap();
+    let token = "m".repeat(40);
+    let token_file = token_dir.path().join("metrics.token");
+    std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    let profile = net_profile("test.metrics", &[format!("127.0.0.1:{metrics}")], "");
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![profile],
+        config: Box::new(move |config| {
+            config.metrics_listen = Some(format!("127.0.0.1:{metrics}"));
+            config.metrics_token_file = Some(token_file);
+        }),
+        ..Options::default()
+    })
+    .await;
+    assert!(scrape(metrics, None).await.starts_with("HTTP/1.1 401"), "no token");
+    assert!(scrape(metrics, Some(&"x".repeat(40))).await.starts_with("HTTP/1.1 401"), "a wrong token");
+    let events = daemon.execute(request("test.metrics", &probe(&[metrics], &[metrics]))).await;
+    let out = finished(&events).tool_output;
+    assert!(out.contains(&format!("tunnel {metrics} refused HTTP/1.1 403")), "listed, yet refused: {out}");
+    assert!(out.contains(&format!("direct {metrics} failed")), "{out}");
+    let denied = egress_events(&events);
+    assert!(!denied.is_empty() && denied.iter().all(|d| !d.allowed), "{denied:?}");
+    let scraped = scrape(metrics, Some(&token)).await;
+    assert!(scraped.starts_with("HTTP/1.1 200"), "{scraped}");
+    assert!(scraped.contains("corral_egress_total"), "the run's egress is counted: {scraped}");
+    daemon.stop().await;
+}
