@@ -35,7 +35,8 @@ pub enum StartError {
 }
 
 pub struct Daemon {
-    pub authenticator: Arc<crate::auth::Authenticator>,
+    /// Who may call; replaced whole by [`reload_principals`] (SIGHUP).
+    pub authenticator: Arc<crate::auth::Principals>,
     pub page_tokens: Arc<crate::api::page::PageTokens>,
     pub config: Config,
     pub engine: Arc<Engine>,
@@ -112,7 +113,7 @@ impl Daemon {
         engine.spawn_reaper(Duration::from_secs(config.session_idle_seconds));
         let retention = Duration::from_secs(config.event_retention_seconds);
         engine.spawn_compactor(retention, (retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(3600)));
-        let authenticator = Arc::new(authenticator(&config)?);
+        let authenticator = Arc::new(crate::auth::Principals::new(authenticator(&config)?));
         // Kept in the data directory, so page tokens survive a restart.
         let page_tokens = crate::api::page::PageTokens::load_or_create(&data_dir.join("page-token.key"))
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
@@ -148,6 +149,17 @@ impl Daemon {
         api::serve(parts, listener, shutdown).await?;
         Ok(())
     }
+}
+
+/// Reads the principals of `config` again (its `principals` and
+/// `principals_dir`, the local admin token) and makes them current: calls
+/// from now on are identified with them, running work is untouched. On an
+/// error nothing changes, and the error names the key or file.
+pub fn reload_principals(principals: &crate::auth::Principals, config: &Config) -> Result<usize, StartError> {
+    let authenticator = authenticator(config)?;
+    let count = authenticator.principal_count();
+    principals.replace(authenticator);
+    Ok(count)
 }
 
 /// The principals of the config, the local admin token, and root and the

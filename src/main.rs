@@ -126,7 +126,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     use tracing_subscriber::Layer;
     let overrides =
         Overrides { listen: args.listen.clone(), data_dir: args.data_dir.clone(), profile_dirs: args.profiles.clone() };
-    let config = Config::load(args.config.as_deref(), overrides)?;
+    let config = Config::load(args.config.as_deref(), overrides.clone())?;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     // Spans (an execution's id) go into every line of either format.
     let logs = match args.log_format {
@@ -170,6 +170,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
 
+    reload_principals_on_hup(daemon.authenticator.clone(), args.config.clone(), overrides);
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();
     tokio::spawn(async move {
@@ -197,6 +198,34 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     served??;
     Ok(())
+}
+
+/// On SIGHUP, reads the config again and replaces the principals (its
+/// `principals` and `principals_dir`; nothing else is re-applied). A reload
+/// that fails keeps the set in force and logs why.
+fn reload_principals_on_hup(
+    principals: std::sync::Arc<corral::auth::Principals>,
+    file: Option<std::path::PathBuf>,
+    overrides: Overrides,
+) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("no SIGHUP handler: principals are read only at start");
+        return;
+    };
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            let reloaded = Config::load(file.as_deref(), overrides.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|config| corral::daemon::reload_principals(&principals, &config).map_err(|e| e.to_string()));
+            match reloaded {
+                Ok(count) => tracing::info!(principals = count, "SIGHUP: principals reloaded"),
+                Err(error) => {
+                    tracing::error!(%error, "SIGHUP: principals not reloaded; the previous set stays in force")
+                }
+            }
+        }
+    });
 }
 
 async fn wait_for_signal() {
