@@ -79,6 +79,8 @@ pub struct Config {
     pub node_id: Option<String>,
     /// The server's limits: message sizes, streams, keepalive, watchers.
     pub grpc: GrpcConfig,
+    /// The sandboxes' egress proxies together: connection caps, idle timeout.
+    pub proxy: crate::net::ProxyLimitsConfig,
 }
 
 /// The `[grpc]` section: what one client can ask of the server.
@@ -231,6 +233,7 @@ impl Default for Config {
             telemetry: TelemetryConfig::default(),
             node_id: None,
             grpc: GrpcConfig::default(),
+            proxy: crate::net::ProxyLimitsConfig::default(),
         }
     }
 }
@@ -400,6 +403,7 @@ impl Config {
         }
         self.credentials.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.grpc.validate().map_err(|(key, message)| invalid(&key, message))?;
+        self.proxy.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.sandbox.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.harness.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {

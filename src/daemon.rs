@@ -80,6 +80,14 @@ impl Daemon {
             })?;
         }
         log_capabilities(&host, &uid_mode);
+        let nofile = crate::fdlimit::raise_nofile();
+        let max_connections = crate::fdlimit::proxy_connections(&config, nofile).map_err(StartError::Policies)?;
+        tracing::info!(nofile, proxy_max_connections = max_connections, "file descriptors");
+        let proxy_budget = crate::net::ProxyBudget::new(
+            max_connections,
+            config.proxy.max_connections_per_principal,
+            Duration::from_secs(config.proxy.idle_timeout_seconds),
+        );
         let admin = compile_all(&config.policies, "admin", "policies").map_err(StartError::Policies)?;
         let gate = Arc::new(Gate::new(admin, host));
         let hub = config.hub.clone().map(|hub| Hub::new(hub, store.clone()));
@@ -99,6 +107,7 @@ impl Daemon {
             max_watchers: config.grpc.max_watchers,
             max_message_bytes: config.grpc.max_send_message_bytes,
             git: config.git.clone(),
+            proxy_budget,
             uid_range: match uid_mode {
                 UidMode::PerSandbox(range) => Some(range),
                 UidMode::Daemon { .. } => None,

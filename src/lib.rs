@@ -18,6 +18,7 @@ pub mod credentials;
 pub mod daemon;
 pub mod events;
 pub mod evidence;
+pub mod fdlimit;
 pub mod hub;
 pub mod lifecycle;
 pub mod metrics_http;

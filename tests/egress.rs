@@ -318,3 +318,42 @@ async fn the_metrics_listener_is_protected_and_needs_its_token() {
     assert!(scraped.contains("corral_egress_total"), "the run's egress is counted: {scraped}");
     daemon.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_daemon_wide_connection_cap_a_sandbox_is_refused_with_the_reason() {
+    require_bwrap();
+    let server = TestServer::start().await;
+    let port = server.port;
+    let profile = net_profile("test.many", &[format!("127.0.0.1:{port}")], "");
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![profile],
+        config: Box::new(|config| config.proxy.max_connections = Some(2)),
+        ..Options::default()
+    })
+    .await;
+    // Three tunnels held open at once: the third is past the cap of 2.
+    let script = format!(
+        r#"python3 - <<'EOF'
+import socket
+held = []
+for i in range(3):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+    s.sendall(b"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\n\r\n")
+    print("tunnel", i, s.recv(4096).split(b"\r\n")[0].decode())
+    held.append(s)
+EOF"#
+    );
+    let events = daemon.execute(request("test.many", &script)).await;
+    let out = finished(&events).tool_output;
+    assert!(out.contains("tunnel 0 HTTP/1.1 200") && out.contains("tunnel 1 HTTP/1.1 200"), "{out}");
+    assert!(out.contains("tunnel 2 HTTP/1.1 503"), "the third is refused: {out}");
+    let decisions = egress_events(&events);
+    let denied: Vec<_> = decisions.iter().filter(|d| !d.allowed).collect();
+    assert_eq!(denied.len(), 1, "{decisions:?}");
+    assert_eq!(denied[0].port, u32::from(port));
+    assert!(denied[0].rule_or_reason.contains("the daemon's proxy connection limit (2) is reached"), "{denied:?}");
+    // Its shares came back with the sandbox: the next run gets its own.
+    let again = daemon.execute(request("test.many", &script)).await;
+    assert!(finished(&again).tool_output.contains("tunnel 1 HTTP/1.1 200"));
+    daemon.stop().await;
+}

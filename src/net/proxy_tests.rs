@@ -31,6 +31,7 @@ async fn proxy_with(allow: &[String], protected: Vec<SocketAddr>, limits: Limits
         connect_timeout: Duration::from_secs(2),
     };
     let log = Arc::new(EgressLog::default());
+    log.attach_budget(ProxyBudget::new(10_000, 10_000, Duration::from_secs(300)), "tester");
     let handle = serve_with(listener, config, log.clone(), limits);
     Proxy { addr, handle, log }
 }
