@@ -327,6 +327,10 @@ impl Config {
         if let Some(v) = get("CORRAL_UNIX_SOCKET") {
             self.unix_socket = Some(v.into());
         }
+        if let Some(v) = get("CORRAL_CGROUP_PARENT") {
+            // The systemd unit names its delegated subtree this way.
+            self.sandbox.cgroup_parent = v;
+        }
         if let Some(v) = get("CORRAL_STORE_URL") {
             self.store.url = Some(v);
         }
@@ -430,10 +434,12 @@ mod tests {
             .apply_env(|name| match name {
                 "CORRAL_LISTEN" => Some("127.0.0.1:7001".into()),
                 "CORRAL_SHUTDOWN_GRACE_SECONDS" => Some("9".into()),
+                "CORRAL_CGROUP_PARENT" => Some("system.slice/corral.service/sandboxes".into()),
                 _ => None,
             })
             .unwrap();
         assert_eq!((config.listen.as_str(), config.shutdown_grace_seconds), ("127.0.0.1:7001", 9));
+        assert_eq!(config.sandbox.cgroup_parent, "system.slice/corral.service/sandboxes");
     }
 
     #[test]

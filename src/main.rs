@@ -175,6 +175,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let signal = shutdown.clone();
     tokio::spawn(async move {
         wait_for_signal().await;
+        // systemd (Type=notify): the stop has begun; draining may take the grace period.
+        notify(sd_notify::NotifyState::Stopping);
         signal.cancel();
     });
     let mut serving = tokio::spawn(daemon.serve(listener, shutdown));
@@ -189,6 +191,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
     println!("corral listening on {local}");
+    // systemd (Type=notify): every listener accepts now.
+    notify(sd_notify::NotifyState::Ready);
     let served = (&mut serving).await;
     if let Some(provider) = provider {
         // Flush the spans still batched.
@@ -226,6 +230,14 @@ fn reload_principals_on_hup(
             }
         }
     });
+}
+
+/// Tells the service manager, when there is one (`NOTIFY_SOCKET`; sandboxes
+/// never inherit it: their environment is built from an allowlist).
+fn notify(state: sd_notify::NotifyState<'_>) {
+    if let Err(error) = sd_notify::notify(&[state]) {
+        tracing::warn!(%error, "cannot notify the service manager");
+    }
 }
 
 async fn wait_for_signal() {
