@@ -16,6 +16,7 @@ pub mod cli;
 pub mod config;
 pub mod credentials;
 pub mod daemon;
+pub mod delegate;
 pub mod events;
 pub mod evidence;
 pub mod fdlimit;

@@ -158,6 +158,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let local = listener.local_addr()?;
+    // Under systemd's Delegate=yes: out of the unit's own cgroup first, so
+    // the sandboxes' parent beside it can have controllers.
+    corral::delegate::enter_leaf_if_delegated(&config.sandbox.cgroup_mount, &config.sandbox.cgroup_parent);
     let backends = Backends::for_host(&config.sandbox);
     let daemon = Daemon::build(config, backends, default_reins()).await?;
     tracing::info!(listen = %local, data_dir = %daemon.config.data_dir.display(), "corral serving");

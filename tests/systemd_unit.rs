@@ -193,3 +193,55 @@ async fn without_read_write_paths_fetch_back_fails() {
     assert!(refs.is_empty(), "{refs:?}");
     assert!(execution.tool_error.contains("Read-only file system"), "{}", execution.tool_error);
 }
+
+/// The unit's cgroup layout: the daemon starts inside a "service" cgroup
+/// (as systemd puts it with Delegate=yes), cgroup_parent names a subtree of
+/// it (as CORRAL_CGROUP_PARENT in the unit does): the daemon moves into the
+/// leaf `daemon`, and a run with a pids limit gets its cgroup under the
+/// parent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_delegated_cgroup_the_daemon_takes_a_leaf_and_sandboxes_get_limits() {
+    common::require_bwrap();
+    let root = corral::delegate::v2_root(Path::new("/sys/fs/cgroup")).expect("this test needs a cgroup v2 hierarchy");
+    let service = format!("corral-test-unit-{}/corral.service", std::process::id());
+    std::fs::create_dir_all(root.join(&service)).unwrap();
+    let parent = format!("{service}/sandboxes");
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let profile = common::fake_agent_profile("test.fake-agent", "max_processes = 64");
+    std::fs::write(profiles.join("fake.toml"), profile).unwrap();
+    let procs = root.join(&service).join("cgroup.procs");
+    let script = format!("echo $$ > {}; exec \"$@\"", procs.display());
+    let wrapper = ["/bin/sh", "-c", script.as_str(), "sh"];
+    let env = [("CORRAL_CGROUP_PARENT", parent.as_str())];
+    let mut daemon = ServeProcess::start_wrapped(&dir.path().join("data"), &profiles, &env, "", &wrapper).await;
+    let own = std::fs::read_to_string(format!("/proc/{}/cgroup", daemon.pid())).unwrap();
+    assert!(own.contains(&format!("0::/{service}/daemon")), "the daemon is in its leaf: {own}");
+    assert_eq!(std::fs::read_to_string(&procs).unwrap().trim(), "", "the service cgroup itself holds no process");
+
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let request = common::request("test.fake-agent", "NOWORK");
+    let mut stream = client.execute(request).await.expect("execute").into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        events.push(event);
+    }
+    let execution = common::finished(&events);
+    assert_eq!(
+        pb::ExecutionState::try_from(execution.state).unwrap(),
+        pb::ExecutionState::Succeeded,
+        "{}",
+        execution.tool_error
+    );
+    let log = std::fs::read_to_string(dir.path().join("data").with_extension("log")).unwrap();
+    assert!(log.contains("the daemon moved into the leaf of its delegated cgroup"), "{log}");
+    assert!(root.join(&parent).is_dir(), "sandbox cgroups live under the delegated parent");
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
+    daemon.child.wait().await.unwrap();
+    for leftover in [parent.clone(), format!("{service}/daemon"), service.clone()] {
+        let _ = std::fs::remove_dir(root.join(leftover));
+    }
+    let _ = std::fs::remove_dir(root.join(service.split('/').next().unwrap()));
+}
