@@ -357,3 +357,74 @@ EOF"#
     assert!(finished(&again).tool_output.contains("tunnel 1 HTTP/1.1 200"));
     daemon.stop().await;
 }
+
+/// A sandbox's CONNECT script: `count` tunnels to `port`, each sending
+/// `tag` once open, all held for `hold` seconds.
+fn tunnels(port: u16, count: usize, tag: &str, hold: u32) -> String {
+    format!(
+        r#"python3 - <<'EOF'
+import socket, time
+held = []
+for i in range({count}):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+    s.sendall(b"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = s.recv(4096).split(b"\r\n")[0].decode()
+    print("tunnel", i, head, flush=True)
+    if " 200 " in head:
+        s.sendall(b"{tag}\n")
+    held.append(s)
+time.sleep({hold})
+EOF"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_sandbox_filling_the_daemon_wide_cap_refuses_another_tenants_until_it_ends() {
+    require_bwrap();
+    let server = TestServer::start().await;
+    let port = server.port;
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![net_profile("test.fill", &[format!("127.0.0.1:{port}")], "")],
+        config: Box::new(|config| config.proxy.max_connections = Some(2)),
+        ..Options::default()
+    })
+    .await;
+    // Tenant A (test-agt) takes both shares and holds them.
+    let mut client = daemon.executions().await;
+    let hog = client
+        .start_execution(common::as_actor("agt", request("test.fill", &tunnels(port, 2, "HOLD-A", 120))))
+        .await
+        .unwrap()
+        .into_inner();
+    let start = std::time::Instant::now();
+    while server.seen().matches("HOLD-A").count() < 2 {
+        assert!(start.elapsed() < std::time::Duration::from_secs(20), "tenant A never held its tunnels");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // Tenant B (test-atm), another sandbox: refused, with the reason.
+    let mut b = request("test.fill", &tunnels(port, 1, "HOLD-B", 0));
+    b.actor = "atm".into();
+    let mut stream = client.execute(common::as_actor("atm", b.clone())).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        events.push(event);
+    }
+    assert!(finished(&events).tool_output.contains("tunnel 0 HTTP/1.1 503"), "{:?}", finished(&events));
+    let denied: Vec<_> = egress_events(&events).into_iter().filter(|d| !d.allowed).collect();
+    assert_eq!(denied.len(), 1, "{denied:?}");
+    assert_eq!(denied[0].rule_or_reason, "the daemon's proxy connection limit (2) is reached");
+    assert!(!server.seen().contains("HOLD-B"));
+
+    // Once A's sandbox is gone, B gets through.
+    let cancel = pb::CancelExecutionRequest { execution_id: hog.execution_id.clone() };
+    client.cancel_execution(common::as_actor("agt", cancel)).await.unwrap();
+    daemon.watch_all(&hog.execution_id, 0).await;
+    let mut stream = client.execute(common::as_actor("atm", b)).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        events.push(event);
+    }
+    assert!(finished(&events).tool_output.contains("tunnel 0 HTTP/1.1 200"), "{:?}", finished(&events));
+    assert!(server.seen().contains("HOLD-B"));
+    daemon.stop().await;
+}
