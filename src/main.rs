@@ -127,6 +127,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let overrides =
         Overrides { listen: args.listen.clone(), data_dir: args.data_dir.clone(), profile_dirs: args.profiles.clone() };
     let config = Config::load(args.config.as_deref(), overrides.clone())?;
+    // Before anything slow (recovery): a SIGHUP during start must not end
+    // the daemon, whose default action it is.
+    let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     // Spans (an execution's id) go into every line of either format.
     let logs = match args.log_format {
@@ -173,7 +176,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
 
-    reload_principals_on_hup(daemon.authenticator.clone(), args.config.clone(), overrides);
+    reload_principals_on_hup(hup, daemon.authenticator.clone(), args.config.clone(), overrides);
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();
     tokio::spawn(async move {
@@ -211,12 +214,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 /// `principals` and `principals_dir`; nothing else is re-applied). A reload
 /// that fails keeps the set in force and logs why.
 fn reload_principals_on_hup(
+    hup: Option<tokio::signal::unix::Signal>,
     principals: std::sync::Arc<corral::auth::Principals>,
     file: Option<std::path::PathBuf>,
     overrides: Overrides,
 ) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+    let Some(mut hup) = hup else {
         tracing::warn!("no SIGHUP handler: principals are read only at start");
         return;
     };
