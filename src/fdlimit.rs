@@ -36,7 +36,7 @@ pub fn raise_nofile() -> u64 {
             limit.rlim_cur = limit.rlim_max;
         }
     }
-    limit.rlim_cur as u64
+    limit.rlim_cur
 }
 
 /// The proxies' daemon-wide connection cap under a soft limit of `nofile`
@@ -86,6 +86,6 @@ mod tests {
         let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
         // SAFETY: getrlimit(2) writes into the struct we pass.
         assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
-        assert_eq!((soft, limit.rlim_cur), (limit.rlim_max as u64, limit.rlim_max));
+        assert_eq!((soft, limit.rlim_cur), (limit.rlim_max, limit.rlim_max));
     }
 }

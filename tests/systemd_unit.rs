@@ -245,3 +245,23 @@ async fn in_a_delegated_cgroup_the_daemon_takes_a_leaf_and_sandboxes_get_limits(
     }
     let _ = std::fs::remove_dir(root.join(service.split('/').next().unwrap()));
 }
+
+/// The daemon raises its soft RLIMIT_NOFILE to the hard limit at start
+/// (systemd's LimitNOFILE sets both; a shell may leave the soft one low).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_raises_its_descriptor_limit_to_the_hard_one() {
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let wrapper = ["/bin/sh", "-c", "ulimit -Sn 1024; exec \"$@\"", "sh"];
+    let mut daemon = ServeProcess::start_wrapped(&dir.path().join("data"), &profiles, &[], "", &wrapper).await;
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", daemon.pid())).unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap().to_string();
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    let (soft, hard) = (fields[3], fields[4]);
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
+    daemon.child.wait().await.unwrap();
+    assert_ne!(soft, "1024", "{line}");
+    assert_eq!(soft, hard, "{line}");
+}

@@ -183,8 +183,7 @@ impl CommandSession {
         let mut result = None;
         // Set when the harness has exited: its stdout is read until then.
         let mut drain_until = None;
-        loop {
-            let Some(lines) = self.stdout.as_mut() else { break };
+        while let Some(lines) = self.stdout.as_mut() {
             let next = match drain_until {
                 None => tokio::select! {
                     biased;
@@ -195,11 +194,9 @@ impl CommandSession {
                         continue;
                     }
                 },
-                Some(deadline) => match tokio::time::timeout_at(deadline, lines.recv()).await {
-                    Ok(next) => next,
-                    // Something the harness started still holds its stdout.
-                    Err(_) => None,
-                },
+                // Past the deadline: something the harness started still
+                // holds its stdout; what it wrote itself has been read.
+                Some(deadline) => tokio::time::timeout_at(deadline, lines.recv()).await.unwrap_or_default(),
             };
             let Some(next) = next else {
                 self.stdout = None;
