@@ -71,6 +71,9 @@ pub struct Config {
     pub harness: crate::catalog::HarnessConfig,
     /// Where Prometheus scrapes `GET /metrics` (unset: no metrics listener).
     pub metrics_listen: Option<String>,
+    /// A file holding the bearer token a scrape must present (at least 32
+    /// characters); required when `metrics_listen` is not loopback.
+    pub metrics_token_file: Option<PathBuf>,
     /// OpenTelemetry traces.
     pub telemetry: TelemetryConfig,
     /// Names this daemon in a shared store (default: host name and data
@@ -78,6 +81,8 @@ pub struct Config {
     pub node_id: Option<String>,
     /// The server's limits: message sizes, streams, keepalive, watchers.
     pub grpc: GrpcConfig,
+    /// The sandboxes' egress proxies together: connection caps, idle timeout.
+    pub proxy: crate::net::ProxyLimitsConfig,
 }
 
 /// The `[grpc]` section: what one client can ask of the server.
@@ -239,9 +244,11 @@ impl Default for Config {
             client_ca: None,
             harness: crate::catalog::HarnessConfig::default(),
             metrics_listen: None,
+            metrics_token_file: None,
             telemetry: TelemetryConfig::default(),
             node_id: None,
             grpc: GrpcConfig::default(),
+            proxy: crate::net::ProxyLimitsConfig::default(),
         }
     }
 }
@@ -342,6 +349,10 @@ impl Config {
         if let Some(v) = get("CORRAL_UNIX_SOCKET") {
             self.unix_socket = Some(v.into());
         }
+        if let Some(v) = get("CORRAL_CGROUP_PARENT") {
+            // The systemd unit names its delegated subtree this way.
+            self.sandbox.cgroup_parent = v;
+        }
         if let Some(v) = get("CORRAL_STORE_URL") {
             self.store.url = Some(v);
         }
@@ -384,8 +395,17 @@ impl Config {
             return Err(invalid("session_idle_seconds", "must be greater than 0".into()));
         }
         if let Some(addr) = &self.metrics_listen {
-            addr.parse::<std::net::SocketAddr>()
+            let metrics = addr
+                .parse::<std::net::SocketAddr>()
                 .map_err(|e| invalid("metrics_listen", format!("{addr:?} is not an address: {e}")))?;
+            if !metrics.ip().is_loopback() && self.metrics_token_file.is_none() {
+                return Err(invalid(
+                    "metrics_listen",
+                    format!(
+                        "{metrics} is not a loopback address: a non-loopback metrics listener needs metrics_token_file"
+                    ),
+                ));
+            }
         }
         if self.git.timeout_seconds == 0 {
             return Err(invalid("git.timeout_seconds", "must be greater than 0".into()));
@@ -415,6 +435,7 @@ impl Config {
         }
         self.credentials.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.grpc.validate().map_err(|(key, message)| invalid(&key, message))?;
+        self.proxy.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.sandbox.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.harness.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {
@@ -446,10 +467,12 @@ mod tests {
             .apply_env(|name| match name {
                 "CORRAL_LISTEN" => Some("127.0.0.1:7001".into()),
                 "CORRAL_SHUTDOWN_GRACE_SECONDS" => Some("9".into()),
+                "CORRAL_CGROUP_PARENT" => Some("system.slice/corral.service/sandboxes".into()),
                 _ => None,
             })
             .unwrap();
         assert_eq!((config.listen.as_str(), config.shutdown_grace_seconds), ("127.0.0.1:7001", 9));
+        assert_eq!(config.sandbox.cgroup_parent, "system.slice/corral.service/sandboxes");
     }
 
     #[test]
@@ -487,6 +510,16 @@ mod tests {
         assert!(err.contains("bad.toml") && err.contains("lisen"), "{err}");
         let config = Config { listen: "nowhere".into(), ..Config::default() };
         assert!(config.validate().unwrap_err().to_string().contains("listen"));
+    }
+
+    #[test]
+    fn a_metrics_listener_off_loopback_needs_a_token() {
+        let open = Config { metrics_listen: Some("0.0.0.0:9464".into()), ..Config::default() };
+        let err = open.validate().unwrap_err().to_string();
+        assert!(err.contains("metrics_listen") && err.contains("metrics_token_file"), "{err}");
+        let with_token = Config { metrics_token_file: Some("/etc/corral/metrics.token".into()), ..open };
+        assert!(with_token.validate().is_ok());
+        assert!(Config { metrics_listen: Some("127.0.0.1:9464".into()), ..Config::default() }.validate().is_ok());
     }
 
     #[test]

@@ -35,7 +35,8 @@ pub enum StartError {
 }
 
 pub struct Daemon {
-    pub authenticator: Arc<crate::auth::Authenticator>,
+    /// Who may call; replaced whole by [`reload_principals`] (SIGHUP).
+    pub authenticator: Arc<crate::auth::Principals>,
     pub page_tokens: Arc<crate::api::page::PageTokens>,
     pub config: Config,
     pub engine: Arc<Engine>,
@@ -79,6 +80,14 @@ impl Daemon {
             })?;
         }
         log_capabilities(&host, &uid_mode);
+        let nofile = crate::fdlimit::raise_nofile();
+        let max_connections = crate::fdlimit::proxy_connections(&config, nofile).map_err(StartError::Policies)?;
+        tracing::info!(nofile, proxy_max_connections = max_connections, "file descriptors");
+        let proxy_budget = crate::net::ProxyBudget::new(
+            max_connections,
+            config.proxy.max_connections_per_principal,
+            Duration::from_secs(config.proxy.idle_timeout_seconds),
+        );
         let admin = compile_all(&config.policies, "admin", "policies").map_err(StartError::Policies)?;
         let gate = Arc::new(Gate::new(admin, host));
         let hub = config.hub.clone().map(|hub| Hub::new(hub, store.clone()));
@@ -98,6 +107,7 @@ impl Daemon {
             max_watchers: config.grpc.max_watchers,
             max_message_bytes: config.grpc.max_send_message_bytes,
             git: config.git.clone(),
+            proxy_budget,
             uid_range: match uid_mode {
                 UidMode::PerSandbox(range) => Some(range),
                 UidMode::Daemon { .. } => None,
@@ -112,7 +122,7 @@ impl Daemon {
         engine.spawn_reaper(Duration::from_secs(config.session_idle_seconds));
         let retention = Duration::from_secs(config.event_retention_seconds);
         engine.spawn_compactor(retention, (retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(3600)));
-        let authenticator = Arc::new(authenticator(&config)?);
+        let authenticator = Arc::new(crate::auth::Principals::new(authenticator(&config)?));
         // Kept in the data directory, so page tokens survive a restart.
         let page_tokens = crate::api::page::PageTokens::load_or_create(&data_dir.join("page-token.key"))
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
@@ -125,6 +135,14 @@ impl Daemon {
             None => None,
         };
         let tls = tls_config(&self.config).map_err(|(key, source)| StartError::DataDir { path: key, source })?;
+        if let Some(addr) = &self.config.metrics_listen {
+            let addr = addr.parse().map_err(|e| StartError::Policies(format!("metrics_listen {addr:?}: {e}")))?;
+            let token = match &self.config.metrics_token_file {
+                Some(file) => Some(crate::metrics_http::load_token(file).map_err(StartError::Policies)?),
+                None => None,
+            };
+            crate::metrics_http::serve(addr, token, shutdown.clone()).await.map_err(StartError::Policies)?;
+        }
         let parts = ApiParts {
             tls,
             authenticator: self.authenticator,
@@ -140,6 +158,17 @@ impl Daemon {
         api::serve(parts, listener, shutdown).await?;
         Ok(())
     }
+}
+
+/// Reads the principals of `config` again (its `principals` and
+/// `principals_dir`, the local admin token) and makes them current: calls
+/// from now on are identified with them, running work is untouched. On an
+/// error nothing changes, and the error names the key or file.
+pub fn reload_principals(principals: &crate::auth::Principals, config: &Config) -> Result<usize, StartError> {
+    let authenticator = authenticator(config)?;
+    let count = authenticator.principal_count();
+    principals.replace(authenticator);
+    Ok(count)
 }
 
 /// The principals of the config, the local admin token, and root and the

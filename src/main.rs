@@ -126,7 +126,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     use tracing_subscriber::Layer;
     let overrides =
         Overrides { listen: args.listen.clone(), data_dir: args.data_dir.clone(), profile_dirs: args.profiles.clone() };
-    let config = Config::load(args.config.as_deref(), overrides)?;
+    let config = Config::load(args.config.as_deref(), overrides.clone())?;
+    // Before anything slow (recovery): a SIGHUP during start must not end
+    // the daemon, whose default action it is.
+    let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     // Spans (an execution's id) go into every line of either format.
     let logs = match args.log_format {
@@ -154,16 +157,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         tracing_opentelemetry::layer().with_tracer(provider.tracer("corral"))
     });
     tracing_subscriber::registry().with(filter).with(logs).with(traces).init();
-    if let Some(addr) = &config.metrics_listen {
-        // Validated with the config: it parses.
-        let addr = addr.parse().map_err(|e| anyhow::anyhow!("metrics_listen: {e}"))?;
-        corral::telemetry::install(addr).map_err(anyhow::Error::msg)?;
-        tracing::info!(%addr, "metrics on GET /metrics");
-    }
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let local = listener.local_addr()?;
+    // Under systemd's Delegate=yes: out of the unit's own cgroup first, so
+    // the sandboxes' parent beside it can have controllers.
+    corral::delegate::enter_leaf_if_delegated(&config.sandbox.cgroup_mount, &config.sandbox.cgroup_parent);
     let backends = Backends::for_host(&config.sandbox);
     let daemon = Daemon::build(config, backends, default_reins()).await?;
     tracing::info!(listen = %local, data_dir = %daemon.config.data_dir.display(), "corral serving");
@@ -176,10 +176,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
 
+    reload_principals_on_hup(hup, daemon.authenticator.clone(), args.config.clone(), overrides);
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();
     tokio::spawn(async move {
         wait_for_signal().await;
+        // systemd (Type=notify): the stop has begun; draining may take the grace period.
+        notify(sd_notify::NotifyState::Stopping);
         signal.cancel();
     });
     let mut serving = tokio::spawn(daemon.serve(listener, shutdown));
@@ -194,6 +197,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
     println!("corral listening on {local}");
+    // systemd (Type=notify): every listener accepts now.
+    notify(sd_notify::NotifyState::Ready);
     let served = (&mut serving).await;
     if let Some(provider) = provider {
         // Flush the spans still batched.
@@ -203,6 +208,42 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     served??;
     Ok(())
+}
+
+/// On SIGHUP, reads the config again and replaces the principals (its
+/// `principals` and `principals_dir`; nothing else is re-applied). A reload
+/// that fails keeps the set in force and logs why.
+fn reload_principals_on_hup(
+    hup: Option<tokio::signal::unix::Signal>,
+    principals: std::sync::Arc<corral::auth::Principals>,
+    file: Option<std::path::PathBuf>,
+    overrides: Overrides,
+) {
+    let Some(mut hup) = hup else {
+        tracing::warn!("no SIGHUP handler: principals are read only at start");
+        return;
+    };
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            let reloaded = Config::load(file.as_deref(), overrides.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|config| corral::daemon::reload_principals(&principals, &config).map_err(|e| e.to_string()));
+            match reloaded {
+                Ok(count) => tracing::info!(principals = count, "SIGHUP: principals reloaded"),
+                Err(error) => {
+                    tracing::error!(%error, "SIGHUP: principals not reloaded; the previous set stays in force")
+                }
+            }
+        }
+    });
+}
+
+/// Tells the service manager, when there is one (`NOTIFY_SOCKET`; sandboxes
+/// never inherit it: their environment is built from an allowlist).
+fn notify(state: sd_notify::NotifyState<'_>) {
+    if let Err(error) = sd_notify::notify(&[state]) {
+        tracing::warn!(%error, "cannot notify the service manager");
+    }
 }
 
 async fn wait_for_signal() {

@@ -6,25 +6,16 @@
 //! source, action, kind): never a secret, a task text, an id or anything
 //! else a caller controls the size of.
 
-use std::net::SocketAddr;
-
 use metrics::{counter, gauge, histogram};
 
 use crate::evidence::Evidence;
 
-/// Starts the exporter on `addr` (HTTP, `GET /metrics`). The recorder is
-/// process-wide: a second daemon in the same process shares the first's.
-pub fn install(addr: SocketAddr) -> Result<(), String> {
-    describe();
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .set_buckets(&[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0, 600.0])
-        .map_err(|e| e.to_string())?
-        .install()
-        .map_err(|e| format!("metrics_listen {addr}: {e}"))
-}
+/// Histogram buckets (seconds) of every duration metric.
+pub(crate) const BUCKETS: &[f64] =
+    &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0, 600.0];
 
-fn describe() {
+/// Describes every metric to the installed recorder (see `metrics_http`).
+pub(crate) fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!("corral_executions_finished_total", "Executions finished, by outcome and failure stage.");
     describe_counter!("corral_sessions_finished_total", "Sessions finished, by final state.");

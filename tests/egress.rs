@@ -262,3 +262,169 @@ async fn deny_network_leaves_nothing_reachable() {
     assert!(egress_events(&events).is_empty());
     daemon.stop().await;
 }
+
+/// A plain `GET /metrics` on the host, with an optional bearer token: the
+/// status line and body.
+async fn scrape(port: u16, token: Option<&str>) -> String {
+    // The daemon binds it as it starts serving: wait for it.
+    let mut attempts = 0;
+    let mut stream = loop {
+        match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+            Ok(stream) => break stream,
+            Err(e) if attempts < 100 => {
+                attempts += 1;
+                let _ = e;
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("the metrics listener does not answer: {e}"),
+        }
+    };
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Connection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.unwrap();
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_listener_is_protected_and_needs_its_token() {
+    require_bwrap();
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let token_dir = tempfile::tempdir().unwrap();
+    let token = "m".repeat(40);
+    let token_file = token_dir.path().join("metrics.token");
+    std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    let profile = net_profile("test.metrics", &[format!("127.0.0.1:{metrics}")], "");
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![profile],
+        config: Box::new(move |config| {
+            config.metrics_listen = Some(format!("127.0.0.1:{metrics}"));
+            config.metrics_token_file = Some(token_file);
+        }),
+        ..Options::default()
+    })
+    .await;
+    assert!(scrape(metrics, None).await.starts_with("HTTP/1.1 401"), "no token");
+    assert!(scrape(metrics, Some(&"x".repeat(40))).await.starts_with("HTTP/1.1 401"), "a wrong token");
+    let events = daemon.execute(request("test.metrics", &probe(&[metrics], &[metrics]))).await;
+    let out = finished(&events).tool_output;
+    assert!(out.contains(&format!("tunnel {metrics} refused HTTP/1.1 403")), "listed, yet refused: {out}");
+    assert!(out.contains(&format!("direct {metrics} failed")), "{out}");
+    let denied = egress_events(&events);
+    assert!(!denied.is_empty() && denied.iter().all(|d| !d.allowed), "{denied:?}");
+    let scraped = scrape(metrics, Some(&token)).await;
+    assert!(scraped.starts_with("HTTP/1.1 200"), "{scraped}");
+    assert!(scraped.contains("corral_egress_total"), "the run's egress is counted: {scraped}");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_daemon_wide_connection_cap_a_sandbox_is_refused_with_the_reason() {
+    require_bwrap();
+    let server = TestServer::start().await;
+    let port = server.port;
+    let profile = net_profile("test.many", &[format!("127.0.0.1:{port}")], "");
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![profile],
+        config: Box::new(|config| config.proxy.max_connections = Some(2)),
+        ..Options::default()
+    })
+    .await;
+    // Three tunnels held open at once: the third is past the cap of 2.
+    let script = format!(
+        r#"python3 - <<'EOF'
+import socket
+held = []
+for i in range(3):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+    s.sendall(b"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\n\r\n")
+    print("tunnel", i, s.recv(4096).split(b"\r\n")[0].decode())
+    held.append(s)
+EOF"#
+    );
+    let events = daemon.execute(request("test.many", &script)).await;
+    let out = finished(&events).tool_output;
+    assert!(out.contains("tunnel 0 HTTP/1.1 200") && out.contains("tunnel 1 HTTP/1.1 200"), "{out}");
+    assert!(out.contains("tunnel 2 HTTP/1.1 503"), "the third is refused: {out}");
+    let decisions = egress_events(&events);
+    let denied: Vec<_> = decisions.iter().filter(|d| !d.allowed).collect();
+    assert_eq!(denied.len(), 1, "{decisions:?}");
+    assert_eq!(denied[0].port, u32::from(port));
+    assert!(denied[0].rule_or_reason.contains("the daemon's proxy connection limit (2) is reached"), "{denied:?}");
+    // Its shares came back with the sandbox: the next run gets its own.
+    let again = daemon.execute(request("test.many", &script)).await;
+    assert!(finished(&again).tool_output.contains("tunnel 1 HTTP/1.1 200"));
+    daemon.stop().await;
+}
+
+/// A sandbox's CONNECT script: `count` tunnels to `port`, each sending
+/// `tag` once open, all held for `hold` seconds.
+fn tunnels(port: u16, count: usize, tag: &str, hold: u32) -> String {
+    format!(
+        r#"python3 - <<'EOF'
+import socket, time
+held = []
+for i in range({count}):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+    s.sendall(b"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = s.recv(4096).split(b"\r\n")[0].decode()
+    print("tunnel", i, head, flush=True)
+    if " 200 " in head:
+        s.sendall(b"{tag}\n")
+    held.append(s)
+time.sleep({hold})
+EOF"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_sandbox_filling_the_daemon_wide_cap_refuses_another_tenants_until_it_ends() {
+    require_bwrap();
+    let server = TestServer::start().await;
+    let port = server.port;
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![net_profile("test.fill", &[format!("127.0.0.1:{port}")], "")],
+        config: Box::new(|config| config.proxy.max_connections = Some(2)),
+        ..Options::default()
+    })
+    .await;
+    // Tenant A (test-agt) takes both shares and holds them.
+    let mut client = daemon.executions().await;
+    let hog = client
+        .start_execution(common::as_actor("agt", request("test.fill", &tunnels(port, 2, "HOLD-A", 120))))
+        .await
+        .unwrap()
+        .into_inner();
+    let start = std::time::Instant::now();
+    while server.seen().matches("HOLD-A").count() < 2 {
+        assert!(start.elapsed() < std::time::Duration::from_secs(20), "tenant A never held its tunnels");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // Tenant B (test-atm), another sandbox: refused, with the reason.
+    let mut b = request("test.fill", &tunnels(port, 1, "HOLD-B", 0));
+    b.actor = "atm".into();
+    let mut stream = client.execute(common::as_actor("atm", b.clone())).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        events.push(event);
+    }
+    assert!(finished(&events).tool_output.contains("tunnel 0 HTTP/1.1 503"), "{:?}", finished(&events));
+    let denied: Vec<_> = egress_events(&events).into_iter().filter(|d| !d.allowed).collect();
+    assert_eq!(denied.len(), 1, "{denied:?}");
+    assert_eq!(denied[0].rule_or_reason, "the daemon's proxy connection limit (2) is reached");
+    assert!(!server.seen().contains("HOLD-B"));
+
+    // Once A's sandbox is gone, B gets through.
+    let cancel = pb::CancelExecutionRequest { execution_id: hog.execution_id.clone() };
+    client.cancel_execution(common::as_actor("agt", cancel)).await.unwrap();
+    daemon.watch_all(&hog.execution_id, 0).await;
+    let mut stream = client.execute(common::as_actor("atm", b)).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        events.push(event);
+    }
+    assert!(finished(&events).tool_output.contains("tunnel 0 HTTP/1.1 200"), "{:?}", finished(&events));
+    assert!(server.seen().contains("HOLD-B"));
+    daemon.stop().await;
+}

@@ -3,7 +3,8 @@
 //! bearer token, or the unix socket's peer uid — and puts it in the
 //! request's extensions; handlers take it with [`caller`]. Every call that
 //! creates, cancels or ends something is written to the `corral::audit`
-//! log target with the principal, the RPC and the subject, never task text.
+//! log target with the principal, the RPC and the subject, never task text;
+//! every refusal too (`audit`).
 
 use std::sync::Arc;
 
@@ -12,10 +13,12 @@ use tonic::transport::server::UdsConnectInfo;
 use tonic::{Code, Request, Status};
 
 use super::status;
-use crate::auth::{Authenticator, Credential, Denied, Principal};
+use crate::auth::{Credential, Denied, Principal, Principals};
 
+/// Identifies each call with the principals current when it arrives (see
+/// [`Principals`]: a reload applies from the next call on).
 #[derive(Clone)]
-pub struct Authenticate(pub Arc<Authenticator>);
+pub struct Authenticate(pub Arc<Principals>);
 
 impl Interceptor for Authenticate {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
@@ -42,7 +45,10 @@ impl Interceptor for Authenticate {
             (None, Some(uid)) => Credential::UnixPeer(uid),
             (None, None) => Credential::None,
         };
-        let principal = self.0.identify(credential).map_err(unauthenticated)?;
+        let principal = self.0.current().identify(credential).map_err(unauthenticated)?;
+        if let Some(slot) = request.extensions().get::<super::audit::AuditSlot>() {
+            slot.set(&principal.name);
+        }
         request.extensions_mut().insert(principal);
         Ok(request)
     }

@@ -2,6 +2,7 @@
 //! registers them with health and reflection (v1 and v1alpha, since
 //! grpcurl 1.8 speaks only v1alpha).
 
+mod audit;
 mod auth;
 mod catalog;
 mod convert;
@@ -36,7 +37,7 @@ use crate::pb::session_service_server::SessionServiceServer;
 use crate::policy::Gate;
 
 pub struct ApiParts {
-    pub authenticator: Arc<crate::auth::Authenticator>,
+    pub authenticator: Arc<crate::auth::Principals>,
     /// The unix socket to serve on too (peer uid → principal), and the
     /// group that may connect (mode 0660).
     pub unix_socket: Option<(PathBuf, Option<u32>)>,
@@ -139,9 +140,9 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
     let routes = tonic::service::Routes::new(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(InterceptedService::new(execution, authenticate.clone()))
-        .add_service(InterceptedService::new(catalog, authenticate.clone()))
-        .add_service(InterceptedService::new(sessions, authenticate));
+        .add_service(audit::Audited(InterceptedService::new(execution, authenticate.clone())))
+        .add_service(audit::Audited(InterceptedService::new(catalog, authenticate.clone())))
+        .add_service(audit::Audited(InterceptedService::new(sessions, authenticate)));
     // TLS (and mTLS) on TCP; the unix socket is local and plain. Both get
     // the same server limits.
     let mut tcp_server = builder;

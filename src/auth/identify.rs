@@ -70,6 +70,16 @@ impl Authenticator {
         Authenticator { tokens, uids, cert_names }
     }
 
+    /// How many distinct principals it knows (the local admin included).
+    pub fn principal_count(&self) -> usize {
+        let mut names: Vec<&str> = self.tokens.iter().map(|(_, p)| p.name.as_str()).collect();
+        names.extend(self.uids.values().map(|p| p.name.as_str()));
+        names.extend(self.cert_names.values().map(|p| p.name.as_str()));
+        names.sort_unstable();
+        names.dedup();
+        names.len()
+    }
+
     /// The principal behind a credential, or why there is none.
     pub fn identify(&self, credential: Credential<'_>) -> Result<Arc<Principal>, &'static str> {
         match credential {

@@ -7,6 +7,7 @@
 
 mod config;
 mod identify;
+mod reload;
 
 use std::collections::BTreeSet;
 
@@ -29,6 +30,7 @@ pub fn certificate_names(der: &[u8]) -> Vec<String> {
     names
 }
 pub use identify::{local_admin_token, Authenticator, Credential, LOCAL_ADMIN};
+pub use reload::Principals;
 
 /// A governed consumer type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -316,6 +316,10 @@ impl Core {
             }
         };
         self.evidence.sandbox_id = sandbox.id.clone();
+        if let Some(egress) = &sandbox.egress {
+            // Before anything runs in it: its proxy refuses every connection without.
+            egress.attach_budget(self.engine.proxy_budget.clone(), &self.consumer.principal);
+        }
         self.evidence.time("sandbox_create", t);
         crate::telemetry::sandbox_alive(1.0);
         let ready = sandbox.state == SandboxState::Ready;

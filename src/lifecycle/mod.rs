@@ -7,6 +7,7 @@ mod capture;
 mod core;
 mod execution;
 mod fit;
+mod leftover;
 mod limits;
 
 mod recovery;
@@ -92,6 +93,8 @@ pub struct Engine {
     pub uid_range: Option<crate::sandbox::UidRange>,
     /// The workspace capture at the end of a run.
     pub git: crate::config::GitConfig,
+    /// What all sandboxes' egress proxies may hold open together.
+    pub proxy_budget: Arc<crate::net::ProxyBudget>,
     admission: admission::Admission,
     /// Bounds on open watch streams.
     watchers: Arc<watch::Watchers>,
@@ -121,6 +124,7 @@ pub struct EngineParts {
     pub max_message_bytes: usize,
     pub uid_range: Option<crate::sandbox::UidRange>,
     pub git: crate::config::GitConfig,
+    pub proxy_budget: Arc<crate::net::ProxyBudget>,
 }
 
 impl Engine {
@@ -139,6 +143,7 @@ impl Engine {
             credentials: parts.credentials,
             uid_range: parts.uid_range,
             git: parts.git,
+            proxy_budget: parts.proxy_budget,
             admission: admission::Admission::new(parts.max_running, parts.max_sessions),
             watchers: watch::Watchers::new(parts.max_watchers_per_subject, parts.max_watchers),
             event_pages,

@@ -1,11 +1,13 @@
 //! Recovery on start: whatever a previous daemon instance left behind is
 //! destroyed, and its unfinished executions and sessions are finished as
 //! `failed` with a note saying where they were. Running it twice changes
-//! nothing more.
+//! nothing more. What a row says is checked first (`leftover`): recovery
+//! removes only paths derived from a sandbox id under its own `sandboxes/`,
+//! signals only its own sandbox uids, and reads only its own node's rows.
 
 use std::sync::Arc;
-use std::time::Duration;
 
+use super::leftover::{self, SignalScope};
 use super::{now_ms, Engine, EngineError, ExecutionState, SessionState};
 use crate::events::{Event, EventKind, Recorder};
 use crate::evidence::{Evidence, FailureStage, Outcome, TeardownResult};
@@ -14,6 +16,8 @@ use crate::sandbox::SandboxState;
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct RecoveryReport {
     pub sandboxes_destroyed: usize,
+    /// Rows recovery would not act on (logged with the reason).
+    pub sandboxes_refused: usize,
     pub processes_killed: usize,
     pub executions_failed: usize,
     pub sessions_failed: usize,
@@ -31,54 +35,32 @@ fn stage_of(last: Option<&Event>) -> FailureStage {
     }
 }
 
-/// Every process whose environment names `CORRAL_SANDBOX_ID=<id>`: that is
-/// how a sandbox's processes are found again without trusting a recorded
-/// pid, which may belong to someone else by now.
-fn sandbox_processes(sandbox_id: &str) -> Vec<i32> {
-    let needle = format!("CORRAL_SANDBOX_ID={sandbox_id}");
-    let Ok(proc_dir) = std::fs::read_dir("/proc") else { return Vec::new() };
-    proc_dir
-        .filter_map(|entry| entry.ok())
-        .filter_map(|entry| entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/environ"))
-                .map(|env| env.split(|b| *b == 0).any(|var| var == needle.as_bytes()))
-                .unwrap_or(false)
-        })
-        .collect()
-}
-
-async fn kill_sandbox_processes(sandbox_id: &str) -> usize {
-    let mut killed = 0;
-    for _ in 0..20 {
-        let pids = sandbox_processes(sandbox_id);
-        if pids.is_empty() {
-            break;
-        }
-        for pid in pids {
-            // SAFETY: kill(2) on a pid we just found carrying this sandbox's
-            // identity; no memory is involved.
-            if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
-                killed += 1;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    killed
-}
-
 impl Engine {
     pub async fn recover(self: &Arc<Self>) -> Result<RecoveryReport, EngineError> {
         let mut report = RecoveryReport::default();
         let mut destroyed_for: std::collections::HashMap<String, TeardownResult> = Default::default();
+        let scope = SignalScope::new(self.uid_range);
+        let foreign = self.store.foreign_leftover_sandboxes(&self.epoch).await?;
+        if foreign > 0 {
+            tracing::warn!(rows = foreign, "recovery ignores leftover sandbox rows of other nodes or of no node");
+        }
         for row in self.store.leftover_sandboxes(&self.epoch).await? {
-            report.processes_killed += kill_sandbox_processes(&row.sandbox_id).await;
+            if let Some(reason) = leftover::refuse_reason(&row, &self.sandboxes_dir, scope) {
+                tracing::error!(
+                    sandbox_id = %row.sandbox_id.escape_debug(), %reason,
+                    "recovery refuses a sandbox row: nothing deleted, nothing signalled"
+                );
+                report.sandboxes_refused += 1;
+                continue;
+            }
+            report.processes_killed += leftover::kill_sandbox_processes(&row.sandbox_id, scope).await;
             let backend = match row.backend.as_str() {
                 "none" => &self.backends.none,
                 _ => &self.backends.linux_bwrap,
             };
             let user = row.uid.map(crate::sandbox::host::own_user);
-            let result = match backend.destroy_leftover(&row.sandbox_id, &row.root_path, user).await {
+            let root = leftover::derived_root(&self.sandboxes_dir, &row.sandbox_id);
+            let result = match backend.destroy_leftover(&row.sandbox_id, &root, user).await {
                 Ok(()) => TeardownResult::Succeeded,
                 Err(e) => {
                     tracing::error!(sandbox_id = %row.sandbox_id, error = %e, "leftover sandbox not destroyed");

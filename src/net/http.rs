@@ -89,6 +89,42 @@ fn is_dropped(name: &str) -> bool {
     matches!(lower.as_str(), "host" | "connection" | "keep-alive") || lower.starts_with("proxy-")
 }
 
+/// The body's framing must be unambiguous (RFC 9112 §6.1, §6.3): the proxy
+/// and the upstream must never disagree about where a request ends, or a
+/// second request could be smuggled past the allowlist inside the first's
+/// body. So: `Transfer-Encoding` and `Content-Length` together, several
+/// `Content-Length`s that differ (or one that is not a decimal length),
+/// `Transfer-Encoding` on HTTP/1.0 or not ending in `chunked` are refused.
+fn check_framing(headers: &[(&str, &str)], version: &str) -> Result<(), String> {
+    let mut length: Option<&str> = None;
+    let mut chunked_last = None;
+    for (name, value) in headers {
+        if name.eq_ignore_ascii_case("content-length") {
+            for item in value.split(',').map(|v| v.trim_matches([' ', '\t'])) {
+                if item.is_empty() || item.len() > 19 || !item.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(format!("bad Content-Length {:?}", clip(value)));
+                }
+                match length {
+                    Some(seen) if seen.trim_start_matches('0') != item.trim_start_matches('0') => {
+                        return Err("several differing Content-Length headers".into())
+                    }
+                    _ => length = Some(item),
+                }
+            }
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            let last = value.rsplit(',').next().unwrap_or_default().trim_matches([' ', '\t']);
+            chunked_last = Some(last.eq_ignore_ascii_case("chunked"));
+        }
+    }
+    match (chunked_last, length) {
+        (None, _) => Ok(()),
+        (Some(_), Some(_)) => Err("both Transfer-Encoding and Content-Length (ambiguous framing)".into()),
+        (Some(_), None) if version == "HTTP/1.0" => Err("Transfer-Encoding in an HTTP/1.0 request".into()),
+        (Some(false), None) => Err("Transfer-Encoding that does not end in chunked".into()),
+        (Some(true), None) => Ok(()),
+    }
+}
+
 /// Parses a complete request head (as delimited by `head_end`).
 pub(crate) fn parse(head: &[u8]) -> Result<Request, BadRequest> {
     let text = std::str::from_utf8(head).map_err(|_| BadRequest { method: "http", reason: "not UTF-8".into() })?;
@@ -121,6 +157,7 @@ pub(crate) fn parse(head: &[u8]) -> Result<Request, BadRequest> {
         }
         headers.push((name, value));
     }
+    check_framing(&headers, version).map_err(bad)?;
     if verb == "CONNECT" {
         let (host, port) = split_authority(target, None).map_err(bad)?;
         return Ok(Request::Connect { host, port });
@@ -214,5 +251,31 @@ mod tests {
         assert!(reason("GET http://u:p@a.com/ HTTP/1.1\r\n\r\n").contains("credentials"));
         assert_eq!(parse(b"GET http://a.com/ HTTP/1.1\r\nA: \xff\r\n\r\n").unwrap_err().reason, "not UTF-8");
         assert_eq!(parse(b"\r\n\r\n").unwrap_err().method, "http");
+    }
+
+    #[test]
+    fn ambiguous_framing_is_a_bad_request() {
+        let get = |headers: &str| parse(format!("POST http://a.com/ HTTP/1.1\r\n{headers}\r\n").as_bytes());
+        for headers in [
+            "Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",
+            "content-length: 5\r\ntransfer-encoding: chunked\r\n",
+            "Content-Length: 5\r\nContent-Length: 6\r\n",
+            "Content-Length: 5, 6\r\n",
+            "Content-Length: -1\r\n",
+            "Content-Length: 0x10\r\n",
+            "Content-Length: \r\n",
+            "Transfer-Encoding: gzip\r\n",
+            "Transfer-Encoding: chunked, gzip\r\n",
+        ] {
+            assert!(get(headers).is_err(), "{headers:?} is refused");
+        }
+        assert!(get("Transfer-Encoding: chunked\r\nContent-Length: 5\r\n").unwrap_err().reason.contains("both"));
+        let connect = "CONNECT a.com:443 HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert_eq!(parse(connect.as_bytes()).unwrap_err().method, "connect");
+        let te_10 = parse(b"POST http://a.com/ HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n");
+        assert!(te_10.unwrap_err().reason.contains("HTTP/1.0"));
+        for fine in ["Content-Length: 5\r\nContent-Length: 5\r\n", "Transfer-Encoding: gzip, chunked\r\n", ""] {
+            assert!(get(fine).is_ok(), "{fine:?} is unambiguous");
+        }
     }
 }

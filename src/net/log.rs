@@ -45,12 +45,26 @@ struct State {
 pub struct EgressLog {
     state: Mutex<State>,
     notify: Notify,
+    /// The daemon's connection budget and the principal this sandbox runs
+    /// for; a proxy without it refuses every connection.
+    budget: std::sync::OnceLock<(std::sync::Arc<super::ProxyBudget>, String)>,
 }
 
 impl EgressLog {
     fn state(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave the counters invalid.
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Ties this sandbox's proxy to the daemon's connection budget, counted
+    /// for `principal`. Set once; later calls change nothing.
+    pub fn attach_budget(&self, budget: std::sync::Arc<super::ProxyBudget>, principal: &str) {
+        let _ = self.budget.set((budget, principal.to_string()));
+    }
+
+    /// The budget and principal, if attached.
+    pub fn budget(&self) -> Option<&(std::sync::Arc<super::ProxyBudget>, String)> {
+        self.budget.get()
     }
 
     /// Records one decision and wakes the daemon.

@@ -4,6 +4,7 @@
 //! attempt (`EgressLog`), and never reaches the daemon itself.
 
 pub mod allowlist;
+pub mod budget;
 mod http;
 mod ip;
 mod log;
@@ -11,6 +12,7 @@ mod protect;
 pub mod proxy;
 
 pub use allowlist::{host_addresses, intersect, parse_hosts, Allowlist, HostPattern, Verdict};
+pub use budget::{ConnectionPermit, ProxyBudget, ProxyLimitsConfig};
 pub use ip::special_class;
 pub use log::{EgressDecision, EgressLog, MAX_BYTE_HOSTS, MAX_DENIED_HOSTS, MAX_PENDING};
 pub use protect::{protect, protected_addresses};
@@ -18,5 +20,7 @@ pub use proxy::{serve, ProxyConfig, ProxyHandle};
 
 #[cfg(test)]
 mod allowlist_tests;
+#[cfg(test)]
+mod budget_tests;
 #[cfg(test)]
 mod proxy_tests;

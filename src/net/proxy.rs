@@ -154,9 +154,19 @@ async fn read_head(client: &mut TcpStream, buf: &mut Vec<u8>, limits: Limits) ->
     }
 }
 
-/// One client connection: read the head, decide, connect, then copy.
+/// One client connection: take its share of the daemon's connection
+/// budget, read the head, decide, connect, then copy until both sides are
+/// done or it has been idle for the budget's idle timeout.
 async fn handle(mut client: TcpStream, config: Arc<ProxyConfig>, log: Arc<EgressLog>, limits: Limits) {
     let _ = client.set_nodelay(true);
+    let permit = match log.budget() {
+        Some((budget, principal)) => budget.acquire(principal),
+        None => Err("no connection budget is attached to this proxy".to_string()),
+    };
+    let permit = match permit {
+        Ok(permit) => permit,
+        Err(reason) => return over_budget(client, &log, limits, &reason).await,
+    };
     let mut buf = Vec::with_capacity(4096);
     let len = match read_head(&mut client, &mut buf, limits).await {
         Head::Complete(len) => len,
@@ -200,7 +210,29 @@ async fn handle(mut client: TcpStream, config: Arc<ProxyConfig>, log: Arc<Egress
     }
     log.add_bytes(&key, up as u64, 0);
     drop(buf);
-    tunnel(client, upstream, &key, &log).await;
+    if !tunnel(client, upstream, &key, &log, permit.idle_timeout()).await {
+        tracing::debug!(target: "corral::net", %key, "proxied connection closed: idle");
+    }
+    drop(permit);
+}
+
+/// A connection past a cap: its head is read briefly, only to name what it
+/// asked for in the `egress` deny, then it is answered 503 and closed.
+async fn over_budget(mut client: TcpStream, log: &EgressLog, limits: Limits, reason: &str) {
+    let mut buf = Vec::with_capacity(1024);
+    let brief = Limits { head_timeout: Duration::from_secs(1), ..limits };
+    let (host, port, method) = match read_head(&mut client, &mut buf, brief).await {
+        Head::Silent => return,
+        Head::Failed { .. } => (String::new(), 0, "http"),
+        Head::Complete(len) => match http::parse(&buf[..len]) {
+            Ok(Request::Connect { host, port }) => (host, port, "connect"),
+            Ok(Request::Http { host, port, .. }) => (host, port, "http"),
+            Err(BadRequest { method, .. }) => (String::new(), 0, method),
+        },
+    };
+    let shown = Target::parse(&host).map(|t| t.to_string()).unwrap_or_else(|_| clip(&host));
+    log.record(denied(shown, port, method, reason));
+    refuse(client, 503, reason).await;
 }
 
 /// Judges `host:port` and connects to it: name check, resolution, a check of
@@ -269,6 +301,7 @@ async fn refuse(mut client: TcpStream, status: u16, reason: &str) {
         400 => "Bad Request",
         403 => "Forbidden",
         431 => "Request Header Fields Too Large",
+        503 => "Service Unavailable",
         502 => "Bad Gateway",
         _ => "Error",
     };
@@ -296,19 +329,45 @@ async fn refuse(mut client: TcpStream, status: u16, reason: &str) {
 /// Copies both ways until the upstream closes (or either side fails); a
 /// client that half-closes still gets the rest of the answer. Bytes are
 /// counted as they are read, so the log is current even if the proxy is
-/// aborted mid-transfer.
-async fn tunnel(mut client: TcpStream, mut upstream: TcpStream, key: &str, log: &EgressLog) {
+/// aborted mid-transfer. A tunnel that moves no byte either way for `idle`
+/// is closed: false then.
+async fn tunnel(mut client: TcpStream, mut upstream: TcpStream, key: &str, log: &EgressLog, idle: Duration) -> bool {
+    use std::sync::atomic::{AtomicU64, Ordering};
     let (mut client_read, mut client_write) = client.split();
     let (mut upstream_read, mut upstream_write) = upstream.split();
-    let up = pump(&mut client_read, &mut upstream_write, |n| log.add_bytes(key, n, 0));
-    let down = pump(&mut upstream_read, &mut client_write, |n| log.add_bytes(key, 0, n));
-    tokio::pin!(up, down);
+    let start = Instant::now();
+    // Milliseconds after `start` of the last byte read either way.
+    let last = AtomicU64::new(0);
+    let touch = || last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    let up = pump(&mut client_read, &mut upstream_write, |n| {
+        touch();
+        log.add_bytes(key, n, 0)
+    });
+    let down = pump(&mut upstream_read, &mut client_write, |n| {
+        touch();
+        log.add_bytes(key, 0, n)
+    });
+    let idle_out = async {
+        loop {
+            let quiet = start.elapsed().saturating_sub(Duration::from_millis(last.load(Ordering::Relaxed)));
+            if quiet >= idle {
+                return;
+            }
+            tokio::time::sleep(idle - quiet).await;
+        }
+    };
+    tokio::pin!(up, down, idle_out);
     tokio::select! {
+        _ = &mut idle_out => return false,
         _ = &mut down => {}
         finished = &mut up => if finished.is_ok() {
-            let _ = down.await;
+            tokio::select! {
+                _ = &mut down => {}
+                _ = &mut idle_out => return false,
+            }
         },
     }
+    true
 }
 
 async fn pump<R, W>(from: &mut R, to: &mut W, count: impl Fn(u64)) -> std::io::Result<()>

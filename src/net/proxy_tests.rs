@@ -31,6 +31,7 @@ async fn proxy_with(allow: &[String], protected: Vec<SocketAddr>, limits: Limits
         connect_timeout: Duration::from_secs(2),
     };
     let log = Arc::new(EgressLog::default());
+    log.attach_budget(ProxyBudget::new(10_000, 10_000, Duration::from_secs(300)), "tester");
     let handle = serve_with(listener, config, log.clone(), limits);
     Proxy { addr, handle, log }
 }
@@ -380,4 +381,30 @@ async fn past_the_connection_limit_clients_wait_for_a_free_slot() {
     timeout(WAIT, second.read_exact(&mut answer)).await.expect("served once the first ends").unwrap();
     assert!(answer.starts_with(b"HTTP/1.1 200 "));
     assert_eq!(p.log.counts(), (2, 0));
+}
+
+/// RFC 9112 §6.1: a request whose body framing is ambiguous (both
+/// `Transfer-Encoding` and `Content-Length`, or differing lengths) could
+/// smuggle a second request; the proxy answers 400, closes, and the
+/// upstream never sees it.
+#[tokio::test]
+async fn ambiguous_framing_is_refused_before_the_upstream() {
+    let (server, mut seen) = http_server().await;
+    let rule = server.to_string();
+    let p = proxy(std::slice::from_ref(&rule)).await;
+    for framing in ["Transfer-Encoding: chunked\r\nContent-Length: 4", "Content-Length: 4\r\nContent-Length: 40"] {
+        let request = format!(
+            "POST http://{server}/ HTTP/1.1\r\nHost: {server}\r\n{framing}\r\n\r\n0\r\n\r\nGET http://{server}/smuggled HTTP/1.1\r\n\r\n"
+        );
+        let response = exchange(p.addr, request.as_bytes()).await;
+        assert!(response.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{framing:?}: {response}");
+        assert!(response.contains("Connection: close"), "{response}");
+        let decision = one_decision(&p.log);
+        assert!(!decision.allowed, "{decision:?}");
+        assert!(
+            decision.rule_or_reason.contains("Content-Length") || decision.rule_or_reason.contains("Transfer-Encoding"),
+            "the deny names the framing: {decision:?}"
+        );
+    }
+    assert!(timeout(Duration::from_millis(300), seen.recv()).await.is_err(), "the upstream received nothing");
 }

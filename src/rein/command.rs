@@ -28,6 +28,39 @@ use crate::sandbox::{ExecSpec, SandboxProcess};
 const KILL_GRACE: Duration = Duration::from_secs(2);
 /// How long a harness gets to exit once its session is ended.
 const END_GRACE: Duration = Duration::from_secs(5);
+/// Once the harness has exited, how long what it wrote before is still read
+/// from its stdout. A process it left in the background may hold the pipe
+/// open forever; the run does not wait for it (teardown kills it).
+const EXIT_DRAIN: Duration = Duration::from_millis(500);
+/// Lines read ahead of the turn loop.
+const STDOUT_AHEAD: usize = 64;
+
+/// The harness's stdout, read line by line on a task of its own, so the
+/// turn can wait for a line and for the harness's exit at once (reading a
+/// line is not cancel-safe; receiving one is).
+type StdoutLines = tokio::sync::mpsc::Receiver<std::io::Result<(Vec<u8>, u64)>>;
+
+fn read_lines(pipe: ChildStdout) -> StdoutLines {
+    let (tx, rx) = tokio::sync::mpsc::channel(STDOUT_AHEAD);
+    tokio::spawn(async move {
+        let mut reader = LineReader::new(pipe);
+        loop {
+            match reader.next_line().await {
+                Ok(None) => break,
+                Ok(Some(line)) => {
+                    if tx.send(Ok(line)).await.is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    break;
+                }
+            }
+        }
+    });
+    rx
+}
 
 #[derive(Default)]
 pub struct CommandRein;
@@ -71,7 +104,7 @@ impl Rein for CommandRein {
         }
         Ok(Box::new(CommandSession {
             stdin: process.stdin.take(),
-            stdout: process.stdout.take().map(LineReader::new),
+            stdout: process.stdout.take().map(read_lines),
             process,
             stderr,
             timeout: ctx.timeout,
@@ -87,7 +120,7 @@ impl Rein for CommandRein {
 struct CommandSession {
     process: SandboxProcess,
     stdin: Option<ChildStdin>,
-    stdout: Option<LineReader<ChildStdout>>,
+    stdout: Option<StdoutLines>,
     stderr: Arc<Mutex<CappedBuffer>>,
     timeout: Duration,
     input: TaskInput,
@@ -148,13 +181,28 @@ impl CommandSession {
 
         let mut plain = CappedBuffer::new(self.max_output);
         let mut result = None;
-        loop {
-            let Some(reader) = self.stdout.as_mut() else { break };
-            let line = reader.next_line().await.map_err(|e| ReinError::Dispatch(format!("reading stdout: {e}")))?;
-            let Some((line, dropped)) = line else {
+        // Set when the harness has exited: its stdout is read until then.
+        let mut drain_until = None;
+        while let Some(lines) = self.stdout.as_mut() {
+            let next = match drain_until {
+                None => tokio::select! {
+                    biased;
+                    next = lines.recv() => next,
+                    exited = self.process.wait() => {
+                        exited.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?;
+                        drain_until = Some(tokio::time::Instant::now() + EXIT_DRAIN);
+                        continue;
+                    }
+                },
+                // Past the deadline: something the harness started still
+                // holds its stdout; what it wrote itself has been read.
+                Some(deadline) => tokio::time::timeout_at(deadline, lines.recv()).await.unwrap_or_default(),
+            };
+            let Some(next) = next else {
                 self.stdout = None;
                 break;
             };
+            let (line, dropped) = next.map_err(|e| ReinError::Dispatch(format!("reading stdout: {e}")))?;
             match parse_line(self.preset, &line, &mut self.parser) {
                 Line::Plain => {
                     // Live for the direct caller, while it runs; kept for the

@@ -134,8 +134,10 @@ impl CgroupHost {
             cpu: Err(String::new()),
             kill: Err(String::new()),
         };
-        if !valid_name(parent) {
-            let why = format!("invalid cgroup parent name {parent:?}: only [A-Za-z0-9_-] are allowed");
+        if !valid_parent(parent) {
+            let why = format!(
+                "invalid cgroup parent {parent:?}: only /-separated names of [A-Za-z0-9_.-] (not . or ..) are allowed"
+            );
             (host.memory, host.pids, host.cpu, host.kill) =
                 (Err(why.clone()), Err(why.clone()), Err(why.clone()), Err(why));
             return host;
@@ -468,6 +470,18 @@ fn valid_name(name: &str) -> bool {
     !name.is_empty() && name.len() <= 200 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// A parent may be nested, e.g. a systemd unit's delegated subtree
+/// (`system.slice/corral.service/sandboxes`).
+fn valid_parent(parent: &str) -> bool {
+    parent.len() <= 200
+        && parent.split('/').all(|c| {
+            !c.is_empty()
+                && c != "."
+                && c != ".."
+                && c.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+        })
+}
+
 /// Writes an existing control file; never creates one (a missing file means
 /// the controller is not there, even on a look-alike non-cgroup directory).
 fn write_file(path: &Path, value: &str) -> io::Result<()> {
@@ -484,7 +498,8 @@ fn write_limit(path: &Path, value: &str) -> Result<(), CgroupError> {
 }
 
 fn make_dir(dir: &Path) -> Result<(), CgroupError> {
-    match fs::create_dir(dir) {
+    // With its parents: a nested parent's levels may not exist yet.
+    match fs::create_dir_all(dir) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(io_err("create cgroup", dir)(e)),
         _ => Ok(()),
     }
@@ -525,10 +540,15 @@ fn prepare_v2_parent(root: &Path, parent: &str) -> Result<(), String> {
     for c in wanted(root) {
         errors.extend(write(&root.join("cgroup.subtree_control"), &format!("+{c}")).err());
     }
-    let dir = root.join(parent);
-    make_dir(&dir).map_err(|e| e.to_string())?;
-    for c in wanted(&dir) {
-        errors.extend(write(&dir.join("cgroup.subtree_control"), &format!("+{c}")).err());
+    // Every level of a nested parent gives the controllers on (each must
+    // hold no process: see `delegate` for a systemd unit's own cgroup).
+    let mut dir = root.to_path_buf();
+    for level in parent.split('/') {
+        dir.push(level);
+        make_dir(&dir).map_err(|e| e.to_string())?;
+        for c in wanted(&dir) {
+            errors.extend(write(&dir.join("cgroup.subtree_control"), &format!("+{c}")).err());
+        }
     }
     if errors.is_empty() {
         Ok(())
@@ -632,6 +652,21 @@ mod tests {
     fn alive(pid: i32) -> bool {
         let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
         stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|s| s != "Z")
+    }
+
+    /// A parent nested like a systemd unit's delegated subtree works as a
+    /// flat one does; `..` and empty levels are refused.
+    #[test]
+    fn a_nested_parent_carries_limits() {
+        let nested = CgroupHost::detect(Path::new(MOUNT), "corral-test-nested/unit.service/sandboxes");
+        assert_eq!((nested.pids(), nested.kill()), (Ok(Mechanism::CgroupV1), Ok(Mechanism::CgroupV2)));
+        let limits = CgroupLimits { max_processes: 8, ..Default::default() };
+        let cg = Guard(nested.create(&unique_name(), &limits).expect("create a nested cgroup"));
+        assert!(cg.0.dirs.iter().all(|d| d.to_string_lossy().contains("corral-test-nested/unit.service/sandboxes/")));
+        drop(cg);
+        for bad in ["a/../b", "a//b", "./a", "a/b c"] {
+            assert!(CgroupHost::detect(Path::new(MOUNT), bad).kill().is_err(), "{bad}");
+        }
     }
 
     #[test]

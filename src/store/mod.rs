@@ -688,12 +688,14 @@ impl Store {
         Ok(row.map(|r| r.get::<i64, _>(0) as u32))
     }
 
-    /// Sandboxes an earlier daemon instance did not finish destroying.
+    /// Sandboxes an earlier instance of this node did not finish
+    /// destroying: rows of other nodes, or of no node, are never this
+    /// daemon's to destroy (see [`Store::foreign_leftover_sandboxes`]).
     pub async fn leftover_sandboxes(&self, current_epoch: &str) -> Result<Vec<SandboxRow>, StoreError> {
         let rows = sqlx::query(
             "SELECT s.sandbox_id, s.subject_id, s.backend, s.root_path, u.uid FROM sandboxes s
-             LEFT JOIN sandbox_uids u ON u.sandbox_id = s.sandbox_id
-             WHERE s.state NOT IN ('destroyed') AND s.instance_epoch != $1 AND (s.node = $2 OR s.node IS NULL)
+             LEFT JOIN sandbox_uids u ON u.sandbox_id = s.sandbox_id AND u.node = s.node
+             WHERE s.state NOT IN ('destroyed') AND s.instance_epoch != $1 AND s.node = $2
              ORDER BY s.created_at_ms",
         )
         .bind(current_epoch)
@@ -710,6 +712,20 @@ impl Store {
                 uid: r.get::<Option<i64>, _>(4).map(|u| u as u32),
             })
             .collect())
+    }
+
+    /// How many leftover sandbox rows belong to another node or to none:
+    /// recovery leaves them alone and says so.
+    pub async fn foreign_leftover_sandboxes(&self, current_epoch: &str) -> Result<i64, StoreError> {
+        let row = sqlx::query(
+            "SELECT COUNT(*) FROM sandboxes
+             WHERE state NOT IN ('destroyed') AND instance_epoch != $1 AND (node IS NULL OR node != $2)",
+        )
+        .bind(current_epoch)
+        .bind(&self.node)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(row.get(0))
     }
 
     pub async fn unfinished_executions(&self) -> Result<Vec<ExecutionRecord>, StoreError> {

@@ -384,20 +384,48 @@ impl ServeProcess {
         env: &[(&str, &str)],
         extra_config: &str,
     ) -> ServeProcess {
+        Self::start_wrapped(data_dir, profiles, env, extra_config, &[]).await
+    }
+
+    /// The same, started through `wrapper` (a command that ends by running
+    /// its arguments, e.g. `unshare -m ... sh -c '...; exec "$@"' sh`).
+    pub async fn start_wrapped(
+        data_dir: &Path,
+        profiles: &Path,
+        env: &[(&str, &str)],
+        extra_config: &str,
+        wrapper: &[&str],
+    ) -> ServeProcess {
         use tokio::io::AsyncBufReadExt;
         let secret = data_dir.with_extension("secret");
         std::fs::write(&secret, ROUTE_TEST_VALUE).unwrap();
         let config = data_dir.with_extension("toml");
+        // A restart of the same data directory keeps its uid range: recovery
+        // acts only on uids of its own range.
+        let uids = std::fs::read_to_string(&config)
+            .ok()
+            .and_then(|text| {
+                text.lines().find_map(|l| l.strip_prefix("uids = ").map(|u| u.trim_matches('"').to_string()))
+            })
+            .unwrap_or_else(unique_uids);
         let text = format!(
             // The extra config first: its top-level keys must come before
             // any table.
             "{extra_config}\n[credentials.routes.\"route.test\"]\nfile = {:?}\ninject_as = \"ROUTE_TEST_TOKEN\"\n[sandbox]\nuids = {:?}\n",
             secret.display().to_string(),
-            unique_uids()
+            uids
         );
         std::fs::write(&config, text).unwrap();
         let log = std::fs::OpenOptions::new().create(true).append(true).open(data_dir.with_extension("log")).unwrap();
-        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = tokio::process::Command::new(program);
+                command.args(args).arg(env!("CARGO_BIN_EXE_corral"));
+                command
+            }
+            None => tokio::process::Command::new(env!("CARGO_BIN_EXE_corral")),
+        };
+        let mut child = command
             .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
             .arg("--config")

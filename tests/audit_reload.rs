@@ -1,0 +1,132 @@
+//! Refusals are audited, and principals reload on SIGHUP: against a real
+//! `corral serve` with two tenants from `principals_dir`, each refusal
+//! (anonymous, permission denied, another project's record) leaves one
+//! `corral::audit` line without any secret or task text; revoking tenant-b's
+//! file and sending SIGHUP refuses its next call on the same connection
+//! while tenant-a's running execution goes on; a broken file on the next
+//! SIGHUP keeps the set in force and the log says why.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::ServeProcess;
+use corral::pb::{self, execution_service_client::ExecutionServiceClient};
+use sha2::{Digest, Sha256};
+use tonic::Code;
+
+const TITLE: &str = "SECRET-TITLE-TEXT-7d1f";
+
+fn token(c: char) -> String {
+    std::iter::repeat_n(c, 48).collect()
+}
+
+fn principal_file(dir: &Path, name: &str, project: &str, token: &str) {
+    let digest: String = Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+    let text = format!("name = {name:?}\ntype = \"agt\"\nprojects = [{project:?}]\ntoken_sha256 = {digest:?}\n");
+    std::fs::write(dir.join(format!("{name}.toml")), text).unwrap();
+}
+
+fn as_tenant<T>(token: Option<&str>, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Some(token) = token {
+        request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    }
+    request
+}
+
+async fn get(
+    client: &mut ExecutionServiceClient<tonic::transport::Channel>,
+    token: Option<&str>,
+    id: &str,
+) -> Result<pb::Execution, Code> {
+    let req = pb::GetExecutionRequest { execution_id: id.into(), ..Default::default() };
+    client.get_execution(as_tenant(token, req)).await.map(|r| r.into_inner()).map_err(|s| s.code())
+}
+
+/// Waits until the daemon's log holds `needle` `times` times.
+async fn log_until(log: &Path, needle: &str, times: usize) -> String {
+    let start = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.matches(needle).count() >= times {
+            return text;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "the log never said {needle:?} {times}×:\n{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn hup(daemon: &ServeProcess) {
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGHUP) };
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_audited_and_a_sighup_revokes_a_token_without_dropping_work() {
+    common::require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("fake.toml"), common::fake_agent_profile("test.fake-agent", "")).unwrap();
+    let principals = dir.path().join("principals.d");
+    std::fs::create_dir_all(&principals).unwrap();
+    let (a, b) = (token('a'), token('b'));
+    principal_file(&principals, "tenant-a", "pa", &a);
+    principal_file(&principals, "tenant-b", "pb", &b);
+    let data = dir.path().join("data");
+    let log = data.with_extension("log");
+    let extra = format!("principals_dir = {:?}", principals.display().to_string());
+    let mut daemon = ServeProcess::start_with(&data, &profiles, &[], &extra).await;
+    // One TCP connection for every call: a revocation must hold on it too.
+    let channel = tonic::transport::Endpoint::from_shared(daemon.url.clone()).unwrap().connect().await.unwrap();
+    let mut client = ExecutionServiceClient::new(channel);
+
+    let mut start = common::request("test.fake-agent", "NOWORK\nHANG");
+    start.title = TITLE.into();
+    start.project = "pa".into();
+    let running =
+        client.start_execution(as_tenant(Some(&a), start.clone())).await.expect("tenant-a starts").into_inner();
+    let id = running.execution_id.clone();
+
+    assert_eq!(get(&mut client, None, &id).await.unwrap_err(), Code::Unauthenticated);
+    assert_eq!(get(&mut client, Some(&b), &id).await.unwrap_err(), Code::NotFound, "another project's record");
+    let refused = client.start_execution(as_tenant(Some(&b), start.clone())).await.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    let text = log_until(&log, "corral::audit", 4).await;
+    for expected in [
+        "principal=\"anonymous\" rpc=\"ExecutionService/GetExecution\" code=\"UNAUTHENTICATED\"",
+        "principal=\"tenant-b\" rpc=\"ExecutionService/GetExecution\" code=\"NOT_FOUND\"",
+        "principal=\"tenant-b\" rpc=\"ExecutionService/StartExecution\" code=\"PERMISSION_DENIED\"",
+    ] {
+        assert!(text.contains(expected), "the audit says {expected:?}:\n{text}");
+    }
+
+    // Revoke tenant-b; tenant-a's run is not touched.
+    std::fs::remove_file(principals.join("tenant-b.toml")).unwrap();
+    hup(&daemon);
+    log_until(&log, "SIGHUP: principals reloaded", 1).await;
+    assert_eq!(get(&mut client, Some(&b), &id).await.unwrap_err(), Code::Unauthenticated, "revoked");
+    let record = get(&mut client, Some(&a), &id).await.expect("tenant-a still known");
+    assert_eq!(pb::ExecutionState::try_from(record.state).unwrap(), pb::ExecutionState::Running, "work goes on");
+    log_until(&log, "principal=\"anonymous\" rpc=\"ExecutionService/GetExecution\" code=\"UNAUTHENTICATED\"", 2).await;
+
+    // A broken file: the reload fails, naming it, and the set stays.
+    std::fs::write(principals.join("tenant-c.toml"), "name = \n").unwrap();
+    hup(&daemon);
+    let text = log_until(&log, "SIGHUP: principals not reloaded", 1).await;
+    assert!(text.contains("tenant-c.toml"), "the failure names the file:\n{text}");
+    assert!(get(&mut client, Some(&a), &id).await.is_ok(), "the previous set is still in force");
+    assert_eq!(get(&mut client, Some(&b), &id).await.unwrap_err(), Code::Unauthenticated);
+
+    let cancel = pb::CancelExecutionRequest { execution_id: id.clone(), ..Default::default() };
+    client.cancel_execution(as_tenant(Some(&a), cancel)).await.expect("tenant-a cancels its run");
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
+    daemon.child.wait().await.unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    for secret in [a.as_str(), b.as_str(), TITLE, "HANG"] {
+        assert!(!text.contains(secret), "the log holds {secret:?}:\n{text}");
+    }
+}
