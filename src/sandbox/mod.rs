@@ -13,6 +13,7 @@ pub mod netns;
 mod none;
 pub mod process;
 pub mod seccomp;
+mod socket_family;
 pub mod spec;
 pub mod workspace;
 
