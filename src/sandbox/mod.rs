@@ -14,6 +14,7 @@ mod none;
 pub mod process;
 pub mod seccomp;
 mod socket_family;
+pub mod uid_lock;
 pub mod spec;
 pub mod workspace;
 
