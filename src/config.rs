@@ -44,6 +44,11 @@ pub struct Config {
     pub store: StoreConfig,
     /// Host identity and cgroups of sandboxes.
     pub sandbox: crate::sandbox::SandboxConfig,
+    /// `[default_limits]`: the limits of every profile (built-in or file)
+    /// for each key its own `[limits]` leaves out; keys left out here take
+    /// the built-in defaults (`catalog::Limits::default`). Set a key to 0
+    /// to run without that limit.
+    pub default_limits: crate::catalog::Limits,
     /// How a run's workspace is brought back.
     pub git: GitConfig,
     /// Who may call: see `auth`. Root and the daemon's own uid on the unix
@@ -214,6 +219,7 @@ impl Default for Config {
             credentials: CredentialsConfig::default(),
             store: StoreConfig::default(),
             sandbox: crate::sandbox::SandboxConfig::default(),
+            default_limits: crate::catalog::Limits::default(),
             git: GitConfig::default(),
             principals: Vec::new(),
             principals_dir: None,

@@ -68,7 +68,8 @@ impl Daemon {
         restrict_store_files(data_dir)
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
         let routes: Vec<&str> = config.credentials.names().collect();
-        let catalog = Arc::new(Catalog::load_with(&config.profile_dirs, &routes, &config.harness)?);
+        let catalog =
+            Arc::new(Catalog::load_with(&config.profile_dirs, &routes, &config.harness, &config.default_limits)?);
         // Probed once: a host that cannot run bwrap refuses bwrap profiles
         // at the gate, with the reason, instead of running them unsandboxed.
         let host = HostCapabilities {

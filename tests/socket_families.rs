@@ -83,7 +83,12 @@ fn without_the_filter_the_same_probe_opens_vsock() {
         .output()
         .expect("bwrap runs");
     let got = parse(&String::from_utf8_lossy(&out.stdout));
-    assert_eq!(got.get("vsock_stream").map(String::as_str), Some("ok"), "{got:?} {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        got.get("vsock_stream").map(String::as_str),
+        Some("ok"),
+        "{got:?} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(got.get("packet").map(String::as_str), Some("ok"), "{got:?}");
     assert_eq!(got.get("netlink_uevent").map(String::as_str), Some("ok"), "{got:?}");
 }

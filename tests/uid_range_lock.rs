@@ -31,7 +31,8 @@ async fn a_second_daemon_with_the_same_or_an_overlapping_range_refuses_to_start(
     let uids = unique_uids();
     let (first, last) = range(&uids);
     let set = uids.clone();
-    let live = TestDaemon::start(Options { config: Box::new(move |c| c.sandbox.uids = set), ..Options::default() }).await;
+    let live =
+        TestDaemon::start(Options { config: Box::new(move |c| c.sandbox.uids = set), ..Options::default() }).await;
     let live_dir = live.data_dir();
 
     let other = data_tempdir();

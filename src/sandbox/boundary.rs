@@ -133,9 +133,11 @@ impl Boundary {
         add("max_open_files", limits.max_open_files, "rlimit NOFILE".into());
         add("address_space_bytes", limits.address_space_bytes, "rlimit AS".into());
         add("max_file_bytes", limits.max_file_bytes, "rlimit FSIZE".into());
-        add("max_workspace_bytes", limits.max_workspace_bytes, "daemon watch of the workspace".into());
+        add("max_workspace_bytes", limits.max_workspace_bytes, "daemon watch of the workspace and HOME".into());
+        add("max_workspace_inodes", limits.max_workspace_inodes, "daemon watch of the workspace and HOME".into());
         if tmpfs {
             add("tmp_bytes", limits.tmp_bytes, "tmpfs size".into());
+            add("shm_bytes", limits.shm_bytes, "tmpfs size".into());
         }
         out
     }
