@@ -16,6 +16,7 @@ pub mod seccomp;
 mod socket_family;
 pub mod spec;
 pub mod uid_lock;
+pub mod uid_state;
 pub mod workspace;
 
 use std::path::{Path, PathBuf};
