@@ -28,15 +28,18 @@ fn range(text: &str) -> (u32, u32) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_daemon_with_the_same_or_an_overlapping_range_refuses_to_start() {
     assert_eq!(unsafe { libc::geteuid() }, 0, "uid ranges are claimed by root daemons; run as root");
-    let uids = unique_uids();
-    let (first, last) = range(&uids);
+    // Every range below lies in one block of 256 uids that no other daemon
+    // of this or another test process uses.
+    let (base, _) = range(&unique_uids());
+    let sub = |a: u32, b: u32| format!("{}-{}", base + a, base + b);
+    let uids = sub(64, 127);
     let set = uids.clone();
     let live =
         TestDaemon::start(Options { config: Box::new(move |c| c.sandbox.uids = set), ..Options::default() }).await;
     let live_dir = live.data_dir();
 
     let other = data_tempdir();
-    for attempt in [uids.clone(), format!("{}-{}", first + 128, last + 128), format!("{}-{}", first - 10, first)] {
+    for attempt in [uids.clone(), sub(100, 150), sub(10, 64), sub(127, 127)] {
         let err = match build(other.path(), &attempt).await {
             Ok(_) => panic!("a daemon with uids {attempt} started beside a live one with {uids}"),
             Err(err) => err,
@@ -48,7 +51,7 @@ async fn a_second_daemon_with_the_same_or_an_overlapping_range_refuses_to_start(
         assert!(err.contains(&format!("pid {}", std::process::id())), "names the live daemon's pid: {err}");
     }
     // A disjoint range starts beside it.
-    let beside = build(other.path(), &format!("{}-{}", last + 1, last + 10)).await.expect("a disjoint range starts");
+    let beside = build(other.path(), &sub(128, 191)).await.expect("a disjoint range starts");
     drop(beside);
     live.stop().await;
     // Once the first has stopped, its range is free.
