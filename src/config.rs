@@ -394,6 +394,18 @@ impl Config {
         self.credentials.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.grpc.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.sandbox.validate().map_err(|(key, message)| invalid(&key, message))?;
+        let limits = &self.default_limits;
+        for (key, value) in [
+            ("default_limits.timeout_seconds", limits.timeout_seconds),
+            ("default_limits.tmp_bytes", limits.tmp_bytes),
+            ("default_limits.shm_bytes", limits.shm_bytes),
+            ("default_limits.max_events", limits.max_events),
+            ("default_limits.max_event_bytes", limits.max_event_bytes),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than 0".into()));
+            }
+        }
         self.harness.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {
             if !root.is_absolute() {
