@@ -476,4 +476,20 @@ mod tests {
         std::fs::write(&file, "[grpc]\nmax_streams = 1\n").unwrap();
         assert!(Config::from_file(&file).unwrap_err().to_string().contains("max_streams"));
     }
+
+    #[test]
+    fn default_limits_are_read_key_by_key_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("limits.toml");
+        std::fs::write(&file, "[default_limits]\nmax_processes = 40\nmemory_bytes = 0\n").unwrap();
+        let config = Config::from_file(&file).unwrap();
+        config.validate().unwrap();
+        let want = crate::catalog::Limits { max_processes: 40, memory_bytes: 0, ..crate::catalog::Limits::default() };
+        assert_eq!(config.default_limits, want);
+        std::fs::write(&file, "[default_limits]\nshm_bytes = 0\n").unwrap();
+        let err = Config::from_file(&file).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("default_limits.shm_bytes"), "{err}");
+        std::fs::write(&file, "[default_limits]\nmax_procs = 1\n").unwrap();
+        assert!(Config::from_file(&file).unwrap_err().to_string().contains("max_procs"));
+    }
 }
