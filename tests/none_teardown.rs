@@ -167,3 +167,47 @@ async fn a_released_uid_is_not_handed_out_again_at_once() {
     assert_eq!(distinct.len(), 4, "runs one after another got uids {uids:?}: a released uid went out again at once");
     daemon.stop().await;
 }
+
+/// A session keyring of its own: a `none` sandbox started from the daemon
+/// would otherwise possess the daemon's (root's) session keyring, write a
+/// key into it, and the next sandbox (another uid, the same inherited
+/// keyring) would read it.
+///
+/// The daemon here gets a session keyring of its own first, as a systemd
+/// service does (`KeyringMode=private`): a process without one resolves
+/// "session" to its uid's user-session keyring, which hides the leak.
+#[test]
+fn a_none_sandbox_cannot_pass_a_key_through_the_daemons_session_keyring() {
+    require_bwrap();
+    // SAFETY: keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL): a new anonymous session keyring.
+    let joined = unsafe { libc::syscall(libc::SYS_keyctl, 1 as libc::c_long, std::ptr::null::<libc::c_char>()) };
+    assert!(joined > 0, "join a session keyring: {}", std::io::Error::last_os_error());
+    // Built after the join, so every worker thread (which spawns the
+    // sandboxes) carries that keyring.
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(session_keyring_attack());
+}
+
+async fn session_keyring_attack() {
+    let daemon = TestDaemon::start(Options { profiles: vec![none_profile()], ..Options::default() }).await;
+    let marker = format!("corral-session-{}", std::process::id());
+    let keyctl = |body: &str| {
+        format!(
+            "python3 - <<'EOF'\nimport ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n\
+             libc.syscall.restype = ctypes.c_long\nx86 = os.uname().machine == 'x86_64'\n{body}\nEOF"
+        )
+    };
+    let add = keyctl(&format!(
+        "r = libc.syscall(ctypes.c_long(248 if x86 else 217), b'user', b'{marker}', b'secret', ctypes.c_size_t(6), \
+         ctypes.c_long(-3))\nprint('ADDED' if r >= 0 else 'REFUSED', os.strerror(ctypes.get_errno()))"
+    ));
+    let search = keyctl(&format!(
+        "r = libc.syscall(ctypes.c_long(250 if x86 else 219), ctypes.c_long(10), ctypes.c_long(-3), b'user', \
+         b'{marker}', ctypes.c_long(0))\nprint('FOUND' if r >= 0 else 'ABSENT', os.strerror(ctypes.get_errno()))"
+    ));
+    let first = finished(&daemon.execute(request("test.none", &add)).await);
+    assert!(first.tool_output.contains("ADDED"), "{} {}", first.tool_output, first.tool_error);
+    let second = finished(&daemon.execute(request("test.none", &search)).await);
+    assert!(second.tool_output.contains("ABSENT"), "the next sandbox read the key: {}", second.tool_output);
+    daemon.stop().await;
+}
