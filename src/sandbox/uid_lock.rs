@@ -18,8 +18,9 @@
 //!
 //! A range that overlaps a live one, equal or not, is refused naming both.
 
-use std::fs::{File, OpenOptions, TryLockError};
+use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -50,6 +51,25 @@ fn overlaps(a: UidRange, b: UidRange) -> bool {
     a.first <= b.last && b.first <= a.last
 }
 
+/// `flock(2)` exclusive on `file`: blocking, or `Ok(false)` if another
+/// open file description holds it (`LOCK_NB`). (std's `File::lock` is
+/// newer than this crate's minimum Rust.)
+fn flock_exclusive(file: &File, wait: bool) -> std::io::Result<bool> {
+    let op = if wait { libc::LOCK_EX } else { libc::LOCK_EX | libc::LOCK_NB };
+    loop {
+        // SAFETY: flock(2) on a descriptor `file` owns for the call.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(true);
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EWOULDBLOCK) if !wait => return Ok(false),
+            _ => return Err(err),
+        }
+    }
+}
+
 fn open_rw(path: &Path) -> std::io::Result<File> {
     // 0644: other daemons (all root) read who holds a range; nobody else writes.
     OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o644).open(path)
@@ -65,7 +85,7 @@ pub fn claim(dir: &Path, range: UidRange, data_dir: &Path) -> Result<UidRangeLoc
     std::fs::DirBuilder::new().recursive(true).mode(0o755).create(dir).map_err(|e| fail("create", dir, e))?;
     let registry_path = dir.join("registry.lock");
     let registry = open_rw(&registry_path).map_err(|e| fail("open", &registry_path, e))?;
-    registry.lock().map_err(|e| fail("lock", &registry_path, e))?;
+    flock_exclusive(&registry, true).map_err(|e| fail("lock", &registry_path, e))?;
     let entries = std::fs::read_dir(dir).map_err(|e| fail("read", dir, e))?;
     for entry in entries {
         let entry = entry.map_err(|e| fail("read", dir, e))?;
@@ -79,13 +99,13 @@ pub fn claim(dir: &Path, range: UidRange, data_dir: &Path) -> Result<UidRangeLoc
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(fail("open", &path, e)),
         };
-        match file.try_lock() {
-            Ok(()) => {
+        match flock_exclusive(&file, false) {
+            Ok(true) => {
                 // Its daemon is gone (the kernel let go of its lock): stale.
                 drop(file);
                 std::fs::remove_file(&path).map_err(|e| fail("remove stale", &path, e))?;
             }
-            Err(TryLockError::WouldBlock) => {
+            Ok(false) => {
                 let mut holder = String::new();
                 let _ = file.take(4096).read_to_string(&mut holder);
                 let holder = holder.split_whitespace().collect::<Vec<_>>().join(" ");
@@ -100,14 +120,18 @@ pub fn claim(dir: &Path, range: UidRange, data_dir: &Path) -> Result<UidRangeLoc
                     path.display()
                 ));
             }
-            Err(TryLockError::Error(e)) => return Err(fail("lock", &path, e)),
+            Err(e) => return Err(fail("lock", &path, e)),
         }
     }
     let path = dir.join(file_name(range));
     let mut file = open_rw(&path).map_err(|e| fail("open", &path, e))?;
     // No other daemon can hold it: it was removed above if stale, and the
     // registry lock keeps other claimers out.
-    file.try_lock().map_err(|e| fail("lock", &path, std::io::Error::other(e.to_string())))?;
+    match flock_exclusive(&file, false) {
+        Ok(true) => {}
+        Ok(false) => return Err(fail("lock", &path, std::io::Error::from_raw_os_error(libc::EWOULDBLOCK))),
+        Err(e) => return Err(fail("lock", &path, e)),
+    }
     file.set_len(0).map_err(|e| fail("truncate", &path, e))?;
     let text = format!("pid {} data_dir {}\n", std::process::id(), data_dir.display());
     file.write_all(text.as_bytes()).map_err(|e| fail("write", &path, e))?;
