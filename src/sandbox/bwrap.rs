@@ -235,6 +235,10 @@ impl BwrapBackend {
     ) -> Result<(SandboxProcess, Option<ProxyHandle>), SandboxError> {
         let program = self.program.as_deref().ok_or_else(|| SandboxError::Unavailable("bwrap not found".into()))?;
         let seccomp = self.seccomp.as_ref().map_err(|e| SandboxError::Unavailable(e.clone()))?;
+        // tmpfs reads size 0 as "unlimited" (half the host's RAM): never that.
+        if tmpfs.tmp_bytes == 0 || tmpfs.shm_bytes == 0 {
+            return Err(SandboxError::Spawn(format!("refusing an unsized tmpfs: {tmpfs:?}")));
+        }
         let args = bwrap_args(spec, paths, &self.layout, tmpfs);
         // `--` goes on the real command line: bwrap ends option parsing
         // there, whatever the harness argv looks like.
