@@ -190,9 +190,10 @@ impl Boundary {
     /// it), and it is empty only when nothing of the sandbox can run again:
     /// the kernel takes an exiting process out of `cgroup.procs`
     /// (`cgroup_exit`) after it has let go of its memory and its files.
-    /// Without a cgroup (a host without one, or recovery after it is gone),
-    /// or if it would not empty, the sandbox's own uid is swept instead,
-    /// until nothing of that uid is alive at all. (Its uid goes to no other
+    /// Then, with a cgroup or without one (a host without one, or recovery
+    /// after it is gone), the sandbox's own uid is swept until no task of
+    /// it is alive at all, not even one past `cgroup_exit` that has yet to
+    /// finish exiting. (Its uid goes to no other
     /// sandbox while any task of it is alive, nor while only its zombies
     /// are left unless no uid in the range is free of tasks: see
     /// `allocate_own_uid`.)
@@ -201,21 +202,23 @@ impl Boundary {
         self.processes.kill_all(&sandbox.id);
         // The proxies close with their sandbox: listener and every tunnel.
         drop(self.proxies.lock().unwrap_or_else(|e| e.into_inner()).remove(&sandbox.id));
-        let mut emptied = false;
         if let Some(cgroup) = &sandbox.cgroup {
-            match cgroup.kill_all(KILL_TIMEOUT).await {
-                Ok(()) => emptied = true,
-                Err(e) => errors.push(e.to_string()),
+            if let Err(e) = cgroup.kill_all(KILL_TIMEOUT).await {
+                errors.push(e.to_string());
             }
         }
         // Only a uid that is the sandbox's alone: never one shared with
         // anything else on the host (the benchmark's floor runs as nobody).
-        // A `none` sandbox's uid is always swept: its host objects are
-        // purged next, and nothing of it may make new ones meanwhile.
+        // Swept even after the cgroup emptied: a killed task leaves
+        // `cgroup.procs` before it has finished exiting, and under the
+        // sandbox's CPU quota that tail can be long; success waits until no
+        // task of the uid is alive (one getpriority(2) call when none is).
+        // A `none` sandbox's host objects are purged next, and nothing of
+        // its uid may make new ones meanwhile.
         let none = sandbox.backend == super::SandboxType::None;
         let own = sandbox.user.filter(|_| sandbox.receipt.own_uid);
         let mut uid_gone = false;
-        if let Some(user) = own.filter(|_| none || !emptied) {
+        if let Some(user) = own {
             match kill_uid(user.uid, KILL_TIMEOUT).await {
                 Ok(_) => uid_gone = true,
                 Err(e) => errors.push(e),
