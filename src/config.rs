@@ -46,6 +46,11 @@ pub struct Config {
     pub store: StoreConfig,
     /// Host identity and cgroups of sandboxes.
     pub sandbox: crate::sandbox::SandboxConfig,
+    /// `[default_limits]`: the limits of every profile (built-in or file)
+    /// for each key its own `[limits]` leaves out; keys left out here take
+    /// the built-in defaults (`catalog::Limits::default`). Set a key to 0
+    /// to run without that limit.
+    pub default_limits: crate::catalog::Limits,
     /// How a run's workspace is brought back.
     pub git: GitConfig,
     /// Who may call: see `auth`. Root and the daemon's own uid on the unix
@@ -234,6 +239,7 @@ impl Default for Config {
             credentials: CredentialsConfig::default(),
             store: StoreConfig::default(),
             sandbox: crate::sandbox::SandboxConfig::default(),
+            default_limits: crate::catalog::Limits::default(),
             git: GitConfig::default(),
             principals: Vec::new(),
             principals_dir: None,
@@ -437,6 +443,18 @@ impl Config {
         self.grpc.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.proxy.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.sandbox.validate().map_err(|(key, message)| invalid(&key, message))?;
+        let limits = &self.default_limits;
+        for (key, value) in [
+            ("default_limits.timeout_seconds", limits.timeout_seconds),
+            ("default_limits.tmp_bytes", limits.tmp_bytes),
+            ("default_limits.shm_bytes", limits.shm_bytes),
+            ("default_limits.max_events", limits.max_events),
+            ("default_limits.max_event_bytes", limits.max_event_bytes),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than 0".into()));
+            }
+        }
         self.harness.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {
             if !root.is_absolute() {
@@ -535,5 +553,21 @@ mod tests {
         assert!(err.contains("grpc.max_watchers_per_subject"), "{err}");
         std::fs::write(&file, "[grpc]\nmax_streams = 1\n").unwrap();
         assert!(Config::from_file(&file).unwrap_err().to_string().contains("max_streams"));
+    }
+
+    #[test]
+    fn default_limits_are_read_key_by_key_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("limits.toml");
+        std::fs::write(&file, "[default_limits]\nmax_processes = 40\nmemory_bytes = 0\n").unwrap();
+        let config = Config::from_file(&file).unwrap();
+        config.validate().unwrap();
+        let want = crate::catalog::Limits { max_processes: 40, memory_bytes: 0, ..crate::catalog::Limits::default() };
+        assert_eq!(config.default_limits, want);
+        std::fs::write(&file, "[default_limits]\nshm_bytes = 0\n").unwrap();
+        let err = Config::from_file(&file).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("default_limits.shm_bytes"), "{err}");
+        std::fs::write(&file, "[default_limits]\nmax_procs = 1\n").unwrap();
+        assert!(Config::from_file(&file).unwrap_err().to_string().contains("max_procs"));
     }
 }

@@ -30,6 +30,8 @@ pub enum StartError {
     Policies(String),
     #[error("recovery: {0}")]
     Recovery(String),
+    #[error("{0}")]
+    UidRange(String),
     #[error(transparent)]
     Serve(#[from] ServeError),
 }
@@ -42,6 +44,9 @@ pub struct Daemon {
     pub engine: Arc<Engine>,
     pub catalog: Arc<Catalog>,
     pub gate: Arc<Gate>,
+    /// This daemon's host-wide claim on its sandbox uid range (root only),
+    /// held until the daemon is dropped.
+    pub uid_lock: Option<crate::sandbox::uid_lock::UidRangeLock>,
 }
 
 /// The reins a daemon ships with.
@@ -64,7 +69,8 @@ impl Daemon {
         restrict_store_files(data_dir)
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
         let routes: Vec<&str> = config.credentials.names().collect();
-        let catalog = Arc::new(Catalog::load_with(&config.profile_dirs, &routes, &config.harness)?);
+        let catalog =
+            Arc::new(Catalog::load_with(&config.profile_dirs, &routes, &config.harness, &config.default_limits)?);
         // Probed once: a host that cannot run bwrap refuses bwrap profiles
         // at the gate, with the reason, instead of running them unsandboxed.
         let host = HostCapabilities {
@@ -73,6 +79,15 @@ impl Daemon {
             none: backends.none.capabilities(),
         };
         let uid_mode = UidMode::detect(UidRange::parse(&config.sandbox.uids).map_err(StartError::Policies)?);
+        // Before recovery, which kills what runs under uids of the range:
+        // they must be this daemon's, not a live neighbour's.
+        let uid_lock = match uid_mode {
+            UidMode::PerSandbox(range) => Some(
+                crate::sandbox::uid_lock::claim(&config.sandbox.lock_dir, range, data_dir)
+                    .map_err(StartError::UidRange)?,
+            ),
+            UidMode::Daemon { .. } => None,
+        };
         if let UidMode::PerSandbox(_) = uid_mode {
             reachable_by_sandboxes(&data_dir.join("sandboxes")).map_err(|message| StartError::DataDir {
                 path: data_dir.display().to_string(),
@@ -126,10 +141,12 @@ impl Daemon {
         // Kept in the data directory, so page tokens survive a restart.
         let page_tokens = crate::api::page::PageTokens::load_or_create(&data_dir.join("page-token.key"))
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
-        Ok(Daemon { authenticator, page_tokens: Arc::new(page_tokens), config, engine, catalog, gate })
+        Ok(Daemon { authenticator, page_tokens: Arc::new(page_tokens), config, engine, catalog, gate, uid_lock })
     }
 
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<(), StartError> {
+        // The uid range stays claimed while the daemon serves.
+        let _uid_lock = self.uid_lock;
         let group = match &self.config.unix_socket_group {
             Some(group) => Some(group_id(group).map_err(StartError::Policies)?),
             None => None,

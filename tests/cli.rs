@@ -33,9 +33,15 @@ struct Served {
 
 async fn serve(data_dir: &Path, stderr_log: &Path) -> Served {
     let log = std::fs::File::create(stderr_log).expect("stderr log file");
+    // A uid range of its own: every root daemon claims its range host-wide,
+    // and other suites may be running beside this one.
+    let config = data_dir.with_extension("toml");
+    std::fs::write(&config, format!("[sandbox]\nuids = {:?}\n", common::unique_uids())).unwrap();
     let mut child = clean(&mut Command::new(CORRAL))
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir)
+        .arg("--config")
+        .arg(&config)
         // The tests' repositories are temporary directories.
         .env("CORRAL_REPO_ROOTS", std::env::temp_dir())
         .stdin(Stdio::null())

@@ -351,6 +351,8 @@ pub fn profile(p: &Profile) -> pb::Profile {
             tmp_bytes: f.limits.tmp_bytes,
             max_events: f.limits.max_events,
             max_event_bytes: f.limits.max_event_bytes,
+            max_workspace_inodes: f.limits.max_workspace_inodes,
+            shm_bytes: f.limits.shm_bytes,
         }),
         credential_route_refs: f.credential_route_refs.clone(),
         policies: f

@@ -12,8 +12,18 @@ use std::sync::Arc;
 pub use agents::{Endpoint, HarnessConfig, ANTHROPIC_ROUTE, CLAUDE_ALLOWED_TOOLS, CODEX_DEFAULT_MODEL, OPENAI_ROUTE};
 pub use profile::{
     check_id, GitSettings, Limits, Preset, Profile, ProfileFile, ProfileRef, ProfileStatus, Readiness, ReadinessState,
-    ReinSpec, TaskInput,
+    ReinSpec, TaskInput, DEFAULT_SHM_BYTES, DEFAULT_WORKSPACE_INODES,
 };
+
+/// A profile file's TOML, with `default_limits` under its `[limits]`.
+/// Parsed once as written first, so an error names its line and key.
+fn parse_file(text: &str, default_limits: &Limits) -> Result<ProfileFile, String> {
+    let _: ProfileFile = toml::from_str(text).map_err(|e| e.to_string())?;
+    let mut table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+    let limits = Limits::merge_table(default_limits, table.get("limits"))?;
+    table.insert("limits".into(), limits);
+    toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| e.to_string())
+}
 
 /// The sentence rule 1 prescribes for a bad actor.
 pub const ACTOR_REFUSAL: &str = "execution actor must be a governed consumer type: adm, agt, or atm; queue worker identifiers are not execution actors";
@@ -37,25 +47,33 @@ pub struct Catalog {
     profiles: BTreeMap<String, BTreeMap<semver::Version, Arc<Profile>>>,
     /// The credential routes the daemon's config defines.
     routes: Vec<String>,
+    /// What a profile's `[limits]` leaves out.
+    default_limits: Limits,
 }
 
 impl Catalog {
     /// The built-in profiles plus every `*.toml` in `dirs`. A malformed file
     /// is an error naming the file and the key.
     pub fn load(dirs: &[impl AsRef<Path>], credential_routes: &[&str]) -> Result<Catalog, CatalogError> {
-        Self::load_with(dirs, credential_routes, &HarnessConfig::default())
+        Self::load_with(dirs, credential_routes, &HarnessConfig::default(), &Limits::default())
     }
 
     /// [`Catalog::load`], with the built-in agent profiles pointed where the
-    /// daemon's `[harness]` section says.
+    /// daemon's `[harness]` section says, and `default_limits` (the daemon's
+    /// `[default_limits]`) for every limit a profile does not set.
     pub fn load_with(
         dirs: &[impl AsRef<Path>],
         credential_routes: &[&str],
         harness: &HarnessConfig,
+        default_limits: &Limits,
     ) -> Result<Catalog, CatalogError> {
-        let mut catalog =
-            Catalog { routes: credential_routes.iter().map(|r| r.to_string()).collect(), ..Catalog::default() };
-        for file in builtin::builtin_profiles(harness) {
+        let mut catalog = Catalog {
+            routes: credential_routes.iter().map(|r| r.to_string()).collect(),
+            default_limits: default_limits.clone(),
+            ..Catalog::default()
+        };
+        for mut file in builtin::builtin_profiles(harness) {
+            file.limits = default_limits.clone();
             let profile = Profile::from_file(file, "builtin".into())
                 .map_err(|message| CatalogError::Invalid { file: "builtin".into(), message })?;
             catalog.insert(profile)?;
@@ -78,8 +96,8 @@ impl Catalog {
             let file = path.display().to_string();
             let text = std::fs::read_to_string(&path)
                 .map_err(|e| CatalogError::Invalid { file: file.clone(), message: e.to_string() })?;
-            let parsed: ProfileFile = toml::from_str(&text)
-                .map_err(|e| CatalogError::Invalid { file: file.clone(), message: e.to_string() })?;
+            let parsed = parse_file(&text, &self.default_limits)
+                .map_err(|message| CatalogError::Invalid { file: file.clone(), message })?;
             let profile =
                 Profile::from_file(parsed, file.clone()).map_err(|message| CatalogError::Invalid { file, message })?;
             self.insert(profile)?;
@@ -177,6 +195,45 @@ mod tests {
     const A2: &str = "id = \"team.a\"\nversion = \"2.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n";
 
     #[test]
+    fn limits_a_profile_leaves_out_come_from_the_daemon_then_the_builtin_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("a.toml"), A1).unwrap();
+        let b = "id = \"team.b\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n[limits]\nmax_processes = 10\nmemory_bytes = 0\n";
+        std::fs::write(dir.path().join("b.toml"), b).unwrap();
+        let daemon = Limits { max_processes: 77, cpu_millis: 500, ..Limits::default() };
+        let catalog = Catalog::load_with(&[dir.path()], &[], &HarnessConfig::default(), &daemon).unwrap();
+        let a = &catalog.lookup("team.a").unwrap().file.limits;
+        assert_eq!(a, &daemon, "a profile without [limits] runs under the daemon's defaults");
+        let b = &catalog.lookup("team.b").unwrap().file.limits;
+        assert_eq!((b.max_processes, b.memory_bytes, b.cpu_millis), (10, 0, 500), "its own keys win, 0 included");
+        assert_eq!(b.max_workspace_inodes, DEFAULT_WORKSPACE_INODES);
+        assert_eq!(&catalog.lookup("builtin.shell").unwrap().file.limits, &daemon, "built-ins too");
+        // With no daemon section, the built-in defaults: never unlimited.
+        let plain = Catalog::load(&[dir.path()], &[]).unwrap();
+        for id in ["team.a", "builtin.shell", "builtin.claude-code", "builtin.codex", "builtin.noop"] {
+            let l = &plain.lookup(id).unwrap().file.limits;
+            assert_eq!(
+                (
+                    l.memory_bytes,
+                    l.max_processes,
+                    l.cpu_millis,
+                    l.max_workspace_bytes,
+                    l.max_workspace_inodes,
+                    l.shm_bytes
+                ),
+                (2 << 30, 512, 2000, 2 << 30, 200_000, 64 << 20),
+                "{id}"
+            );
+        }
+        let bad = A1.to_string() + "[limits]\nmax_procs = 1\n";
+        let err = catalog_with(&[("bad.toml", &bad)]).unwrap_err().to_string();
+        assert!(err.contains("bad.toml") && err.contains("max_procs"), "{err}");
+        let zero_shm = A1.to_string() + "[limits]\nshm_bytes = 0\n";
+        let err = catalog_with(&[("z.toml", &zero_shm)]).unwrap_err().to_string();
+        assert!(err.contains("limits.shm_bytes"), "an unsized /dev/shm is refused: {err}");
+    }
+
+    #[test]
     fn several_versions_must_be_pinned() {
         let catalog = catalog_with(&[("a1.toml", A1), ("a2.toml", A2)]).unwrap();
         let err = catalog.resolve("team.a").unwrap_err();
@@ -232,7 +289,7 @@ mod tests {
     #[test]
     fn the_builtin_agents_follow_the_harness_section_and_name_their_routes() {
         let harness = HarnessConfig { anthropic_base_url: "http://127.0.0.1:9000".into(), ..HarnessConfig::default() };
-        let catalog = Catalog::load_with(&[] as &[&Path], &["openai"], &harness).unwrap();
+        let catalog = Catalog::load_with(&[] as &[&Path], &["openai"], &harness, &Limits::default()).unwrap();
         let claude = catalog.lookup("builtin.claude-code").unwrap();
         assert_eq!(claude.file.sandbox.allow_hosts, ["127.0.0.1:9000"]);
         assert_eq!(claude.file.rein.base_url, "http://127.0.0.1:9000");

@@ -118,7 +118,9 @@ fn default_rein_kind() -> String {
 
 /// What a run may use. Every non-zero limit is enforced, by the mechanism
 /// the enforcement receipt names; a limit this host cannot enforce makes the
-/// gate refuse the run (fail closed). 0 means "not limited".
+/// gate refuse the run (fail closed). 0 means "not limited", and must be
+/// written out: a key a profile leaves out takes the daemon's
+/// `[default_limits]`, and a key that leaves out takes [`Limits::default`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Limits {
@@ -128,13 +130,17 @@ pub struct Limits {
     /// Tasks (processes and threads) alive at once: the cgroup's pids.max,
     /// and RLIMIT_NPROC of the sandbox's own host uid.
     pub max_processes: u64,
-    /// Memory (RSS, page cache, /tmp) of the whole sandbox: its cgroup.
+    /// Memory (RSS, page cache, /tmp and /dev/shm) of the whole sandbox: its cgroup.
     pub memory_bytes: u64,
     /// CPU time in millicores (1000 = one CPU): the cgroup's CPU quota.
     pub cpu_millis: u64,
-    /// Bytes under the workspace, checked while the harness runs and at the
+    /// Bytes under the sandbox's own directory (the workspace, HOME and,
+    /// for `none`, its TMPDIR), checked while the harness runs and at the
     /// end (exceeding it fails the run); also the largest file (RLIMIT_FSIZE).
     pub max_workspace_bytes: u64,
+    /// Files, directories and links under the same tree (a million empty
+    /// files cost the host inodes, not bytes): the same watch and the same cut.
+    pub max_workspace_inodes: u64,
     /// RLIMIT_NOFILE.
     pub max_open_files: u64,
     /// RLIMIT_AS. Virtual address space, not memory: Node-based harnesses
@@ -142,6 +148,8 @@ pub struct Limits {
     pub address_space_bytes: u64,
     /// Size of the sandbox's private /tmp (tmpfs).
     pub tmp_bytes: u64,
+    /// Size of the sandbox's private /dev/shm (tmpfs; `linux_bwrap`).
+    pub shm_bytes: u64,
     /// Events one run may record; past it progress is dropped and one
     /// `limit` event says so.
     pub max_events: u64,
@@ -150,21 +158,61 @@ pub struct Limits {
     pub max_event_bytes: u64,
 }
 
+/// The built-in defaults, for every profile and every key the profile and
+/// the daemon's `[default_limits]` leave out. Sized for one coding agent
+/// (a Node CLI, git, a test run of a mid-sized project) on a shared host,
+/// so that a handful of runs side by side cannot take the host down:
+/// - memory 2 GiB: Claude Code or Codex plus a compiler or test runner fit;
+///   a runaway allocation is cut long before it starves the host.
+/// - 512 tasks (processes and threads): a build with `-j` and a Node
+///   runtime's threads stay far below; a fork bomb stops there.
+/// - 2 CPUs (2000 millicores): a run is never starved, and no single run
+///   takes every core of a small host.
+/// - workspace 2 GiB and 200,000 inodes: a clone of a large repository
+///   with its dependencies installed (node_modules runs to ~100k files).
+/// - /tmp 256 MiB and /dev/shm 64 MiB (Docker's /dev/shm size): both are
+///   tmpfs, so their pages count against `memory_bytes` as well.
+pub const DEFAULT_MEMORY_BYTES: u64 = 2 << 30;
+pub const DEFAULT_MAX_PROCESSES: u64 = 512;
+pub const DEFAULT_CPU_MILLIS: u64 = 2000;
+pub const DEFAULT_WORKSPACE_BYTES: u64 = 2 << 30;
+pub const DEFAULT_WORKSPACE_INODES: u64 = 200_000;
+pub const DEFAULT_SHM_BYTES: u64 = 64 << 20;
+
 impl Default for Limits {
     fn default() -> Self {
         Limits {
             timeout_seconds: 600,
             max_output_bytes: 4 << 20,
-            max_processes: 0,
-            memory_bytes: 0,
-            cpu_millis: 0,
-            max_workspace_bytes: 0,
+            max_processes: DEFAULT_MAX_PROCESSES,
+            memory_bytes: DEFAULT_MEMORY_BYTES,
+            cpu_millis: DEFAULT_CPU_MILLIS,
+            max_workspace_bytes: DEFAULT_WORKSPACE_BYTES,
+            max_workspace_inodes: DEFAULT_WORKSPACE_INODES,
             max_open_files: 0,
             address_space_bytes: 0,
             tmp_bytes: 256 << 20,
+            shm_bytes: DEFAULT_SHM_BYTES,
             max_events: 100_000,
             max_event_bytes: 32 << 20,
         }
+    }
+}
+
+impl Limits {
+    /// The `[limits]` of a profile file over `defaults`: every key the
+    /// table sets wins, every other key is the default's. Unknown keys and
+    /// wrong types stay errors (the merged table is deserialized strictly).
+    pub fn merge_table(defaults: &Limits, table: Option<&toml::Value>) -> Result<toml::Value, String> {
+        let mut merged = toml::Value::try_from(defaults).map_err(|e| format!("default limits: {e}"))?;
+        if let (Some(toml::Value::Table(set)), toml::Value::Table(out)) = (table, &mut merged) {
+            for (key, value) in set {
+                out.insert(key.clone(), value.clone());
+            }
+        } else if let Some(other) = table {
+            return Err(format!("limits: expected a table, found {}", other.type_str()));
+        }
+        Ok(merged)
     }
 }
 
@@ -186,7 +234,9 @@ impl Limits {
             // No single file may be larger than the whole workspace may be.
             max_file_bytes: self.max_workspace_bytes,
             max_workspace_bytes: self.max_workspace_bytes,
+            max_workspace_inodes: self.max_workspace_inodes,
             tmp_bytes: self.tmp_bytes,
+            shm_bytes: self.shm_bytes,
         }
     }
 }
@@ -361,6 +411,7 @@ impl Profile {
         }
         for (key, value) in [
             ("limits.tmp_bytes", file.limits.tmp_bytes),
+            ("limits.shm_bytes", file.limits.shm_bytes),
             ("limits.max_events", file.limits.max_events),
             ("limits.max_event_bytes", file.limits.max_event_bytes),
         ] {

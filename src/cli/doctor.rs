@@ -49,7 +49,7 @@ pub async fn run(config: &Config) -> anyhow::Result<i32> {
     out.push(line("egress", &caps.egress));
     out.push("profiles".into());
     let routes: Vec<&str> = config.credentials.names().collect();
-    match Catalog::load_with(&config.profile_dirs, &routes, &config.harness) {
+    match Catalog::load_with(&config.profile_dirs, &routes, &config.harness, &config.default_limits) {
         Ok(catalog) => {
             for profile in catalog.list() {
                 let verdict = refusal(&profile.file.sandbox, &profile.file.limits.sandbox(), &probe, &backends)

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::capture::CaptureJob;
-use super::limits::{cgroup_hits, tree_bytes, workspace_hit, EventBudget, WorkspaceWatch};
+use super::limits::{cgroup_hits, tree_usage, workspace_hit, EventBudget, TreeBudget, WorkspaceWatch};
 use super::{Engine, RawResult};
 use crate::catalog::{check_actor, Profile, ReadinessState, TaskInput};
 use crate::credentials::Scrubber;
@@ -436,10 +436,10 @@ impl Core {
         // without cancelling the whole execution or session.
         let caller_cancel = cancel;
         let cancel = caller_cancel.child_token();
-        let max_workspace = self.profile.as_ref().map(|p| p.file.limits.max_workspace_bytes).unwrap_or(0);
-        let watch = match (&self.sandbox, max_workspace) {
-            (Some((_, sandbox)), limit) if limit > 0 => {
-                Some(WorkspaceWatch::start(sandbox.workspace.clone(), limit, cancel.clone()))
+        let budget = self.profile.as_ref().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
+        let watch = match &self.sandbox {
+            Some((_, sandbox)) if budget.is_limited() => {
+                Some(WorkspaceWatch::start(sandbox.root.clone(), budget, cancel.clone()))
             }
             _ => None,
         };
@@ -488,8 +488,8 @@ impl Core {
         self.harness = Some(harness);
         self.evidence.time("harness", t);
         let limit_notes = self.record_cgroup_hits().await;
-        if let Some(bytes) = watch.and_then(WorkspaceWatch::stop) {
-            let (event, raw) = workspace_hit(bytes, max_workspace);
+        if let Some(usage) = watch.and_then(WorkspaceWatch::stop) {
+            let (event, raw) = workspace_hit(usage, budget);
             self.workspace_over = true;
             self.evidence.notes.push(raw.clone());
             self.recorder.emit(event, None).await;
@@ -587,18 +587,19 @@ impl Core {
         notes
     }
 
-    /// The workspace's size against `max_workspace_bytes` at the end of the
-    /// run: over it, the run fails and nothing is fetched back.
+    /// The sandbox's tree (workspace, HOME) against `max_workspace_bytes`
+    /// and `max_workspace_inodes` at the end of the run: over either, the
+    /// run fails and nothing is fetched back.
     async fn check_workspace_at_end(&mut self) {
-        let limit = self.profile.as_ref().map(|p| p.file.limits.max_workspace_bytes).unwrap_or(0);
+        let budget = self.profile.as_ref().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
         let Some((_, sandbox)) = self.sandbox.as_ref() else { return };
-        if limit == 0 || self.workspace_over {
+        if !budget.is_limited() || self.workspace_over {
             return;
         }
-        let ws = sandbox.workspace.clone();
-        let bytes = tokio::task::spawn_blocking(move || tree_bytes(&ws, limit)).await.unwrap_or(0);
-        if bytes > limit {
-            let (event, raw) = workspace_hit(bytes, limit);
+        let root = sandbox.root.clone();
+        let usage = tokio::task::spawn_blocking(move || tree_usage(&root, budget)).await.unwrap_or_default();
+        if budget.exceeded_by(usage) {
+            let (event, raw) = workspace_hit(usage, budget);
             self.workspace_over = true;
             self.evidence.notes.push(raw.clone());
             self.recorder.emit(event, None).await;

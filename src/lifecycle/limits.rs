@@ -17,45 +17,77 @@ use crate::sandbox::cgroup::LimitHits;
 /// How often a running harness's workspace is measured.
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
-/// Bytes under `root` (apparent sizes, symlinks not followed), stopping
-/// early once past `stop_above`.
-pub fn tree_bytes(root: &Path, stop_above: u64) -> u64 {
-    let mut total = 0u64;
+/// What a sandbox's own tree holds: bytes (apparent sizes) and inodes
+/// (every file, directory and link below the root).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TreeUsage {
+    pub bytes: u64,
+    pub inodes: u64,
+}
+
+/// `max_workspace_bytes` and `max_workspace_inodes` of a run; 0 = not limited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TreeBudget {
+    pub max_bytes: u64,
+    pub max_inodes: u64,
+}
+
+impl TreeBudget {
+    pub fn from_limits(limits: &crate::catalog::Limits) -> TreeBudget {
+        TreeBudget { max_bytes: limits.max_workspace_bytes, max_inodes: limits.max_workspace_inodes }
+    }
+
+    pub fn is_limited(&self) -> bool {
+        self.max_bytes > 0 || self.max_inodes > 0
+    }
+
+    pub fn exceeded_by(&self, usage: TreeUsage) -> bool {
+        (self.max_bytes > 0 && usage.bytes > self.max_bytes) || (self.max_inodes > 0 && usage.inodes > self.max_inodes)
+    }
+}
+
+/// Bytes and inodes under `root` (symlinks not followed), stopping early
+/// once past `budget`. The root is the sandbox's own directory, so the
+/// workspace, HOME and any other writable place under it are all counted.
+pub fn tree_usage(root: &Path, budget: TreeBudget) -> TreeUsage {
+    let mut usage = TreeUsage::default();
     let mut stack: Vec<PathBuf> = vec![root.to_path_buf()];
     while let Some(dir) = stack.pop() {
         let Ok(entries) = std::fs::read_dir(&dir) else { continue };
         for entry in entries.flatten() {
+            usage.inodes += 1;
             let Ok(meta) = entry.metadata() else { continue };
-            total = total.saturating_add(meta.len());
+            usage.bytes = usage.bytes.saturating_add(meta.len());
             if meta.is_dir() {
                 stack.push(entry.path());
             }
-            if total > stop_above {
-                return total;
+            if budget.exceeded_by(usage) {
+                return usage;
             }
         }
     }
-    total
+    usage
 }
 
-/// A watch over a workspace while a turn runs: past `limit` bytes it
-/// cancels the turn and remembers the size it saw.
+/// A watch over a sandbox's tree while a turn runs: past its budget it
+/// cancels the turn and remembers what it saw.
 pub struct WorkspaceWatch {
     task: tokio::task::JoinHandle<()>,
-    seen: Arc<AtomicU64>,
+    seen: Arc<(AtomicU64, AtomicU64)>,
 }
 
 impl WorkspaceWatch {
-    pub fn start(workspace: PathBuf, limit: u64, cancel: CancellationToken) -> WorkspaceWatch {
-        let seen = Arc::new(AtomicU64::new(0));
+    pub fn start(root: PathBuf, budget: TreeBudget, cancel: CancellationToken) -> WorkspaceWatch {
+        let seen = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
         let found = seen.clone();
         let task = tokio::spawn(async move {
             loop {
                 tokio::time::sleep(WATCH_EVERY).await;
-                let ws = workspace.clone();
-                let Ok(bytes) = tokio::task::spawn_blocking(move || tree_bytes(&ws, limit)).await else { return };
-                if bytes > limit {
-                    found.store(bytes, Ordering::SeqCst);
+                let dir = root.clone();
+                let Ok(usage) = tokio::task::spawn_blocking(move || tree_usage(&dir, budget)).await else { return };
+                if budget.exceeded_by(usage) {
+                    found.0.store(usage.bytes, Ordering::SeqCst);
+                    found.1.store(usage.inodes, Ordering::SeqCst);
                     cancel.cancel();
                     return;
                 }
@@ -64,10 +96,11 @@ impl WorkspaceWatch {
         WorkspaceWatch { task, seen }
     }
 
-    /// Stops watching; the size that broke the limit, if one did.
-    pub fn stop(self) -> Option<u64> {
+    /// Stops watching; what broke the budget, if anything did.
+    pub fn stop(self) -> Option<TreeUsage> {
         self.task.abort();
-        Some(self.seen.load(Ordering::SeqCst)).filter(|b| *b > 0)
+        let usage = TreeUsage { bytes: self.seen.0.load(Ordering::SeqCst), inodes: self.seen.1.load(Ordering::SeqCst) };
+        Some(usage).filter(|u| u.inodes > 0)
     }
 }
 
@@ -131,10 +164,27 @@ pub fn cgroup_hits(before: LimitHits, now: LimitHits, memory: u64, pids: u64) ->
     out
 }
 
-/// The `limit` event and raw sentence for a workspace over its limit.
-pub fn workspace_hit(bytes: u64, limit: u64) -> (EventKind, String) {
-    let detail = format!("the workspace grew to {bytes} bytes, over limits.max_workspace_bytes = {limit}");
-    (EventKind::LimitHit { limit: "workspace".into(), value: limit, detail: detail.clone() }, detail)
+/// The `limit` event and raw sentence for a sandbox tree over its budget
+/// (bytes first, when both broke).
+pub fn workspace_hit(usage: TreeUsage, budget: TreeBudget) -> (EventKind, String) {
+    let (detail, value) = if budget.max_bytes > 0 && usage.bytes > budget.max_bytes {
+        (
+            format!(
+                "the sandbox's workspace and HOME grew to {} bytes, over limits.max_workspace_bytes = {}",
+                usage.bytes, budget.max_bytes
+            ),
+            budget.max_bytes,
+        )
+    } else {
+        (
+            format!(
+                "the sandbox's workspace and HOME hold {} files, over limits.max_workspace_inodes = {}",
+                usage.inodes, budget.max_inodes
+            ),
+            budget.max_inodes,
+        )
+    };
+    (EventKind::LimitHit { limit: "workspace".into(), value, detail: detail.clone() }, detail)
 }
 
 #[cfg(test)]
@@ -161,14 +211,24 @@ mod tests {
     }
 
     #[test]
-    fn tree_bytes_counts_files_without_following_links() {
+    fn tree_usage_counts_bytes_and_inodes_without_following_links() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir(dir.path().join("d")).unwrap();
-        std::fs::write(dir.path().join("d/a"), vec![0u8; 1000]).unwrap();
-        std::os::unix::fs::symlink("/usr", dir.path().join("link")).unwrap();
-        let total = tree_bytes(dir.path(), u64::MAX);
-        assert!((1000..1000 + 8192).contains(&total), "{total}");
-        assert!(tree_bytes(dir.path(), 10) > 10);
+        std::fs::create_dir_all(dir.path().join("workspace/d")).unwrap();
+        std::fs::create_dir(dir.path().join("home")).unwrap();
+        std::fs::write(dir.path().join("workspace/d/a"), vec![0u8; 1000]).unwrap();
+        std::fs::write(dir.path().join("home/big"), vec![0u8; 5000]).unwrap();
+        std::os::unix::fs::symlink("/usr", dir.path().join("workspace/link")).unwrap();
+        let none = TreeBudget::default();
+        let usage = tree_usage(dir.path(), none);
+        assert!((6000..6000 + 5 * 8192).contains(&usage.bytes), "{usage:?}");
+        assert_eq!(usage.inodes, 6, "workspace, d, a, home, big, link: {usage:?}");
+        let bytes = TreeBudget { max_bytes: 5500, max_inodes: 0 };
+        assert!(bytes.exceeded_by(tree_usage(dir.path(), bytes)), "HOME counts");
+        let inodes = TreeBudget { max_bytes: 0, max_inodes: 5 };
+        assert!(inodes.exceeded_by(tree_usage(dir.path(), inodes)));
+        assert!(!TreeBudget { max_bytes: 1 << 20, max_inodes: 6 }.exceeded_by(usage));
+        let (_, raw) = workspace_hit(TreeUsage { bytes: 10, inodes: 9 }, inodes);
+        assert!(raw.contains("9 files, over limits.max_workspace_inodes = 5"), "{raw}");
     }
 
     #[test]

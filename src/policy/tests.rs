@@ -16,7 +16,9 @@ static NO_LIMITS: SandboxLimits = SandboxLimits {
     address_space_bytes: 0,
     max_file_bytes: 0,
     max_workspace_bytes: 0,
+    max_workspace_inodes: 0,
     tmp_bytes: 0,
+    shm_bytes: 0,
 };
 
 fn gate() -> Gate {
@@ -194,7 +196,11 @@ fn a_limit_the_host_cannot_enforce_is_refused_with_the_reason() {
     assert_eq!(outcome.action, Action::Deny);
     let denial = outcome.denial().unwrap();
     assert_eq!(denial.policy, "host_enforceability");
-    assert_eq!(denial.reason, "limits.memory_bytes cannot be enforced on this host: no writable memory controller");
+    assert_eq!(
+        denial.reason,
+        "limits.memory_bytes cannot be enforced on this host: no writable memory controller (to run without it, set \
+         memory_bytes = 0 in the profile's [limits] or the daemon's [default_limits])"
+    );
     // Without the limit the same host allows the run.
     assert_eq!(gate.evaluate(&input(&spec, &[], &[])).action, Action::Allow);
 }

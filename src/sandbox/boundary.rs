@@ -13,6 +13,7 @@ use std::time::Duration;
 use super::cgroup::{CgroupHost, CgroupLimits, SandboxCgroup};
 use super::host::{kill_uid, INSIDE_UID};
 use super::process::{ProcessRegistry, Rlimits, SpawnOptions};
+use super::uid_state;
 use super::{CreateSandbox, LimitReceipt, Sandbox, SandboxError, SandboxLimits, SandboxProcess};
 use crate::net::ProxyHandle;
 
@@ -25,6 +26,8 @@ pub struct SandboxPaths {
     pub workspace: PathBuf,
     /// The harness's writable HOME (`/home/agent` inside).
     pub home: PathBuf,
+    /// A `none` sandbox's private TMPDIR (bwrap mounts its own tmpfs on /tmp).
+    pub tmp: PathBuf,
     /// The sandbox's own /etc/passwd and /etc/group.
     pub passwd: PathBuf,
     pub group: PathBuf,
@@ -35,6 +38,7 @@ impl SandboxPaths {
         SandboxPaths {
             workspace: root.join("workspace"),
             home: root.join("home"),
+            tmp: root.join("tmp"),
             passwd: root.join("etc/passwd"),
             group: root.join("etc/group"),
         }
@@ -73,7 +77,7 @@ impl Boundary {
     pub fn prepare(&self, req: &CreateSandbox) -> Result<(SandboxPaths, Option<Arc<SandboxCgroup>>), SandboxError> {
         let paths = SandboxPaths::under(&req.root);
         let create = |e: std::io::Error, path: &Path| SandboxError::Create(format!("{}: {e}", path.display()));
-        for (dir, mode) in [(&req.root, 0o711), (&paths.workspace, 0o700), (&paths.home, 0o700)] {
+        for (dir, mode) in [(&req.root, 0o711), (&paths.workspace, 0o700), (&paths.home, 0o700), (&paths.tmp, 0o700)] {
             std::fs::create_dir_all(dir).map_err(|e| create(e, dir))?;
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(|e| create(e, dir))?;
         }
@@ -85,7 +89,7 @@ impl Boundary {
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).map_err(|e| create(e, path))?;
         }
         if let Some(user) = req.user {
-            for dir in [&paths.workspace, &paths.home] {
+            for dir in [&paths.workspace, &paths.home, &paths.tmp] {
                 std::os::unix::fs::lchown(dir, Some(user.uid), Some(user.gid)).map_err(|e| create(e, dir))?;
             }
         }
@@ -133,9 +137,11 @@ impl Boundary {
         add("max_open_files", limits.max_open_files, "rlimit NOFILE".into());
         add("address_space_bytes", limits.address_space_bytes, "rlimit AS".into());
         add("max_file_bytes", limits.max_file_bytes, "rlimit FSIZE".into());
-        add("max_workspace_bytes", limits.max_workspace_bytes, "daemon watch of the workspace".into());
+        add("max_workspace_bytes", limits.max_workspace_bytes, "daemon watch of the workspace and HOME".into());
+        add("max_workspace_inodes", limits.max_workspace_inodes, "daemon watch of the workspace and HOME".into());
         if tmpfs {
             add("tmp_bytes", limits.tmp_bytes, "tmpfs size".into());
+            add("shm_bytes", limits.shm_bytes, "tmpfs size".into());
         }
         out
     }
@@ -184,9 +190,10 @@ impl Boundary {
     /// it), and it is empty only when nothing of the sandbox can run again:
     /// the kernel takes an exiting process out of `cgroup.procs`
     /// (`cgroup_exit`) after it has let go of its memory and its files.
-    /// Without a cgroup (a host without one, or recovery after it is gone),
-    /// or if it would not empty, the sandbox's own uid is swept instead,
-    /// until nothing of that uid is alive at all. (Its uid goes to no other
+    /// Then, with a cgroup or without one (a host without one, or recovery
+    /// after it is gone), the sandbox's own uid is swept until no task of
+    /// it is alive at all, not even one past `cgroup_exit` that has yet to
+    /// finish exiting. (Its uid goes to no other
     /// sandbox while any task of it is alive, nor while only its zombies
     /// are left unless no uid in the range is free of tasks: see
     /// `allocate_own_uid`.)
@@ -195,18 +202,41 @@ impl Boundary {
         self.processes.kill_all(&sandbox.id);
         // The proxies close with their sandbox: listener and every tunnel.
         drop(self.proxies.lock().unwrap_or_else(|e| e.into_inner()).remove(&sandbox.id));
-        let mut emptied = false;
         if let Some(cgroup) = &sandbox.cgroup {
-            match cgroup.kill_all(KILL_TIMEOUT).await {
-                Ok(()) => emptied = true,
-                Err(e) => errors.push(e.to_string()),
+            if let Err(e) = cgroup.kill_all(KILL_TIMEOUT).await {
+                errors.push(e.to_string());
             }
         }
         // Only a uid that is the sandbox's alone: never one shared with
         // anything else on the host (the benchmark's floor runs as nobody).
-        if let Some(user) = sandbox.user.filter(|_| sandbox.receipt.own_uid && !emptied) {
-            if let Err(e) = kill_uid(user.uid, KILL_TIMEOUT).await {
-                errors.push(e);
+        // Swept even after the cgroup emptied: a killed task leaves
+        // `cgroup.procs` before it has finished exiting, and under the
+        // sandbox's CPU quota that tail can be long; success waits until no
+        // task of the uid is alive (one getpriority(2) call when none is).
+        // A `none` sandbox's host objects are purged next, and nothing of
+        // its uid may make new ones meanwhile.
+        let none = sandbox.backend == super::SandboxType::None;
+        let own = sandbox.user.filter(|_| sandbox.receipt.own_uid);
+        let mut uid_gone = false;
+        if let Some(user) = own {
+            match kill_uid(user.uid, KILL_TIMEOUT).await {
+                Ok(_) => uid_gone = true,
+                Err(e) => errors.push(e),
+            }
+        }
+        // What it left on the host outside its directory (IPC, /tmp,
+        // /dev/shm, keyrings), before its uid can go to another sandbox.
+        if let Some(user) = own.filter(|_| none) {
+            if uid_gone {
+                let dirs: Vec<&Path> = uid_state::SHARED_DIRS.iter().map(Path::new).collect();
+                let purged = tokio::task::spawn_blocking(move || uid_state::purge(user.uid, user.gid, &dirs))
+                    .await
+                    .unwrap_or_else(|e| Err(format!("purge of uid {}: {e}", user.uid)));
+                if let Err(e) = purged {
+                    errors.push(e);
+                }
+            } else {
+                errors.push(format!("host objects of uid {} not purged: its processes are still alive", user.uid));
             }
         }
         if let Some(cgroup) = &sandbox.cgroup {

@@ -25,7 +25,7 @@ use super::process::{data_fd, spawn_group, HostUser, SpawnOptions};
 use super::seccomp::{sandbox_filter, SeccompFilter};
 use super::{
     base_env, Capabilities, CreateSandbox, EnforcementReceipt, ExecSpec, Sandbox, SandboxBackend, SandboxError,
-    SandboxProcess, SandboxSpec, SandboxState, SandboxType,
+    SandboxProcess, SandboxSpec, SandboxState, SandboxType, Tmpfs,
 };
 use crate::net::{self, Allowlist, EgressLog, ProxyConfig, ProxyHandle};
 
@@ -103,7 +103,7 @@ impl HostLayout {
 ///
 /// Pure, so it can be checked against exact vectors; environment values
 /// never appear here.
-pub fn bwrap_args(spec: &SandboxSpec, paths: &SandboxPaths, layout: &HostLayout, tmp_bytes: u64) -> Vec<OsString> {
+pub fn bwrap_args(spec: &SandboxSpec, paths: &SandboxPaths, layout: &HostLayout, tmpfs: Tmpfs) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
     let mut push = |parts: &[&str]| args.extend(parts.iter().map(OsString::from));
     let inside = INSIDE_UID.to_string();
@@ -126,12 +126,14 @@ pub fn bwrap_args(spec: &SandboxSpec, paths: &SandboxPaths, layout: &HostLayout,
     }
     let (passwd, group) = (paths.passwd.to_string_lossy(), paths.group.to_string_lossy());
     push(&["--ro-bind", &passwd, "/etc/passwd", "--ro-bind", &group, "/etc/group"]);
-    let tmp = tmp_bytes.to_string();
+    let (tmp, shm) = (tmpfs.tmp_bytes.to_string(), tmpfs.shm_bytes.to_string());
     // bwrap covers /proc/sys only where the caller could write it; sysctls
     // of the sandbox's own namespaces (IPC, UTS) can be, so bind it
     // read-only always.
     push(&["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]);
-    push(&["--dev", "/dev", "--size", &tmp, "--tmpfs", "/tmp"]);
+    // --dev mounts an unsized tmpfs on /dev/shm (half the host's RAM):
+    // cover it with a sized one, like /tmp.
+    push(&["--dev", "/dev", "--size", &shm, "--tmpfs", "/dev/shm", "--size", &tmp, "--tmpfs", "/tmp"]);
     for path in &spec.read_paths {
         push(&["--ro-bind", path, path]);
     }
@@ -225,7 +227,7 @@ impl BwrapBackend {
         &self,
         spec: &SandboxSpec,
         paths: &SandboxPaths,
-        tmp_bytes: u64,
+        tmpfs: Tmpfs,
         argv: &[String],
         env: &[(String, String)],
         mut options: SpawnOptions,
@@ -233,7 +235,11 @@ impl BwrapBackend {
     ) -> Result<(SandboxProcess, Option<ProxyHandle>), SandboxError> {
         let program = self.program.as_deref().ok_or_else(|| SandboxError::Unavailable("bwrap not found".into()))?;
         let seccomp = self.seccomp.as_ref().map_err(|e| SandboxError::Unavailable(e.clone()))?;
-        let args = bwrap_args(spec, paths, &self.layout, tmp_bytes);
+        // tmpfs reads size 0 as "unlimited" (half the host's RAM): never that.
+        if tmpfs.tmp_bytes == 0 || tmpfs.shm_bytes == 0 {
+            return Err(SandboxError::Spawn(format!("refusing an unsized tmpfs: {tmpfs:?}")));
+        }
+        let args = bwrap_args(spec, paths, &self.layout, tmpfs);
         // `--` goes on the real command line: bwrap ends option parsing
         // there, whatever the harness argv looks like.
         let (dashdash, packed_args) = args.split_last().expect("bwrap_args ends with --");
@@ -293,9 +299,9 @@ impl BwrapBackend {
 
     /// The digest of the exact command line a sandbox with `spec` at
     /// `paths` runs: the program and every argument bwrap parses.
-    pub fn command_digest(&self, spec: &SandboxSpec, paths: &SandboxPaths, tmp_bytes: u64) -> String {
+    pub fn command_digest(&self, spec: &SandboxSpec, paths: &SandboxPaths, tmpfs: Tmpfs) -> String {
         let program = self.program.as_deref().unwrap_or(Path::new("bwrap"));
-        command_digest(program, &bwrap_args(spec, paths, &self.layout, tmp_bytes))
+        command_digest(program, &bwrap_args(spec, paths, &self.layout, tmpfs))
     }
 
     /// Runs `/usr/bin/true` in a full sandbox, as the unprivileged `nobody`
@@ -319,7 +325,15 @@ impl BwrapBackend {
             std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
             let options = SpawnOptions { user, ..SpawnOptions::default() };
             let (mut process, _) = self
-                .launch(&SandboxSpec::default(), &paths, 1 << 20, &["/usr/bin/true".into()], &[], options, None)
+                .launch(
+                    &SandboxSpec::default(),
+                    &paths,
+                    Tmpfs { tmp_bytes: 1 << 20, shm_bytes: 1 << 20 },
+                    &["/usr/bin/true".into()],
+                    &[],
+                    options,
+                    None,
+                )
                 .await
                 .map_err(|e| format!("cannot run bwrap: {e}"))?;
             drop(process.stdin.take());
@@ -366,7 +380,7 @@ impl SandboxBackend for BwrapBackend {
         let (paths, cgroup) = self.boundary.prepare(req)?;
         let seccomp_digest = self.seccomp.as_ref().map(|f| f.digest().to_string()).unwrap_or_default();
         let receipt = EnforcementReceipt {
-            command_digest: self.command_digest(&req.spec, &paths, req.limits.tmp_bytes),
+            command_digest: self.command_digest(&req.spec, &paths, req.limits.tmpfs()),
             // Its own network namespace, always; with network, egress only
             // through the daemon's proxy to the allowlist.
             network_isolated: true,
@@ -406,7 +420,7 @@ impl SandboxBackend for BwrapBackend {
         }
         let options = self.boundary.spawn_options(sandbox)?;
         let paths = SandboxPaths::under(&sandbox.root);
-        let tmp = sandbox.limits.tmp_bytes;
+        let tmp = sandbox.limits.tmpfs();
         let egress = sandbox.egress.clone();
         let (process, proxy) = self.launch(&sandbox.spec, &paths, tmp, &spec.argv, &env, options, egress).await?;
         self.boundary.register(sandbox, &process, proxy);
@@ -445,6 +459,10 @@ mod tests {
         args.iter().map(|a| a.to_string_lossy().into_owned()).collect()
     }
 
+    fn sizes(bytes: u64) -> Tmpfs {
+        Tmpfs { tmp_bytes: bytes, shm_bytes: bytes / 2 }
+    }
+
     fn paths(root: &str) -> SandboxPaths {
         SandboxPaths::under(Path::new(root))
     }
@@ -452,7 +470,7 @@ mod tests {
     #[test]
     fn no_network_spec_gives_the_exact_baseline() {
         let spec = SandboxSpec::default();
-        let args = strs(&bwrap_args(&spec, &paths("/data/sb"), &HostLayout::merged_usr(), 1 << 20));
+        let args = strs(&bwrap_args(&spec, &paths("/data/sb"), &HostLayout::merged_usr(), sizes(1 << 20)));
         let mut expected: Vec<String> = [
             "--unshare-all",
             "--unshare-user",
@@ -505,6 +523,10 @@ mod tests {
                 "--dev",
                 "/dev",
                 "--size",
+                "524288",
+                "--tmpfs",
+                "/dev/shm",
+                "--size",
                 "1048576",
                 "--tmpfs",
                 "/tmp",
@@ -530,7 +552,7 @@ mod tests {
 
     #[test]
     fn private_keys_are_never_bound() {
-        let args = strs(&bwrap_args(&SandboxSpec::default(), &paths("/r"), &HostLayout::merged_usr(), 1));
+        let args = strs(&bwrap_args(&SandboxSpec::default(), &paths("/r"), &HostLayout::merged_usr(), sizes(1)));
         assert!(args.contains(&"/etc/ssl/certs".to_string()));
         assert!(!args.iter().any(|a| a == "/etc/ssl" || a.starts_with("/etc/ssl/private")), "{args:?}");
     }
@@ -538,10 +560,10 @@ mod tests {
     #[test]
     fn the_host_network_is_never_shared() {
         let mut spec = SandboxSpec::default();
-        let closed = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), 1));
+        let closed = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), sizes(1)));
         spec.allow_network = true;
         spec.allow_hosts = vec!["*".into()];
-        let open = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), 1));
+        let open = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), sizes(1)));
         for args in [&closed, &open] {
             assert_eq!(args[0], "--unshare-all");
             assert!(!args.contains(&"--share-net".to_string()), "{args:?}");
@@ -556,7 +578,7 @@ mod tests {
     #[test]
     fn workspace_is_read_only_unless_dot_is_a_write_path() {
         let spec = SandboxSpec { write_paths: vec!["out".into(), "/var/cache/x".into()], ..SandboxSpec::default() };
-        let args = strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, 1));
+        let args = strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, sizes(1)));
         let tail: Vec<&str> = args.iter().rev().take(19).rev().map(|s| s.as_str()).collect();
         assert_eq!(
             tail,
@@ -588,7 +610,7 @@ mod tests {
     #[test]
     fn read_paths_are_bound_read_only() {
         let spec = SandboxSpec { read_paths: vec!["/opt/tools".into()], ..SandboxSpec::default() };
-        let args = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout { entries: vec![] }, 1));
+        let args = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout { entries: vec![] }, sizes(1)));
         let at = args.iter().position(|a| a == "/opt/tools").expect("read path bound");
         assert_eq!(args[at - 1], "--ro-bind");
         assert_eq!(args[at + 1], "/opt/tools");

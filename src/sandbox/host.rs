@@ -19,6 +19,10 @@ pub struct SandboxConfig {
     pub cgroup_mount: std::path::PathBuf,
     /// The cgroup directory corral creates one child per sandbox in.
     pub cgroup_parent: String,
+    /// Where a root daemon claims its `uids` range for its life, shared by
+    /// every daemon on the host (see `uid_lock`): a second daemon whose
+    /// range overlaps a live one refuses to start.
+    pub lock_dir: std::path::PathBuf,
 }
 
 impl Default for SandboxConfig {
@@ -27,6 +31,7 @@ impl Default for SandboxConfig {
             uids: "200000-265535".into(),
             cgroup_mount: "/sys/fs/cgroup".into(),
             cgroup_parent: "corral".into(),
+            lock_dir: "/run/corral".into(),
         }
     }
 }

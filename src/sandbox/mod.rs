@@ -14,7 +14,10 @@ mod none;
 pub mod process;
 pub mod repo;
 pub mod seccomp;
+mod socket_family;
 pub mod spec;
+pub mod uid_lock;
+pub mod uid_state;
 pub mod workspace;
 
 use std::path::{Path, PathBuf};
@@ -67,14 +70,30 @@ pub struct SandboxLimits {
     pub address_space_bytes: u64,
     pub max_file_bytes: u64,
     pub max_workspace_bytes: u64,
+    pub max_workspace_inodes: u64,
     pub tmp_bytes: u64,
+    pub shm_bytes: u64,
 }
 
 impl SandboxLimits {
+    /// The sizes of the sandbox's private tmpfs mounts.
+    pub fn tmpfs(&self) -> Tmpfs {
+        Tmpfs { tmp_bytes: self.tmp_bytes, shm_bytes: self.shm_bytes }
+    }
+
     /// Whether only a cgroup can enforce these.
     pub fn needs_cgroup(&self) -> bool {
         self.memory_bytes > 0 || self.cpu_millis > 0 || self.max_processes > 0
     }
+}
+
+/// The sizes of a `linux_bwrap` sandbox's private tmpfs mounts: `/tmp` and
+/// `/dev/shm` (bwrap's `--dev` would otherwise give an unsized one, half the
+/// host's RAM).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tmpfs {
+    pub tmp_bytes: u64,
+    pub shm_bytes: u64,
 }
 
 /// What the daemon asks a backend to create.
@@ -272,7 +291,13 @@ impl Capabilities {
         ] {
             if value > 0 {
                 if let Err(reason) = support {
-                    return Some(format!("limits.{name} cannot be enforced on this host: {reason}"));
+                    // Defaults included: a host without cgroups refuses every
+                    // profile that keeps the default memory, pids and CPU
+                    // limits, until the operator writes them off on purpose.
+                    return Some(format!(
+                        "limits.{name} cannot be enforced on this host: {reason} (to run without it, set \
+                         {name} = 0 in the profile's [limits] or the daemon's [default_limits])"
+                    ));
                 }
             }
         }

@@ -2,7 +2,11 @@
 //! namespaces, no filesystem or network isolation: the gate refuses a spec
 //! that asks `none` for what it cannot enforce (e.g. no network). What it
 //! does keep: the sandbox's own host uid, its cgroup (limits, and a
-//! teardown that finds every process, `setsid` or not), and rlimits.
+//! teardown that finds every process, `setsid` or not), rlimits, a private
+//! `TMPDIR` under its own directory, a session keyring of its own, and a
+//! teardown that purges what its uid left on the host (System V IPC, its
+//! entries in /tmp, /var/tmp, /dev/shm and /dev/mqueue, its keyrings; see
+//! `uid_state`) before the uid is released.
 
 use std::sync::Arc;
 
@@ -83,7 +87,15 @@ impl SandboxBackend for NoneBackend {
             return Err(SandboxError::Spawn("empty argv".into()));
         };
         let home = sandbox.home.to_string_lossy().into_owned();
-        let env = base_env(sandbox, spec, &home);
+        let mut env = base_env(sandbox, spec, &home);
+        // A TMPDIR of its own, not the host's shared /tmp (which teardown
+        // still purges of the uid's entries, for tools that ignore TMPDIR).
+        let tmp = super::boundary::SandboxPaths::under(&sandbox.root).tmp.to_string_lossy().into_owned();
+        for (name, value) in env.iter_mut() {
+            if name == "TMPDIR" {
+                *value = tmp.clone();
+            }
+        }
         let args: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
         let options = self.boundary.spawn_options(sandbox)?;
         let process = spawn_group(program.as_ref(), &args, &env, &sandbox.workspace, options)?;

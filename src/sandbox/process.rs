@@ -112,7 +112,7 @@ pub fn spawn_group(
     let user = options.user;
     // SAFETY: the closure runs in the forked child before exec and makes
     // only async-signal-safe syscalls (write, setrlimit, setgroups,
-    // setresgid, setresuid, prctl, fcntl, dup2, close_range); it allocates
+    // setresgid, setresuid, keyctl, prctl, fcntl, dup2, close_range); it allocates
     // nothing (the vectors were built before the fork).
     unsafe {
         cmd.pre_exec(move || {
@@ -141,6 +141,9 @@ pub fn spawn_group(
                 {
                     return Err(std::io::Error::last_os_error());
                 }
+                // Not the daemon's (root's) session keyring: the sandbox
+                // would possess it, could write it, and pass keys on.
+                super::uid_state::join_fresh_session_keyring()?;
             }
             // After the uid change, which clears the parent-death signal.
             // If the daemon dies, so does this process (and with bwrap, the

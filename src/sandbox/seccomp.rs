@@ -135,6 +135,8 @@ pub const DENIED: &[(&str, &str)] = &[
     ("uselib", "x86_64 only: obsolete a.out library loader (Docker; Flatpak)"),
     ("vhangup", "hangs up the terminal (Docker: CAP_SYS_TTY_CONFIG)"),
     ("personality", "unless the argument is PER_LINUX (0) or 0xffffffff (query): other personas (READ_IMPLIES_EXEC, ADDR_NO_RANDOMIZE, ...) weaken exploit mitigations. Docker also allows 0x8, 0x20000 and 0x20008; Flatpak allows only PER_LINUX. gdb's disable-randomization then warns and goes on"),
+    ("socket", "unless the family is AF_UNIX, AF_INET, AF_INET6, or AF_NETLINK with NETLINK_ROUTE: AF_VSOCK reaches the hypervisor past the network namespace, AF_PACKET, AF_ALG and the rest are kernel surface an agent never needs (see socket_family.rs)"),
+    ("socketpair", "the same families as socket (only AF_UNIX makes pairs, but the rule is the same)"),
     ("ioctl", "only with request TIOCSTI (0x5412) or TIOCLINUX (0x541C), compared on the 32-bit request the kernel reads: they inject keystrokes into, or drive, the terminal the sandbox shares with its parent (Flatpak: CVE-2017-5226, CVE-2019-10063, CVE-2023-28100)"),
 ];
 
@@ -235,6 +237,8 @@ fn syscall_nr(name: &str) -> Option<i64> {
         "vhangup" => SYS_vhangup,
         "personality" => SYS_personality,
         "ioctl" => SYS_ioctl,
+        "socket" => SYS_socket,
+        "socketpair" => SYS_socketpair,
         _ => return None,
     })
 }
@@ -278,6 +282,7 @@ fn arg_rules(name: &str) -> Result<Vec<SeccompRule>, SeccompError> {
             .map(|req| rule(vec![cond(1, Eq, req as u64)?]))
             .collect::<Result<_, _>>()?,
         "personality" => vec![rule(vec![cond(0, Ne, 0)?, cond(0, Ne, 0xFFFF_FFFF)?])?],
+        "socket" | "socketpair" => super::socket_family::deny_rules()?,
         _ => Vec::new(),
     })
 }
@@ -437,10 +442,17 @@ mod tests {
             }
         }
         assert_eq!(compiled, documented);
-        // Only these four carry argument conditions; the rest are denied outright.
+        // Only these carry argument conditions; the rest are denied outright.
         let conditional: BTreeMap<i64, usize> =
             rules.iter().filter(|(_, r)| !r.is_empty()).map(|(n, r)| (*n, r.len())).collect();
-        let expected = BTreeMap::from([(nr("unshare"), 1), (nr("clone"), 1), (nr("ioctl"), 2), (nr("personality"), 1)]);
+        let expected = BTreeMap::from([
+            (nr("unshare"), 1),
+            (nr("clone"), 1),
+            (nr("ioctl"), 2),
+            (nr("personality"), 1),
+            (nr("socket"), 2),
+            (nr("socketpair"), 2),
+        ]);
         assert_eq!(conditional, expected);
     }
 
@@ -488,6 +500,7 @@ mod tests {
                 "unshare" | "clone" => [libc::CLONE_NEWUSER as u64, 0, 0, 0, 0, 0],
                 "ioctl" => [0, libc::TIOCSTI as u64, 0, 0, 0, 0],
                 "personality" => [8, 0, 0, 0, 0, 0],
+                "socket" | "socketpair" => [libc::AF_VSOCK as u64, libc::SOCK_STREAM as u64, 0, 0, 0, 0],
                 _ => [0; 6],
             };
             let want = if name == "clone3" { ENOSYS } else { EPERM };
@@ -520,6 +533,41 @@ mod tests {
         }
         for bad in [0x8, 0x20000, 0x0040000, 0x0400000] {
             assert_eq!(run(pers, [bad, 0, 0, 0, 0, 0]), EPERM, "personality({bad:#x})");
+        }
+    }
+
+    #[test]
+    fn socket_families_are_an_allowlist() {
+        use libc::{
+            AF_ALG, AF_BLUETOOTH, AF_CAN, AF_INET, AF_INET6, AF_KEY, AF_NETLINK, AF_NFC, AF_PACKET, AF_RDS, AF_TIPC,
+            AF_UNIX, AF_UNSPEC, AF_VSOCK, AF_XDP, NETLINK_AUDIT, NETLINK_GENERIC, NETLINK_KOBJECT_UEVENT,
+            NETLINK_NETFILTER, NETLINK_ROUTE, NETLINK_XFRM, SOCK_CLOEXEC, SOCK_DGRAM, SOCK_NONBLOCK, SOCK_RAW,
+            SOCK_STREAM,
+        };
+        let hi = 0xFFFF_FFFF_0000_0000u64;
+        for name in ["socket", "socketpair"] {
+            let n = nr(name);
+            let call = |family: i32, ty: i32, proto: i32| run(n, [family as u64, ty as u64, proto as u64, 0, 0, 0]);
+            for family in [AF_UNIX, AF_INET, AF_INET6] {
+                for ty in [SOCK_STREAM, SOCK_DGRAM, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK] {
+                    assert_eq!(call(family, ty, 0), ALLOW, "{name}({family}, {ty})");
+                }
+                assert_eq!(run(n, [hi | family as u64, SOCK_STREAM as u64, 0, 0, 0, 0]), ALLOW, "{name} upper bits");
+            }
+            assert_eq!(call(AF_NETLINK, SOCK_RAW, NETLINK_ROUTE), ALLOW, "{name} NETLINK_ROUTE");
+            assert_eq!(call(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_ROUTE), ALLOW, "{name} NETLINK_ROUTE");
+            for proto in [NETLINK_AUDIT, NETLINK_KOBJECT_UEVENT, NETLINK_NETFILTER, NETLINK_XFRM, NETLINK_GENERIC] {
+                assert_eq!(call(AF_NETLINK, SOCK_RAW, proto), EPERM, "{name} netlink protocol {proto}");
+            }
+            for family in [AF_VSOCK, AF_PACKET, AF_ALG, AF_BLUETOOTH, AF_CAN, AF_XDP, AF_KEY, AF_TIPC, AF_RDS, AF_NFC]
+                .into_iter()
+                .chain([AF_UNSPEC, 46, 1000, i32::MAX, -1])
+            {
+                assert_eq!(call(family, SOCK_STREAM, 0), EPERM, "{name}({family})");
+                assert_eq!(call(family, SOCK_DGRAM, 0), EPERM, "{name}({family}) dgram");
+            }
+            // A VSOCK family with only the upper half set to an allowed value is still VSOCK.
+            assert_eq!(run(n, [(1u64 << 32) | AF_VSOCK as u64, SOCK_STREAM as u64, 0, 0, 0, 0]), EPERM);
         }
     }
 

@@ -621,6 +621,17 @@ impl Store {
     /// row that the next start's recovery destroys again, which is a no-op.
     pub async fn set_sandbox_state(&self, sandbox_id: &str, state: SandboxState) -> Result<(), StoreError> {
         if state == SandboxState::Destroyed {
+            // Remembered, so allocation hands it out again as late as it can.
+            sqlx::query(
+                "INSERT INTO sandbox_uid_released (node, uid, released_at_ms)
+                 SELECT node, uid, $3 FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2
+                 ON CONFLICT (node, uid) DO UPDATE SET released_at_ms = excluded.released_at_ms",
+            )
+            .bind(sandbox_id)
+            .bind(&self.node)
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?;
             sqlx::query("DELETE FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2")
                 .bind(sandbox_id)
                 .bind(&self.node)
@@ -638,9 +649,12 @@ impl Store {
         Ok(())
     }
 
-    /// Reserves a host uid in `first..=last` for `sandbox_id` on this node:
-    /// the lowest one no live sandbox holds and `usable` accepts (the
-    /// daemon skips uids that have live processes). `None` when none is.
+    /// Reserves a host uid in `first..=last` for `sandbox_id` on this node,
+    /// one no live sandbox holds and `usable` accepts (the daemon skips uids
+    /// that have live processes): the lowest never used, else the one
+    /// released longest ago. A uid thus goes around the whole range before
+    /// it is used again, so what one tenant might have left under it (and
+    /// teardown missed) is not the next tenant's. `None` when none is free.
     pub async fn allocate_uid(
         &self,
         first: u32,
@@ -659,7 +673,22 @@ impl Store {
                 .iter()
                 .map(|r| r.get(0))
                 .collect();
-        for uid in (first as i64..=last as i64).filter(|u| !used.contains(u)) {
+        let mut released: Vec<(i64, i64)> = sqlx::query(
+            "SELECT uid, released_at_ms FROM sandbox_uid_released WHERE node = $1 AND uid >= $2 AND uid <= $3",
+        )
+        .bind(&self.node)
+        .bind(first as i64)
+        .bind(last as i64)
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+        released.sort_by_key(|&(uid, at)| (at, uid));
+        let once: std::collections::HashSet<i64> = released.iter().map(|&(uid, _)| uid).collect();
+        let never = (first as i64..=last as i64).filter(|u| !once.contains(u));
+        let candidates = never.chain(released.into_iter().map(|(uid, _)| uid));
+        for uid in candidates.filter(|u| !used.contains(u)) {
             if !usable(uid as u32) {
                 continue;
             }

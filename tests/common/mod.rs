@@ -235,13 +235,24 @@ pub fn as_actor<T>(actor: &str, message: T) -> tonic::Request<T> {
     request
 }
 
-/// A range of sandbox uids no other daemon of this test process uses:
-/// tests run daemons side by side, each with its own store.
+/// A range of sandbox uids no other daemon uses, in this test process or
+/// in another one running at the same time (several suites run side by
+/// side on one machine, and every root daemon claims its range host-wide,
+/// refusing to start on an overlap). Each process gets its own block of
+/// 65536 uids from its pid (pids stay below 32768 here; above, two
+/// processes share a block only if their pids differ by a multiple of
+/// 32763), and each daemon 256 uids of it.
 pub fn unique_uids() -> String {
     use std::sync::atomic::{AtomicU32, Ordering};
+    const PER_DAEMON: u32 = 256;
+    const PER_PROCESS: u32 = 1 << 16;
+    // 300000 + 32763 * 65536 + 65535 < 2^31.
+    const BLOCKS: u32 = 32_763;
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    let first = 300_000 + NEXT.fetch_add(1, Ordering::SeqCst) * 256;
-    format!("{first}-{}", first + 255)
+    let n = NEXT.fetch_add(1, Ordering::SeqCst);
+    assert!(n < PER_PROCESS / PER_DAEMON, "a test process starts at most 256 daemons");
+    let first = 300_000 + (std::process::id() % BLOCKS) * PER_PROCESS + n * PER_DAEMON;
+    format!("{first}-{}", first + PER_DAEMON - 1)
 }
 
 /// A temporary directory to hold a daemon's data directory: traversable
@@ -368,6 +379,8 @@ pub struct ServeProcess {
     pub url: String,
     /// Its unix socket (in the data directory).
     pub socket: PathBuf,
+    /// Its `[sandbox] uids` range.
+    pub uids: String,
 }
 
 impl ServeProcess {
@@ -455,7 +468,7 @@ impl ServeProcess {
         .expect("corral serve prints its address");
         // Keep draining stdout so the child never blocks on it.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        ServeProcess { child, url: format!("http://{addr}"), socket: data_dir.join("corral.sock") }
+        ServeProcess { child, url: format!("http://{addr}"), socket: data_dir.join("corral.sock"), uids }
     }
 
     pub async fn channel(&self) -> Channel {

@@ -71,7 +71,13 @@ impl Floor {
                 address_space_bytes: limits.address_space_bytes,
                 max_file_bytes: limits.max_workspace_bytes,
                 max_workspace_bytes: limits.max_workspace_bytes,
+                max_workspace_inodes: limits.max_workspace_inodes,
                 tmp_bytes: limits.tmp_bytes,
+                // An older server does not send it; 0 would be an unsized tmpfs.
+                shm_bytes: match limits.shm_bytes {
+                    0 => crate::catalog::DEFAULT_SHM_BYTES,
+                    n => n,
+                },
             },
             root: root.to_path_buf(),
             backend: BwrapBackend::detect(cgroups.clone()),
@@ -81,7 +87,7 @@ impl Floor {
 
     /// The full command line (program excluded) for a sandbox at `root`.
     pub fn args(&self, root: &Path) -> Vec<OsString> {
-        let mut args = bwrap_args(&self.spec, &SandboxPaths::under(root), &self.layout, self.limits.tmp_bytes);
+        let mut args = bwrap_args(&self.spec, &SandboxPaths::under(root), &self.layout, self.limits.tmpfs());
         args.extend(self.argv.iter().map(OsString::from));
         args
     }
@@ -91,8 +97,7 @@ impl Floor {
     /// `--`: proof that the floor runs exactly what corral ran.
     pub fn matches_receipt(&self, workspace: &str, command_digest: &str) -> bool {
         let Some(root) = Path::new(workspace).parent() else { return false };
-        let args: Vec<OsString> =
-            bwrap_args(&self.spec, &SandboxPaths::under(root), &self.layout, self.limits.tmp_bytes);
+        let args: Vec<OsString> = bwrap_args(&self.spec, &SandboxPaths::under(root), &self.layout, self.limits.tmpfs());
         let mut hasher = Sha256::new();
         hasher.update(self.program.as_os_str().as_encoded_bytes());
         for arg in &args {
@@ -150,7 +155,7 @@ impl Floor {
         let options = self.boundary.spawn_options(&sandbox)?;
         let egress = self.spec.allow_network.then(Default::default);
         let (mut process, proxy) =
-            self.backend.launch(&self.spec, &paths, self.limits.tmp_bytes, &self.argv, &env, options, egress).await?;
+            self.backend.launch(&self.spec, &paths, self.limits.tmpfs(), &self.argv, &env, options, egress).await?;
         drop(process.stdin.take());
         let (stdout, stderr) = (process.stdout.take(), process.stderr.take());
         let (_, err) = tokio::join!(drain(stdout), drain(stderr));
