@@ -155,8 +155,10 @@ async fn run_under_hardening(bind_root: bool) -> (pb::Execution, String) {
     let writable: Vec<&Path> = if bind_root { vec![root.as_path()] } else { vec![] };
     let script = hardening_script(&writable);
     let wrapper = ["unshare", "-m", "--propagation", "private", "--", "/bin/sh", "-c", script.as_str(), "sh"];
-    let extra = format!("repo_roots = [{:?}]", root.display().to_string());
-    let daemon = ServeProcess::start_wrapped(&dir.path().join("data"), &profiles, &[], &extra, &wrapper).await;
+    // The environment layer names the root (it comes after the config file).
+    let root_env = root.display().to_string();
+    let env = [("CORRAL_REPO_ROOTS", root_env.as_str())];
+    let daemon = ServeProcess::start_wrapped(&dir.path().join("data"), &profiles, &env, "", &wrapper).await;
     let mut client = ExecutionServiceClient::new(daemon.channel().await);
     let mut request = common::request("test.fake-agent", "make a change");
     request.repo = repo.display().to_string();
