@@ -294,22 +294,28 @@ async fn session_and_request_ids_are_the_callers_own() {
     daemon.stop().await;
 }
 
+/// A daemon with tenant-a alone (on the shared repositories) and `git`
+/// set as the test needs.
+async fn tenant_a_alone(roots: &Roots, git: fn(&mut corral::config::GitConfig)) -> TestDaemon {
+    let root = roots.root();
+    TestDaemon::start(Options {
+        profiles: vec![("sh.toml".into(), SHELL.into())],
+        config: Box::new(move |c| {
+            c.repo_roots = vec![root.clone()];
+            git(&mut c.git);
+            c.principals.push(tenant("tenant-a", "pa", TOKEN_A, vec![root.join("shared")]));
+        }),
+        ..Options::default()
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_stops_coming_back_into_an_origin_that_is_full() {
     require_bwrap();
     let roots = Roots::new();
     let shared = roots.repo(&roots.root().join("shared/repo"));
-    let root = roots.root();
-    let daemon = TestDaemon::start(Options {
-        profiles: vec![("sh.toml".into(), SHELL.into())],
-        config: Box::new(move |c| {
-            c.repo_roots = vec![root.clone()];
-            c.git.max_capture_refs = 2;
-            c.principals.push(tenant("tenant-a", "pa", TOKEN_A, vec![root.join("shared")]));
-        }),
-        ..Options::default()
-    })
-    .await;
+    let daemon = tenant_a_alone(&roots, |git| git.max_capture_refs = 2).await;
     let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
     let commit =
         |n: u32| format!("echo {n} > f{n} && git add f{n} && git -c user.name=a -c user.email=a@a commit -qm {n}");
@@ -326,17 +332,7 @@ async fn work_stops_coming_back_into_an_origin_that_is_full() {
     daemon.stop().await;
 
     // And by size: an origin already over its byte budget takes nothing.
-    let root = roots.root();
-    let daemon = TestDaemon::start(Options {
-        profiles: vec![("sh.toml".into(), SHELL.into())],
-        config: Box::new(move |c| {
-            c.repo_roots = vec![root.clone()];
-            c.git.max_origin_bytes = 1;
-            c.principals.push(tenant("tenant-a", "pa", TOKEN_A, vec![root.join("shared")]));
-        }),
-        ..Options::default()
-    })
-    .await;
+    let daemon = tenant_a_alone(&roots, |git| git.max_origin_bytes = 1).await;
     let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
     let other = roots.repo(&roots.root().join("shared/other"));
     let run = execute(&mut client, TOKEN_A, shell("pa", &other, &commit(9))).await;

@@ -324,6 +324,7 @@ pub fn session(r: &SessionRecord, raw: Option<&RawResult>) -> pb::Session {
 
 pub fn profile(p: &Profile) -> pb::Profile {
     let f = &p.file;
+    let ungated = f.rein.tool_calls_ungated();
     pb::Profile {
         id: f.id.clone(),
         version: p.version.to_string(),
@@ -335,8 +336,8 @@ pub fn profile(p: &Profile) -> pb::Profile {
             preset: preset(f.rein.preset) as i32,
             argv: f.rein.argv.clone(),
             input: task_input(f.rein.input) as i32,
-            tool_calls_gated: f.rein.tool_calls_ungated().is_none(),
-            tool_calls_ungated: f.rein.tool_calls_ungated().unwrap_or_default(),
+            tool_calls_gated: ungated.is_none(),
+            tool_calls_ungated: ungated.unwrap_or_default(),
         }),
         sandbox: Some(sandbox_spec(&f.sandbox)),
         limits: Some(pb::Limits {

@@ -60,22 +60,10 @@ pub fn id(field: &str, value: &str) -> Result<(), Status> {
 /// stored (`<principal>/<id>`, see `scoped_session_id`), so up to a
 /// principal name (64 bytes) and a `/` longer than an id.
 pub fn session_ref(field: &str, value: &str) -> Result<(), Status> {
-    if value.is_empty() {
-        return Err(invalid_argument(field, "must not be empty"));
+    match value.split_once('/') {
+        Some((principal, id)) if crate::auth::is_principal_name(principal) => token(field, id),
+        _ => self::id(field, value),
     }
-    let scoped = value.split_once('/').is_some_and(|(principal, id)| {
-        (1..=64).contains(&principal.len())
-            && principal.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-            && id.len() <= MAX_ID
-    });
-    if value.len() > MAX_ID && !scoped {
-        return Err(invalid_argument(field, format!("at most {MAX_ID} bytes, got {}", value.len())));
-    }
-    token(field, if scoped { "" } else { value })?;
-    if !value.chars().all(|c| c.is_ascii_graphic()) {
-        return Err(invalid_argument(field, "printable ASCII without spaces only"));
-    }
-    Ok(())
 }
 
 /// A profile reference: `id` or `id@version`, the catalog's grammar.

@@ -66,11 +66,17 @@ fn hex32(text: &str) -> Option<[u8; 32]> {
     Some(out)
 }
 
+/// A principal's name: 1-64 letters, digits, `.`, `_` or `-` (so never a
+/// `/`: scoped session ids rely on it).
+pub fn is_principal_name(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+}
+
 impl PrincipalConfig {
     /// Validates and loads; errors name `key` (e.g. `principals[2]` or a file).
     pub fn load(&self, key: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Loaded, String> {
         let name = &self.name;
-        if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) {
+        if !is_principal_name(name) {
             return Err(format!("{key}.name: {name:?} must be 1-64 letters, digits, '.', '_' or '-'"));
         }
         let kind = ConsumerType::parse(&self.kind)

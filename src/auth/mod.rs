@@ -11,7 +11,7 @@ mod reload;
 
 use std::collections::BTreeSet;
 
-pub use config::{load_principals, PrincipalConfig};
+pub use config::{is_principal_name, load_principals, PrincipalConfig};
 
 /// The names a client certificate (DER) is known by: its subject's common
 /// names and its DNS subject alternative names. Empty if it does not parse.

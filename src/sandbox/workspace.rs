@@ -49,19 +49,15 @@ fn git() -> Command {
     cmd
 }
 
-/// `safe.directory` for the one checked repository (it may belong to
-/// another user than the daemon), as git sees it: through the open
-/// directory and at its canonical path, work tree and `.git` both.
-/// Command-line config is protected config: a repository cannot set it.
-fn safe_directories(repo: &OpenRepo) -> Vec<String> {
-    let mut out = Vec::new();
-    for base in [repo.proc_path(), repo.canonical().to_path_buf()] {
-        for dir in [base.clone(), base.join(".git")] {
-            out.push("-c".into());
-            out.push(format!("safe.directory={}", dir.display()));
-        }
-    }
-    out
+/// `-c safe.directory=…` for each of `dirs`, work tree and `.git` both:
+/// the repositories host git may trust though another user owns them, and
+/// no other. Command-line config is protected config: a repository cannot
+/// set it.
+fn safe_directories(dirs: &[&Path]) -> Vec<String> {
+    dirs.iter()
+        .flat_map(|dir| [dir.to_path_buf(), dir.join(".git")])
+        .flat_map(|dir| ["-c".to_string(), format!("safe.directory={}", dir.display())])
+        .collect()
 }
 
 /// A host git command run in the daemon's own fresh clone at `workspace`,
@@ -69,17 +65,15 @@ fn safe_directories(repo: &OpenRepo) -> Vec<String> {
 /// to the sandbox's uid).
 fn git_in_fresh_clone(workspace: &Path) -> Command {
     let mut cmd = git();
-    for dir in [workspace.to_path_buf(), workspace.join(".git")] {
-        cmd.arg("-c").arg(format!("safe.directory={}", dir.display()));
-    }
-    cmd.arg("-C").arg(workspace);
+    cmd.args(safe_directories(&[workspace])).arg("-C").arg(workspace);
     cmd
 }
 
-/// A host git command run in `repo` (the open directory itself).
+/// A host git command run in `repo` (the open directory itself), which git
+/// sees through the open directory and at its canonical path.
 fn git_in(repo: &OpenRepo) -> Command {
     let mut cmd = git();
-    cmd.args(safe_directories(repo)).arg("-C").arg(repo.proc_path());
+    cmd.args(safe_directories(&[&repo.proc_path(), repo.canonical()])).arg("-C").arg(repo.proc_path());
     cmd
 }
 
@@ -121,11 +115,7 @@ pub async fn clone_into(repo: &Path, workspace: &Path) -> Result<String, Workspa
     // upload-pack runs with the environment a local transport gives it,
     // which drops command-line config: it gets its own safe.directory. The
     // `/proc/<pid>/fd/<n>` path has no character a shell would read.
-    let mut upload_pack = String::from("git");
-    for dir in [origin.proc_path(), origin.proc_path().join(".git")] {
-        upload_pack.push_str(&format!(" -c safe.directory={}", dir.display()));
-    }
-    upload_pack.push_str(" upload-pack");
+    let upload_pack = format!("git {} upload-pack", safe_directories(&[&origin.proc_path()]).join(" "));
     let mut cmd = git();
     cmd.args(["clone", "--quiet", "--no-local", "--single-branch", "--no-tags", "--upload-pack"])
         .arg(&upload_pack)

@@ -324,15 +324,7 @@ impl Store {
 
     /// Newest first. Ids are UUIDv7, so id order is creation order.
     pub async fn list_executions(&self, filter: &ExecutionFilter) -> Result<Vec<ExecutionRecord>, StoreError> {
-        // The caller's projects as bound parameters ($7, $8, …), never text.
-        let visible = match &filter.projects {
-            None => String::new(),
-            Some(projects) if projects.is_empty() => " AND 1 = 0".to_string(),
-            Some(projects) => {
-                let marks: Vec<String> = (0..projects.len()).map(|i| format!("${}", 7 + i)).collect();
-                format!(" AND project IN ({})", marks.join(", "))
-            }
-        };
+        let visible = visible_projects(filter.projects.as_deref(), 7);
         let sql = format!(
             "SELECT {EXECUTION} FROM executions
              WHERE ($1 = '' OR state = $1)
@@ -569,15 +561,7 @@ impl Store {
         limit: u32,
         projects: Option<&[String]>,
     ) -> Result<Vec<SessionRecord>, StoreError> {
-        // The caller's projects as bound parameters ($3, $4, …), never text.
-        let visible = match projects {
-            None => String::new(),
-            Some([]) => " AND 1 = 0".to_string(),
-            Some(projects) => {
-                let marks: Vec<String> = (0..projects.len()).map(|i| format!("${}", 3 + i)).collect();
-                format!(" AND project IN ({})", marks.join(", "))
-            }
-        };
+        let visible = visible_projects(projects, 3);
         let sql = format!("SELECT record FROM sessions WHERE session_id > $1{visible} ORDER BY session_id LIMIT $2");
         let mut query = sqlx::query(&sql).bind(after_id).bind(limit as i64);
         for project in projects.into_iter().flatten() {
@@ -819,6 +803,20 @@ fn events_rows_json(events: &[Event], stub_finished: bool) -> Result<String, Sto
         rows.push((event.subject_id.as_str(), sequence(event.sequence), event.time_ms, event.kind.name(), body));
     }
     Ok(serde_json::to_string(&rows)?)
+}
+
+/// The `AND project IN (...)` clause that keeps a listing to the caller's
+/// `projects` (`None`: every project), the projects bound as parameters
+/// from `$first` on, never as text.
+fn visible_projects(projects: Option<&[String]>, first: usize) -> String {
+    match projects {
+        None => String::new(),
+        Some([]) => " AND 1 = 0".to_string(),
+        Some(projects) => {
+            let marks: Vec<String> = (0..projects.len()).map(|i| format!("${}", first + i)).collect();
+            format!(" AND project IN ({})", marks.join(", "))
+        }
+    }
 }
 
 /// Writes a session's record (and its state) on `conn`.
