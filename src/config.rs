@@ -88,6 +88,8 @@ pub struct Config {
     pub grpc: GrpcConfig,
     /// The sandboxes' egress proxies together: connection caps, idle timeout.
     pub proxy: crate::net::ProxyLimitsConfig,
+    /// How the real agents' tool calls reach the gate.
+    pub gate: crate::gate::GateConfig,
 }
 
 /// The `[grpc]` section: what one client can ask of the server.
@@ -255,6 +257,7 @@ impl Default for Config {
             node_id: None,
             grpc: GrpcConfig::default(),
             proxy: crate::net::ProxyLimitsConfig::default(),
+            gate: crate::gate::GateConfig::default(),
         }
     }
 }
@@ -456,6 +459,7 @@ impl Config {
             }
         }
         self.harness.validate().map_err(|(key, message)| invalid(&key, message))?;
+        self.gate.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {
             if !root.is_absolute() {
                 return Err(invalid("repo_roots", format!("{} must be absolute", root.display())));

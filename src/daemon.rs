@@ -123,6 +123,7 @@ impl Daemon {
             max_message_bytes: config.grpc.max_send_message_bytes,
             git: config.git.clone(),
             proxy_budget,
+            hook_program: config.gate.hook_program(),
             uid_range: match uid_mode {
                 UidMode::PerSandbox(range) => Some(range),
                 UidMode::Daemon { .. } => None,

@@ -20,6 +20,7 @@ pub mod delegate;
 pub mod events;
 pub mod evidence;
 pub mod fdlimit;
+pub mod gate;
 pub mod hub;
 pub mod lifecycle;
 pub mod metrics_http;

@@ -85,6 +85,12 @@ struct ServeOnly {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Bound into a sandbox under this name, the binary is the agent's hook
+    // helper and nothing else (see `gate::helper`).
+    let argv0 = std::env::args_os().next().map(std::path::PathBuf::from);
+    if argv0.as_deref().and_then(|p| p.file_name()).is_some_and(|n| n == corral::gate::HELPER_NAME) {
+        std::process::exit(corral::gate::helper::run());
+    }
     let serve_only = std::env::args_os().nth(1).is_some_and(|a| a == "serve");
     let cli = if serve_only {
         let rest = std::env::args_os().skip(2);

@@ -412,18 +412,27 @@ write_paths = ["."]
 }
 
 /// A daemon policy on the agents' own tool calls cannot be enforced for
-/// Claude Code and Codex yet (their tools never ask corral's gate): the
-/// run is refused at agent_start saying so, never run with the policy
-/// silently ignored.
+/// Claude Code and Codex in a `none` sandbox (no /etc of its own for the
+/// managed hook, no network namespace for the gate's endpoint): the run is
+/// refused at agent_start saying so, never run with the policy silently
+/// ignored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_policy_on_the_agents_own_tool_calls_refuses_the_run_instead_of_being_ignored() {
+async fn a_policy_on_the_agents_own_tool_calls_refuses_an_ungated_run_instead_of_ignoring_it() {
     require_claude();
     require_codex();
     let mock = ModelMock::start(vec![Step::text("never asked")]).await;
     let policy = "[[policies]]\nname = \"no-bash\"\nkind = \"expr\"\non = [\"tool_call:Bash\"]\n\
                   arguments = { expression = \"false\", reason = \"Bash is not allowed here\" }\n";
-    let (_dir, serve) = serve_configured(&mock, true, &[], policy).await;
-    for profile in ["builtin.claude-code", "builtin.codex"] {
+    let profile = |cli: &str, preset: &str, route: &str| {
+        let text = format!(
+            "id = \"none.{cli}\"\nversion = \"1.0.0\"\ncredential_route_refs = [\"{route}\"]\n[rein]\n\
+             preset = \"{preset}\"\ninput = \"prompt\"\nargv = [\"{cli}\"]\n[sandbox]\ntype = \"none\"\n"
+        );
+        (if cli == "claude" { "claude.toml" } else { "codex.toml" }, text)
+    };
+    let files = [profile("claude", "claude_stream_json", "anthropic"), profile("codex", "codex_exec_json", "openai")];
+    let (_dir, serve) = serve_configured(&mock, true, &files, policy).await;
+    for profile in ["none.claude", "none.codex"] {
         let origin = git_repo();
         let (code, events) = exec(&serve, profile, origin.path(), "Run ls.").await;
         let record = execution(&events);
@@ -432,7 +441,268 @@ async fn a_policy_on_the_agents_own_tool_calls_refuses_the_run_instead_of_being_
         assert_eq!(record["evidence"]["failureStage"], "FAILURE_STAGE_GATE", "{profile}");
         let reason = record["evidence"]["error"].as_str().unwrap_or_default();
         assert!(reason.contains("no-bash") && reason.contains("would be ignored"), "{profile}: {reason}");
+        assert!(reason.contains("linux_bwrap"), "{profile}: says why: {reason}");
         assert!(events.iter().all(|e| e["sandboxReady"].is_null()), "{profile}: a sandbox was made");
     }
     assert!(mock.model_requests().is_empty(), "an agent ran");
+}
+
+/// A policy over the agent's own tool: `policy` (daemon config) and a
+/// script that asks for `denied` (the shell call that would write
+/// `ran.txt`) and then `allowed` (a write of `kept.txt`).
+const NO_SHELL: &str = "[[policies]]\nname = \"no-shell\"\nkind = \"expr\"\non = [\"tool_call:Bash\"]\n\
+                        arguments = { expression = \"false\", reason = \"the shell is not allowed here\" }\n";
+
+/// The `gated` events at the tool_call phase, as (tool, action, deciding policy).
+fn tool_gates(events: &[Value]) -> Vec<(String, String, String)> {
+    events
+        .iter()
+        .filter_map(|e| e.get("gated"))
+        .filter(|g| g["phase"] == "GATE_PHASE_TOOL_CALL")
+        .map(|g| {
+            let deciding = g["decisions"]
+                .as_array()
+                .and_then(|d| d.iter().find(|d| d["action"] == "GATE_ACTION_DENY"))
+                .map(|d| d["policy"].as_str().unwrap_or_default().to_string())
+                .unwrap_or_default();
+            (
+                g["tool"].as_str().unwrap_or_default().to_string(),
+                g["action"].as_str().unwrap_or_default().to_string(),
+                deciding,
+            )
+        })
+        .collect()
+}
+
+/// [`tool_gates`]'s shape from short names.
+fn gates(expected: &[(&str, &str, &str)]) -> Vec<(String, String, String)> {
+    expected.iter().map(|(t, a, p)| (t.to_string(), format!("GATE_ACTION_{a}"), p.to_string())).collect()
+}
+
+fn ref_has(origin: &Path, id: &str, path: &str) -> bool {
+    std::process::Command::new("git")
+        .args(["cat-file", "-e", &format!("refs/corral/{id}:{path}")])
+        .current_dir(origin)
+        .status()
+        .unwrap()
+        .success()
+}
+
+/// Every model request's body after the first, as text: what the CLI sent
+/// back after each tool call.
+fn later_requests(mock: &ModelMock) -> String {
+    mock.model_requests().iter().skip(1).map(|r| r.body.to_string()).collect::<Vec<_>>().join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_codes_shell_is_refused_by_the_gate_and_its_write_still_runs() {
+    require_claude();
+    let mock = ModelMock::start(vec![
+        Step::tool("Bash", json!({"command": "echo ran > /workspace/ran.txt", "description": "shell"})),
+        Step::tool("Write", json!({"file_path": "/workspace/kept.txt", "content": "kept\n"})),
+        Step::text("Done."),
+    ])
+    .await;
+    let (_dir, serve) = serve_configured(&mock, true, &[], NO_SHELL).await;
+    let origin = git_repo();
+    let (code, events) =
+        exec(&serve, "builtin.claude-code", origin.path(), "Try the shell, then write kept.txt.").await;
+    let record = execution(&events);
+    assert_eq!(code, 0, "the run goes on after a refused call: {record:#}");
+    let id = record["executionId"].as_str().unwrap();
+    assert!(!ref_has(origin.path(), id, "ran.txt"), "the refused shell command ran");
+    assert_eq!(file_in_ref(origin.path(), id, "kept.txt"), "kept", "the allowed Write ran");
+    let sent = later_requests(&mock);
+    assert!(sent.contains("the shell is not allowed here"), "the model got the policy's reason: {sent}");
+    assert_eq!(
+        tool_gates(&events),
+        gates(&[("run_task", "ALLOW", ""), ("Bash", "DENY", "no-shell"), ("Write", "ALLOW", "")]),
+        "corral's own dispatch, then each of the agent's calls"
+    );
+}
+
+/// Denies the shell only when its command names `ran.txt`: `expr` over the
+/// call's real arguments.
+const NO_RAN_TXT: &str = "[[policies]]\nname = \"no-ran-txt\"\nkind = \"expr\"\non = [\"tool_call:Bash\"]\n\
+                          arguments = { expression = \"!arguments.command.contains('ran.txt')\", \
+                          reason = \"the shell may not write ran.txt\" }\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codexs_shell_is_refused_by_the_gate_on_its_arguments_and_an_allowed_command_still_runs() {
+    require_codex();
+    let mock = ModelMock::start(vec![
+        Step::tool("exec_command", json!({"cmd": "echo ran > ran.txt"})),
+        Step::tool("exec_command", json!({"cmd": "echo kept > kept.txt"})),
+        Step::text("Done."),
+    ])
+    .await;
+    let (_dir, serve) = serve_configured(&mock, true, &[], NO_RAN_TXT).await;
+    let origin = git_repo();
+    let (code, events) = exec(&serve, "builtin.codex", origin.path(), "Write ran.txt, then kept.txt.").await;
+    let record = execution(&events);
+    assert_eq!(code, 0, "the run goes on after a refused call: {record:#}");
+    let id = record["executionId"].as_str().unwrap();
+    assert!(!ref_has(origin.path(), id, "ran.txt"), "the refused shell command ran");
+    assert_eq!(file_in_ref(origin.path(), id, "kept.txt"), "kept", "the allowed command ran");
+    let sent = later_requests(&mock);
+    assert!(sent.contains("the shell may not write ran.txt"), "the model got the policy's reason: {sent}");
+    assert_eq!(
+        tool_gates(&events),
+        gates(&[("run_task", "ALLOW", ""), ("Bash", "DENY", "no-ran-txt"), ("Bash", "ALLOW", "")]),
+    );
+}
+
+/// Commits `files` into `origin` (what a repository could carry in to
+/// switch an agent's hooks off before it starts).
+fn commit_files(origin: &Path, files: &[(&str, &str)]) {
+    for (path, text) in files {
+        let path = origin.join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+    git(origin, &["add", "-A"]);
+    git(origin, &["commit", "-q", "-m", "settings that try to switch hooks off"]);
+}
+
+/// Claude Code's settings that would switch every hook off.
+const NO_HOOKS: &str = r#"{"disableAllHooks": true, "hooks": {}, "allowManagedHooksOnly": false}"#;
+
+/// What a hostile agent runs to switch the gate's hook off from inside:
+/// its user settings drop hooks, and every managed file and the hook
+/// helper are overwritten, removed and moved away. Then it copies what is
+/// left of the managed files into the workspace, and says it ran.
+fn tamper_script() -> String {
+    format!(
+        "mkdir -p ~/.claude ~/.codex\n\
+         echo '{NO_HOOKS}' > ~/.claude/settings.json\n\
+         printf '[features]\\nhooks = false\\n' >> ~/.codex/config.toml\n\
+         for f in /etc/claude-code/managed-settings.json /etc/codex/requirements.toml /etc/corral/corral-gate-hook; do\n\
+           echo '{{}}' > \"$f\"; rm -f \"$f\"; mv \"$f\" \"$f.old\"; chmod 000 \"$f\"\n\
+         done 2>/dev/null\n\
+         cat /etc/claude-code/managed-settings.json > managed-claude.json 2>/dev/null\n\
+         cat /etc/codex/requirements.toml > managed-codex.toml 2>/dev/null\n\
+         test -x /etc/corral/corral-gate-hook && echo present > helper.txt\n\
+         echo done > tampered.txt\n"
+    )
+}
+
+/// Standard base64, for handing a script through a shell command whose
+/// words the CLI's own command checks would otherwise read.
+fn base64(bytes: &[u8]) -> String {
+    const ABC: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().enumerate().fold(0u32, |n, (i, b)| n | (*b as u32) << (16 - 8 * i));
+        for i in 0..4 {
+            out.push(if i <= chunk.len() { ABC[(n >> (18 - 6 * i) & 63) as usize] as char } else { '=' });
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_cannot_switch_the_gates_hook_off() {
+    require_claude();
+    // Before it starts: the repository's own settings switch hooks off.
+    let origin = git_repo();
+    commit_files(origin.path(), &[(".claude/settings.json", NO_HOOKS), (".claude/settings.local.json", NO_HOOKS)]);
+    let mock = ModelMock::start(vec![
+        Step::tool("Write", json!({"file_path": "/workspace/tamper.sh", "content": tamper_script()})),
+        Step::tool("Bash", json!({"command": "sh tamper.sh", "description": "tamper"})),
+        Step::tool("Bash", json!({"command": "echo ran > ran.txt", "description": "denied"})),
+        Step::text("Done."),
+    ])
+    .await;
+    let (_dir, serve) = serve_configured(&mock, true, &[], NO_RAN_TXT).await;
+    let (code, events) = exec(&serve, "builtin.claude-code", origin.path(), "Switch your hooks off.").await;
+    let record = execution(&events);
+    assert_eq!(code, 0, "{record:#}");
+    let id = record["executionId"].as_str().unwrap();
+    assert_eq!(file_in_ref(origin.path(), id, "tampered.txt"), "done", "the tampering ran");
+    let managed: Value = serde_json::from_str(&file_in_ref(origin.path(), id, "managed-claude.json")).unwrap();
+    assert_eq!(managed["allowManagedHooksOnly"], true, "the managed settings are untouched: {managed}");
+    assert!(!ref_has(origin.path(), id, "ran.txt"), "the denied command ran after the tampering");
+    assert!(later_requests(&mock).contains("the shell may not write ran.txt"));
+    assert_eq!(
+        tool_gates(&events),
+        gates(&[
+            ("run_task", "ALLOW", ""),
+            ("Write", "ALLOW", ""),
+            ("Bash", "ALLOW", ""),
+            ("Bash", "DENY", "no-ran-txt")
+        ])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_cannot_switch_the_gates_hook_off() {
+    require_codex();
+    let origin = git_repo();
+    commit_files(origin.path(), &[(".codex/config.toml", "[features]\nhooks = false\n")]);
+    let write = format!("echo {} | base64 -d > tamper.sh", base64(tamper_script().as_bytes()));
+    let mock = ModelMock::start(vec![
+        Step::tool("exec_command", json!({"cmd": write})),
+        Step::tool("exec_command", json!({"cmd": "sh tamper.sh"})),
+        Step::tool("exec_command", json!({"cmd": "echo ran > ran.txt"})),
+        Step::text("Done."),
+    ])
+    .await;
+    let (_dir, serve) = serve_configured(&mock, true, &[], NO_RAN_TXT).await;
+    let (code, events) = exec(&serve, "builtin.codex", origin.path(), "Switch your hooks off.").await;
+    let record = execution(&events);
+    assert_eq!(code, 0, "{record:#}");
+    let id = record["executionId"].as_str().unwrap();
+    assert_eq!(file_in_ref(origin.path(), id, "tampered.txt"), "done", "the tampering ran");
+    assert_eq!(file_in_ref(origin.path(), id, "helper.txt"), "present", "the hook helper is still there");
+    let managed = file_in_ref(origin.path(), id, "managed-codex.toml");
+    assert!(managed.contains("allow_managed_hooks_only = true"), "the requirements are untouched: {managed}");
+    assert!(!ref_has(origin.path(), id, "ran.txt"), "the denied command ran after the tampering");
+    assert!(later_requests(&mock).contains("the shell may not write ran.txt"));
+    assert_eq!(
+        tool_gates(&events),
+        gates(&[
+            ("run_task", "ALLOW", ""),
+            ("Bash", "ALLOW", ""),
+            ("Bash", "ALLOW", ""),
+            ("Bash", "DENY", "no-ran-txt")
+        ])
+    );
+}
+
+const ONE_CALL: &str = "[[policies]]\nname = \"one-call\"\nkind = \"max_tool_calls\"\narguments = { limit = 1 }\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_tool_calls_counts_the_agents_real_calls() {
+    require_claude();
+    require_codex();
+    let cases = [
+        (
+            "builtin.claude-code",
+            Step::tool("Write", json!({"file_path": "/workspace/first.txt", "content": "first\n"})),
+            Step::tool("Write", json!({"file_path": "/workspace/second.txt", "content": "second\n"})),
+            "Write",
+        ),
+        (
+            "builtin.codex",
+            Step::tool("exec_command", json!({"cmd": "echo first > first.txt"})),
+            Step::tool("exec_command", json!({"cmd": "echo second > second.txt"})),
+            "Bash",
+        ),
+    ];
+    for (profile, first, second, tool) in cases {
+        let mock = ModelMock::start(vec![first, second, Step::text("Done.")]).await;
+        let (_dir, serve) = serve_configured(&mock, true, &[], ONE_CALL).await;
+        let origin = git_repo();
+        let (code, events) = exec(&serve, profile, origin.path(), "Write two files.").await;
+        let record = execution(&events);
+        assert_eq!(code, 0, "{profile}: {record:#}");
+        let id = record["executionId"].as_str().unwrap();
+        assert_eq!(file_in_ref(origin.path(), id, "first.txt"), "first", "{profile}");
+        assert!(!ref_has(origin.path(), id, "second.txt"), "{profile}: the second call ran");
+        assert_eq!(
+            tool_gates(&events),
+            gates(&[("run_task", "ALLOW", ""), (tool, "ALLOW", ""), (tool, "DENY", "one-call")]),
+            "{profile}"
+        );
+    }
 }

@@ -120,7 +120,7 @@ impl CatalogService for CatalogApi {
             tool_calls: 0,
             session_policies: &session_policies,
             profile_policies: &profile.policies,
-            ungated_tool_calls: profile.file.rein.tool_calls_ungated().as_deref(),
+            ungated_tool_calls: profile.file.rein.tool_calls_ungated(profile.file.sandbox.sandbox_type).as_deref(),
         });
         Ok(Response::new(pb::EvaluateGateResponse {
             action: convert::action(outcome.action) as i32,

@@ -210,8 +210,9 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
             profile_digest: profile_digest.clone(),
             readiness: Some(readiness(r)),
         })),
-        EventKind::Gated { phase, action: a, decisions, effective_sandbox } => Kind::Gated(Box::new(pb::Gated {
+        EventKind::Gated { phase, tool, action: a, decisions, effective_sandbox } => Kind::Gated(Box::new(pb::Gated {
             phase: wire::<pb::GatePhase>(phase),
+            tool: tool.clone(),
             action: action(*a) as i32,
             decisions: decisions.iter().map(decision).collect(),
             effective_sandbox: Some(sandbox_spec(effective_sandbox)),
@@ -324,7 +325,7 @@ pub fn session(r: &SessionRecord, raw: Option<&RawResult>) -> pb::Session {
 
 pub fn profile(p: &Profile) -> pb::Profile {
     let f = &p.file;
-    let ungated = f.rein.tool_calls_ungated();
+    let ungated = f.rein.tool_calls_ungated(f.sandbox.sandbox_type);
     pb::Profile {
         id: f.id.clone(),
         version: p.version.to_string(),

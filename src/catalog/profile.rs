@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::policy::{compile_all, Policy, PolicySpec};
-use crate::sandbox::SandboxSpec;
+use crate::sandbox::{SandboxSpec, SandboxType};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -84,9 +84,10 @@ pub struct ReinSpec {
 
 impl ReinSpec {
     /// Why the harness's own tool calls cannot pass the tool_call gate
-    /// before they run; `None` when they can. A policy that governs tool
-    /// calls is then refused at agent_start rather than silently ignored.
-    pub fn tool_calls_ungated(&self) -> Option<String> {
+    /// before they run in a sandbox of type `sandbox`; `None` when they
+    /// can. A policy that governs tool calls is then refused at
+    /// agent_start rather than silently ignored.
+    pub fn tool_calls_ungated(&self, sandbox: SandboxType) -> Option<String> {
         match (self.preset, self.input) {
             // The harness asks with `policy_request` and waits for the
             // verdict on the task channel.
@@ -102,12 +103,19 @@ impl ReinSpec {
                      before a tool runs (a protocol harness needs input = \"task_json\")"
                 ))
             }
-            (Preset::ClaudeStreamJson, _) => {
-                Some("Claude Code runs its own tools (Bash, Write, ...) without asking corral's gate".into())
-            }
-            (Preset::CodexExecJson, _) => {
-                Some("Codex runs its own tools (its shell, apply_patch) without asking corral's gate".into())
-            }
+            // Their managed pre-tool hook asks the gate endpoint in the
+            // sandbox's own network namespace (see `gate`).
+            (Preset::ClaudeStreamJson | Preset::CodexExecJson, _) if sandbox == SandboxType::LinuxBwrap => None,
+            (Preset::ClaudeStreamJson, _) => Some(
+                "Claude Code's tool calls reach corral's gate through a managed hook that only a linux_bwrap \
+                 sandbox can carry"
+                    .into(),
+            ),
+            (Preset::CodexExecJson, _) => Some(
+                "Codex's tool calls reach corral's gate through a managed hook that only a linux_bwrap sandbox \
+                 can carry"
+                    .into(),
+            ),
         }
     }
 }

@@ -59,7 +59,7 @@ pub async fn run(config: &Config) -> anyhow::Result<i32> {
                         (readiness.state == crate::catalog::ReadinessState::Blocked)
                             .then(|| format!("readiness blocked: {}", readiness.reason))
                     });
-                let gating = match profile.file.rein.tool_calls_ungated() {
+                let gating = match profile.file.rein.tool_calls_ungated(profile.file.sandbox.sandbox_type) {
                     None => "tool calls gated".to_string(),
                     Some(why) => format!("tool calls not gated, so a tool_call policy refuses it: {why}"),
                 };

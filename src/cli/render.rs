@@ -145,7 +145,11 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
             "resolved"
         }
         Some(Kind::Gated(g)) => {
-            facts.add("phase", shown::<pb::GatePhase>(g.phase)).add("action", gate_action(g.action));
+            facts.add("phase", shown::<pb::GatePhase>(g.phase));
+            if !g.tool.is_empty() {
+                facts.add("tool", &g.tool);
+            }
+            facts.add("action", gate_action(g.action));
             if let Some(sandbox) = &g.effective_sandbox {
                 facts.add("sandbox", sandbox_type(sandbox.r#type));
                 facts.add("network", if sandbox.allow_network { "allowed" } else { "denied" });
@@ -384,12 +388,21 @@ mod tests {
                     reason: "network requested".into(),
                 }],
                 effective_sandbox: None,
+                tool: String::new(),
             }))),
             ..Default::default()
         };
         assert_eq!(
             event_line(&event),
             r#"#3 - gated phase=agent_start action=deny denied_by="no-network: network requested""#
+        );
+        let Some(Kind::Gated(mut gated)) = event.kind.clone() else { unreachable!() };
+        gated.phase = pb::GatePhase::ToolCall as i32;
+        gated.tool = "Bash".into();
+        let call = pb::LifecycleEvent { sequence: 4, kind: Some(Kind::Gated(gated)), ..Default::default() };
+        assert_eq!(
+            event_line(&call),
+            r#"#4 - gated phase=tool_call tool=Bash action=deny denied_by="no-network: network requested""#
         );
         assert_eq!(state(99), "unknown(99)");
     }

@@ -229,7 +229,7 @@ impl Core {
             tool_calls: self.tool_calls.load(Ordering::SeqCst),
             session_policies: &self.session_policies,
             profile_policies: &profile.policies,
-            ungated_tool_calls: profile.file.rein.tool_calls_ungated().as_deref(),
+            ungated_tool_calls: profile.file.rein.tool_calls_ungated(profile.file.sandbox.sandbox_type).as_deref(),
         });
         self.evidence.time("gate", t);
         self.record_gate(&outcome).await;
@@ -253,6 +253,7 @@ impl Core {
         self.evidence.gate_decisions.extend(outcome.decisions.iter().cloned());
         EventKind::Gated {
             phase: outcome.phase.as_str().into(),
+            tool: crate::records::bounded::tool_name(&self.scrubber.scrub(&outcome.tool)),
             action: outcome.action,
             decisions: outcome.decisions.clone(),
             effective_sandbox: outcome.effective_sandbox.clone(),
@@ -297,6 +298,14 @@ impl Core {
             },
         };
         let limits = self.profile.as_ref().map(|p| p.file.limits.sandbox()).unwrap_or_default();
+        let gate = match self.gate_files(spec) {
+            Ok(files) => files,
+            Err(error) => {
+                self.failed(FailureStage::SandboxCreate, &error);
+                self.set_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
+                return Err(fail(FailureStage::SandboxCreate, error));
+            }
+        };
         let request = CreateSandbox {
             sandbox_id: sandbox_id.clone(),
             consumer: self.consumer.clone(),
@@ -304,6 +313,7 @@ impl Core {
             root,
             user,
             limits,
+            gate,
         };
         let sandbox = match backend.create(&request).await {
             Ok(sandbox) => sandbox,
@@ -419,8 +429,12 @@ impl Core {
                 return outcome;
             }
         }
-        let gate = self.tool_gate();
-        let outcome = gate.check(&call.tool, &call.task.arguments);
+        // An agent whose own tool calls come through its hook: the turn is
+        // gated, but it is not one of those calls and does not count.
+        let hooked = self.sandbox.as_ref().is_some_and(|(_, s)| !s.gate.is_empty());
+        let gate = self.core_gate();
+        let outcome = gate.decide(&call.tool, &call.task.arguments, !hooked);
+        let gate: Arc<dyn ToolGate> = Arc::new(gate);
         let gated = self.gate_event(&outcome);
         if let Some(denial) = outcome.denial() {
             self.recorder.emit(gated, None).await;
@@ -607,10 +621,24 @@ impl Core {
         }
     }
 
+    /// The files that install the agent's managed pre-tool hook, for a
+    /// `linux_bwrap` sandbox (a `none` one cannot carry them: its agent's
+    /// tool calls are ungated, and a tool_call policy refused it at
+    /// agent_start). An error is why the sandbox must not be made.
+    fn gate_files(&self, spec: &SandboxSpec) -> Result<Vec<crate::sandbox::GateFile>, String> {
+        let Some(profile) = self.profile.as_ref() else { return Ok(Vec::new()) };
+        if spec.sandbox_type != crate::sandbox::SandboxType::LinuxBwrap {
+            return Ok(Vec::new());
+        }
+        let helper = self.engine.hook_program.as_deref();
+        let files = crate::gate::hook::managed_files(profile.file.rein.preset, self.timeout.as_secs(), helper)?;
+        Ok(files.unwrap_or_default())
+    }
+
     /// The tool_call gate as one closure, for the turn itself and for the
     /// harness's own policy requests.
-    fn tool_gate(&self) -> Arc<dyn ToolGate> {
-        Arc::new(CoreGate {
+    fn core_gate(&self) -> CoreGate {
+        CoreGate {
             engine: self.engine.clone(),
             profile: self.profile.clone(),
             session_policies: self.session_policies.clone(),
@@ -619,7 +647,7 @@ impl Core {
             sandbox: self.effective.clone().unwrap_or_default(),
             timeout_seconds: self.timeout.as_secs(),
             tool_calls: self.tool_calls.clone(),
-        })
+        }
     }
 
     /// Records `first` and whatever else the harness has already said, as
@@ -808,6 +836,14 @@ struct CoreGate {
 
 impl ToolGate for CoreGate {
     fn check(&self, tool: &str, arguments: &Value) -> GateOutcome {
+        self.decide(tool, arguments, true)
+    }
+}
+
+impl CoreGate {
+    /// One decision; an allowed call is counted (`max_tool_calls`) when
+    /// `counted`.
+    fn decide(&self, tool: &str, arguments: &Value, counted: bool) -> GateOutcome {
         let profile_ref = self.profile.as_ref().map(|p| p.reference()).unwrap_or_default();
         let no_policies: &[Policy] = &[];
         let outcome = self.engine.gate.evaluate(&GateInput {
@@ -826,7 +862,7 @@ impl ToolGate for CoreGate {
             profile_policies: self.profile.as_ref().map(|p| p.policies.as_slice()).unwrap_or(no_policies),
             ungated_tool_calls: None,
         });
-        if outcome.action == Action::Allow {
+        if counted && outcome.action == Action::Allow {
             self.tool_calls.fetch_add(1, Ordering::SeqCst);
         }
         outcome

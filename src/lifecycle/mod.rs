@@ -95,6 +95,8 @@ pub struct Engine {
     pub git: crate::config::GitConfig,
     /// What all sandboxes' egress proxies may hold open together.
     pub proxy_budget: Arc<crate::net::ProxyBudget>,
+    /// The hook helper bound into Codex's sandboxes (see `gate`).
+    pub hook_program: Option<PathBuf>,
     admission: admission::Admission,
     /// Bounds on open watch streams.
     watchers: Arc<watch::Watchers>,
@@ -125,6 +127,7 @@ pub struct EngineParts {
     pub uid_range: Option<crate::sandbox::UidRange>,
     pub git: crate::config::GitConfig,
     pub proxy_budget: Arc<crate::net::ProxyBudget>,
+    pub hook_program: Option<PathBuf>,
 }
 
 impl Engine {
@@ -144,6 +147,7 @@ impl Engine {
             uid_range: parts.uid_range,
             git: parts.git,
             proxy_budget: parts.proxy_budget,
+            hook_program: parts.hook_program,
             admission: admission::Admission::new(parts.max_running, parts.max_sessions),
             watchers: watch::Watchers::new(parts.max_watchers_per_subject, parts.max_watchers),
             event_pages,

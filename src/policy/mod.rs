@@ -125,6 +125,9 @@ pub struct GateInput<'a> {
 #[derive(Clone, Debug, PartialEq)]
 pub struct GateOutcome {
     pub phase: Phase,
+    /// At `tool_call`: the tool asked about (raw: scrub and bound it before
+    /// it is recorded).
+    pub tool: String,
     pub action: Action,
     pub decisions: Vec<PolicyDecision>,
     pub effective_sandbox: SandboxSpec,
@@ -211,6 +214,7 @@ impl Gate {
     pub fn evaluate(&self, input: &GateInput<'_>) -> GateOutcome {
         let mut outcome = GateOutcome {
             phase: input.phase,
+            tool: input.tool.to_string(),
             action: Action::Allow,
             decisions: Vec::new(),
             effective_sandbox: input.sandbox.clone(),

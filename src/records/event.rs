@@ -42,6 +42,9 @@ pub enum EventKind {
     Gated {
         #[serde(default)]
         phase: String,
+        /// At `tool_call`: the tool the decision is about.
+        #[serde(default)]
+        tool: String,
         action: Action,
         #[serde(default)]
         decisions: Vec<PolicyDecision>,

@@ -90,9 +90,15 @@ pub struct Prepared {
 }
 
 /// Decides argv, environment and HOME files for `rein` in a sandbox of
-/// `trust`, with the credential variables `credential_vars` (names only).
-/// An error is why the harness must not start.
-pub fn prepare(rein: &ReinSpec, trust: &SandboxTrust, credential_vars: &[&str]) -> Result<Prepared, String> {
+/// `trust`, with the credential variables `credential_vars` (names only);
+/// `gated`: the sandbox carries the agent's managed hook and the gate's
+/// endpoint. An error is why the harness must not start.
+pub fn prepare(
+    rein: &ReinSpec,
+    trust: &SandboxTrust,
+    credential_vars: &[&str],
+    gated: bool,
+) -> Result<Prepared, String> {
     let mut prepared =
         Prepared { argv: rein.argv.clone(), env: trust.env(), home_files: Vec::new(), model: rein.model.clone() };
     if let (Some(flag), SandboxTrust::Unverified { why }) =
@@ -102,7 +108,7 @@ pub fn prepare(rein: &ReinSpec, trust: &SandboxTrust, credential_vars: &[&str]) 
     }
     match rein.preset {
         Preset::Protocol => {}
-        Preset::ClaudeStreamJson => claude(rein, credential_vars, &mut prepared)?,
+        Preset::ClaudeStreamJson => claude(rein, credential_vars, gated, &mut prepared)?,
         Preset::CodexExecJson => codex(rein, trust, credential_vars, &mut prepared)?,
     }
     Ok(prepared)
@@ -115,7 +121,7 @@ fn quiet(prepared: &mut Prepared, vars: &[&str]) {
     prepared.env.extend(vars.iter().map(|v| (v.to_string(), "1".to_string())));
 }
 
-fn claude(rein: &ReinSpec, credential_vars: &[&str], prepared: &mut Prepared) -> Result<(), String> {
+fn claude(rein: &ReinSpec, credential_vars: &[&str], gated: bool, prepared: &mut Prepared) -> Result<(), String> {
     if !credential_vars.is_empty() && !credential_vars.iter().any(|v| CLAUDE_KEY_VARS.contains(v)) {
         return Err(format!(
             "Claude Code reads its key from {}; the profile's credential routes inject {}",
@@ -128,6 +134,12 @@ fn claude(rein: &ReinSpec, credential_vars: &[&str], prepared: &mut Prepared) ->
     }
     if !rein.model.is_empty() {
         prepared.env.push(("ANTHROPIC_MODEL".into(), rein.model.clone()));
+    }
+    if gated {
+        // Its http hook would otherwise go through HTTPS_PROXY, which
+        // refuses loopback: only the gate's host:port bypasses the proxy.
+        let entry = crate::gate::hook::no_proxy_entry();
+        prepared.env.extend([("NO_PROXY".into(), entry.clone()), ("no_proxy".into(), entry)]);
     }
     quiet(
         prepared,
@@ -229,33 +241,37 @@ mod tests {
     #[test]
     fn codex_turns_its_own_sandbox_off_only_inside_a_verified_one() {
         let codex = rein(Preset::CodexExecJson, &["codex", "exec", "--json", "-"], "http://127.0.0.1:9/v1", "m-1");
-        let p = prepare(&codex, &verified(), &["OPENAI_API_KEY"]).unwrap();
+        let p = prepare(&codex, &verified(), &["OPENAI_API_KEY"], false).unwrap();
         assert_eq!(p.argv, ["codex", "exec", "--dangerously-bypass-approvals-and-sandbox", "--json", "-"]);
         assert_eq!(
             (env(&p, "CORRAL_SANDBOX"), env(&p, "CORRAL_SANDBOX_RECEIPT")),
             (Some("verified"), Some("sha256:abc"))
         );
         assert_eq!(p.model, "m-1");
-        let p = prepare(&codex, &unverified(), &["OPENAI_API_KEY"]).unwrap();
+        let p = prepare(&codex, &unverified(), &["OPENAI_API_KEY"], false).unwrap();
         assert_eq!(p.argv, ["codex", "exec", "--sandbox", "workspace-write", "--json", "-"]);
         assert_eq!((env(&p, "CORRAL_SANDBOX"), env(&p, "CORRAL_SANDBOX_RECEIPT")), (Some("unverified"), None));
         // A bypass flag in the profile itself is refused outside a verified sandbox.
         let yolo = rein(Preset::CodexExecJson, &["codex", "exec", "--yolo", "-"], "", "");
-        let err = prepare(&yolo, &unverified(), &[]).unwrap_err();
+        let err = prepare(&yolo, &unverified(), &[], false).unwrap_err();
         assert!(err.contains("--yolo") && err.contains("not linux_bwrap"), "{err}");
-        assert_eq!(prepare(&yolo, &verified(), &[]).unwrap().argv, ["codex", "exec", "--yolo", "-"]);
+        assert_eq!(prepare(&yolo, &verified(), &[], false).unwrap().argv, ["codex", "exec", "--yolo", "-"]);
         let claude = rein(Preset::ClaudeStreamJson, &["claude", "--dangerously-skip-permissions"], "", "");
-        assert!(prepare(&claude, &unverified(), &[]).is_err());
+        assert!(prepare(&claude, &unverified(), &[], false).is_err());
         let wrapper = rein(Preset::CodexExecJson, &["/bin/sh", "-c", "codex exec - | tee t"], "", "");
-        assert_eq!(prepare(&wrapper, &verified(), &[]).unwrap().argv, wrapper.argv, "a wrapper chooses its flags");
+        assert_eq!(
+            prepare(&wrapper, &verified(), &[], false).unwrap().argv,
+            wrapper.argv,
+            "a wrapper chooses its flags"
+        );
         let script = rein(Preset::Protocol, &["/bin/agent", "--yolo"], "", "");
-        assert!(prepare(&script, &unverified(), &[]).is_err(), "whatever the preset");
+        assert!(prepare(&script, &unverified(), &[], false).is_err(), "whatever the preset");
     }
 
     #[test]
     fn codex_config_names_the_provider_and_the_key_variable() {
         let codex = rein(Preset::CodexExecJson, &["codex", "exec", "-"], "http://10.0.0.5:8080/v1", "m-1");
-        let p = prepare(&codex, &verified(), &["CODEX_KEY"]).unwrap();
+        let p = prepare(&codex, &verified(), &["CODEX_KEY"], false).unwrap();
         let [(path, text)] = &p.home_files[..] else { panic!("one file: {:?}", p.home_files) };
         assert_eq!(path, ".codex/config.toml");
         let parsed: toml::Table = toml::from_str(text).unwrap();
@@ -267,7 +283,8 @@ mod tests {
         assert_eq!(provider["env_key"].as_str(), Some("CODEX_KEY"));
         assert_eq!(parsed["analytics"]["enabled"].as_bool(), Some(false));
         assert_eq!(parsed["features"]["plugins"].as_bool(), Some(false));
-        let vendor = prepare(&rein(Preset::CodexExecJson, &["codex", "exec", "-"], "", ""), &verified(), &[]).unwrap();
+        let vendor =
+            prepare(&rein(Preset::CodexExecJson, &["codex", "exec", "-"], "", ""), &verified(), &[], false).unwrap();
         let parsed: toml::Table = toml::from_str(&vendor.home_files[0].1).unwrap();
         assert_eq!(parsed["model_providers"]["corral"]["base_url"].as_str(), Some("https://api.openai.com/v1"));
         assert_eq!(parsed["model_providers"]["corral"]["env_key"].as_str(), Some("OPENAI_API_KEY"));
@@ -277,15 +294,19 @@ mod tests {
     #[test]
     fn claude_gets_its_endpoint_and_quiet_knobs() {
         let claude = rein(Preset::ClaudeStreamJson, &["claude", "-p"], "http://127.0.0.1:9", "claude-x");
-        let p = prepare(&claude, &verified(), &["ANTHROPIC_API_KEY"]).unwrap();
+        let p = prepare(&claude, &verified(), &["ANTHROPIC_API_KEY"], false).unwrap();
         assert_eq!(p.argv, ["claude", "-p"]);
         assert_eq!(env(&p, "ANTHROPIC_BASE_URL"), Some("http://127.0.0.1:9"));
         assert_eq!(env(&p, "ANTHROPIC_MODEL"), Some("claude-x"));
         assert_eq!(env(&p, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"), Some("1"));
         assert!(p.home_files.is_empty());
-        let vendor = prepare(&rein(Preset::ClaudeStreamJson, &["claude"], "", ""), &verified(), &[]).unwrap();
+        assert_eq!(env(&p, "NO_PROXY"), None, "no gate, no bypass");
+        let gated = prepare(&claude, &verified(), &["ANTHROPIC_API_KEY"], true).unwrap();
+        assert_eq!(env(&gated, "NO_PROXY"), Some("127.0.0.1:3129"), "only the gate's host:port bypasses the proxy");
+        assert_eq!(env(&gated, "no_proxy"), Some("127.0.0.1:3129"));
+        let vendor = prepare(&rein(Preset::ClaudeStreamJson, &["claude"], "", ""), &verified(), &[], false).unwrap();
         assert_eq!(env(&vendor, "ANTHROPIC_BASE_URL"), None);
-        let err = prepare(&claude, &verified(), &["OPENAI_API_KEY"]).unwrap_err();
+        let err = prepare(&claude, &verified(), &["OPENAI_API_KEY"], false).unwrap_err();
         assert!(err.contains("ANTHROPIC_API_KEY") && err.contains("OPENAI_API_KEY"), "{err}");
     }
 }

@@ -21,7 +21,8 @@ use super::lines::{CappedBuffer, LineReader};
 use super::protocol::{parse_line, Line, ParserState};
 use super::{Dispatch, HarnessEvent, HarnessSession, Rein, ReinError, StartContext, ToolCall, ToolResult};
 use crate::catalog::{Preset, TaskInput};
-use crate::policy::Action;
+use crate::gate::{HookRequest, Verdict};
+use crate::policy::{Action, GateOutcome};
 use crate::sandbox::{ExecSpec, SandboxProcess};
 
 /// How long a harness gets between SIGTERM and SIGKILL.
@@ -75,7 +76,8 @@ impl Rein for CommandRein {
         let profile = &ctx.profile.file;
         let trust = SandboxTrust::of(&ctx.sandbox);
         let vars: Vec<&str> = ctx.credentials.iter().map(|(name, _)| name.as_str()).collect();
-        let prepared = cli_setup::prepare(&profile.rein, &trust, &vars).map_err(ReinError::Start)?;
+        let gated = !ctx.sandbox.gate.is_empty();
+        let prepared = cli_setup::prepare(&profile.rein, &trust, &vars, gated).map_err(ReinError::Start)?;
         for (path, text) in &prepared.home_files {
             home::write_file(&ctx.sandbox.home, path, text.as_bytes(), ctx.sandbox.user)
                 .map_err(|e| ReinError::Start(format!("cannot write ~/{path} for the harness: {e}")))?;
@@ -89,6 +91,21 @@ impl Rein for CommandRein {
             timeout: ctx.timeout,
         };
         let mut process = ctx.backend.spawn(&ctx.sandbox, &spec).await.map_err(|e| ReinError::Start(e.to_string()))?;
+        // The agent's hook asks here before each tool call; a sandbox with
+        // hook files and no endpoint would block every call, so it is an
+        // error now rather than a run that cannot work.
+        let hooks = match (process.gate_listener.take(), gated) {
+            (Some(listener), _) => {
+                let (tx, rx) = tokio::sync::mpsc::channel(HOOKS_AHEAD);
+                Some((crate::gate::serve(listener, tx), rx))
+            }
+            (None, true) => {
+                let _ = process.kill().await;
+                return Err(ReinError::Start("the sandbox has the agent's hook but no gate endpoint".into()));
+            }
+            (None, false) => None,
+        };
+        let (endpoint, hooks) = hooks.unzip();
         let max_output = profile.limits.max_output_bytes as usize;
         let stderr = Arc::new(Mutex::new(CappedBuffer::new(max_output)));
         if let Some(pipe) = process.stderr.take() {
@@ -113,6 +130,8 @@ impl Rein for CommandRein {
             max_output,
             parser: ParserState::new(prepared.model),
             turns: 0,
+            _endpoint: endpoint,
+            hooks,
         }))
     }
 }
@@ -128,6 +147,47 @@ struct CommandSession {
     max_output: usize,
     parser: ParserState,
     turns: u64,
+    /// The gate endpoint in the sandbox's network namespace (dropped with
+    /// the session) and the calls its hooks ask about.
+    _endpoint: Option<crate::gate::endpoint::Endpoint>,
+    hooks: Option<tokio::sync::mpsc::Receiver<HookRequest>>,
+}
+
+/// Hook calls queued for the turn loop.
+const HOOKS_AHEAD: usize = 16;
+/// Refused call ids kept per harness (past it, a refusal fails the run as
+/// the CLI reports it).
+const MAX_GATE_DENIED: usize = 10_000;
+
+/// The next hook call, or never when the harness has no hook.
+async fn next_hook(hooks: &mut Option<tokio::sync::mpsc::Receiver<HookRequest>>) -> Option<HookRequest> {
+    match hooks {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What the harness is told of a decision: allow, or deny with the
+/// deciding policy and its reason.
+fn verdict_of(outcome: &GateOutcome) -> Verdict {
+    match outcome.denial() {
+        Some(denial) => Verdict::deny(format!("denied by policy {}: {}", denial.policy, denial.reason)),
+        None if outcome.action == Action::Allow => Verdict::allow(),
+        None => Verdict::deny("denied"),
+    }
+}
+
+/// One of the agent's own tool calls, from its hook: the same tool_call
+/// gate a protocol harness asks, recorded before the answer goes back.
+async fn answer_hook(request: HookRequest, dispatch: &Dispatch, parser: &mut ParserState) {
+    let outcome = dispatch.gate.check(&request.call.tool, &request.call.arguments);
+    let verdict = verdict_of(&outcome);
+    if !verdict.allow && !request.call.call_id.is_empty() && parser.gate_denied.len() < MAX_GATE_DENIED {
+        parser.gate_denied.push(request.call.call_id.clone());
+    }
+    let _ = dispatch.events.send(HarnessEvent::Gated(outcome)).await;
+    // The hook may have given up (its CLI timed out): nothing to answer.
+    let _ = request.reply.send(verdict);
 }
 
 impl CommandSession {
@@ -187,6 +247,10 @@ impl CommandSession {
             let next = match drain_until {
                 None => tokio::select! {
                     biased;
+                    Some(request) = next_hook(&mut self.hooks) => {
+                        answer_hook(request, dispatch, &mut self.parser).await;
+                        continue;
+                    }
                     next = lines.recv() => next,
                     exited = self.process.wait() => {
                         exited.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?;

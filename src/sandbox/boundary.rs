@@ -278,6 +278,7 @@ impl Boundary {
             limits: SandboxLimits::default(),
             cgroup,
             egress: None,
+            gate: Default::default(),
             // A uid from the store is the sandbox's own.
             receipt: super::EnforcementReceipt { own_uid: user.is_some(), ..Default::default() },
         };

@@ -24,8 +24,8 @@ use super::netns;
 use super::process::{data_fd, spawn_group, HostUser, SpawnOptions};
 use super::seccomp::{sandbox_filter, SeccompFilter};
 use super::{
-    base_env, Capabilities, CreateSandbox, EnforcementReceipt, ExecSpec, Sandbox, SandboxBackend, SandboxError,
-    SandboxProcess, SandboxSpec, SandboxState, SandboxType, Tmpfs,
+    base_env, Capabilities, CreateSandbox, EnforcementReceipt, ExecSpec, GateFile, GateMounts, GateSource, Sandbox,
+    SandboxBackend, SandboxError, SandboxProcess, SandboxSpec, SandboxState, SandboxType, Tmpfs,
 };
 use crate::net::{self, Allowlist, EgressLog, ProxyConfig, ProxyHandle};
 
@@ -103,14 +103,21 @@ impl HostLayout {
 ///
 /// Pure, so it can be checked against exact vectors; environment values
 /// never appear here.
-pub fn bwrap_args(spec: &SandboxSpec, paths: &SandboxPaths, layout: &HostLayout, tmpfs: Tmpfs) -> Vec<OsString> {
+pub fn bwrap_args(
+    spec: &SandboxSpec,
+    paths: &SandboxPaths,
+    layout: &HostLayout,
+    tmpfs: Tmpfs,
+    gate: &GateMounts,
+) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
     let mut push = |parts: &[&str]| args.extend(parts.iter().map(OsString::from));
     let inside = INSIDE_UID.to_string();
     push(&["--unshare-all", "--unshare-user", "--disable-userns", "--uid", &inside, "--gid", &inside]);
     // The network namespace is always the sandbox's own (--unshare-all):
-    // with network, egress goes through the daemon's proxy only.
-    if spec.allow_network {
+    // with network, egress goes through the daemon's proxy only; with a
+    // hook, the gate's endpoint listens there too.
+    if joins_netns(spec, gate) {
         push(&["--info-fd", INFO_FD, "--block-fd", BLOCK_FD]);
     }
     push(&["--hostname", HOSTNAME, "--die-with-parent", "--new-session", "--cap-drop", "ALL"]);
@@ -126,6 +133,9 @@ pub fn bwrap_args(spec: &SandboxSpec, paths: &SandboxPaths, layout: &HostLayout,
     }
     let (passwd, group) = (paths.passwd.to_string_lossy(), paths.group.to_string_lossy());
     push(&["--ro-bind", &passwd, "/etc/passwd", "--ro-bind", &group, "/etc/group"]);
+    for (host, inside) in &gate.binds {
+        push(&["--ro-bind", &host.to_string_lossy(), inside]);
+    }
     let (tmp, shm) = (tmpfs.tmp_bytes.to_string(), tmpfs.shm_bytes.to_string());
     // bwrap covers /proc/sys only where the caller could write it; sysctls
     // of the sandbox's own namespaces (IPC, UTS) can be, so bind it
@@ -157,6 +167,13 @@ pub fn bwrap_args(spec: &SandboxSpec, paths: &SandboxPaths, layout: &HostLayout,
     // the binds above (workspace, HOME, write paths) and /tmp writable.
     push(&["--remount-ro", "/", "--chdir", WORKSPACE_MOUNT, "--seccomp", SECCOMP_FD, "--"]);
     args
+}
+
+/// Whether the daemon enters the sandbox's network namespace before the
+/// harness runs (bwrap reports its child and waits): for the egress proxy,
+/// the gate's endpoint, or both.
+fn joins_netns(spec: &SandboxSpec, gate: &GateMounts) -> bool {
+    spec.allow_network || !gate.is_empty()
 }
 
 /// The write roots a spec yields, as the harness sees them.
@@ -228,6 +245,7 @@ impl BwrapBackend {
         spec: &SandboxSpec,
         paths: &SandboxPaths,
         tmpfs: Tmpfs,
+        gate: &GateMounts,
         argv: &[String],
         env: &[(String, String)],
         mut options: SpawnOptions,
@@ -239,7 +257,7 @@ impl BwrapBackend {
         if tmpfs.tmp_bytes == 0 || tmpfs.shm_bytes == 0 {
             return Err(SandboxError::Spawn(format!("refusing an unsized tmpfs: {tmpfs:?}")));
         }
-        let args = bwrap_args(spec, paths, &self.layout, tmpfs);
+        let args = bwrap_args(spec, paths, &self.layout, tmpfs, gate);
         // `--` goes on the real command line: bwrap ends option parsing
         // there, whatever the harness argv looks like.
         let (dashdash, packed_args) = args.split_last().expect("bwrap_args ends with --");
@@ -253,7 +271,7 @@ impl BwrapBackend {
             data_fd("corral-bwrap-args", &packed).map_err(spawn)?,
             data_fd("corral-seccomp", seccomp.bytes()).map_err(spawn)?,
         ];
-        let network = if spec.allow_network {
+        let network = if joins_netns(spec, gate) {
             let (info_r, info_w) = netns::pipe().map_err(spawn)?;
             let (block_r, block_w) = netns::pipe().map_err(spawn)?;
             options.pass_fds.extend([info_w, block_r]);
@@ -265,43 +283,63 @@ impl BwrapBackend {
         argv_full.extend(argv.iter().map(OsString::from));
         let mut process = spawn_group(program, &argv_full, env, &paths.workspace, options)?;
         let Some((info, block)) = network else { return Ok((process, None)) };
-        match self.start_proxy(spec, info, block, egress.unwrap_or_default()).await {
-            Ok(proxy) => Ok((process, Some(proxy))),
+        let gated = !gate.is_empty();
+        match self.enter_netns(spec, gated, info, block, egress.unwrap_or_default()).await {
+            Ok((proxy, gate_listener)) => {
+                process.gate_listener = gate_listener;
+                Ok((process, proxy))
+            }
             Err(e) => {
                 let _ = process.kill().await;
-                Err(SandboxError::Spawn(format!("cannot set up the sandbox's egress proxy: {e}")))
+                Err(SandboxError::Spawn(format!("cannot set up the sandbox's egress proxy or gate endpoint: {e}")))
             }
         }
     }
 
-    /// Waits for bwrap's child, listens in its network namespace, serves
-    /// the proxy there, then lets bwrap run the harness.
-    async fn start_proxy(
+    /// Waits for bwrap's child, listens in its network namespace (the
+    /// proxy with network, the gate's endpoint with a hook), serves the
+    /// proxy there, then lets bwrap run the harness.
+    async fn enter_netns(
         &self,
         spec: &SandboxSpec,
+        gated: bool,
         info: std::os::fd::OwnedFd,
         block: std::os::fd::OwnedFd,
         log: Arc<EgressLog>,
-    ) -> std::io::Result<ProxyHandle> {
+    ) -> std::io::Result<(Option<ProxyHandle>, Option<tokio::net::TcpListener>)> {
         let pid = netns::read_child_pid(info).await?;
-        let listener = tokio::net::TcpListener::from_std(netns::listen_in(pid).await?)?;
-        let patterns = net::parse_hosts(&spec.allow_hosts).map_err(std::io::Error::other)?;
-        let config = ProxyConfig {
-            allowlist: Allowlist::new(patterns),
-            protected: net::protected_addresses(),
-            host_addresses: net::host_addresses(),
-            connect_timeout: std::time::Duration::from_secs(10),
+        let mut ports = Vec::new();
+        if spec.allow_network {
+            ports.push(netns::PROXY_PORT);
+        }
+        if gated {
+            ports.push(crate::gate::GATE_PORT);
+        }
+        let mut listeners = netns::listen_in(pid, ports).await?.into_iter();
+        let proxy = match spec.allow_network {
+            false => None,
+            true => {
+                let listener = tokio::net::TcpListener::from_std(listeners.next().expect("one per port"))?;
+                let patterns = net::parse_hosts(&spec.allow_hosts).map_err(std::io::Error::other)?;
+                let config = ProxyConfig {
+                    allowlist: Allowlist::new(patterns),
+                    protected: net::protected_addresses(),
+                    host_addresses: net::host_addresses(),
+                    connect_timeout: std::time::Duration::from_secs(10),
+                };
+                Some(net::serve(listener, config, log))
+            }
         };
-        let proxy = net::serve(listener, config, log);
+        let gate = listeners.next().map(tokio::net::TcpListener::from_std).transpose()?;
         netns::release(block)?;
-        Ok(proxy)
+        Ok((proxy, gate))
     }
 
     /// The digest of the exact command line a sandbox with `spec` at
     /// `paths` runs: the program and every argument bwrap parses.
-    pub fn command_digest(&self, spec: &SandboxSpec, paths: &SandboxPaths, tmpfs: Tmpfs) -> String {
+    pub fn command_digest(&self, spec: &SandboxSpec, paths: &SandboxPaths, tmpfs: Tmpfs, gate: &GateMounts) -> String {
         let program = self.program.as_deref().unwrap_or(Path::new("bwrap"));
-        command_digest(program, &bwrap_args(spec, paths, &self.layout, tmpfs))
+        command_digest(program, &bwrap_args(spec, paths, &self.layout, tmpfs, gate))
     }
 
     /// Runs `/usr/bin/true` in a full sandbox, as the unprivileged `nobody`
@@ -329,6 +367,7 @@ impl BwrapBackend {
                     &SandboxSpec::default(),
                     &paths,
                     Tmpfs { tmp_bytes: 1 << 20, shm_bytes: 1 << 20 },
+                    &GateMounts::default(),
                     &["/usr/bin/true".into()],
                     &[],
                     options,
@@ -378,9 +417,11 @@ impl SandboxBackend for BwrapBackend {
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
         self.probe().await?;
         let (paths, cgroup) = self.boundary.prepare(req)?;
+        let gate = place_gate_files(&req.root, &req.gate)
+            .map_err(|e| SandboxError::Spawn(format!("cannot place the agent's hook files in the sandbox: {e}")))?;
         let seccomp_digest = self.seccomp.as_ref().map(|f| f.digest().to_string()).unwrap_or_default();
         let receipt = EnforcementReceipt {
-            command_digest: self.command_digest(&req.spec, &paths, req.limits.tmpfs()),
+            command_digest: self.command_digest(&req.spec, &paths, req.limits.tmpfs(), &gate),
             // Its own network namespace, always; with network, egress only
             // through the daemon's proxy to the allowlist.
             network_isolated: true,
@@ -407,6 +448,7 @@ impl SandboxBackend for BwrapBackend {
             limits: req.limits,
             cgroup,
             egress: req.spec.allow_network.then(Arc::default),
+            gate,
             receipt,
         })
     }
@@ -422,7 +464,8 @@ impl SandboxBackend for BwrapBackend {
         let paths = SandboxPaths::under(&sandbox.root);
         let tmp = sandbox.limits.tmpfs();
         let egress = sandbox.egress.clone();
-        let (process, proxy) = self.launch(&sandbox.spec, &paths, tmp, &spec.argv, &env, options, egress).await?;
+        let (process, proxy) =
+            self.launch(&sandbox.spec, &paths, tmp, &sandbox.gate, &spec.argv, &env, options, egress).await?;
         self.boundary.register(sandbox, &process, proxy);
         Ok(process)
     }
@@ -439,6 +482,34 @@ impl SandboxBackend for BwrapBackend {
     ) -> Result<(), SandboxError> {
         self.boundary.destroy_leftover(sandbox_id, root, user).await
     }
+}
+
+/// Writes the hook files that have contents under `root/gate/` (owned by
+/// the daemon, world-readable, read-only) and returns every bind in order.
+/// Paths inside must be absolute paths under `/etc` with plain names.
+fn place_gate_files(root: &Path, files: &[GateFile]) -> std::io::Result<GateMounts> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut binds = Vec::new();
+    for (n, file) in files.iter().enumerate() {
+        let plain = file.inside.starts_with("/etc/")
+            && file.inside[1..].split('/').all(|p| !p.is_empty() && p != "." && p != "..");
+        if !plain {
+            return Err(std::io::Error::other(format!("{:?} is not a plain path under /etc", file.inside)));
+        }
+        let host = match &file.source {
+            GateSource::Host(path) => path.clone(),
+            GateSource::Contents(bytes) => {
+                let dir = root.join("gate");
+                std::fs::create_dir_all(&dir)?;
+                let path = dir.join(format!("{n}"));
+                std::fs::write(&path, bytes)?;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444))?;
+                path
+            }
+        };
+        binds.push((host, file.inside.clone()));
+    }
+    Ok(GateMounts { binds })
 }
 
 pub fn find_on_path(name: &str) -> Option<PathBuf> {
@@ -470,7 +541,13 @@ mod tests {
     #[test]
     fn no_network_spec_gives_the_exact_baseline() {
         let spec = SandboxSpec::default();
-        let args = strs(&bwrap_args(&spec, &paths("/data/sb"), &HostLayout::merged_usr(), sizes(1 << 20)));
+        let args = strs(&bwrap_args(
+            &spec,
+            &paths("/data/sb"),
+            &HostLayout::merged_usr(),
+            sizes(1 << 20),
+            &GateMounts::default(),
+        ));
         let mut expected: Vec<String> = [
             "--unshare-all",
             "--unshare-user",
@@ -552,7 +629,13 @@ mod tests {
 
     #[test]
     fn private_keys_are_never_bound() {
-        let args = strs(&bwrap_args(&SandboxSpec::default(), &paths("/r"), &HostLayout::merged_usr(), sizes(1)));
+        let args = strs(&bwrap_args(
+            &SandboxSpec::default(),
+            &paths("/r"),
+            &HostLayout::merged_usr(),
+            sizes(1),
+            &GateMounts::default(),
+        ));
         assert!(args.contains(&"/etc/ssl/certs".to_string()));
         assert!(!args.iter().any(|a| a == "/etc/ssl" || a.starts_with("/etc/ssl/private")), "{args:?}");
     }
@@ -560,10 +643,11 @@ mod tests {
     #[test]
     fn the_host_network_is_never_shared() {
         let mut spec = SandboxSpec::default();
-        let closed = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), sizes(1)));
+        let closed =
+            strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), sizes(1), &GateMounts::default()));
         spec.allow_network = true;
         spec.allow_hosts = vec!["*".into()];
-        let open = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), sizes(1)));
+        let open = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout::merged_usr(), sizes(1), &GateMounts::default()));
         for args in [&closed, &open] {
             assert_eq!(args[0], "--unshare-all");
             assert!(!args.contains(&"--share-net".to_string()), "{args:?}");
@@ -576,9 +660,58 @@ mod tests {
     }
 
     #[test]
+    fn hook_files_are_bound_read_only_and_the_netns_is_joined_for_the_gate() {
+        let gate = GateMounts {
+            binds: vec![
+                ("/r/gate/0".into(), "/etc/claude-code/managed-settings.json".into()),
+                ("/usr/bin/corral".into(), "/etc/corral/corral-gate-hook".into()),
+            ],
+        };
+        let args = strs(&bwrap_args(&SandboxSpec::default(), &paths("/r"), &HostLayout::merged_usr(), sizes(1), &gate));
+        let at = args.iter().position(|a| a == "/r/gate/0").expect("the settings are bound");
+        assert_eq!(
+            args[at - 1..at + 5],
+            [
+                "--ro-bind",
+                "/r/gate/0",
+                "/etc/claude-code/managed-settings.json",
+                "--ro-bind",
+                "/usr/bin/corral",
+                "/etc/corral/corral-gate-hook"
+            ]
+        );
+        // Before the root is made read-only, so the mount points can be made.
+        assert!(at < args.iter().position(|a| a == "--remount-ro").unwrap());
+        // Without network, bwrap still waits for the gate's listener.
+        let info = args.iter().position(|a| a == "--info-fd").expect("--info-fd");
+        assert_eq!(args[info..info + 4], ["--info-fd", "5", "--block-fd", "6"]);
+    }
+
+    #[test]
+    fn hook_files_are_placed_only_under_etc() {
+        let root = tempfile::tempdir().unwrap();
+        let files = [
+            GateFile { inside: "/etc/codex/requirements.toml".into(), source: GateSource::Contents(b"x = 1".to_vec()) },
+            GateFile { inside: "/etc/corral/h".into(), source: GateSource::Host("/usr/bin/true".into()) },
+        ];
+        let mounts = place_gate_files(root.path(), &files).unwrap();
+        assert_eq!(mounts.binds[0], (root.path().join("gate/0"), "/etc/codex/requirements.toml".into()));
+        assert_eq!(mounts.binds[1], ("/usr/bin/true".into(), "/etc/corral/h".into()));
+        assert_eq!(std::fs::read(root.path().join("gate/0")).unwrap(), b"x = 1");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(root.path().join("gate/0")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o444);
+        for bad in ["/home/agent/x", "/etc/../root", "etc/x", "/etc//x"] {
+            let file = GateFile { inside: bad.into(), source: GateSource::Contents(Vec::new()) };
+            assert!(place_gate_files(root.path(), &[file]).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn workspace_is_read_only_unless_dot_is_a_write_path() {
         let spec = SandboxSpec { write_paths: vec!["out".into(), "/var/cache/x".into()], ..SandboxSpec::default() };
-        let args = strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, sizes(1)));
+        let args =
+            strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, sizes(1), &GateMounts::default()));
         let tail: Vec<&str> = args.iter().rev().take(19).rev().map(|s| s.as_str()).collect();
         assert_eq!(
             tail,
@@ -610,7 +743,8 @@ mod tests {
     #[test]
     fn read_paths_are_bound_read_only() {
         let spec = SandboxSpec { read_paths: vec!["/opt/tools".into()], ..SandboxSpec::default() };
-        let args = strs(&bwrap_args(&spec, &paths("/w"), &HostLayout { entries: vec![] }, sizes(1)));
+        let args =
+            strs(&bwrap_args(&spec, &paths("/w"), &HostLayout { entries: vec![] }, sizes(1), &GateMounts::default()));
         let at = args.iter().position(|a| a == "/opt/tools").expect("read path bound");
         assert_eq!(args[at - 1], "--ro-bind");
         assert_eq!(args[at + 1], "/opt/tools");

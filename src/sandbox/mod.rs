@@ -109,6 +109,42 @@ pub struct CreateSandbox {
     /// daemon); `None` when the daemon is not root and keeps its own.
     pub user: Option<HostUser>,
     pub limits: SandboxLimits,
+    /// What the agent's managed pre-tool hook needs inside (see
+    /// [`GateFile`]); empty for a harness without one.
+    pub gate: Vec<GateFile>,
+}
+
+/// A file the daemon puts at a fixed system path inside a sandbox,
+/// read-only and outside HOME and the workspace, for an agent CLI's
+/// managed pre-tool hook: its managed settings, or the hook helper. A
+/// sandbox with any of them also gets the gate's listener in its network
+/// namespace at every spawn ([`SandboxProcess::gate_listener`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GateFile {
+    /// Absolute, under `/etc`.
+    pub inside: String,
+    pub source: GateSource,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GateSource {
+    /// Written by the daemon under the sandbox's root (root-owned).
+    Contents(Vec<u8>),
+    /// A host file bound as it is (the hook helper program).
+    Host(PathBuf),
+}
+
+/// How a created sandbox binds its [`GateFile`]s: `(host path, path
+/// inside)`, in order. Non-empty: the gate's listener is opened too.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GateMounts {
+    pub binds: Vec<(PathBuf, String)>,
+}
+
+impl GateMounts {
+    pub fn is_empty(&self) -> bool {
+        self.binds.is_empty()
+    }
 }
 
 /// One enforced limit and what enforces it.
@@ -167,6 +203,8 @@ pub struct Sandbox {
     pub cgroup: Option<Arc<cgroup::SandboxCgroup>>,
     /// What its egress proxy decided, when it has network.
     pub egress: Option<Arc<crate::net::EgressLog>>,
+    /// Its agent's hook files, as bound (empty: no gate listener).
+    pub gate: GateMounts,
     pub receipt: EnforcementReceipt,
 }
 

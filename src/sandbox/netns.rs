@@ -1,4 +1,5 @@
-//! How the daemon's egress proxy reaches into a sandbox: bwrap reports the
+//! How the daemon's egress proxy (and the tool-call gate's endpoint) reach
+//! into a sandbox: bwrap reports the
 //! sandbox's first pid on `--info-fd` and waits on `--block-fd`; meanwhile
 //! the daemon creates a listening socket *inside the sandbox's network
 //! namespace* (from a short-lived thread that enters it with setns), hands
@@ -64,11 +65,11 @@ fn child_pid(text: &str) -> Option<i32> {
     rest[..end].parse().ok()
 }
 
-/// A listening TCP socket on port [`PROXY_PORT`] (all of the namespace's
+/// A listening TCP socket on each of `ports` (all of the namespace's
 /// addresses: only its loopback exists) inside the network namespace of
-/// `pid`. Enters it from a thread of its own, so no daemon thread changes
-/// namespace.
-pub async fn listen_in(pid: i32) -> std::io::Result<std::net::TcpListener> {
+/// `pid`, in order. Enters it from a thread of its own, so no daemon thread
+/// changes namespace.
+pub async fn listen_in(pid: i32, ports: Vec<u16>) -> std::io::Result<Vec<std::net::TcpListener>> {
     let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
     let task = tokio::task::spawn_blocking(move || {
         std::thread::scope(|scope| {
@@ -79,9 +80,13 @@ pub async fn listen_in(pid: i32) -> std::io::Result<std::net::TcpListener> {
                     if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
-                    let listener = std::net::TcpListener::bind(("0.0.0.0", PROXY_PORT))?;
-                    listener.set_nonblocking(true)?;
-                    Ok(listener)
+                    let mut listeners = Vec::new();
+                    for port in ports {
+                        let listener = std::net::TcpListener::bind(("0.0.0.0", port))?;
+                        listener.set_nonblocking(true)?;
+                        listeners.push(listener);
+                    }
+                    Ok(listeners)
                 })
                 .join()
                 .unwrap_or_else(|_| Err(std::io::Error::other("netns thread panicked")))

@@ -52,6 +52,13 @@ impl SandboxBackend for NoneBackend {
     }
 
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
+        // No /etc of its own and no network namespace: an agent's managed
+        // hook cannot be installed, so it is refused rather than left out.
+        if !req.gate.is_empty() {
+            return Err(SandboxError::Unavailable(
+                "a none sandbox cannot carry an agent's pre-tool hook (no /etc or network namespace of its own)".into(),
+            ));
+        }
         let (paths, cgroup) = self.boundary.prepare(req)?;
         let mut write_roots = vec![paths.workspace.to_string_lossy().into_owned()];
         write_roots.extend(req.spec.write_paths.iter().filter(|p| p.starts_with('/')).cloned());
@@ -78,6 +85,7 @@ impl SandboxBackend for NoneBackend {
             limits: req.limits,
             cgroup,
             egress: None,
+            gate: Default::default(),
             receipt,
         })
     }

@@ -66,6 +66,9 @@ pub struct SandboxProcess {
     /// Set once the leader is reaped: from then on its pid (and so the
     /// group id) may belong to someone else and must not be signalled.
     reaped: Arc<AtomicBool>,
+    /// The tool-call gate's listener in the sandbox's network namespace,
+    /// for a sandbox with hook files: the rein serves it.
+    pub gate_listener: Option<tokio::net::TcpListener>,
 }
 
 impl std::fmt::Debug for SandboxProcess {
@@ -174,6 +177,7 @@ pub fn spawn_group(
     drop(options);
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);
     Ok(SandboxProcess {
+        gate_listener: None,
         stdin: child.stdin.take(),
         stdout: child.stdout.take(),
         stderr: child.stderr.take(),

@@ -163,6 +163,7 @@ mod tests {
             },
             EventKind::Gated {
                 phase: String::new(),
+                tool: String::new(),
                 action: Action::default(),
                 decisions: vec![PolicyDecision::default()],
                 effective_sandbox: spec.clone(),

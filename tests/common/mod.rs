@@ -113,6 +113,9 @@ impl TestDaemon {
         config.principals = test_principals();
         // The tests' repositories are temporary directories.
         config.repo_roots = vec![std::env::temp_dir()];
+        // The daemon runs inside the test binary: the hook helper is the
+        // corral binary cargo built.
+        config.gate.hook_program = Some(env!("CARGO_BIN_EXE_corral").into());
         // The fake agent's profile names `route.test`.
         let secret = data.path().join("route-test.secret");
         std::fs::write(&secret, ROUTE_TEST_VALUE).unwrap();

@@ -87,7 +87,8 @@ impl Floor {
 
     /// The full command line (program excluded) for a sandbox at `root`.
     pub fn args(&self, root: &Path) -> Vec<OsString> {
-        let mut args = bwrap_args(&self.spec, &SandboxPaths::under(root), &self.layout, self.limits.tmpfs());
+        let mut args =
+            bwrap_args(&self.spec, &SandboxPaths::under(root), &self.layout, self.limits.tmpfs(), &Default::default());
         args.extend(self.argv.iter().map(OsString::from));
         args
     }
@@ -97,7 +98,8 @@ impl Floor {
     /// `--`: proof that the floor runs exactly what corral ran.
     pub fn matches_receipt(&self, workspace: &str, command_digest: &str) -> bool {
         let Some(root) = Path::new(workspace).parent() else { return false };
-        let args: Vec<OsString> = bwrap_args(&self.spec, &SandboxPaths::under(root), &self.layout, self.limits.tmpfs());
+        let args: Vec<OsString> =
+            bwrap_args(&self.spec, &SandboxPaths::under(root), &self.layout, self.limits.tmpfs(), &Default::default());
         let mut hasher = Sha256::new();
         hasher.update(self.program.as_os_str().as_encoded_bytes());
         for arg in &args {
@@ -127,6 +129,7 @@ impl Floor {
             root: root.clone(),
             user,
             limits: self.limits,
+            gate: Vec::new(),
         };
         let (paths, cgroup) = self.boundary.prepare(&request)?;
         let sandbox = Sandbox {
@@ -142,6 +145,7 @@ impl Floor {
             limits: self.limits,
             cgroup,
             egress: None,
+            gate: Default::default(),
             receipt: EnforcementReceipt::default(),
         };
         let exec = ExecSpec {
@@ -154,8 +158,10 @@ impl Floor {
         let env = base_env(&sandbox, &exec, HOME_MOUNT);
         let options = self.boundary.spawn_options(&sandbox)?;
         let egress = self.spec.allow_network.then(Default::default);
-        let (mut process, proxy) =
-            self.backend.launch(&self.spec, &paths, self.limits.tmpfs(), &self.argv, &env, options, egress).await?;
+        let (mut process, proxy) = self
+            .backend
+            .launch(&self.spec, &paths, self.limits.tmpfs(), &Default::default(), &self.argv, &env, options, egress)
+            .await?;
         drop(process.stdin.take());
         let (stdout, stderr) = (process.stdout.take(), process.stderr.take());
         let (_, err) = tokio::join!(drain(stdout), drain(stderr));

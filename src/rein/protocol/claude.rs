@@ -165,10 +165,13 @@ fn result(v: &Value, state: &mut ParserState) -> ToolResult {
 
 /// The refused tool calls of a result: each with the reason Claude Code
 /// gave (from its `permission_denied` line) and what the call wanted.
+/// Calls corral's gate refused are left out: the model was told why, and
+/// the run goes on.
 fn refused(v: &Value, state: &ParserState) -> Vec<String> {
     let denials = v.get("permission_denials").and_then(Value::as_array).cloned().unwrap_or_default();
     denials
         .iter()
+        .filter(|d| !state.gate_denied.iter().any(|id| *id == str_of(d, "tool_use_id")))
         .map(|d| {
             let tool = str_of(d, "tool_name");
             let reason = state

@@ -46,6 +46,9 @@ pub struct ParserState {
     /// The last error the harness reported before it stopped, for a run
     /// that ends without a result line.
     pub last_error: String,
+    /// The agent's ids of the calls corral's gate refused (through its
+    /// hook): refusals the run goes on after, not failures.
+    pub gate_denied: Vec<String>,
     claude: claude::State,
     codex: codex::State,
 }
