@@ -706,3 +706,121 @@ async fn max_tool_calls_counts_the_agents_real_calls() {
         );
     }
 }
+
+/// `corral exec --json` of `profile`, read line by line: on each
+/// `approval_requested`, `decide` says what to do (`Some((true, _))`:
+/// `corral approve`, `Some((false, reason))`: `corral deny --reason`,
+/// `None`: nothing). The exit code and every event line.
+async fn exec_deciding(
+    serve: &ServeProcess,
+    profile: &str,
+    repo: &Path,
+    description: &str,
+    decide: impl Fn(&Value) -> Option<(bool, String)>,
+) -> (i32, Vec<Value>) {
+    use tokio::io::AsyncBufReadExt;
+    let mut child = tokio::process::Command::new(CORRAL)
+        .args(["--server", &serve.cli_url(), "exec", "--json", "--profile", profile, "--repo"])
+        .arg(repo)
+        .args(["--title", "real agent test", "--description", description])
+        .env_remove("CORRAL_SERVER")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("corral exec runs");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut events = Vec::new();
+    let read = async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            let event: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+            if let Some(asked) = event.get("approvalRequested") {
+                if let Some((allow, reason)) = decide(asked) {
+                    let subject = event["subjectId"].as_str().unwrap();
+                    let call = asked["callId"].as_str().unwrap();
+                    let verb = if allow { "approve" } else { "deny" };
+                    let out = std::process::Command::new(CORRAL)
+                        .args(["--server", &serve.cli_url(), verb, subject, call, "--reason", &reason])
+                        .env_remove("CORRAL_SERVER")
+                        .output()
+                        .unwrap();
+                    assert!(out.status.success(), "corral {verb}: {}", String::from_utf8_lossy(&out.stderr));
+                    let said = String::from_utf8_lossy(&out.stdout);
+                    assert!(said.contains(call) && said.contains(if allow { "allowed" } else { "denied" }), "{said}");
+                }
+            }
+            events.push(event);
+        }
+    };
+    tokio::time::timeout(RUN_TIMEOUT, read).await.expect("corral exec finished in time");
+    let status = child.wait().await.unwrap();
+    assert!(events.last().is_some_and(|e| e["finished"].is_object()), "no `finished`");
+    (status.code().unwrap_or(-1), events)
+}
+
+/// Every call to the shell waits for a person, at most 3 s.
+const ASK_SHELL: &str = "[[policies]]\nname = \"ask-shell\"\nkind = \"require_approval\"\non = [\"tool_call:Bash\"]\n\
+                         arguments = { timeout_seconds = 3 }\n";
+
+/// (call id, allow, decided by, reason) of each `approval_decided`.
+fn approvals_decided(events: &[Value]) -> Vec<(bool, String, String)> {
+    events
+        .iter()
+        .filter_map(|e| e.get("approvalDecided"))
+        .map(|d| {
+            (
+                d["allow"].as_bool().unwrap_or(false),
+                d["decidedBy"].as_str().unwrap_or_default().to_string(),
+                d["reason"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_person_approves_denies_or_lets_time_out_the_agents_shell_calls() {
+    require_claude();
+    require_codex();
+    let shell = |profile: &str, file: &str| match profile {
+        "builtin.claude-code" => {
+            Step::tool("Bash", json!({"command": format!("echo yes > {file}"), "description": "asked"}))
+        }
+        _ => Step::tool("exec_command", json!({"cmd": format!("echo yes > {file}")})),
+    };
+    // (what the person does, whether the file must exist, who decided, what the model is told)
+    type Case = (Option<(bool, &'static str)>, bool, &'static str, &'static str);
+    let cases: [Case; 3] = [
+        (Some((true, "looks fine")), true, "local-admin", ""),
+        (Some((false, "not on a Friday")), false, "local-admin", "denied by local-admin: not on a Friday"),
+        (None, false, "corral", "no decision within 3 s"),
+    ];
+    for profile in ["builtin.claude-code", "builtin.codex"] {
+        for (answer, runs, by, told) in cases {
+            let mock = ModelMock::start(vec![shell(profile, "asked.txt"), Step::text("Done.")]).await;
+            let (_dir, serve) = serve_configured(&mock, true, &[], ASK_SHELL).await;
+            let origin = git_repo();
+            let (code, events) = exec_deciding(&serve, profile, origin.path(), "Run the shell.", |asked| {
+                assert_eq!(asked["tool"], "Bash");
+                assert!(asked["summary"].as_str().unwrap().contains("asked.txt"), "{asked}");
+                assert!(asked["expiresAt"].is_string(), "{asked}");
+                answer.map(|(allow, reason)| (allow, reason.to_string()))
+            })
+            .await;
+            let record = execution(&events);
+            assert_eq!(code, 0, "{profile} {answer:?}: {record:#}");
+            let id = record["executionId"].as_str().unwrap();
+            assert_eq!(ref_has(origin.path(), id, "asked.txt"), runs, "{profile} {answer:?}");
+            let decided = approvals_decided(&events);
+            assert_eq!(decided.len(), 1, "{profile}: {decided:?}");
+            assert_eq!((decided[0].0, decided[0].1.as_str()), (runs, by), "{profile} {answer:?}");
+            if !runs {
+                let sent = later_requests(&mock);
+                assert!(sent.contains(told), "{profile} {answer:?}: the model was told {told:?}: {sent}");
+            }
+            let counts = &record["evidence"]["toolCalls"];
+            assert_eq!(number(&counts["asked"]), 1, "{profile}: {counts}");
+            let gated = tool_gates(&events);
+            assert_eq!(gated[1], ("Bash".to_string(), "GATE_ACTION_ASK".to_string(), String::new()), "{profile}");
+        }
+    }
+}

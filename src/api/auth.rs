@@ -78,3 +78,47 @@ pub fn not_visible(what: &str, id: &str) -> Status {
 pub fn audit(principal: &Principal, rpc: &str, subject: &str) {
     tracing::info!(target: "corral::audit", principal = %principal.name, kind = principal.kind.as_str(), rpc, subject);
 }
+
+/// `DecideToolCall` on either service, once the run is known to be
+/// visible: the run's own principal, `adm`, or an approver of its project
+/// may decide; then the call must still be waiting. One audit line each.
+pub fn decide_tool_call(
+    engine: &crate::lifecycle::Engine,
+    principal: &Principal,
+    run: (&str, &crate::sandbox::Consumer),
+    call_id: &str,
+    allow: bool,
+    reason: &str,
+) -> Result<crate::pb::DecideToolCallResponse, Status> {
+    use crate::gate::approvals::{Decision, Undecidable};
+    let (subject, consumer) = run;
+    let own = consumer.principal == principal.name;
+    let approver = principal.approve && principal.can_see(&consumer.project);
+    if !(own || principal.is_admin() || approver) {
+        return Err(denied(Denied {
+            reason: "NOT_AN_APPROVER",
+            message: format!(
+                "{} may not decide the tool calls of {subject}: only its own principal, adm, or a principal with \
+                 approve = true in project {} may",
+                principal.name, consumer.project
+            ),
+        }));
+    }
+    let decision = Decision { allow, by: principal.name.clone(), reason: reason.to_string() };
+    match engine.approvals.decide(subject, call_id, decision) {
+        Ok(()) => {}
+        Err(Undecidable::Unknown) => {
+            return Err(Status::not_found(format!("call_id: no tool call {call_id} waits for a decision in {subject}")))
+        }
+        Err(Undecidable::Settled) => {
+            return Err(Status::failed_precondition(format!(
+                "call_id: tool call {call_id} of {subject} was already decided (or no longer waits)"
+            )))
+        }
+    }
+    tracing::info!(
+        target: "corral::audit", principal = %principal.name, kind = principal.kind.as_str(), rpc = "DecideToolCall",
+        subject, call_id, allow, "tool call decided"
+    );
+    Ok(crate::pb::DecideToolCallResponse { call_id: call_id.to_string(), allow, decided_by: principal.name.clone() })
+}

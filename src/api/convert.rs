@@ -61,6 +61,7 @@ pub fn action(a: Action) -> pb::GateAction {
     match a {
         Action::Allow => pb::GateAction::Allow,
         Action::Deny => pb::GateAction::Deny,
+        Action::Ask => pb::GateAction::Ask,
     }
 }
 
@@ -148,6 +149,11 @@ pub fn evidence(e: &evidence::Evidence) -> pb::Evidence {
         notes: e.notes.clone(),
         workspace_snapshot: e.workspace_snapshot,
         agent_commits: e.agent_commits,
+        tool_calls: Some(pb::ToolCallCounts {
+            allowed: e.tool_calls.allowed,
+            denied: e.tool_calls.denied,
+            asked: e.tool_calls.asked,
+        }),
         egress: Some(pb::EgressSummary {
             allowed: e.egress.allowed,
             denied: e.egress.denied,
@@ -266,6 +272,22 @@ pub fn event(item: &BusItem) -> pb::LifecycleEvent {
             rule_or_reason: rule_or_reason.clone(),
             method: wire::<pb::EgressMethod>(method),
         }),
+        EventKind::ApprovalRequested { call_id, tool, summary, expires_at_ms } => {
+            Kind::ApprovalRequested(pb::ApprovalRequested {
+                call_id: call_id.clone(),
+                tool: tool.clone(),
+                summary: summary.clone(),
+                expires_at: Some(timestamp(*expires_at_ms)),
+            })
+        }
+        EventKind::ApprovalDecided { call_id, allow, decided_by, reason } => {
+            Kind::ApprovalDecided(pb::ApprovalDecided {
+                call_id: call_id.clone(),
+                allow: *allow,
+                decided_by: decided_by.clone(),
+                reason: reason.clone(),
+            })
+        }
         EventKind::LimitHit { limit, value, detail } => {
             Kind::Limit(pb::LimitHit { limit: wire::<pb::LimitKind>(limit), value: *value, detail: detail.clone() })
         }

@@ -312,4 +312,18 @@ impl ExecutionService for ExecutionApi {
         audit(&principal, "CancelExecution", &req.execution_id);
         Ok(Response::new(convert::execution(&record, None)))
     }
+
+    async fn decide_tool_call(
+        &self,
+        request: Request<pb::DecideToolCallRequest>,
+    ) -> Result<Response<pb::DecideToolCallResponse>, Status> {
+        let principal = caller(&request)?;
+        let req = request.into_inner();
+        validate::id("execution_id", &req.execution_id)?;
+        let allow = validate::tool_call_decision(&req.call_id, req.decision, &req.reason)?;
+        let record = self.visible(&principal, &req.execution_id).await?;
+        let run = (req.execution_id.as_str(), &record.consumer);
+        let decided = super::auth::decide_tool_call(&self.engine, &principal, run, &req.call_id, allow, &req.reason)?;
+        Ok(Response::new(decided))
+    }
 }

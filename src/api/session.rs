@@ -164,6 +164,20 @@ impl SessionService for SessionApi {
         Ok(Response::new(convert::session(&record, None)))
     }
 
+    async fn decide_tool_call(
+        &self,
+        request: Request<pb::DecideSessionToolCallRequest>,
+    ) -> Result<Response<pb::DecideToolCallResponse>, Status> {
+        let principal = caller(&request)?;
+        let req = request.into_inner();
+        validate::session_ref("session_id", &req.session_id)?;
+        let allow = validate::tool_call_decision(&req.call_id, req.decision, &req.reason)?;
+        let record = self.visible(&principal, &req.session_id).await?;
+        let run = (record.session_id.as_str(), &record.consumer);
+        let decided = super::auth::decide_tool_call(&self.engine, &principal, run, &req.call_id, allow, &req.reason)?;
+        Ok(Response::new(decided))
+    }
+
     async fn end_session(&self, request: Request<pb::EndSessionRequest>) -> Result<Response<pb::Session>, Status> {
         let principal = caller(&request)?;
         let trace_parent = traceparent(&request);

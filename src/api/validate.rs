@@ -153,6 +153,25 @@ pub fn policy_kind(field: &str, value: i32) -> Result<&'static str, Status> {
     }
 }
 
+/// A decision on a waiting tool call: its call id (`call-<n>`, as the
+/// approval_requested event gave it), allow or deny, and a reason.
+pub fn tool_call_decision(call_id: &str, decision: i32, reason: &str) -> Result<bool, Status> {
+    let digits = call_id.strip_prefix("call-").unwrap_or_default();
+    if digits.is_empty() || digits.len() > 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(invalid_argument("call_id", "must be a call id from an approval_requested event (call-<n>)"));
+    }
+    text("reason", reason, 1024)?;
+    if reason.chars().any(|c| c.is_control()) {
+        return Err(invalid_argument("reason", "must not contain control characters"));
+    }
+    match pb::ToolCallDecision::try_from(decision) {
+        Ok(pb::ToolCallDecision::Allow) => Ok(true),
+        Ok(pb::ToolCallDecision::Deny) => Ok(false),
+        Ok(pb::ToolCallDecision::Unspecified) => Err(invalid_argument("decision", "is required (ALLOW or DENY)")),
+        Err(_) => Err(invalid_argument("decision", format!("unknown ToolCallDecision {decision}"))),
+    }
+}
+
 /// `0` is the default page; more than [`MAX_PAGE`] is refused.
 pub fn page_size(value: u32) -> Result<u32, Status> {
     match value {

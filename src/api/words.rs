@@ -71,6 +71,7 @@ words!(PolicyKind {
     AllowedRepos => "allowed_repos",
     MaxToolCalls => "max_tool_calls",
     Expr => "expr",
+    RequireApproval => "require_approval",
 });
 words!(PolicySource { Session => "session", Profile => "profile", Admin => "admin", Builtin => "builtin" });
 words!(GatePhase { AgentStart => "agent_start", ToolCall => "tool_call" });
@@ -140,6 +141,7 @@ mod tests {
             (pb::PolicyKind::AllowedRepos, "allowed_repos"),
             (pb::PolicyKind::MaxToolCalls, "max_tool_calls"),
             (pb::PolicyKind::Expr, "expr"),
+            (pb::PolicyKind::RequireApproval, "require_approval"),
         ]);
         check(&[
             (pb::PolicySource::Session, "session"),

@@ -38,6 +38,10 @@ pub struct PrincipalConfig {
     /// Absolute prefixes its `repo` must be under (within the daemon's
     /// `repo_roots`); empty: any repository under the roots.
     pub repos: Vec<PathBuf>,
+    /// It may decide other principals' tool calls waiting for approval in
+    /// its projects (`DecideToolCall`). Its own runs' calls it may always
+    /// decide, and `adm` any.
+    pub approve: bool,
 }
 
 /// A principal with the digests of its credentials.
@@ -136,6 +140,7 @@ impl PrincipalConfig {
                 projects,
                 max_running: self.max_running,
                 repos: self.repos.clone(),
+                approve: self.approve,
             },
             token_digests,
             unix_uids: self.unix_uids.clone(),

@@ -45,6 +45,7 @@ impl Authenticator {
             projects: Projects::All,
             max_running: None,
             repos: Vec::new(),
+            approve: false,
         });
         let mut tokens = Vec::new();
         let mut uids = HashMap::new();

@@ -77,6 +77,8 @@ pub struct Principal {
     /// Where its repositories may be (absolute prefixes), within the
     /// daemon's `repo_roots`; empty: anywhere within them.
     pub repos: Vec<std::path::PathBuf>,
+    /// May decide others' waiting tool calls in its projects.
+    pub approve: bool,
 }
 
 /// Why a call is refused: a stable machine reason and a sentence.
@@ -185,6 +187,7 @@ mod tests {
             projects: Projects::Only(projects.iter().map(|p| p.to_string()).collect()),
             max_running: None,
             repos: Vec::new(),
+            approve: false,
         }
     }
 
@@ -195,6 +198,7 @@ mod tests {
             projects: Projects::All,
             max_running: None,
             repos: Vec::new(),
+            approve: false,
         }
     }
 

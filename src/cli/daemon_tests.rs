@@ -72,6 +72,13 @@ impl ExecutionService for FakeDaemon {
     ) -> Result<Response<pb::Execution>, Status> {
         Err(Status::unimplemented("fake"))
     }
+
+    async fn decide_tool_call(
+        &self,
+        _: Request<pb::DecideToolCallRequest>,
+    ) -> Result<Response<pb::DecideToolCallResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 fn event(sequence: u64, kind: Kind) -> pb::LifecycleEvent {

@@ -24,6 +24,9 @@ impl WireMessage for pb::ListExecutionsResponse {
 impl WireMessage for pb::ListProfilesResponse {
     const FULL_NAME: &'static str = "corral.v1.ListProfilesResponse";
 }
+impl WireMessage for pb::DecideToolCallResponse {
+    const FULL_NAME: &'static str = "corral.v1.DecideToolCallResponse";
+}
 impl WireMessage for pb::DaemonInfo {
     const FULL_NAME: &'static str = "corral.v1.DaemonInfo";
 }

@@ -138,6 +138,10 @@ pub enum ClientCommand {
     Watch(WatchArgs),
     /// Print one execution record.
     Get(GetArgs),
+    /// Allow a tool call waiting for approval (an approval_requested event).
+    Approve(DecideArgs),
+    /// Deny a tool call waiting for approval; the reason reaches the model.
+    Deny(DecideArgs),
     /// List executions.
     Ls(LsArgs),
     /// List the harness profiles the daemon knows.
@@ -217,6 +221,18 @@ pub struct GetArgs {
     pub full: bool,
 }
 
+/// Arguments of `corral approve` and `corral deny`.
+#[derive(clap::Args, Debug)]
+pub struct DecideArgs {
+    /// The execution or session the call belongs to.
+    pub id: String,
+    /// The call id from the approval_requested event (`call-<n>`).
+    pub call: String,
+    /// Why; with a deny, the model is told.
+    #[arg(long, default_value = "")]
+    pub reason: String,
+}
+
 /// Arguments of `corral ls`.
 #[derive(clap::Args, Debug)]
 pub struct LsArgs {
@@ -267,6 +283,8 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
         ClientCommand::Exec(args) => exec::exec(server, args, &printer).await,
         ClientCommand::Watch(args) => exec::watch(server, args, &printer).await,
         ClientCommand::Get(args) => query::get(server, args, &printer).await,
+        ClientCommand::Approve(args) => query::decide(server, args, true, &printer).await,
+        ClientCommand::Deny(args) => query::decide(server, args, false, &printer).await,
         ClientCommand::Ls(args) => query::ls(server, args, &printer).await,
         ClientCommand::Profiles(_) => query::profiles(server, &printer).await,
         ClientCommand::Version => query::version(server, &printer).await,

@@ -45,6 +45,13 @@ impl Printer {
         self.either(execution, || record::execution(execution))
     }
 
+    pub(super) fn decided(&self, decided: &pb::DecideToolCallResponse) -> anyhow::Result<()> {
+        self.either(decided, || {
+            let action = if decided.allow { "allowed" } else { "denied" };
+            format!("{} {action} by {}\n", decided.call_id, decided.decided_by)
+        })
+    }
+
     pub(super) fn executions(&self, response: &pb::ListExecutionsResponse) -> anyhow::Result<()> {
         self.either(response, || table::executions(response))
     }

@@ -1,7 +1,8 @@
-//! `corral get`, `corral ls` and `corral profiles`: one unary call each.
+//! `corral get`, `corral ls`, `corral approve`/`deny` and `corral profiles`:
+//! one unary call each.
 
 use super::output::Printer;
-use super::{GetArgs, LsArgs, Remote};
+use super::{DecideArgs, GetArgs, LsArgs, Remote};
 use crate::pb;
 use crate::pb::catalog_service_client::CatalogServiceClient;
 use crate::pb::execution_service_client::ExecutionServiceClient;
@@ -12,6 +13,34 @@ pub(super) async fn get(server: &Remote, args: GetArgs, printer: &Printer) -> an
     let request = pb::GetExecutionRequest { execution_id: args.id, view: view as i32 };
     let execution = client.get_execution(request).await?.into_inner();
     printer.execution(&execution)?;
+    Ok(0)
+}
+
+/// `corral approve` / `corral deny`: the call of an execution, else of a
+/// session of that id.
+pub(super) async fn decide(server: &Remote, args: DecideArgs, allow: bool, printer: &Printer) -> anyhow::Result<i32> {
+    use crate::pb::session_service_client::SessionServiceClient;
+    let decision = if allow { pb::ToolCallDecision::Allow } else { pb::ToolCallDecision::Deny } as i32;
+    let channel = server.open().await?;
+    let request = pb::DecideToolCallRequest {
+        execution_id: args.id.clone(),
+        call_id: args.call.clone(),
+        decision,
+        reason: args.reason.clone(),
+    };
+    let decided = match ExecutionServiceClient::new(channel.clone()).decide_tool_call(request).await {
+        Err(status) if status.code() == tonic::Code::NotFound && !status.message().starts_with("call_id") => {
+            let request = pb::DecideSessionToolCallRequest {
+                session_id: args.id,
+                call_id: args.call,
+                decision,
+                reason: args.reason,
+            };
+            SessionServiceClient::new(channel).decide_tool_call(request).await?
+        }
+        other => other?,
+    };
+    printer.decided(&decided.into_inner())?;
     Ok(0)
 }
 

@@ -231,6 +231,19 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
             facts.add("detail", &l.detail);
             "limit"
         }
+        Some(Kind::ApprovalRequested(a)) => {
+            facts.add("call", &a.call_id).add("tool", &a.tool).add("arguments", &a.summary);
+            facts.add("expires", timestamp_seconds(a.expires_at.as_ref()));
+            // How to decide it, for the person watching.
+            let id = &event.subject_id;
+            facts.add("decide", format!("corral approve {id} {0} | corral deny {id} {0} --reason TEXT", a.call_id));
+            "approval_requested"
+        }
+        Some(Kind::ApprovalDecided(d)) => {
+            facts.add("call", &d.call_id).add("action", if d.allow { "allow" } else { "deny" });
+            facts.add("by", &d.decided_by).add("reason", &d.reason);
+            "approval_decided"
+        }
     };
     let time = match &event.time {
         Some(ts) => timestamp(ts),

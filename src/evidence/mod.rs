@@ -144,6 +144,30 @@ pub struct Evidence {
     pub workspace_snapshot: bool,
     /// Commits the agent made itself.
     pub agent_commits: u64,
+    /// The tool_call gate's decisions, counted.
+    pub tool_calls: ToolCallCounts,
+}
+
+/// The tool_call gate's decisions: `allowed` and `denied` count outcomes
+/// (an asked call once more when it is decided), `asked` the calls that
+/// waited for a person.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ToolCallCounts {
+    pub allowed: u64,
+    pub denied: u64,
+    pub asked: u64,
+}
+
+impl ToolCallCounts {
+    pub fn count(&mut self, action: crate::policy::Action) {
+        use crate::policy::Action;
+        match action {
+            Action::Allow => self.allowed += 1,
+            Action::Deny => self.denied += 1,
+            Action::Ask => self.asked += 1,
+        }
+    }
 }
 
 /// Egress of a run: every attempt counted, the first denied hosts named,

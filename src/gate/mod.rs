@@ -14,6 +14,7 @@
 //! malformed call, the run ending) the answer is a deny: a tool call runs
 //! only when the gate said so.
 
+pub mod approvals;
 pub mod endpoint;
 pub mod helper;
 pub mod hook;

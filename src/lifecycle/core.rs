@@ -251,6 +251,9 @@ impl Core {
             crate::telemetry::gate_decision(&decision.source, decision.action);
         }
         self.evidence.gate_decisions.extend(outcome.decisions.iter().cloned());
+        if outcome.phase == Phase::ToolCall {
+            self.evidence.tool_calls.count(outcome.action);
+        }
         EventKind::Gated {
             phase: outcome.phase.as_str().into(),
             tool: crate::records::bounded::tool_name(&self.scrubber.scrub(&outcome.tool)),
@@ -647,6 +650,7 @@ impl Core {
             sandbox: self.effective.clone().unwrap_or_default(),
             timeout_seconds: self.timeout.as_secs(),
             tool_calls: self.tool_calls.clone(),
+            subject: self.recorder.subject().to_string(),
         }
     }
 
@@ -663,7 +667,10 @@ impl Core {
                 HarnessEvent::Progress { message, .. } => message.len(),
                 HarnessEvent::Output { line } => line.len(),
                 HarnessEvent::ToolUse { tool, .. } => tool.len(),
-                HarnessEvent::OutputTruncated { .. } | HarnessEvent::Gated(_) => 0,
+                HarnessEvent::ApprovalRequested { summary, .. } => summary.len(),
+                HarnessEvent::OutputTruncated { .. }
+                | HarnessEvent::Gated(_)
+                | HarnessEvent::ApprovalDecided { .. } => 0,
             };
             // Past the budget nothing more is recorded (policy verdicts
             // still reach the harness): one `limit` event says so.
@@ -694,6 +701,19 @@ impl Core {
                     // Keep the order: what came before the decision first.
                     self.recorder.emit_batch(std::mem::take(&mut batch)).await;
                     self.record_gate(&outcome).await;
+                }
+                HarnessEvent::ApprovalRequested { call_id, tool, summary, expires_at_ms } => {
+                    let tool = crate::records::bounded::tool_name(&self.scrubber.scrub(&tool));
+                    let summary = self.scrubber.scrub(&summary).chars().take(512).collect();
+                    let event = EventKind::ApprovalRequested { call_id, tool, summary, expires_at_ms };
+                    // At once: a person is waiting to see it.
+                    self.recorder.emit_batch(std::mem::take(&mut batch)).await;
+                    self.recorder.emit(event, None).await;
+                }
+                HarnessEvent::ApprovalDecided { call_id, allow, by, reason } => {
+                    self.evidence.tool_calls.count(if allow { Action::Allow } else { Action::Deny });
+                    let reason = self.scrubber.scrub(&reason).chars().take(1024).collect();
+                    batch.push((EventKind::ApprovalDecided { call_id, allow, decided_by: by, reason }, None));
                 }
             }
             if batch.len() < max_batch {
@@ -832,11 +852,21 @@ struct CoreGate {
     sandbox: SandboxSpec,
     timeout_seconds: u64,
     tool_calls: Arc<AtomicU64>,
+    /// The execution or session its approvals are filed under.
+    subject: String,
 }
 
 impl ToolGate for CoreGate {
     fn check(&self, tool: &str, arguments: &Value) -> GateOutcome {
         self.decide(tool, arguments, true)
+    }
+
+    fn open_approval(&self) -> Option<crate::gate::approvals::Waiter> {
+        Some(self.engine.approvals.open(&self.subject))
+    }
+
+    fn count_approved(&self) {
+        self.tool_calls.fetch_add(1, Ordering::SeqCst);
     }
 }
 

@@ -97,6 +97,8 @@ pub struct Engine {
     pub proxy_budget: Arc<crate::net::ProxyBudget>,
     /// The hook helper bound into Codex's sandboxes (see `gate`).
     pub hook_program: Option<PathBuf>,
+    /// Tool calls waiting for a person's decision.
+    pub approvals: Arc<crate::gate::approvals::Approvals>,
     admission: admission::Admission,
     /// Bounds on open watch streams.
     watchers: Arc<watch::Watchers>,
@@ -148,6 +150,7 @@ impl Engine {
             git: parts.git,
             proxy_budget: parts.proxy_budget,
             hook_program: parts.hook_program,
+            approvals: Arc::default(),
             admission: admission::Admission::new(parts.max_running, parts.max_sessions),
             watchers: watch::Watchers::new(parts.max_watchers_per_subject, parts.max_watchers),
             event_pages,

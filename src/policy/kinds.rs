@@ -83,7 +83,26 @@ pub enum Kind {
     MaxToolCalls {
         limit: u64,
     },
+    /// The call waits for a person's decision (`DecideToolCall`) for at
+    /// most this long, then is denied.
+    RequireApproval {
+        timeout_seconds: u64,
+    },
     Expr(Expr),
+}
+
+/// How long an approval waits when a `require_approval` names no timeout.
+pub const DEFAULT_APPROVAL_SECONDS: u64 = 300;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ApprovalArgs {
+    #[serde(default = "default_approval_seconds")]
+    timeout_seconds: u64,
+}
+
+fn default_approval_seconds() -> u64 {
+    DEFAULT_APPROVAL_SECONDS
 }
 
 /// A policy whose arguments were validated.
@@ -97,7 +116,8 @@ pub struct Policy {
 }
 
 pub const KNOWN_KINDS: &str =
-    "enforce_sandbox, deny_network, egress_allowlist, max_timeout, allowed_actors, allowed_repos, max_tool_calls, expr";
+    "enforce_sandbox, deny_network, egress_allowlist, max_timeout, allowed_actors, allowed_repos, max_tool_calls, \
+     expr, require_approval";
 
 fn args<T: for<'de> Deserialize<'de>>(arguments: &Value) -> Result<T, String> {
     let value = if arguments.is_null() { Value::Object(Default::default()) } else { arguments.clone() };
@@ -144,6 +164,13 @@ impl Policy {
             }
             "allowed_repos" => Kind::AllowedRepos { prefixes: args::<Prefixes>(&spec.arguments)?.prefixes },
             "max_tool_calls" => Kind::MaxToolCalls { limit: args::<Limit>(&spec.arguments)?.limit },
+            "require_approval" => {
+                let ApprovalArgs { timeout_seconds } = args(&spec.arguments)?;
+                if timeout_seconds == 0 {
+                    return Err("arguments.timeout_seconds: must be at least 1".into());
+                }
+                Kind::RequireApproval { timeout_seconds }
+            }
             "expr" => {
                 let ExprArgs { expression, reason } = args(&spec.arguments)?;
                 Kind::Expr(Expr::compile(&expression, reason)?)

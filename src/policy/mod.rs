@@ -44,6 +44,8 @@ pub enum Action {
     #[default]
     Allow,
     Deny,
+    /// At `tool_call`: the call waits for a person's decision.
+    Ask,
 }
 
 /// A policy as written in a profile, a session or the daemon config.
@@ -132,6 +134,9 @@ pub struct GateOutcome {
     pub decisions: Vec<PolicyDecision>,
     pub effective_sandbox: SandboxSpec,
     pub effective_timeout_seconds: u64,
+    /// With [`Action::Ask`]: how long the call waits for a decision (the
+    /// shortest of the asking policies', bounded by the run's timeout).
+    pub approval_timeout_seconds: u64,
 }
 
 impl GateOutcome {
@@ -177,7 +182,7 @@ impl Policy {
     fn governs_tool_calls(&self) -> bool {
         let selected = self.on.iter().any(|s| s.phase == Phase::ToolCall && s.tool.as_deref() != Some(DISPATCHED_TOOL));
         match &self.kind {
-            Kind::MaxToolCalls { .. } => self.on.is_empty() || selected,
+            Kind::MaxToolCalls { .. } | Kind::RequireApproval { .. } => self.on.is_empty() || selected,
             Kind::Expr(expr) if self.on.is_empty() => expr.reads_tool_call(),
             _ => selected,
         }
@@ -189,7 +194,7 @@ impl Policy {
             Kind::EnforceSandbox(_) | Kind::DenyNetwork | Kind::EgressAllowlist { .. } | Kind::MaxTimeout { .. } => {
                 &[Phase::AgentStart]
             }
-            Kind::MaxToolCalls { .. } => &[Phase::ToolCall],
+            Kind::MaxToolCalls { .. } | Kind::RequireApproval { .. } => &[Phase::ToolCall],
             Kind::AllowedActors { .. } | Kind::AllowedRepos { .. } | Kind::Expr(_) => {
                 &[Phase::AgentStart, Phase::ToolCall]
             }
@@ -219,6 +224,7 @@ impl Gate {
             decisions: Vec::new(),
             effective_sandbox: input.sandbox.clone(),
             effective_timeout_seconds: input.timeout_seconds,
+            approval_timeout_seconds: 0,
         };
         let policies = input.session_policies.iter().chain(input.profile_policies).chain(&self.admin_policies);
         for policy in policies.filter(|p| p.applies(input.phase, input.tool)) {
@@ -232,6 +238,15 @@ impl Gate {
             if action == Action::Deny {
                 outcome.action = Action::Deny;
                 return outcome;
+            }
+            if let (Action::Ask, Kind::RequireApproval { timeout_seconds }) = (action, &policy.kind) {
+                // An ask waits for later policies: any deny still wins.
+                let bounded = (*timeout_seconds).min(input.timeout_seconds.max(1));
+                outcome.approval_timeout_seconds = match outcome.action {
+                    Action::Ask => outcome.approval_timeout_seconds.min(bounded),
+                    _ => bounded,
+                };
+                outcome.action = Action::Ask;
             }
         }
         if let (Phase::AgentStart, Some(why)) = (input.phase, input.ungated_tool_calls) {
@@ -370,6 +385,9 @@ fn decide(policy: &Policy, input: &GateInput<'_>, outcome: &mut GateOutcome) -> 
             } else {
                 (Action::Deny, format!("tool call limit {limit} reached"))
             }
+        }
+        Kind::RequireApproval { timeout_seconds } => {
+            (Action::Ask, format!("a person must approve this call (waits at most {timeout_seconds} s)"))
         }
         Kind::Expr(expr) => match expr.evaluate(&expr_input(input, &outcome.effective_sandbox)) {
             Ok(true) => (Action::Allow, "expression holds".into()),

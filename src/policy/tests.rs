@@ -257,3 +257,41 @@ fn a_policy_on_tool_calls_refuses_a_harness_whose_tool_calls_are_not_gated() {
     let ungated = admin.evaluate(&GateInput { ungated_tool_calls: Some(why), ..input(&spec, &[], &[]) });
     assert_eq!(ungated.action, Action::Deny);
 }
+
+#[test]
+fn require_approval_asks_waits_the_shortest_time_within_the_run_and_a_later_deny_wins() {
+    let spec = SandboxSpec::default();
+    let ask = |name: &str, seconds: u64| {
+        policy(name, "require_approval", json!({"timeout_seconds": seconds}), &["tool_call:Bash"], "admin")
+    };
+    let profile = [ask("slow", 900), ask("quick", 30)];
+    let call = |tool: &'static str, timeout_seconds: u64, policies: &[Policy]| {
+        let outcome = gate().evaluate(&GateInput {
+            phase: Phase::ToolCall,
+            tool,
+            timeout_seconds,
+            ..input(&spec, policies, &[])
+        });
+        (outcome.action, outcome.approval_timeout_seconds)
+    };
+    assert_eq!(call("Bash", 600, &profile), (Action::Ask, 30), "the shortest asking policy");
+    assert_eq!(call("Bash", 10, &profile), (Action::Ask, 10), "never past the run's timeout");
+    assert_eq!(call("Write", 600, &profile), (Action::Allow, 0), "another tool does not ask");
+    let denied = [ask("quick", 30), policy("no", "expr", json!({"expression": "false", "reason": "r"}), &[], "admin")];
+    assert_eq!(call("Bash", 600, &denied).0, Action::Deny, "a deny after an ask wins");
+    let default = policy("d", "require_approval", json!({}), &[], "admin");
+    assert!(matches!(default.kind, Kind::RequireApproval { timeout_seconds: 300 }));
+    let zero = PolicySpec {
+        name: "z".into(),
+        kind: "require_approval".into(),
+        arguments: json!({"timeout_seconds": 0}),
+        on: vec![],
+    };
+    assert!(Policy::compile(&zero, "admin").unwrap_err().contains("timeout_seconds"));
+    // Not at agent_start: it has nothing to say there...
+    let start = gate().evaluate(&input(&spec, &profile, &[]));
+    assert_eq!(start.action, Action::Allow);
+    // ...but an ungated harness under it is refused, not run unasked.
+    let refused = gate().evaluate(&GateInput { ungated_tool_calls: Some("no hook"), ..input(&spec, &profile, &[]) });
+    assert_eq!(refused.action, Action::Deny);
+}

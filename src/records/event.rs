@@ -131,6 +131,30 @@ pub enum EventKind {
         #[serde(default)]
         detail: String,
     },
+    /// A tool call waits for a person's decision (`DecideToolCall`).
+    ApprovalRequested {
+        #[serde(default)]
+        call_id: String,
+        #[serde(default)]
+        tool: String,
+        /// The call's arguments, scrubbed and cut.
+        #[serde(default)]
+        summary: String,
+        #[serde(default)]
+        expires_at_ms: i64,
+    },
+    /// How a waiting call was decided: by a principal, or by corral when
+    /// nobody decided in time.
+    ApprovalDecided {
+        #[serde(default)]
+        call_id: String,
+        #[serde(default)]
+        allow: bool,
+        #[serde(default)]
+        decided_by: String,
+        #[serde(default)]
+        reason: String,
+    },
     Teardown {
         session_cleanup: TeardownResult,
         sandbox_destroy: TeardownResult,
@@ -159,6 +183,8 @@ impl EventKind {
             EventKind::Recovered { .. } => "recovered",
             EventKind::LimitHit { .. } => "limit",
             EventKind::Egress { .. } => "egress",
+            EventKind::ApprovalRequested { .. } => "approval_requested",
+            EventKind::ApprovalDecided { .. } => "approval_decided",
             EventKind::Teardown { .. } => "teardown",
             EventKind::Finished { .. } | EventKind::SessionFinished { .. } => "finished",
         }

@@ -21,8 +21,7 @@ use super::lines::{CappedBuffer, LineReader};
 use super::protocol::{parse_line, Line, ParserState};
 use super::{Dispatch, HarnessEvent, HarnessSession, Rein, ReinError, StartContext, ToolCall, ToolResult};
 use crate::catalog::{Preset, TaskInput};
-use crate::gate::{HookRequest, Verdict};
-use crate::policy::{Action, GateOutcome};
+use crate::gate::HookRequest;
 use crate::sandbox::{ExecSpec, SandboxProcess};
 
 /// How long a harness gets between SIGTERM and SIGKILL.
@@ -167,25 +166,14 @@ async fn next_hook(hooks: &mut Option<tokio::sync::mpsc::Receiver<HookRequest>>)
     }
 }
 
-/// What the harness is told of a decision: allow, or deny with the
-/// deciding policy and its reason.
-fn verdict_of(outcome: &GateOutcome) -> Verdict {
-    match outcome.denial() {
-        Some(denial) => Verdict::deny(format!("denied by policy {}: {}", denial.policy, denial.reason)),
-        None if outcome.action == Action::Allow => Verdict::allow(),
-        None => Verdict::deny("denied"),
-    }
-}
-
 /// One of the agent's own tool calls, from its hook: the same tool_call
 /// gate a protocol harness asks, recorded before the answer goes back.
 async fn answer_hook(request: HookRequest, dispatch: &Dispatch, parser: &mut ParserState) {
-    let outcome = dispatch.gate.check(&request.call.tool, &request.call.arguments);
-    let verdict = verdict_of(&outcome);
+    let verdict =
+        super::decide_call(dispatch.gate.as_ref(), &dispatch.events, &request.call.tool, &request.call.arguments).await;
     if !verdict.allow && !request.call.call_id.is_empty() && parser.gate_denied.len() < MAX_GATE_DENIED {
         parser.gate_denied.push(request.call.call_id.clone());
     }
-    let _ = dispatch.events.send(HarnessEvent::Gated(outcome)).await;
     // The hook may have given up (its CLI timed out): nothing to answer.
     let _ = request.reply.send(verdict);
 }
@@ -285,13 +273,11 @@ impl CommandSession {
                     }
                 }
                 Line::PolicyRequest { id, tool, arguments } => {
-                    let outcome = dispatch.gate.check(&tool, &arguments);
-                    let (action, reason) = match outcome.denial() {
-                        Some(denial) => ("deny", format!("{}: {}", denial.policy, denial.reason)),
-                        None if outcome.action == Action::Allow => ("allow", "allowed".to_string()),
-                        None => ("deny", "denied".to_string()),
+                    let verdict = super::decide_call(dispatch.gate.as_ref(), &dispatch.events, &tool, &arguments).await;
+                    let (action, reason) = match verdict.allow {
+                        true => ("allow", "allowed".to_string()),
+                        false => ("deny", verdict.reason),
                     };
-                    let _ = dispatch.events.send(HarnessEvent::Gated(outcome)).await;
                     let verdict = json!({"type": "policy_verdict", "id": id, "action": action, "reason": reason});
                     let mut bytes = verdict.to_string().into_bytes();
                     bytes.push(b'\n');

@@ -80,13 +80,85 @@ pub enum HarnessEvent {
     Output {
         line: String,
     },
-    /// The harness asked the gate about a tool call (`policy_request`).
+    /// The harness asked the gate about a tool call (`policy_request`, or
+    /// the agent's hook).
     Gated(GateOutcome),
+    /// A call waits for a person's decision. Raw: the summary is scrubbed
+    /// and bounded before it is recorded.
+    ApprovalRequested {
+        call_id: String,
+        tool: String,
+        summary: String,
+        expires_at_ms: i64,
+    },
+    ApprovalDecided {
+        call_id: String,
+        allow: bool,
+        by: String,
+        reason: String,
+    },
 }
 
 /// The `tool_call` gate, as a harness can reach it from inside the sandbox.
 pub trait ToolGate: Send + Sync {
     fn check(&self, tool: &str, arguments: &serde_json::Value) -> GateOutcome;
+    /// Registers a call the gate asked about, to wait for a person's
+    /// decision; `None` when nobody could decide it (it is denied).
+    fn open_approval(&self) -> Option<crate::gate::approvals::Waiter>;
+    /// Counts a call a person allowed (`max_tool_calls`).
+    fn count_approved(&self);
+}
+
+/// The longest argument summary an approval request carries.
+const SUMMARY_CHARS: usize = 512;
+
+/// One tool call through the gate, every step reported on `events`: the
+/// decision, and for an *ask* the request and a person's decision within
+/// the outcome's time (none in time, or the run ending: deny). Returns what
+/// the harness is told.
+pub async fn decide_call(
+    gate: &dyn ToolGate,
+    events: &mpsc::Sender<HarnessEvent>,
+    tool: &str,
+    arguments: &serde_json::Value,
+) -> crate::gate::Verdict {
+    use crate::gate::Verdict;
+    use crate::policy::Action;
+    let outcome = gate.check(tool, arguments);
+    let (action, denial) = (outcome.action, outcome.denial().cloned());
+    let wait = Duration::from_secs(outcome.approval_timeout_seconds);
+    let _ = events.send(HarnessEvent::Gated(outcome)).await;
+    match (action, denial) {
+        (Action::Allow, _) => return Verdict::allow(),
+        (_, Some(denial)) => return Verdict::deny(format!("denied by policy {}: {}", denial.policy, denial.reason)),
+        (Action::Deny, None) => return Verdict::deny("denied"),
+        (Action::Ask, None) => {}
+    }
+    let Some(mut waiter) = gate.open_approval() else {
+        return Verdict::deny("a person must approve this call, and nobody can here");
+    };
+    let call_id = waiter.call_id.clone();
+    let expires_at_ms = crate::records::now_ms() + wait.as_millis() as i64;
+    let summary: String = arguments.to_string().chars().take(SUMMARY_CHARS).collect();
+    let requested =
+        HarnessEvent::ApprovalRequested { call_id: call_id.clone(), tool: tool.to_string(), summary, expires_at_ms };
+    let _ = events.send(requested).await;
+    let decision = tokio::time::timeout(wait, waiter.decision()).await.ok().flatten();
+    drop(waiter);
+    let (allow, by, reason) = match decision {
+        Some(d) => (d.allow, d.by, d.reason),
+        None => (false, "corral".to_string(), format!("no decision within {} s", wait.as_secs())),
+    };
+    if allow {
+        gate.count_approved();
+    }
+    let decided = HarnessEvent::ApprovalDecided { call_id, allow, by: by.clone(), reason: reason.clone() };
+    let _ = events.send(decided).await;
+    match allow {
+        true => Verdict::allow(),
+        false if reason.is_empty() => Verdict::deny(format!("denied by {by}")),
+        false => Verdict::deny(format!("denied by {by}: {reason}")),
+    }
 }
 
 /// What a dispatch reports to and is told by the lifecycle.

@@ -189,6 +189,18 @@ mod tests {
                 method: String::new(),
             },
             EventKind::LimitHit { limit: String::new(), value: 0, detail: String::new() },
+            EventKind::ApprovalRequested {
+                call_id: String::new(),
+                tool: String::new(),
+                summary: String::new(),
+                expires_at_ms: 0,
+            },
+            EventKind::ApprovalDecided {
+                call_id: String::new(),
+                allow: false,
+                decided_by: String::new(),
+                reason: String::new(),
+            },
             EventKind::Teardown {
                 session_cleanup: TeardownResult::default(),
                 sandbox_destroy: TeardownResult::default(),
@@ -206,6 +218,18 @@ mod tests {
             allowed: true,
             rule_or_reason: "*.test".into(),
             method: "connect".into(),
+        });
+        round_trip(EventKind::ApprovalRequested {
+            call_id: "call-1".into(),
+            tool: "Bash".into(),
+            summary: "{\"command\":\"ls\"}".into(),
+            expires_at_ms: 1_700_000_000_000,
+        });
+        round_trip(EventKind::ApprovalDecided {
+            call_id: "call-1".into(),
+            allow: true,
+            decided_by: "ops".into(),
+            reason: "fine".into(),
         });
         let mut record = ExecutionRecord { execution_id: "e".into(), ..Default::default() };
         record.effective_sandbox = Some(spec);

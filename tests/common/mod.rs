@@ -351,6 +351,8 @@ pub fn kinds(events: &[pb::LifecycleEvent]) -> Vec<&'static str> {
             Some(Kind::Recovered(_)) => "recovered",
             Some(Kind::Limit(_)) => "limit",
             Some(Kind::Egress(_)) => "egress",
+            Some(Kind::ApprovalRequested(_)) => "approval_requested",
+            Some(Kind::ApprovalDecided(_)) => "approval_decided",
             None => "none",
         })
         .collect()

@@ -1,0 +1,182 @@
+//! Who may decide a tool call waiting for approval, on a real daemon with
+//! a real bwrap sandbox: the session's harness asks the gate about
+//! `deploy` (a `policy_request`), a `require_approval` policy makes it
+//! wait, and principals try `DecideToolCall`. The run's own principal,
+//! `adm` and an approver of its project may; a principal of the project
+//! without `approve` is PERMISSION_DENIED; an approver of another project
+//! sees NOT_FOUND, as for a session that does not exist; a call id nobody
+//! waits on is NOT_FOUND, one decided already FAILED_PRECONDITION; a
+//! malformed request INVALID_ARGUMENT naming its field, and changes
+//! nothing.
+
+mod common;
+
+use common::{require_bwrap, Options, TestDaemon, FIXTURES};
+use corral::auth::PrincipalConfig;
+use corral::pb;
+use corral::pb::session_service_client::SessionServiceClient;
+use tonic::transport::Channel;
+use tonic::Code;
+
+const OWNER: &str = "owner-token-0123456789abcdef0123456789abcd";
+const APPROVER: &str = "approver-token-0123456789abcdef0123456789";
+const BYSTANDER: &str = "bystander-token-0123456789abcdef012345678";
+const FAR_APPROVER: &str = "far-approver-token-0123456789abcdef01234";
+
+fn session_profile() -> String {
+    format!(
+        r#"id = "test.session"
+version = "1.0.0"
+[rein]
+argv = ["/usr/bin/python3", "{FIXTURES}/session_agent.py"]
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+read_paths = ["{FIXTURES}"]
+[limits]
+timeout_seconds = 60
+"#
+    )
+}
+
+fn principal(name: &str, project: &str, token: &str, approve: bool) -> PrincipalConfig {
+    use sha2::Digest;
+    PrincipalConfig {
+        name: name.into(),
+        kind: "agt".into(),
+        projects: vec![project.into()],
+        token_sha256: Some(corral::sandbox::hex_digest(&sha2::Sha256::digest(token.as_bytes()))),
+        approve,
+        ..Default::default()
+    }
+}
+
+fn as_token<T>(token: &str, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    request
+}
+
+fn decide(call_id: &str, decision: pb::ToolCallDecision, reason: &str) -> pb::DecideSessionToolCallRequest {
+    pb::DecideSessionToolCallRequest {
+        session_id: "owner/s1".into(),
+        call_id: call_id.into(),
+        decision: decision as i32,
+        reason: reason.into(),
+    }
+}
+
+/// Reads `stream` until an `approval_requested` (its call id), keeping
+/// each `approval_decided` on the way as (allow, by, reason) and the raw
+/// text of the rest.
+async fn next_ask(
+    stream: &mut tonic::Streaming<pb::LifecycleEvent>,
+    decided: &mut Vec<(bool, String, String)>,
+    rest: &mut String,
+) -> Option<String> {
+    while let Some(event) = stream.message().await.expect("stream ok") {
+        match event.kind {
+            Some(pb::lifecycle_event::Kind::ApprovalRequested(asked)) => {
+                assert_eq!(asked.tool, "deploy");
+                assert!(asked.summary.contains("prod"), "{}", asked.summary);
+                return Some(asked.call_id);
+            }
+            Some(pb::lifecycle_event::Kind::ApprovalDecided(d)) => decided.push((d.allow, d.decided_by, d.reason)),
+            other => rest.push_str(&format!("{other:?}\n")),
+        }
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_owner_adm_and_the_projects_approvers_decide_a_waiting_call() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("session.toml".into(), session_profile())],
+        config: Box::new(|c| {
+            c.principals.push(principal("owner", "pa", OWNER, false));
+            c.principals.push(principal("approver", "pa", APPROVER, true));
+            c.principals.push(principal("bystander", "pa", BYSTANDER, false));
+            c.principals.push(principal("far-approver", "pb", FAR_APPROVER, true));
+            c.policies.push(corral::policy::PolicySpec {
+                name: "ask-deploy".into(),
+                kind: "require_approval".into(),
+                arguments: serde_json::json!({"timeout_seconds": 60}),
+                on: vec!["tool_call:deploy".into()],
+            });
+        }),
+        ..Options::default()
+    })
+    .await;
+    let tcp = Channel::from_shared(daemon.url.clone()).unwrap().connect().await.unwrap();
+    let mut client = SessionServiceClient::new(tcp);
+    let create = pb::CreateSessionRequest {
+        session_id: "s1".into(),
+        profile_ref: "test.session".into(),
+        project: "pa".into(),
+        ..Default::default()
+    };
+    client.create_session(as_token(OWNER, create)).await.expect("session created");
+    let ask = serde_json::json!({"ask": [
+        {"tool": "deploy", "arguments": {"to": "prod"}},
+        {"tool": "deploy", "arguments": {"to": "prod"}},
+        {"tool": "deploy", "arguments": {"to": "prod"}},
+    ]});
+    let turn = pb::SendTurnRequest {
+        session_id: "s1".into(),
+        tool_call: Some(pb::ToolCall { tool: "run".into(), arguments_json: ask.to_string() }),
+    };
+    let mut stream = client.send_turn(as_token(OWNER, turn)).await.expect("turn accepted").into_inner();
+    let (mut decided, mut rest) = (Vec::new(), String::new());
+    let first = next_ask(&mut stream, &mut decided, &mut rest).await.expect("asks");
+
+    // Malformed: INVALID_ARGUMENT naming the field; the call still waits.
+    use pb::ToolCallDecision::{Allow, Deny, Unspecified};
+    for (request, field) in [
+        (decide(&first, Unspecified, ""), "decision"),
+        (decide("x", Allow, ""), "call_id"),
+        (decide("call-", Allow, ""), "call_id"),
+        (decide(&first, Allow, "a\nb"), "reason"),
+        (decide(&first, Allow, &"r".repeat(1025)), "reason"),
+        (pb::DecideSessionToolCallRequest { decision: 7, ..decide(&first, Allow, "") }, "decision"),
+        (pb::DecideSessionToolCallRequest { session_id: String::new(), ..decide(&first, Allow, "") }, "session_id"),
+    ] {
+        let status = client.decide_tool_call(as_token(OWNER, request)).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{field}: {status:?}");
+        assert!(status.message().contains(field), "{field}: {status:?}");
+    }
+    // Not the owner, adm or an approver of pa.
+    let status = client.decide_tool_call(as_token(BYSTANDER, decide(&first, Allow, ""))).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    // An approver of another project does not see the session at all.
+    let far = client.decide_tool_call(as_token(FAR_APPROVER, decide(&first, Allow, ""))).await.unwrap_err();
+    assert_eq!(far.code(), Code::NotFound, "{far:?}");
+    let missing = pb::DecideSessionToolCallRequest { session_id: "owner/nope".into(), ..decide(&first, Allow, "") };
+    let nope = client.decide_tool_call(as_token(FAR_APPROVER, missing)).await.unwrap_err();
+    assert_eq!(far.message().replace("owner/s1", "X"), nope.message().replace("owner/nope", "X"), "one answer");
+    // A call nobody waits on.
+    let unknown = client.decide_tool_call(as_token(OWNER, decide("call-999999", Allow, ""))).await.unwrap_err();
+    assert_eq!(unknown.code(), Code::NotFound, "{unknown:?}");
+    assert!(unknown.message().contains("call_id"), "{unknown:?}");
+
+    // The approver of pa allows the first; a second decision is too late.
+    let answer = client.decide_tool_call(as_token(APPROVER, decide(&first, Allow, "ok"))).await.unwrap().into_inner();
+    assert_eq!((answer.allow, answer.decided_by.as_str(), answer.call_id.as_str()), (true, "approver", first.as_str()));
+    let twice = client.decide_tool_call(as_token(OWNER, decide(&first, Deny, ""))).await.unwrap_err();
+    assert_eq!(twice.code(), Code::FailedPrecondition, "{twice:?}");
+    // The owner denies the second, adm (the unix socket) allows the third.
+    let second = next_ask(&mut stream, &mut decided, &mut rest).await.expect("asks again");
+    client.decide_tool_call(as_token(OWNER, decide(&second, Deny, "not today"))).await.expect("the owner decides");
+    let third = next_ask(&mut stream, &mut decided, &mut rest).await.expect("asks a third time");
+    let mut admin = SessionServiceClient::new(daemon.channel().await);
+    admin.decide_tool_call(decide(&third, Allow, "")).await.expect("adm decides");
+
+    assert_eq!(next_ask(&mut stream, &mut decided, &mut rest).await, None);
+    let by = |allow: bool, who: &str, why: &str| (allow, who.to_string(), why.to_string());
+    assert_eq!(decided, [by(true, "approver", "ok"), by(false, "owner", "not today"), by(true, "local-admin", "")]);
+    // The harness was told each verdict, the owner's reason with the deny.
+    assert!(rest.contains("verdict deploy: allow"), "{rest}");
+    assert!(rest.contains("verdict deploy: deny (denied by owner: not today)"), "{rest}");
+}
