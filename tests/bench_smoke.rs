@@ -150,3 +150,12 @@ fn bench_arguments_have_the_documented_defaults() {
     assert_eq!(args.noop_profile, "builtin.noop@1.0.0");
     assert!(BenchArgs::parse(&["nonsense"]).is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gate_compares_the_hook_round_trip_with_and_without_the_gate() {
+    let report = bench(&["gate", "--n", "20", "--warmup", "2"]).await;
+    let g = report.gate.expect("a gate report");
+    assert_eq!((g.baseline.count, g.gated.count), (20, 20));
+    assert!(g.baseline.p50_ms > 0.0 && g.gated.p50_ms > 0.0 && g.ratio_p50 > 0.0, "{g:?}");
+    assert_eq!(g.policies, 3);
+}

@@ -288,7 +288,7 @@ async fn codex_writes_a_file_that_comes_back() {
     assert_eq!(code, 0, "{:#}", execution(&events));
     assert_end_to_end_check(&before, &profiles_line(&serve, "builtin.codex"));
     assert_real_work(&mock, origin.path(), &events, "hello-from-codex.txt", "hello from codex");
-    assert_eq!(tools_used(&events), ["command_execution"]);
+    assert_eq!(tools_used(&events), ["Bash"], "the tool's name, as the gate sees it");
     let record = execution(&events);
     assert_eq!(record["evidence"]["resolvedModel"], OPENAI_MODEL, "the model corral wrote into Codex's config");
     assert_eq!(record["toolOutput"], "Wrote hello-from-codex.txt.");

@@ -11,6 +11,7 @@ mod client;
 mod emitter;
 mod fanout;
 mod floor;
+mod gate;
 mod ingest;
 mod latency;
 mod peer;
@@ -27,6 +28,7 @@ use serde::Serialize;
 pub use emitter::Emitter;
 pub use fanout::{FanoutLevel, FanoutReport};
 
+pub use gate::GateReport;
 pub use ingest::{IngestParallel, IngestReport};
 pub use latency::LatencyReport;
 pub use peer::PeerReport;
@@ -51,6 +53,9 @@ pub enum Scenario {
     Ingest,
     /// The no-op through another sandbox wrapper (`srt`) when one is on PATH.
     Peer,
+    /// One allowed tool call's hook round trip through the gate endpoint
+    /// and the tool_call gate, against the endpoint answering at once.
+    Gate,
     /// Every scenario above, one after the other.
     All,
 }
@@ -63,7 +68,8 @@ pub struct BenchArgs {
     pub scenario: Scenario,
     /// latency: Executes (and floor spawns) [default: 200]; throughput:
     /// executions per level [default: 10 × concurrency, at least 50];
-    /// peer: runs of each side [default: 20].
+    /// peer: runs of each side [default: 20]; gate: hook round trips of
+    /// each side [default: 500].
     #[arg(long)]
     pub n: Option<usize>,
     /// latency: untimed runs of each side first (at least one Execute).
@@ -174,6 +180,7 @@ pub struct BenchReport {
     pub fanout: Option<FanoutReport>,
     pub ingest: Option<IngestReport>,
     pub peer: Option<PeerReport>,
+    pub gate: Option<GateReport>,
     /// Issue 6's targets, judged on what this run measured.
     pub targets: Vec<TargetCheck>,
     /// `/proc/loadavg` when the run ended.
@@ -250,6 +257,7 @@ pub async fn run_scenario(args: &BenchArgs, server: Option<&str>) -> anyhow::Res
                 fanout: None,
                 ingest: None,
                 peer: None,
+                gate: None,
                 targets: Vec::new(),
                 load_average_end: String::new(),
             })
@@ -267,6 +275,9 @@ pub async fn run_scenario(args: &BenchArgs, server: Option<&str>) -> anyhow::Res
     }
     if all || args.scenario == Scenario::Ingest {
         report.ingest = Some(daemons.with("ingest", async |t| ingest::run(t, args).await).await?);
+    }
+    if all || args.scenario == Scenario::Gate {
+        report.gate = Some(gate::run(args).await?);
     }
     if all || args.scenario == Scenario::Fanout {
         report.fanout = Some(fanout::run(&daemons, args).await?);

@@ -349,6 +349,15 @@ pub fn human(r: &BenchReport) -> String {
             _ => {}
         }
     }
+    if let Some(g) = &r.gate {
+        let _ = writeln!(out, "gate: one allowed tool call's hook round trip ({} policies)", g.policies);
+        let rows = vec![
+            percentile_row("endpoint, answered at once", &g.baseline),
+            percentile_row("endpoint + gate", &g.gated),
+        ];
+        out.push_str(&table(&["", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"], &rows));
+        let _ = writeln!(out, "gated/baseline p50: {:.2}x (goal: gated p50 <= 5 ms)\n", g.ratio_p50);
+    }
     if !r.targets.is_empty() {
         let rows: Vec<Vec<String>> = r
             .targets

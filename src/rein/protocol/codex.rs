@@ -2,9 +2,10 @@
 //!
 //! What the stream says and how it maps:
 //! - `item.started` / `item.updated` / `item.completed` with an item of
-//!   type `command_execution`, `file_change`, `mcp_tool_call` (as
-//!   `mcp__<server>__<tool>`), `collab_tool_call` or `web_search`: a
-//!   `tool_use` the first time an item id is seen, progress when it ends;
+//!   type `command_execution` (as `Bash`), `file_change` (as
+//!   `apply_patch`), `mcp_tool_call` (as `mcp__<server>__<tool>`),
+//!   `collab_tool_call` or `web_search`: a `tool_use` the first time an
+//!   item id is seen, progress when it ends;
 //!   `agent_message`, `reasoning`, `todo_list` and `error` (a warning, not
 //!   a failure): progress; any other item type: progress naming it.
 //! - a top-level `error` is progress (`Reconnecting...` is a retry); the
@@ -55,10 +56,14 @@ pub(super) fn parse(kind: &str, v: &Value, state: &mut ParserState) -> Line {
     }
 }
 
-/// The tool an item stands for, if it is a tool call.
+/// The tool an item stands for, if it is a tool call: the name the model
+/// called it by, which is what Codex's hook reports to the gate too (its
+/// shell arrives there as `Bash`).
 fn tool_of(item: &Value, item_type: &str) -> Option<String> {
     match item_type {
-        "command_execution" | "file_change" | "web_search" => Some(item_type.to_string()),
+        "command_execution" => Some("Bash".into()),
+        "file_change" => Some("apply_patch".into()),
+        "web_search" => Some(item_type.to_string()),
         "mcp_tool_call" => Some(format!("mcp__{}__{}", str_of(item, "server"), str_of(item, "tool"))),
         "collab_tool_call" => Some(str_of(item, "tool")).filter(|t| !t.is_empty()),
         _ => None,
@@ -196,7 +201,7 @@ mod tests {
         let (events, r) = replay(include_str!("../../../tests/fixtures/codex/write_file.jsonl"), "gpt-mock-1");
         let r = r.expect("a result");
         assert!(r.ok, "{r:?}");
-        assert_eq!(tools(&events), ["command_execution"], "started and completed count once");
+        assert_eq!(tools(&events), ["Bash"], "started and completed count once, by the tool's name");
         let usage = r.usage.clone().unwrap();
         assert!(usage.cache_read > 0, "{usage:?}");
         assert_eq!(r.tokens_spent, usage.total());
@@ -231,7 +236,7 @@ mod tests {
         .join("\n");
         let (events, r) = replay(&lines, "");
         assert!(r.is_none(), "nothing here ends the turn");
-        assert_eq!(tools(&events), ["file_change", "mcp__docs__search", "web_search", "spawn_agent"]);
+        assert_eq!(tools(&events), ["apply_patch", "mcp__docs__search", "web_search", "spawn_agent"]);
         let messages: Vec<&str> = events
             .iter()
             .filter_map(|e| match e {
