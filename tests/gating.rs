@@ -96,9 +96,9 @@ async fn evaluate_gate_takes_an_empty_actor_as_the_callers_type() {
 }
 
 /// A session needs a harness that takes turns: one that reads its whole
-/// task at once (the shell runner, and Claude Code and Codex for now) is
-/// refused at resolution, before any sandbox exists, instead of failing
-/// every turn after the first.
+/// task at once and cannot resume (the shell runner, the no-op) is refused
+/// at resolution, before any sandbox exists, instead of failing every turn
+/// after the first. (Claude Code and Codex resume: `real_agents`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_of_a_harness_that_cannot_take_turns_is_refused() {
     let key = tempfile::NamedTempFile::new().unwrap();
@@ -116,7 +116,7 @@ async fn a_session_of_a_harness_that_cannot_take_turns_is_refused() {
     })
     .await;
     let mut sessions = pb::session_service_client::SessionServiceClient::new(daemon.channel().await);
-    for profile in ["builtin.shell", "builtin.claude-code", "builtin.codex"] {
+    for profile in ["builtin.shell", "builtin.noop"] {
         let request =
             pb::CreateSessionRequest { profile_ref: profile.into(), project: "proj-a".into(), ..Default::default() };
         let status = sessions.create_session(request).await.expect_err(profile);

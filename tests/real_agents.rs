@@ -824,3 +824,68 @@ async fn a_person_approves_denies_or_lets_time_out_the_agents_shell_calls() {
         }
     }
 }
+
+/// One turn of session `id` with `prompt`: the events of the turn.
+async fn turn(
+    client: &mut corral::pb::session_service_client::SessionServiceClient<tonic::transport::Channel>,
+    id: &str,
+    prompt: &str,
+) -> corral::pb::TurnFinished {
+    use corral::pb;
+    let request = pb::SendTurnRequest {
+        session_id: id.into(),
+        tool_call: Some(pb::ToolCall { tool: "prompt".into(), arguments_json: json!({"prompt": prompt}).to_string() }),
+    };
+    let mut stream = client.send_turn(request).await.expect("turn accepted").into_inner();
+    let mut last = None;
+    while let Some(event) = tokio::time::timeout(RUN_TIMEOUT, stream.message()).await.expect("in time").expect("ok") {
+        last = event.kind;
+    }
+    match last {
+        Some(pb::lifecycle_event::Kind::TurnFinished(t)) => *t,
+        other => panic!("the turn did not end with turn_finished: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_with_a_real_agent_continues_its_conversation_across_turns() {
+    require_claude();
+    require_codex();
+    use corral::pb;
+    for profile in ["builtin.claude-code", "builtin.codex"] {
+        let mock = ModelMock::start(vec![
+            Step::text("I will remember the word PINEAPPLE."),
+            Step::text("The word was PINEAPPLE."),
+        ])
+        .await;
+        let (_dir, serve) = serve(&mock, true).await;
+        let origin = git_repo();
+        let mut client =
+            pb::session_service_client::SessionServiceClient::new(common::unix_channel(&serve.socket).await);
+        let create = pb::CreateSessionRequest {
+            session_id: "talk".into(),
+            profile_ref: profile.into(),
+            repo: origin.path().display().to_string(),
+            ..Default::default()
+        };
+        client.create_session(create).await.unwrap_or_else(|e| panic!("{profile}: {e:?}"));
+        let first = turn(&mut client, "talk", "Remember the word PINEAPPLE.").await;
+        assert!(first.ok, "{profile}: {first:?}");
+        assert_eq!(first.output, "I will remember the word PINEAPPLE.", "{profile}");
+        let second = turn(&mut client, "talk", "Which word did I ask you to remember?").await;
+        assert!(second.ok, "{profile}: {second:?}");
+        assert_eq!(second.output, "The word was PINEAPPLE.", "{profile}");
+        let requests = mock.model_requests();
+        assert_eq!(requests.len(), 2, "{profile}: one model request per turn");
+        let second_request = requests[1].body.to_string();
+        for earlier in ["Remember the word PINEAPPLE.", "I will remember the word PINEAPPLE."] {
+            assert!(
+                second_request.contains(earlier),
+                "{profile}: turn 2 carries turn 1's {earlier:?}: {second_request}"
+            );
+        }
+        assert!(second_request.contains("Which word did I ask you to remember?"), "{profile}");
+        let ended = client.end_session(pb::EndSessionRequest { session_id: "talk".into() }).await.unwrap();
+        assert_eq!(ended.into_inner().state, pb::SessionState::Ended as i32, "{profile}");
+    }
+}

@@ -83,6 +83,19 @@ pub struct ReinSpec {
 }
 
 impl ReinSpec {
+    /// Whether a session of this harness can take turn after turn: a
+    /// protocol harness reading task lines, or Claude Code / Codex, which
+    /// run once per turn and resume their own conversation.
+    pub fn takes_turns(&self) -> bool {
+        self.input == TaskInput::TaskJson || self.resumes()
+    }
+
+    /// Claude Code or Codex taking its prompt on stdin: each turn of a
+    /// session is a new run of the CLI resuming the conversation.
+    pub fn resumes(&self) -> bool {
+        matches!(self.preset, Preset::ClaudeStreamJson | Preset::CodexExecJson) && self.input == TaskInput::Prompt
+    }
+
     /// Why the harness's own tool calls cannot pass the tool_call gate
     /// before they run in a sandbox of type `sandbox`; `None` when they
     /// can. A policy that governs tool calls is then refused at

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use super::capture::CaptureJob;
 use super::limits::{cgroup_hits, tree_usage, workspace_hit, EventBudget, TreeBudget, WorkspaceWatch};
 use super::{Engine, RawResult};
-use crate::catalog::{check_actor, Profile, ReadinessState, TaskInput};
+use crate::catalog::{check_actor, Profile, ReadinessState};
 use crate::credentials::Scrubber;
 use crate::events::{EventKind, RawPart, Recorder};
 use crate::evidence::{Evidence, FailureStage, TeardownResult};
@@ -181,12 +181,12 @@ impl Core {
         self.evidence.time("resolve", t);
         // A session's harness takes one task line per turn: a harness that
         // reads its whole task at once would take the first turn and no other.
-        let resolved = resolved.and_then(|profile| match profile.file.rein.input {
-            TaskInput::TaskJson => Ok(profile),
-            _ if self.consumer.session_id.is_empty() => Ok(profile),
-            _ => Err(crate::catalog::Refusal(format!(
-                "profile {} cannot take turns: a session needs a harness with input = \"task_json\" \
-                 (sessions with Claude Code and Codex are not built yet)",
+        let resolved = resolved.and_then(|profile| match profile.file.rein.takes_turns() {
+            true => Ok(profile),
+            false if self.consumer.session_id.is_empty() => Ok(profile),
+            false => Err(crate::catalog::Refusal(format!(
+                "profile {} cannot take turns: a session needs a harness with input = \"task_json\", or Claude \
+                 Code or Codex with input = \"prompt\"",
                 profile.reference()
             ))),
         });

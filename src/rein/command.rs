@@ -82,18 +82,58 @@ impl Rein for CommandRein {
                 .map_err(|e| ReinError::Start(format!("cannot write ~/{path} for the harness: {e}")))?;
         }
         let env = profile.git.author_env().into_iter().chain(prepared.env).chain(ctx.credentials.iter().cloned());
-        let spec = ExecSpec {
+        let env: Vec<(String, String)> = env.collect();
+        let max_output = profile.limits.max_output_bytes as usize;
+        let stderr = Arc::new(Mutex::new(CappedBuffer::new(max_output)));
+        let run = Run::launch(&ctx, prepared.argv.clone(), env.clone(), &stderr).await?;
+        Ok(Box::new(CommandSession {
+            run,
+            stderr,
+            timeout: ctx.timeout,
+            input: profile.rein.input,
+            preset: profile.rein.preset,
+            resumes: profile.rein.resumes(),
+            max_output,
+            parser: ParserState::new(prepared.model.clone()),
+            model: prepared.model,
+            turns: 0,
             argv: prepared.argv,
-            env: env.collect(),
+            env,
+            ctx,
+        }))
+    }
+}
+
+/// One run of the harness's process in the sandbox: its pipes, and the
+/// gate endpoint its hook asks (in the sandbox's network namespace, for
+/// this process's life).
+struct Run {
+    process: SandboxProcess,
+    stdin: Option<ChildStdin>,
+    stdout: Option<StdoutLines>,
+    _endpoint: Option<crate::gate::endpoint::Endpoint>,
+    hooks: Option<tokio::sync::mpsc::Receiver<HookRequest>>,
+}
+
+impl Run {
+    async fn launch(
+        ctx: &StartContext,
+        argv: Vec<String>,
+        env: Vec<(String, String)>,
+        stderr: &Arc<Mutex<CappedBuffer>>,
+    ) -> Result<Run, ReinError> {
+        let spec = ExecSpec {
+            argv,
+            env,
             consumer: ctx.consumer.clone(),
-            credential_route_refs: profile.credential_route_refs.clone(),
+            credential_route_refs: ctx.profile.file.credential_route_refs.clone(),
             timeout: ctx.timeout,
         };
         let mut process = ctx.backend.spawn(&ctx.sandbox, &spec).await.map_err(|e| ReinError::Start(e.to_string()))?;
         // The agent's hook asks here before each tool call; a sandbox with
         // hook files and no endpoint would block every call, so it is an
         // error now rather than a run that cannot work.
-        let hooks = match (process.gate_listener.take(), gated) {
+        let hooks = match (process.gate_listener.take(), !ctx.sandbox.gate.is_empty()) {
             (Some(listener), _) => {
                 let (tx, rx) = tokio::sync::mpsc::channel(HOOKS_AHEAD);
                 Some((crate::gate::serve(listener, tx), rx))
@@ -105,8 +145,6 @@ impl Rein for CommandRein {
             (None, false) => None,
         };
         let (endpoint, hooks) = hooks.unzip();
-        let max_output = profile.limits.max_output_bytes as usize;
-        let stderr = Arc::new(Mutex::new(CappedBuffer::new(max_output)));
         if let Some(pipe) = process.stderr.take() {
             // Drained for the harness's whole life, so it never blocks on a
             // full stderr pipe between turns.
@@ -118,38 +156,63 @@ impl Rein for CommandRein {
                 }
             });
         }
-        Ok(Box::new(CommandSession {
+        Ok(Run {
             stdin: process.stdin.take(),
             stdout: process.stdout.take().map(read_lines),
             process,
-            stderr,
-            timeout: ctx.timeout,
-            input: profile.rein.input,
-            preset: profile.rein.preset,
-            max_output,
-            parser: ParserState::new(prepared.model),
-            turns: 0,
             _endpoint: endpoint,
             hooks,
-        }))
+        })
     }
 }
 
+/// What a Claude Code or Codex run is asked: a turn's `prompt` argument,
+/// else the task's title and description.
+fn prompt_of(task: &super::Task) -> String {
+    match task.arguments.get("prompt").and_then(serde_json::Value::as_str) {
+        Some(prompt) => prompt.to_string(),
+        None if task.title.is_empty() => task.description.clone(),
+        None => format!("{}\n\n{}", task.title, task.description),
+    }
+}
+
+/// The argv of a later turn of a session of Claude Code or Codex: the
+/// first turn's, resuming `conversation`. Only an argv that runs the CLI
+/// itself can be told so; a wrapper cannot, and a turn that would silently
+/// start a new conversation is an error instead.
+pub fn resume_argv(preset: Preset, argv: &[String], conversation: &str) -> Result<Vec<String>, String> {
+    let runs = |name: &str| argv.first().is_some_and(|p| p == name || p.ends_with(&format!("/{name}")));
+    let mut resumed = argv.to_vec();
+    match preset {
+        Preset::ClaudeStreamJson if runs("claude") => {
+            resumed.splice(1..1, ["--resume".to_string(), conversation.to_string()]);
+        }
+        Preset::CodexExecJson if runs("codex") => {
+            let exec = argv.iter().position(|a| a == "exec").ok_or("its argv runs codex without exec")?;
+            resumed.splice(exec + 1..exec + 1, ["resume".to_string(), conversation.to_string()]);
+        }
+        _ => return Err("its argv does not run claude or codex itself, so it cannot be told to resume".into()),
+    }
+    Ok(resumed)
+}
+
 struct CommandSession {
-    process: SandboxProcess,
-    stdin: Option<ChildStdin>,
-    stdout: Option<StdoutLines>,
+    run: Run,
     stderr: Arc<Mutex<CappedBuffer>>,
     timeout: Duration,
     input: TaskInput,
     preset: Preset,
+    /// Each turn is a run of its own that resumes the conversation.
+    resumes: bool,
     max_output: usize,
     parser: ParserState,
+    /// The model the parser starts each run from.
+    model: String,
     turns: u64,
-    /// The gate endpoint in the sandbox's network namespace (dropped with
-    /// the session) and the calls its hooks ask about.
-    _endpoint: Option<crate::gate::endpoint::Endpoint>,
-    hooks: Option<tokio::sync::mpsc::Receiver<HookRequest>>,
+    /// How a later turn's run is started.
+    argv: Vec<String>,
+    env: Vec<(String, String)>,
+    ctx: StartContext,
 }
 
 /// Hook calls queued for the turn loop.
@@ -187,9 +250,30 @@ impl CommandSession {
                 bytes
             }
             TaskInput::Description => call.task.description.clone().into_bytes(),
-            TaskInput::Prompt => format!("{}\n\n{}", call.task.title, call.task.description).into_bytes(),
+            TaskInput::Prompt => prompt_of(&call.task).into_bytes(),
             TaskInput::Nothing => Vec::new(),
         }
+    }
+
+    /// A later turn of a Claude Code or Codex session: a new run of the
+    /// CLI in the same sandbox (its HOME keeps the conversation), resuming
+    /// the conversation the last run reported.
+    async fn resume(&mut self) -> Result<(), ReinError> {
+        let conversation = std::mem::take(&mut self.parser.conversation);
+        if conversation.is_empty() {
+            return Err(ReinError::Dispatch(
+                "the agent never said which conversation it had, so the next turn cannot continue it".into(),
+            ));
+        }
+        let argv = resume_argv(self.preset, &self.argv, &conversation)
+            .map_err(|why| ReinError::Dispatch(format!("this session cannot continue its conversation: {why}")))?;
+        if !self.run.process.has_exited() {
+            let _ = self.run.process.terminate(KILL_GRACE).await;
+        }
+        self.run = Run::launch(&self.ctx, argv, self.env.clone(), &self.stderr).await?;
+        self.parser = ParserState::new(self.model.clone());
+        self.parser.conversation = conversation;
+        Ok(())
     }
 
     fn take_stderr(&self) -> CappedBuffer {
@@ -198,7 +282,7 @@ impl CommandSession {
     }
 
     async fn write_stdin(&mut self, bytes: &[u8]) -> Result<(), String> {
-        let stdin = self.stdin.as_mut().ok_or("stdin is closed")?;
+        let stdin = self.run.stdin.as_mut().ok_or("stdin is closed")?;
         stdin.write_all(bytes).await.map_err(|e| e.to_string())?;
         stdin.flush().await.map_err(|e| e.to_string())
     }
@@ -209,13 +293,21 @@ impl CommandSession {
         self.turns += 1;
         let one_shot = self.input != TaskInput::TaskJson;
         if one_shot && self.turns > 1 {
-            return Err(ReinError::Dispatch(format!("input mode {:?} takes a single turn", self.input)));
+            if !self.resumes {
+                return Err(ReinError::Dispatch(format!("input mode {:?} takes a single turn", self.input)));
+            }
+            self.resume().await?;
         }
         let input = self.input_bytes(&call);
+        if self.input == TaskInput::Prompt && input.trim_ascii().is_empty() {
+            return Err(ReinError::Dispatch(
+                "the turn has no prompt: give it arguments_json {\"prompt\": \"...\"} (or a description)".into(),
+            ));
+        }
         if one_shot {
             // Written concurrently with reading: a harness that prints
             // before it has read all its input must not deadlock.
-            if let Some(mut stdin) = self.stdin.take() {
+            if let Some(mut stdin) = self.run.stdin.take() {
                 tokio::spawn(async move {
                     // A harness that exits without reading is judged by its
                     // exit status, not by this write.
@@ -231,16 +323,16 @@ impl CommandSession {
         let mut result = None;
         // Set when the harness has exited: its stdout is read until then.
         let mut drain_until = None;
-        while let Some(lines) = self.stdout.as_mut() {
+        while let Some(lines) = self.run.stdout.as_mut() {
             let next = match drain_until {
                 None => tokio::select! {
                     biased;
-                    Some(request) = next_hook(&mut self.hooks) => {
+                    Some(request) = next_hook(&mut self.run.hooks) => {
                         answer_hook(request, dispatch, &mut self.parser).await;
                         continue;
                     }
                     next = lines.recv() => next,
-                    exited = self.process.wait() => {
+                    exited = self.run.process.wait() => {
                         exited.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?;
                         drain_until = Some(tokio::time::Instant::now() + EXIT_DRAIN);
                         continue;
@@ -251,7 +343,7 @@ impl CommandSession {
                 Some(deadline) => tokio::time::timeout_at(deadline, lines.recv()).await.unwrap_or_default(),
             };
             let Some(next) = next else {
-                self.stdout = None;
+                self.run.stdout = None;
                 break;
             };
             let (line, dropped) = next.map_err(|e| ReinError::Dispatch(format!("reading stdout: {e}")))?;
@@ -300,8 +392,8 @@ impl CommandSession {
                 let _ = dispatch.events.send(HarnessEvent::OutputTruncated { stream, bytes_dropped: dropped }).await;
             }
         }
-        let exit = if self.stdout.is_none() {
-            Some(self.process.wait().await.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?)
+        let exit = if self.run.stdout.is_none() {
+            Some(self.run.process.wait().await.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?)
         } else {
             None
         };
@@ -369,25 +461,27 @@ impl HarnessSession for CommandSession {
         match stop {
             Stop::Done(result) => result,
             Stop::TimedOut => {
-                let _ = self.process.terminate(KILL_GRACE).await;
+                let _ = self.run.process.terminate(KILL_GRACE).await;
                 Err(ReinError::TimedOut(timeout))
             }
             Stop::Cancelled => {
-                let _ = self.process.terminate(KILL_GRACE).await;
+                let _ = self.run.process.terminate(KILL_GRACE).await;
                 Err(ReinError::Cancelled)
             }
         }
     }
 
+    /// A harness that runs once per turn and resumes is alive between
+    /// turns too: the next turn starts its next run.
     fn is_alive(&mut self) -> bool {
-        !self.process.has_exited()
+        self.resumes || !self.run.process.has_exited()
     }
 
     /// Closes stdin (a harness waiting for its next task sees EOF) and gives
     /// it a short grace to exit.
     async fn end_session(&mut self) -> Result<(), ReinError> {
-        drop(self.stdin.take());
-        match tokio::time::timeout(END_GRACE, self.process.wait()).await {
+        drop(self.run.stdin.take());
+        match tokio::time::timeout(END_GRACE, self.run.process.wait()).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(ReinError::End(format!("wait: {e}"))),
             Err(_) => Err(ReinError::End(format!("harness did not exit within {END_GRACE:?} of its end"))),
@@ -395,9 +489,54 @@ impl HarnessSession for CommandSession {
     }
 
     async fn cleanup_session(&mut self) -> Result<(), ReinError> {
-        if self.process.has_exited() {
+        if self.run.process.has_exited() {
             return Ok(());
         }
-        self.process.kill().await.map(|_| ()).map_err(|e| ReinError::Cleanup(format!("kill: {e}")))
+        self.run.process.kill().await.map(|_| ()).map_err(|e| ReinError::Cleanup(format!("kill: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(words: &[&str]) -> Vec<String> {
+        words.iter().map(|w| w.to_string()).collect()
+    }
+
+    #[test]
+    fn a_later_turn_resumes_the_conversation_or_refuses() {
+        let claude = argv(&["claude", "-p", "--output-format", "stream-json", "--allowedTools", "Bash"]);
+        assert_eq!(
+            resume_argv(Preset::ClaudeStreamJson, &claude, "c9f5").unwrap(),
+            argv(&["claude", "--resume", "c9f5", "-p", "--output-format", "stream-json", "--allowedTools", "Bash"])
+        );
+        let codex = argv(&["codex", "exec", "--dangerously-bypass-approvals-and-sandbox", "--json", "-"]);
+        assert_eq!(
+            resume_argv(Preset::CodexExecJson, &codex, "01a2").unwrap(),
+            argv(&["codex", "exec", "resume", "01a2", "--dangerously-bypass-approvals-and-sandbox", "--json", "-"])
+        );
+        assert_eq!(
+            resume_argv(Preset::CodexExecJson, &argv(&["/usr/bin/codex", "exec", "-"]), "x").unwrap()[2],
+            "resume"
+        );
+        for (preset, wrapper) in [
+            (Preset::ClaudeStreamJson, argv(&["/bin/sh", "-c", "claude -p | tee t"])),
+            (Preset::CodexExecJson, argv(&["/bin/sh", "-c", "codex exec -"])),
+            (Preset::CodexExecJson, argv(&["codex", "--version"])),
+            (Preset::Protocol, argv(&["claude"])),
+        ] {
+            assert!(resume_argv(preset, &wrapper, "x").is_err(), "{wrapper:?}");
+        }
+    }
+
+    #[test]
+    fn a_turns_prompt_is_its_argument_else_the_task() {
+        let mut task = crate::rein::Task { title: "T".into(), description: "D".into(), ..Default::default() };
+        assert_eq!(prompt_of(&task), "T\n\nD");
+        task.arguments = serde_json::json!({"prompt": "remember PINEAPPLE"});
+        assert_eq!(prompt_of(&task), "remember PINEAPPLE");
+        let turn = crate::rein::Task { description: "only".into(), ..Default::default() };
+        assert_eq!(prompt_of(&turn), "only");
     }
 }

@@ -40,6 +40,9 @@ pub(super) fn parse(kind: &str, v: &Value, state: &mut ParserState) -> Line {
 fn system(v: &Value, state: &mut ParserState) -> Line {
     let message = match str_of(v, "subtype").as_str() {
         "init" => {
+            if let Some(id) = super::conversation_id(&str_of(v, "session_id")) {
+                state.conversation = id;
+            }
             let model = str_of(v, "model");
             if !model.is_empty() {
                 state.model = model;

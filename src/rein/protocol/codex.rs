@@ -40,6 +40,12 @@ pub(super) fn parse(kind: &str, v: &Value, state: &mut ParserState) -> Line {
                 Line::Events(events)
             }
         }
+        "thread.started" => {
+            if let Some(id) = super::conversation_id(&str_of(v, "thread_id")) {
+                state.conversation = id;
+            }
+            Line::Ignored
+        }
         "turn.completed" => Line::Result(turn_completed(v, state)),
         "turn.failed" => {
             let message = v.get("error").map(|e| str_of(e, "message")).unwrap_or_default();

@@ -46,6 +46,9 @@ pub struct ParserState {
     /// The last error the harness reported before it stopped, for a run
     /// that ends without a result line.
     pub last_error: String,
+    /// The agent's own id of its conversation (Claude Code's `session_id`,
+    /// Codex's `thread_id`): what the next turn of a session resumes.
+    pub conversation: String,
     /// The agent's ids of the calls corral's gate refused (through its
     /// hook): refusals the run goes on after, not failures.
     pub gate_denied: Vec<String>,
@@ -58,6 +61,15 @@ impl ParserState {
     pub fn new(model: String) -> ParserState {
         ParserState { model, ..ParserState::default() }
     }
+}
+
+/// A conversation id as an agent reported it, if it is a plain one (it
+/// goes on the next turn's command line).
+fn conversation_id(text: &str) -> Option<String> {
+    let plain = !text.is_empty()
+        && text.len() <= 128
+        && text.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    plain.then(|| text.to_string())
 }
 
 pub fn parse_line(preset: Preset, line: &[u8], state: &mut ParserState) -> Line {
