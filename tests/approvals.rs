@@ -180,3 +180,54 @@ async fn only_the_owner_adm_and_the_projects_approvers_decide_a_waiting_call() {
     assert!(rest.contains("verdict deploy: allow"), "{rest}");
     assert!(rest.contains("verdict deploy: deny (denied by owner: not today)"), "{rest}");
 }
+
+/// A turn cancelled while its call waits: the call is not run, the wait
+/// is withdrawn (a late decision is FAILED_PRECONDITION), and the session
+/// takes its next turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_turn_while_a_call_waits_withdraws_the_call() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("session.toml".into(), session_profile())],
+        config: Box::new(|c| {
+            c.principals.push(principal("owner", "pa", OWNER, false));
+            c.policies.push(corral::policy::PolicySpec {
+                name: "ask-deploy".into(),
+                kind: "require_approval".into(),
+                arguments: serde_json::json!({"timeout_seconds": 60}),
+                on: vec!["tool_call:deploy".into()],
+            });
+        }),
+        ..Options::default()
+    })
+    .await;
+    let tcp = Channel::from_shared(daemon.url.clone()).unwrap().connect().await.unwrap();
+    let mut client = SessionServiceClient::new(tcp);
+    let create = pb::CreateSessionRequest {
+        session_id: "s1".into(),
+        profile_ref: "test.session".into(),
+        project: "pa".into(),
+        ..Default::default()
+    };
+    client.create_session(as_token(OWNER, create)).await.expect("session created");
+    let ask = serde_json::json!({"ask": {"tool": "deploy", "arguments": {"to": "prod"}}});
+    let turn = |arguments: serde_json::Value| pb::SendTurnRequest {
+        session_id: "s1".into(),
+        tool_call: Some(pb::ToolCall { tool: "run".into(), arguments_json: arguments.to_string() }),
+    };
+    let mut stream = client.send_turn(as_token(OWNER, turn(ask))).await.expect("turn accepted").into_inner();
+    let (mut decided, mut rest) = (Vec::new(), String::new());
+    let call = next_ask(&mut stream, &mut decided, &mut rest).await.expect("asks");
+    let cancel = pb::CancelTurnRequest { session_id: "s1".into() };
+    client.cancel_turn(as_token(OWNER, cancel)).await.expect("cancelled");
+    assert_eq!(next_ask(&mut stream, &mut decided, &mut rest).await, None, "the turn ends");
+    assert!(!rest.contains("verdict deploy"), "the harness got no verdict: {rest}");
+    let late = client.decide_tool_call(as_token(OWNER, decide(&call, pb::ToolCallDecision::Allow, ""))).await;
+    assert_eq!(late.unwrap_err().code(), Code::FailedPrecondition, "the wait was withdrawn");
+    assert_eq!(daemon.engine.approvals.pending(), 0);
+    let mut next =
+        client.send_turn(as_token(OWNER, turn(serde_json::json!({"echo": "again"})))).await.unwrap().into_inner();
+    let (mut decided, mut rest) = (Vec::new(), String::new());
+    assert_eq!(next_ask(&mut next, &mut decided, &mut rest).await, None);
+    assert!(rest.contains("echo again"), "the session takes its next turn: {rest}");
+}
