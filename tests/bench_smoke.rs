@@ -159,3 +159,11 @@ async fn gate_compares_the_hook_round_trip_with_and_without_the_gate() {
     assert!(g.baseline.p50_ms > 0.0 && g.gated.p50_ms > 0.0 && g.ratio_p50 > 0.0, "{g:?}");
     assert_eq!(g.policies, 3);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_compares_a_model_request_through_the_gateway_and_the_proxy() {
+    let report = bench(&["gateway", "--n", "20", "--warmup", "2"]).await;
+    let g = report.gateway.expect("a gateway report");
+    assert_eq!((g.proxy.count, g.gateway.count), (20, 20));
+    assert!(g.proxy.p50_ms > 0.0 && g.gateway.p50_ms > 0.0, "{g:?}");
+}

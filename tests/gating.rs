@@ -107,8 +107,12 @@ async fn a_session_of_a_harness_that_cannot_take_turns_is_refused() {
     let daemon = TestDaemon::start(Options {
         config: Box::new(move |c| {
             for (route, var) in [("anthropic", "ANTHROPIC_API_KEY"), ("openai", "OPENAI_API_KEY")] {
-                let route_config =
-                    corral::credentials::RouteConfig { env: None, file: Some(file.clone()), inject_as: var.into() };
+                let route_config = corral::credentials::RouteConfig {
+                    env: None,
+                    file: Some(file.clone()),
+                    inject_as: var.into(),
+                    ..Default::default()
+                };
                 c.credentials.routes.insert(route.into(), route_config);
             }
         }),

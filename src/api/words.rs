@@ -77,7 +77,7 @@ words!(PolicySource { Session => "session", Profile => "profile", Admin => "admi
 words!(GatePhase { AgentStart => "agent_start", ToolCall => "tool_call" });
 words!(ProgressKind { Progress => "progress", ToolUse => "tool_use", Output => "output" });
 words!(OutputStream { Stdout => "stdout", Stderr => "stderr", ToolOutput => "tool_output", ToolError => "tool_error" });
-words!(EgressMethod { Connect => "connect", Http => "http" });
+words!(EgressMethod { Connect => "connect", Http => "http", Gateway => "gateway" });
 words!(EgressMode { None => "none", Proxy => "proxy" });
 words!(LimitKind {
     Memory => "memory",
@@ -165,7 +165,11 @@ mod tests {
             (pb::OutputStream::ToolOutput, "tool_output"),
             (pb::OutputStream::ToolError, "tool_error"),
         ]);
-        check(&[(pb::EgressMethod::Connect, "connect"), (pb::EgressMethod::Http, "http")]);
+        check(&[
+            (pb::EgressMethod::Connect, "connect"),
+            (pb::EgressMethod::Http, "http"),
+            (pb::EgressMethod::Gateway, "gateway"),
+        ]);
         check(&[(pb::EgressMode::None, "none"), (pb::EgressMode::Proxy, "proxy")]);
         check(&[
             (pb::LimitKind::Memory, "memory"),

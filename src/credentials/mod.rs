@@ -3,23 +3,95 @@
 //! that keeps their values out of everything the daemon stores, streams,
 //! reports or logs.
 
+pub mod gateway;
 mod scrub;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use serde::Deserialize;
 
+use crate::catalog::{Preset, ReinSpec};
+pub use gateway::{GatewayRoute, Presented, Upstream, GATEWAY_PORT};
 pub use scrub::Scrubber;
 
 /// `[credentials.routes.NAME]`: exactly one of `env` (a daemon environment
 /// variable) or `file`, and the variable the harness receives it as.
-#[derive(Clone, Debug, Deserialize)]
+///
+/// With `upstream` the route goes through the credential gateway: the
+/// harness gets a placeholder in `inject_as` and the daemon presents the
+/// real value to the upstream in `header` (see [`gateway`]). The routes
+/// Claude Code and Codex read their model key from use the gateway without
+/// one (their upstream is the profile's model endpoint) unless `expose`
+/// hands the real value to the harness.
+#[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
     pub env: Option<String>,
     pub file: Option<PathBuf>,
     pub inject_as: String,
+    /// `https://host[:port][/path]` (or `http://` on loopback).
+    #[serde(default)]
+    pub upstream: Option<String>,
+    /// `authorization` (as `Bearer <secret>`, the default) or a header
+    /// that carries the secret as its whole value, e.g. `x-api-key`.
+    #[serde(default)]
+    pub header: Option<String>,
+    /// The CA certificates (PEM) the upstream's certificate must chain to,
+    /// instead of the system's.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// Put the real value in the harness's environment (no gateway): for a
+    /// tool that needs the raw key inside the sandbox.
+    #[serde(default)]
+    pub expose: bool,
+}
+
+impl RouteConfig {
+    /// The value now (a rotated file or variable is read anew).
+    pub fn read(&self, name: &str) -> Result<String, String> {
+        let value = match (&self.env, &self.file) {
+            (Some(var), _) => std::env::var(var).map_err(|_| format!("credential route {name}: ${var} is not set"))?,
+            (None, Some(path)) => std::fs::read_to_string(path)
+                .map(|v| v.trim_end_matches(['\n', '\r']).to_string())
+                .map_err(|_| format!("credential route {name}: its file cannot be read"))?,
+            (None, None) => return Err(format!("credential route {name} has no source")),
+        };
+        if value.is_empty() {
+            return Err(format!("credential route {name} has an empty value"));
+        }
+        Ok(value)
+    }
+
+    fn presented(&self) -> Presented {
+        match self.header.as_deref().map(str::to_ascii_lowercase) {
+            None => Presented::Bearer,
+            Some(h) if h == "authorization" => Presented::Bearer,
+            Some(h) => Presented::Header(h),
+        }
+    }
+}
+
+/// Variables Claude Code reads its key from, and how each is presented.
+const CLAUDE_KEYS: &[(&str, &str)] = &[("ANTHROPIC_API_KEY", "x-api-key"), ("ANTHROPIC_AUTH_TOKEN", "authorization")];
+const ANTHROPIC_UPSTREAM: &str = "https://api.anthropic.com";
+const OPENAI_UPSTREAM: &str = "https://api.openai.com/v1";
+
+/// A run's credentials: what the harness's environment gets (real values
+/// of exposed routes, placeholders of gatewayed ones), the gateway's
+/// routes, and the scrubber of every real value.
+pub struct Plan {
+    pub env: Vec<(String, String)>,
+    pub gateway: Vec<GatewayRoute>,
+    pub scrubber: Scrubber,
+}
+
+impl Plan {
+    /// The URL the harness reaches route `name` at through the gateway.
+    pub fn gateway_url(name: &str) -> String {
+        format!("http://127.0.0.1:{GATEWAY_PORT}/{name}")
+    }
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -51,12 +123,99 @@ impl CredentialsConfig {
             if !env_name_ok(&route.inject_as) || route.inject_as.starts_with("CORRAL_") {
                 return Err((format!("{key}.inject_as"), "must be a variable name not starting with CORRAL_".into()));
             }
+            if let Some(upstream) = &route.upstream {
+                if route.expose {
+                    return Err((format!("{key}.expose"), "a route with an upstream never exposes its value".into()));
+                }
+                Upstream::parse(upstream).map_err(|e| (format!("{key}.upstream"), e))?;
+            }
+            if let Some(header) = &route.header {
+                let plain = !header.is_empty() && header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+                if !plain || route.upstream.is_none() {
+                    return Err((format!("{key}.header"), "a header name, on a route with an upstream".into()));
+                }
+            }
+            if let Some(ca) = &route.ca_file {
+                if route.expose {
+                    return Err((format!("{key}.ca_file"), "an exposed route has no upstream to verify".into()));
+                }
+                gateway::tls_config(Some(ca)).map_err(|e| (format!("{key}.ca_file"), e))?;
+            }
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
+                return Err((key, "a route name is letters, digits and -_.".into()));
+            }
         }
         Ok(())
     }
 
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.routes.keys().map(String::as_str)
+    }
+
+    /// The routes of `refs` that go through the gateway for a harness of
+    /// `rein`, with their upstreams and how the secret is presented: every
+    /// route with an `upstream`, and (unless `expose`) the route Claude
+    /// Code or Codex reads its model key from, towards the profile's model
+    /// endpoint. Placeholders are made here, once per run.
+    pub fn gateway_routes(&self, refs: &[String], rein: &ReinSpec) -> Result<Vec<GatewayRoute>, String> {
+        let mut routes = Vec::new();
+        for name in refs {
+            let Some(route) = self.routes.get(name) else { continue };
+            let model_route = match rein.preset {
+                Preset::ClaudeStreamJson => CLAUDE_KEYS
+                    .iter()
+                    .find(|(var, _)| *var == route.inject_as)
+                    .map(|(_, header)| (ANTHROPIC_UPSTREAM, *header)),
+                Preset::CodexExecJson if Some(name) == refs.first() => Some((OPENAI_UPSTREAM, "authorization")),
+                _ => None,
+            };
+            let (upstream, presented) = match (&route.upstream, model_route) {
+                (Some(upstream), _) => (upstream.clone(), route.presented()),
+                (None, Some(_)) if route.expose => continue,
+                (None, Some((vendor, header))) => {
+                    let url = if rein.base_url.is_empty() { vendor.to_string() } else { rein.base_url.clone() };
+                    let presented =
+                        if header == "authorization" { Presented::Bearer } else { Presented::Header(header.into()) };
+                    (url, presented)
+                }
+                (None, None) => continue,
+            };
+            let upstream = Upstream::parse(&upstream).map_err(|e| format!("credential route {name}: {e}"))?;
+            let tls = match upstream.tls {
+                true => Some(
+                    gateway::tls_config(route.ca_file.as_deref())
+                        .map_err(|e| format!("credential route {name}: {e}"))?,
+                ),
+                false => None,
+            };
+            let (reader, route_name) = (route.clone(), name.clone());
+            routes.push(GatewayRoute {
+                name: name.clone(),
+                placeholder: gateway::placeholder(name),
+                presented,
+                upstream,
+                secret: Box::new(move || reader.read(&route_name)),
+                tls,
+            });
+        }
+        Ok(routes)
+    }
+
+    /// [`resolve`](Self::resolve), with the gatewayed routes' values left
+    /// in the daemon: their variables get the placeholders instead.
+    pub fn plan(
+        &self,
+        refs: &[String],
+        gateway: &Arc<Vec<GatewayRoute>>,
+    ) -> Result<(Vec<(String, String)>, Scrubber), String> {
+        let (mut env, scrubber) = self.resolve(refs)?;
+        for (name, (var, value)) in refs.iter().zip(env.iter_mut()) {
+            if let Some(route) = gateway.iter().find(|r| &r.name == name) {
+                debug_assert_eq!(self.routes.get(name).map(|r| r.inject_as.as_str()), Some(var.as_str()));
+                *value = route.placeholder.clone();
+            }
+        }
+        Ok((env, scrubber))
     }
 
     /// Reads the values of `refs` now (so rotated secrets are picked up per
@@ -67,18 +226,7 @@ impl CredentialsConfig {
         let mut scrubber = Scrubber::default();
         for name in refs {
             let route = self.routes.get(name).ok_or_else(|| format!("unknown credential route {name}"))?;
-            let value = match (&route.env, &route.file) {
-                (Some(var), _) => {
-                    std::env::var(var).map_err(|_| format!("credential route {name}: ${var} is not set"))?
-                }
-                (None, Some(path)) => std::fs::read_to_string(path)
-                    .map(|v| v.trim_end_matches(['\n', '\r']).to_string())
-                    .map_err(|_| format!("credential route {name}: its file cannot be read"))?,
-                (None, None) => return Err(format!("credential route {name} has no source")),
-            };
-            if value.is_empty() {
-                return Err(format!("credential route {name} has an empty value"));
-            }
+            let value = route.read(name)?;
             scrubber.add(name, &value);
             env.push((route.inject_as.clone(), value));
         }

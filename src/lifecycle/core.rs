@@ -84,6 +84,9 @@ pub struct Core {
     workspace_over: bool,
     /// `egress` events recorded so far.
     egress_events: u64,
+    /// The run's routes through the credential gateway (placeholders made
+    /// once, when its sandbox is).
+    gateway: Arc<Vec<crate::credentials::GatewayRoute>>,
 }
 
 /// At most this many `egress` events per run; later attempts are counted
@@ -123,6 +126,7 @@ impl Core {
             hits_seen: Default::default(),
             workspace_over: false,
             egress_events: 0,
+            gateway: Arc::default(),
         }
     }
 
@@ -301,8 +305,9 @@ impl Core {
             },
         };
         let limits = self.profile.as_ref().map(|p| p.file.limits.sandbox()).unwrap_or_default();
-        let gate = match self.gate_files(spec) {
-            Ok(files) => files,
+        let planned = self.gate_files(spec).and_then(|files| Ok((files, self.gateway_routes(spec)?)));
+        let (gate, gateway) = match planned {
+            Ok(planned) => planned,
             Err(error) => {
                 self.failed(FailureStage::SandboxCreate, &error);
                 self.set_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
@@ -317,7 +322,9 @@ impl Core {
             user,
             limits,
             gate,
+            gateway: !gateway.is_empty(),
         };
+        self.gateway = Arc::new(gateway);
         let sandbox = match backend.create(&request).await {
             Ok(sandbox) => sandbox,
             Err(e) => {
@@ -332,6 +339,8 @@ impl Core {
         if let Some(egress) = &sandbox.egress {
             // Before anything runs in it: its proxy refuses every connection without.
             egress.attach_budget(self.engine.proxy_budget.clone(), &self.consumer.principal);
+            // Only the gateway may carry them.
+            egress.forbid(self.gateway.iter().map(|r| r.placeholder.clone()).collect());
         }
         self.evidence.time("sandbox_create", t);
         crate::telemetry::sandbox_alive(1.0);
@@ -383,8 +392,11 @@ impl Core {
             .ok_or_else(|| ReinError::Start(format!("no rein named {}", profile.file.rein.kind)))?;
         let t = Instant::now();
         // Read at every start, so a rotated secret is picked up.
-        let (credentials, scrubber) =
-            self.engine.credentials.resolve(&profile.file.credential_route_refs).map_err(ReinError::Start)?;
+        let (credentials, scrubber) = self
+            .engine
+            .credentials
+            .plan(&profile.file.credential_route_refs, &self.gateway)
+            .map_err(ReinError::Start)?;
         self.scrubber = scrubber;
         let ctx = StartContext {
             backend,
@@ -393,6 +405,7 @@ impl Core {
             consumer: self.consumer.clone(),
             timeout: self.timeout,
             credentials,
+            gateway: self.gateway.clone(),
         };
         let harness = rein.start_session(ctx).await?;
         self.evidence.time("session_start", t);
@@ -636,6 +649,26 @@ impl Core {
         let helper = self.engine.hook_program.as_deref();
         let files = crate::gate::hook::managed_files(profile.file.rein.preset, self.timeout.as_secs(), helper)?;
         Ok(files.unwrap_or_default())
+    }
+
+    /// The profile's routes that go through the credential gateway: in a
+    /// `linux_bwrap` sandbox, every route with an `upstream` and the model
+    /// key of Claude Code and Codex. A `none` sandbox has no namespace for
+    /// the gateway: a route that names an upstream refuses it, the
+    /// built-ins' keys are handed over as before.
+    fn gateway_routes(&self, spec: &SandboxSpec) -> Result<Vec<crate::credentials::GatewayRoute>, String> {
+        let Some(profile) = self.profile.as_ref() else { return Ok(Vec::new()) };
+        let refs = &profile.file.credential_route_refs;
+        let credentials = &self.engine.credentials;
+        if spec.sandbox_type == crate::sandbox::SandboxType::LinuxBwrap {
+            return credentials.gateway_routes(refs, &profile.file.rein);
+        }
+        match refs.iter().find(|r| credentials.routes.get(*r).is_some_and(|c| c.upstream.is_some())) {
+            Some(route) => Err(format!(
+                "credential route {route} goes through the credential gateway, which a none sandbox cannot carry"
+            )),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// The tool_call gate as one closure, for the turn itself and for the

@@ -48,6 +48,7 @@ pub struct EgressLog {
     /// The daemon's connection budget and the principal this sandbox runs
     /// for; a proxy without it refuses every connection.
     budget: std::sync::OnceLock<(std::sync::Arc<super::ProxyBudget>, String)>,
+    forbidden: std::sync::OnceLock<Vec<String>>,
 }
 
 impl EgressLog {
@@ -58,6 +59,16 @@ impl EgressLog {
 
     /// Ties this sandbox's proxy to the daemon's connection budget, counted
     /// for `principal`. Set once; later calls change nothing.
+    /// Values no request through the proxy may carry (the run's credential
+    /// placeholders: only the gateway takes them).
+    pub fn forbid(&self, values: Vec<String>) {
+        let _ = self.forbidden.set(values);
+    }
+
+    pub fn forbidden(&self) -> &[String] {
+        self.forbidden.get().map(Vec::as_slice).unwrap_or_default()
+    }
+
     pub fn attach_budget(&self, budget: std::sync::Arc<super::ProxyBudget>, principal: &str) {
         let _ = self.budget.set((budget, principal.to_string()));
     }

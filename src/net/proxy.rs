@@ -179,6 +179,10 @@ async fn handle(mut client: TcpStream, config: Arc<ProxyConfig>, log: Arc<Egress
             return;
         }
     };
+    if let Some(refusal) = carries_forbidden(&buf, log.forbidden()) {
+        log.record(denied(String::new(), 0, "http", &refusal));
+        return refuse(client, 403, &refusal).await;
+    }
     let (method, host, port, upstream_head) = match http::parse(&buf[..len]) {
         Ok(Request::Connect { host, port }) => ("connect", host, port, None),
         Ok(Request::Http { host, port, head }) => ("http", host, port, Some(head)),
@@ -339,13 +343,24 @@ async fn tunnel(mut client: TcpStream, mut upstream: TcpStream, key: &str, log: 
     // Milliseconds after `start` of the last byte read either way.
     let last = AtomicU64::new(0);
     let touch = || last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
-    let up = pump(&mut client_read, &mut upstream_write, |n| {
+    // What the client sends is looked through for the run's credential
+    // placeholders (only plain text can show one: a TLS tunnel is opaque,
+    // and its far end sees a placeholder, never the secret).
+    let mut scanner = Scanner::new(log.forbidden());
+    let up = pump(&mut client_read, &mut upstream_write, |chunk: &[u8]| {
         touch();
-        log.add_bytes(key, n, 0)
+        log.add_bytes(key, chunk.len() as u64, 0);
+        if scanner.hit(chunk) {
+            let (host, port) = key.rsplit_once(':').map(|(h, p)| (h, p.parse().unwrap_or(0))).unwrap_or((key, 0));
+            log.record(denied(host.to_string(), port, "connect", PLACEHOLDER_REFUSAL));
+            return false;
+        }
+        true
     });
-    let down = pump(&mut upstream_read, &mut client_write, |n| {
+    let down = pump(&mut upstream_read, &mut client_write, |chunk: &[u8]| {
         touch();
-        log.add_bytes(key, 0, n)
+        log.add_bytes(key, 0, chunk.len() as u64);
+        true
     });
     let idle_out = async {
         loop {
@@ -370,7 +385,47 @@ async fn tunnel(mut client: TcpStream, mut upstream: TcpStream, key: &str, log: 
     true
 }
 
-async fn pump<R, W>(from: &mut R, to: &mut W, count: impl Fn(u64)) -> std::io::Result<()>
+/// Why a request or tunnel carrying a placeholder is refused.
+const PLACEHOLDER_REFUSAL: &str =
+    "it carries a credential placeholder of this run, which only corral's credential gateway takes";
+
+/// The refusal of a request head (and what followed it) that carries one
+/// of `forbidden`.
+fn carries_forbidden(bytes: &[u8], forbidden: &[String]) -> Option<String> {
+    let mut scanner = Scanner::new(forbidden);
+    scanner.hit(bytes).then(|| PLACEHOLDER_REFUSAL.to_string())
+}
+
+/// Finds any of a few needles in a byte stream read in chunks, across
+/// chunk boundaries.
+pub struct Scanner {
+    needles: Vec<Vec<u8>>,
+    tail: Vec<u8>,
+    keep: usize,
+}
+
+impl Scanner {
+    pub fn new(needles: &[String]) -> Scanner {
+        let needles: Vec<Vec<u8>> = needles.iter().filter(|n| !n.is_empty()).map(|n| n.as_bytes().to_vec()).collect();
+        let keep = needles.iter().map(Vec::len).max().unwrap_or(1).saturating_sub(1);
+        Scanner { needles, tail: Vec::new(), keep }
+    }
+
+    /// Whether a needle ends in `chunk` (it may start in an earlier one).
+    pub fn hit(&mut self, chunk: &[u8]) -> bool {
+        if self.needles.is_empty() {
+            return false;
+        }
+        self.tail.extend_from_slice(chunk);
+        let found = self.needles.iter().any(|n| self.tail.windows(n.len()).any(|w| w == n.as_slice()));
+        let cut = self.tail.len().saturating_sub(self.keep);
+        self.tail.drain(..cut);
+        found
+    }
+}
+
+/// Copies until EOF; `pass` sees each chunk first and may stop the copy.
+async fn pump<R, W>(from: &mut R, to: &mut W, mut pass: impl FnMut(&[u8]) -> bool) -> std::io::Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -381,7 +436,9 @@ where
         if n == 0 {
             return to.shutdown().await;
         }
-        count(n as u64);
+        if !pass(&buf[..n]) {
+            return Err(std::io::Error::other(PLACEHOLDER_REFUSAL));
+        }
         to.write_all(&buf[..n]).await?;
     }
 }

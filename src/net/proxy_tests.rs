@@ -408,3 +408,56 @@ async fn ambiguous_framing_is_refused_before_the_upstream() {
     }
     assert!(timeout(Duration::from_millis(300), seen.recv()).await.is_err(), "the upstream received nothing");
 }
+
+#[test]
+fn the_scanner_finds_a_placeholder_across_chunks() {
+    let mut s = super::proxy::Scanner::new(&["corral-x-abcdef".to_string()]);
+    assert!(!s.hit(b"GET / HTTP/1.1\r\nx-api-key: corral-x-"));
+    assert!(s.hit(b"abcdef\r\n\r\n"), "split across two chunks");
+    let mut s = super::proxy::Scanner::new(&["corral-x-abcdef".to_string()]);
+    for byte in b"..corral-x-abcde" {
+        assert!(!s.hit(&[*byte]));
+    }
+    assert!(s.hit(b"f"), "one byte at a time");
+    let mut none = super::proxy::Scanner::new(&[]);
+    assert!(!none.hit(b"corral-x-abcdef"), "nothing forbidden");
+}
+
+#[tokio::test]
+async fn a_request_or_tunnel_carrying_a_placeholder_is_refused_and_reported() {
+    let placeholder = "corral-anthropic-0123456789abcdef".to_string();
+    let (http, mut seen) = http_server().await;
+    let p = proxy(&[format!("127.0.0.1:{}", http.port())]).await;
+    p.log.forbid(vec![placeholder.clone()]);
+    // In a plain request's URL or headers: refused before any connection.
+    for request in [
+        format!("GET http://{http}/leak?k={placeholder} HTTP/1.1\r\nHost: {http}\r\n\r\n"),
+        format!("GET http://{http}/ HTTP/1.1\r\nHost: {http}\r\nx-api-key: {placeholder}\r\n\r\n"),
+    ] {
+        let answer = exchange(p.addr, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+        assert!(answer.contains("credential placeholder"), "{answer}");
+    }
+    // Through a CONNECT tunnel, in clear: the tunnel is closed before it.
+    let (echo, mut echoed) = echo_server().await;
+    let p2 = proxy(&[format!("127.0.0.1:{}", echo.port())]).await;
+    p2.log.forbid(vec![placeholder.clone()]);
+    let mut client = TcpStream::connect(p2.addr).await.unwrap();
+    client.write_all(format!("CONNECT {echo} HTTP/1.1\r\nHost: {echo}\r\n\r\n").as_bytes()).await.unwrap();
+    let mut buf = [0u8; 256];
+    let n = timeout(WAIT, client.read(&mut buf)).await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    client.write_all(b"hello ").await.unwrap();
+    let first = timeout(WAIT, echoed.recv()).await.unwrap().unwrap();
+    assert_eq!(first, b"hello ");
+    let _ = client.write_all(format!("x-api-key: {placeholder}\r\n").as_bytes()).await;
+    let mut rest = Vec::new();
+    let _ = timeout(WAIT, client.read_to_end(&mut rest)).await;
+    while let Ok(Some(chunk)) = timeout(Duration::from_millis(200), echoed.recv()).await {
+        assert!(!String::from_utf8_lossy(&chunk).contains(&placeholder), "the echo server saw it");
+    }
+    let reasons: Vec<String> = p.log.drain().into_iter().chain(p2.log.drain()).map(|d| d.rule_or_reason).collect();
+    assert_eq!(reasons.iter().filter(|r| r.contains("credential placeholder")).count(), 3, "{reasons:?}");
+    assert!(seen.try_recv().is_err(), "the plain server got no request");
+    drop((p, p2));
+}

@@ -98,6 +98,7 @@ pub fn prepare(
     trust: &SandboxTrust,
     credential_vars: &[&str],
     gated: bool,
+    model_gateway: Option<&str>,
 ) -> Result<Prepared, String> {
     let mut prepared =
         Prepared { argv: rein.argv.clone(), env: trust.env(), home_files: Vec::new(), model: rein.model.clone() };
@@ -108,8 +109,20 @@ pub fn prepare(
     }
     match rein.preset {
         Preset::Protocol => {}
-        Preset::ClaudeStreamJson => claude(rein, credential_vars, gated, &mut prepared)?,
-        Preset::CodexExecJson => codex(rein, trust, credential_vars, &mut prepared)?,
+        Preset::ClaudeStreamJson => claude(rein, credential_vars, gated, model_gateway, &mut prepared)?,
+        Preset::CodexExecJson => codex(rein, trust, credential_vars, model_gateway, &mut prepared)?,
+    }
+    if model_gateway.is_some() {
+        // The gateway and the hook listen on the namespace's loopback,
+        // where nothing else does: past the proxy, which refuses loopback.
+        // (Codex's client matches NO_PROXY by host only.)
+        let mut entries = vec!["127.0.0.1".to_string(), format!("127.0.0.1:{}", crate::credentials::GATEWAY_PORT)];
+        if gated {
+            entries.push(crate::gate::hook::no_proxy_entry());
+        }
+        prepared.env.retain(|(k, _)| k != "NO_PROXY" && k != "no_proxy");
+        let joined = entries.join(",");
+        prepared.env.extend([("NO_PROXY".into(), joined.clone()), ("no_proxy".into(), joined)]);
     }
     Ok(prepared)
 }
@@ -121,7 +134,13 @@ fn quiet(prepared: &mut Prepared, vars: &[&str]) {
     prepared.env.extend(vars.iter().map(|v| (v.to_string(), "1".to_string())));
 }
 
-fn claude(rein: &ReinSpec, credential_vars: &[&str], gated: bool, prepared: &mut Prepared) -> Result<(), String> {
+fn claude(
+    rein: &ReinSpec,
+    credential_vars: &[&str],
+    gated: bool,
+    model_gateway: Option<&str>,
+    prepared: &mut Prepared,
+) -> Result<(), String> {
     if !credential_vars.is_empty() && !credential_vars.iter().any(|v| CLAUDE_KEY_VARS.contains(v)) {
         return Err(format!(
             "Claude Code reads its key from {}; the profile's credential routes inject {}",
@@ -129,8 +148,10 @@ fn claude(rein: &ReinSpec, credential_vars: &[&str], gated: bool, prepared: &mut
             credential_vars.join(", ")
         ));
     }
-    if !rein.base_url.is_empty() {
-        prepared.env.push(("ANTHROPIC_BASE_URL".into(), rein.base_url.clone()));
+    match model_gateway {
+        Some(url) => prepared.env.push(("ANTHROPIC_BASE_URL".into(), url.to_string())),
+        None if !rein.base_url.is_empty() => prepared.env.push(("ANTHROPIC_BASE_URL".into(), rein.base_url.clone())),
+        None => {}
     }
     if !rein.model.is_empty() {
         prepared.env.push(("ANTHROPIC_MODEL".into(), rein.model.clone()));
@@ -157,6 +178,7 @@ fn codex(
     rein: &ReinSpec,
     trust: &SandboxTrust,
     credential_vars: &[&str],
+    model_gateway: Option<&str>,
     prepared: &mut Prepared,
 ) -> Result<(), String> {
     // Only an argv that runs `codex exec` itself gets flags; a wrapper
@@ -174,7 +196,11 @@ fn codex(
         prepared.argv.splice(exec_at + 1..exec_at + 1, flags.iter().map(|f| f.to_string()));
     }
     let env_key = credential_vars.first().copied().unwrap_or("OPENAI_API_KEY");
-    let base_url = if rein.base_url.is_empty() { OPENAI_DEFAULT_BASE_URL } else { &rein.base_url };
+    let base_url = match model_gateway {
+        Some(url) => url,
+        None if rein.base_url.is_empty() => OPENAI_DEFAULT_BASE_URL,
+        None => &rein.base_url,
+    };
     prepared.home_files.push((CODEX_CONFIG.into(), codex_config(base_url, &rein.model, env_key)));
     Ok(())
 }
@@ -241,37 +267,37 @@ mod tests {
     #[test]
     fn codex_turns_its_own_sandbox_off_only_inside_a_verified_one() {
         let codex = rein(Preset::CodexExecJson, &["codex", "exec", "--json", "-"], "http://127.0.0.1:9/v1", "m-1");
-        let p = prepare(&codex, &verified(), &["OPENAI_API_KEY"], false).unwrap();
+        let p = prepare(&codex, &verified(), &["OPENAI_API_KEY"], false, None).unwrap();
         assert_eq!(p.argv, ["codex", "exec", "--dangerously-bypass-approvals-and-sandbox", "--json", "-"]);
         assert_eq!(
             (env(&p, "CORRAL_SANDBOX"), env(&p, "CORRAL_SANDBOX_RECEIPT")),
             (Some("verified"), Some("sha256:abc"))
         );
         assert_eq!(p.model, "m-1");
-        let p = prepare(&codex, &unverified(), &["OPENAI_API_KEY"], false).unwrap();
+        let p = prepare(&codex, &unverified(), &["OPENAI_API_KEY"], false, None).unwrap();
         assert_eq!(p.argv, ["codex", "exec", "--sandbox", "workspace-write", "--json", "-"]);
         assert_eq!((env(&p, "CORRAL_SANDBOX"), env(&p, "CORRAL_SANDBOX_RECEIPT")), (Some("unverified"), None));
         // A bypass flag in the profile itself is refused outside a verified sandbox.
         let yolo = rein(Preset::CodexExecJson, &["codex", "exec", "--yolo", "-"], "", "");
-        let err = prepare(&yolo, &unverified(), &[], false).unwrap_err();
+        let err = prepare(&yolo, &unverified(), &[], false, None).unwrap_err();
         assert!(err.contains("--yolo") && err.contains("not linux_bwrap"), "{err}");
-        assert_eq!(prepare(&yolo, &verified(), &[], false).unwrap().argv, ["codex", "exec", "--yolo", "-"]);
+        assert_eq!(prepare(&yolo, &verified(), &[], false, None).unwrap().argv, ["codex", "exec", "--yolo", "-"]);
         let claude = rein(Preset::ClaudeStreamJson, &["claude", "--dangerously-skip-permissions"], "", "");
-        assert!(prepare(&claude, &unverified(), &[], false).is_err());
+        assert!(prepare(&claude, &unverified(), &[], false, None).is_err());
         let wrapper = rein(Preset::CodexExecJson, &["/bin/sh", "-c", "codex exec - | tee t"], "", "");
         assert_eq!(
-            prepare(&wrapper, &verified(), &[], false).unwrap().argv,
+            prepare(&wrapper, &verified(), &[], false, None).unwrap().argv,
             wrapper.argv,
             "a wrapper chooses its flags"
         );
         let script = rein(Preset::Protocol, &["/bin/agent", "--yolo"], "", "");
-        assert!(prepare(&script, &unverified(), &[], false).is_err(), "whatever the preset");
+        assert!(prepare(&script, &unverified(), &[], false, None).is_err(), "whatever the preset");
     }
 
     #[test]
     fn codex_config_names_the_provider_and_the_key_variable() {
         let codex = rein(Preset::CodexExecJson, &["codex", "exec", "-"], "http://10.0.0.5:8080/v1", "m-1");
-        let p = prepare(&codex, &verified(), &["CODEX_KEY"], false).unwrap();
+        let p = prepare(&codex, &verified(), &["CODEX_KEY"], false, None).unwrap();
         let [(path, text)] = &p.home_files[..] else { panic!("one file: {:?}", p.home_files) };
         assert_eq!(path, ".codex/config.toml");
         let parsed: toml::Table = toml::from_str(text).unwrap();
@@ -284,7 +310,8 @@ mod tests {
         assert_eq!(parsed["analytics"]["enabled"].as_bool(), Some(false));
         assert_eq!(parsed["features"]["plugins"].as_bool(), Some(false));
         let vendor =
-            prepare(&rein(Preset::CodexExecJson, &["codex", "exec", "-"], "", ""), &verified(), &[], false).unwrap();
+            prepare(&rein(Preset::CodexExecJson, &["codex", "exec", "-"], "", ""), &verified(), &[], false, None)
+                .unwrap();
         let parsed: toml::Table = toml::from_str(&vendor.home_files[0].1).unwrap();
         assert_eq!(parsed["model_providers"]["corral"]["base_url"].as_str(), Some("https://api.openai.com/v1"));
         assert_eq!(parsed["model_providers"]["corral"]["env_key"].as_str(), Some("OPENAI_API_KEY"));
@@ -294,19 +321,20 @@ mod tests {
     #[test]
     fn claude_gets_its_endpoint_and_quiet_knobs() {
         let claude = rein(Preset::ClaudeStreamJson, &["claude", "-p"], "http://127.0.0.1:9", "claude-x");
-        let p = prepare(&claude, &verified(), &["ANTHROPIC_API_KEY"], false).unwrap();
+        let p = prepare(&claude, &verified(), &["ANTHROPIC_API_KEY"], false, None).unwrap();
         assert_eq!(p.argv, ["claude", "-p"]);
         assert_eq!(env(&p, "ANTHROPIC_BASE_URL"), Some("http://127.0.0.1:9"));
         assert_eq!(env(&p, "ANTHROPIC_MODEL"), Some("claude-x"));
         assert_eq!(env(&p, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"), Some("1"));
         assert!(p.home_files.is_empty());
         assert_eq!(env(&p, "NO_PROXY"), None, "no gate, no bypass");
-        let gated = prepare(&claude, &verified(), &["ANTHROPIC_API_KEY"], true).unwrap();
+        let gated = prepare(&claude, &verified(), &["ANTHROPIC_API_KEY"], true, None).unwrap();
         assert_eq!(env(&gated, "NO_PROXY"), Some("127.0.0.1:3129"), "only the gate's host:port bypasses the proxy");
         assert_eq!(env(&gated, "no_proxy"), Some("127.0.0.1:3129"));
-        let vendor = prepare(&rein(Preset::ClaudeStreamJson, &["claude"], "", ""), &verified(), &[], false).unwrap();
+        let vendor =
+            prepare(&rein(Preset::ClaudeStreamJson, &["claude"], "", ""), &verified(), &[], false, None).unwrap();
         assert_eq!(env(&vendor, "ANTHROPIC_BASE_URL"), None);
-        let err = prepare(&claude, &verified(), &["OPENAI_API_KEY"], false).unwrap_err();
+        let err = prepare(&claude, &verified(), &["OPENAI_API_KEY"], false, None).unwrap_err();
         assert!(err.contains("ANTHROPIC_API_KEY") && err.contains("OPENAI_API_KEY"), "{err}");
     }
 }

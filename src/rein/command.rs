@@ -28,10 +28,14 @@ use crate::sandbox::{ExecSpec, SandboxProcess};
 const KILL_GRACE: Duration = Duration::from_secs(2);
 /// How long a harness gets to exit once its session is ended.
 const END_GRACE: Duration = Duration::from_secs(5);
-/// Once the harness has exited, how long what it wrote before is still read
-/// from its stdout. A process it left in the background may hold the pipe
-/// open forever; the run does not wait for it (teardown kills it).
+/// Once the harness has exited, how long its stdout may stay quiet before
+/// the rest is no longer waited for. A process it left in the background
+/// may hold the pipe open forever; the run does not wait for it (teardown
+/// kills it).
 const EXIT_DRAIN: Duration = Duration::from_millis(500);
+/// And how long it is read at most once the harness has exited (something
+/// it left behind may write forever).
+const EXIT_DRAIN_MAX: Duration = Duration::from_secs(10);
 /// Lines read ahead of the turn loop.
 const STDOUT_AHEAD: usize = 64;
 
@@ -76,7 +80,9 @@ impl Rein for CommandRein {
         let trust = SandboxTrust::of(&ctx.sandbox);
         let vars: Vec<&str> = ctx.credentials.iter().map(|(name, _)| name.as_str()).collect();
         let gated = !ctx.sandbox.gate.is_empty();
-        let prepared = cli_setup::prepare(&profile.rein, &trust, &vars, gated).map_err(ReinError::Start)?;
+        let model_gateway = model_gateway(&ctx);
+        let prepared = cli_setup::prepare(&profile.rein, &trust, &vars, gated, model_gateway.as_deref())
+            .map_err(ReinError::Start)?;
         for (path, text) in &prepared.home_files {
             home::write_file(&ctx.sandbox.home, path, text.as_bytes(), ctx.sandbox.user)
                 .map_err(|e| ReinError::Start(format!("cannot write ~/{path} for the harness: {e}")))?;
@@ -113,6 +119,22 @@ struct Run {
     stdout: Option<StdoutLines>,
     _endpoint: Option<crate::gate::endpoint::Endpoint>,
     hooks: Option<tokio::sync::mpsc::Receiver<HookRequest>>,
+    _gateway: Option<crate::credentials::gateway::Gateway>,
+}
+
+/// The gateway URL of the route a Claude Code or Codex harness reads its
+/// model key from (Claude: its key variable; Codex: its first route), when
+/// that route goes through the gateway.
+fn model_gateway(ctx: &StartContext) -> Option<String> {
+    let preset = ctx.profile.file.rein.preset;
+    let model_key = |(i, (var, _)): &(usize, &(String, String))| match preset {
+        Preset::ClaudeStreamJson => var == "ANTHROPIC_API_KEY" || var == "ANTHROPIC_AUTH_TOKEN",
+        Preset::CodexExecJson => *i == 0,
+        Preset::Protocol => false,
+    };
+    let (_, (_, value)) = ctx.credentials.iter().enumerate().find(model_key)?;
+    let route = ctx.gateway.iter().find(|r| &r.placeholder == value)?;
+    Some(crate::credentials::Plan::gateway_url(&route.name))
 }
 
 impl Run {
@@ -145,6 +167,17 @@ impl Run {
             (None, false) => None,
         };
         let (endpoint, hooks) = hooks.unzip();
+        let gateway = match (process.gateway_listener.take(), ctx.gateway.is_empty()) {
+            (Some(listener), _) => {
+                let refusals = ctx.sandbox.egress.clone().unwrap_or_default();
+                Some(crate::credentials::gateway::serve(listener, ctx.gateway.clone(), refusals))
+            }
+            (None, false) => {
+                let _ = process.kill().await;
+                return Err(ReinError::Start("the sandbox has gatewayed credentials but no gateway".into()));
+            }
+            (None, true) => None,
+        };
         if let Some(pipe) = process.stderr.take() {
             // Drained for the harness's whole life, so it never blocks on a
             // full stderr pipe between turns.
@@ -162,6 +195,7 @@ impl Run {
             process,
             _endpoint: endpoint,
             hooks,
+            _gateway: gateway,
         })
     }
 }
@@ -334,13 +368,20 @@ impl CommandSession {
                     next = lines.recv() => next,
                     exited = self.run.process.wait() => {
                         exited.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?;
-                        drain_until = Some(tokio::time::Instant::now() + EXIT_DRAIN);
+                        let now = tokio::time::Instant::now();
+                        drain_until = Some((now + EXIT_DRAIN, now + EXIT_DRAIN_MAX));
                         continue;
                     }
                 },
-                // Past the deadline: something the harness started still
-                // holds its stdout; what it wrote itself has been read.
-                Some(deadline) => tokio::time::timeout_at(deadline, lines.recv()).await.unwrap_or_default(),
+                // Quiet past the deadline: something the harness started
+                // still holds its stdout; what it wrote itself has been read.
+                // Every line read moves the deadline, so a slow reader on a
+                // loaded host still gets all of it.
+                Some((quiet, cap)) => {
+                    let next = tokio::time::timeout_at(quiet.min(cap), lines.recv()).await.unwrap_or_default();
+                    drain_until = Some((tokio::time::Instant::now() + EXIT_DRAIN, cap));
+                    next
+                }
             };
             let Some(next) = next else {
                 self.run.stdout = None;

@@ -34,8 +34,11 @@ pub struct StartContext {
     /// Per dispatch: the profile's timeout as the gate left it.
     pub timeout: Duration,
     /// `(variable, value)` of the profile's credential routes: for the
-    /// harness's environment only.
+    /// harness's environment only (a gatewayed route's value is its
+    /// placeholder).
     pub credentials: Vec<(String, String)>,
+    /// The routes the credential gateway serves in the sandbox.
+    pub gateway: Arc<Vec<crate::credentials::GatewayRoute>>,
 }
 
 /// The task as the harness receives it: one JSON line on stdin.

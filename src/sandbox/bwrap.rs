@@ -173,7 +173,7 @@ pub fn bwrap_args(
 /// harness runs (bwrap reports its child and waits): for the egress proxy,
 /// the gate's endpoint, or both.
 fn joins_netns(spec: &SandboxSpec, gate: &GateMounts) -> bool {
-    spec.allow_network || !gate.is_empty()
+    spec.allow_network || !gate.is_empty() || gate.gateway
 }
 
 /// The write roots a spec yields, as the harness sees them.
@@ -283,10 +283,10 @@ impl BwrapBackend {
         argv_full.extend(argv.iter().map(OsString::from));
         let mut process = spawn_group(program, &argv_full, env, &paths.workspace, options)?;
         let Some((info, block)) = network else { return Ok((process, None)) };
-        let gated = !gate.is_empty();
-        match self.enter_netns(spec, gated, info, block, egress.unwrap_or_default()).await {
-            Ok((proxy, gate_listener)) => {
+        match self.enter_netns(spec, gate, info, block, egress.unwrap_or_default()).await {
+            Ok((proxy, gate_listener, gateway_listener)) => {
                 process.gate_listener = gate_listener;
+                process.gateway_listener = gateway_listener;
                 Ok((process, proxy))
             }
             Err(e) => {
@@ -302,18 +302,21 @@ impl BwrapBackend {
     async fn enter_netns(
         &self,
         spec: &SandboxSpec,
-        gated: bool,
+        gate: &GateMounts,
         info: std::os::fd::OwnedFd,
         block: std::os::fd::OwnedFd,
         log: Arc<EgressLog>,
-    ) -> std::io::Result<(Option<ProxyHandle>, Option<tokio::net::TcpListener>)> {
+    ) -> std::io::Result<(Option<ProxyHandle>, Option<tokio::net::TcpListener>, Option<tokio::net::TcpListener>)> {
         let pid = netns::read_child_pid(info).await?;
         let mut ports = Vec::new();
         if spec.allow_network {
             ports.push(netns::PROXY_PORT);
         }
-        if gated {
+        if !gate.is_empty() {
             ports.push(crate::gate::GATE_PORT);
+        }
+        if gate.gateway {
+            ports.push(crate::credentials::GATEWAY_PORT);
         }
         let mut listeners = netns::listen_in(pid, ports).await?.into_iter();
         let proxy = match spec.allow_network {
@@ -330,9 +333,14 @@ impl BwrapBackend {
                 Some(net::serve(listener, config, log))
             }
         };
-        let gate = listeners.next().map(tokio::net::TcpListener::from_std).transpose()?;
+        let take = |listeners: &mut std::vec::IntoIter<std::net::TcpListener>, wanted: bool| match wanted {
+            true => listeners.next().map(tokio::net::TcpListener::from_std).transpose(),
+            false => Ok(None),
+        };
+        let hook = take(&mut listeners, !gate.is_empty())?;
+        let gateway = take(&mut listeners, gate.gateway)?;
         netns::release(block)?;
-        Ok((proxy, gate))
+        Ok((proxy, hook, gateway))
     }
 
     /// The digest of the exact command line a sandbox with `spec` at
@@ -417,8 +425,9 @@ impl SandboxBackend for BwrapBackend {
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
         self.probe().await?;
         let (paths, cgroup) = self.boundary.prepare(req)?;
-        let gate = place_gate_files(&req.root, &req.gate)
+        let mut gate = place_gate_files(&req.root, &req.gate)
             .map_err(|e| SandboxError::Spawn(format!("cannot place the agent's hook files in the sandbox: {e}")))?;
+        gate.gateway = req.gateway;
         let seccomp_digest = self.seccomp.as_ref().map(|f| f.digest().to_string()).unwrap_or_default();
         let receipt = EnforcementReceipt {
             command_digest: self.command_digest(&req.spec, &paths, req.limits.tmpfs(), &gate),
@@ -509,7 +518,7 @@ fn place_gate_files(root: &Path, files: &[GateFile]) -> std::io::Result<GateMoun
         };
         binds.push((host, file.inside.clone()));
     }
-    Ok(GateMounts { binds })
+    Ok(GateMounts { binds, gateway: false })
 }
 
 pub fn find_on_path(name: &str) -> Option<PathBuf> {
@@ -666,6 +675,7 @@ mod tests {
                 ("/r/gate/0".into(), "/etc/claude-code/managed-settings.json".into()),
                 ("/usr/bin/corral".into(), "/etc/corral/corral-gate-hook".into()),
             ],
+            gateway: false,
         };
         let args = strs(&bwrap_args(&SandboxSpec::default(), &paths("/r"), &HostLayout::merged_usr(), sizes(1), &gate));
         let at = args.iter().position(|a| a == "/r/gate/0").expect("the settings are bound");

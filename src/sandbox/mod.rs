@@ -112,6 +112,9 @@ pub struct CreateSandbox {
     /// What the agent's managed pre-tool hook needs inside (see
     /// [`GateFile`]); empty for a harness without one.
     pub gate: Vec<GateFile>,
+    /// Open the credential gateway's listener in the sandbox's network
+    /// namespace at every spawn ([`SandboxProcess::gateway_listener`]).
+    pub gateway: bool,
 }
 
 /// A file the daemon puts at a fixed system path inside a sandbox,
@@ -139,6 +142,8 @@ pub enum GateSource {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GateMounts {
     pub binds: Vec<(PathBuf, String)>,
+    /// The credential gateway listens in the namespace too.
+    pub gateway: bool,
 }
 
 impl GateMounts {

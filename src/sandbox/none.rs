@@ -54,9 +54,11 @@ impl SandboxBackend for NoneBackend {
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
         // No /etc of its own and no network namespace: an agent's managed
         // hook cannot be installed, so it is refused rather than left out.
-        if !req.gate.is_empty() {
+        if !req.gate.is_empty() || req.gateway {
             return Err(SandboxError::Unavailable(
-                "a none sandbox cannot carry an agent's pre-tool hook (no /etc or network namespace of its own)".into(),
+                "a none sandbox cannot carry an agent's pre-tool hook or the credential gateway (no /etc or network \
+                 namespace of its own)"
+                    .into(),
             ));
         }
         let (paths, cgroup) = self.boundary.prepare(req)?;

@@ -69,6 +69,8 @@ pub struct SandboxProcess {
     /// The tool-call gate's listener in the sandbox's network namespace,
     /// for a sandbox with hook files: the rein serves it.
     pub gate_listener: Option<tokio::net::TcpListener>,
+    /// The credential gateway's listener there, likewise.
+    pub gateway_listener: Option<tokio::net::TcpListener>,
 }
 
 impl std::fmt::Debug for SandboxProcess {
@@ -178,6 +180,7 @@ pub fn spawn_group(
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);
     Ok(SandboxProcess {
         gate_listener: None,
+        gateway_listener: None,
         stdin: child.stdin.take(),
         stdout: child.stdout.take(),
         stderr: child.stderr.take(),

@@ -121,7 +121,12 @@ impl TestDaemon {
         std::fs::write(&secret, ROUTE_TEST_VALUE).unwrap();
         config.credentials.routes.insert(
             "route.test".into(),
-            corral::credentials::RouteConfig { env: None, file: Some(secret), inject_as: "ROUTE_TEST_TOKEN".into() },
+            corral::credentials::RouteConfig {
+                env: None,
+                file: Some(secret),
+                inject_as: "ROUTE_TEST_TOKEN".into(),
+                ..Default::default()
+            },
         );
         config.store.url = match options.store_url {
             Some(url) => Some(url),

@@ -14,7 +14,6 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::TcpStream;
 
 /// The model the mock says it is (what `resolved_model` must be).
 pub const CLAUDE_MODEL: &str = "claude-mock-1";
@@ -76,6 +75,8 @@ struct Shared {
     /// Answers every request once the script is used up.
     always: Option<Step>,
     seen: Vec<Seen>,
+    /// Called with each model request's index before it is answered.
+    on_request: Option<Arc<dyn Fn(u64) + Send + Sync>>,
     /// Tokens of the successful replies served so far.
     tokens: u64,
     replies: u64,
@@ -85,6 +86,8 @@ pub struct ModelMock {
     pub addr: SocketAddr,
     shared: Arc<Mutex<Shared>>,
     task: tokio::task::JoinHandle<()>,
+    /// With TLS: the PEM of the test CA its certificate chains to.
+    pub ca_pem: Option<String>,
 }
 
 impl Drop for ModelMock {
@@ -104,24 +107,68 @@ impl ModelMock {
     }
 
     async fn with(shared: Shared) -> ModelMock {
+        Self::serving(shared, None).await
+    }
+
+    /// The same API over TLS, with a certificate for 127.0.0.1 from a test
+    /// CA made here ([`ModelMock::ca_pem`]).
+    pub async fn start_tls(script: Vec<Step>) -> ModelMock {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca.distinguished_name.push(rcgen::DnType::CommonName, "corral test model CA");
+        ca.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
+        let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+        let cert = params.signed_by(&key, &rcgen::Issuer::from_params(&ca, &ca_key)).unwrap();
+        let chain = vec![rustls::pki_types::CertificateDer::from(cert.der().to_vec())];
+        let private = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(chain, private)
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let shared = Shared { script: script.into(), ..Shared::default() };
+        let mut mock = Self::serving(shared, Some(acceptor)).await;
+        mock.ca_pem = Some(ca_pem);
+        mock
+    }
+
+    async fn serving(shared: Shared, tls: Option<tokio_rustls::TlsAcceptor>) -> ModelMock {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the model mock");
         let addr = listener.local_addr().unwrap();
         let shared = Arc::new(Mutex::new(shared));
         let state = shared.clone();
         let task = tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
-                let state = state.clone();
+                let (state, tls) = (state.clone(), tls.clone());
                 tokio::spawn(async move {
-                    let _ = serve(socket, state).await;
+                    let _ = socket.set_nodelay(true);
+                    match tls {
+                        Some(acceptor) => {
+                            if let Ok(stream) = acceptor.accept(socket).await {
+                                let _ = serve(stream, state).await;
+                            }
+                        }
+                        None => {
+                            let _ = serve(socket, state).await;
+                        }
+                    }
                 });
             }
         });
-        ModelMock { addr, shared, task }
+        ModelMock { addr, shared, task, ca_pem: None }
     }
 
-    /// `http://127.0.0.1:<port>`.
+    /// `http://127.0.0.1:<port>` (`https://` with TLS).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.ca_pem.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     pub fn seen(&self) -> Vec<Seen> {
@@ -143,6 +190,18 @@ impl ModelMock {
         self.shared.lock().unwrap().replies
     }
 
+    /// Runs `hook` with each model request's index (from 0) before the
+    /// reply is sent.
+    pub fn on_request(&self, hook: impl Fn(u64) + Send + Sync + 'static) {
+        self.shared.lock().unwrap().on_request = Some(Arc::new(hook));
+    }
+
+    /// Adds steps to the script (for a script that needs the mock's
+    /// address).
+    pub fn then(&self, steps: Vec<Step>) {
+        self.shared.lock().unwrap().script.extend(steps);
+    }
+
     /// Steps not used yet.
     pub fn unused(&self) -> usize {
         self.shared.lock().unwrap().script.len()
@@ -150,8 +209,10 @@ impl ModelMock {
 }
 
 /// One connection: requests until the client closes or asks to.
-async fn serve(socket: TcpStream, shared: Arc<Mutex<Shared>>) -> std::io::Result<()> {
-    let _ = socket.set_nodelay(true);
+async fn serve<S>(socket: S, shared: Arc<Mutex<Shared>>) -> std::io::Result<()>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     let mut reader = BufReader::new(socket);
     loop {
         let mut request_line = String::new();
@@ -196,7 +257,7 @@ async fn serve(socket: TcpStream, shared: Arc<Mutex<Shared>>) -> std::io::Result
     }
 }
 
-async fn read_chunked(reader: &mut BufReader<TcpStream>) -> std::io::Result<Vec<u8>> {
+async fn read_chunked<S: tokio::io::AsyncRead + Unpin>(reader: &mut BufReader<S>) -> std::io::Result<Vec<u8>> {
     let mut body = Vec::new();
     loop {
         let mut size = String::new();
@@ -237,6 +298,11 @@ fn respond(seen: &Seen, shared: &Mutex<Shared>) -> Vec<u8> {
         ("POST", p) if p.ends_with("/responses") => Api::OpenAi,
         _ => return http(404, "application/json", r#"{"error":{"message":"the model mock has no such endpoint"}}"#),
     };
+    let hook = shared.lock().unwrap().on_request.clone();
+    if let Some(hook) = hook {
+        let n = shared.lock().unwrap().replies;
+        hook(n);
+    }
     let mut shared = shared.lock().unwrap();
     let step = shared.script.pop_front().or_else(|| shared.always.clone()).unwrap_or_else(|| {
         Step::error(400, "invalid_request_error", "model mock: no scripted reply left for this request")

@@ -130,6 +130,7 @@ impl Floor {
             user,
             limits: self.limits,
             gate: Vec::new(),
+            gateway: false,
         };
         let (paths, cgroup) = self.boundary.prepare(&request)?;
         let sandbox = Sandbox {

@@ -12,6 +12,7 @@ mod emitter;
 mod fanout;
 mod floor;
 mod gate;
+mod gateway;
 mod ingest;
 mod latency;
 mod peer;
@@ -29,6 +30,7 @@ pub use emitter::Emitter;
 pub use fanout::{FanoutLevel, FanoutReport};
 
 pub use gate::GateReport;
+pub use gateway::GatewayReport;
 pub use ingest::{IngestParallel, IngestReport};
 pub use latency::LatencyReport;
 pub use peer::PeerReport;
@@ -56,6 +58,9 @@ pub enum Scenario {
     /// One allowed tool call's hook round trip through the gate endpoint
     /// and the tool_call gate, against the endpoint answering at once.
     Gate,
+    /// One model request through the credential gateway, against the same
+    /// request through the egress proxy.
+    Gateway,
     /// Every scenario above, one after the other.
     All,
 }
@@ -68,8 +73,8 @@ pub struct BenchArgs {
     pub scenario: Scenario,
     /// latency: Executes (and floor spawns) [default: 200]; throughput:
     /// executions per level [default: 10 × concurrency, at least 50];
-    /// peer: runs of each side [default: 20]; gate: hook round trips of
-    /// each side [default: 500].
+    /// peer: runs of each side [default: 20]; gate, gateway: round trips
+    /// of each side [default: 500].
     #[arg(long)]
     pub n: Option<usize>,
     /// latency: untimed runs of each side first (at least one Execute).
@@ -181,6 +186,7 @@ pub struct BenchReport {
     pub ingest: Option<IngestReport>,
     pub peer: Option<PeerReport>,
     pub gate: Option<GateReport>,
+    pub gateway: Option<GatewayReport>,
     /// Issue 6's targets, judged on what this run measured.
     pub targets: Vec<TargetCheck>,
     /// `/proc/loadavg` when the run ended.
@@ -258,6 +264,7 @@ pub async fn run_scenario(args: &BenchArgs, server: Option<&str>) -> anyhow::Res
                 ingest: None,
                 peer: None,
                 gate: None,
+                gateway: None,
                 targets: Vec::new(),
                 load_average_end: String::new(),
             })
@@ -278,6 +285,9 @@ pub async fn run_scenario(args: &BenchArgs, server: Option<&str>) -> anyhow::Res
     }
     if all || args.scenario == Scenario::Gate {
         report.gate = Some(gate::run(args).await?);
+    }
+    if all || args.scenario == Scenario::Gateway {
+        report.gateway = Some(gateway::run(args).await?);
     }
     if all || args.scenario == Scenario::Fanout {
         report.fanout = Some(fanout::run(&daemons, args).await?);

@@ -358,6 +358,15 @@ pub fn human(r: &BenchReport) -> String {
         out.push_str(&table(&["", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"], &rows));
         let _ = writeln!(out, "gated/baseline p50: {:.2}x (goal: gated p50 <= 5 ms)\n", g.ratio_p50);
     }
+    if let Some(g) = &r.gateway {
+        let _ = writeln!(out, "gateway: one model request (a short SSE answer) on loopback");
+        let rows = vec![
+            percentile_row("egress proxy, no gateway", &g.proxy),
+            percentile_row("credential gateway", &g.gateway),
+        ];
+        out.push_str(&table(&["", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"], &rows));
+        let _ = writeln!(out, "gateway adds {:.3} ms at p50 (goal: <= 1 ms)\n", g.added_p50_ms);
+    }
     if !r.targets.is_empty() {
         let rows: Vec<Vec<String>> = r
             .targets

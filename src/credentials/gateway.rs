@@ -1,0 +1,400 @@
+//! The credential gateway: the agent's API key never enters the sandbox.
+//!
+//! A gatewayed route gives the harness a **placeholder** (random per run,
+//! `corral-<route>-<hex>`) where the real secret would go, and a base URL
+//! on a listener the daemon opens inside the sandbox's own network
+//! namespace (plain HTTP on its loopback). A request there for the route's
+//! path space (`/<route>/...`) must present the placeholder in the route's
+//! header and nowhere else; the daemon swaps in the real secret (read from
+//! its file or variable at that moment: a rotated key is used by the next
+//! request) and forwards to the upstream over TLS (or plain HTTP to a
+//! loopback upstream only), streaming both ways. The egress proxy refuses
+//! anything else that carries a placeholder (see `net::proxy`).
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{HeaderName, HeaderValue};
+use hyper::{HeaderMap, Request, Response, StatusCode};
+
+/// Where the gateway listens inside every sandbox with a gatewayed route.
+pub const GATEWAY_PORT: u16 = 3130;
+/// How long connecting to the upstream (TCP and TLS) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How the secret is presented to the upstream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Presented {
+    /// The header's whole value (`x-api-key: <secret>`).
+    Header(String),
+    /// `authorization: Bearer <secret>`.
+    Bearer,
+}
+
+impl Presented {
+    pub fn header(&self) -> &str {
+        match self {
+            Presented::Header(name) => name,
+            Presented::Bearer => "authorization",
+        }
+    }
+}
+
+/// An upstream origin and base path: `https://host[:port][/path]`, or
+/// `http://` to a loopback host (the secret never crosses a network in
+/// clear).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Upstream {
+    pub tls: bool,
+    pub host: String,
+    pub port: u16,
+    /// Without a trailing `/`; empty for the root.
+    pub base_path: String,
+}
+
+impl Upstream {
+    pub fn parse(url: &str) -> Result<Upstream, String> {
+        let endpoint = crate::catalog::Endpoint::parse(url)?;
+        let tls = url.to_ascii_lowercase().starts_with("https://");
+        let rest = &url[if tls { 8 } else { 7 }..];
+        let base_path = rest.find('/').map(|i| rest[i..].trim_end_matches('/').to_string()).unwrap_or_default();
+        let loopback = endpoint.host == "localhost"
+            || endpoint.host.parse::<IpAddr>().is_ok_and(|ip| ip.to_canonical().is_loopback());
+        if !tls && !loopback {
+            return Err(format!(
+                "{url:?}: a plain http upstream must be on loopback; anywhere else the key would cross the network \
+                 in clear (use https)"
+            ));
+        }
+        Ok(Upstream { tls, host: endpoint.host, port: endpoint.port, base_path })
+    }
+
+    /// `host[:port]` for the Host header.
+    pub fn authority(&self) -> String {
+        let default = if self.tls { 443 } else { 80 };
+        let host = if self.host.contains(':') { format!("[{}]", self.host) } else { self.host.clone() };
+        if self.port == default {
+            host
+        } else {
+            format!("{host}:{}", self.port)
+        }
+    }
+}
+
+/// A placeholder for route `route`: recognisable, and random per run.
+pub fn placeholder(route: &str) -> String {
+    use ring::rand::SecureRandom;
+    let mut bytes = [0u8; 16];
+    // The system RNG does not fail on Linux; a zero placeholder would still
+    // be no secret.
+    let _ = ring::rand::SystemRandom::new().fill(&mut bytes);
+    let name: String = route.chars().filter(|c| c.is_ascii_alphanumeric()).take(32).collect();
+    format!("corral-{name}-{}", crate::sandbox::hex_digest(&bytes))
+}
+
+/// One route as the gateway serves it for one run.
+pub struct GatewayRoute {
+    pub name: String,
+    pub placeholder: String,
+    pub presented: Presented,
+    pub upstream: Upstream,
+    /// Reads the real secret now (rotation).
+    pub secret: Box<dyn Fn() -> Result<String, String> + Send + Sync>,
+    pub tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+impl std::fmt::Debug for GatewayRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatewayRoute").field("name", &self.name).field("upstream", &self.upstream).finish()
+    }
+}
+
+/// Headers that belong to one hop, never forwarded.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// The request's head as the upstream gets it: hop-by-hop headers
+/// dropped, `Host` the upstream's, and the placeholder in the route's
+/// header replaced by `secret`. A placeholder anywhere else (another
+/// header, the path or query), or a request that does not present it, is
+/// refused with the reason.
+pub fn rewrite(
+    headers: &mut HeaderMap,
+    path_and_query: &str,
+    presented: &Presented,
+    placeholder: &str,
+    secret: &str,
+    authority: &str,
+) -> Result<(), String> {
+    if path_and_query.contains(placeholder) {
+        return Err("the credential placeholder is in the URL".into());
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(*name);
+    }
+    let wanted = presented.header();
+    for (name, value) in headers.iter() {
+        if name.as_str() != wanted && value.as_bytes().windows(placeholder.len()).any(|w| w == placeholder.as_bytes()) {
+            return Err(format!("header {name} carries the credential placeholder"));
+        }
+    }
+    let shown = headers.get(wanted).map(|v| v.as_bytes().to_vec()).unwrap_or_default();
+    let value = match presented {
+        Presented::Header(_) if shown == placeholder.as_bytes() => secret.to_string(),
+        Presented::Bearer if shown == format!("Bearer {placeholder}").as_bytes() => format!("Bearer {secret}"),
+        _ => return Err(format!("the request does not present this run's credential placeholder in {wanted}")),
+    };
+    let mut value = HeaderValue::from_str(&value).map_err(|_| "the secret is not a valid header value".to_string())?;
+    value.set_sensitive(true);
+    headers.insert(HeaderName::from_bytes(wanted.as_bytes()).map_err(|e| e.to_string())?, value);
+    headers.insert(hyper::header::HOST, HeaderValue::from_str(authority).map_err(|e| e.to_string())?);
+    Ok(())
+}
+
+type Body = BoxBody<Bytes, hyper::Error>;
+
+fn answer(status: StatusCode, text: String) -> Response<Body> {
+    let mut response = Response::new(Full::new(Bytes::from(text + "\n")).map_err(|never| match never {}).boxed());
+    *response.status_mut() = status;
+    response
+}
+
+/// The gateway's task; dropping it closes the listener and every request.
+pub struct Gateway {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// What the gateway refused, for the run's `egress` events.
+pub type Refusals = Arc<crate::net::EgressLog>;
+
+/// Serves `routes` from `listener` (inside the sandbox's namespace).
+pub fn serve(listener: tokio::net::TcpListener, routes: Arc<Vec<GatewayRoute>>, log: Refusals) -> Gateway {
+    let task = tokio::spawn(async move {
+        let mut connections = tokio::task::JoinSet::new();
+        loop {
+            let stream = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            };
+            let _ = stream.set_nodelay(true);
+            let (routes, log) = (routes.clone(), log.clone());
+            connections.spawn(async move {
+                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                    let (routes, log) = (routes.clone(), log.clone());
+                    async move { Ok::<_, std::convert::Infallible>(forward(req, &routes, &log).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(Duration::from_secs(30))
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Gateway { task }
+}
+
+fn refused(log: &crate::net::EgressLog, route: &GatewayRoute, reason: &str) -> Response<Body> {
+    log.record(crate::net::EgressDecision {
+        host: route.upstream.host.clone(),
+        port: route.upstream.port,
+        allowed: false,
+        rule_or_reason: format!("credential gateway {}: {reason}", route.name),
+        method: "gateway",
+    });
+    answer(StatusCode::FORBIDDEN, format!("corral's credential gateway refused the request: {reason}"))
+}
+
+async fn forward(req: Request<Incoming>, routes: &[GatewayRoute], log: &crate::net::EgressLog) -> Response<Body> {
+    let path = req.uri().path().to_string();
+    let name = path.trim_start_matches('/').split('/').next().unwrap_or_default();
+    let Some(route) = routes.iter().find(|r| r.name == name) else {
+        return answer(StatusCode::NOT_FOUND, format!("no credential route {name:?} here"));
+    };
+    let rest = &path[1 + name.len()..];
+    let query = req.uri().query().map(|q| format!("?{q}")).unwrap_or_default();
+    let target = format!("{}{rest}{query}", route.upstream.base_path);
+    let secret = match (route.secret)() {
+        Ok(secret) => secret,
+        Err(why) => return answer(StatusCode::BAD_GATEWAY, why),
+    };
+    let (mut parts, body) = req.into_parts();
+    let authority = route.upstream.authority();
+    if let Err(reason) = rewrite(
+        &mut parts.headers,
+        &format!("{path}{query}"),
+        &route.presented,
+        &route.placeholder,
+        &secret,
+        &authority,
+    ) {
+        return refused(log, route, &reason);
+    }
+    parts.uri = match target.parse() {
+        Ok(uri) => uri,
+        Err(_) => return answer(StatusCode::BAD_REQUEST, "a path the upstream cannot take".into()),
+    };
+    parts.version = hyper::Version::HTTP_11;
+    let request = Request::from_parts(parts, body);
+    match send(route, request).await {
+        Ok(response) => {
+            log.record(crate::net::EgressDecision {
+                host: route.upstream.host.clone(),
+                port: route.upstream.port,
+                allowed: true,
+                rule_or_reason: format!("credential gateway {}", route.name),
+                method: "gateway",
+            });
+            response.map(|b| b.boxed())
+        }
+        Err(why) => answer(StatusCode::BAD_GATEWAY, format!("corral's credential gateway: {why}")),
+    }
+}
+
+/// One request on a connection of its own to the upstream (TLS unless a
+/// loopback `http://` upstream), the response streamed back as it comes.
+async fn send(route: &GatewayRoute, request: Request<Incoming>) -> Result<Response<Incoming>, String> {
+    let up = &route.upstream;
+    let connect = tokio::net::TcpStream::connect((up.host.as_str(), up.port));
+    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+        .await
+        .map_err(|_| format!("connecting to {} timed out", up.authority()))?
+        .map_err(|e| format!("connecting to {}: {e}", up.authority()))?;
+    let _ = tcp.set_nodelay(true);
+    match &route.tls {
+        Some(config) => {
+            let name = rustls::pki_types::ServerName::try_from(up.host.clone()).map_err(|e| e.to_string())?;
+            let tls = tokio::time::timeout(
+                CONNECT_TIMEOUT,
+                tokio_rustls::TlsConnector::from(config.clone()).connect(name, tcp),
+            )
+            .await
+            .map_err(|_| format!("TLS with {} timed out", up.authority()))?
+            .map_err(|e| format!("TLS with {}: {e}", up.authority()))?;
+            exchange(hyper_util::rt::TokioIo::new(tls), request).await
+        }
+        None => exchange(hyper_util::rt::TokioIo::new(tcp), request).await,
+    }
+}
+
+async fn exchange<T>(io: T, request: Request<Incoming>) -> Result<Response<Incoming>, String>
+where
+    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(io).await.map_err(|e| format!("upstream handshake: {e}"))?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    sender.send_request(request).await.map_err(|e| format!("upstream: {e}"))
+}
+
+/// The TLS client settings of an upstream: the system's roots, or the
+/// route's `ca_file` alone.
+pub fn tls_config(ca_file: Option<&std::path::Path>) -> Result<Arc<rustls::ClientConfig>, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    let path = ca_file.unwrap_or(std::path::Path::new("/etc/ssl/certs/ca-certificates.crt"));
+    let certs = CertificateDer::pem_file_iter(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    for cert in certs {
+        let cert = cert.map_err(|e| format!("{}: {e}", path.display()))?;
+        roots.add(cert).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    if roots.is_empty() {
+        return Err(format!("{}: no certificate", path.display()));
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upstreams_are_tls_or_loopback() {
+        assert_eq!(
+            Upstream::parse("https://api.anthropic.com").unwrap(),
+            Upstream { tls: true, host: "api.anthropic.com".into(), port: 443, base_path: String::new() }
+        );
+        let openai = Upstream::parse("https://api.openai.com/v1/").unwrap();
+        assert_eq!((openai.base_path.as_str(), openai.authority()), ("/v1", "api.openai.com".to_string()));
+        let local = Upstream::parse("http://127.0.0.1:8080/v1").unwrap();
+        assert_eq!((local.tls, local.authority(), local.base_path.as_str()), (false, "127.0.0.1:8080".into(), "/v1"));
+        let err = Upstream::parse("http://10.0.0.5:8080").unwrap_err();
+        assert!(err.contains("loopback") && err.contains("https"), "{err}");
+        assert!(Upstream::parse("ftp://x").is_err());
+    }
+
+    #[test]
+    fn placeholders_are_per_run_and_name_their_route() {
+        let (a, b) = (placeholder("anthropic"), placeholder("anthropic"));
+        assert!(a.starts_with("corral-anthropic-") && a.len() == "corral-anthropic-".len() + 32, "{a}");
+        assert_ne!(a, b);
+        assert!(placeholder("route.test").starts_with("corral-routetest-"));
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|(k, v)| (HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn only_the_routes_header_gets_the_secret() {
+        let p = "corral-anthropic-00";
+        let key = Presented::Header("x-api-key".into());
+        let mut h = headers(&[("x-api-key", p), ("connection", "keep-alive"), ("host", "127.0.0.1:3130")]);
+        rewrite(&mut h, "/anthropic/v1/messages", &key, p, "sk-real", "api.anthropic.com").unwrap();
+        assert_eq!(h["x-api-key"], "sk-real");
+        assert!(h["x-api-key"].is_sensitive());
+        assert_eq!(h["host"], "api.anthropic.com");
+        assert!(h.get("connection").is_none(), "hop-by-hop headers are dropped");
+        let mut h = headers(&[("authorization", &format!("Bearer {p}"))]);
+        rewrite(&mut h, "/openai/responses", &Presented::Bearer, p, "sk-real", "api.openai.com").unwrap();
+        assert_eq!(h["authorization"], "Bearer sk-real");
+        for (pairs, path, why) in [
+            (vec![("x-api-key", p), ("x-other", p)], "/a", "header x-other"),
+            (vec![("x-api-key", p)], "/a?k=corral-anthropic-00", "URL"),
+            (vec![("x-api-key", "something-else")], "/a", "does not present"),
+            (vec![], "/a", "does not present"),
+            (vec![("x-api-key", &format!("{p}x"))], "/a", "does not present"),
+        ] {
+            let mut h = headers(&pairs);
+            let err = rewrite(&mut h, path, &key, p, "sk-real", "a").unwrap_err();
+            assert!(err.contains(why), "{err}");
+            assert!(h.values().all(|v| v != "sk-real"), "the secret is never set on a refused request");
+        }
+    }
+}
