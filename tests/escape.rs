@@ -570,3 +570,31 @@ fn an_unprivileged_daemon_says_its_sandboxes_share_its_uid() {
     let egress = text.lines().find(|l| l.starts_with("egress")).unwrap_or_else(|| panic!("{text}"));
     assert!(egress.contains("NO"), "an unprivileged daemon claims it can proxy egress: {egress}");
 }
+
+#[test]
+fn corral_doctor_says_where_each_profiles_keys_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "sk-doctor\n").unwrap();
+    let config = dir.path().join("corral.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[credentials.routes.anthropic]\nfile = {key:?}\ninject_as = \"ANTHROPIC_API_KEY\"\n\
+             [credentials.routes.openai]\nfile = {key:?}\ninject_as = \"OPENAI_API_KEY\"\nexpose = true\n"
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+        .arg("doctor")
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = |profile: &str| {
+        text.lines().find(|l| l.trim_start().starts_with(profile)).unwrap_or_else(|| panic!("{text}")).to_string()
+    };
+    assert!(line("builtin.claude-code@").contains("keys stay in the daemon (credential gateway: anthropic)"), "{text}");
+    assert!(line("builtin.codex@").contains("keys in the harness's environment: openai"), "exposed: {text}");
+}

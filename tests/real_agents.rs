@@ -1016,6 +1016,9 @@ async fn the_key_never_enters_the_sandbox_and_the_gateway_presents_it_over_tls()
             "{profile}: every model request went through the gateway"
         );
         assert!(file_in_ref(origin.path(), id, "leak-plain.txt").starts_with("HTTP/1.1 403"), "{profile}");
+        let receipt = events.iter().find_map(|e| e.get("sandboxReady")).expect("sandbox_ready")["receipt"].clone();
+        let route = if profile == "builtin.codex" { "openai" } else { "anthropic" };
+        assert_eq!(receipt["gatewayRoutes"], json!([route]), "{profile}: the receipt names the gatewayed route");
     }
 }
 

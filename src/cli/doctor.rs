@@ -63,6 +63,7 @@ pub async fn run(config: &Config) -> anyhow::Result<i32> {
                     None => "tool calls gated".to_string(),
                     Some(why) => format!("tool calls not gated, so a tool_call policy refuses it: {why}"),
                 };
+                let gating = format!("{gating}; {}", keys(config, &profile));
                 let verdict = verdict.map_or(Ok(format!("can run here; {gating}")), |e| Err(format!("{e}; {gating}")));
                 out.push(line(&format!("  {}", profile.reference()), &verdict));
             }
@@ -94,5 +95,32 @@ fn line(name: &str, result: &Result<String, String>) -> String {
     match result {
         Ok(text) => format!("{name:<28} ok    {text}"),
         Err(text) => format!("{name:<28} NO    {text}"),
+    }
+}
+
+/// Where a profile's credential routes put their secrets: behind the
+/// credential gateway (the harness holds placeholders) or in the harness's
+/// environment.
+fn keys(config: &Config, profile: &crate::catalog::Profile) -> String {
+    let refs = &profile.file.credential_route_refs;
+    if refs.is_empty() {
+        return "no credentials".into();
+    }
+    let gated = match profile.file.sandbox.sandbox_type {
+        crate::sandbox::SandboxType::LinuxBwrap => match config.credentials.gateway_routes(refs, &profile.file.rein) {
+            Ok(routes) => routes.into_iter().map(|r| r.name).collect(),
+            Err(e) => return format!("credentials: {e}"),
+        },
+        crate::sandbox::SandboxType::None => Vec::new(),
+    };
+    let exposed: Vec<&str> = refs.iter().filter(|r| !gated.contains(r)).map(String::as_str).collect();
+    match (gated.is_empty(), exposed.is_empty()) {
+        (false, true) => format!("keys stay in the daemon (credential gateway: {})", gated.join(", ")),
+        (true, false) => format!("keys in the harness's environment: {}", exposed.join(", ")),
+        _ => format!(
+            "keys stay in the daemon for {} (credential gateway); in the harness's environment: {}",
+            gated.join(", "),
+            exposed.join(", ")
+        ),
     }
 }

@@ -326,7 +326,10 @@ impl Core {
         };
         self.gateway = Arc::new(gateway);
         let sandbox = match backend.create(&request).await {
-            Ok(sandbox) => sandbox,
+            Ok(mut sandbox) => {
+                sandbox.receipt.gateway_routes = self.gateway.iter().map(|r| r.name.clone()).collect();
+                sandbox
+            }
             Err(e) => {
                 // The backend made nothing we can name; clear what we reserved.
                 self.failed(FailureStage::SandboxCreate, &e.to_string());

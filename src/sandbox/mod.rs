@@ -187,6 +187,9 @@ pub struct EnforcementReceipt {
     /// Whether nested user namespaces are refused.
     pub userns_disabled: bool,
     pub limits: Vec<LimitReceipt>,
+    /// Credential routes presented by the daemon's gateway (the harness
+    /// holds placeholders).
+    pub gateway_routes: Vec<String>,
 }
 
 /// A sandbox a backend created.
