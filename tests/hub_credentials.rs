@@ -33,44 +33,32 @@ impl TestHub {
     }
 
     fn start_on(listener: TcpListener, answer: Answer) -> TestHub {
+        Self::serving(listener, answer, None)
+    }
+
+    /// The same hub over TLS (a certificate for 127.0.0.1 from a test CA,
+    /// whose PEM is returned too).
+    async fn start_tls(answer: Answer) -> (TestHub, String) {
+        let (acceptor, ca_pem) = common::model_mock::loopback_tls();
+        let hub = Self::serving(TcpListener::bind("127.0.0.1:0").await.unwrap(), answer, Some(acceptor));
+        (TestHub { url: hub.url.replace("http://", "https://"), ..hub }, ca_pem)
+    }
+
+    fn serving(listener: TcpListener, answer: Answer, tls: Option<tokio_rustls::TlsAcceptor>) -> TestHub {
         let port = listener.local_addr().unwrap().port();
         let requests: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
         let log = requests.clone();
         tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                let log = log.clone();
+            while let Ok((stream, _)) = listener.accept().await {
+                let (log, tls) = (log.clone(), tls.clone());
                 tokio::spawn(async move {
-                    let mut data = Vec::new();
-                    let mut buf = [0u8; 4096];
-                    let (head, body) = loop {
-                        let Ok(n) = stream.read(&mut buf).await else { return };
-                        if n == 0 {
-                            return;
-                        }
-                        data.extend_from_slice(&buf[..n]);
-                        let text = String::from_utf8_lossy(&data).to_string();
-                        if let Some(end) = text.find("\r\n\r\n") {
-                            let head = text[..end].to_string();
-                            let length: usize = head
-                                .lines()
-                                .find_map(|l| {
-                                    l.to_ascii_lowercase()
-                                        .strip_prefix("content-length:")
-                                        .map(|v| v.trim().parse().unwrap())
-                                })
-                                .unwrap_or(0);
-                            if data.len() >= end + 4 + length {
-                                break (head, String::from_utf8_lossy(&data[end + 4..end + 4 + length]).to_string());
+                    match tls {
+                        None => answer_one(stream, log, answer).await,
+                        Some(acceptor) => {
+                            if let Ok(stream) = acceptor.accept(stream).await {
+                                answer_one(stream, log, answer).await;
                             }
                         }
-                    };
-                    log.lock().unwrap().push((head, body));
-                    match answer {
-                        Answer::Status(code) => {
-                            let reply = format!("HTTP/1.1 {code} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
-                            let _ = stream.write_all(reply.as_bytes()).await;
-                        }
-                        Answer::Hang => tokio::time::sleep(Duration::from_secs(3600)).await,
                     }
                 });
             }
@@ -83,9 +71,45 @@ impl TestHub {
     }
 }
 
+/// Reads one request, records it and answers as told.
+async fn answer_one<S>(mut stream: S, log: Arc<Mutex<Vec<(String, String)>>>, answer: Answer)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let mut data = Vec::new();
+    let mut buf = [0u8; 4096];
+    let (head, body) = loop {
+        let Ok(n) = stream.read(&mut buf).await else { return };
+        if n == 0 {
+            return;
+        }
+        data.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&data).to_string();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let head = text[..end].to_string();
+            let length: usize = head
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap()))
+                .unwrap_or(0);
+            if data.len() >= end + 4 + length {
+                break (head, String::from_utf8_lossy(&data[end + 4..end + 4 + length]).to_string());
+            }
+        }
+    };
+    log.lock().unwrap().push((head, body));
+    match answer {
+        Answer::Status(code) => {
+            let reply = format!("HTTP/1.1 {code} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            let _ = stream.write_all(reply.as_bytes()).await;
+        }
+        Answer::Hang => tokio::time::sleep(Duration::from_secs(3600)).await,
+    }
+}
+
 fn hub_config(url: &str, max_age: u64) -> HubConfig {
     HubConfig {
         url: url.into(),
+        ca_file: None,
         token_env: None,
         token_file: None,
         timeout_seconds: 1,
@@ -420,4 +444,85 @@ async fn a_profile_naming_an_unknown_route_is_listed_unusable_and_refused() {
     let evidence = execution.evidence.unwrap();
     assert_eq!(pb::FailureStage::try_from(evidence.failure_stage).unwrap(), pb::FailureStage::Resolution);
     assert!(evidence.error.contains("unknown credential route no.such.route"), "{}", evidence.error);
+}
+
+/// Forwards every connection on a port of its own to `to`, keeping what
+/// the client sent: the bytes on the wire.
+async fn wire_recorder(to: u16) -> (u16, Arc<Mutex<Vec<u8>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen: Arc<Mutex<Vec<u8>>> = Arc::default();
+    let record = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let record = record.clone();
+            tokio::spawn(async move {
+                let upstream = tokio::net::TcpStream::connect(("127.0.0.1", to)).await.unwrap();
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut up_read, mut up_write) = upstream.into_split();
+                let up = async move {
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n @ 1..) = client_read.read(&mut buf).await {
+                        record.lock().unwrap().extend_from_slice(&buf[..n]);
+                        if up_write.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                };
+                let down = async move {
+                    let _ = tokio::io::copy(&mut up_read, &mut client_write).await;
+                };
+                tokio::join!(up, down);
+            });
+        }
+    });
+    (port, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_goes_to_an_https_hub_with_its_token_only_inside_tls() {
+    require_bwrap();
+    const TOKEN: &str = "hub-token-4b1d9e07a2";
+    let (hub, ca_pem) = TestHub::start_tls(Answer::Status(202)).await;
+    let (wire_port, wire) = wire_recorder(hub.port).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (token_file, ca_file) = (dir.path().join("token"), dir.path().join("ca.pem"));
+    std::fs::write(&token_file, TOKEN).unwrap();
+    std::fs::write(&ca_file, ca_pem).unwrap();
+    let config = HubConfig {
+        url: format!("https://127.0.0.1:{wire_port}"),
+        ca_file: Some(ca_file),
+        token_file: Some(token_file),
+        ..hub_config("", 60)
+    };
+    let daemon = TestDaemon::start(with_hub(config)).await;
+    let mut req = request("test.fake-agent", "NOWORK");
+    req.report_to_hub = true;
+    let execution = finished(&daemon.execute(req).await);
+    let mut client = daemon.executions().await;
+    wait_for_status(&mut client, &execution.execution_id, pb::HubReportStatus::Accepted).await;
+    let (head, _) = hub.requests.lock().unwrap()[0].clone();
+    assert!(head.starts_with("POST /progress/ HTTP/1.1"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains(&format!("authorization: bearer {}", TOKEN.to_ascii_lowercase())),
+        "{head}"
+    );
+    let wire = wire.lock().unwrap().clone();
+    assert!(!wire.is_empty(), "the report crossed the recorder");
+    assert!(!wire.windows(TOKEN.len()).any(|w| w == TOKEN.as_bytes()), "the token is on the wire in clear");
+    assert!(!wire.windows(6).any(|w| w == b"Bearer" || w == b"bearer"), "a bearer header is on the wire in clear");
+}
+
+#[test]
+fn a_token_for_a_plain_http_hub_beyond_loopback_is_refused_at_start() {
+    let config = HubConfig { token_env: Some("HUB_TOKEN".into()), ..hub_config("http://hub.example:8080", 60) };
+    let (key, why) = config.validate().unwrap_err();
+    assert_eq!(key, "hub.url");
+    assert!(why.contains("in clear") && why.contains("https"), "{why}");
+    // Without a token, or on loopback, plain http stays allowed.
+    assert!(hub_config("http://hub.example:8080", 60).validate().is_ok());
+    let local = HubConfig { token_env: Some("HUB_TOKEN".into()), ..hub_config("http://127.0.0.1:8080", 60) };
+    assert!(local.validate().is_ok());
+    let tls = HubConfig { token_env: Some("HUB_TOKEN".into()), ..hub_config("https://hub.example", 60) };
+    assert!(tls.validate().is_ok());
 }

@@ -4,8 +4,9 @@
 //!
 //! The endpoint is part of the profile (`rein.base_url`, `rein.model`), so
 //! its digest changes with it and the egress allowlist is derived from it:
-//! a built-in pointed at `http://10.0.0.5:8080` may reach exactly
-//! `10.0.0.5:8080` and nothing else.
+//! a built-in pointed at `https://10.0.0.5:8443` may reach exactly
+//! `10.0.0.5:8443` and nothing else (its key is added by the daemon's
+//! credential gateway, which requires https beyond loopback).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -40,12 +41,12 @@ pub const CLAUDE_ALLOWED_TOOLS: &str = "Bash,Edit,Write,MultiEdit,NotebookEdit,R
 #[serde(default, deny_unknown_fields)]
 pub struct HarnessConfig {
     /// The Anthropic Messages API for `builtin.claude-code`
-    /// (`ANTHROPIC_BASE_URL`), e.g. a gateway `http://10.0.0.5:8080`.
+    /// (`ANTHROPIC_BASE_URL`), e.g. a gateway `https://10.0.0.5:8443`.
     pub anthropic_base_url: String,
     /// The model it asks for (`ANTHROPIC_MODEL`); empty: Claude Code's default.
     pub anthropic_model: String,
     /// The OpenAI Responses API for `builtin.codex`, e.g.
-    /// `http://10.0.0.5:8080/v1`; empty: `https://api.openai.com/v1`.
+    /// `https://10.0.0.5:8443/v1`; empty: `https://api.openai.com/v1`.
     pub openai_base_url: String,
     /// The model Codex asks for; empty: [`CODEX_DEFAULT_MODEL`].
     pub openai_model: String,

@@ -11,7 +11,6 @@
 //! loopback upstream only), streaming both ways. The egress proxy refuses
 //! anything else that carries a placeholder (see `net::proxy`).
 
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -61,8 +60,7 @@ impl Upstream {
         let tls = url.to_ascii_lowercase().starts_with("https://");
         let rest = &url[if tls { 8 } else { 7 }..];
         let base_path = rest.find('/').map(|i| rest[i..].trim_end_matches('/').to_string()).unwrap_or_default();
-        let loopback = endpoint.host == "localhost"
-            || endpoint.host.parse::<IpAddr>().is_ok_and(|ip| ip.to_canonical().is_loopback());
+        let loopback = crate::net::client::is_loopback(&endpoint.host);
         if !tls && !loopback {
             return Err(format!(
                 "{url:?}: a plain http upstream must be on loopback; anywhere else the key would cross the network \
@@ -279,67 +277,81 @@ async fn forward(req: Request<Incoming>, routes: &[GatewayRoute], log: &crate::n
 /// loopback `http://` upstream), the response streamed back as it comes.
 async fn send(route: &GatewayRoute, request: Request<Incoming>) -> Result<Response<Incoming>, String> {
     let up = &route.upstream;
-    let connect = tokio::net::TcpStream::connect((up.host.as_str(), up.port));
-    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, connect)
-        .await
-        .map_err(|_| format!("connecting to {} timed out", up.authority()))?
-        .map_err(|e| format!("connecting to {}: {e}", up.authority()))?;
-    let _ = tcp.set_nodelay(true);
-    match &route.tls {
-        Some(config) => {
-            let name = rustls::pki_types::ServerName::try_from(up.host.clone()).map_err(|e| e.to_string())?;
-            let tls = tokio::time::timeout(
-                CONNECT_TIMEOUT,
-                tokio_rustls::TlsConnector::from(config.clone()).connect(name, tcp),
-            )
-            .await
-            .map_err(|_| format!("TLS with {} timed out", up.authority()))?
-            .map_err(|e| format!("TLS with {}: {e}", up.authority()))?;
-            exchange(hyper_util::rt::TokioIo::new(tls), request).await
-        }
-        None => exchange(hyper_util::rt::TokioIo::new(tcp), request).await,
-    }
-}
-
-async fn exchange<T>(io: T, request: Request<Incoming>) -> Result<Response<Incoming>, String>
-where
-    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-{
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake(io).await.map_err(|e| format!("upstream handshake: {e}"))?;
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
+    let stream = crate::net::client::connect(&up.host, up.port, route.tls.as_ref(), CONNECT_TIMEOUT).await?;
+    let mut sender = crate::net::client::handshake(stream).await?;
     sender.send_request(request).await.map_err(|e| format!("upstream: {e}"))
 }
 
 /// The TLS client settings of an upstream: the system's roots, or the
 /// route's `ca_file` alone.
 pub fn tls_config(ca_file: Option<&std::path::Path>) -> Result<Arc<rustls::ClientConfig>, String> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::CertificateDer;
-    let mut roots = rustls::RootCertStore::empty();
-    let path = ca_file.unwrap_or(std::path::Path::new("/etc/ssl/certs/ca-certificates.crt"));
-    let certs = CertificateDer::pem_file_iter(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    for cert in certs {
-        let cert = cert.map_err(|e| format!("{}: {e}", path.display()))?;
-        roots.add(cert).map_err(|e| format!("{}: {e}", path.display()))?;
-    }
-    if roots.is_empty() {
-        return Err(format!("{}: no certificate", path.display()));
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(Arc::new(config))
+    crate::net::client::tls_config(ca_file)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The first event of a stream reaches the client while the upstream
+    /// is still holding back the rest: nothing is buffered on the way.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_passes_through_as_it_is_sent() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (release, held) = tokio::sync::oneshot::channel::<()>();
+        let held = std::sync::Mutex::new(Some(held));
+        let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let up = upstream.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut stream, _) = upstream.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            let mut head = Vec::new();
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = stream.read(&mut buf).await.unwrap();
+                head.extend_from_slice(&buf[..n]);
+            }
+            let text = String::from_utf8_lossy(&head).to_string();
+            assert!(text.contains("x-api-key: sk-real"), "{text}");
+            let first = "event: one\ndata: 1\n\n";
+            let chunk = |s: &str| format!("{:x}\r\n{s}\r\n", s.len());
+            let start = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+            stream.write_all(format!("{start}{}", chunk(first)).as_bytes()).await.unwrap();
+            let held = held.lock().unwrap().take().unwrap();
+            held.await.unwrap();
+            stream.write_all(format!("{}0\r\n\r\n", chunk("event: two\ndata: 2\n\n")).as_bytes()).await.unwrap();
+        });
+        let placeholder = placeholder("anthropic");
+        let route = GatewayRoute {
+            name: "anthropic".into(),
+            placeholder: placeholder.clone(),
+            presented: Presented::Header("x-api-key".into()),
+            upstream: Upstream::parse(&format!("http://{up}")).unwrap(),
+            secret: Box::new(|| Ok("sk-real".into())),
+            tls: None,
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let _gateway = serve(listener, Arc::new(vec![route]), Arc::default());
+        let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!(
+            "POST /anthropic/v1/messages HTTP/1.1\r\nhost: 127.0.0.1\r\nx-api-key: {placeholder}\r\n\
+             content-length: 2\r\n\r\n{{}}"
+        );
+        client.write_all(request.as_bytes()).await.unwrap();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&seen).contains("data: 1") {
+            let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut buf)).await.unwrap().unwrap();
+            assert!(n > 0, "closed before the first event: {}", String::from_utf8_lossy(&seen));
+            seen.extend_from_slice(&buf[..n]);
+        }
+        assert!(!String::from_utf8_lossy(&seen).contains("data: 2"), "the rest was not sent yet");
+        release.send(()).unwrap();
+        while !String::from_utf8_lossy(&seen).contains("data: 2") {
+            let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut buf)).await.unwrap().unwrap();
+            assert!(n > 0);
+            seen.extend_from_slice(&buf[..n]);
+        }
+    }
 
     #[test]
     fn upstreams_are_tls_or_loopback() {

@@ -1,15 +1,19 @@
-//! The smallest HTTP/1.1 client that does the job: one POST of a JSON body,
-//! `Connection: close`, and the status code back. Plain `http://` only; a
-//! hub behind TLS needs a terminating proxy on the daemon's host.
+//! The hub client: one POST of a JSON body, the status code back, over
+//! hyper on a connection kept alive between reports (TLS with rustls for
+//! `https://`, the system's roots or the hub's `ca_file`). A bearer token
+//! never travels in clear beyond loopback: an `http://` hub that is not on
+//! loopback is refused at start when a token is configured.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Bytes;
+use hyper::client::conn::http1::SendRequest;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PostError {
-    #[error("hub url must be http://host[:port][/path]")]
+    #[error("hub url must be http(s)://host[:port][/path]")]
     BadUrl,
     #[error("connection failed")]
     Connect,
@@ -19,52 +23,112 @@ pub enum PostError {
     Malformed,
 }
 
-/// `(host:port, path)` of an `http://` URL.
-pub fn split_url(url: &str) -> Result<(String, String), PostError> {
-    let rest = url.strip_prefix("http://").ok_or(PostError::BadUrl)?;
-    let (authority, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/"),
-    };
-    if authority.is_empty() || authority.contains('@') {
-        return Err(PostError::BadUrl);
-    }
-    let authority = if authority.contains(':') { authority.to_string() } else { format!("{authority}:80") };
-    Ok((authority, path.to_string()))
+/// A hub URL, parsed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HubUrl {
+    pub tls: bool,
+    pub host: String,
+    pub port: u16,
+    /// The path, at least `/`.
+    pub path: String,
 }
 
-pub async fn post_json(url: &str, bearer: Option<&str>, body: &[u8], timeout: Duration) -> Result<u16, PostError> {
-    let (authority, path) = split_url(url)?;
-    let exchange = async {
-        let mut stream = TcpStream::connect(&authority).await.map_err(|_| PostError::Connect)?;
-        let mut head = format!(
-            "POST {path} HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/cloudevents+json\r\nContent-Length: {}\r\nConnection: close\r\n",
-            body.len()
-        );
-        if let Some(token) = bearer {
-            head.push_str(&format!("Authorization: Bearer {token}\r\n"));
-        }
-        head.push_str("\r\n");
-        stream.write_all(head.as_bytes()).await.map_err(|_| PostError::Connect)?;
-        stream.write_all(body).await.map_err(|_| PostError::Connect)?;
-        let mut response = Vec::new();
-        let mut buf = [0u8; 1024];
-        // The status line is all we need.
-        while !response.windows(2).any(|w| w == b"\r\n") && response.len() < 8192 {
-            let n = stream.read(&mut buf).await.map_err(|_| PostError::Malformed)?;
-            if n == 0 {
-                break;
+impl HubUrl {
+    pub fn parse(url: &str) -> Result<HubUrl, PostError> {
+        let endpoint = crate::catalog::Endpoint::parse(url).map_err(|_| PostError::BadUrl)?;
+        let tls = url.to_ascii_lowercase().starts_with("https://");
+        let rest = &url[if tls { 8 } else { 7 }..];
+        let path = rest.find('/').map(|i| rest[i..].to_string()).unwrap_or_else(|| "/".into());
+        Ok(HubUrl { tls, host: endpoint.host, port: endpoint.port, path })
+    }
+
+    fn authority(&self) -> String {
+        let host = if self.host.contains(':') { format!("[{}]", self.host) } else { self.host.clone() };
+        format!("{host}:{}", self.port)
+    }
+}
+
+/// One hub's client: its URL, TLS settings and the connection kept alive.
+pub struct Client {
+    url: HubUrl,
+    tls: Option<Arc<rustls::ClientConfig>>,
+    conn: tokio::sync::Mutex<Option<SendRequest<Full<Bytes>>>>,
+}
+
+impl Client {
+    pub fn new(url: &str, ca_file: Option<&std::path::Path>) -> Result<Client, String> {
+        let url = HubUrl::parse(url).map_err(|e| e.to_string())?;
+        let tls = match url.tls {
+            true => Some(crate::net::client::tls_config(ca_file)?),
+            false => None,
+        };
+        Ok(Client { url, tls, conn: tokio::sync::Mutex::new(None) })
+    }
+
+    /// POSTs `body` to `path` (under the URL's path); the status code.
+    pub async fn post_json(
+        &self,
+        path: &str,
+        bearer: Option<&str>,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u16, PostError> {
+        tokio::time::timeout(timeout, self.exchange(path, bearer, body, timeout))
+            .await
+            .map_err(|_| PostError::Timeout)?
+    }
+
+    async fn exchange(
+        &self,
+        path: &str,
+        bearer: Option<&str>,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u16, PostError> {
+        let mut conn = self.conn.lock().await;
+        // A kept connection the hub closed is noticed here or by the send
+        // failing: then once more on a fresh one.
+        for fresh in [false, true] {
+            let reuse = !fresh && conn.as_mut().is_some_and(|s| !s.is_closed());
+            if !reuse {
+                *conn = None;
+                let stream = crate::net::client::connect(&self.url.host, self.url.port, self.tls.as_ref(), timeout)
+                    .await
+                    .map_err(|_| PostError::Connect)?;
+                *conn = Some(crate::net::client::handshake(stream).await.map_err(|_| PostError::Connect)?);
             }
-            response.extend_from_slice(&buf[..n]);
+            let Some(sender) = conn.as_mut() else { return Err(PostError::Connect) };
+            if sender.ready().await.is_err() {
+                *conn = None;
+                continue;
+            }
+            let mut request = hyper::Request::post(format!("{}{path}", self.url.path.trim_end_matches('/')))
+                .header(hyper::header::HOST, self.url.authority())
+                .header(hyper::header::CONTENT_TYPE, "application/cloudevents+json");
+            if let Some(token) = bearer {
+                let mut value = hyper::header::HeaderValue::from_str(&format!("Bearer {token}"))
+                    .map_err(|_| PostError::Malformed)?;
+                value.set_sensitive(true);
+                request = request.header(hyper::header::AUTHORIZATION, value);
+            }
+            let request = request.body(Full::new(Bytes::copy_from_slice(body))).map_err(|_| PostError::BadUrl)?;
+            match sender.send_request(request).await {
+                Ok(response) => {
+                    let status = response.status().as_u16();
+                    // Read to its end (at most 64 KiB), so the connection
+                    // can carry the next report.
+                    let _ = Limited::new(response.into_body(), 64 << 10).collect().await;
+                    return Ok(status);
+                }
+                Err(_) if reuse => *conn = None,
+                Err(_) => {
+                    *conn = None;
+                    return Err(PostError::Connect);
+                }
+            }
         }
-        let line = String::from_utf8_lossy(&response);
-        let mut parts = line.split_whitespace();
-        match (parts.next(), parts.next().and_then(|c| c.parse::<u16>().ok())) {
-            (Some(version), Some(code)) if version.starts_with("HTTP/1.") => Ok(code),
-            _ => Err(PostError::Malformed),
-        }
-    };
-    tokio::time::timeout(timeout, exchange).await.map_err(|_| PostError::Timeout)?
+        Err(PostError::Connect)
+    }
 }
 
 #[cfg(test)]
@@ -72,10 +136,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn urls_split_into_authority_and_path() {
-        assert_eq!(split_url("http://hub:8080/base").unwrap(), ("hub:8080".into(), "/base".into()));
-        assert_eq!(split_url("http://hub").unwrap(), ("hub:80".into(), "/".into()));
-        assert!(split_url("https://hub").is_err());
-        assert!(split_url("http://user:pw@hub").is_err());
+    fn urls_parse_into_scheme_host_port_and_path() {
+        let plain = HubUrl::parse("http://hub:8080/base").unwrap();
+        assert_eq!(plain, HubUrl { tls: false, host: "hub".into(), port: 8080, path: "/base".into() });
+        let tls = HubUrl::parse("https://hub.example").unwrap();
+        assert_eq!((tls.tls, tls.port, tls.path.as_str()), (true, 443, "/"));
+        assert!(HubUrl::parse("ftp://hub").is_err());
+        assert!(HubUrl::parse("http://user:pw@hub").is_err());
     }
 }

@@ -19,8 +19,13 @@ use crate::store::{OutboxRow, Store};
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HubConfig {
-    /// `http://host[:port][/base]`; reports go to `<url>/progress/`.
+    /// `https://host[:port][/base]` (or `http://` on loopback, or without
+    /// a token); reports go to `<url>/progress/`.
     pub url: String,
+    /// The CA certificates (PEM) an `https://` hub's certificate must chain
+    /// to, instead of the system's.
+    #[serde(default)]
+    pub ca_file: Option<std::path::PathBuf>,
     /// A daemon environment variable holding the bearer token.
     pub token_env: Option<String>,
     /// A file holding the bearer token.
@@ -54,9 +59,22 @@ mod defaults {
 
 impl HubConfig {
     pub fn validate(&self) -> Result<(), (String, String)> {
-        http::split_url(&self.url).map_err(|e| ("hub.url".to_string(), e.to_string()))?;
+        let url = http::HubUrl::parse(&self.url).map_err(|e| ("hub.url".to_string(), e.to_string()))?;
         if self.token_env.is_some() && self.token_file.is_some() {
             return Err(("hub".into(), "set at most one of token_env and token_file".into()));
+        }
+        let token = self.token_env.is_some() || self.token_file.is_some();
+        if token && !url.tls && !crate::net::client::is_loopback(&url.host) {
+            return Err((
+                "hub.url".into(),
+                format!("{}: the bearer token would cross the network in clear; use https://", self.url),
+            ));
+        }
+        if let Some(ca) = &self.ca_file {
+            if !url.tls {
+                return Err(("hub.ca_file".into(), "only for an https:// hub".into()));
+            }
+            crate::net::client::tls_config(Some(ca)).map_err(|e| ("hub.ca_file".to_string(), e))?;
         }
         if self.timeout_seconds == 0 {
             return Err(("hub.timeout_seconds".into(), "must be greater than 0".into()));
@@ -71,10 +89,6 @@ impl HubConfig {
             (None, Some(path)) => std::fs::read_to_string(path).ok().map(|t| t.trim().to_string()),
             (None, None) => None,
         }
-    }
-
-    fn endpoint(&self) -> String {
-        format!("{}/progress/", self.url.trim_end_matches('/'))
     }
 
     fn backoff(&self, attempts: u32) -> Duration {
@@ -155,11 +169,17 @@ pub struct Hub {
     config: HubConfig,
     store: Store,
     wake: Notify,
+    /// `None` when the URL or CA cannot be used (validation refuses such a
+    /// config at start; a report then fails and is retried).
+    client: Option<http::Client>,
 }
 
 impl Hub {
     pub fn new(config: HubConfig, store: Store) -> Arc<Hub> {
-        Arc::new(Hub { config, store, wake: Notify::new() })
+        let client = http::Client::new(&config.url, config.ca_file.as_deref())
+            .map_err(|e| tracing::error!(error = %e, "the hub client cannot be set up"))
+            .ok();
+        Arc::new(Hub { config, store, wake: Notify::new(), client })
     }
 
     /// A new report was stored: deliver it now rather than at the next tick.
@@ -195,7 +215,10 @@ impl Hub {
     async fn attempt(&self, row: OutboxRow) -> Result<(), crate::store::StoreError> {
         let timeout = Duration::from_secs(self.config.timeout_seconds);
         let token = self.config.token();
-        let result = http::post_json(&self.config.endpoint(), token.as_deref(), row.body.as_bytes(), timeout).await;
+        let result = match &self.client {
+            Some(client) => client.post_json("/progress/", token.as_deref(), row.body.as_bytes(), timeout).await,
+            None => Err(http::PostError::Connect),
+        };
         let attempts = row.attempts + 1;
         let outcome = match result {
             Ok(code) if (200..300).contains(&code) => {
@@ -245,6 +268,7 @@ mod tests {
     fn backoff_doubles_up_to_its_cap() {
         let config = HubConfig {
             url: "http://h".into(),
+            ca_file: None,
             token_env: None,
             token_file: None,
             timeout_seconds: 1,

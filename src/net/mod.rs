@@ -5,6 +5,7 @@
 
 pub mod allowlist;
 pub mod budget;
+pub mod client;
 mod http;
 mod ip;
 mod log;

@@ -113,26 +113,7 @@ impl ModelMock {
     /// The same API over TLS, with a certificate for 127.0.0.1 from a test
     /// CA made here ([`ModelMock::ca_pem`]).
     pub async fn start_tls(script: Vec<Step>) -> ModelMock {
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca.distinguished_name.push(rcgen::DnType::CommonName, "corral test model CA");
-        ca.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
-        let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
-        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
-        let cert = params.signed_by(&key, &rcgen::Issuer::from_params(&ca, &ca_key)).unwrap();
-        let chain = vec![rustls::pki_types::CertificateDer::from(cert.der().to_vec())];
-        let private = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap();
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(chain, private)
-            .unwrap();
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let (acceptor, ca_pem) = loopback_tls();
         let shared = Shared { script: script.into(), ..Shared::default() };
         let mut mock = Self::serving(shared, Some(acceptor)).await;
         mock.ca_pem = Some(ca_pem);
@@ -206,6 +187,31 @@ impl ModelMock {
     pub fn unused(&self) -> usize {
         self.shared.lock().unwrap().script.len()
     }
+}
+
+/// A TLS server identity for 127.0.0.1 from a test CA made here: the
+/// acceptor, and the CA's PEM for the client to trust.
+pub fn loopback_tls() -> (tokio_rustls::TlsAcceptor, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(rcgen::DnType::CommonName, "corral test CA");
+    ca.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
+    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    let cert = params.signed_by(&key, &rcgen::Issuer::from_params(&ca, &ca_key)).unwrap();
+    let chain = vec![rustls::pki_types::CertificateDer::from(cert.der().to_vec())];
+    let private = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(chain, private)
+        .unwrap();
+    (tokio_rustls::TlsAcceptor::from(Arc::new(config)), ca_pem)
 }
 
 /// One connection: requests until the client closes or asks to.

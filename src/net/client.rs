@@ -1,0 +1,78 @@
+//! The daemon's own outgoing HTTP/1.1 connections (the credential
+//! gateway's upstreams, the hub): TCP, then TLS (rustls, ring) unless the
+//! peer is a plain-HTTP loopback listener, then hyper.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What a connection is read and written through: TCP or TLS over it.
+pub trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Stream for T {}
+
+/// Connects to `host:port`, with TLS when `tls` is given (the name checked
+/// against the certificate is `host`). Errors name the peer, never a body.
+pub async fn connect(
+    host: &str,
+    port: u16,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+    timeout: Duration,
+) -> Result<Box<dyn Stream>, String> {
+    let peer = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
+    let tcp = tokio::time::timeout(timeout, tokio::net::TcpStream::connect((host, port)))
+        .await
+        .map_err(|_| format!("connecting to {peer} timed out"))?
+        .map_err(|e| format!("connecting to {peer}: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    let Some(config) = tls else { return Ok(Box::new(tcp)) };
+    let name = rustls::pki_types::ServerName::try_from(host.to_string()).map_err(|e| format!("{peer}: {e}"))?;
+    let stream = tokio::time::timeout(timeout, tokio_rustls::TlsConnector::from(config.clone()).connect(name, tcp))
+        .await
+        .map_err(|_| format!("TLS with {peer} timed out"))?
+        .map_err(|e| format!("TLS with {peer}: {e}"))?;
+    Ok(Box::new(stream))
+}
+
+/// An HTTP/1.1 client connection over `stream`; its driver runs on a task
+/// of its own until either side closes.
+pub async fn handshake<B>(stream: Box<dyn Stream>) -> Result<hyper::client::conn::http1::SendRequest<B>, String>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let (sender, connection) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(sender)
+}
+
+/// The TLS client settings: the system's roots, or `ca_file`'s alone.
+pub fn tls_config(ca_file: Option<&std::path::Path>) -> Result<Arc<rustls::ClientConfig>, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    let path = ca_file.unwrap_or(std::path::Path::new("/etc/ssl/certs/ca-certificates.crt"));
+    let certs = CertificateDer::pem_file_iter(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    for cert in certs {
+        let cert = cert.map_err(|e| format!("{}: {e}", path.display()))?;
+        roots.add(cert).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    if roots.is_empty() {
+        return Err(format!("{}: no certificate", path.display()));
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
+/// Whether `host` is a loopback name or address.
+pub fn is_loopback(host: &str) -> bool {
+    host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.to_canonical().is_loopback())
+}
