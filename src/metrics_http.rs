@@ -39,6 +39,7 @@ fn handle() -> &'static PrometheusHandle {
             tracing::warn!("another metrics recorder is installed; /metrics will be empty");
         }
         crate::telemetry::describe();
+        crate::telemetry::initialise();
         handle
     })
 }

@@ -29,6 +29,45 @@ pub(crate) fn describe() {
     describe_histogram!("corral_store_write_seconds", Unit::Seconds, "Time to store a batch of events.");
     describe_gauge!("corral_watchers", "Event streams open to callers and watchers.");
     describe_counter!("corral_hub_deliveries_total", "Hub report delivery attempts, by result.");
+    describe_histogram!("corral_run_duration_seconds", Unit::Seconds, "Time from acceptance to the end of a run.");
+    describe_counter!("corral_model_tokens_total", "Tokens the harnesses' models processed, as the harnesses reported.");
+    describe_gauge!("corral_build_info", "Always 1; the daemon's version in its labels.");
+    describe_gauge!("process_start_time_seconds", Unit::Seconds, "When the daemon's process started, in Unix seconds.");
+}
+
+/// Every counter and gauge with its known label sets at 0, the build info
+/// at 1: a scrape lists each family (with its HELP) before it is used.
+pub(crate) fn initialise() {
+    gauge!("corral_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    gauge!("process_start_time_seconds").set(started.as_secs_f64());
+    for outcome in ["succeeded", "failed", "refused", "cancelled"] {
+        counter!("corral_executions_finished_total", "outcome" => outcome, "stage" => "none").absolute(0);
+    }
+    for state in ["ended", "failed", "refused", "reaped"] {
+        counter!("corral_sessions_finished_total", "state" => state).absolute(0);
+    }
+    for source in ["session", "profile", "admin", "builtin"] {
+        for action in ["allow", "deny", "ask"] {
+            counter!("corral_gate_decisions_total", "source" => source, "action" => action).absolute(0);
+        }
+    }
+    for decision in ["allowed", "denied"] {
+        counter!("corral_egress_total", "decision" => decision).absolute(0);
+    }
+    for kind in ["executions", "sessions", "quota"] {
+        counter!("corral_admission_refused_total", "kind" => kind).absolute(0);
+    }
+    for kind in ["executions", "sessions"] {
+        gauge!("corral_running", "kind" => kind).increment(0.0);
+    }
+    gauge!("corral_sandboxes_alive").increment(0.0);
+    gauge!("corral_watchers").increment(0.0);
+    counter!("corral_events_stored_total").absolute(0);
+    for result in ["accepted", "failed"] {
+        counter!("corral_hub_deliveries_total", "result" => result).absolute(0);
+    }
+    counter!("corral_model_tokens_total").absolute(0);
 }
 
 /// A finished execution: its outcome, its stage, its stage timings.
@@ -37,9 +76,15 @@ pub fn execution_finished(evidence: &Evidence) {
     let stage = evidence.failure_stage.map(|s| s.as_str()).unwrap_or("none");
     counter!("corral_executions_finished_total", "outcome" => outcome, "stage" => stage).increment(1);
     for timing in &evidence.stage_timings {
-        // Stage names are the daemon's own fixed set.
-        histogram!("corral_stage_duration_seconds", "stage" => timing.stage.clone()).record(timing.micros as f64 / 1e6);
+        let seconds = timing.micros as f64 / 1e6;
+        // Stage names are the daemon's own fixed set; `total` is the whole
+        // run, not a stage.
+        match timing.stage.as_str() {
+            "total" => histogram!("corral_run_duration_seconds").record(seconds),
+            stage => histogram!("corral_stage_duration_seconds", "stage" => stage.to_string()).record(seconds),
+        }
     }
+    counter!("corral_model_tokens_total").increment(evidence.tokens_spent);
 }
 
 pub fn session_finished(state: &'static str) {

@@ -384,3 +384,60 @@ max_output_bytes = 65536
     assert_spans(&turned, "turn", &["turn", "harness"]);
     assert!(!turned.iter().any(|(name, _)| name == "session_start"), "the turn's trace is the turn's: {turned:?}");
 }
+
+/// Every family a scrape lists has its `# HELP` and `# TYPE` first, each
+/// sample belongs to a family so announced, and a fresh daemon already
+/// lists its counters at 0, its build info and its start time.
+fn strict(exposition: &str) -> std::collections::BTreeSet<String> {
+    let (mut help, mut types) = (std::collections::BTreeSet::new(), std::collections::BTreeMap::new());
+    for line in exposition.lines().filter(|l| !l.is_empty()) {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, text) = rest.split_once(' ').unwrap_or_else(|| panic!("HELP without text: {line:?}"));
+            assert!(!text.trim().is_empty(), "{line:?}");
+            help.insert(name.to_string());
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or_else(|| panic!("{line:?}"));
+            assert!(["counter", "gauge", "histogram", "summary"].contains(&kind), "{line:?}");
+            assert!(help.contains(name), "TYPE before HELP (or no HELP) for {name}");
+            types.insert(name.to_string(), kind.to_string());
+        } else {
+            assert!(!line.starts_with('#'), "an unknown comment: {line:?}");
+            let metric = line.split(['{', ' ']).next().unwrap();
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| metric.strip_suffix(s).filter(|f| types.get(*f).is_some_and(|k| k == "histogram")))
+                .unwrap_or(metric);
+            assert!(types.contains_key(family), "a sample of an unannounced family: {line:?}");
+        }
+    }
+    help
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_daemons_metrics_are_described_and_listed_at_zero() {
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
+    let _daemon = ServeProcess::start_with(&dir.path().join("data"), &profiles, &[], &extra).await;
+    let text = scrape(port).await;
+    let described = strict(&text);
+    for family in [
+        "corral_build_info",
+        "process_start_time_seconds",
+        "corral_executions_finished_total",
+        "corral_admission_refused_total",
+        "corral_gate_decisions_total",
+        "corral_egress_total",
+        "corral_model_tokens_total",
+        "corral_sandboxes_alive",
+    ] {
+        assert!(described.contains(family), "no HELP for {family}:\n{text}");
+    }
+    let version = format!(r#"version="{}""#, env!("CARGO_PKG_VERSION"));
+    assert_eq!(sample(&text, "corral_build_info", &version), Some(1.0), "{text}");
+    assert_eq!(sample(&text, "corral_admission_refused_total", r#"kind="executions""#), Some(0.0), "{text}");
+    assert_eq!(sample(&text, "corral_gate_decisions_total", r#"source="admin",action="ask""#), Some(0.0), "{text}");
+    assert!(sample(&text, "process_start_time_seconds", "").unwrap_or(0.0) > 1.7e9, "{text}");
+}
