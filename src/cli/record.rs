@@ -90,7 +90,12 @@ fn evidence(out: &mut Lines, ev: &pb::Evidence) {
     out.field("resolved_ref", &ev.profile_ref).field("digest", &ev.profile_digest);
     out.field("readiness", render::readiness(ev.readiness.as_ref()));
     out.field("rein", shown::<pb::ReinKind>(ev.rein)).field("sandbox_id", &ev.sandbox_id);
-    out.field("commit", &ev.commit_sha).field("model", &ev.resolved_model);
+    let commit = if ev.commit_sha.is_empty() && !ev.sandbox_id.is_empty() {
+        "none (no changes)".to_string()
+    } else {
+        ev.commit_sha.clone()
+    };
+    out.field("commit", &commit).field("model", &ev.resolved_model);
     out.field("tokens", ev.tokens_spent.to_string());
     out.enum_field("hub_report", ev.hub_report_status, render::hub_status);
     for d in &ev.gate_decisions {

@@ -281,7 +281,12 @@ fn finished_facts(finished: &pb::Finished, facts: &mut Facts) {
         if ev.failure_stage != pb::FailureStage::Unspecified as i32 {
             facts.add("failure_stage", failure_stage(ev.failure_stage));
         }
-        facts.add("error", &ev.error).add("commit", &ev.commit_sha);
+        facts.add("error", &ev.error);
+        // A run with a workspace always says what came back of it.
+        let commit = if ev.commit_sha.is_empty() { "none (no changes)".to_string() } else { ev.commit_sha.clone() };
+        if !ev.sandbox_id.is_empty() {
+            facts.add("commit", commit);
+        }
         facts.add("tokens", ev.tokens_spent.to_string());
     }
 }

@@ -838,8 +838,9 @@ impl Core {
             Ok(captured) => {
                 self.evidence.workspace_snapshot = captured.capture.snapshot;
                 self.evidence.agent_commits = captured.capture.agent_commits;
-                self.evidence.commit_sha =
-                    if captured.fetched.is_empty() { captured.capture.head } else { captured.fetched };
+                // Only what came back as refs/corral/<id>: a run that
+                // changed nothing has no commit (not its base).
+                self.evidence.commit_sha = captured.fetched;
             }
             Err(e) => {
                 self.evidence
