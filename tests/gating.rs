@@ -130,3 +130,54 @@ async fn a_session_of_a_harness_that_cannot_take_turns_is_refused() {
     assert!(daemon.leftover_sandboxes().is_empty());
     daemon.stop().await;
 }
+
+/// A credential the profile needs but the daemon cannot read refuses the
+/// run at resolution, naming the route and not any value, before any
+/// sandbox exists; `corral doctor` says the same of the profile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_credential_refuses_the_run_before_a_sandbox_and_doctor_says_so() {
+    let daemon = TestDaemon::start(Options {
+        config: Box::new(|c| {
+            c.credentials.routes.insert(
+                "route.test".into(),
+                corral::credentials::RouteConfig {
+                    env: Some("CORRAL_TEST_NEVER_SET_7781".into()),
+                    inject_as: "ROUTE_TEST_TOKEN".into(),
+                    ..Default::default()
+                },
+            );
+        }),
+        ..Options::default()
+    })
+    .await;
+    let execution = common::finished(&daemon.execute(common::request("test.fake-agent", "NOWORK")).await);
+    assert_eq!(execution.state, pb::ExecutionState::Refused as i32, "{execution:?}");
+    let evidence = execution.evidence.clone().unwrap();
+    assert_eq!(evidence.failure_stage, pb::FailureStage::Resolution as i32);
+    assert!(evidence.error.contains("route.test") && evidence.error.contains("CORRAL_TEST_NEVER_SET_7781"), "{}", evidence.error);
+    assert!(evidence.sandbox_id.is_empty(), "a sandbox was made");
+    assert!(daemon.leftover_sandboxes().is_empty());
+    daemon.stop().await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("fake.toml"), common::fake_agent_profile("test.fake-agent", "")).unwrap();
+    let config = dir.path().join("corral.toml");
+    std::fs::write(
+        &config,
+        "[credentials.routes.\"route.test\"]\nenv = \"CORRAL_TEST_NEVER_SET_7781\"\ninject_as = \"ROUTE_TEST_TOKEN\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+        .args(["doctor", "--config"])
+        .arg(&config)
+        .arg("--profiles")
+        .arg(&profiles)
+        .env_remove("CORRAL_TEST_NEVER_SET_7781")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.trim_start().starts_with("test.fake-agent@")).unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains("NO") && line.contains("$CORRAL_TEST_NEVER_SET_7781 is not set"), "{line}");
+}

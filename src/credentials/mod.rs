@@ -218,6 +218,16 @@ impl CredentialsConfig {
         Ok((env, scrubber))
     }
 
+    /// Whether every route of `refs` exists and has a value now (read and
+    /// dropped at once). The error names the route, never a value.
+    pub fn check(&self, refs: &[String]) -> Result<(), String> {
+        for name in refs {
+            let route = self.routes.get(name).ok_or_else(|| format!("unknown credential route {name}"))?;
+            route.read(name)?;
+        }
+        Ok(())
+    }
+
     /// Reads the values of `refs` now (so rotated secrets are picked up per
     /// run). Returns `(inject_as, value)` pairs and the scrubber for them.
     /// Errors name the route, never a value.

@@ -185,6 +185,15 @@ impl Core {
         self.evidence.time("resolve", t);
         // A session's harness takes one task line per turn: a harness that
         // reads its whole task at once would take the first turn and no other.
+        // Every credential the profile needs must be there now, before any
+        // sandbox exists (a missing key found at session start is found
+        // too late).
+        let resolved = resolved.and_then(|profile| {
+            match self.engine.credentials.check(&profile.file.credential_route_refs) {
+                Ok(()) => Ok(profile),
+                Err(why) => Err(crate::catalog::Refusal(format!("profile {} cannot run: {why}", profile.reference()))),
+            }
+        });
         let resolved = resolved.and_then(|profile| match profile.file.rein.takes_turns() {
             true => Ok(profile),
             false if self.consumer.session_id.is_empty() => Ok(profile),
