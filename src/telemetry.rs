@@ -30,7 +30,10 @@ pub(crate) fn describe() {
     describe_gauge!("corral_watchers", "Event streams open to callers and watchers.");
     describe_counter!("corral_hub_deliveries_total", "Hub report delivery attempts, by result.");
     describe_histogram!("corral_run_duration_seconds", Unit::Seconds, "Time from acceptance to the end of a run.");
-    describe_counter!("corral_model_tokens_total", "Tokens the harnesses' models processed, as the harnesses reported.");
+    describe_counter!(
+        "corral_model_tokens_total",
+        "Tokens the harnesses' models processed, as the harnesses reported."
+    );
     describe_gauge!("corral_build_info", "Always 1; the daemon's version in its labels.");
     describe_gauge!("process_start_time_seconds", Unit::Seconds, "When the daemon's process started, in Unix seconds.");
 }

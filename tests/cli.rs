@@ -274,3 +274,32 @@ async fn the_binary_serves_runs_lists_and_stops_on_sigterm() {
         .unwrap_or_default();
     assert!(leftovers.is_empty(), "sandboxes left behind: {leftovers:?}");
 }
+
+/// `corral --json exec ... | head -1`: the reader goes away after one line;
+/// the client exits 0 and says nothing. `corral version` without a daemon
+/// prints this client's version and one error line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_pipe_ends_quietly_and_version_works_without_a_daemon() {
+    common::require_bwrap();
+    let tmp = common::data_tempdir();
+    let served = serve(&tmp.path().join("data"), &tmp.path().join("serve.stderr")).await;
+    let script = "for i in $(seq 1 200); do echo line $i; done";
+    let pipeline = format!(
+        "{CORRAL} --server {} --json exec --profile builtin.shell --title t --description '{script}' | head -1",
+        served.url
+    );
+    let out = clean(&mut Command::new("/bin/bash")).args(["-o", "pipefail", "-c", &pipeline]).output().await.unwrap();
+    let (stdout, stderr) = text(&out);
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(stderr.is_empty(), "error text on a closed pipe: {stderr}");
+    assert!(out.status.success(), "exit {:?}: {stderr}", out.status.code());
+    drop(served);
+
+    let gone = format!("unix://{}", tmp.path().join("no-such.sock").display());
+    let out = corral(&gone, &["version"]).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(stdout.trim(), format!("corral {} (client)", env!("CARGO_PKG_VERSION")));
+    assert_eq!(stderr.lines().count(), 1, "one error: {stderr}");
+    assert_eq!(stderr.matches("No such file or directory").count(), 1, "{stderr}");
+    assert_eq!(out.status.code(), Some(2));
+}

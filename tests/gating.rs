@@ -154,7 +154,11 @@ async fn a_missing_credential_refuses_the_run_before_a_sandbox_and_doctor_says_s
     assert_eq!(execution.state, pb::ExecutionState::Refused as i32, "{execution:?}");
     let evidence = execution.evidence.clone().unwrap();
     assert_eq!(evidence.failure_stage, pb::FailureStage::Resolution as i32);
-    assert!(evidence.error.contains("route.test") && evidence.error.contains("CORRAL_TEST_NEVER_SET_7781"), "{}", evidence.error);
+    assert!(
+        evidence.error.contains("route.test") && evidence.error.contains("CORRAL_TEST_NEVER_SET_7781"),
+        "{}",
+        evidence.error
+    );
     assert!(evidence.sandbox_id.is_empty(), "a sandbox was made");
     assert!(daemon.leftover_sandboxes().is_empty());
     daemon.stop().await;
@@ -178,6 +182,7 @@ async fn a_missing_credential_refuses_the_run_before_a_sandbox_and_doctor_says_s
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.trim_start().starts_with("test.fake-agent@")).unwrap_or_else(|| panic!("{text}"));
+    let line =
+        text.lines().find(|l| l.trim_start().starts_with("test.fake-agent@")).unwrap_or_else(|| panic!("{text}"));
     assert!(line.contains("NO") && line.contains("$CORRAL_TEST_NEVER_SET_7781 is not set"), "{line}");
 }

@@ -293,19 +293,44 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
     match result {
         Ok(code) => Ok(code),
         Err(err) => {
+            // The reader went away (`corral --json exec ... | head -1`):
+            // that is how a pipe ends, not an error.
+            let broken_pipe = err.chain().any(|e| {
+                e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            });
             // Status first: a Status can itself carry a transport error as
             // its source, and its code is the more useful thing to show.
-            if let Some(status) = err.downcast_ref::<tonic::Status>() {
+            if broken_pipe {
+                Ok(0)
+            } else if let Some(status) = err.downcast_ref::<tonic::Status>() {
                 report_status(status);
                 Ok(2)
             } else if err.downcast_ref::<tonic::transport::Error>().is_some() {
-                eprintln!("error: {err:#}");
+                eprintln!("error: {}", one_line(&err));
                 Ok(2)
             } else {
                 Err(err)
             }
         }
     }
+}
+
+/// An error and its causes on one line, each cause once (transport errors
+/// repeat their source in their own message).
+fn one_line(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        let part = part.strip_prefix("transport error: ").unwrap_or(&part).to_string();
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
 }
 
 /// Opens a channel to the daemon: `unix:///path` or an http(s) URL.

@@ -64,7 +64,17 @@ pub(super) async fn ls(server: &Remote, args: LsArgs, printer: &Printer) -> anyh
 /// `corral version`: this binary's version, then the daemon's and what its
 /// host can enforce.
 pub(super) async fn version(server: &Remote, printer: &Printer) -> anyhow::Result<i32> {
-    let mut client = CatalogServiceClient::new(server.open().await?);
+    let channel = match server.open().await {
+        Ok(channel) => channel,
+        Err(e) => {
+            // This client's version is known without a daemon.
+            if matches!(printer, Printer::Human(_)) {
+                println!("corral {} (client)", env!("CARGO_PKG_VERSION"));
+            }
+            return Err(e);
+        }
+    };
+    let mut client = CatalogServiceClient::new(channel);
     let info = client.get_daemon_info(pb::GetDaemonInfoRequest {}).await?.into_inner();
     printer.daemon_info(&info)?;
     Ok(0)

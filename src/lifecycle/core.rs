@@ -188,12 +188,11 @@ impl Core {
         // Every credential the profile needs must be there now, before any
         // sandbox exists (a missing key found at session start is found
         // too late).
-        let resolved = resolved.and_then(|profile| {
-            match self.engine.credentials.check(&profile.file.credential_route_refs) {
+        let resolved =
+            resolved.and_then(|profile| match self.engine.credentials.check(&profile.file.credential_route_refs) {
                 Ok(()) => Ok(profile),
                 Err(why) => Err(crate::catalog::Refusal(format!("profile {} cannot run: {why}", profile.reference()))),
-            }
-        });
+            });
         let resolved = resolved.and_then(|profile| match profile.file.rein.takes_turns() {
             true => Ok(profile),
             false if self.consumer.session_id.is_empty() => Ok(profile),
