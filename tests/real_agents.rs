@@ -291,6 +291,18 @@ async fn codex_writes_a_file_that_comes_back() {
     assert_eq!(tools_used(&events), ["Bash"], "the tool's name, as the gate sees it");
     let record = execution(&events);
     assert_eq!(record["evidence"]["resolvedModel"], OPENAI_MODEL, "the model corral wrote into Codex's config");
+    // What ran, as the daemon decided it: the flag it added, the gateway as
+    // base URL, the variable names, the files it wrote.
+    let harness = &record["evidence"]["harness"];
+    let argv: Vec<&str> = harness["argv"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert_eq!(argv, ["codex", "exec", "--dangerously-bypass-approvals-and-sandbox", "--json", "--skip-git-repo-check", "-"]);
+    assert_eq!(harness["baseUrl"], "http://127.0.0.1:3130/openai");
+    assert_eq!(harness["model"], OPENAI_MODEL);
+    let names: Vec<&str> = harness["envNames"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(names.contains(&"OPENAI_API_KEY") && names.contains(&"NO_PROXY"), "{names:?}");
+    let files: Vec<&str> = harness["files"].as_array().unwrap().iter().filter_map(|f| f["path"].as_str()).collect();
+    assert_eq!(files, ["~/.codex/config.toml", "/etc/codex/requirements.toml"]);
+    assert!(harness["files"][0]["sha256"].as_str().unwrap().len() == 64);
     assert_eq!(record["toolOutput"], "Wrote hello-from-codex.txt.");
     for request in mock.model_requests() {
         assert_eq!(request.body["model"], OPENAI_MODEL, "Codex asks for the configured model");

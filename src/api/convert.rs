@@ -149,6 +149,13 @@ pub fn evidence(e: &evidence::Evidence) -> pb::Evidence {
         notes: e.notes.clone(),
         workspace_snapshot: e.workspace_snapshot,
         agent_commits: e.agent_commits,
+        harness: e.harness.as_ref().map(|h| pb::HarnessInvocation {
+            argv: h.argv.clone(),
+            env_names: h.env_names.clone(),
+            base_url: h.base_url.clone(),
+            model: h.model.clone(),
+            files: h.files.iter().map(|(path, sha256)| pb::WrittenFile { path: path.clone(), sha256: sha256.clone() }).collect(),
+        }),
         tool_calls: Some(pb::ToolCallCounts {
             allowed: e.tool_calls.allowed,
             denied: e.tool_calls.denied,
@@ -361,6 +368,8 @@ pub fn profile(p: &Profile) -> pb::Profile {
             input: task_input(f.rein.input) as i32,
             tool_calls_gated: ungated.is_none(),
             tool_calls_ungated: ungated.unwrap_or_default(),
+            base_url: f.rein.base_url.clone(),
+            model: f.rein.model.clone(),
         }),
         sandbox: Some(sandbox_spec(&f.sandbox)),
         limits: Some(pb::Limits {

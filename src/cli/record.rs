@@ -96,6 +96,10 @@ fn evidence(out: &mut Lines, ev: &pb::Evidence) {
         ev.commit_sha.clone()
     };
     out.field("commit", &commit).field("model", &ev.resolved_model);
+    if let Some(h) = &ev.harness {
+        out.field("harness", h.argv.join(" ")).field("harness_base_url", &h.base_url);
+        out.field("harness_env", h.env_names.join(" "));
+    }
     out.field("tokens", ev.tokens_spent.to_string());
     out.enum_field("hub_report", ev.hub_report_status, render::hub_status);
     for d in &ev.gate_decisions {

@@ -146,6 +146,22 @@ pub struct Evidence {
     pub agent_commits: u64,
     /// The tool_call gate's decisions, counted.
     pub tool_calls: ToolCallCounts,
+    /// How the harness was started (the last start of a session's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub harness: Option<HarnessInvocation>,
+}
+
+/// The harness as the daemon started it: argv, the names of its
+/// environment variables, its model endpoint and model, and `(path, sha256)`
+/// of each file written for it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct HarnessInvocation {
+    pub argv: Vec<String>,
+    pub env_names: Vec<String>,
+    pub base_url: String,
+    pub model: String,
+    pub files: Vec<(String, String)>,
 }
 
 /// The tool_call gate's decisions: `allowed` and `denied` count outcomes

@@ -419,6 +419,7 @@ impl Core {
             gateway: self.gateway.clone(),
         };
         let harness = rein.start_session(ctx).await?;
+        self.evidence.harness = Some(harness.invocation());
         self.evidence.time("session_start", t);
         self.harness = Some(harness);
         self.started_harness = true;
@@ -526,6 +527,8 @@ impl Core {
             }
             result
         };
+        // A resumed run's argv is the one that ran last.
+        self.evidence.harness = Some(harness.invocation());
         self.harness = Some(harness);
         self.evidence.time("harness", t);
         let limit_notes = self.record_cgroup_hits().await;

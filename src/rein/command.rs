@@ -89,6 +89,23 @@ impl Rein for CommandRein {
         }
         let env = profile.git.author_env().into_iter().chain(prepared.env).chain(ctx.credentials.iter().cloned());
         let env: Vec<(String, String)> = env.collect();
+        let mut files: Vec<(String, String)> =
+            prepared.home_files.iter().map(|(path, text)| (format!("~/{path}"), sha256_hex(text.as_bytes()))).collect();
+        for (host, inside) in &ctx.sandbox.gate.binds {
+            // The files the daemon wrote (not the helper binary it binds).
+            if host.starts_with(&ctx.sandbox.root) {
+                if let Ok(bytes) = std::fs::read(host) {
+                    files.push((inside.clone(), sha256_hex(&bytes)));
+                }
+            }
+        }
+        let invocation = crate::evidence::HarnessInvocation {
+            argv: prepared.argv.clone(),
+            env_names: env.iter().map(|(name, _)| name.clone()).collect(),
+            base_url: model_gateway.clone().unwrap_or_else(|| profile.rein.base_url.clone()),
+            model: prepared.model.clone(),
+            files,
+        };
         let max_output = profile.limits.max_output_bytes as usize;
         let stderr = Arc::new(Mutex::new(CappedBuffer::new(max_output)));
         let run = Run::launch(&ctx, prepared.argv.clone(), env.clone(), &stderr).await?;
@@ -106,6 +123,7 @@ impl Rein for CommandRein {
             argv: prepared.argv,
             env,
             ctx,
+            invocation,
         }))
     }
 }
@@ -247,6 +265,13 @@ struct CommandSession {
     argv: Vec<String>,
     env: Vec<(String, String)>,
     ctx: StartContext,
+    /// How the current run was started, for the evidence.
+    invocation: crate::evidence::HarnessInvocation,
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    crate::sandbox::hex_digest(&sha2::Sha256::digest(bytes))
 }
 
 /// Hook calls queued for the turn loop.
@@ -304,6 +329,7 @@ impl CommandSession {
         if !self.run.process.has_exited() {
             let _ = self.run.process.terminate(KILL_GRACE).await;
         }
+        self.invocation.argv = argv.clone();
         self.run = Run::launch(&self.ctx, argv, self.env.clone(), &self.stderr).await?;
         self.parser = ParserState::new(self.model.clone());
         self.parser.conversation = conversation;
@@ -510,6 +536,10 @@ impl HarnessSession for CommandSession {
                 Err(ReinError::Cancelled)
             }
         }
+    }
+
+    fn invocation(&self) -> crate::evidence::HarnessInvocation {
+        self.invocation.clone()
     }
 
     /// A harness that runs once per turn and resumes is alive between

@@ -253,6 +253,10 @@ pub trait HarnessSession: Send + Sync {
     async fn dispatch_tool(&mut self, call: ToolCall, dispatch: Dispatch) -> Result<ToolResult, ReinError>;
     /// Whether the harness process still runs.
     fn is_alive(&mut self) -> bool;
+    /// How it was started (argv as run, variable names, endpoint, files).
+    fn invocation(&self) -> crate::evidence::HarnessInvocation {
+        crate::evidence::HarnessInvocation::default()
+    }
     async fn end_session(&mut self) -> Result<(), ReinError>;
     /// Kills whatever the harness left running. Safe to call twice.
     async fn cleanup_session(&mut self) -> Result<(), ReinError>;
