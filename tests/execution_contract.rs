@@ -118,7 +118,7 @@ async fn execution_failure_keeps_the_raw_error_for_the_direct_caller_only() {
     let ev = evidence(&execution);
     assert_eq!(outcome(&ev), Outcome::Failed);
     assert_eq!(stage(&ev), FailureStage::Execution);
-    assert_eq!(ev.error, "execution failed; inspect direct caller error");
+    assert_eq!(ev.error, "execution failed; its principal reads the cause with `corral get --full`");
     assert!(execution.tool_error.contains("SECRET-RAW-ERROR-7781"), "{}", execution.tool_error);
     assert_eq!(teardown(&ev), (TeardownResult::Succeeded, TeardownResult::Succeeded));
     assert_eq!(h.calls(), ["start_session", "dispatch_tool", "end_session", "cleanup_session"]);
@@ -204,7 +204,7 @@ async fn a_sandbox_that_is_not_ready_is_destroyed_and_the_rein_never_starts() {
     let events = h.daemon.execute(request("test.fake-agent", "")).await;
     let ev = evidence(&finished(&events));
     assert_eq!((outcome(&ev), stage(&ev)), (Outcome::Failed, FailureStage::SandboxCreate));
-    assert_eq!(ev.error, "sandbox creation failed; inspect direct caller error");
+    assert_eq!(ev.error, "sandbox creation failed; its principal reads the cause with `corral get --full`");
     assert!(h.calls().is_empty(), "rein started: {:?}", h.calls());
     assert_eq!((h.creates(), h.destroys()), (1, 1));
     assert_eq!(teardown(&ev), (TeardownResult::NotAttempted, TeardownResult::Succeeded));
@@ -247,7 +247,7 @@ async fn a_destroy_failure_after_success_fails_at_teardown() {
     let events = h.daemon.execute(request("test.fake-agent", "NOWORK")).await;
     let ev = evidence(&finished(&events));
     assert_eq!((outcome(&ev), stage(&ev)), (Outcome::Failed, FailureStage::Teardown));
-    assert_eq!(ev.error, "teardown failed; inspect direct caller error");
+    assert_eq!(ev.error, "teardown failed; its principal reads the cause with `corral get --full`");
     assert_eq!(teardown(&ev), (TeardownResult::Succeeded, TeardownResult::Failed));
     assert_eq!(h.destroys(), 1, "destroyed exactly once, even when it fails");
 }
@@ -274,7 +274,7 @@ async fn teardown_failures_after_an_execution_failure_keep_the_execution_stage()
     let execution = finished(&events);
     let ev = evidence(&execution);
     assert_eq!((outcome(&ev), stage(&ev)), (Outcome::Failed, FailureStage::Execution));
-    assert_eq!(ev.error, "execution failed; inspect direct caller error");
+    assert_eq!(ev.error, "execution failed; its principal reads the cause with `corral get --full`");
     assert_eq!(teardown(&ev), (TeardownResult::Failed, TeardownResult::Failed));
     assert_eq!(h.calls(), ["start_session", "dispatch_tool", "end_session", "cleanup_session"]);
     assert_eq!(h.destroys(), 1);

@@ -200,12 +200,12 @@ async fn a_raw_error_reaches_only_the_direct_caller() {
     let execution = finished(&events);
     assert!(execution.tool_error.contains(secret), "the direct caller sees the raw error");
     let evidence = execution.evidence.clone().unwrap();
-    assert_eq!(evidence.error, "execution failed; inspect direct caller error");
+    assert_eq!(evidence.error, "execution failed; its principal reads the cause with `corral get --full`");
     wait_for_status(&mut client, &execution.execution_id, pb::HubReportStatus::Accepted).await;
     let bodies = hub.bodies();
     assert_eq!(bodies.len(), 1);
     let report: serde_json::Value = serde_json::from_str(&bodies[0]).unwrap();
-    assert_eq!(report["data"]["error"], "execution failed; inspect direct caller error");
+    assert_eq!(report["data"]["error"], "execution failed; its principal reads the cause with `corral get --full`");
     assert_eq!(report["data"]["failure_stage"], "execution");
     assert!(!bodies[0].contains(secret), "not in the hub report");
     let watched = {

@@ -249,7 +249,8 @@ async fn claude_code_fails_with_the_model_apis_message_on_a_400() {
     assert_eq!(record["state"], "EXECUTION_STATE_FAILED", "{record:#}");
     let error = record["toolError"].as_str().unwrap_or_default();
     assert!(error.contains("model API error 400") && error.contains(message), "raw error: {error}");
-    assert_eq!(record["evidence"]["error"], "execution failed; inspect direct caller error");
+    assert_eq!(record["evidence"]["error"], "execution failed; its principal reads the cause with `corral get --full`");
+    assert_eq!(record["evidence"]["failureClass"], "model_api_error 400", "every reader sees what kind of failure");
     assert!(!record["evidence"]["resolvedModel"].as_str().unwrap_or_default().is_empty(), "the init line's model");
 }
 
@@ -295,7 +296,10 @@ async fn codex_writes_a_file_that_comes_back() {
     // base URL, the variable names, the files it wrote.
     let harness = &record["evidence"]["harness"];
     let argv: Vec<&str> = harness["argv"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
-    assert_eq!(argv, ["codex", "exec", "--dangerously-bypass-approvals-and-sandbox", "--json", "--skip-git-repo-check", "-"]);
+    assert_eq!(
+        argv,
+        ["codex", "exec", "--dangerously-bypass-approvals-and-sandbox", "--json", "--skip-git-repo-check", "-"]
+    );
     assert_eq!(harness["baseUrl"], "http://127.0.0.1:3130/openai");
     assert_eq!(harness["model"], OPENAI_MODEL);
     let names: Vec<&str> = harness["envNames"].as_array().unwrap().iter().filter_map(Value::as_str).collect();

@@ -149,12 +149,17 @@ pub fn evidence(e: &evidence::Evidence) -> pb::Evidence {
         notes: e.notes.clone(),
         workspace_snapshot: e.workspace_snapshot,
         agent_commits: e.agent_commits,
+        failure_class: e.failure_class.clone(),
         harness: e.harness.as_ref().map(|h| pb::HarnessInvocation {
             argv: h.argv.clone(),
             env_names: h.env_names.clone(),
             base_url: h.base_url.clone(),
             model: h.model.clone(),
-            files: h.files.iter().map(|(path, sha256)| pb::WrittenFile { path: path.clone(), sha256: sha256.clone() }).collect(),
+            files: h
+                .files
+                .iter()
+                .map(|(path, sha256)| pb::WrittenFile { path: path.clone(), sha256: sha256.clone() })
+                .collect(),
         }),
         tool_calls: Some(pb::ToolCallCounts {
             allowed: e.tool_calls.allowed,

@@ -85,6 +85,7 @@ fn evidence(out: &mut Lines, ev: &pb::Evidence) {
     out.enum_field("outcome", ev.outcome, render::outcome);
     out.enum_field("failure_stage", ev.failure_stage, render::failure_stage);
     out.field("error", &ev.error);
+    out.field("failure_class", &ev.failure_class);
     out.enum_field("session_cleanup", ev.session_cleanup, render::teardown);
     out.enum_field("sandbox_destroy", ev.sandbox_destroy, render::teardown);
     out.field("resolved_ref", &ev.profile_ref).field("digest", &ev.profile_digest);

@@ -280,6 +280,7 @@ fn finished_facts(finished: &pb::Finished, facts: &mut Facts) {
         facts.add("outcome", outcome(ev.outcome));
         if ev.failure_stage != pb::FailureStage::Unspecified as i32 {
             facts.add("failure_stage", failure_stage(ev.failure_stage));
+            facts.add("class", &ev.failure_class);
         }
         facts.add("error", &ev.error);
         // A run with a workspace always says what came back of it.

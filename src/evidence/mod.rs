@@ -38,12 +38,16 @@ impl FailureStage {
     /// errors go only to the direct caller.
     pub fn fixed_error(self) -> &'static str {
         match self {
-            FailureStage::Resolution => "resolution refused; inspect direct caller error",
-            FailureStage::Gate => "gate denied; inspect direct caller error",
-            FailureStage::SandboxCreate => "sandbox creation failed; inspect direct caller error",
-            FailureStage::SessionStart => "session start failed; inspect direct caller error",
-            FailureStage::Execution => "execution failed; inspect direct caller error",
-            FailureStage::Teardown => "teardown failed; inspect direct caller error",
+            FailureStage::Resolution => "resolution refused; its principal reads the cause with `corral get --full`",
+            FailureStage::Gate => "gate denied; its principal reads the cause with `corral get --full`",
+            FailureStage::SandboxCreate => {
+                "sandbox creation failed; its principal reads the cause with `corral get --full`"
+            }
+            FailureStage::SessionStart => {
+                "session start failed; its principal reads the cause with `corral get --full`"
+            }
+            FailureStage::Execution => "execution failed; its principal reads the cause with `corral get --full`",
+            FailureStage::Teardown => "teardown failed; its principal reads the cause with `corral get --full`",
         }
     }
 
@@ -146,6 +150,9 @@ pub struct Evidence {
     pub agent_commits: u64,
     /// The tool_call gate's decisions, counted.
     pub tool_calls: ToolCallCounts,
+    /// What kind of failure it was, in a fixed vocabulary every reader may
+    /// see (see [`failure_class`]); empty when it did not fail.
+    pub failure_class: String,
     /// How the harness was started (the last start of a session's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub harness: Option<HarnessInvocation>,
@@ -216,6 +223,14 @@ impl Evidence {
         }
     }
 
+    /// The first failure's class, from its stage and raw error (which is
+    /// not kept here: only the class and a status code are).
+    pub fn classify(&mut self, stage: FailureStage, raw_error: &str) {
+        if self.failure_class.is_empty() {
+            self.failure_class = failure_class(stage, raw_error);
+        }
+    }
+
     /// A refusal: the reason is the daemon's own words (e.g. `unknown
     /// harness profile`), never harness output, so it is kept.
     pub fn refuse(&mut self, stage: FailureStage, reason: &str) {
@@ -228,6 +243,37 @@ impl Evidence {
     pub fn time(&mut self, stage: &str, started: std::time::Instant) {
         self.stage_timings.push(StageTiming { stage: stage.to_string(), micros: started.elapsed().as_micros() as u64 });
     }
+}
+
+/// A failure in a fixed vocabulary: `model_api_error <status>`,
+/// `credential_missing`, `timed_out`, `cancelled`, `tool_refused`,
+/// `harness_exited`, `harness_failed`, `policy_denied`, `profile_refused`,
+/// `sandbox_create_failed`, `harness_start_failed`, `workspace_over_budget`,
+/// `teardown_failed`. Only words of this list and a status number leave
+/// the raw error.
+pub fn failure_class(stage: FailureStage, raw: &str) -> String {
+    if let Some(at) = raw.find("model API error ") {
+        let status: String = raw[at + 16..].chars().take_while(|c| c.is_ascii_digit()).take(3).collect();
+        return if status.is_empty() { "model_api_error".into() } else { format!("model_api_error {status}") };
+    }
+    let class = match stage {
+        FailureStage::Resolution if raw.contains("credential route") => "credential_missing",
+        FailureStage::Resolution => "profile_refused",
+        FailureStage::Gate => "policy_denied",
+        FailureStage::SandboxCreate => "sandbox_create_failed",
+        FailureStage::SessionStart if raw.contains("credential route") => "credential_missing",
+        FailureStage::SessionStart => "harness_start_failed",
+        FailureStage::Teardown => "teardown_failed",
+        FailureStage::Execution if raw.contains("timed out") => "timed_out",
+        FailureStage::Execution if raw.contains("cancelled") => "cancelled",
+        FailureStage::Execution if raw.contains("refused permission") => "tool_refused",
+        FailureStage::Execution if raw.contains("workspace") && raw.contains("limit") => "workspace_over_budget",
+        FailureStage::Execution if raw.contains("harness exited with status") || raw.contains("killed by a signal") => {
+            "harness_exited"
+        }
+        FailureStage::Execution => "harness_failed",
+    };
+    class.into()
 }
 
 #[cfg(test)]
@@ -250,7 +296,7 @@ mod tests {
         evidence.fail(FailureStage::Execution);
         evidence.fail(FailureStage::Teardown);
         assert_eq!(evidence.failure_stage, Some(FailureStage::Execution));
-        assert_eq!(evidence.error, "execution failed; inspect direct caller error");
+        assert_eq!(evidence.error, "execution failed; its principal reads the cause with `corral get --full`");
     }
 
     #[test]
@@ -259,5 +305,41 @@ mod tests {
         assert_eq!(evidence.session_cleanup, TeardownResult::Unknown);
         assert_eq!(evidence.sandbox_destroy, TeardownResult::Unknown);
         assert_eq!(evidence.hub_report_status, HubReportStatus::Unknown);
+    }
+}
+
+#[cfg(test)]
+mod class_tests {
+    use super::{failure_class, FailureStage};
+
+    #[test]
+    fn failures_are_classed_in_a_fixed_vocabulary() {
+        let cases = [
+            (
+                FailureStage::Execution,
+                "Claude Code failed: model API error 400 invalid_request_error: s3cret",
+                "model_api_error 400",
+            ),
+            (FailureStage::Execution, "model API error x", "model_api_error"),
+            (
+                FailureStage::Resolution,
+                "profile p cannot run: credential route anthropic: $K is not set",
+                "credential_missing",
+            ),
+            (FailureStage::Resolution, "unknown harness profile x", "profile_refused"),
+            (FailureStage::Gate, "denied by policy p: r", "policy_denied"),
+            (FailureStage::Execution, "harness timed out after 5s", "timed_out"),
+            (FailureStage::Execution, "cancelled", "cancelled"),
+            (FailureStage::Execution, "Claude Code was refused permission for 1 tool call(s)", "tool_refused"),
+            (FailureStage::Execution, "harness exited with status 3: boom", "harness_exited"),
+            (FailureStage::Execution, "anything else the harness said", "harness_failed"),
+            (FailureStage::SandboxCreate, "no free sandbox uid", "sandbox_create_failed"),
+            (FailureStage::SessionStart, "harness start failed: x", "harness_start_failed"),
+            (FailureStage::Teardown, "workspace capture: y", "teardown_failed"),
+        ];
+        for (stage, raw, class) in cases {
+            assert_eq!(failure_class(stage, raw), class, "{raw}");
+            assert!(!failure_class(stage, raw).contains("s3cret"));
+        }
     }
 }

@@ -144,6 +144,7 @@ impl Core {
     pub fn failed(&mut self, stage: FailureStage, raw_error: &str) {
         let raw_error = self.scrubber.scrub(raw_error);
         self.evidence.fail(stage);
+        self.evidence.classify(stage, &raw_error);
         if !self.raw.tool_error.is_empty() {
             self.raw.tool_error.push('\n');
         }
@@ -152,6 +153,7 @@ impl Core {
 
     fn refused(&mut self, stage: FailureStage, reason: &str) {
         self.evidence.refuse(stage, reason);
+        self.evidence.classify(stage, reason);
         self.raw.tool_error = reason.to_string();
     }
 

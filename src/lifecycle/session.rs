@@ -213,7 +213,7 @@ impl Engine {
                 }
                 TurnOutcome::Done(r) => (
                     false,
-                    "turn failed; inspect direct caller error".into(),
+                    "turn failed; its principal reads the cause with `corral get --full`".into(),
                     RawResult { tool_output: r.output, tool_error: r.error },
                 ),
                 TurnOutcome::Denied { policy, reason } => {
@@ -222,7 +222,7 @@ impl Engine {
                 }
                 TurnOutcome::Failed(e) => (
                     false,
-                    "turn failed; inspect direct caller error".into(),
+                    "turn failed; its principal reads the cause with `corral get --full`".into(),
                     RawResult { tool_output: String::new(), tool_error: core.scrub(&e.to_string()) },
                 ),
                 TurnOutcome::Cancelled => (
