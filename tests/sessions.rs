@@ -1084,3 +1084,51 @@ arguments = { limit = 2 }
     end(&mut client, &session.session_id).await;
     daemon.stop().await;
 }
+
+/// The CLI drives a session end to end: `corral session create`, `turn`
+/// (exit 0 on a good turn, 1 on a failed one), `watch`, `end`; `corral
+/// cancel` on an execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_creates_turns_watches_and_ends_a_session() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))])).await;
+    let url = format!("unix://{}", daemon.socket().display());
+    let _ = daemon.channel().await;
+    for _ in 0..100 {
+        if daemon.socket().exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let corral = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+            .arg("--server")
+            .arg(&url)
+            .args(args)
+            .env_remove("CORRAL_SERVER")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (code, out, err) = corral(&["session", "create", "--profile", "test.session", "--id", "cli-1"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.starts_with("session local-admin/cli-1 state=active"), "{out}");
+    let (code, out, err) = corral(&["session", "turn", "cli-1", "--tool", "run", "--arguments", r#"{"echo":"hello"}"#]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("turn_finished") && out.contains("echo hello"), "{out}");
+    let (code, out, _) = corral(&["session", "turn", "cli-1", "--tool", "run", "--arguments", r#"{"fail":"no"}"#]);
+    assert_eq!(code, Some(1), "a failed turn: {out}");
+    let (code, out, err) = corral(&["session", "end", "cli-1"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.starts_with("session local-admin/cli-1 state=ended") && out.contains("turns=2"), "{out}");
+    let (code, out, _) = corral(&["--json", "session", "watch", "cli-1"]);
+    assert_eq!(code, Some(0));
+    assert!(out.lines().last().is_some_and(|l| l.contains("\"finished\"")), "{out}");
+    let (code, _, err) = corral(&["cancel", "no-such-execution"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("NotFound"), "{err}");
+}

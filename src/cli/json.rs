@@ -27,6 +27,9 @@ impl WireMessage for pb::ListProfilesResponse {
 impl WireMessage for pb::DecideToolCallResponse {
     const FULL_NAME: &'static str = "corral.v1.DecideToolCallResponse";
 }
+impl WireMessage for pb::Session {
+    const FULL_NAME: &'static str = "corral.v1.Session";
+}
 impl WireMessage for pb::DaemonInfo {
     const FULL_NAME: &'static str = "corral.v1.DaemonInfo";
 }

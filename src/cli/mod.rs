@@ -16,6 +16,7 @@ mod output;
 mod query;
 mod record;
 mod render;
+mod session;
 mod table;
 
 use std::path::PathBuf;
@@ -138,6 +139,14 @@ pub enum ClientCommand {
     Watch(WatchArgs),
     /// Print one execution record.
     Get(GetArgs),
+    /// Cancel an execution (idempotent: a finished one is printed as it is).
+    Cancel {
+        /// Execution id.
+        id: String,
+    },
+    /// Sessions: create one, send it turns, follow it, end it.
+    #[command(subcommand)]
+    Session(SessionCommand),
     /// Allow a tool call waiting for approval (an approval_requested event).
     Approve(DecideArgs),
     /// Deny a tool call waiting for approval; the reason reaches the model.
@@ -221,6 +230,46 @@ pub struct GetArgs {
     pub full: bool,
 }
 
+/// `corral session ...`.
+#[derive(clap::Subcommand, Debug)]
+pub enum SessionCommand {
+    /// Start a session: its sandbox and harness, ready for turns.
+    Create {
+        /// Harness profile: `id@version`, or a bare `id`.
+        #[arg(long)]
+        profile: String,
+        /// The session's id (default: the daemon picks one).
+        #[arg(long)]
+        id: Option<String>,
+        /// A git repository to clone into the workspace.
+        #[arg(long)]
+        repo: Option<std::path::PathBuf>,
+        #[arg(long)]
+        project: Option<String>,
+    },
+    /// Send one turn and follow it to `turn_finished`; exit 0 when it succeeded.
+    Turn {
+        id: String,
+        /// The turn's prompt (Claude Code, Codex): `arguments_json = {"prompt": ...}`.
+        #[arg(long)]
+        prompt: Option<String>,
+        /// The turn's tool (a protocol harness's).
+        #[arg(long, default_value = "prompt")]
+        tool: String,
+        /// The turn's arguments as JSON.
+        #[arg(long)]
+        arguments: Option<String>,
+    },
+    /// Follow a session's events (stored ones first).
+    Watch {
+        id: String,
+        #[arg(long, value_name = "SEQ", default_value_t = 0)]
+        after: u64,
+    },
+    /// End a session: its harness and sandbox are torn down.
+    End { id: String },
+}
+
 /// Arguments of `corral approve` and `corral deny`.
 #[derive(clap::Args, Debug)]
 pub struct DecideArgs {
@@ -283,6 +332,8 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
         ClientCommand::Exec(args) => exec::exec(server, args, &printer).await,
         ClientCommand::Watch(args) => exec::watch(server, args, &printer).await,
         ClientCommand::Get(args) => query::get(server, args, &printer).await,
+        ClientCommand::Cancel { id } => session::cancel(server, id, &printer).await,
+        ClientCommand::Session(command) => session::run(server, command, &printer).await,
         ClientCommand::Approve(args) => query::decide(server, args, true, &printer).await,
         ClientCommand::Deny(args) => query::decide(server, args, false, &printer).await,
         ClientCommand::Ls(args) => query::ls(server, args, &printer).await,

@@ -45,6 +45,10 @@ impl Printer {
         self.either(execution, || record::execution(execution))
     }
 
+    pub(super) fn session(&self, session: &pb::Session) -> anyhow::Result<()> {
+        self.either(session, || render::session_line(session))
+    }
+
     pub(super) fn decided(&self, decided: &pb::DecideToolCallResponse) -> anyhow::Result<()> {
         self.either(decided, || {
             let action = if decided.allow { "allowed" } else { "denied" };

@@ -257,6 +257,23 @@ pub(super) fn event_line(event: &pb::LifecycleEvent) -> String {
     line
 }
 
+/// One line for a session record.
+pub(super) fn session_line(session: &pb::Session) -> String {
+    let mut facts = Facts::default();
+    facts.add("state", session_state(session.state)).add("profile", &session.profile_ref);
+    facts.add("turns", session.turns.to_string()).add("repo", &session.repo);
+    if let Some(ev) = &session.evidence {
+        facts.add("class", &ev.failure_class);
+    }
+    let mut line = format!("session {}", session.session_id);
+    for fact in &facts.0 {
+        line.push(' ');
+        line.push_str(fact);
+    }
+    line.push('\n');
+    line
+}
+
 fn session_state(value: i32) -> String {
     pb::SessionState::try_from(value)
         .map(|s| s.as_str_name().trim_start_matches("SESSION_STATE_").to_ascii_lowercase())

@@ -1,0 +1,75 @@
+//! `corral cancel` and `corral session create|turn|watch|end`: the CLI
+//! side of `CancelExecution` and `SessionService`.
+
+use super::output::Printer;
+use super::{Remote, SessionCommand};
+use crate::pb;
+use crate::pb::execution_service_client::ExecutionServiceClient;
+use crate::pb::lifecycle_event::Kind;
+use crate::pb::session_service_client::SessionServiceClient;
+
+/// `corral cancel ID`: the execution as it is after the cancel.
+pub(super) async fn cancel(server: &Remote, id: String, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = ExecutionServiceClient::new(server.open().await?);
+    let execution = client.cancel_execution(pb::CancelExecutionRequest { execution_id: id }).await?.into_inner();
+    printer.execution(&execution)?;
+    Ok(0)
+}
+
+pub(super) async fn run(server: &Remote, command: SessionCommand, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = SessionServiceClient::new(server.open().await?);
+    match command {
+        SessionCommand::Create { profile, id, repo, project } => {
+            let repo = match repo {
+                Some(path) => std::path::absolute(&path)?.display().to_string(),
+                None => String::new(),
+            };
+            let request = pb::CreateSessionRequest {
+                session_id: id.unwrap_or_default(),
+                profile_ref: profile,
+                repo,
+                project: project.unwrap_or_default(),
+                ..Default::default()
+            };
+            let session = client.create_session(request).await?.into_inner();
+            printer.session(&session)?;
+            Ok(0)
+        }
+        SessionCommand::Turn { id, prompt, tool, arguments } => {
+            let arguments_json = match (prompt, arguments) {
+                (Some(prompt), None) => serde_json::json!({ "prompt": prompt }).to_string(),
+                (None, Some(json)) => json,
+                (None, None) => "{}".into(),
+                (Some(_), Some(_)) => anyhow::bail!("give --prompt or --arguments, not both"),
+            };
+            let request =
+                pb::SendTurnRequest { session_id: id, tool_call: Some(pb::ToolCall { tool, arguments_json }) };
+            let stream = client.send_turn(request).await?.into_inner();
+            follow(stream, printer).await
+        }
+        SessionCommand::Watch { id, after } => {
+            let request = pb::WatchSessionRequest { session_id: id, after_sequence: after };
+            let stream = client.watch_session(request).await?.into_inner();
+            follow(stream, printer).await
+        }
+        SessionCommand::End { id } => {
+            let session = client.end_session(pb::EndSessionRequest { session_id: id }).await?.into_inner();
+            printer.session(&session)?;
+            Ok(0)
+        }
+    }
+}
+
+/// Prints every event; 0 when the last turn (or the session) ended well.
+async fn follow(mut stream: tonic::Streaming<pb::LifecycleEvent>, printer: &Printer) -> anyhow::Result<i32> {
+    let mut code = 1;
+    while let Some(event) = stream.message().await? {
+        printer.event(&event)?;
+        match &event.kind {
+            Some(Kind::TurnFinished(turn)) => code = if turn.ok { 0 } else { 1 },
+            Some(Kind::Finished(_)) => code = 0,
+            _ => {}
+        }
+    }
+    Ok(code)
+}
