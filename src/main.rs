@@ -141,6 +141,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let logs = match args.log_format {
         LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
+            // One flat object a line: the event's fields beside `level`,
+            // `target` and `timestamp`, the current span's under `span`.
+            .flatten_event(true)
             .with_current_span(true)
             .with_span_list(false)
             .with_writer(std::io::stderr)

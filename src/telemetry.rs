@@ -132,7 +132,7 @@ pub fn hub_delivery(accepted: bool) {
 }
 
 /// The snake_case name serde gives a unit enum variant.
-fn serde_label<T: serde::Serialize>(value: &T) -> String {
+pub(crate) fn serde_label<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_value(value).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_else(|| "unknown".into())
 }
 

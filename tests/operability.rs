@@ -35,9 +35,13 @@ async fn json_logs_parse_and_carry_the_execution_id() {
         .collect();
     assert!(!lines.is_empty());
     assert!(!log.contains('\u{1b}'), "ANSI escapes in a log file");
+    assert!(lines.iter().all(|l| l.get("fields").is_none() && l["message"].is_string()), "flat lines: {log}");
+    assert!(!log.contains("Some(") && !log.contains("\"Failed\""), "Rust debug text in the log: {log}");
     let of_run: Vec<_> = lines.iter().filter(|l| l["span"]["execution_id"] == id.as_str()).collect();
     assert!(
-        of_run.iter().any(|l| l["fields"]["message"] == "execution finished"),
+        of_run
+            .iter()
+            .any(|l| l["message"] == "execution finished" && l["outcome"] == "succeeded" && l["stage"] == "none"),
         "no line of the execution carries its id: {log}"
     );
 }

@@ -76,7 +76,7 @@ pub fn not_visible(what: &str, id: &str) -> Status {
 
 /// One audit line: who did what to which subject.
 pub fn audit(principal: &Principal, rpc: &str, subject: &str) {
-    tracing::info!(target: "corral::audit", principal = %principal.name, kind = principal.kind.as_str(), rpc, subject);
+    tracing::info!(target: "corral::audit", principal = %principal.name, kind = principal.kind.as_str(), rpc, subject, "call");
 }
 
 /// `DecideToolCall` on either service, once the run is known to be

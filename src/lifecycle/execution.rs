@@ -130,8 +130,9 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     }
     tracing::info!(
         execution_id = %record.execution_id,
-        outcome = ?record.evidence.outcome,
-        stage = ?record.evidence.failure_stage,
+        outcome = crate::telemetry::serde_label(&record.evidence.outcome),
+        stage = record.evidence.failure_stage.map(|s| s.as_str()).unwrap_or("none"),
+        class = record.evidence.failure_class.as_str(),
         "execution finished"
     );
 }
