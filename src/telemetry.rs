@@ -148,11 +148,31 @@ pub fn otlp_tracer_provider(
         .with_endpoint(endpoint)
         .build()
         .map_err(|e| format!("telemetry.otlp_endpoint {endpoint}: {e}"))?;
-    let resource = opentelemetry_sdk::Resource::builder().with_service_name(service_name.to_string()).build();
+    let resource = opentelemetry_sdk::Resource::builder()
+        .with_service_name(service_name.to_string())
+        .with_attribute(opentelemetry::KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+        .build();
     Ok(opentelemetry_sdk::trace::SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
         .with_resource(resource)
         .build())
+}
+
+/// What a finished run's span carries: its outcome, profile, model and
+/// tokens (OpenTelemetry's GenAI names where they exist), and an error
+/// status with the failure class when it did not succeed.
+pub fn finished_span(span: &tracing::Span, evidence: &Evidence) {
+    span.record("outcome", serde_label(&evidence.outcome));
+    span.record("corral.profile", evidence.profile_ref.as_str());
+    if !evidence.resolved_model.is_empty() {
+        span.record("gen_ai.response.model", evidence.resolved_model.as_str());
+    }
+    span.record("gen_ai.usage.total_tokens", evidence.tokens_spent);
+    if evidence.failure_stage.is_some() {
+        span.record("corral.failure_class", evidence.failure_class.as_str());
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        span.set_status(opentelemetry::trace::Status::error(evidence.failure_class.clone()));
+    }
 }
 
 /// Makes `span` a child of the caller's trace named by a W3C `traceparent`

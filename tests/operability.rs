@@ -445,3 +445,36 @@ async fn a_fresh_daemons_metrics_are_described_and_listed_at_zero() {
     assert_eq!(sample(&text, "corral_gate_decisions_total", r#"source="admin",action="ask""#), Some(0.0), "{text}");
     assert!(sample(&text, "process_start_time_seconds", "").unwrap_or(0.0) > 1.7e9, "{text}");
 }
+
+/// A failed execution's span has an error status naming its failure class,
+/// and outcome, profile and token attributes; the resource names the
+/// daemon's version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_execution_span_has_an_error_status_and_the_runs_attributes() {
+    let (collector, _dir, daemon) = traced_daemon(&[]).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let trace_id = "5bf92f3577b34da6a3ce929d0e0e4737";
+    let mut stream =
+        client.execute(traceparent(request("builtin.shell", "exit 3"), trace_id)).await.unwrap().into_inner();
+    while stream.message().await.unwrap().is_some() {}
+    stop(daemon).await;
+    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let spans = collector.spans.lock().unwrap();
+    let span =
+        spans.iter().find(|s| hex(&s.trace_id) == trace_id && s.name == "execution").expect("the execution span");
+    let status = span.status.clone().expect("a status");
+    assert_eq!(status.code, 2, "STATUS_CODE_ERROR: {status:?}");
+    assert_eq!(status.message, "harness_exited");
+    let attribute = |key: &str| {
+        span.attributes
+            .iter()
+            .find(|a| a.key == key)
+            .and_then(|a| a.value.clone())
+            .and_then(|v| v.value)
+            .map(|v| format!("{v:?}"))
+    };
+    assert!(attribute("outcome").is_some_and(|v| v.contains("failed")), "{:?}", span.attributes);
+    assert!(attribute("corral.profile").is_some_and(|v| v.contains("builtin.shell@")), "{:?}", span.attributes);
+    assert!(attribute("corral.failure_class").is_some_and(|v| v.contains("harness_exited")));
+    assert!(attribute("gen_ai.usage.total_tokens").is_some(), "{:?}", span.attributes);
+}

@@ -128,6 +128,7 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     } else {
         tracing::error!(execution_id = %record.execution_id, "execution record not stored");
     }
+    crate::telemetry::finished_span(&tracing::Span::current(), &record.evidence);
     tracing::info!(
         execution_id = %record.execution_id,
         outcome = crate::telemetry::serde_label(&record.evidence.outcome),

@@ -186,7 +186,16 @@ impl Engine {
         let (answer, submitted) = tokio::sync::oneshot::channel();
         let engine = self.clone();
         // Every log line of the run carries its id.
-        let span = tracing::info_span!("execution", execution_id = %execution_id);
+        // The outcome fields are recorded when it finishes (see `execution`).
+        let span = tracing::info_span!(
+            "execution",
+            execution_id = %execution_id,
+            outcome = tracing::field::Empty,
+            "corral.failure_class" = tracing::field::Empty,
+            "corral.profile" = tracing::field::Empty,
+            "gen_ai.response.model" = tracing::field::Empty,
+            "gen_ai.usage.total_tokens" = tracing::field::Empty,
+        );
         crate::telemetry::set_parent(&span, cmd.traceparent.as_deref());
         self.tasks.spawn(tracing::Instrument::instrument(
             async move { engine.accept(execution_id, cmd, cancel, answer).await },

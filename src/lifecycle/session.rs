@@ -213,7 +213,7 @@ impl Engine {
                 }
                 TurnOutcome::Done(r) => (
                     false,
-                    "turn failed; its principal reads the cause with `corral get --full`".into(),
+                    "turn failed; the raw error is on the caller's stream".into(),
                     RawResult { tool_output: r.output, tool_error: r.error },
                 ),
                 TurnOutcome::Denied { policy, reason } => {
@@ -222,7 +222,7 @@ impl Engine {
                 }
                 TurnOutcome::Failed(e) => (
                     false,
-                    "turn failed; its principal reads the cause with `corral get --full`".into(),
+                    "turn failed; the raw error is on the caller's stream".into(),
                     RawResult { tool_output: String::new(), tool_error: core.scrub(&e.to_string()) },
                 ),
                 TurnOutcome::Cancelled => (
@@ -231,6 +231,11 @@ impl Engine {
                     RawResult { tool_output: String::new(), tool_error: "cancelled".into() },
                 ),
             };
+            if !ok {
+                use tracing_opentelemetry::OpenTelemetrySpanExt;
+                let class = crate::evidence::failure_class(crate::evidence::FailureStage::Execution, &raw.tool_error);
+                tracing::Span::current().set_status(opentelemetry::trace::Status::error(class));
+            }
             let snapshot = {
                 let mut record = lock(&live.record);
                 record.turns = turn;
