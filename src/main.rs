@@ -34,8 +34,12 @@ enum Command {
     Doctor(DoctorArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
-    /// Print the man page (roff) on stdout.
-    Man,
+    /// Print the man page (roff) on stdout: corral(1), or a subcommand's
+    /// own page (`corral man exec` is corral-exec(1)).
+    Man {
+        /// A subcommand (`session turn` for a nested one).
+        page: Vec<String>,
+    },
     #[command(flatten)]
     Client(ClientCommand),
 }
@@ -110,8 +114,21 @@ fn main() -> anyhow::Result<()> {
                 clap_complete::generate(shell, &mut command, "corral", &mut std::io::stdout());
                 Ok(0)
             }
-            Command::Man => {
-                clap_mangen::Man::new(<Cli as clap::CommandFactory>::command()).render(&mut std::io::stdout())?;
+            Command::Man { page } => {
+                let mut command = <Cli as clap::CommandFactory>::command();
+                command.build();
+                let mut name = "corral".to_string();
+                for word in &page {
+                    let Some(sub) = command.find_subcommand(word).cloned() else {
+                        eprintln!("error: no subcommand {word:?} of {name}");
+                        return Ok(2);
+                    };
+                    name = format!("{name}-{word}");
+                    command = sub;
+                }
+                let name: &'static str = Box::leak(name.into_boxed_str());
+                let command = command.name(name).bin_name(name.replace('-', " "));
+                clap_mangen::Man::new(command).render(&mut std::io::stdout())?;
                 Ok(0)
             }
             Command::Doctor(args) => {
@@ -121,7 +138,19 @@ fn main() -> anyhow::Result<()> {
             }
             Command::Client(cmd) => corral::cli::run(cli.client, cmd).await,
         }
-    })?;
+    });
+    let code = match code {
+        Ok(code) => code,
+        // The reader went away (`corral man | head`): how a pipe ends.
+        Err(e)
+            if e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            }) =>
+        {
+            0
+        }
+        Err(e) => return Err(e),
+    };
     std::process::exit(code);
 }
 

@@ -201,6 +201,13 @@ fn serve_help_lists_only_the_daemons_flags_and_completions_and_man_print() {
     assert!(run(&["exec", "--help"]).contains("--server"), "client commands keep their options");
     assert!(run(&["completions", "bash"]).contains("_corral()"));
     assert!(run(&["man"]).contains(".TH corral 1"));
+    // Every page the main one refers to can be made.
+    let main = run(&["man"]);
+    for page in ["exec", "watch", "get", "ls", "cancel", "approve", "deny", "doctor"] {
+        assert!(main.contains(&format!("corral\\-{page}(1)")), "corral(1) does not list {page}");
+        assert!(run(&["man", page]).contains(&format!(".TH corral-{page} 1")), "{page}");
+    }
+    assert!(run(&["man", "session", "turn"]).contains(".TH corral-session-turn 1"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
