@@ -197,6 +197,10 @@ async fn the_binary_serves_runs_lists_and_stops_on_sigterm() {
     let args = ["ls"];
     let out = corral(&url, &args).await;
     assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+    let header = text(&out).0.lines().next().unwrap_or_default().to_string();
+    for column in ["ID", "STATE", "PROFILE", "TITLE", "CREATED", "DURATION", "TOKENS", "COMMIT"] {
+        assert!(header.split_whitespace().any(|c| c == column), "no {column} column: {header}");
+    }
     for (id, _) in &listed {
         assert!(text(&out).0.contains(id.as_str()), "{id} not listed\n{}", describe(&args, &out));
     }

@@ -52,17 +52,34 @@ pub(super) fn executions(response: &pb::ListExecutionsResponse) -> String {
                 Some(c) => (c.actor.clone(), c.project.clone()),
                 None => (String::new(), String::new()),
             };
+            let evidence = e.evidence.clone().unwrap_or_default();
+            let duration = match (&e.created_at, &e.finished_at) {
+                (Some(start), Some(end)) => {
+                    let ms = (end.seconds - start.seconds) * 1000 + i64::from(end.nanos - start.nanos) / 1_000_000;
+                    format!("{:.1}s", ms.max(0) as f64 / 1000.0)
+                }
+                _ => String::new(),
+            };
+            let commit = match (evidence.commit_sha.as_str(), evidence.sandbox_id.is_empty()) {
+                ("", false) => "none".to_string(),
+                (sha, _) => sha.chars().take(12).collect(),
+            };
             vec![
                 e.execution_id.clone(),
                 render::state(e.state),
                 e.profile_ref.clone(),
+                e.title.chars().take(32).collect(),
                 actor,
                 project,
                 render::timestamp_seconds(e.created_at.as_ref()),
+                duration,
+                evidence.tokens_spent.to_string(),
+                commit,
             ]
         })
         .collect();
-    let mut out = table(&["ID", "STATE", "PROFILE", "ACTOR", "PROJECT", "CREATED"], &rows);
+    let header = ["ID", "STATE", "PROFILE", "TITLE", "ACTOR", "PROJECT", "CREATED", "DURATION", "TOKENS", "COMMIT"];
+    let mut out = table(&header, &rows);
     if !response.next_page_token.is_empty() {
         out.push_str(&format!("next page: --page-token {}\n", response.next_page_token));
     }
