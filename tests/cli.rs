@@ -307,3 +307,17 @@ async fn a_closed_pipe_ends_quietly_and_version_works_without_a_daemon() {
     assert_eq!(stderr.matches("No such file or directory").count(), 1, "{stderr}");
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// `corral bench --server` sends no token: one given for it is refused
+/// rather than silently dropped.
+#[test]
+fn bench_against_a_server_refuses_a_token_it_would_not_send() {
+    let out = std::process::Command::new(CORRAL)
+        .args(["--server", "http://127.0.0.1:1", "bench", "latency"])
+        .env("CORRAL_TOKEN", "a-token-for-the-bench")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("sends no bearer token"), "{stderr}");
+}
