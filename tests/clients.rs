@@ -71,11 +71,50 @@ impl std::fmt::Display for Run {
 struct Example {
     name: &'static str,
     dir: PathBuf,
+    /// A copy of the checkout's `examples/<name>` and `proto/`, which the
+    /// example runs from and must not write to.
+    copy: tempfile::TempDir,
+}
+
+/// Every path under `root` with its length: what a run must leave as it is.
+fn tree(root: &Path) -> Vec<(PathBuf, u64)> {
+    let mut all = Vec::new();
+    let mut pending = vec![root.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let meta = entry.metadata().unwrap();
+            if meta.is_dir() {
+                pending.push(entry.path());
+            }
+            all.push((entry.path(), if meta.is_dir() { 0 } else { meta.len() }));
+        }
+    }
+    all.sort();
+    all
 }
 
 impl Example {
     fn new(name: &'static str) -> Example {
-        Example { name, dir: Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join(name) }
+        let checkout = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let copy = tempfile::tempdir().unwrap();
+        let copy_dir = |from: &Path, to: &Path| {
+            // The sources only: what a fresh checkout holds.
+            let status = std::process::Command::new("cp").arg("-r").arg(from).arg(to).status().unwrap();
+            assert!(status.success());
+            for built in [".venv", ".gen", "node_modules", "dist", ".setup.lock"] {
+                let _ = std::fs::remove_dir_all(to.join(built));
+                let _ = std::fs::remove_file(to.join(built));
+            }
+        };
+        std::fs::create_dir_all(copy.path().join("examples")).unwrap();
+        copy_dir(&checkout.join("examples").join(name), &copy.path().join("examples").join(name));
+        copy_dir(&checkout.join("proto"), &copy.path().join("proto"));
+        Example { name, dir: copy.path().join("examples").join(name), copy }
+    }
+
+    /// What the example's copy of the checkout holds now.
+    fn checkout(&self) -> Vec<(PathBuf, u64)> {
+        tree(self.copy.path())
     }
 
     /// Runs `run.sh ARGS...`, reading its stdout line by line as it comes.
@@ -83,6 +122,8 @@ impl Example {
         use tokio::io::{AsyncBufReadExt, AsyncReadExt};
         let mut child = tokio::process::Command::new(self.dir.join("run.sh"))
             .args(args)
+            // Built once per machine, outside any checkout.
+            .env("CORRAL_EXAMPLES_OUT", std::env::temp_dir().join("corral-examples-tests"))
             // The examples read these; the test says everything on the command line.
             .env_remove("CORRAL_SERVER")
             .env_remove("CORRAL_TOKEN")
@@ -179,8 +220,10 @@ async fn exercise(example: Example) {
 
     // The first run installs the pinned packages: give it time, apart from
     // the timed steps below.
+    let before = example.checkout();
     let setup = example.run(&["--help"], Duration::from_secs(900)).await;
     assert_eq!(setup.code, Some(0), "{} setup:\n{setup}", example.name);
+    assert_eq!(example.checkout(), before, "{}: run.sh wrote into the checkout", example.name);
 
     // (1) Execute with live events, over the unix socket (the local admin).
     let marker = format!("{}-{}", example.name, uuid::Uuid::now_v7().simple());

@@ -17,7 +17,8 @@ import sys
 import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".gen"))
+GEN = os.environ.get("CORRAL_EXAMPLE_GEN", os.path.join(HERE, ".gen"))
+sys.path.insert(0, GEN)
 
 import grpc  # noqa: E402
 from google.rpc import error_details_pb2, status_pb2  # noqa: E402
@@ -25,7 +26,7 @@ from google.rpc import error_details_pb2, status_pb2  # noqa: E402
 try:
     from corral.v1 import events_pb2, execution_pb2, execution_pb2_grpc, types_pb2  # noqa: E402
 except ImportError as e:  # pragma: no cover - a hint for a direct run
-    sys.exit(f"corral stubs not found in {HERE}/.gen ({e}): run examples/python/run.sh, which generates them")
+    sys.exit(f"corral stubs not found in {GEN} ({e}): run examples/python/run.sh, which generates them")
 
 STATE = types_pb2.ExecutionState
 SUCCEEDED = types_pb2.EXECUTION_STATE_SUCCEEDED

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Runs the Python example client with the arguments given, e.g.
 #   examples/python/run.sh --server unix:///var/lib/corral/corral.sock execute --description 'echo hi'
-# First (and whenever requirements.txt or proto/ changed) it creates .venv/
+# First (and whenever requirements.txt or proto/ changed) it creates a venv
 # with the pinned packages from PyPI and generates the corral stubs from the
-# repository's proto/ into .gen/. Its own messages go to stderr.
+# repository's proto/, both under $CORRAL_EXAMPLES_OUT (default
+# ~/.cache/corral-examples): nothing is written into the checkout, which may
+# be read-only. Its own messages go to stderr.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 proto="${CORRAL_PROTO_DIR:-$here/../../proto}"
 python="${PYTHON:-python3}"
-venv="$here/.venv"
-gen="$here/.gen"
+out="${CORRAL_EXAMPLES_OUT:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/corral-examples}/python"
+mkdir -p "$out" 2>/dev/null || { out="/tmp/corral-examples-$(id -u)/python"; mkdir -p "$out"; }
+venv="$out/venv"
+gen="$out/gen"
 
 setup() {
     if ! command -v "$python" >/dev/null 2>&1; then
@@ -45,10 +49,10 @@ setup() {
 }
 
 # One setup at a time (two runs started together must not both install).
-exec 9>"$here/.setup.lock"
+exec 9>"$out/.setup.lock"
 flock 9
 setup
 flock -u 9
 exec 9>&-
 
-exec "$venv/bin/python" "$here/corral_client.py" "$@"
+CORRAL_EXAMPLE_GEN="$gen" exec "$venv/bin/python" "$here/corral_client.py" "$@"

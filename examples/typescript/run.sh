@@ -8,6 +8,10 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# Packages and the compiled client go under $CORRAL_EXAMPLES_OUT (default
+# ~/.cache/corral-examples), never into the checkout (it may be read-only).
+out="${CORRAL_EXAMPLES_OUT:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/corral-examples}/typescript"
+mkdir -p "$out" 2>/dev/null || { out="/tmp/corral-examples-$(id -u)/typescript"; mkdir -p "$out"; }
 
 setup() {
     local tool
@@ -19,25 +23,27 @@ setup() {
     done
     local lock stamp
     lock="$(node --version) $(sha256sum "$here/package-lock.json" | cut -d' ' -f1)"
-    if [ "$(cat "$here/node_modules/.installed" 2>/dev/null)" != "$lock" ]; then
-        echo "run.sh: npm ci (the locked packages)" >&2
-        (cd "$here" && npm ci --no-audit --no-fund --loglevel=error >&2)
-        echo "$lock" >"$here/node_modules/.installed"
+    if [ "$(cat "$out/node_modules/.installed" 2>/dev/null)" != "$lock" ]; then
+        echo "run.sh: npm ci (the locked packages) in $out" >&2
+        cp "$here/package.json" "$here/package-lock.json" "$out/"
+        (cd "$out" && npm ci --no-audit --no-fund --loglevel=error >&2)
+        echo "$lock" >"$out/node_modules/.installed"
     fi
     stamp="$lock $(cd "$here" && cat tsconfig.json src/*.ts | sha256sum | cut -d' ' -f1)"
-    if [ "$(cat "$here/dist/.stamp" 2>/dev/null)" != "$stamp" ]; then
-        echo "run.sh: compiling src/ with tsc" >&2
-        rm -rf "$here/dist"
-        (cd "$here" && node node_modules/typescript/bin/tsc -p . >&2)
-        echo "$stamp" >"$here/dist/.stamp"
+    if [ "$(cat "$out/dist/.stamp" 2>/dev/null)" != "$stamp" ]; then
+        echo "run.sh: compiling src/ with tsc into $out/dist" >&2
+        rm -rf "$out/dist" "$out/src"
+        cp -r "$here/src" "$here/tsconfig.json" "$out/"
+        (cd "$out" && node node_modules/typescript/bin/tsc -p . >&2)
+        echo "$stamp" >"$out/dist/.stamp"
     fi
 }
 
 # One setup at a time (two runs started together must not both install).
-exec 9>"$here/.setup.lock"
+exec 9>"$out/.setup.lock"
 flock 9
 setup
 flock -u 9
 exec 9>&-
 
-exec node "$here/dist/client.js" "$@"
+CORRAL_EXAMPLE_HOME="$here" exec node "$out/dist/client.js" "$@"

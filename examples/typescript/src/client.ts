@@ -16,7 +16,9 @@ import * as grpc from "@grpc/grpc-js";
 import * as protoLoader from "@grpc/proto-loader";
 import * as protobuf from "protobufjs";
 
-const HERE = path.resolve(__dirname, "..");
+// The example's own directory (run.sh compiles it elsewhere, so the
+// checkout stays untouched).
+const HERE = process.env.CORRAL_EXAMPLE_HOME ?? path.resolve(__dirname, "..");
 const PROTO_DIR = process.env.CORRAL_PROTO_DIR ?? path.join(HERE, "..", "..", "proto");
 
 // --- the wire --------------------------------------------------------------
