@@ -155,7 +155,7 @@ async fn request_id_makes_execute_idempotent() {
     different.description = "PROGRESS 2".into();
     let status = client.start_execution(different.clone()).await.expect_err("a different request with the same id");
     assert_eq!(status.code(), Code::AlreadyExists, "{status:?}");
-    let status = client.execute(different).await.err().expect("Execute with a reused request id is refused");
+    let Err(status) = client.execute(different).await else { panic!("Execute with a reused request id is refused") };
     assert_eq!(status.code(), Code::AlreadyExists, "{status:?}");
     assert_eq!(count(&daemon).await, 1);
     daemon.stop().await;
@@ -182,7 +182,7 @@ async fn invalid_input_is_refused_naming_the_field_and_changes_nothing() {
         let before = count(&daemon).await;
         let status = client.start_execution(req.clone()).await.expect_err("StartExecution must refuse");
         assert_invalid(&status, field);
-        let status = client.execute(req).await.err().expect("Execute must refuse");
+        let Err(status) = client.execute(req).await else { panic!("Execute must refuse") };
         assert_invalid(&status, field);
         assert_eq!(count(&daemon).await, before, "{field}: a refused request changed the store");
     }

@@ -120,7 +120,7 @@ async fn refusals_are_audited_and_a_sighup_revokes_a_token_without_dropping_work
     assert!(get(&mut client, Some(&a), &id).await.is_ok(), "the previous set is still in force");
     assert_eq!(get(&mut client, Some(&b), &id).await.unwrap_err(), Code::Unauthenticated);
 
-    let cancel = pb::CancelExecutionRequest { execution_id: id.clone(), ..Default::default() };
+    let cancel = pb::CancelExecutionRequest { execution_id: id.clone() };
     client.cancel_execution(as_tenant(Some(&a), cancel)).await.expect("tenant-a cancels its run");
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };

@@ -228,11 +228,7 @@ async fn the_owner_and_adm_get_the_raw_output_and_no_one_else() {
     let mut owner = ExecutionServiceClient::new(tcp(&daemon, Some(TOKEN_A)).await);
     let mut peer = ExecutionServiceClient::new(tcp(&daemon, Some(TOKEN_A2)).await);
     let id = finished_execution(&mut owner, "echo RAW-OUTPUT-5521").await;
-    let full = pb::GetExecutionRequest {
-        execution_id: id.clone(),
-        view: pb::ExecutionView::Full as i32,
-        ..Default::default()
-    };
+    let full = pb::GetExecutionRequest { execution_id: id.clone(), view: pb::ExecutionView::Full as i32 };
     let mine = owner.get_execution(full.clone()).await.unwrap().into_inner();
     assert!(mine.tool_output.contains("RAW-OUTPUT-5521"), "{mine:?}");
     let basic = owner.get_execution(pb::GetExecutionRequest { execution_id: id.clone(), view: 0 }).await.unwrap();

@@ -293,8 +293,11 @@ pub fn signal_group(pgid: i32, signal: libc::c_int) {
 /// whatever a rein failed to clean up.
 #[derive(Default)]
 pub struct ProcessRegistry {
-    groups: Mutex<HashMap<String, Vec<(i32, Arc<AtomicBool>)>>>,
+    groups: Mutex<HashMap<String, Vec<Group>>>,
 }
+
+/// A process group id, and whether its leader has been reaped.
+type Group = (i32, Arc<AtomicBool>);
 
 impl ProcessRegistry {
     pub fn register(&self, sandbox_id: &str, process: &SandboxProcess) {

@@ -279,7 +279,17 @@ fn arg_rules(name: &str) -> Result<Vec<SeccompRule>, SeccompError> {
         // The request is argument 1, an `unsigned int` in the kernel.
         "ioctl" => [libc::TIOCSTI, libc::TIOCLINUX]
             .into_iter()
-            .map(|req| rule(vec![cond(1, Eq, req as u64)?]))
+            // c_ulong on this target, c_int on others.
+            .map(|req| {
+                rule(vec![cond(
+                    1,
+                    Eq,
+                    #[allow(clippy::unnecessary_cast)]
+                    {
+                        req as u64
+                    },
+                )?])
+            })
             .collect::<Result<_, _>>()?,
         "personality" => vec![rule(vec![cond(0, Ne, 0)?, cond(0, Ne, 0xFFFF_FFFF)?])?],
         "socket" | "socketpair" => super::socket_family::deny_rules()?,
@@ -338,6 +348,9 @@ fn build() -> Result<SeccompFilter, SeccompError> {
 }
 
 #[cfg(all(test, any(target_arch = "x86_64", target_arch = "aarch64")))]
+// libc's request and flag constants are c_ulong on one target, c_int on
+// another: the casts stay.
+#[allow(clippy::unnecessary_cast)]
 mod tests {
     use std::collections::{BTreeMap, BTreeSet};
     use std::io::{Seek, SeekFrom, Write};

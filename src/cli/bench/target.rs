@@ -235,6 +235,18 @@ max_output_bytes = 67108864
     )
 }
 
+/// A range of 256 sandbox uids for one in-process bench daemon (throughput
+/// runs 64 at once, and a uid whose last processes are still exiting is
+/// skipped), away from the default range and from other bench processes'
+/// ranges.
+fn bench_uids() -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let slot = (std::process::id() % 1000) * 16 + NEXT.fetch_add(1, Ordering::SeqCst) % 16;
+    let first = 600_000 + slot * 256;
+    format!("{first}-{}", first + 255)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,16 +267,4 @@ mod tests {
         assert!(profile.rein.argv[2].ends_with("exec /usr/bin/python3 /x/harness/fake_agent.py"));
         assert_eq!(profile.sandbox.read_paths, vec!["/x/harness".to_string()]);
     }
-}
-
-/// A range of 256 sandbox uids for one in-process bench daemon (throughput
-/// runs 64 at once, and a uid whose last processes are still exiting is
-/// skipped), away from the default range and from other bench processes'
-/// ranges.
-fn bench_uids() -> String {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let slot = (std::process::id() % 1000) * 16 + NEXT.fetch_add(1, Ordering::SeqCst) % 16;
-    let first = 600_000 + slot * 256;
-    format!("{first}-{}", first + 255)
 }
