@@ -410,9 +410,38 @@ async fn a_credential_the_harness_prints_is_redacted_everywhere() {
         watched.push(e);
     }
     let log = std::fs::read_to_string(data.with_extension("log")).unwrap();
-    // The store: its file and its write-ahead log, where recent writes live.
-    let mut db = std::fs::read(data.join("corral.db")).unwrap_or_default();
-    db.extend(std::fs::read(data.join("corral.db-wal")).unwrap_or_default());
+    // The store: its file and its write-ahead log, where recent writes live
+    // (on PostgreSQL: every row of every table, as text).
+    let config = std::fs::read_to_string(data.with_extension("toml")).unwrap();
+    let postgres = config.lines().skip_while(|l| *l != "[store]").nth(1).and_then(|l| l.strip_prefix("url = "));
+    let db = match postgres {
+        None => {
+            let mut db = std::fs::read(data.join("corral.db")).unwrap_or_default();
+            db.extend(std::fs::read(data.join("corral.db-wal")).unwrap_or_default());
+            db
+        }
+        Some(url) => {
+            use sqlx::{Connection, Row};
+            let mut conn = sqlx::PgConnection::connect(url.trim_matches('"')).await.unwrap();
+            let tables: Vec<String> = sqlx::query_scalar(
+                "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public'",
+            )
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+            let mut text = String::new();
+            for table in tables {
+                for row in sqlx::query(&format!("SELECT CAST(t AS text) FROM \"{table}\" t"))
+                    .fetch_all(&mut conn)
+                    .await
+                    .unwrap()
+                {
+                    text.push_str(&row.get::<String, _>(0));
+                }
+            }
+            text.into_bytes()
+        }
+    };
     assert!(!db.is_empty());
     for (place, text) in [
         ("a watched event", format!("{watched:?}")),

@@ -431,13 +431,26 @@ impl ServeProcess {
                 text.lines().find_map(|l| l.strip_prefix("uids = ").map(|u| u.trim_matches('"').to_string()))
             })
             .unwrap_or_else(unique_uids);
-        let text = format!(
+        // With CORRAL_TEST_STORE=postgres, a database of its own (the same
+        // one again when the data directory is restarted).
+        let previous = std::fs::read_to_string(&config).ok().and_then(|text| {
+            let mut lines = text.lines().skip_while(|l| *l != "[store]");
+            lines.nth(1).and_then(|l| l.strip_prefix("url = ")).map(|u| u.trim_matches('"').to_string())
+        });
+        let store = match previous {
+            Some(url) => Some(url),
+            None => fresh_postgres_database().await,
+        };
+        let mut text = format!(
             // The extra config first: its top-level keys must come before
             // any table.
             "{extra_config}\n[credentials.routes.\"route.test\"]\nfile = {:?}\ninject_as = \"ROUTE_TEST_TOKEN\"\n[sandbox]\nuids = {:?}\n",
             secret.display().to_string(),
             uids
         );
+        if let Some(url) = store {
+            text.push_str(&format!("[store]\nurl = {url:?}\n"));
+        }
         std::fs::write(&config, text).unwrap();
         let log = std::fs::OpenOptions::new().create(true).append(true).open(data_dir.with_extension("log")).unwrap();
         let mut command = match wrapper.split_first() {
