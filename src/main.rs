@@ -142,13 +142,7 @@ fn main() -> anyhow::Result<()> {
     let code = match code {
         Ok(code) => code,
         // The reader went away (`corral man | head`): how a pipe ends.
-        Err(e)
-            if e.chain().any(|c| {
-                c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
-            }) =>
-        {
-            0
-        }
+        Err(e) if corral::cli::is_broken_pipe(&e) => 0,
         Err(e) => return Err(e),
     };
     std::process::exit(code);

@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{require_bwrap, Options, TestDaemon, FIXTURES};
+use common::{require_bwrap, Options, TestDaemon};
 use corral::auth::PrincipalConfig;
 use corral::pb;
 use corral::pb::session_service_client::SessionServiceClient;
@@ -24,21 +24,7 @@ const BYSTANDER: &str = "bystander-token-0123456789abcdef012345678";
 const FAR_APPROVER: &str = "far-approver-token-0123456789abcdef01234";
 
 fn session_profile() -> String {
-    format!(
-        r#"id = "test.session"
-version = "1.0.0"
-[rein]
-argv = ["/usr/bin/python3", "{FIXTURES}/session_agent.py"]
-input = "task_json"
-[sandbox]
-type = "linux_bwrap"
-allow_network = false
-write_paths = ["."]
-read_paths = ["{FIXTURES}"]
-[limits]
-timeout_seconds = 60
-"#
-    )
+    common::session_agent_profile("test.session", "")
 }
 
 fn principal(name: &str, project: &str, token: &str, approve: bool) -> PrincipalConfig {
@@ -54,9 +40,7 @@ fn principal(name: &str, project: &str, token: &str, approve: bool) -> Principal
 }
 
 fn as_token<T>(token: &str, message: T) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
-    request
+    common::with_token(token, message)
 }
 
 fn decide(call_id: &str, decision: pb::ToolCallDecision, reason: &str) -> pb::DecideSessionToolCallRequest {
@@ -66,6 +50,37 @@ fn decide(call_id: &str, decision: pb::ToolCallDecision, reason: &str) -> pb::De
         decision: decision as i32,
         reason: reason.into(),
     }
+}
+
+/// A daemon where every `deploy` call waits up to 60 s for approval, with
+/// the principal `owner` (project `pa`) and `others`, and owner's session
+/// `s1` of the session agent; a TCP client for it.
+async fn daemon_with_session(others: Vec<PrincipalConfig>) -> (TestDaemon, SessionServiceClient<Channel>) {
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("session.toml".into(), session_profile())],
+        config: Box::new(move |c| {
+            c.principals.push(principal("owner", "pa", OWNER, false));
+            c.principals.extend(others);
+            c.policies.push(corral::policy::PolicySpec {
+                name: "ask-deploy".into(),
+                kind: "require_approval".into(),
+                arguments: serde_json::json!({"timeout_seconds": 60}),
+                on: vec!["tool_call:deploy".into()],
+            });
+        }),
+        ..Options::default()
+    })
+    .await;
+    let tcp = Channel::from_shared(daemon.url.clone()).unwrap().connect().await.unwrap();
+    let mut client = SessionServiceClient::new(tcp);
+    let create = pb::CreateSessionRequest {
+        session_id: "s1".into(),
+        profile_ref: "test.session".into(),
+        project: "pa".into(),
+        ..Default::default()
+    };
+    client.create_session(as_token(OWNER, create)).await.expect("session created");
+    (daemon, client)
 }
 
 /// Reads `stream` until an `approval_requested` (its call id), keeping
@@ -93,32 +108,12 @@ async fn next_ask(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_owner_adm_and_the_projects_approvers_decide_a_waiting_call() {
     require_bwrap();
-    let daemon = TestDaemon::start(Options {
-        profiles: vec![("session.toml".into(), session_profile())],
-        config: Box::new(|c| {
-            c.principals.push(principal("owner", "pa", OWNER, false));
-            c.principals.push(principal("approver", "pa", APPROVER, true));
-            c.principals.push(principal("bystander", "pa", BYSTANDER, false));
-            c.principals.push(principal("far-approver", "pb", FAR_APPROVER, true));
-            c.policies.push(corral::policy::PolicySpec {
-                name: "ask-deploy".into(),
-                kind: "require_approval".into(),
-                arguments: serde_json::json!({"timeout_seconds": 60}),
-                on: vec!["tool_call:deploy".into()],
-            });
-        }),
-        ..Options::default()
-    })
-    .await;
-    let tcp = Channel::from_shared(daemon.url.clone()).unwrap().connect().await.unwrap();
-    let mut client = SessionServiceClient::new(tcp);
-    let create = pb::CreateSessionRequest {
-        session_id: "s1".into(),
-        profile_ref: "test.session".into(),
-        project: "pa".into(),
-        ..Default::default()
-    };
-    client.create_session(as_token(OWNER, create)).await.expect("session created");
+    let others = vec![
+        principal("approver", "pa", APPROVER, true),
+        principal("bystander", "pa", BYSTANDER, false),
+        principal("far-approver", "pb", FAR_APPROVER, true),
+    ];
+    let (daemon, mut client) = daemon_with_session(others).await;
     let ask = serde_json::json!({"ask": [
         {"tool": "deploy", "arguments": {"to": "prod"}},
         {"tool": "deploy", "arguments": {"to": "prod"}},
@@ -187,29 +182,7 @@ async fn only_the_owner_adm_and_the_projects_approvers_decide_a_waiting_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_turn_while_a_call_waits_withdraws_the_call() {
     require_bwrap();
-    let daemon = TestDaemon::start(Options {
-        profiles: vec![("session.toml".into(), session_profile())],
-        config: Box::new(|c| {
-            c.principals.push(principal("owner", "pa", OWNER, false));
-            c.policies.push(corral::policy::PolicySpec {
-                name: "ask-deploy".into(),
-                kind: "require_approval".into(),
-                arguments: serde_json::json!({"timeout_seconds": 60}),
-                on: vec!["tool_call:deploy".into()],
-            });
-        }),
-        ..Options::default()
-    })
-    .await;
-    let tcp = Channel::from_shared(daemon.url.clone()).unwrap().connect().await.unwrap();
-    let mut client = SessionServiceClient::new(tcp);
-    let create = pb::CreateSessionRequest {
-        session_id: "s1".into(),
-        profile_ref: "test.session".into(),
-        project: "pa".into(),
-        ..Default::default()
-    };
-    client.create_session(as_token(OWNER, create)).await.expect("session created");
+    let (daemon, mut client) = daemon_with_session(Vec::new()).await;
     let ask = serde_json::json!({"ask": {"tool": "deploy", "arguments": {"to": "prod"}}});
     let turn = |arguments: serde_json::Value| pb::SendTurnRequest {
         session_id: "s1".into(),

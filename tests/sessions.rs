@@ -60,23 +60,7 @@ max_output_bytes = 65536
 /// A `linux_bwrap` profile (no network, workspace writable) running the
 /// session agent from the fixtures directory.
 fn bwrap_profile(id: &str, extra: &str) -> String {
-    format!(
-        r#"id = "{id}"
-version = "1.0.0"
-[rein]
-argv = ["/usr/bin/python3", "{FIXTURES}/session_agent.py"]
-input = "task_json"
-[sandbox]
-type = "linux_bwrap"
-allow_network = false
-write_paths = ["."]
-read_paths = ["{FIXTURES}"]
-[limits]
-timeout_seconds = 60
-max_output_bytes = 65536
-{extra}
-"#
-    )
+    common::session_agent_profile(id, extra)
 }
 
 /// A repository holding `session_agent.py`, so that a workspace cloned from

@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{finished, git, require_bwrap, Options, TestDaemon, FIXTURES};
+use common::{finished, git, require_bwrap, Options, TestDaemon};
 use corral::auth::PrincipalConfig;
 use corral::pb;
 use corral::pb::execution_service_client::ExecutionServiceClient;
@@ -34,21 +34,7 @@ timeout_seconds = 60
 "#;
 
 fn session_profile() -> String {
-    format!(
-        r#"id = "test.session"
-version = "1.0.0"
-[rein]
-argv = ["/usr/bin/python3", "{FIXTURES}/session_agent.py"]
-input = "task_json"
-[sandbox]
-type = "linux_bwrap"
-allow_network = false
-write_paths = ["."]
-read_paths = ["{FIXTURES}"]
-[limits]
-timeout_seconds = 60
-"#
-    )
+    common::session_agent_profile("test.session", "")
 }
 
 fn tenant(name: &str, project: &str, token: &str, repos: Vec<PathBuf>) -> PrincipalConfig {
@@ -110,9 +96,7 @@ async fn daemon(roots: &Roots, b_repos: Vec<PathBuf>) -> TestDaemon {
 
 /// `message` as a request of the principal holding `token`.
 fn as_tenant<T>(token: &str, message: T) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
-    request
+    common::with_token(token, message)
 }
 
 async fn tcp(daemon: &TestDaemon) -> Channel {

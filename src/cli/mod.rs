@@ -355,9 +355,7 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
         Err(err) => {
             // The reader went away (`corral --json exec ... | head -1`):
             // that is how a pipe ends, not an error.
-            let broken_pipe = err.chain().any(|e| {
-                e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
-            });
+            let broken_pipe = is_broken_pipe(&err);
             // Status first: a Status can itself carry a transport error as
             // its source, and its code is the more useful thing to show.
             if broken_pipe {
@@ -373,6 +371,13 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
             }
         }
     }
+}
+
+/// Whether `err` is a write to a reader that went away (`| head`): how a
+/// pipe ends, not an error.
+pub fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    err.chain()
+        .any(|e| e.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe))
 }
 
 /// An error and its causes on one line, each cause once (transport errors

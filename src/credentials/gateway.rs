@@ -44,42 +44,19 @@ impl Presented {
 
 /// An upstream origin and base path: `https://host[:port][/path]`, or
 /// `http://` to a loopback host (the secret never crosses a network in
-/// clear).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Upstream {
-    pub tls: bool,
-    pub host: String,
-    pub port: u16,
-    /// Without a trailing `/`; empty for the root.
-    pub base_path: String,
-}
+/// clear); see [`upstream`].
+pub type Upstream = crate::net::client::Origin;
 
-impl Upstream {
-    pub fn parse(url: &str) -> Result<Upstream, String> {
-        let endpoint = crate::catalog::Endpoint::parse(url)?;
-        let tls = url.to_ascii_lowercase().starts_with("https://");
-        let rest = &url[if tls { 8 } else { 7 }..];
-        let base_path = rest.find('/').map(|i| rest[i..].trim_end_matches('/').to_string()).unwrap_or_default();
-        let loopback = crate::net::client::is_loopback(&endpoint.host);
-        if !tls && !loopback {
-            return Err(format!(
-                "{url:?}: a plain http upstream must be on loopback; anywhere else the key would cross the network \
-                 in clear (use https)"
-            ));
-        }
-        Ok(Upstream { tls, host: endpoint.host, port: endpoint.port, base_path })
+/// Parses an upstream, refusing plain HTTP beyond loopback.
+pub fn upstream(url: &str) -> Result<Upstream, String> {
+    let origin = Upstream::parse(url)?;
+    if origin.is_clear_beyond_loopback() {
+        return Err(format!(
+            "{url:?}: a plain http upstream must be on loopback; anywhere else the key would cross the network in \
+             clear (use https)"
+        ));
     }
-
-    /// `host[:port]` for the Host header.
-    pub fn authority(&self) -> String {
-        let default = if self.tls { 443 } else { 80 };
-        let host = if self.host.contains(':') { format!("[{}]", self.host) } else { self.host.clone() };
-        if self.port == default {
-            host
-        } else {
-            format!("{host}:{}", self.port)
-        }
-    }
+    Ok(origin)
 }
 
 /// A placeholder for route `route`: recognisable, and random per run.
@@ -169,51 +146,18 @@ fn answer(status: StatusCode, text: String) -> Response<Body> {
     response
 }
 
-/// The gateway's task; dropping it closes the listener and every request.
-pub struct Gateway {
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
+/// The gateway; dropping it closes the listener and every request.
+pub type Gateway = crate::net::server::Served;
 
 /// What the gateway refused, for the run's `egress` events.
 pub type Refusals = Arc<crate::net::EgressLog>;
 
 /// Serves `routes` from `listener` (inside the sandbox's namespace).
 pub fn serve(listener: tokio::net::TcpListener, routes: Arc<Vec<GatewayRoute>>, log: Refusals) -> Gateway {
-    let task = tokio::spawn(async move {
-        let mut connections = tokio::task::JoinSet::new();
-        loop {
-            let stream = tokio::select! {
-                accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => stream,
-                    Err(_) => {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            };
-            let _ = stream.set_nodelay(true);
-            let (routes, log) = (routes.clone(), log.clone());
-            connections.spawn(async move {
-                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let (routes, log) = (routes.clone(), log.clone());
-                    async move { Ok::<_, std::convert::Infallible>(forward(req, &routes, &log).await) }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .header_read_timeout(Duration::from_secs(30))
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    Gateway { task }
+    crate::net::server::serve_http1(listener, None, Duration::from_secs(30), move |req| {
+        let (routes, log) = (routes.clone(), log.clone());
+        async move { forward(req, &routes, &log).await }
+    })
 }
 
 fn refused(log: &crate::net::EgressLog, route: &GatewayRoute, reason: &str) -> Response<Body> {
@@ -235,7 +179,7 @@ async fn forward(req: Request<Incoming>, routes: &[GatewayRoute], log: &crate::n
     };
     let rest = &path[1 + name.len()..];
     let query = req.uri().query().map(|q| format!("?{q}")).unwrap_or_default();
-    let target = format!("{}{rest}{query}", route.upstream.base_path);
+    let target = format!("{}{rest}{query}", route.upstream.path);
     let secret = match (route.secret)() {
         Ok(secret) => secret,
         Err(why) => return answer(StatusCode::BAD_GATEWAY, why),
@@ -282,12 +226,6 @@ async fn send(route: &GatewayRoute, request: Request<Incoming>) -> Result<Respon
     sender.send_request(request).await.map_err(|e| format!("upstream: {e}"))
 }
 
-/// The TLS client settings of an upstream: the system's roots, or the
-/// route's `ca_file` alone.
-pub fn tls_config(ca_file: Option<&std::path::Path>) -> Result<Arc<rustls::ClientConfig>, String> {
-    crate::net::client::tls_config(ca_file)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -324,7 +262,7 @@ mod tests {
             name: "anthropic".into(),
             placeholder: placeholder.clone(),
             presented: Presented::Header("x-api-key".into()),
-            upstream: Upstream::parse(&format!("http://{up}")).unwrap(),
+            upstream: super::upstream(&format!("http://{up}")).unwrap(),
             secret: Box::new(|| Ok("sk-real".into())),
             tls: None,
         };
@@ -356,16 +294,16 @@ mod tests {
     #[test]
     fn upstreams_are_tls_or_loopback() {
         assert_eq!(
-            Upstream::parse("https://api.anthropic.com").unwrap(),
-            Upstream { tls: true, host: "api.anthropic.com".into(), port: 443, base_path: String::new() }
+            upstream("https://api.anthropic.com").unwrap(),
+            Upstream { tls: true, host: "api.anthropic.com".into(), port: 443, path: String::new() }
         );
-        let openai = Upstream::parse("https://api.openai.com/v1/").unwrap();
-        assert_eq!((openai.base_path.as_str(), openai.authority()), ("/v1", "api.openai.com".to_string()));
-        let local = Upstream::parse("http://127.0.0.1:8080/v1").unwrap();
-        assert_eq!((local.tls, local.authority(), local.base_path.as_str()), (false, "127.0.0.1:8080".into(), "/v1"));
-        let err = Upstream::parse("http://10.0.0.5:8080").unwrap_err();
+        let openai = upstream("https://api.openai.com/v1/").unwrap();
+        assert_eq!((openai.path.as_str(), openai.authority()), ("/v1", "api.openai.com".to_string()));
+        let local = upstream("http://127.0.0.1:8080/v1").unwrap();
+        assert_eq!((local.tls, local.authority(), local.path.as_str()), (false, "127.0.0.1:8080".into(), "/v1"));
+        let err = upstream("http://10.0.0.5:8080").unwrap_err();
         assert!(err.contains("loopback") && err.contains("https"), "{err}");
-        assert!(Upstream::parse("ftp://x").is_err());
+        assert!(upstream("ftp://x").is_err());
     }
 
     #[test]

@@ -127,7 +127,7 @@ impl CredentialsConfig {
                 if route.expose {
                     return Err((format!("{key}.expose"), "a route with an upstream never exposes its value".into()));
                 }
-                Upstream::parse(upstream).map_err(|e| (format!("{key}.upstream"), e))?;
+                gateway::upstream(upstream).map_err(|e| (format!("{key}.upstream"), e))?;
             }
             if let Some(header) = &route.header {
                 let plain = !header.is_empty() && header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
@@ -139,7 +139,7 @@ impl CredentialsConfig {
                 if route.expose {
                     return Err((format!("{key}.ca_file"), "an exposed route has no upstream to verify".into()));
                 }
-                gateway::tls_config(Some(ca)).map_err(|e| (format!("{key}.ca_file"), e))?;
+                crate::net::client::tls_config(Some(ca)).map_err(|e| (format!("{key}.ca_file"), e))?;
             }
             if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
                 return Err((key, "a route name is letters, digits and -_.".into()));
@@ -180,10 +180,10 @@ impl CredentialsConfig {
                 }
                 (None, None) => continue,
             };
-            let upstream = Upstream::parse(&upstream).map_err(|e| format!("credential route {name}: {e}"))?;
+            let upstream = gateway::upstream(&upstream).map_err(|e| format!("credential route {name}: {e}"))?;
             let tls = match upstream.tls {
                 true => Some(
-                    gateway::tls_config(route.ca_file.as_deref())
+                    crate::net::client::tls_config(route.ca_file.as_deref())
                         .map_err(|e| format!("credential route {name}: {e}"))?,
                 ),
                 false => None,

@@ -5,14 +5,12 @@
 //! everything that is not a clean allow is a deny (a malformed call, a
 //! body too large, a run that is no longer taking calls).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
 use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinSet;
 
 use super::hook::{parse_call, HookCall, Verdict};
 use super::HOOK_PATH;
@@ -28,54 +26,17 @@ pub struct HookRequest {
     pub reply: oneshot::Sender<Verdict>,
 }
 
-/// The endpoint's task; dropping it closes the listener and every
-/// connection (a hook still waiting gets no answer, which its CLI treats
-/// as a failure and so as a block).
-pub struct Endpoint {
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Endpoint {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
+/// The endpoint; dropping it closes the listener and every connection (a
+/// hook still waiting gets no answer, which its CLI treats as a failure
+/// and so as a block).
+pub type Endpoint = crate::net::server::Served;
 
 /// Serves hook calls from `listener` into `calls`.
 pub fn serve(listener: tokio::net::TcpListener, calls: mpsc::Sender<HookRequest>) -> Endpoint {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let task = tokio::spawn(async move {
-        let mut connections = JoinSet::new();
-        loop {
-            let Ok(permit) = slots.clone().acquire_owned().await else { return };
-            let stream = tokio::select! {
-                accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => stream,
-                    Err(_) => {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-                // Reap finished connections while waiting.
-                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            };
-            let _ = stream.set_nodelay(true);
-            let calls = calls.clone();
-            connections.spawn(async move {
-                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let calls = calls.clone();
-                    async move { Ok::<_, std::convert::Infallible>(respond(req, &calls).await) }
-                });
-                let conn = hyper::server::conn::http1::Builder::new()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .header_read_timeout(Duration::from_secs(10))
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-                let _ = conn.await;
-                drop(permit);
-            });
-        }
-    });
-    Endpoint { task }
+    crate::net::server::serve_http1(listener, Some(MAX_CONNECTIONS), Duration::from_secs(10), move |req| {
+        let calls = calls.clone();
+        async move { respond(req, &calls).await }
+    })
 }
 
 async fn respond(req: Request<Incoming>, calls: &mpsc::Sender<HookRequest>) -> Response<Full<Bytes>> {

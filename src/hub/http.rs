@@ -11,6 +11,8 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Bytes;
 use hyper::client::conn::http1::SendRequest;
 
+use crate::net::client::Origin;
+
 #[derive(Debug, thiserror::Error)]
 pub enum PostError {
     #[error("hub url must be http(s)://host[:port][/path]")]
@@ -23,41 +25,16 @@ pub enum PostError {
     Malformed,
 }
 
-/// A hub URL, parsed.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HubUrl {
-    pub tls: bool,
-    pub host: String,
-    pub port: u16,
-    /// The path, at least `/`.
-    pub path: String,
-}
-
-impl HubUrl {
-    pub fn parse(url: &str) -> Result<HubUrl, PostError> {
-        let endpoint = crate::catalog::Endpoint::parse(url).map_err(|_| PostError::BadUrl)?;
-        let tls = url.to_ascii_lowercase().starts_with("https://");
-        let rest = &url[if tls { 8 } else { 7 }..];
-        let path = rest.find('/').map(|i| rest[i..].to_string()).unwrap_or_else(|| "/".into());
-        Ok(HubUrl { tls, host: endpoint.host, port: endpoint.port, path })
-    }
-
-    fn authority(&self) -> String {
-        let host = if self.host.contains(':') { format!("[{}]", self.host) } else { self.host.clone() };
-        format!("{host}:{}", self.port)
-    }
-}
-
 /// One hub's client: its URL, TLS settings and the connection kept alive.
 pub struct Client {
-    url: HubUrl,
+    url: Origin,
     tls: Option<Arc<rustls::ClientConfig>>,
     conn: tokio::sync::Mutex<Option<SendRequest<Full<Bytes>>>>,
 }
 
 impl Client {
     pub fn new(url: &str, ca_file: Option<&std::path::Path>) -> Result<Client, String> {
-        let url = HubUrl::parse(url).map_err(|e| e.to_string())?;
+        let url = Origin::parse(url)?;
         let tls = match url.tls {
             true => Some(crate::net::client::tls_config(ca_file)?),
             false => None,
@@ -102,7 +79,7 @@ impl Client {
                 *conn = None;
                 continue;
             }
-            let mut request = hyper::Request::post(format!("{}{path}", self.url.path.trim_end_matches('/')))
+            let mut request = hyper::Request::post(format!("{}{path}", self.url.path))
                 .header(hyper::header::HOST, self.url.authority())
                 .header(hyper::header::CONTENT_TYPE, "application/cloudevents+json");
             if let Some(token) = bearer {
@@ -137,11 +114,13 @@ mod tests {
 
     #[test]
     fn urls_parse_into_scheme_host_port_and_path() {
-        let plain = HubUrl::parse("http://hub:8080/base").unwrap();
-        assert_eq!(plain, HubUrl { tls: false, host: "hub".into(), port: 8080, path: "/base".into() });
-        let tls = HubUrl::parse("https://hub.example").unwrap();
-        assert_eq!((tls.tls, tls.port, tls.path.as_str()), (true, 443, "/"));
-        assert!(HubUrl::parse("ftp://hub").is_err());
-        assert!(HubUrl::parse("http://user:pw@hub").is_err());
+        let plain = Origin::parse("http://hub:8080/base").unwrap();
+        assert_eq!(plain, Origin { tls: false, host: "hub".into(), port: 8080, path: "/base".into() });
+        let tls = Origin::parse("https://hub.example").unwrap();
+        assert_eq!((tls.tls, tls.port, tls.path.as_str()), (true, 443, ""));
+        assert!(plain.is_clear_beyond_loopback() && !tls.is_clear_beyond_loopback());
+        assert!(!Origin::parse("http://127.0.0.1:1").unwrap().is_clear_beyond_loopback());
+        assert!(Origin::parse("ftp://hub").is_err());
+        assert!(Origin::parse("http://user:pw@hub").is_err());
     }
 }

@@ -59,12 +59,12 @@ mod defaults {
 
 impl HubConfig {
     pub fn validate(&self) -> Result<(), (String, String)> {
-        let url = http::HubUrl::parse(&self.url).map_err(|e| ("hub.url".to_string(), e.to_string()))?;
+        let url = crate::net::client::Origin::parse(&self.url).map_err(|e| ("hub.url".to_string(), e))?;
         if self.token_env.is_some() && self.token_file.is_some() {
             return Err(("hub".into(), "set at most one of token_env and token_file".into()));
         }
         let token = self.token_env.is_some() || self.token_file.is_some();
-        if token && !url.tls && !crate::net::client::is_loopback(&url.host) {
+        if token && url.is_clear_beyond_loopback() {
             return Err((
                 "hub.url".into(),
                 format!("{}: the bearer token would cross the network in clear; use https://", self.url),

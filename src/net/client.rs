@@ -72,6 +72,43 @@ pub fn tls_config(ca_file: Option<&std::path::Path>) -> Result<Arc<rustls::Clien
     Ok(Arc::new(config))
 }
 
+/// An `http(s)://host[:port][/path]` URL the daemon connects to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Origin {
+    pub tls: bool,
+    pub host: String,
+    pub port: u16,
+    /// Without a trailing `/`; empty for the root.
+    pub path: String,
+}
+
+impl Origin {
+    pub fn parse(url: &str) -> Result<Origin, String> {
+        let endpoint = crate::catalog::Endpoint::parse(url)?;
+        let tls = url.to_ascii_lowercase().starts_with("https://");
+        let rest = &url[if tls { 8 } else { 7 }..];
+        let path = rest.find('/').map(|i| rest[i..].trim_end_matches('/').to_string()).unwrap_or_default();
+        Ok(Origin { tls, host: endpoint.host, port: endpoint.port, path })
+    }
+
+    /// `host[:port]` for the Host header (no port when it is the scheme's).
+    pub fn authority(&self) -> String {
+        let default = if self.tls { 443 } else { 80 };
+        let host = if self.host.contains(':') { format!("[{}]", self.host) } else { self.host.clone() };
+        if self.port == default {
+            host
+        } else {
+            format!("{host}:{}", self.port)
+        }
+    }
+
+    /// Plain HTTP to a host that is not on loopback: what a secret must
+    /// never travel over.
+    pub fn is_clear_beyond_loopback(&self) -> bool {
+        !self.tls && !is_loopback(&self.host)
+    }
+}
+
 /// Whether `host` is a loopback name or address.
 pub fn is_loopback(host: &str) -> bool {
     host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.to_canonical().is_loopback())

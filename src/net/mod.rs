@@ -11,6 +11,7 @@ mod ip;
 mod log;
 mod protect;
 pub mod proxy;
+pub mod server;
 
 pub use allowlist::{host_addresses, intersect, parse_hosts, Allowlist, HostPattern, Verdict};
 pub use budget::{ConnectionPermit, ProxyBudget, ProxyLimitsConfig};

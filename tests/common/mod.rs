@@ -56,6 +56,36 @@ max_output_bytes = 65536
     )
 }
 
+/// A `linux_bwrap` profile (no network, workspace writable) running the
+/// session agent (`fixtures/session_agent.py`), which takes one task line
+/// per turn.
+pub fn session_agent_profile(id: &str, extra: &str) -> String {
+    format!(
+        r#"id = "{id}"
+version = "1.0.0"
+[rein]
+argv = ["/usr/bin/python3", "{FIXTURES}/session_agent.py"]
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+read_paths = ["{FIXTURES}"]
+[limits]
+timeout_seconds = 60
+max_output_bytes = 65536
+{extra}
+"#
+    )
+}
+
+/// `message` as a request of the principal holding bearer `token`.
+pub fn with_token<T>(token: &str, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    request
+}
+
 pub struct Options {
     /// A `postgres://` store to use; by default SQLite, or a fresh
     /// PostgreSQL database when `CORRAL_TEST_POSTGRES` is set.

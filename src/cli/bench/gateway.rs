@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use super::stats::Percentiles;
 use super::BenchArgs;
-use crate::credentials::gateway::{self, GatewayRoute, Presented, Upstream};
+use crate::credentials::gateway::{self, GatewayRoute, Presented};
 use crate::net::{self, Allowlist, EgressLog, ProxyBudget, ProxyConfig};
 
 #[derive(Clone, Debug, Serialize)]
@@ -110,7 +110,7 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<GatewayReport> {
         name: "anthropic".into(),
         placeholder: placeholder.clone(),
         presented: Presented::Header("x-api-key".into()),
-        upstream: Upstream::parse(&format!("http://{up}")).map_err(anyhow::Error::msg)?,
+        upstream: gateway::upstream(&format!("http://{up}")).map_err(anyhow::Error::msg)?,
         secret: Box::new(|| Ok("sk-bench-secret".to_string())),
         tls: None,
     };
