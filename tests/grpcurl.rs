@@ -74,10 +74,13 @@ async fn grpcurl_lists_describes_and_calls_the_daemon_through_reflection() {
     ])
     .await;
     let socket = daemon.socket().display().to_string();
+    // grpcurl names the socket's path as `:authority`, which HTTP/2 calls
+    // malformed; the daemon ignores it on the unix socket, as containerd
+    // does. Reflection (a bidi stream) and a unary call, no `-authority`.
+    let described = grpcurl(&["-unix", &socket, "describe", "corral.v1.CatalogService"]).await;
+    assert!(described.contains("rpc ResolveProfile"), "describe over the unix socket:\n{described}");
     let over_unix = grpcurl(&[
         "-unix",
-        "-authority",
-        "localhost",
         "-d",
         r#"{"profile_ref":"builtin.shell"}"#,
         &socket,

@@ -11,6 +11,7 @@ mod limits;
 pub mod page;
 mod session;
 pub mod status;
+mod unix;
 mod validate;
 pub mod words;
 
@@ -150,7 +151,7 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         tcp_server = tcp_server.tls_config(tls)?;
     }
     let unix = match parts.unix_socket {
-        Some((path, group)) => Some(bind_unix(&path, group)?),
+        Some((path, group)) => Some(unix::bind(&path, group)?),
         None => None,
     };
     let drain_done = CancellationToken::new();
@@ -166,7 +167,7 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), drained);
     match unix {
         Some((listener, path)) => {
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let incoming = unix::incoming(listener);
             let on_unix = limits::server(Server::builder(), grpc)
                 .add_routes(routes)
                 .serve_with_incoming_shutdown(incoming, drain_done.cancelled_owned());
@@ -178,23 +179,4 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         None => tcp.await?,
     }
     Ok(())
-}
-
-/// Binds the unix socket (replacing a stale one), mode 0660, owned by
-/// `group` when one is given.
-fn bind_unix(path: &std::path::Path, group: Option<u32>) -> Result<(tokio::net::UnixListener, PathBuf), ServeError> {
-    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-    let err = |source: std::io::Error| ServeError::Socket { path: path.display().to_string(), source };
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        if !meta.file_type().is_socket() {
-            return Err(err(std::io::Error::other("exists and is not a socket")));
-        }
-        std::fs::remove_file(path).map_err(err)?;
-    }
-    let listener = tokio::net::UnixListener::bind(path).map_err(err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(err)?;
-    if let Some(gid) = group {
-        std::os::unix::fs::chown(path, None, Some(gid)).map_err(err)?;
-    }
-    Ok((listener, path.to_path_buf()))
 }
