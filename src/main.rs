@@ -164,11 +164,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let logs = match args.log_format {
         LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
-            // One flat object a line: the event's fields beside `level`,
-            // `target` and `timestamp`, the current span's under `span`.
-            .flatten_event(true)
-            .with_current_span(true)
-            .with_span_list(false)
+            // One flat object a line: `trace_id` and `span_id`, then the
+            // event's fields beside `level`, `target` and `timestamp`, the
+            // current span's under `span`.
+            .event_format(corral::telemetry::WithTraceIds(
+                tracing_subscriber::fmt::format()
+                    .json()
+                    .flatten_event(true)
+                    .with_current_span(true)
+                    .with_span_list(false),
+            ))
             .with_writer(std::io::stderr)
             .boxed(),
         LogFormat::Text => tracing_subscriber::fmt::layer()
@@ -176,18 +181,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .with_writer(std::io::stderr)
             .boxed(),
     };
-    // Traces: only spans, never log events, go to the collector.
+    // Traces: only spans, never log events, go to the collector. Without
+    // one, spans still get trace ids (for the log lines) and go nowhere.
     let provider = match &config.telemetry.otlp_endpoint {
-        Some(endpoint) => Some(
-            corral::telemetry::otlp_tracer_provider(endpoint, &config.telemetry.service_name)
-                .map_err(anyhow::Error::msg)?,
-        ),
-        None => None,
+        Some(endpoint) => corral::telemetry::otlp_tracer_provider(endpoint, &config.telemetry.service_name)
+            .map_err(anyhow::Error::msg)?,
+        None => corral::telemetry::local_tracer_provider(),
     };
-    let traces = provider.as_ref().map(|provider| {
+    let traces = {
         use opentelemetry::trace::TracerProvider as _;
         tracing_opentelemetry::layer().with_tracer(provider.tracer("corral"))
-    });
+    };
     tracing_subscriber::registry().with(filter).with(logs).with(traces).init();
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
@@ -228,15 +232,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
     }
-    println!("corral listening on {local}");
+    // The readiness line on stdout, in the log's format.
+    match args.log_format {
+        LogFormat::Json => {
+            println!("{}", serde_json::json!({"message": "corral listening", "listen": local.to_string()}))
+        }
+        LogFormat::Text => println!("corral listening on {local}"),
+    }
     // systemd (Type=notify): every listener accepts now.
     notify(sd_notify::NotifyState::Ready);
     let served = (&mut serving).await;
-    if let Some(provider) = provider {
-        // Flush the spans still batched.
-        if let Err(e) = provider.shutdown() {
-            tracing::warn!(error = %e, "traces not flushed");
-        }
+    // Flush the spans still batched.
+    if let Err(e) = provider.shutdown() {
+        tracing::warn!(error = %e, "traces not flushed");
     }
     served??;
     Ok(())

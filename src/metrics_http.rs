@@ -120,6 +120,7 @@ fn respond(req: &Request<Incoming>, token: Option<&[u8; 32]>, handle: &Prometheu
             return response;
         }
     }
+    crate::telemetry::sample_process();
     let mut response = answer(StatusCode::OK, handle.render());
     response
         .headers_mut()

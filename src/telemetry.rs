@@ -36,14 +36,73 @@ pub(crate) fn describe() {
     );
     describe_gauge!("corral_build_info", "Always 1; the daemon's version in its labels.");
     describe_gauge!("process_start_time_seconds", Unit::Seconds, "When the daemon's process started, in Unix seconds.");
+    describe_counter!("process_cpu_seconds_total", Unit::Seconds, "User and system CPU time the daemon spent.");
+    describe_gauge!("process_resident_memory_bytes", Unit::Bytes, "The daemon's resident memory.");
+    describe_gauge!("process_virtual_memory_bytes", Unit::Bytes, "The daemon's virtual memory.");
+    describe_gauge!("process_open_fds", "File descriptors the daemon has open.");
+    describe_gauge!("process_max_fds", "The daemon's limit on open file descriptors.");
+    describe_gauge!("process_threads", "Threads in the daemon's process.");
+}
+
+/// What the Prometheus process collector reports, read from
+/// `/proc/self/stat` (proc(5)) at each scrape.
+#[derive(Debug, PartialEq)]
+pub(crate) struct ProcessStat {
+    pub cpu_ticks: u64,
+    pub threads: u64,
+    pub start_ticks_after_boot: u64,
+    pub virtual_bytes: u64,
+    pub resident_pages: u64,
+}
+
+/// Parses one `/proc/<pid>/stat` line: the fields after the command name
+/// (which is in parentheses and may itself hold spaces or parentheses).
+pub(crate) fn parse_stat(line: &str) -> Option<ProcessStat> {
+    let after_name = &line[line.rfind(')')? + 1..];
+    let field: Vec<&str> = after_name.split_whitespace().collect();
+    // proc(5) numbers fields from 1: `state` is field 3, our index 0.
+    let at = |n: usize| field.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+    Some(ProcessStat {
+        cpu_ticks: at(14)? + at(15)?,
+        threads: at(20)?,
+        start_ticks_after_boot: at(22)?,
+        virtual_bytes: at(23)?,
+        resident_pages: at(24)?,
+    })
+}
+
+/// Samples the process collector's series (before each scrape renders).
+pub(crate) fn sample_process() {
+    // SAFETY: sysconf and getrlimit only read.
+    let (ticks, page) = unsafe { (libc::sysconf(libc::_SC_CLK_TCK), libc::sysconf(libc::_SC_PAGESIZE)) };
+    let (ticks, page) = (ticks.max(1) as f64, page.max(1) as f64);
+    if let Some(stat) = std::fs::read_to_string("/proc/self/stat").ok().as_deref().and_then(parse_stat) {
+        counter!("process_cpu_seconds_total").absolute((stat.cpu_ticks as f64 / ticks) as u64);
+        gauge!("process_threads").set(stat.threads as f64);
+        gauge!("process_virtual_memory_bytes").set(stat.virtual_bytes as f64);
+        gauge!("process_resident_memory_bytes").set(stat.resident_pages as f64 * page);
+        let boot = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|s| s.lines().find_map(|l| l.strip_prefix("btime ")).and_then(|v| v.trim().parse::<f64>().ok()));
+        if let Some(boot) = boot {
+            gauge!("process_start_time_seconds").set(boot + stat.start_ticks_after_boot as f64 / ticks);
+        }
+    }
+    if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+        gauge!("process_open_fds").set(fds.count() as f64);
+    }
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
+        gauge!("process_max_fds").set(limit.rlim_cur as f64);
+    }
 }
 
 /// Every counter and gauge with its known label sets at 0, the build info
 /// at 1: a scrape lists each family (with its HELP) before it is used.
 pub(crate) fn initialise() {
     gauge!("corral_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
-    let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    gauge!("process_start_time_seconds").set(started.as_secs_f64());
+    sample_process();
     for outcome in ["succeeded", "failed", "refused", "cancelled"] {
         counter!("corral_executions_finished_total", "outcome" => outcome, "stage" => "none").absolute(0);
     }
@@ -185,4 +244,70 @@ pub fn set_parent(span: &tracing::Span, traceparent: Option<&str>) {
         [("traceparent".to_string(), traceparent.to_string())].into_iter().collect();
     let context = opentelemetry_sdk::propagation::TraceContextPropagator::new().extract(&carrier);
     let _ = span.set_parent(context);
+}
+
+/// The no-export trace pipeline when no collector is configured: every
+/// span still gets a trace id (the caller's, from `traceparent`), so log
+/// lines of one run can be joined to each other and to the caller's trace.
+pub fn local_tracer_provider() -> opentelemetry_sdk::trace::SdkTracerProvider {
+    opentelemetry_sdk::trace::SdkTracerProvider::builder().build()
+}
+
+/// tracing-subscriber's flat JSON line with the current span's
+/// `trace_id` and `span_id` (W3C hex) first, as OpenTelemetry's log data
+/// model names them; a line outside any span is left as it is.
+pub struct WithTraceIds<F>(pub F);
+
+impl<S, N, F> tracing_subscriber::fmt::FormatEvent<S, N> for WithTraceIds<F>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+    F: tracing_subscriber::fmt::FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        use opentelemetry::trace::TraceContextExt;
+        let mut line = String::new();
+        self.0.format_event(ctx, tracing_subscriber::fmt::format::Writer::new(&mut line), event)?;
+        let ids = ctx.lookup_current().and_then(|span| {
+            tracing::dispatcher::get_default(|dispatch| tracing_opentelemetry::get_otel_context(&span.id(), dispatch))
+                .map(|cx| cx.span().span_context().clone())
+                .filter(|ids| ids.is_valid())
+        });
+        match (ids, line.strip_prefix('{')) {
+            (Some(ids), Some(rest)) => {
+                write!(writer, "{{\"trace_id\":\"{}\",\"span_id\":\"{}\",{rest}", ids.trace_id(), ids.span_id())
+            }
+            _ => writer.write_str(&line),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stat_line_parses_past_a_command_name_with_spaces_and_parentheses() {
+        // A real line's shape (proc(5)), the name `corral (x) y`.
+        let line = "4242 (corral (x) y) S 1 4242 4242 0 -1 4194560 2280 0 0 0 \
+                    150 37 0 0 20 0 9 0 81234 1073741824 5120 18446744073709551615 \
+                    1 1 0 0 0 0 0 4096 17663 0 0 0 17 1 0 0 0 0 0";
+        assert_eq!(
+            parse_stat(line),
+            Some(ProcessStat {
+                cpu_ticks: 187,
+                threads: 9,
+                start_ticks_after_boot: 81234,
+                virtual_bytes: 1073741824,
+                resident_pages: 5120,
+            })
+        );
+        assert_eq!(parse_stat("4242 (corral) S 1 2"), None, "a short line is no sample");
+        assert_eq!(parse_stat("no parenthesis"), None);
+    }
 }

@@ -17,7 +17,11 @@ async fn json_logs_parse_and_carry_the_execution_id() {
     let env = [("CORRAL_LOG_FORMAT", "json"), ("RUST_LOG", "info")];
     let mut daemon = ServeProcess::start(&data, &profiles, &env).await;
     let mut client = ExecutionServiceClient::new(daemon.channel().await);
-    let mut stream = client.execute(request("builtin.shell", "echo hi")).await.unwrap().into_inner();
+    // The caller's trace: every line of the run names it, with no
+    // collector configured.
+    let caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let message = request("builtin.shell", "echo hi");
+    let mut stream = client.execute(traceparent(message, caller_trace)).await.unwrap().into_inner();
     let mut id = String::new();
     while let Some(event) = stream.message().await.unwrap() {
         if let Some(pb::lifecycle_event::Kind::Accepted(a)) = event.kind {
@@ -44,6 +48,19 @@ async fn json_logs_parse_and_carry_the_execution_id() {
             .any(|l| l["message"] == "execution finished" && l["outcome"] == "succeeded" && l["stage"] == "none"),
         "no line of the execution carries its id: {log}"
     );
+    // Each line of the run names its trace (W3C hex) first, one trace for
+    // the whole run, and its span.
+    let traces: std::collections::BTreeSet<&str> = of_run
+        .iter()
+        .map(|l| {
+            let trace = l["trace_id"].as_str().unwrap_or_else(|| panic!("a line of the run without trace_id: {l}"));
+            let span = l["span_id"].as_str().unwrap_or_else(|| panic!("a line of the run without span_id: {l}"));
+            assert!(trace.len() == 32 && span.len() == 16, "ids: {l}");
+            assert!(trace.chars().chain(span.chars()).all(|c| c.is_ascii_hexdigit()), "ids: {l}");
+            trace
+        })
+        .collect();
+    assert_eq!(traces.into_iter().collect::<Vec<_>>(), vec![caller_trace], "one run, the caller's trace");
 }
 
 /// `GET /metrics` over plain HTTP/1.1.
@@ -443,6 +460,12 @@ async fn a_fresh_daemons_metrics_are_described_and_listed_at_zero() {
         "corral_egress_total",
         "corral_model_tokens_total",
         "corral_sandboxes_alive",
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_threads",
     ] {
         assert!(described.contains(family), "no HELP for {family}:\n{text}");
     }
@@ -450,7 +473,16 @@ async fn a_fresh_daemons_metrics_are_described_and_listed_at_zero() {
     assert_eq!(sample(&text, "corral_build_info", &version), Some(1.0), "{text}");
     assert_eq!(sample(&text, "corral_admission_refused_total", r#"kind="executions""#), Some(0.0), "{text}");
     assert_eq!(sample(&text, "corral_gate_decisions_total", r#"source="admin",action="ask""#), Some(0.0), "{text}");
-    assert!(sample(&text, "process_start_time_seconds", "").unwrap_or(0.0) > 1.7e9, "{text}");
+    // The process collector reads the daemon's own process: started a
+    // moment ago (its boot-relative start, not the first scrape), some
+    // memory, a few descriptors under the limit.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let started = sample(&text, "process_start_time_seconds", "").unwrap_or(0.0);
+    assert!(started <= now + 1.0 && now - started < 120.0, "started {started}, now {now}");
+    assert!(sample(&text, "process_resident_memory_bytes", "").unwrap_or(0.0) > 1e6, "{text}");
+    let open = sample(&text, "process_open_fds", "").unwrap_or(0.0);
+    assert!(open >= 3.0 && sample(&text, "process_max_fds", "").unwrap_or(0.0) >= open, "{text}");
+    assert!(sample(&text, "process_threads", "").unwrap_or(0.0) >= 2.0, "{text}");
 }
 
 /// A failed execution's span has an error status naming its failure class,
@@ -484,4 +516,68 @@ async fn a_failed_execution_span_has_an_error_status_and_the_runs_attributes() {
     assert!(attribute("corral.profile").is_some_and(|v| v.contains("builtin.shell@")), "{:?}", span.attributes);
     assert!(attribute("corral.failure_class").is_some_and(|v| v.contains("harness_exited")));
     assert!(attribute("gen_ai.usage.total_tokens").is_some(), "{:?}", span.attributes);
+}
+
+/// Every call is a SERVER span with OpenTelemetry's RPC attributes, a
+/// child of the caller's, ended by the response's last frame: a stream's
+/// code comes from its trailers; a refusal is no server error, a call of
+/// a method the daemon does not have is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_call_is_a_server_span_with_the_rpc_attributes_and_its_code() {
+    let (collector, _dir, daemon) = traced_daemon(&[]).await;
+    let channel = daemon.channel().await;
+    let mut client = ExecutionServiceClient::new(channel.clone());
+    let streamed = "6bf92f3577b34da6a3ce929d0e0e4738";
+    let mut stream =
+        client.execute(traceparent(request("builtin.shell", "echo hi"), streamed)).await.unwrap().into_inner();
+    while stream.message().await.unwrap().is_some() {}
+    let refused = "7bf92f3577b34da6a3ce929d0e0e4739";
+    let missing = pb::GetExecutionRequest { execution_id: uuid_like(), ..Default::default() };
+    let code = client.get_execution(traceparent(missing, refused)).await.unwrap_err().code();
+    assert_eq!(code, tonic::Code::NotFound);
+    // A method no service has: UNIMPLEMENTED, a server error by the conventions.
+    let unknown = "8bf92f3577b34da6a3ce929d0e0e4740";
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/corral.v1.ExecutionService/NoSuchMethod");
+    let codec = tonic_prost::ProstCodec::<pb::GetExecutionRequest, pb::Execution>::default();
+    let answer = grpc.unary(traceparent(pb::GetExecutionRequest::default(), unknown), path, codec).await;
+    assert_eq!(answer.unwrap_err().code(), tonic::Code::Unimplemented);
+    stop(daemon).await;
+
+    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let spans = collector.spans.lock().unwrap();
+    let server_span = |trace: &str, name: &str| {
+        spans
+            .iter()
+            .find(|s| hex(&s.trace_id) == trace && s.name == name)
+            .unwrap_or_else(|| {
+                panic!("no {name} span in {trace}: {:?}", spans.iter().map(|s| &s.name).collect::<Vec<_>>())
+            })
+            .clone()
+    };
+    let attribute = |span: &opentelemetry_proto::tonic::trace::v1::Span, key: &str| {
+        span.attributes.iter().find(|a| a.key == key).and_then(|a| a.value.clone()).and_then(|v| v.value)
+    };
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    let execute = server_span(streamed, "corral.v1.ExecutionService/Execute");
+    assert_eq!(execute.kind, 2, "SPAN_KIND_SERVER: {execute:?}");
+    assert_eq!(hex(&execute.parent_span_id), "00f067aa0ba902b7", "a child of the caller's span");
+    assert_eq!(attribute(&execute, "rpc.system"), Some(Value::StringValue("grpc".into())));
+    assert_eq!(attribute(&execute, "rpc.service"), Some(Value::StringValue("corral.v1.ExecutionService".into())));
+    assert_eq!(attribute(&execute, "rpc.method"), Some(Value::StringValue("Execute".into())));
+    assert_eq!(attribute(&execute, "rpc.grpc.status_code"), Some(Value::IntValue(0)), "from the stream's trailers");
+    // The span lasted as long as the stream, which outlived the run's start.
+    let execution = server_span(streamed, "execution");
+    assert!(execute.end_time_unix_nano >= execution.start_time_unix_nano, "{execute:?}");
+    let get = server_span(refused, "corral.v1.ExecutionService/GetExecution");
+    assert_eq!(attribute(&get, "rpc.grpc.status_code"), Some(Value::IntValue(5)));
+    assert_ne!(get.status.map(|s| s.code), Some(2), "NOT_FOUND is the caller's, not a server error");
+    let unimplemented = server_span(unknown, "corral.v1.ExecutionService/NoSuchMethod");
+    assert_eq!(attribute(&unimplemented, "rpc.grpc.status_code"), Some(Value::IntValue(12)));
+    assert_eq!(unimplemented.status.map(|s| s.code), Some(2), "UNIMPLEMENTED is a server error");
+}
+
+fn uuid_like() -> String {
+    "01900000-0000-7000-8000-000000000000".to_string()
 }

@@ -514,6 +514,12 @@ impl ServeProcess {
                 if let Some(addr) = line.strip_prefix("corral listening on ") {
                     return addr.to_string();
                 }
+                // `--log-format json`: the same line as a JSON object.
+                if let Ok(ready) = serde_json::from_str::<serde_json::Value>(&line) {
+                    if ready["message"] == "corral listening" {
+                        return ready["listen"].as_str().expect("the ready line names its address").to_string();
+                    }
+                }
             }
             panic!("corral serve ended without its address line; see {}", data_dir.with_extension("log").display());
         })
