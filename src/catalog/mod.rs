@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-pub use agents::{Endpoint, HarnessConfig, ANTHROPIC_ROUTE, CLAUDE_ALLOWED_TOOLS, CODEX_DEFAULT_MODEL, OPENAI_ROUTE};
+pub use agents::{HarnessConfig, ANTHROPIC_ROUTE, CLAUDE_ALLOWED_TOOLS, CODEX_DEFAULT_MODEL, OPENAI_ROUTE};
 pub use profile::{
     check_id, GitSettings, Limits, Preset, Profile, ProfileFile, ProfileRef, ProfileStatus, Readiness, ReadinessState,
     ReinSpec, TaskInput, DEFAULT_SHM_BYTES, DEFAULT_WORKSPACE_INODES,

@@ -386,6 +386,17 @@ pub struct Profile {
     pub unusable: Option<String>,
 }
 
+/// A model name is written into a CLI's config and environment: plain
+/// characters only.
+pub fn check_model(model: &str) -> Result<(), String> {
+    let ok = model.len() <= 200 && model.chars().all(|c| c.is_ascii_alphanumeric() || "._-:/@[]".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{model:?} must be at most 200 letters, digits or ._-:/@[]"))
+    }
+}
+
 /// A `rein.base_url` must belong to a CLI preset and be reachable through
 /// the sandbox's egress allowlist; `rein.model` must be plain text.
 fn check_endpoint(
@@ -393,14 +404,14 @@ fn check_endpoint(
     sandbox: &crate::sandbox::SandboxSpec,
     hosts: Vec<crate::net::HostPattern>,
 ) -> Result<(), String> {
-    super::agents::check_model(&rein.model).map_err(|e| format!("rein.model: {e}"))?;
+    check_model(&rein.model).map_err(|e| format!("rein.model: {e}"))?;
     if rein.base_url.is_empty() {
         return Ok(());
     }
     if rein.preset == Preset::Protocol {
         return Err("rein.base_url: only for the claude_stream_json and codex_exec_json presets".into());
     }
-    let endpoint = super::agents::Endpoint::parse(&rein.base_url).map_err(|e| format!("rein.base_url: {e}"))?;
+    let endpoint = crate::net::Endpoint::parse(&rein.base_url).map_err(|e| format!("rein.base_url: {e}"))?;
     let allowed = sandbox.allow_network
         && matches!(
             crate::net::Allowlist::new(hosts).check_name(&endpoint.host, endpoint.port),

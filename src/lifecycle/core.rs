@@ -22,14 +22,15 @@ use tokio_util::sync::CancellationToken;
 
 use super::capture::CaptureJob;
 use super::limits::{cgroup_hits, tree_usage, workspace_hit, EventBudget, TreeBudget, WorkspaceWatch};
+use super::phase::{Harness, PhaseKind, Ready, RunPhase};
 use super::{Engine, RawResult};
 use crate::catalog::{check_actor, Profile, ReadinessState};
 use crate::credentials::Scrubber;
 use crate::events::{EventKind, RawPart, Recorder};
 use crate::evidence::{Evidence, FailureStage, TeardownResult};
 use crate::policy::{Action, GateInput, GateOutcome, Phase, Policy};
-use crate::rein::{Dispatch, HarnessEvent, HarnessSession, ReinError, StartContext, ToolCall, ToolGate, ToolResult};
-use crate::sandbox::{workspace, Consumer, CreateSandbox, Sandbox, SandboxBackend, SandboxSpec, SandboxState};
+use crate::rein::{Dispatch, HarnessEvent, ReinError, StartContext, ToolCall, ToolGate, ToolResult};
+use crate::sandbox::{workspace, Consumer, CreateSandbox, SandboxSpec, SandboxState};
 
 /// Why `open` stopped; the evidence already says so.
 #[derive(Clone, Debug)]
@@ -61,21 +62,15 @@ pub struct Core {
     pub consumer: Consumer,
     pub repo: String,
     pub session_policies: Arc<Vec<Policy>>,
-    pub profile: Option<Arc<Profile>>,
-    pub effective: Option<SandboxSpec>,
+    /// Where the run is, with the profile, sandbox and harness it holds.
+    phase: RunPhase,
     timeout: Duration,
-    sandbox: Option<(Arc<dyn SandboxBackend>, Sandbox)>,
-    harness: Option<Box<dyn HarnessSession>>,
-    /// Whether a harness was ever started (so cleanup is owed).
-    started_harness: bool,
-    base_commit: Option<String>,
     tool_calls: Arc<AtomicU64>,
     /// Replaces credential values in everything the harness says.
     scrubber: Scrubber,
     pub restarts: u64,
     pub session_cleanup: TeardownResult,
     pub sandbox_destroy: TeardownResult,
-    closed: bool,
     /// How many events (and bytes of harness text) the run may still record.
     budget: EventBudget,
     /// What the sandbox's cgroup had cut when last read.
@@ -109,19 +104,13 @@ impl Core {
             consumer,
             repo,
             session_policies: Arc::new(policies),
-            profile: None,
-            effective: None,
+            phase: RunPhase::New,
             timeout: Duration::from_secs(600),
-            sandbox: None,
-            harness: None,
-            started_harness: false,
-            base_commit: None,
             tool_calls: Arc::new(AtomicU64::new(0)),
             scrubber: Scrubber::default(),
             restarts: 0,
             session_cleanup: TeardownResult::NotAttempted,
             sandbox_destroy: TeardownResult::NotAttempted,
-            closed: false,
             budget: EventBudget::new(u64::MAX, u64::MAX),
             hits_seen: Default::default(),
             workspace_over: false,
@@ -135,8 +124,14 @@ impl Core {
         self.scrubber.scrub(text)
     }
 
-    pub fn sandbox_id(&self) -> Option<&str> {
-        self.sandbox.as_ref().map(|(_, s)| s.id.as_str())
+    /// The resolved profile, once there is one.
+    pub fn profile(&self) -> Option<&Arc<Profile>> {
+        self.phase.profile()
+    }
+
+    /// The sandbox the gate allowed, once it did.
+    pub fn effective(&self) -> Option<SandboxSpec> {
+        self.phase.effective().cloned()
     }
 
     /// A failure: the evidence gets the stage's fixed sentence (if it is the
@@ -221,7 +216,10 @@ impl Core {
             EventKind::Resolved { profile_ref: profile.reference(), profile_digest: profile.digest.clone(), readiness };
         // Stored with the gate's decision, which follows at once.
         self.recorder.hold(event);
-        self.profile = Some(profile.clone());
+        if let Err(bug) = self.phase.resolve(profile.clone()) {
+            self.failed(FailureStage::Resolution, &bug.to_string());
+            return Err(OpenFailure::Failed { stage: FailureStage::Resolution });
+        }
         Ok(profile)
     }
 
@@ -248,7 +246,9 @@ impl Core {
         self.evidence.time("gate", t);
         self.record_gate(&outcome).await;
         if outcome.action == Action::Allow {
-            self.effective = Some(outcome.effective_sandbox.clone());
+            if let Err(bug) = self.phase.allow(outcome.effective_sandbox.clone()) {
+                tracing::error!(error = %bug, "lifecycle phase");
+            }
             self.timeout = Duration::from_secs(outcome.effective_timeout_seconds);
         }
         outcome
@@ -314,7 +314,7 @@ impl Core {
                 }
             },
         };
-        let limits = self.profile.as_ref().map(|p| p.file.limits.sandbox()).unwrap_or_default();
+        let limits = self.profile().map(|p| p.file.limits.sandbox()).unwrap_or_default();
         let planned = self.gate_files(spec).and_then(|files| Ok((files, self.gateway_routes(spec)?)));
         let (gate, gateway) = match planned {
             Ok(planned) => planned,
@@ -359,7 +359,14 @@ impl Core {
         crate::telemetry::sandbox_alive(1.0);
         let ready = sandbox.state == SandboxState::Ready;
         self.set_sandbox_state(&sandbox.id, if ready { SandboxState::Ready } else { SandboxState::Failed }).await;
-        self.sandbox = Some((backend, sandbox.clone()));
+        if let Err(bug) = self.phase.sandbox_made(backend.clone(), sandbox.clone()) {
+            // Not held by the phase, so destroyed here.
+            self.failed(FailureStage::SandboxCreate, &bug.to_string());
+            let _ = backend.destroy(&sandbox).await;
+            crate::telemetry::sandbox_alive(-1.0);
+            self.set_sandbox_state(&sandbox.id, SandboxState::Destroyed).await;
+            return Err(fail(FailureStage::SandboxCreate, bug.to_string()));
+        }
         if !ready {
             let error = format!("sandbox is {}, not ready", sandbox.state.as_str());
             self.failed(FailureStage::SandboxCreate, &error);
@@ -374,7 +381,11 @@ impl Core {
                 Err(e) => Err(e),
             };
             match cloned {
-                Ok(commit) => self.base_commit = Some(commit),
+                Ok(commit) => {
+                    if let Some(ready) = self.phase.ready_mut() {
+                        ready.base_commit = Some(commit);
+                    }
+                }
                 Err(e) => {
                     self.failed(FailureStage::SandboxCreate, &e.to_string());
                     self.destroy().await;
@@ -394,9 +405,10 @@ impl Core {
     }
 
     async fn start_harness(&mut self) -> Result<(), ReinError> {
-        let (Some(profile), Some((backend, sandbox))) = (self.profile.clone(), self.sandbox.clone()) else {
+        let Some(ready) = self.phase.ready() else {
             return Err(ReinError::Start("no sandbox to start in".into()));
         };
+        let (profile, backend, sandbox) = (ready.profile.clone(), ready.backend.clone(), ready.sandbox.clone());
         let rein = self
             .engine
             .reins
@@ -423,15 +435,17 @@ impl Core {
         let harness = rein.start_session(ctx).await?;
         self.evidence.harness = Some(harness.invocation());
         self.evidence.time("session_start", t);
-        self.harness = Some(harness);
-        self.started_harness = true;
+        match self.phase.ready_mut() {
+            Some(ready) => ready.harness = Harness::Here(harness),
+            None => return Err(ReinError::Start("the sandbox went away while the harness started".into())),
+        }
         Ok(())
     }
 
     /// A harness that died is restarted only through the gate again.
     async fn restart_harness(&mut self, why: &str) -> Result<(), TurnOutcome> {
-        let profile = self.profile.clone().ok_or(TurnOutcome::Failed(ReinError::Start("no profile".into())))?;
-        if let Some(mut dead) = self.harness.take() {
+        let profile = self.profile().cloned().ok_or(TurnOutcome::Failed(ReinError::Start("no profile".into())))?;
+        if let Some(mut dead) = self.phase.ready_mut().and_then(|r| r.harness.take_here()) {
             if let Err(e) = dead.cleanup_session().await {
                 tracing::warn!(error = %e, "cleanup of a dead harness failed");
             }
@@ -440,7 +454,7 @@ impl Core {
         if let Some(denial) = outcome.denial() {
             return Err(TurnOutcome::Denied { policy: denial.policy.clone(), reason: denial.reason.clone() });
         }
-        if Some(&outcome.effective_sandbox) != self.sandbox.as_ref().map(|(_, s)| &s.spec) {
+        if Some(&outcome.effective_sandbox) != self.phase.ready().map(|r| &r.sandbox.spec) {
             // The sandbox was made for another decision; starting in it
             // would not be what the gate just allowed.
             let error = ReinError::Start("the gate now asks for a different sandbox; end the session".into());
@@ -453,7 +467,10 @@ impl Core {
 
     /// tool_call gate → dispatch. Progress is recorded as it comes.
     pub async fn turn(&mut self, call: ToolCall, cancel: CancellationToken) -> TurnOutcome {
-        let alive = self.harness.as_mut().map(|h| h.is_alive()).unwrap_or(false);
+        let alive = match self.phase.ready_mut().map(|r| &mut r.harness) {
+            Some(Harness::Here(harness)) => harness.is_alive(),
+            _ => false,
+        };
         if !alive {
             if let Err(outcome) = self.restart_harness("the harness exited").await {
                 return outcome;
@@ -461,7 +478,7 @@ impl Core {
         }
         // An agent whose own tool calls come through its hook: the turn is
         // gated, but it is not one of those calls and does not count.
-        let hooked = self.sandbox.as_ref().is_some_and(|(_, s)| !s.gate.is_empty());
+        let hooked = self.phase.ready().is_some_and(|r| !r.sandbox.gate.is_empty());
         let gate = self.core_gate();
         let outcome = gate.decide(&call.tool, &call.task.arguments, !hooked);
         let gate: Arc<dyn ToolGate> = Arc::new(gate);
@@ -473,17 +490,17 @@ impl Core {
         // The decision and the dispatch it allows: one write.
         let dispatched = EventKind::Dispatched { tool: call.tool.clone() };
         self.recorder.emit_batch(vec![(gated, None), (dispatched, None)]).await;
-        let Some(mut harness) = self.harness.take() else {
+        let Some(mut harness) = self.phase.ready_mut().and_then(|r| r.harness.take_here()) else {
             return TurnOutcome::Failed(ReinError::Dispatch("no harness".into()));
         };
         // The turn's own token: the workspace watch stops the turn with it,
         // without cancelling the whole execution or session.
         let caller_cancel = cancel;
         let cancel = caller_cancel.child_token();
-        let budget = self.profile.as_ref().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
-        let watch = match &self.sandbox {
-            Some((_, sandbox)) if budget.is_limited() => {
-                Some(WorkspaceWatch::start(sandbox.root.clone(), budget, cancel.clone()))
+        let budget = self.profile().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
+        let watch = match self.phase.ready() {
+            Some(ready) if budget.is_limited() => {
+                Some(WorkspaceWatch::start(ready.sandbox.root.clone(), budget, cancel.clone()))
             }
             _ => None,
         };
@@ -492,7 +509,7 @@ impl Core {
         let result = {
             let dispatch = harness.dispatch_tool(call, Dispatch { events: tx, cancel, gate });
             tokio::pin!(dispatch);
-            let egress = self.sandbox.as_ref().and_then(|(_, s)| s.egress.clone());
+            let egress = self.phase.ready().and_then(|r| r.sandbox.egress.clone());
             // The harness's result, when it came while a burst was stored.
             let mut ended = None;
             let result = loop {
@@ -531,7 +548,10 @@ impl Core {
         };
         // A resumed run's argv is the one that ran last.
         self.evidence.harness = Some(harness.invocation());
-        self.harness = Some(harness);
+        match self.phase.ready_mut() {
+            Some(ready) => ready.harness = Harness::Here(harness),
+            None => tracing::error!("lifecycle phase: the sandbox went away during a turn"),
+        }
         self.evidence.time("harness", t);
         let limit_notes = self.record_cgroup_hits().await;
         if let Some(usage) = watch.and_then(WorkspaceWatch::stop) {
@@ -580,7 +600,7 @@ impl Core {
     /// `egress` event per attempt, up to [`MAX_EGRESS_EVENTS`] per run (and
     /// within the event budget); the evidence counts every attempt.
     async fn record_egress(&mut self) {
-        let Some(log) = self.sandbox.as_ref().and_then(|(_, s)| s.egress.clone()) else { return };
+        let Some(log) = self.phase.ready().and_then(|r| r.sandbox.egress.clone()) else { return };
         let mut batch = Vec::new();
         for d in log.drain() {
             crate::telemetry::egress(d.allowed);
@@ -619,9 +639,9 @@ impl Core {
     /// Reads what the sandbox's cgroup cut since the last look and records
     /// each new cut as a `limit` event; returns the raw sentences.
     async fn record_cgroup_hits(&mut self) -> Vec<String> {
-        let Some(cgroup) = self.sandbox.as_ref().and_then(|(_, s)| s.cgroup.clone()) else { return Vec::new() };
+        let Some(cgroup) = self.phase.ready().and_then(|r| r.sandbox.cgroup.clone()) else { return Vec::new() };
         let now = cgroup.limit_hits();
-        let limits = self.profile.as_ref().map(|p| p.file.limits.clone()).unwrap_or_default();
+        let limits = self.profile().map(|p| p.file.limits.clone()).unwrap_or_default();
         let hits = cgroup_hits(self.hits_seen, now, limits.memory_bytes, limits.max_processes);
         self.hits_seen = now;
         let mut notes = Vec::new();
@@ -637,12 +657,12 @@ impl Core {
     /// and `max_workspace_inodes` at the end of the run: over either, the
     /// run fails and nothing is fetched back.
     async fn check_workspace_at_end(&mut self) {
-        let budget = self.profile.as_ref().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
-        let Some((_, sandbox)) = self.sandbox.as_ref() else { return };
+        let budget = self.profile().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
+        let Some(ready) = self.phase.ready() else { return };
         if !budget.is_limited() || self.workspace_over {
             return;
         }
-        let root = sandbox.root.clone();
+        let root = ready.sandbox.root.clone();
         let usage = tokio::task::spawn_blocking(move || tree_usage(&root, budget)).await.unwrap_or_default();
         if budget.exceeded_by(usage) {
             let (event, raw) = workspace_hit(usage, budget);
@@ -658,7 +678,7 @@ impl Core {
     /// tool calls are ungated, and a tool_call policy refused it at
     /// agent_start). An error is why the sandbox must not be made.
     fn gate_files(&self, spec: &SandboxSpec) -> Result<Vec<crate::sandbox::GateFile>, String> {
-        let Some(profile) = self.profile.as_ref() else { return Ok(Vec::new()) };
+        let Some(profile) = self.profile() else { return Ok(Vec::new()) };
         if spec.sandbox_type != crate::sandbox::SandboxType::LinuxBwrap {
             return Ok(Vec::new());
         }
@@ -673,7 +693,7 @@ impl Core {
     /// the gateway: a route that names an upstream refuses it, the
     /// built-ins' keys are handed over as before.
     fn gateway_routes(&self, spec: &SandboxSpec) -> Result<Vec<crate::credentials::GatewayRoute>, String> {
-        let Some(profile) = self.profile.as_ref() else { return Ok(Vec::new()) };
+        let Some(profile) = self.profile() else { return Ok(Vec::new()) };
         let refs = &profile.file.credential_route_refs;
         let credentials = &self.engine.credentials;
         if spec.sandbox_type == crate::sandbox::SandboxType::LinuxBwrap {
@@ -692,11 +712,11 @@ impl Core {
     fn core_gate(&self) -> CoreGate {
         CoreGate {
             engine: self.engine.clone(),
-            profile: self.profile.clone(),
+            profile: self.profile().cloned(),
             session_policies: self.session_policies.clone(),
             consumer: self.consumer.clone(),
             repo: self.repo.clone(),
-            sandbox: self.effective.clone().unwrap_or_default(),
+            sandbox: self.effective().unwrap_or_default(),
             timeout_seconds: self.timeout.as_secs(),
             tool_calls: self.tool_calls.clone(),
             subject: self.recorder.subject().to_string(),
@@ -775,12 +795,12 @@ impl Core {
     /// end → cleanup → collect the commit → destroy → `teardown` event.
     /// Idempotent: a second call does nothing.
     pub async fn close(&mut self, cancelled: bool) {
-        if self.closed {
+        if self.phase.kind() == PhaseKind::Closed {
             return;
         }
-        self.closed = true;
         let t = Instant::now();
-        if let Some(mut harness) = self.harness.take() {
+        let started = self.phase.harness_started();
+        if let Some(mut harness) = self.phase.ready_mut().and_then(|r| r.harness.take_here()) {
             if !cancelled {
                 if let Err(e) = harness.end_session().await {
                     self.failed(FailureStage::Execution, &e.to_string());
@@ -793,7 +813,7 @@ impl Core {
                     TeardownResult::Failed
                 }
             };
-        } else if self.started_harness {
+        } else if started {
             self.session_cleanup = TeardownResult::Succeeded;
         }
         self.check_workspace_at_end().await;
@@ -801,12 +821,11 @@ impl Core {
         if !self.workspace_over {
             self.collect_commit().await;
         }
-        if self.sandbox.is_some() {
-            self.destroy().await;
-        }
-        if self.sandbox_id().is_some() || self.started_harness {
+        self.destroy().await;
+        if started {
             self.evidence.time("teardown", t);
         }
+        self.phase.close();
         self.emit_teardown().await;
     }
 
@@ -823,10 +842,10 @@ impl Core {
     /// fetched into the origin as `refs/corral/<subject-id>`. A failure is
     /// a teardown failure; the direct caller gets the reason.
     async fn collect_commit(&mut self) {
-        let (Some(base), Some((backend, sandbox))) = (self.base_commit.clone(), self.sandbox.clone()) else {
-            return;
-        };
-        let git = self.profile.as_ref().map(|p| p.file.git.clone()).unwrap_or_default();
+        let Some(ready) = self.phase.ready() else { return };
+        let Some(base) = ready.base_commit.clone() else { return };
+        let (backend, sandbox) = (ready.backend.clone(), ready.sandbox.clone());
+        let git = ready.profile.file.git.clone();
         let name = self.recorder.subject().to_string();
         let private = self.engine.sandboxes_dir.join(format!("{}.bundle", sandbox.id));
         let job = CaptureJob {
@@ -868,7 +887,9 @@ impl Core {
     /// Destroys the sandbox; it is taken out first, so this runs at most
     /// once per sandbox.
     async fn destroy(&mut self) {
-        let Some((backend, sandbox)) = self.sandbox.take() else { return };
+        // Not Ready: no sandbox to destroy (never made, or destroyed already).
+        let Ok(ready) = self.phase.take_sandbox() else { return };
+        let Ready { backend, sandbox, .. } = *ready;
         self.set_sandbox_state(&sandbox.id, SandboxState::Destroying).await;
         let destroyed = backend.destroy(&sandbox).await;
         crate::telemetry::sandbox_alive(-1.0);

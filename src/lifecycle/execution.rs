@@ -91,7 +91,7 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     }
     evidence.time("total", started);
     record.evidence = evidence;
-    record.effective_sandbox = core.effective.clone();
+    record.effective_sandbox = core.effective();
     record.state = ExecutionState::from_outcome(record.evidence.outcome);
     record.finished_at_ms = Some(now_ms());
     // The `finished` event carries the record and the raw parts to the

@@ -9,6 +9,7 @@ mod execution;
 mod fit;
 mod leftover;
 mod limits;
+mod phase;
 
 mod recovery;
 mod session;

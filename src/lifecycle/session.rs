@@ -127,7 +127,7 @@ impl Engine {
         };
         core.recorder.emit(accepted, None).await;
         let opened = core.open(&cmd.profile_ref, &self.draining.child_token()).await;
-        record.effective_sandbox = core.effective.clone();
+        record.effective_sandbox = core.effective();
         record.evidence = core.evidence.clone();
         if let Err(failure) = opened {
             core.close(false).await;

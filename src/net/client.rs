@@ -84,7 +84,7 @@ pub struct Origin {
 
 impl Origin {
     pub fn parse(url: &str) -> Result<Origin, String> {
-        let endpoint = crate::catalog::Endpoint::parse(url)?;
+        let endpoint = super::Endpoint::parse(url)?;
         let tls = url.to_ascii_lowercase().starts_with("https://");
         let rest = &url[if tls { 8 } else { 7 }..];
         let path = rest.find('/').map(|i| rest[i..].trim_end_matches('/').to_string()).unwrap_or_default();

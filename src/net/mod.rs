@@ -6,6 +6,7 @@
 pub mod allowlist;
 pub mod budget;
 pub mod client;
+mod endpoint;
 mod http;
 mod ip;
 mod log;
@@ -15,6 +16,7 @@ pub mod server;
 
 pub use allowlist::{host_addresses, intersect, parse_hosts, Allowlist, HostPattern, Verdict};
 pub use budget::{ConnectionPermit, ProxyBudget, ProxyLimitsConfig};
+pub use endpoint::Endpoint;
 pub use ip::special_class;
 pub use log::{EgressDecision, EgressLog, MAX_BYTE_HOSTS, MAX_DENIED_HOSTS, MAX_PENDING};
 pub use protect::{protect, protected_addresses};
