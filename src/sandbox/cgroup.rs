@@ -260,7 +260,7 @@ impl CgroupHost {
                         e => e,
                     })?;
                 }
-                fs::create_dir(&dir).map_err(io_err("create cgroup", &dir))?;
+                cgroup_mkdir(&dir).map_err(io_err("create cgroup", &dir))?;
                 cg.dirs.push(dir);
             }
             let at = |slot: &Slot| slot.root.join(&self.parent).join(name);
@@ -501,15 +501,39 @@ fn make_dir(dir: &Path) -> Result<(), CgroupError> {
     // With its parents: a nested parent's levels may not exist yet.
     match fs::create_dir_all(dir) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(io_err("create cgroup", dir)(e)),
-        _ => Ok(()),
+        _ => {
+            #[cfg(test)]
+            tests::fixture::kernel_mkdir(dir);
+            Ok(())
+        }
     }
+}
+
+/// `mkdir` of one cgroup directory. In a cgroup hierarchy the kernel fills
+/// the new directory with its control files; the unit tests' fixture trees
+/// are plain directories, so in tests the fixture adds those files here
+/// (a no-op anywhere else, the real hierarchies included).
+fn cgroup_mkdir(dir: &Path) -> io::Result<()> {
+    fs::create_dir(dir)?;
+    #[cfg(test)]
+    tests::fixture::kernel_mkdir(dir);
+    Ok(())
+}
+
+/// `rmdir` of one cgroup directory. The kernel drops a cgroup's control
+/// files with it; in tests a fixture tree's are removed first (see
+/// [`cgroup_mkdir`]).
+fn cgroup_rmdir(dir: &Path) -> io::Result<()> {
+    #[cfg(test)]
+    tests::fixture::kernel_rmdir(dir);
+    fs::remove_dir(dir)
 }
 
 /// rmdir, retried briefly on EBUSY (a cgroup can stay busy for a moment
 /// after its last process exited); a missing directory is success.
 fn rmdir_retry(dir: &Path) -> Result<(), CgroupError> {
     for attempt in 0.. {
-        match fs::remove_dir(dir) {
+        match cgroup_rmdir(dir) {
             Ok(()) => return Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) && attempt < 50 => {
@@ -562,7 +586,7 @@ fn probe(root: &Path, parent: &str, check: impl FnOnce(&Path) -> Result<(), Stri
     static N: AtomicU64 = AtomicU64::new(0);
     make_dir(&root.join(parent)).map_err(|e| e.to_string())?;
     let dir = root.join(parent).join(format!(".probe-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
-    fs::create_dir(&dir).map_err(|e| format!("creating probe {}: {e}", dir.display()))?;
+    cgroup_mkdir(&dir).map_err(|e| format!("creating probe {}: {e}", dir.display()))?;
     let result = check(&dir);
     let removed = rmdir_retry(&dir).map_err(|e| e.to_string());
     result.and(removed)
@@ -654,54 +678,307 @@ mod tests {
         stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|s| s != "Z")
     }
 
+    /// Fixture trees: temporary directories laid out like a cgroup mount
+    /// (pure v2, pure v1 or hybrid), so detection, limit writing,
+    /// `limit_hits` and `remove` are tested in every layout, not only in
+    /// the one of the host the tests run on.
+    ///
+    /// A real hierarchy's kernel fills each new directory with control files
+    /// and drops them on `rmdir`; [`kernel_mkdir`] and [`kernel_rmdir`] do
+    /// that for the hierarchies a [`Tree`] registered (and nothing anywhere
+    /// else). Control files start empty: the kernel replaces a value on
+    /// write, while a plain file opened without `O_TRUNC` would keep the tail
+    /// of a longer old one, so empty files make a test read back exactly what
+    /// the code wrote.
+    pub(crate) mod fixture {
+        use std::collections::BTreeMap;
+        use std::fs;
+        use std::path::{Path, PathBuf};
+        use std::sync::Mutex;
+
+        /// One hierarchy of a fixture tree.
+        #[derive(Clone, Debug)]
+        enum Kind {
+            /// cgroup v2: `controllers` are offered by the root and enabled
+            /// for every child; `kill` is whether children get `cgroup.kill`.
+            V2 { controllers: Vec<&'static str>, kill: bool },
+            /// A cgroup v1 hierarchy of one controller.
+            V1(&'static str),
+        }
+
+        /// The registered hierarchies' roots, for all threads' tests.
+        static HIERARCHIES: Mutex<Vec<(PathBuf, Kind)>> = Mutex::new(Vec::new());
+
+        /// The files the kernel makes in a new directory of `kind`.
+        fn control_files(kind: &Kind) -> Vec<&'static str> {
+            let mut files = vec!["cgroup.procs"];
+            match kind {
+                Kind::V2 { controllers, kill } => {
+                    files.extend(["cgroup.controllers", "cgroup.subtree_control", "cgroup.events", "cgroup.type"]);
+                    if *kill {
+                        files.push("cgroup.kill");
+                    }
+                    for c in controllers {
+                        files.extend(match *c {
+                            "memory" => &["memory.max", "memory.swap.max", "memory.events", "memory.current"][..],
+                            "pids" => &["pids.max", "pids.events", "pids.current"],
+                            "cpu" => &["cpu.max", "cpu.stat", "cpu.weight"],
+                            other => panic!("no v2 files for {other}"),
+                        });
+                    }
+                }
+                Kind::V1(c) => {
+                    files.extend(["tasks", "notify_on_release"]);
+                    files.extend(match *c {
+                        "memory" => &[
+                            "memory.limit_in_bytes",
+                            "memory.memsw.limit_in_bytes",
+                            "memory.oom_control",
+                            "memory.failcnt",
+                            "memory.usage_in_bytes",
+                        ][..],
+                        "pids" => &["pids.max", "pids.events", "pids.current"],
+                        "cpu" => &["cpu.cfs_quota_us", "cpu.cfs_period_us", "cpu.shares"],
+                        other => panic!("no v1 files for {other}"),
+                    });
+                }
+            }
+            files
+        }
+
+        /// The registered hierarchy `dir` lies strictly inside, if any.
+        fn hierarchy_of(dir: &Path) -> Option<(PathBuf, Kind)> {
+            let all = HIERARCHIES.lock().unwrap_or_else(|e| e.into_inner());
+            all.iter()
+                .filter(|(root, _)| dir.starts_with(root) && dir != root)
+                .max_by_key(|(r, _)| r.as_os_str().len())
+                .cloned()
+        }
+
+        /// Fills `dir` and each of its ancestors inside a fixture hierarchy
+        /// that has no control files yet, as the kernel would have on mkdir.
+        pub(crate) fn kernel_mkdir(dir: &Path) {
+            let Some((root, kind)) = hierarchy_of(dir) else { return };
+            for level in dir.ancestors().take_while(|a| *a != root) {
+                if level.join("cgroup.procs").exists() {
+                    continue;
+                }
+                for file in control_files(&kind) {
+                    let text = match (&kind, file) {
+                        (Kind::V2 { controllers, .. }, "cgroup.controllers") => controllers.join(" ") + "\n",
+                        _ => String::new(),
+                    };
+                    fs::write(level.join(file), text).expect("fixture control file");
+                }
+            }
+        }
+
+        /// Drops a fixture cgroup's control files, unless processes are
+        /// listed in it or it has children (then the `rmdir` that follows
+        /// fails, as the kernel's does with EBUSY).
+        pub(crate) fn kernel_rmdir(dir: &Path) {
+            if hierarchy_of(dir).is_none() {
+                return;
+            }
+            let busy = fs::read_to_string(dir.join("cgroup.procs")).is_ok_and(|t| !t.trim().is_empty());
+            let Ok(entries) = fs::read_dir(dir) else { return };
+            let entries: Vec<_> = entries.flatten().collect();
+            if busy || entries.iter().any(|e| e.path().is_dir()) {
+                return;
+            }
+            for e in entries {
+                fs::remove_file(e.path()).expect("remove fixture control file");
+            }
+        }
+
+        /// Every file of `dir` the code wrote (non-empty, the read-only
+        /// `cgroup.controllers` aside), name to content.
+        pub(crate) fn written(dir: &Path) -> BTreeMap<String, String> {
+            fs::read_dir(dir)
+                .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+                .flatten()
+                .filter(|e| e.path().is_file())
+                .map(|e| (e.file_name().to_string_lossy().into_owned(), fs::read_to_string(e.path()).unwrap()))
+                .filter(|(name, text)| !text.is_empty() && name != "cgroup.controllers")
+                .collect()
+        }
+
+        /// A temporary cgroup mount; its hierarchies are unregistered on drop.
+        pub(crate) struct Tree {
+            dir: tempfile::TempDir,
+        }
+
+        impl Tree {
+            fn new() -> Tree {
+                Tree { dir: tempfile::tempdir().expect("tempdir") }
+            }
+
+            /// Pure cgroup v2: the mount root is the v2 root and offers
+            /// `controllers`.
+            pub(crate) fn v2(controllers: &[&'static str], kill: bool) -> Tree {
+                let tree = Tree::new();
+                tree.add_v2(tree.path().to_path_buf(), controllers, kill);
+                tree
+            }
+
+            /// Pure cgroup v1: one hierarchy per controller, `<mount>/<controller>`.
+            pub(crate) fn v1(controllers: &[&'static str]) -> Tree {
+                let tree = Tree::new();
+                controllers.iter().for_each(|c| tree.add_v1(c));
+                tree
+            }
+
+            /// Hybrid: v1 `controllers` and a v2 `<mount>/unified` that
+            /// offers none (as systemd's hybrid mode mounts it).
+            pub(crate) fn hybrid(controllers: &[&'static str], kill: bool) -> Tree {
+                let tree = Tree::v1(controllers);
+                tree.add_v2(tree.path().join("unified"), &[], kill);
+                tree
+            }
+
+            pub(crate) fn path(&self) -> &Path {
+                self.dir.path()
+            }
+
+            fn add_v2(&self, root: PathBuf, controllers: &[&'static str], kill: bool) {
+                fs::create_dir_all(&root).unwrap();
+                fs::write(root.join("cgroup.controllers"), controllers.join(" ") + "\n").unwrap();
+                for file in ["cgroup.subtree_control", "cgroup.procs", "cgroup.stat"] {
+                    fs::write(root.join(file), "").unwrap();
+                }
+                let kind = Kind::V2 { controllers: controllers.to_vec(), kill };
+                HIERARCHIES.lock().unwrap_or_else(|e| e.into_inner()).push((root, kind));
+            }
+
+            fn add_v1(&self, controller: &'static str) {
+                let root = self.path().join(controller);
+                fs::create_dir(&root).unwrap();
+                // The root cgroup has the control files too (limits are
+                // never set there), and holds every process of the host.
+                for file in control_files(&Kind::V1(controller)) {
+                    fs::write(root.join(file), "").unwrap();
+                }
+                fs::write(root.join("cgroup.procs"), "1\n").unwrap();
+                HIERARCHIES.lock().unwrap_or_else(|e| e.into_inner()).push((root, Kind::V1(controller)));
+            }
+        }
+
+        impl Drop for Tree {
+            fn drop(&mut self) {
+                let mine = self.dir.path().to_path_buf();
+                HIERARCHIES.lock().unwrap_or_else(|e| e.into_inner()).retain(|(root, _)| !root.starts_with(&mine));
+            }
+        }
+    }
+
     /// A parent nested like a systemd unit's delegated subtree works as a
     /// flat one does; `..` and empty levels are refused.
     #[test]
     fn a_nested_parent_carries_limits() {
         let nested = CgroupHost::detect(Path::new(MOUNT), "corral-test-nested/unit.service/sandboxes");
-        assert_eq!((nested.pids(), nested.kill()), (Ok(Mechanism::CgroupV1), Ok(Mechanism::CgroupV2)));
+        let flat = host();
+        assert_eq!((nested.pids(), nested.kill()), (flat.pids(), flat.kill()));
         let limits = CgroupLimits { max_processes: 8, ..Default::default() };
         let cg = Guard(nested.create(&unique_name(), &limits).expect("create a nested cgroup"));
         assert!(cg.0.dirs.iter().all(|d| d.to_string_lossy().contains("corral-test-nested/unit.service/sandboxes/")));
+        let pids_dir = cg.paths().into_iter().find(|d| d.starts_with(&nested.pids.as_ref().unwrap().root)).unwrap();
+        assert_eq!(fs::read_to_string(pids_dir.join("pids.max")).unwrap().trim(), "8");
         drop(cg);
         for bad in ["a/../b", "a//b", "./a", "a/b c"] {
             assert!(CgroupHost::detect(Path::new(MOUNT), bad).kill().is_err(), "{bad}");
         }
     }
 
+    /// On the real host, each limit lands in the file of the mechanism
+    /// `detect()` reports, in the directory of that mechanism's hierarchy,
+    /// holding the value written; a limit it reports unavailable fails
+    /// closed. Holds on hybrid, pure v2 and pure v1 hosts alike.
     #[test]
-    fn detects_this_hybrid_host() {
+    fn real_host_limits_land_where_detect_says() {
         let host = host();
-        assert_eq!(host.memory(), Ok(Mechanism::CgroupV1));
-        assert_eq!(host.pids(), Ok(Mechanism::CgroupV1));
-        assert_eq!(host.cpu(), Ok(Mechanism::CgroupV1));
-        assert_eq!(host.kill(), Ok(Mechanism::CgroupV2));
+        let kill = host.kill().expect("the cgroup tests need a writable cgroup hierarchy (run them as root)");
+        let on = |r: Result<Mechanism, String>, v: u64| if r.is_ok() { v } else { 0 };
+        let limits = CgroupLimits {
+            memory_bytes: on(host.memory(), 256 << 20),
+            max_processes: on(host.pids(), 64),
+            cpu_millis: on(host.cpu(), 500),
+        };
+        for (what, r, one) in [
+            ("a memory limit", host.memory(), CgroupLimits { memory_bytes: 1 << 28, ..Default::default() }),
+            ("a process limit", host.pids(), CgroupLimits { max_processes: 8, ..Default::default() }),
+            ("a cpu limit", host.cpu(), CgroupLimits { cpu_millis: 100, ..Default::default() }),
+        ] {
+            if r.is_err() {
+                let e = host.create(&unique_name(), &one).unwrap_err();
+                assert!(matches!(e, CgroupError::Unsupported { what: w, .. } if w == what), "{e}");
+            }
+        }
         let d = host.describe();
-        assert!(d.starts_with("hybrid: v2 at /sys/fs/cgroup/unified (kill)"), "{d}");
-        assert!(d.contains("v1 memory, pids, cpu") && !d.contains("unavailable"), "{d}");
-        assert_eq!(Mechanism::CgroupV2.to_string(), "cgroup v2");
+        let all = [host.memory(), host.pids(), host.cpu()].iter().all(Result::is_ok);
+        assert_eq!(d.contains("unavailable"), !all, "{d}");
+
+        let cg = create(limits);
+        let paths = cg.paths();
+        let kill_root = &host.kill.as_ref().unwrap().root;
+        assert!(paths[0].starts_with(kill_root.join(PARENT)), "{paths:?} not led by {}", kill_root.display());
+        let expected_kill_file = (kill == Mechanism::CgroupV2 && host.v2_kill).then(|| paths[0].join("cgroup.kill"));
+        assert_eq!(cg.kill_file, expected_kill_file);
+        let read = |p: PathBuf| fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        let dir_of = |slot: &Result<Slot, String>| {
+            let root = &slot.as_ref().unwrap().root;
+            let dirs: Vec<&PathBuf> = paths.iter().filter(|p| p.starts_with(root)).collect();
+            assert_eq!(dirs.len(), 1, "one directory under {} in {paths:?}", root.display());
+            dirs[0].clone()
+        };
+        let mut roots = BTreeSet::from([kill_root.clone()]);
+        if let Ok(mech) = host.memory() {
+            let dir = dir_of(&host.memory);
+            let bytes = (256u64 << 20).to_string();
+            match mech {
+                Mechanism::CgroupV2 => {
+                    assert_eq!(read(dir.join("memory.max")).trim(), bytes);
+                    if dir.join("memory.swap.max").exists() {
+                        assert_eq!(read(dir.join("memory.swap.max")).trim(), "0");
+                    }
+                }
+                Mechanism::CgroupV1 => {
+                    assert_eq!(read(dir.join("memory.limit_in_bytes")).trim(), bytes);
+                    if dir.join("memory.memsw.limit_in_bytes").exists() {
+                        assert_eq!(read(dir.join("memory.memsw.limit_in_bytes")).trim(), bytes);
+                    }
+                }
+            }
+            roots.insert(host.memory.as_ref().unwrap().root.clone());
+        }
+        if host.pids().is_ok() {
+            assert_eq!(read(dir_of(&host.pids).join("pids.max")).trim(), "64");
+            roots.insert(host.pids.as_ref().unwrap().root.clone());
+        }
+        if let Ok(mech) = host.cpu() {
+            let dir = dir_of(&host.cpu);
+            match mech {
+                Mechanism::CgroupV2 => assert_eq!(read(dir.join("cpu.max")).trim(), "50000 100000"),
+                Mechanism::CgroupV1 => {
+                    assert_eq!(read(dir.join("cpu.cfs_quota_us")).trim(), "50000");
+                    assert_eq!(read(dir.join("cpu.cfs_period_us")).trim(), "100000");
+                }
+            }
+            roots.insert(host.cpu.as_ref().unwrap().root.clone());
+        }
+        // One directory per hierarchy used, and none elsewhere.
+        assert_eq!(paths.len(), roots.len(), "{paths:?} for {roots:?}");
     }
 
-    /// The pure-v2 layout, as far as this host allows: the unified mount
-    /// as the mount root (no controllers there, but cgroup.kill).
+    /// A cgroup without limits is one directory in the hierarchy that
+    /// tracks processes, and `kill_all` empties it (through `cgroup.kill`
+    /// where `detect()` found one, else the kill loop).
     #[tokio::test]
-    async fn pure_v2_layout_on_the_unified_mount() {
-        let unified = Path::new(MOUNT).join("unified");
-        let host = CgroupHost::detect(&unified, PARENT);
-        assert_eq!(host.kill(), Ok(Mechanism::CgroupV2));
-        let e = host.memory().unwrap_err();
-        assert!(e.contains("without +memory in cgroup.subtree_control") && e.contains("memory.max"), "{e}");
-        assert!(host.pids().is_err() && host.cpu().is_err());
-        let d = host.describe();
-        assert_eq!(d, format!("cgroup v2 at {} (kill); unavailable: memory, pids, cpu", unified.display()));
-        let limits = CgroupLimits { cpu_millis: 100, ..Default::default() };
-        assert!(matches!(
-            host.create(&unique_name(), &limits),
-            Err(CgroupError::Unsupported { what: "a cpu limit", .. })
-        ));
+    async fn a_cgroup_without_limits_tracks_and_kills() {
+        let host = host();
         let cg = Guard(host.create(&unique_name(), &CgroupLimits::default()).unwrap());
         assert_eq!(cg.paths().len(), 1);
-        assert!(cg.kill_file.is_some());
+        assert!(cg.paths()[0].starts_with(&host.kill.as_ref().unwrap().root));
+        assert_eq!(cg.kill_file.is_some(), host.v2_kill);
         let mut child = spawn_in(&cg.procs_files().unwrap(), Command::new("sleep").arg("600"));
         assert_eq!(cg.pids(), vec![child.id() as i32]);
         cg.kill_all(Duration::from_secs(5)).await.unwrap();
@@ -748,38 +1025,6 @@ mod tests {
             let r = host.create(bad, &CgroupLimits::default());
             assert!(matches!(r, Err(CgroupError::InvalidName(_))), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn cpu_and_memory_files_hold_what_was_written() {
-        let limits = CgroupLimits { memory_bytes: 256 << 20, max_processes: 64, cpu_millis: 500 };
-        let cg = create(limits);
-        let read = |p: PathBuf| fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-        let mut seen = 0;
-        for dir in cg.paths() {
-            if dir.join("cpu.cfs_quota_us").exists() {
-                assert_eq!(read(dir.join("cpu.cfs_quota_us")).trim(), "50000");
-                assert_eq!(read(dir.join("cpu.cfs_period_us")).trim(), "100000");
-                seen += 1;
-            }
-            if dir.join("cpu.max").exists() {
-                assert_eq!(read(dir.join("cpu.max")).trim(), "50000 100000");
-                seen += 1;
-            }
-            if dir.join("memory.limit_in_bytes").exists() {
-                assert_eq!(read(dir.join("memory.limit_in_bytes")).trim(), (256u64 << 20).to_string());
-                if dir.join("memory.memsw.limit_in_bytes").exists() {
-                    assert_eq!(read(dir.join("memory.memsw.limit_in_bytes")).trim(), (256u64 << 20).to_string());
-                }
-            }
-            if dir.join("pids.max").exists() {
-                assert_eq!(read(dir.join("pids.max")).trim(), "64");
-            }
-        }
-        assert_eq!(seen, 1, "exactly one cpu limit in {:?}", cg.paths());
-        // Hybrid: v2 membership + one v1 dir per limit.
-        assert_eq!(cg.paths().len(), 4, "{:?}", cg.paths());
-        assert!(cg.paths()[0].starts_with("/sys/fs/cgroup/unified/corral-test"));
     }
 
     #[tokio::test]
@@ -901,5 +1146,272 @@ time.sleep(600)
         let again = Guard(host.create(&name, &CgroupLimits { max_processes: 20, ..Default::default() }).unwrap());
         let pids_max = again.paths().iter().map(|d| d.join("pids.max")).find(|f| f.exists()).unwrap();
         assert_eq!(fs::read_to_string(pids_max).unwrap().trim(), "20");
+    }
+
+    // ---- Fixture trees: every layout, whatever this host's is. ----
+
+    use fixture::{written, Tree};
+    use std::collections::BTreeMap;
+
+    const ALL: [&str; 3] = ["memory", "pids", "cpu"];
+    const LIMITS: CgroupLimits = CgroupLimits { memory_bytes: 256 << 20, max_processes: 64, cpu_millis: 500 };
+    const BYTES: &str = "268435456";
+
+    fn files(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    /// The sub-directories of `dir` (cgroups; control files aside).
+    fn children(dir: &Path) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> =
+            fs::read_dir(dir).unwrap().flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect();
+        v.sort();
+        v
+    }
+
+    fn mechanisms(host: &CgroupHost) -> [Result<Mechanism, String>; 4] {
+        [host.memory(), host.pids(), host.cpu(), host.kill()]
+    }
+
+    #[test]
+    fn fixture_v2_detects_every_controller_on_v2() {
+        let tree = Tree::v2(&ALL, true);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        let v2 = Ok(Mechanism::CgroupV2);
+        assert_eq!(mechanisms(&host), [v2.clone(), v2.clone(), v2.clone(), v2]);
+        assert!(host.v2_kill);
+        assert_eq!(host.describe(), format!("cgroup v2 at {} (kill, memory, pids, cpu)", tree.path().display()));
+        assert_eq!(children(&tree.path().join("corral")), Vec::<PathBuf>::new(), "probes removed");
+        assert_eq!(Mechanism::CgroupV2.to_string(), "cgroup v2");
+    }
+
+    /// The pure v2 layout (the common production one): every limit in the
+    /// one v2 directory, in v2 files, and nothing else written.
+    #[test]
+    fn fixture_v2_limits_go_to_the_v2_files() {
+        let tree = Tree::v2(&ALL, true);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        let cg = host.create("sb1", &LIMITS).unwrap();
+        let dir = tree.path().join("corral/sb1");
+        assert_eq!(cg.paths(), vec![dir.clone()]);
+        assert_eq!(cg.kill_file, Some(dir.join("cgroup.kill")));
+        let want = [("memory.max", BYTES), ("memory.swap.max", "0"), ("pids.max", "64"), ("cpu.max", "50000 100000")];
+        assert_eq!(written(&dir), files(&want));
+        // An unset limit writes nothing; 2.5 CPUs is a quota above the period.
+        let cpu_only = host.create("sb2", &CgroupLimits { cpu_millis: 2500, ..Default::default() }).unwrap();
+        assert_eq!(written(&tree.path().join("corral/sb2")), files(&[("cpu.max", "250000 100000")]));
+
+        let reopened = host.open("sb1").expect("open");
+        assert_eq!((reopened.paths(), reopened.kill_file.clone()), (cg.paths(), cg.kill_file.clone()));
+        cg.remove().unwrap();
+        assert!(!dir.exists());
+        cg.remove().expect("remove is idempotent");
+        assert!(host.open("sb1").is_none());
+        cpu_only.remove().unwrap();
+        assert_eq!(children(&tree.path().join("corral")), Vec::<PathBuf>::new());
+    }
+
+    /// A kernel before 5.14 has no cgroup.kill: v2 still tracks membership.
+    #[test]
+    fn fixture_v2_without_cgroup_kill_tracks_membership() {
+        let tree = Tree::v2(&ALL, false);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        assert_eq!(host.kill(), Ok(Mechanism::CgroupV2));
+        assert!(!host.v2_kill);
+        assert_eq!(host.describe(), format!("cgroup v2 at {} (membership, memory, pids, cpu)", tree.path().display()));
+        let cg = host.create("sb1", &CgroupLimits::default()).unwrap();
+        assert_eq!((cg.paths(), cg.kill_file.clone()), (vec![tree.path().join("corral/sb1")], None));
+    }
+
+    /// A v2 root that does not offer cpu: cpu is unavailable, named in the
+    /// reason, and a cpu limit fails closed without leaving a directory.
+    #[test]
+    fn fixture_v2_without_cpu_fails_closed() {
+        let tree = Tree::v2(&["memory", "pids"], true);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        assert_eq!((host.memory(), host.pids()), (Ok(Mechanism::CgroupV2), Ok(Mechanism::CgroupV2)));
+        let e = host.cpu().unwrap_err();
+        let m = tree.path().display();
+        let head = format!(
+            "no writable cpu controller under {m} (cgroup v2 without +cpu in cgroup.subtree_control, or v1 cpu not \
+             mounted); cgroup v2 at {m}: writing \"max 100000\" to {m}/corral/.probe-"
+        );
+        assert!(e.starts_with(&head) && e.contains("/cpu.max: "), "{e}");
+        assert_eq!(host.describe(), format!("cgroup v2 at {m} (kill, memory, pids); unavailable: cpu"));
+        match host.create("sb1", &LIMITS) {
+            Err(CgroupError::Unsupported { what, reason }) => assert_eq!((what, reason), ("a cpu limit", e)),
+            other => panic!("a cpu limit without a cpu controller: {other:?}"),
+        }
+        assert!(!tree.path().join("corral/sb1").exists());
+        let cg = host.create("sb1", &CgroupLimits { cpu_millis: 0, ..LIMITS }).unwrap();
+        let want = [("memory.max", BYTES), ("memory.swap.max", "0"), ("pids.max", "64")];
+        assert_eq!(written(&cg.paths()[0]), files(&want));
+    }
+
+    /// A v2 root that delegates nothing (as hybrid's unified mount): only
+    /// tracking works; each limit is refused with why.
+    #[test]
+    fn fixture_v2_without_controllers_only_tracks() {
+        let tree = Tree::v2(&[], true);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        assert_eq!(host.kill(), Ok(Mechanism::CgroupV2));
+        for (ctrl, file, r) in [("memory", "memory.max", host.memory()), ("pids", "pids.max", host.pids())] {
+            let e = r.unwrap_err();
+            assert!(e.contains(&format!("without +{ctrl} in cgroup.subtree_control")) && e.contains(file), "{e}");
+        }
+        assert!(host.cpu().is_err());
+        let m = tree.path().display();
+        assert_eq!(host.describe(), format!("cgroup v2 at {m} (kill); unavailable: memory, pids, cpu"));
+        for (what, limits) in [
+            ("a memory limit", CgroupLimits { memory_bytes: 1 << 28, ..Default::default() }),
+            ("a process limit", CgroupLimits { max_processes: 8, ..Default::default() }),
+            ("a cpu limit", CgroupLimits { cpu_millis: 100, ..Default::default() }),
+        ] {
+            let e = host.create("sb1", &limits).unwrap_err();
+            assert!(matches!(e, CgroupError::Unsupported { what: w, .. } if w == what), "{e}");
+        }
+        let cg = host.create("sb1", &CgroupLimits::default()).unwrap();
+        assert_eq!(cg.paths(), vec![tree.path().join("corral/sb1")]);
+        assert_eq!(written(&cg.paths()[0]), BTreeMap::new());
+    }
+
+    /// A nested parent (a systemd unit's delegated subtree) on v2.
+    #[test]
+    fn fixture_v2_nested_parent_carries_limits() {
+        let tree = Tree::v2(&ALL, true);
+        let host = CgroupHost::detect(tree.path(), "system.slice/corral.service/sandboxes");
+        assert_eq!(host.memory(), Ok(Mechanism::CgroupV2));
+        let cg = host.create("sb1", &CgroupLimits { max_processes: 8, ..Default::default() }).unwrap();
+        let dir = tree.path().join("system.slice/corral.service/sandboxes/sb1");
+        assert_eq!(cg.paths(), vec![dir.clone()]);
+        assert_eq!(written(&dir), files(&[("pids.max", "8")]));
+    }
+
+    #[test]
+    fn fixture_v1_detects_every_controller_on_v1() {
+        let tree = Tree::v1(&ALL);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        let v1 = Ok(Mechanism::CgroupV1);
+        assert_eq!(mechanisms(&host), [v1.clone(), v1.clone(), v1.clone(), v1]);
+        assert_eq!(host.kill.as_ref().unwrap().root, tree.path().join("pids"));
+        assert!(!host.v2_kill);
+        assert_eq!(host.describe(), "cgroup v1: membership, memory, pids, cpu");
+        assert_eq!(Mechanism::CgroupV1.to_string(), "cgroup v1");
+    }
+
+    /// Pure v1: one directory per controller, each with its v1 files.
+    #[test]
+    fn fixture_v1_limits_go_to_the_v1_files() {
+        let tree = Tree::v1(&ALL);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        let cg = host.create("sb1", &LIMITS).unwrap();
+        let dir = |c: &str| tree.path().join(c).join("corral/sb1");
+        assert_eq!(cg.paths(), vec![dir("pids"), dir("memory"), dir("cpu")]);
+        assert_eq!(cg.kill_file, None);
+        assert_eq!(written(&dir("pids")), files(&[("pids.max", "64")]));
+        let memory = [("memory.limit_in_bytes", BYTES), ("memory.memsw.limit_in_bytes", BYTES)];
+        assert_eq!(written(&dir("memory")), files(&memory));
+        assert_eq!(written(&dir("cpu")), files(&[("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "50000")]));
+        assert_eq!(host.open("sb1").expect("open").paths(), cg.paths());
+        cg.remove().unwrap();
+        assert!(cg.paths().iter().all(|d| !d.exists()), "{:?}", cg.paths());
+        assert!(host.open("sb1").is_none());
+    }
+
+    /// v1 without the pids hierarchy: tracking moves to memory, and a
+    /// process limit fails closed.
+    #[test]
+    fn fixture_v1_without_pids_fails_closed() {
+        let tree = Tree::v1(&["memory", "cpu"]);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        let e = host.pids().unwrap_err();
+        let m = tree.path().display();
+        let want = format!(
+            "no writable pids controller under {m} (cgroup v2 without +pids in cgroup.subtree_control, or v1 pids not \
+             mounted)"
+        );
+        assert_eq!(e, want);
+        assert_eq!(host.kill.as_ref().unwrap().root, tree.path().join("memory"));
+        assert_eq!(host.describe(), "cgroup v1: membership, memory, cpu; unavailable: pids");
+        let e = host.create("sb1", &LIMITS).unwrap_err();
+        assert!(matches!(e, CgroupError::Unsupported { what: "a process limit", .. }), "{e}");
+        for c in ["memory", "cpu"] {
+            assert_eq!(children(&tree.path().join(c).join("corral")), Vec::<PathBuf>::new(), "{c}");
+        }
+    }
+
+    /// Hybrid: membership and cgroup.kill on v2 (which gets no limit),
+    /// limits in the v1 hierarchies.
+    #[test]
+    fn fixture_hybrid_limits_on_v1_tracking_on_v2() {
+        let tree = Tree::hybrid(&ALL, true);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        let v1 = Ok(Mechanism::CgroupV1);
+        assert_eq!(mechanisms(&host), [v1.clone(), v1.clone(), v1, Ok(Mechanism::CgroupV2)]);
+        let unified = tree.path().join("unified");
+        assert_eq!(host.describe(), format!("hybrid: v2 at {} (kill), v1 memory, pids, cpu", unified.display()));
+        let cg = host.create("sb1", &LIMITS).unwrap();
+        let dir = |c: &str| tree.path().join(c).join("corral/sb1");
+        assert_eq!(cg.paths(), vec![dir("unified"), dir("memory"), dir("pids"), dir("cpu")]);
+        assert_eq!(cg.kill_file, Some(dir("unified").join("cgroup.kill")));
+        assert_eq!(written(&dir("unified")), BTreeMap::new());
+        let memory = [("memory.limit_in_bytes", BYTES), ("memory.memsw.limit_in_bytes", BYTES)];
+        assert_eq!(written(&dir("memory")), files(&memory));
+        assert_eq!(written(&dir("pids")), files(&[("pids.max", "64")]));
+        assert_eq!(written(&dir("cpu")), files(&[("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "50000")]));
+        cg.remove().unwrap();
+        assert!(cg.paths().iter().all(|d| !d.exists()), "{:?}", cg.paths());
+    }
+
+    /// v2 counts OOM kills in memory.events and refused forks in pids.events.
+    #[test]
+    fn fixture_v2_limit_hits_read_the_events_files() {
+        let tree = Tree::v2(&ALL, true);
+        let cg = CgroupHost::detect(tree.path(), "corral").create("sb1", &LIMITS).unwrap();
+        assert_eq!(cg.limit_hits(), LimitHits::default());
+        let dir = &cg.paths()[0];
+        fs::write(dir.join("memory.events"), "low 0\nhigh 0\nmax 9\noom 3\noom_kill 2\noom_group_kill 0\n").unwrap();
+        fs::write(dir.join("pids.events"), "max 7\n").unwrap();
+        assert_eq!(cg.limit_hits(), LimitHits { memory_oom_kills: 2, pids_refused: 7 });
+    }
+
+    /// v1 counts OOM kills in memory.oom_control, or (old kernels without
+    /// its oom_kill line) counts a non-zero memory.failcnt as one.
+    #[test]
+    fn fixture_v1_limit_hits_read_oom_control_then_failcnt() {
+        let tree = Tree::v1(&ALL);
+        let cg = CgroupHost::detect(tree.path(), "corral").create("sb1", &LIMITS).unwrap();
+        assert_eq!(cg.limit_hits(), LimitHits::default());
+        let memory = tree.path().join("memory/corral/sb1");
+        fs::write(memory.join("memory.oom_control"), "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n").unwrap();
+        fs::write(memory.join("memory.failcnt"), "40\n").unwrap();
+        fs::write(tree.path().join("pids/corral/sb1/pids.events"), "max 5\n").unwrap();
+        assert_eq!(cg.limit_hits(), LimitHits { memory_oom_kills: 3, pids_refused: 5 });
+        fs::write(memory.join("memory.oom_control"), "oom_kill_disable 0\nunder_oom 0\n").unwrap();
+        assert_eq!(cg.limit_hits(), LimitHits { memory_oom_kills: 1, pids_refused: 5 });
+        fs::write(memory.join("memory.failcnt"), "0\n").unwrap();
+        assert_eq!(cg.limit_hits(), LimitHits { memory_oom_kills: 0, pids_refused: 5 });
+    }
+
+    /// A leftover that lists a process is refused (and left alone); an
+    /// empty one is replaced, with the new limits.
+    #[test]
+    fn fixture_leftover_busy_is_refused_empty_is_replaced() {
+        let tree = Tree::v2(&ALL, true);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        let dir = tree.path().join("corral/sb1");
+        host.create("sb1", &CgroupLimits { max_processes: 10, ..Default::default() }).unwrap();
+        // A made-up pid: nothing here signals it.
+        fs::write(dir.join("cgroup.procs"), "4194304\n").unwrap();
+        match host.create("sb1", &CgroupLimits::default()) {
+            Err(CgroupError::Io { op, path, .. }) => {
+                assert_eq!((op, path), ("replace leftover cgroup (kill_all it first)", dir.clone()))
+            }
+            other => panic!("a busy leftover: {other:?}"),
+        }
+        assert_eq!(written(&dir), files(&[("cgroup.procs", "4194304\n"), ("pids.max", "10")]));
+        fs::write(dir.join("cgroup.procs"), "").unwrap();
+        host.create("sb1", &CgroupLimits { max_processes: 20, ..Default::default() }).unwrap();
+        assert_eq!(written(&dir), files(&[("pids.max", "20")]));
     }
 }
