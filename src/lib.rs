@@ -7,7 +7,9 @@
 //!
 //! The folders follow the lifecycle: `api` (the thin gRPC edge) →
 //! `lifecycle` (the engine) → `catalog`, `policy`, `sandbox`, `rein`,
-//! `events`, `store`, `evidence`. `cli` is the client side of the binary.
+//! `events`, `store`, `records`, and at the bottom `types` (the value types
+//! every record is made of, depending on nothing). `cli` is the client
+//! side of the binary.
 
 pub mod api;
 pub mod auth;
@@ -18,7 +20,6 @@ pub mod credentials;
 pub mod daemon;
 pub mod delegate;
 pub mod events;
-pub mod evidence;
 pub mod fdlimit;
 pub mod gate;
 pub mod hub;
@@ -31,6 +32,7 @@ pub mod rein;
 pub mod sandbox;
 pub mod store;
 pub mod telemetry;
+pub mod types;
 
 /// The wire contract, generated from `proto/corral/v1`.
 pub mod pb {

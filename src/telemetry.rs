@@ -8,7 +8,7 @@
 
 use metrics::{counter, gauge, histogram};
 
-use crate::evidence::Evidence;
+use crate::types::evidence::Evidence;
 
 /// Histogram buckets (seconds) of every duration metric.
 pub(crate) const BUCKETS: &[f64] =

@@ -3,11 +3,11 @@
 
 use crate::catalog::{self, Profile, ReadinessState};
 use crate::events::{BusItem, EventKind, RawPart};
-use crate::evidence::{self, FailureStage, HubReportStatus, Outcome, TeardownResult};
 use crate::lifecycle::{ExecutionRecord, ExecutionState, RawResult, SessionRecord, SessionState};
 use crate::pb;
 use crate::policy::{self, Action};
 use crate::sandbox::{self, SandboxType};
+use crate::types::evidence::{self, FailureStage, HubReportStatus, Outcome, TeardownResult};
 
 use super::words::wire;
 

@@ -5,6 +5,7 @@ use sha2::{Digest, Sha256};
 
 use crate::policy::{compile_all, Policy, PolicySpec};
 use crate::sandbox::{SandboxSpec, SandboxType};
+pub use crate::types::{Readiness, ReadinessState};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -12,25 +13,6 @@ pub enum ProfileStatus {
     #[default]
     Enabled,
     Disabled,
-}
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ReadinessState {
-    #[default]
-    Ready,
-    Unverified,
-    Blocked,
-}
-
-/// Operational readiness: whether a profile may run, and who says so.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct Readiness {
-    pub state: ReadinessState,
-    pub reason: String,
-    pub owner: String,
-    pub evidence_ref: String,
 }
 
 /// How the harness's stdout maps to the JSON-lines protocol.

@@ -19,8 +19,7 @@ use hyper::body::{Bytes, Incoming};
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::{HeaderMap, Request, Response, StatusCode};
 
-/// Where the gateway listens inside every sandbox with a gatewayed route.
-pub const GATEWAY_PORT: u16 = 3130;
+pub use crate::sandbox::GATEWAY_PORT;
 /// How long connecting to the upstream (TCP and TLS) may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 

@@ -26,9 +26,7 @@ use serde::Deserialize;
 pub use endpoint::{serve, HookRequest};
 pub use hook::{HookCall, Verdict};
 
-/// Where the gate endpoint listens inside every sandbox whose agent has a
-/// managed hook (its loopback: nothing else exists in that namespace).
-pub const GATE_PORT: u16 = 3129;
+pub use crate::sandbox::GATE_PORT;
 /// The path both hooks call.
 pub const HOOK_PATH: &str = "/v1/pre-tool-use";
 /// Where the hook helper is bound inside the sandbox (read-only; the corral

@@ -12,9 +12,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::Notify;
 
-use crate::evidence::HubReportStatus;
 use crate::records::{now_ms, ExecutionRecord};
 use crate::store::{OutboxRow, Store};
+use crate::types::evidence::HubReportStatus;
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -27,10 +27,10 @@ use super::{Engine, RawResult};
 use crate::catalog::{check_actor, Profile, ReadinessState};
 use crate::credentials::Scrubber;
 use crate::events::{EventKind, RawPart, Recorder};
-use crate::evidence::{Evidence, FailureStage, TeardownResult};
 use crate::policy::{Action, GateInput, GateOutcome, Phase, Policy};
 use crate::rein::{Dispatch, HarnessEvent, ReinError, StartContext, ToolCall, ToolGate, ToolResult};
 use crate::sandbox::{workspace, Consumer, CreateSandbox, SandboxSpec, SandboxState};
+use crate::types::evidence::{Evidence, FailureStage, TeardownResult};
 
 /// Why `open` stopped; the evidence already says so.
 #[derive(Clone, Debug)]
@@ -624,14 +624,14 @@ impl Core {
         }
         self.recorder.emit_batch(batch).await;
         let (allowed, denied) = log.counts();
-        self.evidence.egress = crate::evidence::EgressSummary {
+        self.evidence.egress = crate::types::evidence::EgressSummary {
             allowed,
             denied,
             denied_hosts: log.denied_hosts(10),
             bytes: log
                 .bytes()
                 .into_iter()
-                .map(|(host, up, down)| crate::evidence::HostBytes { host, up, down })
+                .map(|(host, up, down)| crate::types::evidence::HostBytes { host, up, down })
                 .collect(),
         };
     }

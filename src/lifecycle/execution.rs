@@ -11,9 +11,9 @@ use super::core::{Core, OpenFailure, TurnOutcome};
 use super::fit::{fit_raw, json_len};
 use super::{now_ms, Engine, ExecuteCommand, ExecutionRecord, ExecutionState};
 use crate::events::{EventKind, RawPart, Recorder};
-use crate::evidence::{FailureStage, Outcome};
 use crate::rein::{Task, ToolCall};
 use crate::sandbox::WORKSPACE_MOUNT;
+use crate::types::evidence::{FailureStage, Outcome};
 
 pub(super) async fn run(
     engine: &Arc<Engine>,

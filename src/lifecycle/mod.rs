@@ -33,12 +33,12 @@ pub use watch::{Lagged, Subscription, WatchPermit};
 use crate::catalog::Catalog;
 use crate::credentials::CredentialsConfig;
 use crate::events::EventBus;
-use crate::evidence::HubReportStatus;
 use crate::hub::Hub;
 use crate::policy::Gate;
 use crate::rein::Rein;
 use crate::sandbox::{Backends, Consumer};
 use crate::store::{ExecutionFilter, Inserted, Store, StoreError};
+use crate::types::evidence::HubReportStatus;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -57,7 +57,7 @@ pub enum EngineError {
     AgentStartDenied { policy: String, reason: String },
     /// A session could not be opened; `raw` is for the direct caller.
     #[error("{}", stage.fixed_error())]
-    StageFailed { stage: crate::evidence::FailureStage, raw: String },
+    StageFailed { stage: crate::types::evidence::FailureStage, raw: String },
     #[error("{0}")]
     FailedPrecondition(String),
     #[error("{0}")]

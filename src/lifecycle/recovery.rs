@@ -10,8 +10,8 @@ use std::sync::Arc;
 use super::leftover::{self, SignalScope};
 use super::{now_ms, Engine, EngineError, ExecutionState, SessionState};
 use crate::events::{Event, EventKind, Recorder};
-use crate::evidence::{Evidence, FailureStage, Outcome, TeardownResult};
 use crate::sandbox::SandboxState;
+use crate::types::evidence::{Evidence, FailureStage, Outcome, TeardownResult};
 
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct RecoveryReport {

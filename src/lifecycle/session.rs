@@ -13,10 +13,10 @@ use super::core::{Core, OpenFailure, TurnOutcome};
 use super::fit::{fit_raw, json_len};
 use super::{now_ms, Engine, EngineError, RawResult, SessionRecord, SessionState, Subscription};
 use crate::events::{EventKind, RawPart, Recorder};
-use crate::evidence::{FailureStage, Outcome};
 use crate::policy::Policy;
 use crate::rein::{Task, ToolCall};
 use crate::sandbox::{Consumer, WORKSPACE_MOUNT};
+use crate::types::evidence::{FailureStage, Outcome};
 
 pub struct CreateSessionCommand {
     pub session_id: String,
@@ -233,7 +233,10 @@ impl Engine {
             };
             if !ok {
                 use tracing_opentelemetry::OpenTelemetrySpanExt;
-                let class = crate::evidence::failure_class(crate::evidence::FailureStage::Execution, &raw.tool_error);
+                let class = crate::types::evidence::failure_class(
+                    crate::types::evidence::FailureStage::Execution,
+                    &raw.tool_error,
+                );
                 tracing::Span::current().set_status(opentelemetry::trace::Status::error(class));
             }
             let snapshot = {

@@ -20,6 +20,7 @@ pub use kinds::{compile_all, EnforceSandbox, Kind, Policy, KNOWN_KINDS};
 pub use tighten::tighten;
 
 use crate::sandbox::{Capabilities, SandboxLimits, SandboxSpec, SandboxType};
+pub use crate::types::{Action, PolicyDecision};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -36,16 +37,6 @@ impl Phase {
             Phase::ToolCall => "tool_call",
         }
     }
-}
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Action {
-    #[default]
-    Allow,
-    Deny,
-    /// At `tool_call`: the call waits for a person's decision.
-    Ask,
 }
 
 /// A policy as written in a profile, a session or the daemon config.
@@ -84,16 +75,6 @@ impl Selector {
             _ => Err(format!("on: {text:?} is not agent_start, tool_call or tool_call:<tool>")),
         }
     }
-}
-
-/// One policy's verdict. `source` is session, profile, admin or builtin.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct PolicyDecision {
-    pub policy: String,
-    pub source: String,
-    pub action: Action,
-    pub reason: String,
 }
 
 /// What the gate looks at.

@@ -3,10 +3,10 @@
 use serde::{Deserialize, Serialize};
 
 use super::{ExecutionRecord, SessionRecord};
-use crate::catalog::Readiness;
-use crate::evidence::TeardownResult;
-use crate::policy::{Action, PolicyDecision};
-use crate::sandbox::{Consumer, EnforcementReceipt, SandboxSpec, SandboxType};
+use crate::types::evidence::TeardownResult;
+use crate::types::Readiness;
+use crate::types::{Action, PolicyDecision};
+use crate::types::{Consumer, EnforcementReceipt, SandboxSpec, SandboxType};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Event {

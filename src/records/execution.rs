@@ -2,8 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::evidence::{Evidence, Outcome};
-use crate::sandbox::{Consumer, SandboxSpec};
+use crate::types::evidence::{Evidence, Outcome};
+use crate::types::{Consumer, SandboxSpec};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -83,7 +83,7 @@ impl ExecuteCommand {
         let mut copy = self.clone();
         copy.request_id.clear();
         let bytes = serde_json::to_vec(&copy).unwrap_or_default();
-        crate::sandbox::hex_digest(&Sha256::digest(&bytes))
+        crate::types::hex(&Sha256::digest(&bytes))
     }
 }
 

@@ -2,8 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::evidence::Evidence;
-use crate::sandbox::{Consumer, SandboxSpec};
+use crate::types::evidence::Evidence;
+use crate::types::{Consumer, SandboxSpec};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -99,7 +99,7 @@ impl Rein for CommandRein {
                 }
             }
         }
-        let invocation = crate::evidence::HarnessInvocation {
+        let invocation = crate::types::evidence::HarnessInvocation {
             argv: prepared.argv.clone(),
             env_names: env.iter().map(|(name, _)| name.clone()).collect(),
             base_url: model_gateway.clone().unwrap_or_else(|| profile.rein.base_url.clone()),
@@ -266,7 +266,7 @@ struct CommandSession {
     env: Vec<(String, String)>,
     ctx: StartContext,
     /// How the current run was started, for the evidence.
-    invocation: crate::evidence::HarnessInvocation,
+    invocation: crate::types::evidence::HarnessInvocation,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -538,7 +538,7 @@ impl HarnessSession for CommandSession {
         }
     }
 
-    fn invocation(&self) -> crate::evidence::HarnessInvocation {
+    fn invocation(&self) -> crate::types::evidence::HarnessInvocation {
         self.invocation.clone()
     }
 

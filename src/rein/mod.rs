@@ -254,8 +254,8 @@ pub trait HarnessSession: Send + Sync {
     /// Whether the harness process still runs.
     fn is_alive(&mut self) -> bool;
     /// How it was started (argv as run, variable names, endpoint, files).
-    fn invocation(&self) -> crate::evidence::HarnessInvocation {
-        crate::evidence::HarnessInvocation::default()
+    fn invocation(&self) -> crate::types::evidence::HarnessInvocation {
+        crate::types::evidence::HarnessInvocation::default()
     }
     async fn end_session(&mut self) -> Result<(), ReinError>;
     /// Kills whatever the harness left running. Safe to call twice.

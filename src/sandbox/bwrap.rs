@@ -200,9 +200,7 @@ pub fn command_digest(program: &Path, args: &[OsString]) -> String {
     hex(&hasher.finalize())
 }
 
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+pub use crate::types::hex;
 
 pub struct BwrapBackend {
     program: Option<PathBuf>,
@@ -316,10 +314,10 @@ impl BwrapBackend {
             ports.push(netns::PROXY_PORT);
         }
         if !gate.is_empty() {
-            ports.push(crate::gate::GATE_PORT);
+            ports.push(super::GATE_PORT);
         }
         if gate.gateway {
-            ports.push(crate::credentials::GATEWAY_PORT);
+            ports.push(super::GATEWAY_PORT);
         }
         let mut listeners = netns::listen_in(pid, ports).await?.into_iter();
         let proxy = match spec.allow_network {

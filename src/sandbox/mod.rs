@@ -15,7 +15,6 @@ pub mod process;
 pub mod repo;
 pub mod seccomp;
 mod socket_family;
-pub mod spec;
 pub mod uid_lock;
 pub mod uid_state;
 pub mod workspace;
@@ -27,36 +26,21 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+pub use crate::types::hex as hex_digest;
 pub use boundary::{Boundary, SandboxPaths};
 pub use bwrap::find_on_path;
-pub use bwrap::{bwrap_args, hex as hex_digest, BwrapBackend, HostLayout, HOME_MOUNT, WORKSPACE_MOUNT};
+
+/// Where the gate endpoint listens inside every sandbox whose agent has a
+/// managed hook (its loopback: nothing else exists in that namespace).
+pub const GATE_PORT: u16 = 3129;
+/// Where the credential gateway listens inside every sandbox with a
+/// gatewayed route.
+pub const GATEWAY_PORT: u16 = 3130;
+pub use crate::types::{Consumer, EnforcementReceipt, LimitReceipt, SandboxSpec, SandboxState, SandboxType};
+pub use bwrap::{bwrap_args, BwrapBackend, HostLayout, HOME_MOUNT, WORKSPACE_MOUNT};
 pub use host::{SandboxConfig, UidMode, UidRange};
 pub use none::NoneBackend;
 pub use process::{HostUser, SandboxProcess};
-pub use spec::{Consumer, SandboxSpec, SandboxType};
-
-/// Where a sandbox is in its life. Persisted with the sandbox row.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SandboxState {
-    Creating,
-    Ready,
-    Failed,
-    Destroying,
-    Destroyed,
-}
-
-impl SandboxState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SandboxState::Creating => "creating",
-            SandboxState::Ready => "ready",
-            SandboxState::Failed => "failed",
-            SandboxState::Destroying => "destroying",
-            SandboxState::Destroyed => "destroyed",
-        }
-    }
-}
 
 /// The limits a backend enforces for a sandbox (the profile's `[limits]`
 /// that the sandbox itself carries out). 0 = not limited.
@@ -150,46 +134,6 @@ impl GateMounts {
     pub fn is_empty(&self) -> bool {
         self.binds.is_empty()
     }
-}
-
-/// One enforced limit and what enforces it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct LimitReceipt {
-    pub name: String,
-    pub value: u64,
-    /// e.g. `cgroup v1`, `cgroup v2 + rlimit NPROC`, `rlimit NOFILE`.
-    pub mechanism: String,
-}
-
-/// Proof of what a sandbox enforces.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct EnforcementReceipt {
-    /// sha256 (hex) of the sandbox command line up to and including `--`,
-    /// NUL-separated; empty for `none`.
-    pub command_digest: String,
-    /// The sandbox has a network namespace of its own (the host network is
-    /// never shared); false only for `none`.
-    pub network_isolated: bool,
-    /// `none` (no egress) or `proxy` (through the daemon, to `allow_hosts`).
-    pub egress: String,
-    pub allow_hosts: Vec<String>,
-    pub write_roots: Vec<String>,
-    /// The host uid the sandbox's processes run as.
-    pub host_uid: u32,
-    /// Whether that uid belongs to this sandbox alone.
-    pub own_uid: bool,
-    /// The uid the harness sees inside.
-    pub inside_uid: u32,
-    /// `sha256:<hex>` of the seccomp program; empty when there is none.
-    pub seccomp_digest: String,
-    /// Whether nested user namespaces are refused.
-    pub userns_disabled: bool,
-    pub limits: Vec<LimitReceipt>,
-    /// Credential routes presented by the daemon's gateway (the harness
-    /// holds placeholders).
-    pub gateway_routes: Vec<String>,
 }
 
 /// A sandbox a backend created.

@@ -286,11 +286,11 @@ impl Store {
         &self,
         id: &str,
         execution_id: &str,
-        status: crate::evidence::HubReportStatus,
+        status: crate::types::evidence::HubReportStatus,
         attempts: u32,
     ) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
-        let state = if status == crate::evidence::HubReportStatus::Accepted { "accepted" } else { "failed" };
+        let state = if status == crate::types::evidence::HubReportStatus::Accepted { "accepted" } else { "failed" };
         sqlx::query("UPDATE hub_outbox SET state = $1, attempts = $2 WHERE id = $3")
             .bind(state)
             .bind(attempts as i64)

@@ -125,10 +125,10 @@ fn is_default(json: &Value) -> bool {
 mod tests {
     use super::*;
     use crate::catalog::Readiness;
-    use crate::evidence::{Evidence, StageTiming, TeardownResult};
     use crate::policy::{Action, PolicyDecision};
     use crate::records::{ExecutionRecord, SessionRecord};
     use crate::sandbox::{Consumer, EnforcementReceipt, LimitReceipt, SandboxSpec, SandboxType};
+    use crate::types::evidence::{Evidence, StageTiming, TeardownResult};
 
     fn round_trip(kind: EventKind) {
         let body = event_body("s1", &kind).unwrap();

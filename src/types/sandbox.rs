@@ -1,4 +1,5 @@
-//! What a sandbox is asked to enforce, and for whom.
+//! What a sandbox is asked to enforce, for whom, where it is in its life,
+//! and the receipt of what it enforced.
 
 use serde::{Deserialize, Serialize};
 
@@ -84,4 +85,67 @@ impl Consumer {
             ("CORRAL_PRINCIPAL".into(), self.principal.clone()),
         ]
     }
+}
+
+/// Where a sandbox is in its life. Persisted with the sandbox row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxState {
+    Creating,
+    Ready,
+    Failed,
+    Destroying,
+    Destroyed,
+}
+
+impl SandboxState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Creating => "creating",
+            SandboxState::Ready => "ready",
+            SandboxState::Failed => "failed",
+            SandboxState::Destroying => "destroying",
+            SandboxState::Destroyed => "destroyed",
+        }
+    }
+}
+
+/// One enforced limit and what enforces it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LimitReceipt {
+    pub name: String,
+    pub value: u64,
+    /// e.g. `cgroup v1`, `cgroup v2 + rlimit NPROC`, `rlimit NOFILE`.
+    pub mechanism: String,
+}
+
+/// Proof of what a sandbox enforces.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EnforcementReceipt {
+    /// sha256 (hex) of the sandbox command line up to and including `--`,
+    /// NUL-separated; empty for `none`.
+    pub command_digest: String,
+    /// The sandbox has a network namespace of its own (the host network is
+    /// never shared); false only for `none`.
+    pub network_isolated: bool,
+    /// `none` (no egress) or `proxy` (through the daemon, to `allow_hosts`).
+    pub egress: String,
+    pub allow_hosts: Vec<String>,
+    pub write_roots: Vec<String>,
+    /// The host uid the sandbox's processes run as.
+    pub host_uid: u32,
+    /// Whether that uid belongs to this sandbox alone.
+    pub own_uid: bool,
+    /// The uid the harness sees inside.
+    pub inside_uid: u32,
+    /// `sha256:<hex>` of the seccomp program; empty when there is none.
+    pub seccomp_digest: String,
+    /// Whether nested user namespaces are refused.
+    pub userns_disabled: bool,
+    pub limits: Vec<LimitReceipt>,
+    /// Credential routes presented by the daemon's gateway (the harness
+    /// holds placeholders).
+    pub gateway_routes: Vec<String>,
 }

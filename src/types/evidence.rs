@@ -7,8 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::catalog::Readiness;
-use crate::policy::PolicyDecision;
+use super::{Action, PolicyDecision, Readiness};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -183,8 +182,7 @@ pub struct ToolCallCounts {
 }
 
 impl ToolCallCounts {
-    pub fn count(&mut self, action: crate::policy::Action) {
-        use crate::policy::Action;
+    pub fn count(&mut self, action: Action) {
         match action {
             Action::Allow => self.allowed += 1,
             Action::Deny => self.denied += 1,
