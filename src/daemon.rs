@@ -73,12 +73,19 @@ impl Daemon {
             Arc::new(Catalog::load_with(&config.profile_dirs, &routes, &config.harness, &config.default_limits)?);
         // Probed once: a host that cannot run bwrap refuses bwrap profiles
         // at the gate, with the reason, instead of running them unsandboxed.
+        let uid_mode = UidMode::detect(UidRange::parse(&config.sandbox.uids).map_err(StartError::Policies)?);
         let host = HostCapabilities {
             bwrap: backends.linux_bwrap.probe().await.map_err(|e| e.to_string()),
             linux_bwrap: backends.linux_bwrap.capabilities(),
             none: backends.none.capabilities(),
+            seccomp: crate::sandbox::seccomp::sandbox_filter()
+                .map(|f| f.digest().to_string())
+                .map_err(|e| e.to_string()),
+            sandbox_uids: match uid_mode {
+                UidMode::PerSandbox(_) => Ok("one host uid per sandbox".to_string()),
+                UidMode::Daemon { uid, .. } => Err(format!("the daemon runs as uid {uid}: sandboxes share it")),
+            },
         };
-        let uid_mode = UidMode::detect(UidRange::parse(&config.sandbox.uids).map_err(StartError::Policies)?);
         // Before recovery, which kills what runs under uids of the range:
         // they must be this daemon's, not a live neighbour's.
         let uid_lock = match uid_mode {

@@ -8,10 +8,10 @@ use tonic::{Code, Request, Response, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
 use super::{convert, status, validate};
-use crate::catalog::{check_actor, Catalog, Profile, ReadinessState, Refusal};
+use crate::catalog::{check_actor, Catalog, Profile, ReadinessState, Refusal, RunFacts};
 use crate::pb;
 use crate::pb::catalog_service_server::CatalogService;
-use crate::policy::{Gate, GateInput, Phase};
+use crate::policy::Gate;
 use crate::store::Store;
 
 pub struct CatalogApi {
@@ -106,22 +106,14 @@ impl CatalogService for CatalogApi {
         check_actor(&actor).map_err(refused)?;
         let profile = self.catalog.resolve(&req.profile_ref).map_err(refused)?;
         let session_policies = super::session::session_policies(&principal, specs)?;
-        let outcome = self.gate.evaluate(&GateInput {
-            phase: Phase::AgentStart,
-            profile_ref: &profile.reference(),
+        let facts = RunFacts {
             actor: &actor,
             project: &req.project,
             repo: &repo,
-            sandbox: &profile.file.sandbox,
-            limits: &profile.file.limits.sandbox(),
-            timeout_seconds: profile.file.limits.timeout_seconds,
-            tool: "",
-            arguments: &serde_json::Value::Null,
             tool_calls: 0,
             session_policies: &session_policies,
-            profile_policies: &profile.policies,
-            ungated_tool_calls: profile.file.rein.tool_calls_ungated(profile.file.sandbox.sandbox_type).as_deref(),
-        });
+        };
+        let outcome = profile.gate_agent_start(&self.gate, facts);
         Ok(Response::new(pb::EvaluateGateResponse {
             action: convert::action(outcome.action) as i32,
             decisions: outcome.decisions.iter().map(convert::decision).collect(),
@@ -142,18 +134,11 @@ impl CatalogService for CatalogApi {
             available: support.is_ok(),
             detail: support.clone().unwrap_or_else(|reason| reason),
         };
-        let seccomp =
-            crate::sandbox::seccomp::sandbox_filter().map(|f| f.digest().to_string()).map_err(|e| e.to_string());
-        let uid = crate::sandbox::host::effective_uid();
-        let uids = if uid == 0 {
-            Ok("one host uid per sandbox".to_string())
-        } else {
-            Err(format!("the daemon runs as uid {uid}: sandboxes share it"))
-        };
+        // What the host enforces was probed once, at start.
         let capabilities = vec![
             entry("linux_bwrap", &host.bwrap.clone().map(|()| "bubblewrap".to_string())),
-            entry("seccomp", &seccomp),
-            entry("sandbox_uids", &uids),
+            entry("seccomp", &host.seccomp),
+            entry("sandbox_uids", &host.sandbox_uids),
             entry("memory", &caps.memory),
             entry("pids", &caps.pids),
             entry("cpu", &caps.cpu),

@@ -408,7 +408,43 @@ fn check_endpoint(
     Ok(())
 }
 
+/// Who and what a run is for, as the agent_start gate sees it.
+pub struct RunFacts<'a> {
+    pub actor: &'a str,
+    pub project: &'a str,
+    pub repo: &'a str,
+    /// Tool calls already allowed in the run.
+    pub tool_calls: u64,
+    pub session_policies: &'a [Policy],
+}
+
 impl Profile {
+    /// The agent_start gate's decision on running this profile for
+    /// `facts`: the one place that input is built (a run's start, a
+    /// restart, and `EvaluateGate`'s dry run, so the dry run and the real
+    /// run cannot disagree).
+    pub fn gate_agent_start(&self, gate: &crate::policy::Gate, facts: RunFacts<'_>) -> crate::policy::GateOutcome {
+        let profile_ref = self.reference();
+        let limits = self.file.limits.sandbox();
+        let ungated = self.file.rein.tool_calls_ungated(self.file.sandbox.sandbox_type);
+        gate.evaluate(&crate::policy::GateInput {
+            phase: crate::policy::Phase::AgentStart,
+            profile_ref: &profile_ref,
+            actor: facts.actor,
+            project: facts.project,
+            repo: facts.repo,
+            sandbox: &self.file.sandbox,
+            limits: &limits,
+            timeout_seconds: self.file.limits.timeout_seconds,
+            tool: "",
+            arguments: &serde_json::Value::Null,
+            tool_calls: facts.tool_calls,
+            session_policies: facts.session_policies,
+            profile_policies: &self.policies,
+            ungated_tool_calls: ungated.as_deref(),
+        })
+    }
+
     /// Validates a parsed profile; errors name the offending key.
     pub fn from_file(file: ProfileFile, source: String) -> Result<Profile, String> {
         check_id(&file.id).map_err(|e| format!("id: {:?} {e}", file.id))?;

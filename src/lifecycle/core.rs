@@ -21,10 +21,10 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::capture::CaptureJob;
-use super::limits::{cgroup_hits, tree_usage, workspace_hit, EventBudget, TreeBudget, WorkspaceWatch};
+use super::limits::{cgroup_hits, tree_usage, workspace_hit, EgressEvents, EventBudget, TreeBudget, WorkspaceWatch};
 use super::phase::{Harness, PhaseKind, Ready, RunPhase};
 use super::{Engine, RawResult};
-use crate::catalog::{check_actor, Profile, ReadinessState};
+use crate::catalog::{check_actor, Profile, ReadinessState, RunFacts};
 use crate::credentials::Scrubber;
 use crate::events::{EventKind, RawPart, Recorder};
 use crate::policy::{Action, GateInput, GateOutcome, Phase, Policy};
@@ -77,16 +77,12 @@ pub struct Core {
     hits_seen: crate::sandbox::cgroup::LimitHits,
     /// The workspace broke `max_workspace_bytes`: no fetch-back.
     workspace_over: bool,
-    /// `egress` events recorded so far.
-    egress_events: u64,
+    /// `egress` events recorded so far, against their cap.
+    egress_events: EgressEvents,
     /// The run's routes through the credential gateway (placeholders made
     /// once, when its sandbox is).
     gateway: Arc<Vec<crate::credentials::GatewayRoute>>,
 }
-
-/// At most this many `egress` events per run; later attempts are counted
-/// in the evidence only, so a connect loop cannot flood the store.
-const MAX_EGRESS_EVENTS: u64 = 1000;
 
 impl Core {
     pub fn new(
@@ -114,7 +110,7 @@ impl Core {
             budget: EventBudget::new(u64::MAX, u64::MAX),
             hits_seen: Default::default(),
             workspace_over: false,
-            egress_events: 0,
+            egress_events: EgressEvents::default(),
             gateway: Arc::default(),
         }
     }
@@ -227,22 +223,14 @@ impl Core {
     /// first start and before every restart.
     async fn gate_agent_start(&mut self, profile: &Profile) -> GateOutcome {
         let t = Instant::now();
-        let outcome = self.engine.gate.evaluate(&GateInput {
-            phase: Phase::AgentStart,
-            profile_ref: &profile.reference(),
+        let facts = RunFacts {
             actor: &self.consumer.actor,
             project: &self.consumer.project,
             repo: &self.repo,
-            sandbox: &profile.file.sandbox,
-            limits: &profile.file.limits.sandbox(),
-            timeout_seconds: profile.file.limits.timeout_seconds,
-            tool: "",
-            arguments: &Value::Null,
             tool_calls: self.tool_calls.load(Ordering::SeqCst),
             session_policies: &self.session_policies,
-            profile_policies: &profile.policies,
-            ungated_tool_calls: profile.file.rein.tool_calls_ungated(profile.file.sandbox.sandbox_type).as_deref(),
-        });
+        };
+        let outcome = profile.gate_agent_start(&self.engine.gate, facts);
         self.evidence.time("gate", t);
         self.record_gate(&outcome).await;
         if outcome.action == Action::Allow {
@@ -299,7 +287,7 @@ impl Core {
         // Its own host uid, reserved in the store before anything runs as it.
         let user = match self.engine.uid_range {
             None => None,
-            Some(range) => match allocate_own_uid(store, range, &sandbox_id).await {
+            Some(range) => match super::uids::allocate_own_uid(store, range, &sandbox_id).await {
                 Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
                 Ok(None) => {
                     let error = format!("no free sandbox uid in {}-{}", range.first, range.last);
@@ -597,17 +585,16 @@ impl Core {
     }
 
     /// Records what the egress proxy decided since the last look: one
-    /// `egress` event per attempt, up to [`MAX_EGRESS_EVENTS`] per run (and
+    /// `egress` event per attempt, up to [`super::limits::MAX_EGRESS_EVENTS`] per run (and
     /// within the event budget); the evidence counts every attempt.
     async fn record_egress(&mut self) {
         let Some(log) = self.phase.ready().and_then(|r| r.sandbox.egress.clone()) else { return };
         let mut batch = Vec::new();
         for d in log.drain() {
             crate::telemetry::egress(d.allowed);
-            if self.egress_events >= MAX_EGRESS_EVENTS {
+            if !self.egress_events.admit() {
                 continue;
             }
-            self.egress_events += 1;
             match self.budget.admit(d.host.len() + d.rule_or_reason.len()) {
                 Ok(()) => batch.push((
                     EventKind::Egress {
@@ -967,21 +954,5 @@ impl CoreGate {
             self.tool_calls.fetch_add(1, Ordering::SeqCst);
         }
         outcome
-    }
-}
-
-/// A host uid in `range` for `sandbox_id`: first one the kernel knows no
-/// task of (one system call each); only when there is none, one whose tasks
-/// are all zombies (a /proc scan each: an init that reaps slowly leaves the
-/// sandboxes' orphaned zombies around for a while).
-async fn allocate_own_uid(
-    store: &crate::store::Store,
-    range: crate::sandbox::UidRange,
-    sandbox_id: &str,
-) -> Result<Option<u32>, crate::store::StoreError> {
-    use crate::sandbox::host::{processes_of_uid, uid_may_have_processes};
-    match store.allocate_uid(range.first, range.last, sandbox_id, |uid| !uid_may_have_processes(uid)).await? {
-        Some(uid) => Ok(Some(uid)),
-        None => store.allocate_uid(range.first, range.last, sandbox_id, |uid| processes_of_uid(uid).is_empty()).await,
     }
 }

@@ -187,6 +187,27 @@ pub fn workspace_hit(usage: TreeUsage, budget: TreeBudget) -> (EventKind, String
     (EventKind::LimitHit { limit: "workspace".into(), value, detail: detail.clone() }, detail)
 }
 
+/// At most this many `egress` events per run; later attempts are counted
+/// in the evidence only, so a connect loop cannot flood the store.
+pub const MAX_EGRESS_EVENTS: u64 = 1000;
+
+/// The `egress` events a run has recorded, against [`MAX_EGRESS_EVENTS`].
+#[derive(Debug, Default)]
+pub struct EgressEvents {
+    recorded: u64,
+}
+
+impl EgressEvents {
+    /// Whether one more event may be recorded (and counts it if so).
+    pub fn admit(&mut self) -> bool {
+        if self.recorded >= MAX_EGRESS_EVENTS {
+            return false;
+        }
+        self.recorded += 1;
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

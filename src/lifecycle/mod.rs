@@ -13,6 +13,7 @@ mod phase;
 
 mod recovery;
 mod session;
+mod uids;
 mod watch;
 
 use std::collections::HashMap;

@@ -135,6 +135,10 @@ pub struct HostCapabilities {
     /// What each backend can enforce of a profile's limits.
     pub linux_bwrap: Capabilities,
     pub none: Capabilities,
+    /// The sandboxes' seccomp program (`sha256:` digest), or why there is none.
+    pub seccomp: Result<String, String>,
+    /// Whether each sandbox gets a host uid of its own, or why not.
+    pub sandbox_uids: Result<String, String>,
 }
 
 impl HostCapabilities {
@@ -142,7 +146,7 @@ impl HostCapabilities {
     pub fn everything() -> HostCapabilities {
         let ok = || Ok("test".to_string());
         let all = Capabilities { memory: ok(), pids: ok(), cpu: ok(), kill: ok(), egress: ok() };
-        HostCapabilities { bwrap: Ok(()), linux_bwrap: all.clone(), none: all }
+        HostCapabilities { bwrap: Ok(()), linux_bwrap: all.clone(), none: all, seccomp: ok(), sandbox_uids: ok() }
     }
 }
 
