@@ -194,9 +194,22 @@ for f in $(find /proc/sys -type f 2>/dev/null); do
   v=$(cat "$f" 2>/dev/null) || continue
   if (printf '%s\n' "$v" > "$f") 2>/dev/null; then n=$((n+1)); echo "WRITABLE $f"; fi
 done
-echo "writable: $n""#;
+echo "writable: $n"
+cat /proc/self/mountinfo"#;
     let (execution, _) = run(&daemon, "builtin.shell", script).await;
-    assert!(execution.tool_output.contains("writable: 0"), "{}", execution.tool_output);
+    let out = &execution.tool_output;
+    // The mechanism first: the read-only bind of /proc/sys, in the
+    // sandbox's own mount table (mountinfo: ID PARENT MAJ:MIN ROOT
+    // MOUNTPOINT OPTIONS ...). Without it the sysctls of the sandbox's
+    // own namespaces (IPC, pid) are writable, and the count below says so.
+    let proc_sys: Vec<&str> =
+        out.lines().filter(|l| l.split(' ').nth(4) == Some("/proc/sys")).filter_map(|l| l.split(' ').nth(5)).collect();
+    assert!(!proc_sys.is_empty(), "/proc/sys is no mount of its own in the sandbox:\n{out}");
+    assert!(
+        proc_sys.last().unwrap().split(',').any(|o| o == "ro"),
+        "the mount over /proc/sys is not read-only ({proc_sys:?}):\n{out}"
+    );
+    assert!(out.contains("writable: 0"), "{out}");
     daemon.stop().await;
 }
 
@@ -215,45 +228,116 @@ async fn host_private_keys_are_absent_and_the_hostname_is_neutral() {
     daemon.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nested_user_namespaces_and_mount_are_refused() {
-    let daemon = daemon_with(vec![]).await;
-    let script = r#"unshare -U true 2>/dev/null && echo USERNS-CREATED
+/// Runs `/bin/sh -c script` in a bare bwrap sandbox shaped like the
+/// daemon's (its own namespaces, nested user namespaces disabled, uid
+/// 1000, a new session, no capabilities) but without the seccomp filter,
+/// and returns its stdout: the control that shows an attack works when
+/// only the filter is missing, so that its refusal in a real sandbox is
+/// the filter's doing (as `bwrap_loads_the_filter` in seccomp.rs does).
+fn without_the_filter(script: &str) -> String {
+    let out = std::process::Command::new("bwrap")
+        .args(["--unshare-all", "--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"])
+        .args(["--new-session", "--cap-drop", "ALL"])
+        .args(["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"])
+        .args(["--", "/bin/sh", "-c", script])
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .output()
+        .expect("bwrap runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "the control without the filter failed: {:?}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// A nested user namespace and two mounts. `--disable-userns` alone
+/// answers the unshare with ENOSPC and a missing capability answers a
+/// mount on /tmp with EPERM, both without the filter; a mount on a
+/// missing directory fails its path lookup (ENOENT) before the kernel
+/// checks any capability. So only the filter answers EPERM to all three.
+const NAMESPACE_ATTACK: &str = r#"unshare -U true 2>/dev/null && echo USERNS-CREATED
 unshare -Urm true 2>/dev/null && echo USERNS-MOUNT-CREATED
 python3 - <<'EOF'
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWUSER = 0x10000000
 r = libc.unshare(CLONE_NEWUSER)
-print("unshare", r, os.strerror(ctypes.get_errno()) if r else "ok")
-r = libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)
-print("mount", r, os.strerror(ctypes.get_errno()) if r else "ok")
+print("unshare:", os.strerror(ctypes.get_errno()) if r else "ok")
+for target in [b"/tmp", b"/tmp/no-such-dir"]:
+    r = libc.mount(b"none", target, b"tmpfs", 0, None)
+    print("mount %s:" % target.decode(), os.strerror(ctypes.get_errno()) if r else "ok")
 EOF"#;
-    let (execution, _) = run(&daemon, "builtin.shell", script).await;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nested_user_namespaces_and_mount_are_refused() {
+    let daemon = daemon_with(vec![]).await;
+    let (execution, _) = run(&daemon, "builtin.shell", NAMESPACE_ATTACK).await;
     let out = &execution.tool_output;
     assert!(!out.contains("CREATED"), "{out}");
-    assert!(out.contains("unshare -1 Operation not permitted"), "{out}");
-    assert!(out.contains("mount -1"), "{out}");
+    assert!(out.contains("unshare: Operation not permitted"), "{out}");
+    assert!(out.contains("mount /tmp: Operation not permitted"), "{out}");
+    assert!(out.contains("mount /tmp/no-such-dir: Operation not permitted"), "the filter lets mount through:\n{out}");
+    // The control: the same attack in bwrap without the filter gets the
+    // kernel's own answers, which differ.
+    let control = without_the_filter(NAMESPACE_ATTACK);
+    assert!(control.contains("unshare: No space left on device"), "control: {control}");
+    assert!(control.contains("mount /tmp/no-such-dir: No such file or directory"), "control: {control}");
     daemon.stop().await;
 }
+
+/// TIOCSTI on a pty that is not the caller's controlling tty (the kernel
+/// refuses that without any filter), then, from a child that makes the
+/// pty its controlling tty (setsid + TIOCSCTTY), the attack itself:
+/// pushing a byte into its own terminal's input, read back raw.
+const TIOCSTI_ATTACK: &str = r#"python3 - <<'EOF'
+import fcntl, os, select, termios, tty
+master, slave = os.openpty()
+try:
+    fcntl.ioctl(slave, termios.TIOCSTI, b"x")
+    print("other tty: TIOCSTI accepted", flush=True)
+except OSError as e:
+    print("other tty: TIOCSTI", os.strerror(e.errno), flush=True)
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+    # Only the controlling tty of the caller has its foreground group.
+    print("controlling tty:", "yes" if os.tcgetpgrp(slave) == os.getpid() else "no", flush=True)
+    tty.setraw(slave)
+    try:
+        fcntl.ioctl(slave, termios.TIOCSTI, b"x")
+        ready, _, _ = select.select([slave], [], [], 5)
+        print("own tty: TIOCSTI injected", os.read(slave, 1) if ready else "nothing", flush=True)
+    except OSError as e:
+        print("own tty: TIOCSTI", os.strerror(e.errno), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+EOF"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_seccomp_filter_is_loaded_and_refuses_tiocsti() {
     let daemon = daemon_with(vec![]).await;
-    let script = r#"grep '^Seccomp:' /proc/self/status
-python3 - <<'EOF'
-import fcntl, os, termios
-master, slave = os.openpty()
-try:
-    fcntl.ioctl(slave, termios.TIOCSTI, b"x")
-    print("TIOCSTI accepted")
-except OSError as e:
-    print("TIOCSTI", os.strerror(e.errno))
-EOF"#;
-    let (execution, events) = run(&daemon, "builtin.shell", script).await;
+    let script = format!("grep '^Seccomp:' /proc/self/status\n{TIOCSTI_ATTACK}");
+    let (execution, events) = run(&daemon, "builtin.shell", &script).await;
     let out = &execution.tool_output;
     assert!(out.contains("Seccomp:\t2"), "{out}");
-    assert!(out.contains("TIOCSTI Operation not permitted"), "{out}");
+    assert!(out.contains("controlling tty: yes"), "the attack did not get a controlling tty: {out}");
+    assert!(out.contains("own tty: TIOCSTI Operation not permitted"), "TIOCSTI on its own tty: {out}");
+    // The control: without the filter the same attack injects its byte
+    // (the kernel allows TIOCSTI on the caller's own tty), while the
+    // ioctl on another pty fails anyway, which is why that one proves
+    // nothing about the filter.
+    let control = without_the_filter(TIOCSTI_ATTACK);
+    assert!(
+        control.contains("controlling tty: yes") && control.contains("own tty: TIOCSTI injected b'x'"),
+        "control run without the filter should inject, else this test proves nothing \
+         (a kernel with dev.tty.legacy_tiocsti = 0 refuses TIOCSTI to everyone): {control}"
+    );
+    assert!(control.contains("other tty: TIOCSTI Operation not permitted"), "control: {control}");
     let receipt = receipt(&events);
     assert!(receipt.seccomp_digest.starts_with("sha256:") && receipt.seccomp_digest.len() == 71, "{receipt:?}");
     assert!(receipt.userns_disabled);
@@ -465,20 +549,48 @@ async fn a_caller_that_leaves_at_once_leaves_nothing_alive() {
     daemon.stop().await;
 }
 
+/// The session a host process leads or belongs to (`/proc/PID/stat`).
+fn session_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After `(comm)`: state, ppid, pgrp, session.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(3)?.parse().ok()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_setsid_child_of_a_none_sandbox_does_not_survive_teardown() {
     let profile = ("none.toml".to_string(), shell_profile("test.none", "type = \"none\"\nallow_network = true", ""));
     let daemon = daemon_with(vec![profile]).await;
     let marker = format!("SETSID-MARKER-{}", std::process::id());
-    let script = format!("setsid python3 -c 'import time; time.sleep(600)' {marker} >/dev/null 2>&1 < /dev/null & sleep 0.3; echo started");
-    let (execution, events) = run(&daemon, "test.none", &script).await;
+    // The task ends only once the test has seen its setsid child alive (it
+    // writes `seen` into the workspace), so "nothing left" below cannot
+    // pass for a child that never ran.
+    let script = format!(
+        "setsid python3 -c 'import time; time.sleep(600)' {marker} >/dev/null 2>&1 < /dev/null &\n\
+         while [ ! -e seen ]; do sleep 0.05; done; echo started"
+    );
+    let (_, ws, receipt, mut stream) = start(&daemon, "test.none", &script).await;
+    assert_ne!(receipt.host_uid, 0, "a none sandbox runs as host root");
+    let alive = wait_for("the setsid child alive on the host", || {
+        let found = host_processes(&marker);
+        (!found.is_empty()).then_some(found)
+    })
+    .await;
+    for (pid, uid) in &alive {
+        assert_eq!(*uid, receipt.host_uid, "the marked process {pid} is not the sandbox's");
+        assert_eq!(session_of(*pid), Some(*pid), "the marked process {pid} leads no session of its own");
+    }
+    std::fs::write(format!("{ws}/seen"), "").unwrap();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.expect("the execution's stream") {
+        events.push(event);
+    }
+    let execution = finished(&events);
+    let left = host_processes(&marker);
+    assert!(left.is_empty(), "a setsid child outlived its none sandbox (alive before: {alive:?}): {left:?}");
     assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+    assert!(execution.tool_output.contains("started"), "{}", execution.tool_output);
     let evidence = execution.evidence.unwrap();
     assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32);
-    let left = host_processes(&marker);
-    assert!(left.is_empty(), "a setsid child outlived its none sandbox: {left:?}");
-    let receipt = receipt(&events);
-    assert_ne!(receipt.host_uid, 0, "a none sandbox runs as host root");
     daemon.stop().await;
 }
 
