@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use common::{finished, request, require_bwrap, Options, TestDaemon};
 use corral::pb;
+use corral::pb::lifecycle_event::Kind;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn echo_server() -> u16 {
@@ -49,6 +50,17 @@ fn own_socket_ports() -> Vec<u16> {
     ports
 }
 
+/// Polls `probe` (every 20 ms, up to 10 s) until it holds.
+async fn wait_until(what: &str, mut probe: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if probe() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_proxy_socket_outlives_its_sandbox() {
     require_bwrap();
@@ -59,16 +71,49 @@ async fn no_proxy_socket_outlives_its_sandbox() {
     );
     let before = own_socket_ports();
     assert!(!before.contains(&3128));
+    // The echo server's listener; each tunnel through the proxy adds the
+    // server's end of its connection on the same port.
+    assert_eq!(before.iter().filter(|p| **p == a).count(), 1, "{before:?}");
     let daemon =
         TestDaemon::start(Options { profiles: vec![("gone.toml".into(), profile)], ..Options::default() }).await;
-    // A tunnel left open by the harness's child when the run ends.
+    // A tunnel left open by the harness's child when the run ends; the run
+    // ends only once the test has seen the proxy and the tunnel (it writes
+    // `seen` into the workspace), so "gone" below cannot pass for a proxy
+    // that never listened.
     let script = format!(
-        "python3 -c 'import socket,time; s=socket.create_connection((\"127.0.0.1\",3128)); s.sendall(b\"CONNECT 127.0.0.1:{a} HTTP/1.1\\r\\n\\r\\n\"); print(s.recv(100)); time.sleep(60)' &\nsleep 1; echo started"
+        "python3 -c 'import socket,time; s=socket.create_connection((\"127.0.0.1\",3128)); s.sendall(b\"CONNECT 127.0.0.1:{a} HTTP/1.1\\r\\n\\r\\n\"); print(s.recv(100)); time.sleep(60)' &\n\
+         while [ ! -e seen ]; do sleep 0.05; done; echo started"
     );
-    let events = daemon.execute(request("test.gone", &script)).await;
+    let mut client = daemon.executions().await;
+    let mut stream = client.execute(request("test.gone", &script)).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    let mut workspace = String::new();
+    while let Some(event) = stream.message().await.expect("the execution's stream") {
+        let dispatched = matches!(event.kind, Some(Kind::Dispatched(_)));
+        if let Some(Kind::SandboxReady(ready)) = &event.kind {
+            workspace = ready.workspace_path.clone();
+        }
+        events.push(event);
+        if dispatched {
+            break;
+        }
+    }
+    assert!(!workspace.is_empty(), "no sandbox_ready with a workspace: {events:?}");
+    wait_until("the proxy listens on 3128 and the tunnel reaches the echo server", || {
+        let ports = own_socket_ports();
+        ports.contains(&3128) && ports.iter().filter(|p| **p == a).count() >= 2
+    })
+    .await;
+    std::fs::write(format!("{workspace}/seen"), "").unwrap();
+    while let Some(event) = stream.message().await.expect("the execution's stream") {
+        events.push(event);
+    }
     assert_eq!(finished(&events).state, pb::ExecutionState::Succeeded as i32);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let ports = own_socket_ports();
     assert!(!ports.contains(&3128), "a proxy listener outlived its sandbox: {ports:?}");
+    // Nor does the tunnel: the proxy closed its upstream end, so the echo
+    // server saw EOF and dropped its own.
+    wait_until("the tunnel is closed", || own_socket_ports().iter().filter(|p| **p == a).count() == 1).await;
     daemon.stop().await;
 }

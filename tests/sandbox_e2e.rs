@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{evidence, finished, git, kinds, request, require_bwrap, Options, TestDaemon};
+use common::{evidence, finished, git, kinds, processes_with, request, require_bwrap, Options, TestDaemon};
 use corral::pb::{self, lifecycle_event::Kind, FailureStage, Outcome};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -106,29 +106,46 @@ async fn flooded_output_is_capped_and_reported() {
     assert!(execution.tool_output.len() <= 65536 + 1024);
 }
 
-fn agent_processes() -> usize {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
-    dir.filter_map(|e| e.ok())
-        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-        .filter(|cmdline| String::from_utf8_lossy(cmdline).contains("HANG-MARKER"))
-        .count()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hanging_harness_is_killed_at_its_timeout_with_its_whole_group() {
     require_bwrap();
     // The marker rides in argv (not the task) so the test can find every
     // process of this harness in /proc.
+    let marker = format!("HANG-MARKER-{}", std::process::id());
     let profile = common::fake_agent_profile("test.hang", "")
         .replace("timeout_seconds = 30", "timeout_seconds = 2")
-        .replace("fake_agent.py\"]", "fake_agent.py\", \"HANG-MARKER\"]");
+        .replace("fake_agent.py\"]", &format!("fake_agent.py\", \"{marker}\"]"));
+    assert!(profile.contains(&marker), "the marker is not in the harness's argv:\n{profile}");
     let options = Options { profiles: vec![("hang.toml".into(), profile)], ..Options::default() };
     let daemon = TestDaemon::start(options).await;
-    let events = daemon.execute(request("test.hang", "NOWORK\nHANG")).await;
+    let mut client = daemon.executions().await;
+    let mut stream = client.execute(request("test.hang", "NOWORK\nHANG")).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.expect("the execution's stream") {
+        let dispatched = matches!(event.kind, Some(Kind::Dispatched(_)));
+        events.push(event);
+        if dispatched {
+            break;
+        }
+    }
+    // The harness hangs until its 2 s timeout: it must be seen running,
+    // or "none survived" below would hold for a harness that never ran.
+    let mut running = 0;
+    for _ in 0..100 {
+        running = processes_with(&marker);
+        if running > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(running > 0, "the hanging harness was never seen running ({:?})", kinds(&events));
+    while let Some(event) = stream.message().await.expect("the execution's stream") {
+        events.push(event);
+    }
     let execution = finished(&events);
     let ev = evidence(&execution);
     assert_eq!(FailureStage::try_from(ev.failure_stage).unwrap(), FailureStage::Execution);
     assert!(execution.tool_error.contains("timed out"), "{}", execution.tool_error);
-    assert_eq!(agent_processes(), 0, "a harness process survived its timeout");
+    assert_eq!(processes_with(&marker), 0, "a harness process survived its timeout ({running} were running)");
     assert!(daemon.leftover_sandboxes().is_empty());
 }

@@ -544,9 +544,12 @@ impl ServeProcess {
     }
 }
 
-/// Host processes whose command line contains `marker`.
+/// Host processes whose command line contains `marker`. Panics when /proc
+/// cannot be read: a count of 0 must mean none, never "could not look".
 pub fn processes_with(marker: &str) -> usize {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    let dir = std::fs::read_dir("/proc").unwrap_or_else(|e| panic!("cannot list /proc to count {marker:?}: {e}"));
+    let own = std::fs::read("/proc/self/cmdline").unwrap_or_default();
+    assert!(!own.is_empty(), "/proc is no procfs here (no command line of this process): cannot count {marker:?}");
     dir.filter_map(|e| e.ok())
         .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
         .filter(|cmdline| String::from_utf8_lossy(cmdline).contains(marker))
