@@ -324,19 +324,20 @@ async fn exercise(example: Example) {
     let unknown = run.probe("watch an unknown execution");
     assert!(unknown.iter().any(|l| l.starts_with("  status NOT_FOUND (5): execution no-such-")), "{run}");
     assert!(unknown.iter().any(|l| l == "  error_info reason=NOT_FOUND domain=corral.dev"), "{run}");
-    // `x@not-semver`: a daemon that checks versions at the edge answers
-    // INVALID_ARGUMENT naming harness_profile_ref; one that checks only the
-    // characters there refuses it at resolution, as an unknown profile.
+    // `x@not-semver`: the edge parses every profile ref before anything
+    // else of the request (`validate::execute_request`), version and all,
+    // so the call itself fails with INVALID_ARGUMENT naming
+    // harness_profile_ref, and no execution is made to be refused later.
     let bad_ref = run.probe("bad profile ref 'x@not-semver'");
-    let at_the_edge = bad_ref.iter().any(|l| l.starts_with("  status INVALID_ARGUMENT (3): harness_profile_ref"))
-        && bad_ref
-            .iter()
-            .any(|l| l.starts_with("  error_info reason=INVALID_ARGUMENT domain=corral.dev field=harness_profile_ref"))
-        && bad_ref.iter().any(|l| l.starts_with("  bad_request field=harness_profile_ref description="));
-    let at_resolution = bad_ref.iter().any(|l| {
-        l == "  no error status: the execution finished EXECUTION_STATE_REFUSED: unknown harness profile: x@not-semver"
-    });
-    assert!(at_the_edge || at_resolution, "the bad profile ref:\n{run}");
+    let why = r#"use `id` or `id@version`: "not-semver" is not semver: "#;
+    for line in [
+        format!("  status INVALID_ARGUMENT (3): harness_profile_ref: {why}"),
+        "  error_info reason=INVALID_ARGUMENT domain=corral.dev field=harness_profile_ref".to_string(),
+        format!("  bad_request field=harness_profile_ref description={why}"),
+    ] {
+        assert!(bad_ref.iter().any(|l| l.starts_with(&line)), "the bad profile ref: no line {line:?}:\n{run}");
+    }
+    assert!(!bad_ref.iter().any(|l| l.starts_with("  no error status")), "refused past the edge:\n{run}");
     // A ref whose characters are bad is refused at the edge by every daemon.
     let run =
         example.run(&["--server", &unix, "errors", "--profile", "not a ref!", "--title-bytes", "1025"], STEP).await;
