@@ -123,21 +123,45 @@ fn is_default(json: &Value) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
+
     use super::*;
-    use crate::catalog::Readiness;
+    use crate::catalog::{Readiness, ReadinessState};
     use crate::policy::{Action, PolicyDecision};
-    use crate::records::{ExecutionRecord, SessionRecord};
+    use crate::records::{ExecutionRecord, SessionRecord, SessionState};
     use crate::sandbox::{Consumer, EnforcementReceipt, LimitReceipt, SandboxSpec, SandboxType};
     use crate::types::evidence::{Evidence, StageTiming, TeardownResult};
 
-    fn round_trip(kind: EventKind) {
-        let body = event_body("s1", &kind).unwrap();
-        let back = event_from_stored("s1", kind.name(), &body).unwrap_or_else(|e| panic!("{body}: {e}"));
+    /// `kind` stored as an event of `subject`, and read back.
+    fn round_trip(subject: &str, kind: EventKind) {
+        let body = event_body(subject, &kind).unwrap();
+        let back = event_from_stored(subject, kind.name(), &body).unwrap_or_else(|e| panic!("{body}: {e}"));
         assert_eq!(back, kind, "stored as {body}");
     }
 
+    /// The kinds `EventKind` has, as its `kind` tag names them, read off
+    /// the type itself: serde lists every variant when it meets a kind it
+    /// does not know. A kind added to the type is in this set at once.
+    fn every_kind() -> BTreeSet<String> {
+        let error = serde_json::from_str::<EventKind>(r#"{"kind":"no-such-kind"}"#).unwrap_err().to_string();
+        let (_, listed) =
+            error.split_once("expected one of ").unwrap_or_else(|| panic!("no variant list in {error:?}"));
+        // `a`, `b`, ... `z` at line 1 column N: the names between backquotes.
+        let names: BTreeSet<String> = listed.split('`').skip(1).step_by(2).map(String::from).collect();
+        assert!(names.len() > 10 && names.contains("accepted") && names.contains("session_finished"), "{error}");
+        names
+    }
+
+    /// The `kind` tag `kind` is written with.
+    fn tag(kind: &EventKind) -> String {
+        serde_json::to_value(kind).unwrap()["kind"].as_str().expect("a kind tag").to_string()
+    }
+
     /// Every kind, once with every field at its default and once with
-    /// values, reads back equal: no field a kind needs can be left out.
+    /// every field set, reads back equal: no field a kind needs can be left
+    /// out, and none is lost on the way. Both lists must cover every kind
+    /// of the type (see [`every_kind`]): a new kind fails here until it has
+    /// its two examples.
     #[test]
     fn every_event_kind_reads_back_from_its_stored_form() {
         let spec = SandboxSpec {
@@ -208,38 +232,163 @@ mod tests {
             EventKind::Finished { execution: Box::default() },
             EventKind::SessionFinished { session: Box::default() },
         ];
-        for kind in zero {
-            round_trip(kind);
-        }
-        round_trip(EventKind::Progress { progress_kind: "tool_call".into(), tool: "bash".into(), tokens_so_far: 7 });
-        round_trip(EventKind::Egress {
-            host: "example.test".into(),
-            port: 443,
-            allowed: true,
-            rule_or_reason: "*.test".into(),
-            method: "connect".into(),
-        });
-        round_trip(EventKind::ApprovalRequested {
-            call_id: "call-1".into(),
-            tool: "Bash".into(),
-            summary: "{\"command\":\"ls\"}".into(),
-            expires_at_ms: 1_700_000_000_000,
-        });
-        round_trip(EventKind::ApprovalDecided {
-            call_id: "call-1".into(),
-            allow: true,
-            decided_by: "ops".into(),
-            reason: "fine".into(),
-        });
-        let mut record = ExecutionRecord { execution_id: "e".into(), ..Default::default() };
-        record.effective_sandbox = Some(spec);
-        record.evidence = Evidence {
-            readiness: Some(Readiness::default()),
-            stage_timings: vec![StageTiming { stage: "workspace".into(), micros: 0 }],
+
+        let full_spec = SandboxSpec {
+            sandbox_type: SandboxType::LinuxBwrap,
+            allow_network: true,
+            allow_hosts: vec!["example.test:443".into()],
+            write_paths: vec![".".into()],
+            read_paths: vec!["/opt/tools".into()],
+            env_passthrough: vec!["LANG".into()],
+        };
+        let consumer = Consumer {
+            actor: "agt".into(),
+            project: "proj-a".into(),
+            run_id: "e2".into(),
+            session_id: "s1".into(),
+            principal: "team-a".into(),
+        };
+        let readiness = Readiness {
+            state: ReadinessState::Unverified,
+            reason: "new".into(),
+            owner: "ops".into(),
+            evidence_ref: "r".into(),
+        };
+        let evidence = Evidence {
+            readiness: Some(readiness.clone()),
+            stage_timings: vec![StageTiming { stage: "workspace".into(), micros: 12 }],
+            commit_sha: "a".repeat(40),
+            sandbox_destroy: TeardownResult::Succeeded,
+            notes: vec!["a note".into()],
             ..Default::default()
         };
-        round_trip(EventKind::Finished { execution: Box::new(record) });
-        round_trip(EventKind::SessionFinished { session: Box::new(SessionRecord::default()) });
+        let execution = ExecutionRecord {
+            execution_id: "e2".into(),
+            title: "a task".into(),
+            repo: "/srv/repo".into(),
+            consumer: consumer.clone(),
+            effective_sandbox: Some(full_spec.clone()),
+            evidence: evidence.clone(),
+            harness_profile_ref: "builtin.shell@1.0.0".into(),
+            state: crate::records::ExecutionState::Succeeded,
+            created_at_ms: 5,
+            finished_at_ms: Some(9),
+            ..Default::default()
+        };
+        let session = SessionRecord {
+            session_id: "s1".into(),
+            profile_ref: "builtin.shell@1.0.0".into(),
+            consumer: consumer.clone(),
+            repo: "/srv/repo".into(),
+            effective_sandbox: Some(full_spec.clone()),
+            state: SessionState::Ended,
+            evidence,
+            turns: 3,
+            restarts: 1,
+            created_at_ms: 5,
+            ended_at_ms: Some(9),
+        };
+        let valued = [
+            // Ids that are not the subject (`s9`), so all of them are stored.
+            EventKind::Accepted {
+                execution_id: "e2".into(),
+                session_id: "s1".into(),
+                request_id: "req-1".into(),
+                consumer: consumer.clone(),
+            },
+            EventKind::Resolved {
+                profile_ref: "builtin.shell@1.0.0".into(),
+                profile_digest: "sha256:00".into(),
+                readiness: readiness.clone(),
+            },
+            EventKind::Gated {
+                phase: "tool_call".into(),
+                tool: "Bash".into(),
+                action: Action::Ask,
+                decisions: vec![PolicyDecision {
+                    policy: "p".into(),
+                    source: "profile".into(),
+                    action: Action::Deny,
+                    reason: "no".into(),
+                }],
+                effective_sandbox: full_spec.clone(),
+            },
+            EventKind::SandboxReady {
+                sandbox_id: "sb-1".into(),
+                backend: SandboxType::LinuxBwrap,
+                workspace_path: "/var/lib/corral/sandboxes/sb-1/workspace".into(),
+                receipt: EnforcementReceipt {
+                    command_digest: "ab".into(),
+                    network_isolated: true,
+                    egress: "proxy".into(),
+                    allow_hosts: vec!["example.test:443".into()],
+                    write_roots: vec!["/workspace".into()],
+                    host_uid: 300_001,
+                    own_uid: true,
+                    inside_uid: 1000,
+                    seccomp_digest: "sha256:01".into(),
+                    userns_disabled: true,
+                    limits: vec![LimitReceipt { name: "max_processes".into(), value: 64, mechanism: "cgroup".into() }],
+                    gateway_routes: vec!["anthropic".into()],
+                },
+            },
+            EventKind::Dispatched { tool: "run_task".into() },
+            EventKind::Progress { progress_kind: "tool_call".into(), tool: "bash".into(), tokens_so_far: 7 },
+            EventKind::OutputTruncated { stream: "stdout".into(), bytes_dropped: 4096 },
+            EventKind::HarnessRestarted { attempt: 2, reason: "exited with 1".into() },
+            EventKind::TurnFinished {
+                turn: 3,
+                tool: "run_task".into(),
+                ok: true,
+                error: "none".into(),
+                tokens_spent: 11,
+            },
+            EventKind::Reaped { idle_seconds: 3 },
+            EventKind::Recovered { note: "the daemon restarted".into() },
+            EventKind::Egress {
+                host: "example.test".into(),
+                port: 443,
+                allowed: true,
+                rule_or_reason: "*.test".into(),
+                method: "connect".into(),
+            },
+            EventKind::LimitHit { limit: "memory".into(), value: 1 << 28, detail: "oom kill".into() },
+            EventKind::ApprovalRequested {
+                call_id: "call-1".into(),
+                tool: "Bash".into(),
+                summary: "{\"command\":\"ls\"}".into(),
+                expires_at_ms: 1_700_000_000_000,
+            },
+            EventKind::ApprovalDecided {
+                call_id: "call-1".into(),
+                allow: true,
+                decided_by: "ops".into(),
+                reason: "fine".into(),
+            },
+            EventKind::Teardown { session_cleanup: TeardownResult::Failed, sandbox_destroy: TeardownResult::Succeeded },
+            EventKind::Finished { execution: Box::new(execution) },
+            EventKind::SessionFinished { session: Box::new(session) },
+        ];
+
+        let all = every_kind();
+        for (examples, label) in [(&zero, "at their defaults"), (&valued, "with values")] {
+            let mut covered = BTreeSet::new();
+            for kind in examples.iter() {
+                assert!(covered.insert(tag(kind)), "{} twice among the kinds {label}", tag(kind));
+            }
+            assert_eq!(covered, all, "the kinds {label} are not every kind EventKind has");
+        }
+        for kind in zero {
+            round_trip("s1", kind);
+        }
+        for kind in valued {
+            // Every field set: nothing of it is left out as a default.
+            let json = serde_json::to_value(&kind).unwrap();
+            for (field, value) in json.as_object().unwrap() {
+                assert!(!is_default(value), "{}: {field} is at its default in the example with values", tag(&kind));
+            }
+            round_trip("s9", kind);
+        }
     }
 
     #[test]
