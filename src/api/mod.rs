@@ -70,29 +70,63 @@ pub enum ServeError {
 /// executions get the grace period, then are cancelled and torn down, and
 /// every stream ends.
 pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: CancellationToken) -> Result<(), ServeError> {
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<ExecutionServiceServer<ExecutionApi>>().await;
-    health.set_serving::<CatalogServiceServer<CatalogApi>>().await;
-    health.set_serving::<SessionServiceServer<SessionApi>>().await;
-
-    let reflection = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
-            // Each builder adds only its own protocol's file; register both
-            // so either reflection version lists both services.
-            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
-    };
-    let reflection_v1 = reflection().build_v1()?;
-    let reflection_v1alpha = reflection().build_v1alpha()?;
-
     // No sandbox's egress proxy ever connects to this daemon.
     if let Ok(addr) = listener.local_addr() {
         crate::net::protect(addr);
     }
+    let (health, health_service) = health().await;
     let streams_end = CancellationToken::new();
+    let drained = drain(shutdown, health, parts.engine.clone(), parts.shutdown_grace, streams_end.clone());
+    let unix = match &parts.unix_socket {
+        Some((path, group)) => Some(unix::bind(path, *group)?),
+        None => None,
+    };
+    let (grpc, tls) = (parts.grpc.clone(), parts.tls.clone());
+    let routes = routes(parts, health_service, streams_end)?;
+    listen(routes, &grpc, tls, listener, unix, drained).await
+}
+
+/// The health service, every corral service SERVING.
+async fn health() -> (
+    tonic_health::server::HealthReporter,
+    tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+) {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<ExecutionServiceServer<ExecutionApi>>().await;
+    health.set_serving::<CatalogServiceServer<CatalogApi>>().await;
+    health.set_serving::<SessionServiceServer<SessionApi>>().await;
+    (health, health_service)
+}
+
+/// Reflection v1 and v1alpha (grpcurl 1.8 speaks only v1alpha), each
+/// listing every service.
+fn reflection() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
+        // Each builder adds only its own protocol's file; register both
+        // so either reflection version lists both services.
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
+}
+
+/// Every route: health and reflection open; the three corral services
+/// sized by `[grpc]`, each behind authentication and the audit/trace layer.
+fn routes(
+    parts: ApiParts,
+    health: impl tower::Service<
+            tonic::codegen::http::Request<tonic::body::Body>,
+            Response = tonic::codegen::http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+            Future: Send + 'static,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    streams_end: CancellationToken,
+) -> Result<tonic::service::Routes, ServeError> {
     let execution = ExecutionApi {
         engine: parts.engine.clone(),
         repo_roots: parts.repo_roots,
@@ -102,7 +136,7 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
     let sessions = SessionApi {
         engine: parts.engine.clone(),
         repo_roots: execution.repo_roots.clone(),
-        shutdown: streams_end.clone(),
+        shutdown: streams_end,
         page_tokens: parts.page_tokens,
     };
     let catalog = CatalogApi {
@@ -111,49 +145,53 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         repo_roots: execution.repo_roots.clone(),
         store: parts.engine.store.clone(),
     };
-
-    let engine = parts.engine;
-    let grace = parts.shutdown_grace;
-    let drained = async move {
-        shutdown.cancelled().await;
-        tracing::info!(grace_seconds = grace.as_secs(), "shutting down: draining");
-        health.set_not_serving::<ExecutionServiceServer<ExecutionApi>>().await;
-        health.set_not_serving::<CatalogServiceServer<CatalogApi>>().await;
-        health.set_not_serving::<SessionServiceServer<SessionApi>>().await;
-        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
-        engine.start_draining();
-        engine.shutdown(grace).await;
-        streams_end.cancel();
-        tracing::info!("drained");
-    };
-
-    // ---- Server limits (`[grpc]`): streams per connection, keepalive, and
-    // each corral service's message sizes. Nothing else in this block.
     let grpc = &parts.grpc;
-    let builder = limits::server(Server::builder(), grpc);
     let execution = limits::sized!(ExecutionServiceServer::new(execution), grpc);
     let catalog = limits::sized!(CatalogServiceServer::new(catalog), grpc);
     let sessions = limits::sized!(SessionServiceServer::new(sessions), grpc);
-    // ---- end of server limits.
-
-    // Health and reflection stay open; every corral RPC needs a principal.
     let authenticate = auth::Authenticate(parts.authenticator);
-    let routes = tonic::service::Routes::new(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
+    Ok(tonic::service::Routes::new(health)
+        .add_service(reflection().build_v1()?)
+        .add_service(reflection().build_v1alpha()?)
         .add_service(audit::Audited(InterceptedService::new(execution, authenticate.clone())))
         .add_service(audit::Audited(InterceptedService::new(catalog, authenticate.clone())))
-        .add_service(audit::Audited(InterceptedService::new(sessions, authenticate)));
-    // TLS (and mTLS) on TCP; the unix socket is local and plain. Both get
-    // the same server limits.
-    let mut tcp_server = builder;
-    if let Some(tls) = parts.tls {
+        .add_service(audit::Audited(InterceptedService::new(sessions, authenticate))))
+}
+
+/// Waits for `shutdown`, then drains (see [`serve`]).
+async fn drain(
+    shutdown: CancellationToken,
+    health: tonic_health::server::HealthReporter,
+    engine: Arc<Engine>,
+    grace: Duration,
+    streams_end: CancellationToken,
+) {
+    shutdown.cancelled().await;
+    tracing::info!(grace_seconds = grace.as_secs(), "shutting down: draining");
+    health.set_not_serving::<ExecutionServiceServer<ExecutionApi>>().await;
+    health.set_not_serving::<CatalogServiceServer<CatalogApi>>().await;
+    health.set_not_serving::<SessionServiceServer<SessionApi>>().await;
+    health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+    engine.start_draining();
+    engine.shutdown(grace).await;
+    streams_end.cancel();
+    tracing::info!("drained");
+}
+
+/// Serves `routes` on TCP (with TLS when configured) and on the unix
+/// socket, both with the `[grpc]` limits, until `drained` completes.
+async fn listen(
+    routes: tonic::service::Routes,
+    grpc: &crate::config::GrpcConfig,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    listener: TcpListener,
+    unix: Option<(tokio::net::UnixListener, PathBuf)>,
+    drained: impl std::future::Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let mut tcp_server = limits::server(Server::builder(), grpc);
+    if let Some(tls) = tls {
         tcp_server = tcp_server.tls_config(tls)?;
     }
-    let unix = match parts.unix_socket {
-        Some((path, group)) => Some(unix::bind(&path, group)?),
-        None => None,
-    };
     let drain_done = CancellationToken::new();
     let done = drain_done.clone();
     let drained = async move {
@@ -165,18 +203,13 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
     let tcp = tcp_server
         .add_routes(routes.clone())
         .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), drained);
-    match unix {
-        Some((listener, path)) => {
-            let incoming = unix::incoming(listener);
-            let on_unix = limits::server(Server::builder(), grpc)
-                .add_routes(routes)
-                .serve_with_incoming_shutdown(incoming, drain_done.cancelled_owned());
-            let (a, b) = tokio::join!(tcp, on_unix);
-            let _ = std::fs::remove_file(&path);
-            a?;
-            b?;
-        }
-        None => tcp.await?,
-    }
+    let Some((listener, path)) = unix else { return Ok(tcp.await?) };
+    let on_unix = limits::server(Server::builder(), grpc)
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(unix::incoming(listener), drain_done.cancelled_owned());
+    let (a, b) = tokio::join!(tcp, on_unix);
+    let _ = std::fs::remove_file(&path);
+    a?;
+    b?;
     Ok(())
 }

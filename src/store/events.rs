@@ -1,0 +1,136 @@
+//! The store's lifecycle events: appended in batches, read after or between sequences, compacted, and each execution's raw result.
+
+use super::*;
+
+impl Store {
+    /// Stores several events in one statement.
+    pub async fn append_events(&self, events: &[Event]) -> Result<(), StoreError> {
+        self.insert_events(&self.pool, events, false).await
+    }
+
+    /// Inserts `events` with one statement on `conn` (the pool, or a
+    /// transaction's connection); with `stub_finished`, a `finished` event
+    /// is stored as its stub (only when its record is written in the same
+    /// transaction).
+    pub(super) async fn insert_events<'c, E>(
+        &self,
+        conn: E,
+        events: &[Event],
+        stub_finished: bool,
+    ) -> Result<(), StoreError>
+    where
+        E: sqlx::Executor<'c, Database = sqlx::Any>,
+    {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let sql = if self.shared { INSERT_EVENTS_POSTGRES } else { INSERT_EVENTS_SQLITE };
+        sqlx::query(sql).bind(events_rows_json(events, stub_finished)?).execute(conn).await?;
+        Ok(())
+    }
+
+    /// What each stored event of a subject takes: (sequence, kind, bytes of
+    /// its stored body). For diagnostics: a `finished` stored with its
+    /// record is a stub of a few bytes.
+    pub async fn stored_event_sizes(&self, subject: &str) -> Result<Vec<(u64, String, usize)>, StoreError> {
+        let rows = sqlx::query("SELECT sequence, kind, body FROM events WHERE subject_id = $1 ORDER BY sequence")
+            .bind(subject)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(|r| (r.get::<i64, _>(0) as u64, r.get::<String, _>(1), r.get::<&str, _>(2).len())).collect())
+    }
+
+    /// The lowest sequence still stored for a subject.
+    pub async fn oldest_sequence(&self, subject: &str) -> Result<Option<u64>, StoreError> {
+        let row = sqlx::query("SELECT MIN(sequence) FROM events WHERE subject_id = $1")
+            .bind(subject)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(row.get::<Option<i64>, _>(0).map(|s| s as u64))
+    }
+
+    /// Compacts executions finished before `cutoff_ms` to their record: all
+    /// their events but the last (`finished`, which carries the record and
+    /// evidence) are deleted. Returns how many events went.
+    /// The raw output and error of a finished execution, if kept.
+    pub async fn get_raw(&self, execution_id: &str) -> Result<Option<(String, String)>, StoreError> {
+        let row = sqlx::query("SELECT output, error FROM execution_raw WHERE execution_id = $1")
+            .bind(execution_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|r| (r.get(0), r.get(1))))
+    }
+
+    pub async fn compact_events(&self, cutoff_ms: i64) -> Result<u64, StoreError> {
+        sqlx::query(
+            "DELETE FROM execution_raw WHERE execution_id IN (
+                 SELECT execution_id FROM executions WHERE finished_at_ms IS NOT NULL AND finished_at_ms < $1)",
+        )
+        .bind(cutoff_ms)
+        .execute(&self.pool)
+        .await?;
+        let result = sqlx::query(
+            "DELETE FROM events WHERE subject_id IN (
+                 SELECT execution_id FROM executions
+                 WHERE finished_at_ms IS NOT NULL AND finished_at_ms < $1)
+             AND sequence < (SELECT MAX(e2.sequence) FROM events e2 WHERE e2.subject_id = events.subject_id)",
+        )
+        .bind(cutoff_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(result.rows_affected())
+    }
+
+    /// The stored events of a subject with `after < sequence < before`.
+    pub async fn events_between(&self, subject: &str, after: u64, before: u64) -> Result<Vec<Event>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT sequence, time_ms, kind, body FROM events
+             WHERE subject_id = $1 AND sequence > $2 AND sequence < $3 ORDER BY sequence",
+        )
+        .bind(subject)
+        .bind(sequence(after))
+        .bind(sequence(before))
+        .fetch_all(&self.pool)
+        .await?;
+        self.events_from_rows(subject, &rows).await
+    }
+
+    /// The stored events of a subject after `after`, in order.
+    pub async fn events_after(&self, subject: &str, after: u64) -> Result<Vec<Event>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT sequence, time_ms, kind, body FROM events WHERE subject_id = $1 AND sequence > $2 ORDER BY sequence",
+        )
+        .bind(subject)
+        .bind(sequence(after))
+        .fetch_all(&self.pool)
+        .await?;
+        self.events_from_rows(subject, &rows).await
+    }
+
+    /// Decodes stored events; a `finished` stored as its stub gets its
+    /// subject's record back.
+    async fn events_from_rows(&self, subject: &str, rows: &[sqlx::any::AnyRow]) -> Result<Vec<Event>, StoreError> {
+        let mut events = Vec::with_capacity(rows.len());
+        for row in rows {
+            let body = row.get::<&str, _>("body");
+            let kind = match body {
+                FINISHED_STUB => match self.get_execution(subject).await? {
+                    Some(record) => EventKind::Finished { execution: Box::new(record) },
+                    None => return Err(StoreError::Missing(format!("the record of execution {subject}"))),
+                },
+                SESSION_FINISHED_STUB => match self.get_session(subject).await? {
+                    Some(record) => EventKind::SessionFinished { session: Box::new(record) },
+                    None => return Err(StoreError::Missing(format!("the record of session {subject}"))),
+                },
+                body => stored::event_from_stored(subject, row.get::<&str, _>("kind"), body)?,
+            };
+            events.push(Event {
+                subject_id: subject.to_string(),
+                sequence: row.get::<i64, _>("sequence") as u64,
+                time_ms: row.get("time_ms"),
+                kind,
+            });
+        }
+        Ok(events)
+    }
+}

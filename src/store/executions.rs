@@ -1,0 +1,169 @@
+//! The store's executions: insert under a request id, update, finish (with the finished event and the hub report, in one transaction), read, list, count.
+
+use super::*;
+
+impl Store {
+    pub async fn insert_execution(&self, record: &ExecutionRecord, digest: &str) -> Result<Inserted, StoreError> {
+        let request_id = (!record.request_id.is_empty()).then_some(record.request_id.as_str());
+        let result = sqlx::query(
+            "INSERT INTO executions (execution_id, request_id, request_digest, state, profile_ref, actor, project, created_at_ms, record, node, principal)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+        )
+        .bind(&record.execution_id)
+        .bind(request_id)
+        // Only a repeated request id compares digests.
+        .bind(if request_id.is_some() { digest } else { "" })
+        .bind(record.state.as_str())
+        .bind(&record.harness_profile_ref)
+        .bind(&record.consumer.actor)
+        .bind(&record.consumer.project)
+        .bind(record.created_at_ms)
+        .bind(stored::execution_to_stored(record)?)
+        .bind(&self.node)
+        // Request ids are unique per principal, not across the daemon.
+        .bind(&record.consumer.principal)
+        .execute(&self.pool)
+        .await;
+        match result {
+            Ok(_) => Ok(Inserted::Created),
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() && request_id.is_some() => {
+                let row = sqlx::query(&format!(
+                    "SELECT {EXECUTION}, request_digest FROM executions WHERE principal = $1 AND request_id = $2"
+                ))
+                .bind(&record.consumer.principal)
+                .bind(request_id)
+                .fetch_one(&self.pool)
+                .await?;
+                let record = execution_from_row(&row)?;
+                Ok(Inserted::Existing { record: Box::new(record), digest: row.get("request_digest") })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn update_execution(&self, record: &ExecutionRecord) -> Result<(), StoreError> {
+        self.finish_execution(record, None, None, None).await
+    }
+
+    /// The final record, its hub report and its raw result, in one
+    /// transaction: a report is never lost nor sent for an unrecorded end.
+    ///
+    /// With `finished` (the execution's `finished` event), that event is
+    /// stored in the same transaction, without the record it carries: the
+    /// record is this row, and reading the event back joins it (see
+    /// [`FINISHED_STUB`]).
+    pub async fn finish_execution(
+        &self,
+        record: &ExecutionRecord,
+        report: Option<&str>,
+        raw: Option<(&str, &str)>,
+        finished: Option<&Event>,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        if let Some(event) = finished {
+            self.insert_events(&mut *tx, std::slice::from_ref(event), true).await?;
+        }
+        // Nothing to keep for a run that said nothing: no row (reading it
+        // back gives the same empty output and error).
+        if let Some((output, error)) = raw.filter(|(output, error)| !output.is_empty() || !error.is_empty()) {
+            sqlx::query("INSERT INTO execution_raw (execution_id, output, error) VALUES ($1, $2, $3)")
+                .bind(&record.execution_id)
+                .bind(output)
+                .bind(error)
+                .execute(&mut *tx)
+                .await?;
+        }
+        let profile = if record.evidence.profile_ref.is_empty() {
+            &record.harness_profile_ref
+        } else {
+            &record.evidence.profile_ref
+        };
+        sqlx::query(
+            "UPDATE executions SET state = $1, profile_ref = $2, finished_at_ms = $3, record = $4 WHERE execution_id = $5",
+        )
+        .bind(record.state.as_str())
+        .bind(profile)
+        .bind(record.finished_at_ms)
+        .bind(stored::execution_to_stored(record)?)
+        .bind(&record.execution_id)
+        .execute(&mut *tx)
+        .await?;
+        if let Some(body) = report {
+            let now = now_ms();
+            sqlx::query(
+                "INSERT INTO hub_outbox (id, subject_id, body, state, attempts, next_attempt_ms, created_at_ms, node)
+                 VALUES ($1, $2, $3, 'pending', 0, $4, $5, $6)",
+            )
+            .bind(uuid::Uuid::now_v7().to_string())
+            .bind(&record.execution_id)
+            .bind(body)
+            .bind(now)
+            .bind(now)
+            .bind(&self.node)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub async fn get_execution(&self, id: &str) -> Result<Option<ExecutionRecord>, StoreError> {
+        let row = sqlx::query(&format!("SELECT {EXECUTION} FROM executions WHERE execution_id = $1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(execution_from_row).transpose()
+    }
+
+    /// Newest first. Ids are UUIDv7, so id order is creation order.
+    pub async fn list_executions(&self, filter: &ExecutionFilter) -> Result<Vec<ExecutionRecord>, StoreError> {
+        let visible = visible_projects(filter.projects.as_deref(), 7);
+        let sql = format!(
+            "SELECT {EXECUTION} FROM executions
+             WHERE ($1 = '' OR state = $1)
+               AND ($2 = '' OR profile_ref = $2 OR profile_ref LIKE $2 || '@%')
+               AND ($3 = '' OR actor = $3)
+               AND ($4 = '' OR project = $4)
+               AND ($5 = '' OR execution_id < $5){visible}
+             ORDER BY execution_id DESC LIMIT $6"
+        );
+        let mut query = sqlx::query(&sql)
+            .bind(filter.state.map(|s| s.as_str()).unwrap_or(""))
+            .bind(&filter.profile)
+            .bind(&filter.actor)
+            .bind(&filter.project)
+            .bind(&filter.before_id)
+            .bind(filter.limit as i64);
+        for project in filter.projects.iter().flatten() {
+            query = query.bind(project);
+        }
+        let rows = query.fetch_all(&self.pool).await?;
+        rows.iter().map(execution_from_row).collect()
+    }
+
+    /// When an execution of `profile_ref` (pinned `id@version`) last
+    /// succeeded, in ms since the epoch (one index lookup).
+    pub async fn last_success(&self, profile_ref: &str) -> Result<Option<i64>, StoreError> {
+        let row = sqlx::query("SELECT MAX(finished_at_ms) FROM executions WHERE profile_ref = $1 AND state = $2")
+            .bind(profile_ref)
+            .bind(ExecutionState::Succeeded.as_str())
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(row.get::<Option<i64>, _>(0))
+    }
+
+    pub async fn count_executions(&self) -> Result<i64, StoreError> {
+        Ok(sqlx::query("SELECT COUNT(*) FROM executions").fetch_one(&self.pool).await?.get(0))
+    }
+
+    pub async fn unfinished_executions(&self) -> Result<Vec<ExecutionRecord>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {EXECUTION} FROM executions WHERE state IN ('pending', 'running') AND (node = $1 OR node IS NULL)
+             ORDER BY execution_id"
+        ))
+        .bind(&self.node)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(execution_from_row).collect()
+    }
+}

@@ -1,0 +1,183 @@
+//! The store's the sandboxes the daemon owns and their host uids: intent before creation, state, uid allocation, and what recovery finds left over.
+
+use super::*;
+
+impl Store {
+    /// Records the intent to create a sandbox, before the backend acts.
+    pub async fn insert_sandbox(
+        &self,
+        sandbox_id: &str,
+        subject_id: &str,
+        backend: &str,
+        root: &Path,
+        epoch: &str,
+    ) -> Result<(), StoreError> {
+        let now = now_ms();
+        sqlx::query(
+            "INSERT INTO sandboxes (sandbox_id, subject_id, backend, state, root_path, instance_epoch, created_at_ms, updated_at_ms, node)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(sandbox_id)
+        .bind(subject_id)
+        .bind(backend)
+        .bind(SandboxState::Creating.as_str())
+        .bind(root.to_string_lossy().as_ref())
+        .bind(epoch)
+        .bind(now)
+        .bind(now)
+        .bind(&self.node)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Records a sandbox's state. A destroyed sandbox (nothing of it
+    /// alive) gives its uid back and needs no row any more (the record
+    /// keeps its id). The uid goes first: a crash between the two leaves a
+    /// row that the next start's recovery destroys again, which is a no-op.
+    pub async fn set_sandbox_state(&self, sandbox_id: &str, state: SandboxState) -> Result<(), StoreError> {
+        if state == SandboxState::Destroyed {
+            // Remembered, so allocation hands it out again as late as it can.
+            sqlx::query(
+                "INSERT INTO sandbox_uid_released (node, uid, released_at_ms)
+                 SELECT node, uid, $3 FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2
+                 ON CONFLICT (node, uid) DO UPDATE SET released_at_ms = excluded.released_at_ms",
+            )
+            .bind(sandbox_id)
+            .bind(&self.node)
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?;
+            sqlx::query("DELETE FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2")
+                .bind(sandbox_id)
+                .bind(&self.node)
+                .execute(&self.pool)
+                .await?;
+            sqlx::query("DELETE FROM sandboxes WHERE sandbox_id = $1").bind(sandbox_id).execute(&self.pool).await?;
+            return Ok(());
+        }
+        sqlx::query("UPDATE sandboxes SET state = $1, updated_at_ms = $2 WHERE sandbox_id = $3")
+            .bind(state.as_str())
+            .bind(now_ms())
+            .bind(sandbox_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Reserves a host uid in `first..=last` for `sandbox_id` on this node,
+    /// one no live sandbox holds and `usable` accepts (the daemon skips uids
+    /// that have live processes): the lowest never used, else the one
+    /// released longest ago. A uid thus goes around the whole range before
+    /// it is used again, so what one tenant might have left under it (and
+    /// teardown missed) is not the next tenant's. `None` when none is free.
+    pub async fn allocate_uid(
+        &self,
+        first: u32,
+        last: u32,
+        sandbox_id: &str,
+        usable: impl Fn(u32) -> bool,
+    ) -> Result<Option<u32>, StoreError> {
+        // A concurrent allocation may take a candidate first; the primary
+        // key makes one of the two inserts a no-op, and the loser goes on
+        // to the next free uid.
+        let used: std::collections::BTreeSet<i64> =
+            sqlx::query("SELECT uid FROM sandbox_uids WHERE node = $1 ORDER BY uid")
+                .bind(&self.node)
+                .fetch_all(&self.pool)
+                .await?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+        let mut released: Vec<(i64, i64)> = sqlx::query(
+            "SELECT uid, released_at_ms FROM sandbox_uid_released WHERE node = $1 AND uid >= $2 AND uid <= $3",
+        )
+        .bind(&self.node)
+        .bind(first as i64)
+        .bind(last as i64)
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+        released.sort_by_key(|&(uid, at)| (at, uid));
+        let once: std::collections::HashSet<i64> = released.iter().map(|&(uid, _)| uid).collect();
+        let never = (first as i64..=last as i64).filter(|u| !once.contains(u));
+        let candidates = never.chain(released.into_iter().map(|(uid, _)| uid));
+        for uid in candidates.filter(|u| !used.contains(u)) {
+            if !usable(uid as u32) {
+                continue;
+            }
+            let inserted = sqlx::query(
+                "INSERT INTO sandbox_uids (node, uid, sandbox_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            )
+            .bind(&self.node)
+            .bind(uid)
+            .bind(sandbox_id)
+            .execute(&self.pool)
+            .await?;
+            if inserted.rows_affected() == 1 {
+                return Ok(Some(uid as u32));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The uid a sandbox holds, if any.
+    pub async fn sandbox_uid(&self, sandbox_id: &str) -> Result<Option<u32>, StoreError> {
+        let row = sqlx::query("SELECT uid FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2")
+            .bind(sandbox_id)
+            .bind(&self.node)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|r| r.get::<i64, _>(0) as u32))
+    }
+
+    /// Sandboxes an earlier instance of this node did not finish
+    /// destroying: rows of other nodes, or of no node, are never this
+    /// daemon's to destroy (see [`Store::foreign_leftover_sandboxes`]).
+    pub async fn leftover_sandboxes(&self, current_epoch: &str) -> Result<Vec<SandboxRow>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT s.sandbox_id, s.subject_id, s.backend, s.root_path, u.uid FROM sandboxes s
+             LEFT JOIN sandbox_uids u ON u.sandbox_id = s.sandbox_id AND u.node = s.node
+             WHERE s.state NOT IN ('destroyed') AND s.instance_epoch != $1 AND s.node = $2
+             ORDER BY s.created_at_ms",
+        )
+        .bind(current_epoch)
+        .bind(&self.node)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| SandboxRow {
+                sandbox_id: r.get(0),
+                subject_id: r.get(1),
+                backend: r.get(2),
+                root_path: r.get::<String, _>(3).into(),
+                uid: r.get::<Option<i64>, _>(4).map(|u| u as u32),
+            })
+            .collect())
+    }
+
+    /// How many leftover sandbox rows belong to another node or to none:
+    /// recovery leaves them alone and says so.
+    pub async fn foreign_leftover_sandboxes(&self, current_epoch: &str) -> Result<i64, StoreError> {
+        let row = sqlx::query(
+            "SELECT COUNT(*) FROM sandboxes
+             WHERE state NOT IN ('destroyed') AND instance_epoch != $1 AND (node IS NULL OR node != $2)",
+        )
+        .bind(current_epoch)
+        .bind(&self.node)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(row.get(0))
+    }
+
+    /// Sandbox rows by state, as `(sandbox_id, subject_id, state)`.
+    pub async fn sandboxes(&self) -> Result<Vec<(String, String, String)>, StoreError> {
+        let rows = sqlx::query("SELECT sandbox_id, subject_id, state FROM sandboxes ORDER BY created_at_ms")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
+    }
+}

@@ -1,0 +1,80 @@
+//! The store's sessions: insert, update, finish, read, list.
+
+use super::*;
+
+impl Store {
+    /// Inserts a new session; `false` when the id is taken.
+    pub async fn insert_session(&self, record: &SessionRecord) -> Result<bool, StoreError> {
+        let result = sqlx::query(
+            "INSERT INTO sessions (session_id, state, profile_ref, actor, project, created_at_ms, record, node)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&record.session_id)
+        .bind(record.state.as_str())
+        .bind(&record.profile_ref)
+        .bind(&record.consumer.actor)
+        .bind(&record.consumer.project)
+        .bind(record.created_at_ms)
+        .bind(stored::to_stored(record)?)
+        .bind(&self.node)
+        .execute(&self.pool)
+        .await;
+        match result {
+            Ok(_) => Ok(true),
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn update_session(&self, record: &SessionRecord) -> Result<(), StoreError> {
+        update_session_on(&self.pool, record).await
+    }
+
+    /// The session's final record and its `finished` event (stored as its
+    /// stub, see [`FINISHED_STUB`]), in one transaction.
+    pub async fn finish_session(&self, record: &SessionRecord, finished: &Event) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        self.insert_events(&mut *tx, std::slice::from_ref(finished), true).await?;
+        update_session_on(&mut *tx, record).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub async fn get_session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
+        let row = sqlx::query("SELECT record FROM sessions WHERE session_id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).transpose()
+    }
+
+    /// Sessions in id order after `after_id`, in `projects` only (`None`:
+    /// every project). The filter is in the query, so a page holds only
+    /// what the caller may see and its cursor is one of them.
+    pub async fn list_sessions(
+        &self,
+        after_id: &str,
+        limit: u32,
+        projects: Option<&[String]>,
+    ) -> Result<Vec<SessionRecord>, StoreError> {
+        let visible = visible_projects(projects, 3);
+        let sql = format!("SELECT record FROM sessions WHERE session_id > $1{visible} ORDER BY session_id LIMIT $2");
+        let mut query = sqlx::query(&sql).bind(after_id).bind(limit as i64);
+        for project in projects.into_iter().flatten() {
+            query = query.bind(project);
+        }
+        let rows = query.fetch_all(&self.pool).await?;
+        rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
+    }
+
+    pub async fn unfinished_sessions(&self) -> Result<Vec<SessionRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT record FROM sessions WHERE state IN ('starting', 'active') AND (node = $1 OR node IS NULL)
+             ORDER BY session_id",
+        )
+        .bind(&self.node)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
+    }
+}
