@@ -377,21 +377,7 @@ pub fn profile(p: &Profile) -> pb::Profile {
             model: f.rein.model.clone(),
         }),
         sandbox: Some(sandbox_spec(&f.sandbox)),
-        limits: Some(pb::Limits {
-            timeout_seconds: f.limits.timeout_seconds,
-            max_output_bytes: f.limits.max_output_bytes,
-            max_processes: f.limits.max_processes,
-            memory_bytes: f.limits.memory_bytes,
-            cpu_millis: f.limits.cpu_millis,
-            max_workspace_bytes: f.limits.max_workspace_bytes,
-            max_open_files: f.limits.max_open_files,
-            address_space_bytes: f.limits.address_space_bytes,
-            tmp_bytes: f.limits.tmp_bytes,
-            max_events: f.limits.max_events,
-            max_event_bytes: f.limits.max_event_bytes,
-            max_workspace_inodes: f.limits.max_workspace_inodes,
-            shm_bytes: f.limits.shm_bytes,
-        }),
+        limits: Some(wire_limits(&f.limits)),
         credential_route_refs: f.credential_route_refs.clone(),
         policies: f
             .guardrails
@@ -480,5 +466,70 @@ mod tests {
         for s in [ProfileStatus::Enabled, ProfileStatus::Disabled] {
             assert_eq!(profile_status(s).word(), serde_word(s));
         }
+    }
+}
+
+/// A profile's limits on the wire.
+pub fn wire_limits(l: &crate::catalog::Limits) -> pb::Limits {
+    pb::Limits {
+        timeout_seconds: l.timeout_seconds,
+        max_output_bytes: l.max_output_bytes,
+        max_processes: l.max_processes,
+        memory_bytes: l.memory_bytes,
+        cpu_millis: l.cpu_millis,
+        max_workspace_bytes: l.max_workspace_bytes,
+        max_open_files: l.max_open_files,
+        address_space_bytes: l.address_space_bytes,
+        tmp_bytes: l.tmp_bytes,
+        max_events: l.max_events,
+        max_event_bytes: l.max_event_bytes,
+        max_workspace_inodes: l.max_workspace_inodes,
+        shm_bytes: l.shm_bytes,
+    }
+}
+
+/// A profile's limits as the wire says them (the bench's floor rebuilds a
+/// daemon's sandbox from them): the inverse of [`wire_limits`].
+pub fn limits_from_wire(l: &pb::Limits) -> crate::catalog::Limits {
+    crate::catalog::Limits {
+        timeout_seconds: l.timeout_seconds,
+        max_output_bytes: l.max_output_bytes,
+        max_processes: l.max_processes,
+        memory_bytes: l.memory_bytes,
+        cpu_millis: l.cpu_millis,
+        max_workspace_bytes: l.max_workspace_bytes,
+        max_workspace_inodes: l.max_workspace_inodes,
+        max_open_files: l.max_open_files,
+        address_space_bytes: l.address_space_bytes,
+        tmp_bytes: l.tmp_bytes,
+        shm_bytes: l.shm_bytes,
+        max_events: l.max_events,
+        max_event_bytes: l.max_event_bytes,
+    }
+}
+
+#[cfg(test)]
+mod limits_tests {
+    use super::*;
+
+    #[test]
+    fn limits_survive_the_wire_both_ways() {
+        // Every field a different value: a field dropped or swapped shows.
+        let limits = crate::catalog::Limits {
+            timeout_seconds: 1,
+            max_output_bytes: 2,
+            max_processes: 3,
+            memory_bytes: 4,
+            cpu_millis: 5,
+            max_workspace_bytes: 6,
+            max_workspace_inodes: 7,
+            max_open_files: 8,
+            address_space_bytes: 9,
+            tmp_bytes: 10,
+            shm_bytes: 11,
+            max_events: 12,
+            max_event_bytes: 13,
+        };
+        assert_eq!(limits_from_wire(&wire_limits(&limits)), limits);
     }
 }

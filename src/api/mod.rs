@@ -26,6 +26,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 
 pub use catalog::CatalogApi;
+pub use convert::{limits_from_wire, wire_limits};
 pub use execution::ExecutionApi;
 pub use session::SessionApi;
 

@@ -37,7 +37,7 @@ pub const GATE_PORT: u16 = 3129;
 /// gatewayed route.
 pub const GATEWAY_PORT: u16 = 3130;
 pub use crate::types::{Consumer, EnforcementReceipt, LimitReceipt, SandboxSpec, SandboxState, SandboxType};
-pub use bwrap::{bwrap_args, BwrapBackend, HostLayout, HOME_MOUNT, WORKSPACE_MOUNT};
+pub use bwrap::{bwrap_args, command_digest, BwrapBackend, HostLayout, HOME_MOUNT, WORKSPACE_MOUNT};
 pub use host::{SandboxConfig, UidMode, UidRange};
 pub use none::NoneBackend;
 pub use process::{HostUser, SandboxProcess};

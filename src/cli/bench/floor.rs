@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use sha2::{Digest, Sha256};
 use tokio::io::AsyncReadExt;
 
 use crate::pb;
@@ -63,21 +62,15 @@ impl Floor {
             argv: rein.argv,
             credential_route_refs: profile.credential_route_refs.clone(),
             timeout: Duration::from_secs(limits.timeout_seconds),
-            limits: SandboxLimits {
-                memory_bytes: limits.memory_bytes,
-                max_processes: limits.max_processes,
-                cpu_millis: limits.cpu_millis,
-                max_open_files: limits.max_open_files,
-                address_space_bytes: limits.address_space_bytes,
-                max_file_bytes: limits.max_workspace_bytes,
-                max_workspace_bytes: limits.max_workspace_bytes,
-                max_workspace_inodes: limits.max_workspace_inodes,
-                tmp_bytes: limits.tmp_bytes,
+            // What the daemon's sandbox enforces, mapped by the code that
+            // maps it for the daemon.
+            limits: {
+                let mut sandbox = crate::api::limits_from_wire(&limits).sandbox();
                 // An older server does not send it; 0 would be an unsized tmpfs.
-                shm_bytes: match limits.shm_bytes {
-                    0 => crate::catalog::DEFAULT_SHM_BYTES,
-                    n => n,
-                },
+                if sandbox.shm_bytes == 0 {
+                    sandbox.shm_bytes = crate::catalog::DEFAULT_SHM_BYTES;
+                }
+                sandbox
             },
             root: root.to_path_buf(),
             backend: BwrapBackend::detect(cgroups.clone()),
@@ -100,13 +93,7 @@ impl Floor {
         let Some(root) = Path::new(workspace).parent() else { return false };
         let args: Vec<OsString> =
             bwrap_args(&self.spec, &SandboxPaths::under(root), &self.layout, self.limits.tmpfs(), &Default::default());
-        let mut hasher = Sha256::new();
-        hasher.update(self.program.as_os_str().as_encoded_bytes());
-        for arg in &args {
-            hasher.update([0u8]);
-            hasher.update(arg.as_encoded_bytes());
-        }
-        crate::sandbox::hex_digest(&hasher.finalize()) == command_digest
+        crate::sandbox::command_digest(&self.program, &args) == command_digest
     }
 
     /// One spawn: create the sandbox (directories, identity files,
