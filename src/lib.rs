@@ -5,11 +5,33 @@
 //! failed, and records redacted evidence, streaming every step to the
 //! caller and to any number of watchers.
 //!
-//! The folders follow the lifecycle: `api` (the thin gRPC edge) →
-//! `lifecycle` (the engine) → `catalog`, `policy`, `sandbox`, `rein`,
-//! `events`, `store`, `records`, and at the bottom `types` (the value types
-//! every record is made of, depending on nothing). `cli` is the client
-//! side of the binary.
+//! Words a newcomer meets everywhere:
+//!
+//! - **rein**: the harness adapter (`rein/`): how to start an agent inside
+//!   a sandbox, hand it a task, read its progress and result, and end it
+//!   (the `command` rein speaks corral's JSON-lines protocol, or Claude
+//!   Code's and Codex's own JSON output through a preset).
+//! - **profile**: a versioned harness profile, `id@version`: which rein,
+//!   the sandbox template, limits, credential routes, policies, readiness.
+//! - **gate**: the server-side policy check before a harness starts
+//!   (`agent_start`) and before each tool call (`tool_call`; the agents'
+//!   own calls reach it through their managed pre-tool hook, `gate/`).
+//! - **hub**: an optional HTTP endpoint that receives redacted progress and
+//!   evidence from an outbox in the store (`hub/`).
+//! - **`adm`, `agt`, `atm`**: the governed consumer types a principal and a
+//!   run's actor are one of — an administrator, an agent, an automation
+//!   (a pipeline or scheduler). Only `adm` may set policies or see every
+//!   project.
+//! - **floor**: in `corral bench`, the cost of spawning the exact sandbox
+//!   command line corral ran, without corral: what every figure is a
+//!   ratio against.
+//!
+//! The folders follow the lifecycle, every import pointing down
+//! (`tests/house.rs` checks it): `cli` (the client side of the binary) →
+//! `daemon` → `api` (the thin gRPC edge) → `lifecycle` (the engine; a
+//! run's phase in `lifecycle/phase.rs`) → `rein`, `gate`, `credentials`,
+//! `events`, `hub` → `catalog`, `policy`, `store`, `sandbox` → `records` →
+//! `types` (the value types every record is made of, depending on nothing).
 
 pub mod api;
 pub mod auth;
