@@ -49,9 +49,6 @@ impl Store {
         Ok(row.get::<Option<i64>, _>(0).map(|s| s as u64))
     }
 
-    /// Compacts executions finished before `cutoff_ms` to their record: all
-    /// their events but the last (`finished`, which carries the record and
-    /// evidence) are deleted. Returns how many events went.
     /// The raw output and error of a finished execution, if kept.
     pub async fn get_raw(&self, execution_id: &str) -> Result<Option<(String, String)>, StoreError> {
         let row = sqlx::query("SELECT output, error FROM execution_raw WHERE execution_id = $1")
@@ -61,6 +58,9 @@ impl Store {
         Ok(row.map(|r| (r.get(0), r.get(1))))
     }
 
+    /// Compacts executions finished before `cutoff_ms` to their record: all
+    /// their events but the last (`finished`, which carries the record and
+    /// evidence) are deleted. Returns how many events went.
     pub async fn compact_events(&self, cutoff_ms: i64) -> Result<u64, StoreError> {
         sqlx::query(
             "DELETE FROM execution_raw WHERE execution_id IN (
