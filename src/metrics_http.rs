@@ -15,6 +15,7 @@ use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -132,7 +133,7 @@ fn respond(req: &Request<Incoming>, token: Option<&[u8; 32]>, handle: &Prometheu
 fn authorized(header: Option<&[u8]>, expected: &[u8; 32]) -> bool {
     let Some(token) = header.and_then(|h| h.strip_prefix(b"Bearer ")) else { return false };
     let presented: [u8; 32] = Sha256::digest(token.trim_ascii()).into();
-    presented.iter().zip(expected).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    presented[..].ct_eq(&expected[..]).into()
 }
 
 #[cfg(test)]

@@ -33,7 +33,7 @@ fn principal(name: &str, project: &str, token: &str, approve: bool) -> Principal
         name: name.into(),
         kind: "agt".into(),
         projects: vec![project.into()],
-        token_sha256: Some(corral::sandbox::hex_digest(&sha2::Sha256::digest(token.as_bytes()))),
+        token_sha256: Some(hex::encode(sha2::Sha256::digest(token.as_bytes()))),
         approve,
         ..Default::default()
     }

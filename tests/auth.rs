@@ -24,7 +24,7 @@ const TOKEN_Q: &str = "token-of-principal-q-0123456789abcdef0123";
 
 fn digest(token: &str) -> String {
     use sha2::Digest;
-    corral::sandbox::hex_digest(&sha2::Sha256::digest(token.as_bytes()))
+    hex::encode(sha2::Sha256::digest(token.as_bytes()))
 }
 
 fn principal(name: &str, kind: &str, projects: &[&str], token: &str) -> PrincipalConfig {

@@ -332,9 +332,12 @@ async fn stop(mut daemon: ServeProcess) {
 
 /// The names of the collected spans of `trace_id`, with their parents' ids.
 fn spans_of(collector: &Collector, trace_id: &str) -> Vec<(String, String)> {
-    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
     let spans = collector.spans.lock().unwrap();
-    spans.iter().filter(|s| hex(&s.trace_id) == trace_id).map(|s| (s.name.clone(), hex(&s.parent_span_id))).collect()
+    spans
+        .iter()
+        .filter(|s| hex::encode(&s.trace_id) == trace_id)
+        .map(|s| (s.name.clone(), hex::encode(&s.parent_span_id)))
+        .collect()
 }
 
 fn traceparent<T>(message: T, trace_id: &str) -> tonic::Request<T> {
@@ -497,10 +500,11 @@ async fn a_failed_execution_span_has_an_error_status_and_the_runs_attributes() {
         client.execute(traceparent(request("builtin.shell", "exit 3"), trace_id)).await.unwrap().into_inner();
     while stream.message().await.unwrap().is_some() {}
     stop(daemon).await;
-    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
     let spans = collector.spans.lock().unwrap();
-    let span =
-        spans.iter().find(|s| hex(&s.trace_id) == trace_id && s.name == "execution").expect("the execution span");
+    let span = spans
+        .iter()
+        .find(|s| hex::encode(&s.trace_id) == trace_id && s.name == "execution")
+        .expect("the execution span");
     let status = span.status.clone().expect("a status");
     assert_eq!(status.code, 2, "STATUS_CODE_ERROR: {status:?}");
     assert_eq!(status.message, "harness_exited");
@@ -545,12 +549,11 @@ async fn each_call_is_a_server_span_with_the_rpc_attributes_and_its_code() {
     assert_eq!(answer.unwrap_err().code(), tonic::Code::Unimplemented);
     stop(daemon).await;
 
-    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
     let spans = collector.spans.lock().unwrap();
     let server_span = |trace: &str, name: &str| {
         spans
             .iter()
-            .find(|s| hex(&s.trace_id) == trace && s.name == name)
+            .find(|s| hex::encode(&s.trace_id) == trace && s.name == name)
             .unwrap_or_else(|| {
                 panic!("no {name} span in {trace}: {:?}", spans.iter().map(|s| &s.name).collect::<Vec<_>>())
             })
@@ -562,7 +565,7 @@ async fn each_call_is_a_server_span_with_the_rpc_attributes_and_its_code() {
     use opentelemetry_proto::tonic::common::v1::any_value::Value;
     let execute = server_span(streamed, "corral.v1.ExecutionService/Execute");
     assert_eq!(execute.kind, 2, "SPAN_KIND_SERVER: {execute:?}");
-    assert_eq!(hex(&execute.parent_span_id), "00f067aa0ba902b7", "a child of the caller's span");
+    assert_eq!(hex::encode(&execute.parent_span_id), "00f067aa0ba902b7", "a child of the caller's span");
     assert_eq!(attribute(&execute, "rpc.system"), Some(Value::StringValue("grpc".into())));
     assert_eq!(attribute(&execute, "rpc.service"), Some(Value::StringValue("corral.v1.ExecutionService".into())));
     assert_eq!(attribute(&execute, "rpc.method"), Some(Value::StringValue("Execute".into())));

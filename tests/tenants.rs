@@ -43,7 +43,7 @@ fn tenant(name: &str, project: &str, token: &str, repos: Vec<PathBuf>) -> Princi
         name: name.into(),
         kind: "agt".into(),
         projects: vec![project.into()],
-        token_sha256: Some(corral::sandbox::hex_digest(&sha2::Sha256::digest(token.as_bytes()))),
+        token_sha256: Some(hex::encode(sha2::Sha256::digest(token.as_bytes()))),
         repos,
         ..Default::default()
     }

@@ -71,7 +71,7 @@ impl PageTokens {
         if self.key.seal_in_place_append_tag(nonce_value, Aad::from(&aad), &mut sealed).is_err() {
             return String::new();
         }
-        format!("{VERSION}.{}{}", hex(&nonce), hex(&sealed))
+        format!("{VERSION}.{}{}", hex::encode(nonce), hex::encode(&sealed))
     }
 
     /// The cursor of a token this daemon issued for `listing` and `filter`;
@@ -85,7 +85,7 @@ impl PageTokens {
             return Err(not_ours());
         }
         let body = token.strip_prefix(VERSION).and_then(|t| t.strip_prefix('.')).ok_or_else(not_ours)?;
-        let mut bytes = unhex(body).ok_or_else(not_ours)?;
+        let mut bytes = hex::decode(body).map_err(|_| not_ours())?;
         if bytes.len() < NONCE_LEN {
             return Err(not_ours());
         }
@@ -112,17 +112,6 @@ fn associated(listing: &str, filter: &str) -> Vec<u8> {
     message
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok()).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,7 +125,7 @@ mod tests {
         let t = tokens();
         let cursor = "tenant-a/secret-session";
         let token = t.issue("sessions", "tenant-a", cursor);
-        assert!(!token.contains(&hex(cursor.as_bytes())) && !token.contains("secret"), "{token}");
+        assert!(!token.contains(&hex::encode(cursor.as_bytes())) && !token.contains("secret"), "{token}");
         assert_ne!(token, t.issue("sessions", "tenant-a", cursor), "a fresh nonce per token");
         assert_eq!(t.open("sessions", "tenant-a", &token).unwrap(), cursor);
         assert!(t.open("sessions", "tenant-b", &token).is_err(), "another caller's token");

@@ -59,15 +59,7 @@ pub fn token_digest(token: &str) -> [u8; 32] {
 }
 
 fn hex32(text: &str) -> Option<[u8; 32]> {
-    let text = text.trim();
-    if text.len() != 64 {
-        return None;
-    }
-    let mut out = [0u8; 32];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(text.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
+    hex::FromHex::from_hex(text.trim()).ok()
 }
 
 /// A principal's name: 1-64 letters, digits, `.`, `_` or `-` (so never a
@@ -201,9 +193,29 @@ mod tests {
     }
 
     #[test]
+    fn digests_are_64_hex_digits_either_case() {
+        let digest: [u8; 32] = std::array::from_fn(|i| {
+            if i == 0 {
+                0x00
+            } else if i == 1 {
+                0xab
+            } else {
+                0xff
+            }
+        });
+        let lower = format!("00ab{}", "ff".repeat(30));
+        assert_eq!(hex::encode(digest), lower);
+        assert_eq!(hex32(&lower), Some(digest));
+        assert_eq!(hex32(&format!(" {}\n", lower.to_ascii_uppercase())), Some(digest));
+        assert_eq!(hex32(&lower[1..]), None);
+        assert_eq!(hex32(&format!("{lower}0")), None);
+        assert_eq!(hex32(&format!("+a{}", &lower[2..])), None, "no sign, as u8::from_str_radix allowed");
+    }
+
+    #[test]
     fn a_principal_loads_with_digests_only() {
         let token = "t".repeat(40);
-        let digest = crate::sandbox::hex_digest(&token_digest(&token));
+        let digest = hex::encode(token_digest(&token));
         let p = PrincipalConfig {
             name: "ci".into(),
             kind: "agt".into(),

@@ -8,6 +8,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use subtle::ConstantTimeEq;
+
 use super::config::{token_digest, Loaded};
 use super::{ConsumerType, Principal, Projects};
 
@@ -28,10 +30,6 @@ pub struct Authenticator {
     tokens: Vec<([u8; 32], Arc<Principal>)>,
     uids: HashMap<u32, Arc<Principal>>,
     cert_names: HashMap<String, Arc<Principal>>,
-}
-
-fn ct_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 impl Authenticator {
@@ -89,7 +87,7 @@ impl Authenticator {
                 // Every digest is compared, whatever matches first.
                 let mut found = None;
                 for (digest, principal) in &self.tokens {
-                    if ct_eq(digest, &presented) && found.is_none() {
+                    if bool::from(digest[..].ct_eq(&presented[..])) && found.is_none() {
                         found = Some(principal.clone());
                     }
                 }
@@ -110,7 +108,7 @@ impl Authenticator {
 /// The local admin token in `data_dir/admin.token`: read, or created (32
 /// random bytes, hex, mode 0600) on first start. Returns its digest.
 pub fn local_admin_token(path: &std::path::Path) -> std::io::Result<[u8; 32]> {
-    use std::io::{Read, Write};
+    use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     match std::fs::read_to_string(path) {
         Ok(token) => return Ok(token_digest(&token)),
@@ -118,8 +116,8 @@ pub fn local_admin_token(path: &std::path::Path) -> std::io::Result<[u8; 32]> {
         Err(_) => {}
     }
     let mut bytes = [0u8; 32];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
-    let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    getrandom::fill(&mut bytes)?;
+    let token = hex::encode(bytes);
     let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
     file.write_all(token.as_bytes())?;
     Ok(token_digest(&token))
@@ -136,7 +134,7 @@ mod tests {
             name: "ci".into(),
             kind: "agt".into(),
             projects: vec!["a".into()],
-            token_sha256: Some(crate::sandbox::hex_digest(&token_digest(&token))),
+            token_sha256: Some(hex::encode(token_digest(&token))),
             unix_uids: vec![1234],
             ..Default::default()
         };

@@ -40,7 +40,7 @@ mod tests {
             name: "ci".into(),
             kind: "agt".into(),
             projects: vec!["a".into()],
-            token_sha256: Some(crate::sandbox::hex_digest(&super::super::config::token_digest(token))),
+            token_sha256: Some(hex::encode(super::super::config::token_digest(token))),
             ..Default::default()
         };
         Authenticator::new(vec![p.load("p", &|_| None).unwrap()], None, &[])

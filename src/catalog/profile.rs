@@ -498,7 +498,7 @@ impl Profile {
         }
         let policies = compile_all(&file.guardrails.policies, "profile", "guardrails.policies")?;
         let canonical = serde_json::to_vec(&file).map_err(|e| format!("cannot encode profile: {e}"))?;
-        let digest = format!("sha256:{}", crate::sandbox::hex_digest(&Sha256::digest(&canonical)));
+        let digest = format!("sha256:{}", hex::encode(Sha256::digest(&canonical)));
         Ok(Profile { file, version, policies, digest, source, unusable: None })
     }
 

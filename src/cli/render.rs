@@ -8,35 +8,23 @@ use prost_types::Timestamp;
 use crate::api::words::shown;
 use crate::pb;
 use crate::pb::lifecycle_event::Kind;
+use crate::types::{rfc3339, Fraction};
 
-const NANOS_PER_SECOND: i64 = 1_000_000_000;
-const SECONDS_PER_DAY: i64 = 86_400;
+const NANOS_PER_SECOND: i128 = 1_000_000_000;
 
 /// RFC 3339 in UTC, with the fraction protobuf JSON uses (none, 3, 6 or 9
 /// digits), e.g. `2023-11-14T22:13:20.500Z`.
 pub(super) fn timestamp(ts: &Timestamp) -> String {
     // Out-of-range nanos come from a sloppy peer; fold them into seconds
     // rather than print a nonsense fraction.
-    let seconds = ts.seconds.saturating_add(i64::from(ts.nanos).div_euclid(NANOS_PER_SECOND));
-    let nanos = i64::from(ts.nanos).rem_euclid(NANOS_PER_SECOND);
-    let (year, month, day) = civil_from_days(seconds.div_euclid(SECONDS_PER_DAY));
-    let secs_of_day = seconds.rem_euclid(SECONDS_PER_DAY);
-    let mut out = format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
-        secs_of_day / 3600,
-        secs_of_day / 60 % 60,
-        secs_of_day % 60
-    );
-    if nanos == 0 {
-    } else if nanos % 1_000_000 == 0 {
-        let _ = write!(out, ".{:03}", nanos / 1_000_000);
-    } else if nanos % 1_000 == 0 {
-        let _ = write!(out, ".{:06}", nanos / 1_000);
-    } else {
-        let _ = write!(out, ".{nanos:09}");
-    }
-    out.push('Z');
-    out
+    let nanos = i128::from(ts.seconds) * NANOS_PER_SECOND + i128::from(ts.nanos);
+    let fraction = match nanos.rem_euclid(NANOS_PER_SECOND) {
+        0 => Fraction::None,
+        n if n % 1_000_000 == 0 => Fraction::Millis,
+        n if n % 1_000 == 0 => Fraction::Micros,
+        _ => Fraction::Nanos,
+    };
+    rfc3339(nanos, fraction)
 }
 
 /// A timestamp to the second, for table columns that should line up.
@@ -45,22 +33,6 @@ pub(super) fn timestamp_seconds(ts: Option<&Timestamp>) -> String {
         Some(ts) => timestamp(&Timestamp { seconds: ts.seconds, nanos: 0 }),
         None => "-".to_owned(),
     }
-}
-
-/// (year, month, day) of a day count since 1970-01-01, proleptic Gregorian
-/// (Howard Hinnant's `civil_from_days`; exact for every i64 day count we
-/// can get from an i64 of seconds).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
 }
 
 /// `EXECUTION_STATE_SUCCEEDED` -> `succeeded`; values this client does not

@@ -66,7 +66,7 @@ pub fn placeholder(route: &str) -> String {
     // be no secret.
     let _ = ring::rand::SystemRandom::new().fill(&mut bytes);
     let name: String = route.chars().filter(|c| c.is_ascii_alphanumeric()).take(32).collect();
-    format!("corral-{name}-{}", crate::sandbox::hex_digest(&bytes))
+    format!("corral-{name}-{}", hex::encode(bytes))
 }
 
 /// One route as the gateway serves it for one run.

@@ -9,35 +9,25 @@
 
 use std::sync::Arc;
 
+use base64::engine::general_purpose::{STANDARD, URL_SAFE};
+use base64::Engine as _;
+
 #[derive(Clone, Debug, Default)]
 pub struct Scrubber {
     /// (pattern, replacement), longest pattern first.
     patterns: Arc<Vec<(String, String)>>,
 }
 
-const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-fn base64(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
-        let n = (b[0] as u32) << 16 | (b[1] as u32) << 8 | b[2] as u32;
-        let chars = chunk.len() + 1;
-        for i in 0..4 {
-            out.push(if i < chars { B64[(n >> (18 - 6 * i)) as usize & 63] as char } else { '=' });
-        }
-    }
-    out
-}
-
-/// The base64 text a value produces at byte offset 0, 1 and 2 of a longer
-/// encoded stream: only the characters that depend on the value alone.
+/// The base64 text (standard and URL-safe alphabets) a value produces at
+/// byte offset 0, 1 and 2 of a longer encoded stream: only the characters
+/// that depend on the value alone (so never padding).
 fn base64_forms(value: &[u8]) -> Vec<String> {
     (0..3usize)
-        .filter_map(|offset| {
+        .flat_map(|offset| [(offset, &STANDARD), (offset, &URL_SAFE)])
+        .filter_map(|(offset, engine)| {
             let mut padded = vec![0u8; offset];
             padded.extend_from_slice(value);
-            let encoded = base64(&padded);
+            let encoded = engine.encode(&padded);
             let start = (8 * offset).div_ceil(6);
             let end = 8 * (offset + value.len()) / 6;
             // Too short a fragment would match innocent text.
@@ -48,9 +38,7 @@ fn base64_forms(value: &[u8]) -> Vec<String> {
 
 /// The value in hex, lower and upper case.
 fn hex_forms(value: &[u8]) -> [String; 2] {
-    let lower: String = value.iter().map(|b| format!("{b:02x}")).collect();
-    let upper = lower.to_ascii_uppercase();
-    [lower, upper]
+    [hex::encode(value), hex::encode_upper(value)]
 }
 
 /// The value percent-encoded as in a URL: the reserved characters only
@@ -84,11 +72,7 @@ impl Scrubber {
         let replacement = format!("[REDACTED:{route}]");
         let patterns = Arc::make_mut(&mut self.patterns);
         let mut forms = vec![value.to_string()];
-        for form in base64_forms(value.as_bytes()) {
-            let url_safe = form.replace('+', "-").replace('/', "_");
-            forms.push(form);
-            forms.push(url_safe);
-        }
+        forms.extend(base64_forms(value.as_bytes()));
         forms.extend(hex_forms(value.as_bytes()));
         forms.extend(percent_forms(value.as_bytes()));
         forms.sort();
@@ -115,6 +99,11 @@ impl Scrubber {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Standard base64, padded.
+    fn base64(bytes: &[u8]) -> String {
+        STANDARD.encode(bytes)
+    }
 
     #[test]
     fn plain_and_base64_forms_are_redacted_at_every_alignment() {
@@ -152,6 +141,23 @@ mod tests {
         let mut empty = Scrubber::default();
         empty.add("r", "");
         assert!(empty.is_empty(), "an empty value would match everything");
+    }
+
+    #[test]
+    fn base64_forms_are_both_alphabets_at_each_alignment_without_padding() {
+        // Offset 0, 1, 2: standard, then URL-safe (differing only at offset 2).
+        assert_eq!(
+            base64_forms(b"sk-ant/Key+9?x"),
+            [
+                "c2stYW50L0tleSs5P3",
+                "c2stYW50L0tleSs5P3",
+                "NrLWFudC9LZXkrOT94",
+                "NrLWFudC9LZXkrOT94",
+                "zay1hbnQvS2V5Kzk/e",
+                "zay1hbnQvS2V5Kzk_e",
+            ]
+        );
+        assert!(base64_forms(b"short").is_empty(), "fragments under 8 characters would match innocent text");
     }
 
     #[test]

@@ -83,7 +83,7 @@ impl ExecuteCommand {
         let mut copy = self.clone();
         copy.request_id.clear();
         let bytes = serde_json::to_vec(&copy).unwrap_or_default();
-        crate::types::hex(&Sha256::digest(&bytes))
+        hex::encode(Sha256::digest(&bytes))
     }
 }
 

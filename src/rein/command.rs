@@ -271,7 +271,7 @@ struct CommandSession {
 
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
-    crate::sandbox::hex_digest(&sha2::Sha256::digest(bytes))
+    hex::encode(sha2::Sha256::digest(bytes))
 }
 
 /// Hook calls queued for the turn loop.

@@ -197,10 +197,8 @@ pub fn command_digest(program: &Path, args: &[OsString]) -> String {
         hasher.update([0u8]);
         hasher.update(arg.as_encoded_bytes());
     }
-    hex(&hasher.finalize())
+    hex::encode(hasher.finalize())
 }
-
-pub use crate::types::hex;
 
 pub struct BwrapBackend {
     program: Option<PathBuf>,

@@ -26,7 +26,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-pub use crate::types::hex as hex_digest;
 pub use boundary::{Boundary, SandboxPaths};
 pub use bwrap::find_on_path;
 

@@ -343,8 +343,8 @@ fn build() -> Result<SeccompFilter, SeccompError> {
         bytes.extend_from_slice(&[ins.jt, ins.jf]);
         bytes.extend_from_slice(&ins.k.to_ne_bytes());
     }
-    let digest = Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect::<String>();
-    Ok(SeccompFilter { bytes, digest: format!("sha256:{digest}") })
+    let digest = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
+    Ok(SeccompFilter { bytes, digest })
 }
 
 #[cfg(all(test, any(target_arch = "x86_64", target_arch = "aarch64")))]
@@ -501,7 +501,7 @@ mod tests {
         let hex = a.digest().strip_prefix("sha256:").expect("sha256: prefix");
         assert_eq!(hex.len(), 64);
         assert!(hex.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)), "{hex}");
-        assert_eq!(a.digest(), format!("sha256:{}", crate::sandbox::hex_digest(&Sha256::digest(a.bytes()))));
+        assert_eq!(a.digest(), format!("sha256:{}", hex::encode(Sha256::digest(a.bytes()))));
     }
 
     #[test]

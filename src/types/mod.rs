@@ -1,8 +1,9 @@
 //! The value types the records are made of: what a sandbox is asked for
 //! and proves ([`SandboxSpec`], [`EnforcementReceipt`]), who it is for
 //! ([`Consumer`]), a policy's verdict ([`PolicyDecision`]), a profile's
-//! [`Readiness`], and a run's [`evidence`]. The bottom layer: it depends on
-//! nothing else in the crate (serde and std only), so a newcomer learns
+//! [`Readiness`], and a run's [`evidence`], and how a time is written
+//! ([`rfc3339`]). The bottom layer: it depends on nothing else in the crate
+//! (serde, std and time only), so a newcomer learns
 //! the shape of every record and event here, and every other module may
 //! use it.
 
@@ -15,7 +16,54 @@ pub use policy::{Action, PolicyDecision};
 pub use readiness::{Readiness, ReadinessState};
 pub use sandbox::{Consumer, EnforcementReceipt, LimitReceipt, SandboxSpec, SandboxState, SandboxType};
 
-/// Lower-case hex of `bytes` (digests in receipts and records).
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+/// How many digits of a second [`rfc3339`] writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fraction {
+    None,
+    Millis,
+    Micros,
+    Nanos,
+}
+
+/// RFC 3339 in UTC of `nanos` nanoseconds since the Unix epoch, e.g.
+/// `2023-11-14T22:13:20.123Z`, the fraction cut to `fraction`. A time
+/// beyond the years -9999..=9999 (only a broken peer sends one) is written
+/// as its count of nanoseconds instead.
+pub fn rfc3339(nanos: i128, fraction: Fraction) -> String {
+    use time::format_description::BorrowedFormatItem;
+    use time::macros::format_description;
+    const NONE: &[BorrowedFormatItem] = format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]Z");
+    const MILLIS: &[BorrowedFormatItem] =
+        format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z");
+    const MICROS: &[BorrowedFormatItem] =
+        format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:6]Z");
+    const NANOS: &[BorrowedFormatItem] =
+        format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:9]Z");
+    let format = match fraction {
+        Fraction::None => NONE,
+        Fraction::Millis => MILLIS,
+        Fraction::Micros => MICROS,
+        Fraction::Nanos => NANOS,
+    };
+    time::OffsetDateTime::from_unix_timestamp_nanos(nanos)
+        .ok()
+        .and_then(|t| t.format(format).ok())
+        .unwrap_or_else(|| format!("{nanos}ns after 1970-01-01T00:00:00Z"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_writes_utc_with_the_fraction_asked_for() {
+        let t = 1_700_000_000_123_456_789;
+        assert_eq!(rfc3339(t, Fraction::None), "2023-11-14T22:13:20Z");
+        assert_eq!(rfc3339(t, Fraction::Millis), "2023-11-14T22:13:20.123Z");
+        assert_eq!(rfc3339(t, Fraction::Micros), "2023-11-14T22:13:20.123456Z");
+        assert_eq!(rfc3339(t, Fraction::Nanos), "2023-11-14T22:13:20.123456789Z");
+        assert_eq!(rfc3339(-1, Fraction::Nanos), "1969-12-31T23:59:59.999999999Z");
+        assert_eq!(rfc3339(0, Fraction::Millis), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(i128::MAX, Fraction::None), format!("{}ns after 1970-01-01T00:00:00Z", i128::MAX));
+    }
 }

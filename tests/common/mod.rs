@@ -252,7 +252,7 @@ pub fn test_principals() -> Vec<corral::auth::PrincipalConfig> {
         name: name.into(),
         kind: kind.into(),
         projects: ["proj-a", "proj-b", "proj-s", "default", "p"].iter().map(|p| p.to_string()).collect(),
-        token_sha256: Some(corral::sandbox::hex_digest(&sha2::Sha256::digest(token.as_bytes()))),
+        token_sha256: Some(hex::encode(sha2::Sha256::digest(token.as_bytes()))),
         ..Default::default()
     };
     vec![principal("test-agt", "agt", TEST_AGT_TOKEN), principal("test-atm", "atm", TEST_ATM_TOKEN)]
