@@ -90,6 +90,8 @@ pub struct Config {
     pub proxy: crate::net::ProxyLimitsConfig,
     /// How the real agents' tool calls reach the gate.
     pub gate: crate::gate::GateConfig,
+    /// This daemon as a node of a fleet on one store: its name, its lease.
+    pub fleet: crate::fleet::FleetConfig,
 }
 
 /// The `[grpc]` section: what one client can ask of the server.
@@ -258,6 +260,7 @@ impl Default for Config {
             grpc: GrpcConfig::default(),
             proxy: crate::net::ProxyLimitsConfig::default(),
             gate: crate::gate::GateConfig::default(),
+            fleet: crate::fleet::FleetConfig::default(),
         }
     }
 }
@@ -310,9 +313,10 @@ impl Config {
         }
     }
 
-    /// This daemon's name in a shared store.
+    /// This daemon's name in a shared store: `[fleet] node`, else
+    /// `node_id`, else the host name and data directory.
     pub fn node(&self) -> String {
-        self.node_id.clone().unwrap_or_else(|| {
+        self.fleet.node.clone().or_else(|| self.node_id.clone()).unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
             format!("{}:{}", host.trim(), self.data_dir.display())
         })
@@ -396,6 +400,13 @@ impl Config {
         }
         if self.max_running_executions == 0 {
             return Err(invalid("max_running_executions", "must be greater than 0".into()));
+        }
+        if self.fleet.lease_seconds == 0 {
+            return Err(invalid("fleet.lease_seconds", "must be at least 1".into()));
+        }
+        if self.fleet.node.as_deref().is_some_and(|n| n.is_empty() || n.len() > 200 || n.chars().any(char::is_control))
+        {
+            return Err(invalid("fleet.node", "must be 1-200 characters, none of them control characters".into()));
         }
         if self.max_running_sessions == 0 {
             return Err(invalid("max_running_sessions", "must be greater than 0".into()));

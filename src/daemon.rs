@@ -34,6 +34,9 @@ pub enum StartError {
     UidRange(String),
     #[error(transparent)]
     Serve(#[from] ServeError),
+    /// The node lost its lease and killed its sandboxes (see `fleet`).
+    #[error("fenced: this node lost its lease and killed its sandboxes; start it again to rejoin with a new epoch")]
+    Fenced,
 }
 
 pub struct Daemon {
@@ -74,8 +77,14 @@ impl Daemon {
         // Probed once: a host that cannot run bwrap refuses bwrap profiles
         // at the gate, with the reason, instead of running them unsandboxed.
         let uid_mode = UidMode::detect(UidRange::parse(&config.sandbox.uids).map_err(StartError::Policies)?);
+        let bwrap = backends.linux_bwrap.probe().await.map_err(|e| e.to_string());
+        // A node of the fleet from here on: every write of a run checks
+        // this start's epoch against the node's row.
+        let labels = crate::fleet::labels(bwrap.is_ok());
+        let lease_ms = config.fleet.lease().as_millis() as i64;
+        store.join_fleet(config.max_running_executions as u64, &labels, lease_ms).await?;
         let host = HostCapabilities {
-            bwrap: backends.linux_bwrap.probe().await.map_err(|e| e.to_string()),
+            bwrap,
             linux_bwrap: backends.linux_bwrap.capabilities(),
             none: backends.none.capabilities(),
             seccomp: crate::sandbox::seccomp::sandbox_filter()
@@ -146,9 +155,16 @@ impl Daemon {
         let retention = Duration::from_secs(config.event_retention_seconds);
         engine.spawn_compactor(retention, (retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(3600)));
         let authenticator = Arc::new(crate::auth::Principals::new(authenticator(&config)?));
-        // Kept in the data directory, so page tokens survive a restart.
-        let page_tokens = crate::api::page::PageTokens::load_or_create(&data_dir.join("page-token.key"))
-            .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
+        // Kept in the data directory, so page tokens survive a restart; on
+        // a shared store, one key for the fleet, so a page from one node
+        // works on every node.
+        let page_tokens = if engine.store.is_shared() {
+            let key = engine.store.fleet_secret("page_token_key", crate::api::page::PageTokens::new_key_hex).await?;
+            crate::api::page::PageTokens::from_key_hex(&key).map_err(StartError::Policies)?
+        } else {
+            crate::api::page::PageTokens::load_or_create(&data_dir.join("page-token.key"))
+                .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?
+        };
         Ok(Daemon { authenticator, page_tokens: Arc::new(page_tokens), config, engine, catalog, gate, uid_lock })
     }
 
@@ -168,6 +184,8 @@ impl Daemon {
             };
             crate::metrics_http::serve(addr, token, shutdown.clone()).await.map_err(StartError::Policies)?;
         }
+        let fenced = CancellationToken::new();
+        crate::fleet::spawn(self.engine.clone(), self.config.fleet.lease(), shutdown.clone(), fenced.clone());
         let parts = ApiParts {
             tls,
             authenticator: self.authenticator,
@@ -181,6 +199,9 @@ impl Daemon {
             page_tokens: self.page_tokens,
         };
         api::serve(parts, listener, shutdown).await?;
+        if fenced.is_cancelled() {
+            return Err(StartError::Fenced);
+        }
         Ok(())
     }
 }

@@ -43,6 +43,7 @@ pub mod daemon;
 pub mod delegate;
 pub mod events;
 pub mod fdlimit;
+pub mod fleet;
 pub mod gate;
 pub mod hub;
 pub mod lifecycle;

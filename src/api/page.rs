@@ -30,6 +30,25 @@ impl PageTokens {
         PageTokens { key, random: SystemRandom::new() }
     }
 
+    /// A new random key, as hex (for the fleet's shared secret; empty in
+    /// the one case the system's randomness fails, which
+    /// [`PageTokens::from_key_hex`] then refuses).
+    pub fn new_key_hex() -> String {
+        let mut key = [0u8; 32];
+        match SystemRandom::new().fill(&mut key) {
+            Ok(()) => hex::encode(key),
+            Err(_) => String::new(),
+        }
+    }
+
+    /// Tokens under a key given as 64 hex digits (the fleet's, from the
+    /// store).
+    pub fn from_key_hex(text: &str) -> Result<PageTokens, String> {
+        let bytes = hex::decode(text.trim()).map_err(|e| format!("the fleet's page token key: {e}"))?;
+        let key: [u8; 32] = bytes.try_into().map_err(|_| "the fleet's page token key is not 32 bytes".to_string())?;
+        Ok(PageTokens::with_key(&key))
+    }
+
     /// The key in `path`, created (32 random bytes, mode 0600) on first use.
     pub fn load_or_create(path: &Path) -> std::io::Result<PageTokens> {
         use std::io::Write;

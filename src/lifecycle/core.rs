@@ -337,6 +337,7 @@ impl Core {
             }
         };
         self.evidence.sandbox_id = sandbox.id.clone();
+        self.engine.sandbox_alive(&sandbox.id, true);
         if let Some(egress) = &sandbox.egress {
             // Before anything runs in it: its proxy refuses every connection without.
             egress.attach_budget(self.engine.proxy_budget.clone(), &self.consumer.principal);
@@ -351,6 +352,7 @@ impl Core {
             // Not held by the phase, so destroyed here.
             self.failed(FailureStage::SandboxCreate, &bug.to_string());
             let _ = backend.destroy(&sandbox).await;
+            self.engine.sandbox_alive(&sandbox.id, false);
             crate::telemetry::sandbox_alive(-1.0);
             self.set_sandbox_state(&sandbox.id, SandboxState::Destroyed).await;
             return Err(fail(FailureStage::SandboxCreate, bug.to_string()));
@@ -879,6 +881,7 @@ impl Core {
         let Ready { backend, sandbox, .. } = *ready;
         self.set_sandbox_state(&sandbox.id, SandboxState::Destroying).await;
         let destroyed = backend.destroy(&sandbox).await;
+        self.engine.sandbox_alive(&sandbox.id, false);
         crate::telemetry::sandbox_alive(-1.0);
         self.sandbox_destroy = match destroyed {
             Ok(()) => {

@@ -111,6 +111,9 @@ pub struct Engine {
     sessions: Mutex<HashMap<String, Arc<session::LiveSession>>>,
     tasks: TaskTracker,
     draining: CancellationToken,
+    /// The sandboxes that exist now, so a fenced node can kill what runs in
+    /// them without the store (see [`Engine::fence`]).
+    live_sandboxes: Mutex<std::collections::HashSet<String>>,
 }
 
 pub struct EngineParts {
@@ -137,6 +140,7 @@ pub struct EngineParts {
 impl Engine {
     pub fn new(parts: EngineParts) -> Arc<Engine> {
         let event_pages = watch::EventPages::new(parts.store.clone());
+        let epoch = parts.store.epoch().to_string();
         Arc::new(Engine {
             catalog: parts.catalog,
             gate: parts.gate,
@@ -145,7 +149,7 @@ impl Engine {
             store: parts.store,
             bus: Arc::new(EventBus::new(parts.bus_capacity)),
             sandboxes_dir: parts.data_dir.join("sandboxes"),
-            epoch: uuid::Uuid::now_v7().to_string(),
+            epoch,
             hub: parts.hub,
             credentials: parts.credentials,
             uid_range: parts.uid_range,
@@ -160,7 +164,38 @@ impl Engine {
             sessions: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
             draining: CancellationToken::new(),
+            live_sandboxes: Mutex::default(),
         })
+    }
+
+    /// Executions and sessions running now.
+    pub fn running(&self) -> usize {
+        self.admission.running(admission::Work::Execution) + self.admission.running(admission::Work::Session)
+    }
+
+    /// Notes that sandbox `id` exists (`true`) or is gone (`false`).
+    pub(crate) fn sandbox_alive(&self, id: &str, alive: bool) {
+        let mut live = self.live_sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        match alive {
+            true => live.insert(id.to_string()),
+            false => live.remove(id),
+        };
+    }
+
+    /// This node lost its lease: refuse new work and kill every process of
+    /// every sandbox at once, without the store (which may be the thing
+    /// out of reach). Returns how many processes were killed. What is left
+    /// on disk and in the store, its next start recovers.
+    pub async fn fence(&self) -> usize {
+        self.start_draining();
+        self.draining.cancel();
+        let ids: Vec<String> = self.live_sandboxes.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
+        let scope = leftover::SignalScope::new(self.uid_range);
+        let mut killed = 0;
+        for id in ids {
+            killed += leftover::kill_sandbox_processes(&id, scope).await;
+        }
+        killed
     }
 
     /// Gives an execution's or a session's admission slot back.

@@ -97,6 +97,36 @@ impl Engine {
         Ok(report)
     }
 
+    /// Fails what node `node` left unfinished when it was declared lost
+    /// (this node won the claim, so it runs once per lost node): each run
+    /// gets `recovered` ("node … lost during …"), `teardown` and
+    /// `finished`, as a run recovered after a restart does. Its sandboxes
+    /// are the lost node's to destroy when it starts again. Returns the
+    /// executions and sessions failed.
+    pub async fn fail_lost_node(&self, node: &str) -> Result<(usize, usize), EngineError> {
+        let lost = format!("node {node} lost");
+        let mut failed = (0, 0);
+        for mut record in self.store.unfinished_executions_of(node).await? {
+            let finished =
+                self.finish_subject(&record.execution_id, &mut record.evidence, TeardownResult::Unknown, &lost).await?;
+            record.state = ExecutionState::Failed;
+            record.finished_at_ms = Some(now_ms());
+            self.store.update_execution(&record).await?;
+            finished.emit(EventKind::Finished { execution: Box::new(record) }, None).await;
+            failed.0 += 1;
+        }
+        for mut record in self.store.unfinished_sessions_of(node).await? {
+            let finished =
+                self.finish_subject(&record.session_id, &mut record.evidence, TeardownResult::Unknown, &lost).await?;
+            record.state = SessionState::Failed;
+            record.ended_at_ms = Some(now_ms());
+            self.store.update_session(&record).await?;
+            finished.emit(EventKind::SessionFinished { session: Box::new(record) }, None).await;
+            failed.1 += 1;
+        }
+        Ok(failed)
+    }
+
     /// Notes the restart in the evidence and records `recovered` and
     /// `teardown`; returns the recorder for the `finished` event.
     async fn recover_subject(
@@ -105,9 +135,21 @@ impl Engine {
         evidence: &mut Evidence,
         destroy: TeardownResult,
     ) -> Result<Finisher, EngineError> {
+        self.finish_subject(subject, evidence, destroy, "daemon restarted").await
+    }
+
+    /// `recovered` with "`why` during <stage>", `teardown`, the evidence
+    /// failed at that stage; returns the recorder for `finished`.
+    async fn finish_subject(
+        &self,
+        subject: &str,
+        evidence: &mut Evidence,
+        destroy: TeardownResult,
+        why: &str,
+    ) -> Result<Finisher, EngineError> {
         let events = self.store.events_after(subject, 0).await?;
         let stage = stage_of(events.last());
-        let note = format!("daemon restarted during {}", stage.as_str());
+        let note = format!("{why} during {}", stage.as_str());
         let last = events.last().map(|e| e.sequence).unwrap_or(0);
         let mut recorder = Recorder::new(subject.to_string(), last, self.store.clone(), self.bus.clone());
         recorder.emit(EventKind::Recovered { note: note.clone() }, None).await;

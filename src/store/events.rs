@@ -3,9 +3,17 @@
 use super::*;
 
 impl Store {
-    /// Stores several events in one statement.
+    /// Stores several events in one statement (on a shared store, in a
+    /// transaction that first checks this node is not fenced).
     pub async fn append_events(&self, events: &[Event]) -> Result<(), StoreError> {
-        self.insert_events(&self.pool, events, false).await
+        if !self.shared || events.is_empty() {
+            return self.insert_events(&self.pool, events, false).await;
+        }
+        let mut tx = self.pool.begin().await?;
+        self.check_fence(&mut tx).await?;
+        self.insert_events(&mut *tx, events, false).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Inserts `events` with one statement on `conn` (the pool, or a

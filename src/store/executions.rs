@@ -60,6 +60,7 @@ impl Store {
         finished: Option<&Event>,
     ) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
+        self.check_fence(&mut tx).await?;
         if let Some(event) = finished {
             self.insert_events(&mut *tx, std::slice::from_ref(event), true).await?;
         }

@@ -18,10 +18,13 @@ use crate::sandbox::SandboxState;
 
 mod events;
 mod executions;
+mod nodes;
 mod outbox;
 mod sandboxes;
 mod sessions;
 mod stored;
+
+pub use nodes::{NodeRow, NodeState};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -33,6 +36,10 @@ pub enum StoreError {
     Encoding(#[from] serde_json::Error),
     #[error("store: {0} is missing")]
     Missing(String),
+    /// This node was declared lost (or started again elsewhere): it owns
+    /// no run any more and may not write to one.
+    #[error("store: node {node} (epoch {epoch}) is fenced: it was declared lost")]
+    Fenced { node: String, epoch: String },
 }
 
 /// The result of inserting an execution under a request id.
@@ -85,6 +92,10 @@ pub struct Store {
     pool: AnyPool,
     /// Who this daemon is in a shared store: recovery only touches its own.
     node: String,
+    /// This start of the daemon: a new one per `open`. On a shared store
+    /// every write of a run checks it (see `nodes.rs`), so a node that was
+    /// declared lost cannot append to a run it no longer owns.
+    epoch: String,
     shared: bool,
 }
 
@@ -136,7 +147,17 @@ impl Store {
             .connect(&url)
             .await?;
         migrator(sqlite).run(&pool).await?;
-        Ok(Store { pool, node: node.to_string(), shared: !sqlite })
+        Ok(Store { pool, node: node.to_string(), epoch: uuid::Uuid::now_v7().to_string(), shared: !sqlite })
+    }
+
+    /// This daemon's name in the store.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// This start's epoch (see the field).
+    pub fn epoch(&self) -> &str {
+        &self.epoch
     }
 
     /// Whether other daemons may write to this store (PostgreSQL).

@@ -27,13 +27,21 @@ impl Store {
     }
 
     pub async fn update_session(&self, record: &SessionRecord) -> Result<(), StoreError> {
-        update_session_on(&self.pool, record).await
+        if !self.shared {
+            return update_session_on(&self.pool, record).await;
+        }
+        let mut tx = self.pool.begin().await?;
+        self.check_fence(&mut tx).await?;
+        update_session_on(&mut *tx, record).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// The session's final record and its `finished` event (stored as its
     /// stub, see [`FINISHED_STUB`]), in one transaction.
     pub async fn finish_session(&self, record: &SessionRecord, finished: &Event) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
+        self.check_fence(&mut tx).await?;
         self.insert_events(&mut *tx, std::slice::from_ref(finished), true).await?;
         update_session_on(&mut *tx, record).await?;
         tx.commit().await?;

@@ -1,0 +1,142 @@
+//! The fleet: every daemon on a store is a node (`nodes` in the store).
+//! Each node renews a lease; one that cannot fences itself (kills its
+//! sandboxes and exits, to start again with a new epoch) before the lease
+//! runs out; a survivor marks a node whose lease ran out lost — exactly
+//! once, by a conditional update — and fails its unfinished runs; from then
+//! on every write of a run by the lost epoch is refused by the store. No
+//! node talks to another: the store is the only thing they share.
+//!
+//! On SQLite (one node) the same loop runs: the node's row is renewed and
+//! listed, and nothing else can be lost.
+
+pub mod lease;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::lifecycle::Engine;
+use crate::store::{NodeState, StoreError};
+use lease::{Renewal, Step};
+
+/// The `[fleet]` section.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FleetConfig {
+    /// This node's name in the store (default: `node_id`, else the host
+    /// name and data directory).
+    pub node: Option<String>,
+    /// How long a node's lease lasts without renewal (seconds). A node is
+    /// declared lost this long after its last renewal; it fences itself
+    /// after two thirds of it.
+    pub lease_seconds: u64,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        FleetConfig { node: None, lease_seconds: 10 }
+    }
+}
+
+impl FleetConfig {
+    /// The lease, once checked (`lease_seconds` ≥ 1).
+    pub fn lease(&self) -> Duration {
+        Duration::from_secs(self.lease_seconds.max(1))
+    }
+}
+
+/// What a node can run, for `ListNodes`: its sandbox backend and the agent
+/// CLIs on its PATH.
+pub fn labels(bwrap: bool) -> Vec<String> {
+    let mut labels = Vec::new();
+    if bwrap {
+        labels.push("linux_bwrap".to_string());
+    }
+    for cli in ["claude", "codex"] {
+        if crate::sandbox::find_on_path(cli).is_some() {
+            labels.push(cli.to_string());
+        }
+    }
+    labels
+}
+
+/// Runs the lease loop and the sweep for lost nodes until `shutdown`. On
+/// a fence it kills every sandbox, cancels `fenced` and `shutdown` (the
+/// daemon then exits with an error, to start again with a new epoch).
+pub fn spawn(engine: Arc<Engine>, lease: Duration, shutdown: CancellationToken, fenced: CancellationToken) {
+    tokio::spawn(async move {
+        let every = lease::renew_every(lease);
+        let lease_ms = lease.as_millis() as i64;
+        let mut renewed = Instant::now();
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            // Bounded: a store out of reach must not stall the loop past
+            // the point where the node has to fence itself.
+            let running = engine.running() as u64;
+            let renewal = match tokio::time::timeout(every, engine.store.renew_lease(lease_ms, running)).await {
+                Ok(Ok(state)) => Renewal::Renewed(state),
+                Ok(Err(StoreError::Fenced { .. })) => Renewal::Fenced,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "fleet: lease not renewed");
+                    Renewal::Failed
+                }
+                Err(_) => {
+                    tracing::warn!(timeout_ms = every.as_millis() as u64, "fleet: lease renewal timed out");
+                    Renewal::Failed
+                }
+            };
+            if let Renewal::Renewed(_) = renewal {
+                renewed = Instant::now();
+            }
+            // One store: nothing else can be lost, and its errors are the
+            // node's own (a fence would only kill healthy work).
+            let step = match (engine.store.is_shared(), lease::after(&renewal, renewed.elapsed(), lease)) {
+                (false, Step::Fence(_)) => Step::Continue,
+                (_, step) => step,
+            };
+            match step {
+                Step::Continue => {}
+                Step::Drain => {
+                    if engine.start_draining() {
+                        tracing::warn!(running, "fleet: draining as asked; no new work is taken");
+                    }
+                }
+                Step::Fence(reason) => {
+                    tracing::error!(%reason, "fleet: this node fences itself: killing every sandbox, then exiting");
+                    let killed = engine.fence().await;
+                    tracing::error!(processes_killed = killed, "fleet: fenced");
+                    fenced.cancel();
+                    shutdown.cancel();
+                    return;
+                }
+            }
+            if matches!(renewal, Renewal::Renewed(NodeState::Active | NodeState::Draining)) && engine.store.is_shared()
+            {
+                sweep(&engine).await;
+            }
+        }
+    });
+}
+
+/// Fails the runs of every node whose lease ran out (each claimed by one
+/// sweeper only).
+async fn sweep(engine: &Engine) {
+    let claimed = match engine.store.claim_lost_nodes(crate::records::now_ms()).await {
+        Ok(claimed) => claimed,
+        Err(e) => return tracing::warn!(error = %e, "fleet: cannot look for lost nodes"),
+    };
+    for node in claimed {
+        tracing::error!(node = %node.name, epoch = %node.epoch, "fleet: node lost (its lease ran out); failing its runs");
+        match engine.fail_lost_node(&node.name).await {
+            Ok((executions, sessions)) => {
+                tracing::warn!(node = %node.name, executions, sessions, "fleet: a lost node's runs failed")
+            }
+            Err(e) => tracing::error!(node = %node.name, error = %e, "fleet: a lost node's runs not failed"),
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! The store's nodes: each daemon on a store is a row with its epoch, a
+//! lease it renews, its state (`active`, `draining`, `lost`) and what it
+//! runs; and the fleet's shared secrets. A node whose lease ran out is
+//! marked lost by exactly one survivor (a conditional update), and from
+//! then on [`Store::check_fence`] refuses every write of a run by that
+//! node's epoch.
+
+use super::*;
+
+/// A node's state in the fleet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeState {
+    /// Takes work.
+    Active,
+    /// Takes no new work; finishes what it runs.
+    Draining,
+    /// Its lease ran out: a survivor failed its runs; its epoch is fenced.
+    Lost,
+}
+
+impl NodeState {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeState::Active => "active",
+            NodeState::Draining => "draining",
+            NodeState::Lost => "lost",
+        }
+    }
+
+    /// The state a stored name means (an unknown one reads as lost: it
+    /// takes no work).
+    pub fn parse(text: &str) -> NodeState {
+        match text {
+            "active" => NodeState::Active,
+            "draining" => NodeState::Draining,
+            _ => NodeState::Lost,
+        }
+    }
+}
+
+/// A node as the store has it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeRow {
+    /// `[fleet] node`: unique in the store.
+    pub name: String,
+    /// The node's current start.
+    pub epoch: String,
+    pub state: NodeState,
+    /// Executions it may run at once (its admission limit).
+    pub capacity: u64,
+    /// What it can run (e.g. `linux_bwrap`, `claude`, `codex`).
+    pub labels: Vec<String>,
+    /// The daemon's version.
+    pub version: String,
+    /// When this epoch joined (ms since the epoch).
+    pub started_at_ms: i64,
+    /// When the lease was last renewed.
+    pub renewed_at_ms: i64,
+    /// When the lease runs out unless renewed.
+    pub lease_until_ms: i64,
+    /// Executions and sessions it ran at its last renewal.
+    pub running: u64,
+}
+
+const NODE: &str =
+    "name, epoch, state, capacity, labels, version, started_at_ms, renewed_at_ms, lease_until_ms, running";
+
+fn node_from_row(row: &sqlx::any::AnyRow) -> NodeRow {
+    NodeRow {
+        name: row.get("name"),
+        epoch: row.get("epoch"),
+        state: NodeState::parse(row.get::<&str, _>("state")),
+        capacity: row.get::<i64, _>("capacity").max(0) as u64,
+        labels: serde_json::from_str(row.get::<&str, _>("labels")).unwrap_or_default(),
+        version: row.get("version"),
+        started_at_ms: row.get("started_at_ms"),
+        renewed_at_ms: row.get("renewed_at_ms"),
+        lease_until_ms: row.get("lease_until_ms"),
+        running: row.get::<i64, _>("running").max(0) as u64,
+    }
+}
+
+impl Store {
+    /// Joins the fleet as this start (a new epoch, `active`), replacing
+    /// whatever an earlier start of this node left in the row.
+    pub async fn join_fleet(&self, capacity: u64, labels: &[String], lease_ms: i64) -> Result<(), StoreError> {
+        let now = now_ms();
+        sqlx::query(
+            "INSERT INTO nodes (name, epoch, state, capacity, labels, version, started_at_ms, renewed_at_ms, lease_until_ms, running)
+             VALUES ($1, $2, 'active', $3, $4, $5, $6, $6, $7, 0)
+             ON CONFLICT (name) DO UPDATE SET epoch = excluded.epoch, state = 'active', capacity = excluded.capacity,
+                 labels = excluded.labels, version = excluded.version, started_at_ms = excluded.started_at_ms,
+                 renewed_at_ms = excluded.renewed_at_ms, lease_until_ms = excluded.lease_until_ms, running = 0",
+        )
+        .bind(&self.node)
+        .bind(&self.epoch)
+        .bind(capacity.min(i64::MAX as u64) as i64)
+        .bind(serde_json::to_string(labels)?)
+        .bind(env!("CARGO_PKG_VERSION"))
+        .bind(now)
+        .bind(now + lease_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Renews this start's lease for `lease_ms` from now, noting what it
+    /// runs; returns the node's state, or [`StoreError::Fenced`] when the
+    /// row is no longer this start's or was declared lost.
+    pub async fn renew_lease(&self, lease_ms: i64, running: u64) -> Result<NodeState, StoreError> {
+        let now = now_ms();
+        let renewed = sqlx::query(
+            "UPDATE nodes SET renewed_at_ms = $3, lease_until_ms = $4, running = $5
+             WHERE name = $1 AND epoch = $2 AND state <> 'lost'",
+        )
+        .bind(&self.node)
+        .bind(&self.epoch)
+        .bind(now)
+        .bind(now + lease_ms)
+        .bind(running.min(i64::MAX as u64) as i64)
+        .execute(&self.pool)
+        .await?;
+        if renewed.rows_affected() == 0 {
+            return Err(self.fenced());
+        }
+        let row = sqlx::query("SELECT state FROM nodes WHERE name = $1").bind(&self.node).fetch_one(&self.pool).await?;
+        Ok(NodeState::parse(row.get::<&str, _>(0)))
+    }
+
+    fn fenced(&self) -> StoreError {
+        StoreError::Fenced { node: self.node.clone(), epoch: self.epoch.clone() }
+    }
+
+    /// Every node the store knows, by name.
+    pub async fn list_nodes(&self) -> Result<Vec<NodeRow>, StoreError> {
+        let rows = sqlx::query(&format!("SELECT {NODE} FROM nodes ORDER BY name")).fetch_all(&self.pool).await?;
+        Ok(rows.iter().map(node_from_row).collect())
+    }
+
+    /// Asks node `name` to drain (from `active`); returns its row, `None`
+    /// when there is no such node. A lost node stays lost.
+    pub async fn drain_node(&self, name: &str) -> Result<Option<NodeRow>, StoreError> {
+        sqlx::query("UPDATE nodes SET state = 'draining' WHERE name = $1 AND state = 'active'")
+            .bind(name)
+            .execute(&self.pool)
+            .await?;
+        let row = sqlx::query(&format!("SELECT {NODE} FROM nodes WHERE name = $1"))
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.as_ref().map(node_from_row))
+    }
+
+    /// Marks lost every other node whose lease ran out before `now_ms`,
+    /// and returns them. A node is returned to exactly one caller however
+    /// many sweep at once: the update's condition no longer holds for the
+    /// second.
+    pub async fn claim_lost_nodes(&self, now_ms: i64) -> Result<Vec<NodeRow>, StoreError> {
+        let candidates = sqlx::query(&format!(
+            "SELECT {NODE} FROM nodes WHERE lease_until_ms < $1 AND state <> 'lost' AND name <> $2 ORDER BY name"
+        ))
+        .bind(now_ms)
+        .bind(&self.node)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut claimed = Vec::new();
+        for candidate in candidates.iter().map(node_from_row) {
+            let marked = sqlx::query(
+                "UPDATE nodes SET state = 'lost' WHERE name = $1 AND epoch = $2 AND state <> 'lost' AND lease_until_ms < $3",
+            )
+            .bind(&candidate.name)
+            .bind(&candidate.epoch)
+            .bind(now_ms)
+            .execute(&self.pool)
+            .await?;
+            if marked.rows_affected() == 1 {
+                claimed.push(NodeRow { state: NodeState::Lost, ..candidate });
+            }
+        }
+        Ok(claimed)
+    }
+
+    /// On a shared store: fails unless this start still owns its node row
+    /// and was not declared lost. Run inside the transaction of a write to
+    /// a run, with a share lock on the row, so a survivor marking this node
+    /// lost waits for writes already under way and every later one fails.
+    pub(super) async fn check_fence(&self, conn: &mut sqlx::AnyConnection) -> Result<(), StoreError> {
+        if !self.shared {
+            return Ok(());
+        }
+        let owned = sqlx::query("SELECT 1 FROM nodes WHERE name = $1 AND epoch = $2 AND state <> 'lost' FOR SHARE")
+            .bind(&self.node)
+            .bind(&self.epoch)
+            .fetch_optional(&mut *conn)
+            .await?;
+        match owned {
+            Some(_) => Ok(()),
+            None => Err(self.fenced()),
+        }
+    }
+
+    /// The fleet's secret `name`: the one stored, or `make()`'s, stored now
+    /// (the first node to ask decides it for every node).
+    pub async fn fleet_secret(&self, name: &str, make: impl FnOnce() -> String) -> Result<String, StoreError> {
+        sqlx::query("INSERT INTO fleet_secrets (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING")
+            .bind(name)
+            .bind(make())
+            .execute(&self.pool)
+            .await?;
+        let row =
+            sqlx::query("SELECT value FROM fleet_secrets WHERE name = $1").bind(name).fetch_one(&self.pool).await?;
+        Ok(row.get(0))
+    }
+
+    /// The unfinished executions of node `node` (a lost one's, for the
+    /// survivor that fails them).
+    pub async fn unfinished_executions_of(&self, node: &str) -> Result<Vec<ExecutionRecord>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {EXECUTION} FROM executions WHERE state IN ('pending', 'running') AND node = $1 ORDER BY execution_id"
+        ))
+        .bind(node)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(execution_from_row).collect()
+    }
+
+    /// The unfinished sessions of node `node`.
+    pub async fn unfinished_sessions_of(&self, node: &str) -> Result<Vec<SessionRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT record FROM sessions WHERE state IN ('starting', 'active') AND node = $1 ORDER BY session_id",
+        )
+        .bind(node)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
+    }
+}
