@@ -9,14 +9,20 @@ use serde::{Deserialize, Serialize};
 
 use super::{Action, PolicyDecision, Readiness};
 
+/// How a run ended, as the evidence reports it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
+    /// Not known: the run has not ended, or its record predates the field.
     #[default]
     Unknown,
+    /// It did what was asked.
     Succeeded,
+    /// It failed at some stage (see `failure_stage`).
     Failed,
+    /// It was refused at resolution or by the gate.
     Refused,
+    /// It was cancelled.
     Cancelled,
 }
 
@@ -24,11 +30,19 @@ pub enum Outcome {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureStage {
+    /// Resolving the profile (unknown, disabled, blocked or unusable profiles,
+    /// missing credentials).
     Resolution,
+    /// The policy gate denied it.
     Gate,
+    /// Creating the sandbox.
     SandboxCreate,
+    /// Starting the harness.
     SessionStart,
+    /// Running the task.
     Execution,
+    /// Tearing down: ending the session, destroying the sandbox, capturing the
+    /// workspace.
     Teardown,
 }
 
@@ -50,6 +64,7 @@ impl FailureStage {
         }
     }
 
+    /// The stage's snake_case word, as stored and reported.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureStage::Resolution => "resolution",
@@ -62,23 +77,35 @@ impl FailureStage {
     }
 }
 
+/// How one teardown step went.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TeardownResult {
+    /// It was done.
     Succeeded,
+    /// It was tried and failed.
     Failed,
+    /// It was not needed or not reached.
     NotAttempted,
+    /// Not known: the record predates the field.
     #[default]
     Unknown,
 }
 
+/// Where a run's report to the hub stands.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HubReportStatus {
+    /// The caller did not ask for a report.
     NotRequested,
+    /// Asked for and not delivered yet.
     Pending,
+    /// The hub took the report.
     Accepted,
+    /// It will not be delivered: no hub is configured, or the hub did not
+    /// accept it within `max_age_seconds`.
     Failed,
+    /// Not known: the record predates the field.
     #[default]
     Unknown,
 }
@@ -88,7 +115,10 @@ pub enum HubReportStatus {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(into = "(String, u64)", from = "StoredTiming")]
 pub struct StageTiming {
+    /// The stage's name (`resolve`, `gate`, `sandbox_create`, `harness`,
+    /// `total`, ...).
     pub stage: String,
+    /// How long it took, in microseconds.
     pub micros: u64,
 }
 
@@ -118,28 +148,54 @@ impl From<StoredTiming> for StageTiming {
     }
 }
 
+/// The normalized, redacted record of what a run did (see the module doc).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Evidence {
+    /// How the run ended.
     pub outcome: Outcome,
+    /// The stage whose failure decided the outcome; `None` when nothing failed.
     pub failure_stage: Option<FailureStage>,
+    /// A fixed sentence per failure stage, or the daemon's own reason for a
+    /// refusal; never the raw error.
     pub error: String,
+    /// How ending the harness's session went.
     pub session_cleanup: TeardownResult,
+    /// How destroying the sandbox went.
     pub sandbox_destroy: TeardownResult,
+    /// The pinned `id@version` of the resolved profile; empty before
+    /// resolution.
     pub profile_ref: String,
+    /// The resolved profile's digest.
     pub profile_digest: String,
+    /// The resolved profile's readiness; `None` before resolution.
     pub readiness: Option<Readiness>,
+    /// The profile's rein kind (the adapter that ran the harness); empty before
+    /// resolution.
     pub rein: String,
+    /// The sandbox's id; empty when none was created.
     pub sandbox_id: String,
+    /// The commit that came back as `refs/corral/<id>`; empty when none did,
+    /// never the starting commit.
     pub commit_sha: String,
+    /// Tokens the harness reported spending.
     pub tokens_spent: u64,
+    /// The model the harness reported using; empty when it reported none.
     pub resolved_model: String,
+    /// Every policy verdict of every gate evaluation of the run, in order.
     pub gate_decisions: Vec<PolicyDecision>,
+    /// Where the report to the hub stands.
     pub hub_report_status: HubReportStatus,
+    /// The caller's idempotency key; empty for a session.
     pub request_id: String,
+    /// The caller's own reference, as it was given.
     pub correlation_id: String,
+    /// The caller's assignment reference, as it was given.
     pub assignment_ref: String,
+    /// Remarks in the daemon's own words (a tightened sandbox, an unverified
+    /// profile, a cut output).
     pub notes: Vec<String>,
+    /// How long each stage took.
     pub stage_timings: Vec<StageTiming>,
     /// What the sandbox's egress proxy decided.
     pub egress: EgressSummary,
@@ -163,10 +219,15 @@ pub struct Evidence {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct HarnessInvocation {
+    /// The command line, with every flag the daemon added.
     pub argv: Vec<String>,
+    /// The names, never the values, of its environment variables.
     pub env_names: Vec<String>,
+    /// The model endpoint it was given; empty when none.
     pub base_url: String,
+    /// The model it was given; empty when none.
     pub model: String,
+    /// `(path as the harness sees it, sha256)` of each file written for it.
     pub files: Vec<(String, String)>,
 }
 
@@ -176,12 +237,16 @@ pub struct HarnessInvocation {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ToolCallCounts {
+    /// Calls allowed (an asked call counts here too once it is allowed).
     pub allowed: u64,
+    /// Calls denied (an asked call counts here too once it is denied).
     pub denied: u64,
+    /// Calls that waited for a person.
     pub asked: u64,
 }
 
 impl ToolCallCounts {
+    /// Counts one tool_call gate outcome under its action.
     pub fn count(&mut self, action: Action) {
         match action {
             Action::Allow => self.allowed += 1,
@@ -196,18 +261,25 @@ impl ToolCallCounts {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct EgressSummary {
+    /// Attempts the proxy let through.
     pub allowed: u64,
+    /// Attempts the proxy denied.
     pub denied: u64,
     /// The first distinct `host:port`s denied (at most 10).
     pub denied_hosts: Vec<String>,
+    /// Bytes up and down per allowed host.
     pub bytes: Vec<HostBytes>,
 }
 
+/// The bytes of one allowed host.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct HostBytes {
+    /// The host, as the sandbox named it.
     pub host: String,
+    /// Bytes sent to it.
     pub up: u64,
+    /// Bytes received from it.
     pub down: u64,
 }
 
@@ -238,6 +310,7 @@ impl Evidence {
         }
     }
 
+    /// Records how long `stage` took, measured from `started` until now.
     pub fn time(&mut self, stage: &str, started: std::time::Instant) {
         self.stage_timings.push(StageTiming { stage: stage.to_string(), micros: started.elapsed().as_micros() as u64 });
     }

@@ -14,6 +14,7 @@ pub enum SandboxType {
 }
 
 impl SandboxType {
+    /// The type's snake_case word, as profiles and records spell it.
     pub fn as_str(self) -> &'static str {
         match self {
             SandboxType::LinuxBwrap => "linux_bwrap",
@@ -26,6 +27,7 @@ impl SandboxType {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SandboxSpec {
+    /// The isolation technology; `linux_bwrap` by default.
     #[serde(rename = "type")]
     pub sandbox_type: SandboxType,
     /// Egress through the daemon's proxy, to `allow_hosts` only. The host
@@ -66,9 +68,13 @@ impl Default for SandboxSpec {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Consumer {
+    /// The governed consumer type: `adm`, `agt` or `atm`.
     pub actor: String,
+    /// The project the run belongs to.
     pub project: String,
+    /// The id of the execution or session the sandbox serves.
     pub run_id: String,
+    /// The session's id; empty for an execution.
     pub session_id: String,
     /// The principal it runs for.
     pub principal: String,
@@ -91,14 +97,20 @@ impl Consumer {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SandboxState {
+    /// Being set up; not usable yet.
     Creating,
+    /// Set up and usable.
     Ready,
+    /// Setting it up failed.
     Failed,
+    /// Being torn down.
     Destroying,
+    /// Torn down; the last state.
     Destroyed,
 }
 
 impl SandboxState {
+    /// The state's snake_case word, as stored.
     pub fn as_str(self) -> &'static str {
         match self {
             SandboxState::Creating => "creating",
@@ -114,7 +126,10 @@ impl SandboxState {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct LimitReceipt {
+    /// The limit's name, as in the profile's limits (`memory_bytes`, ...).
     pub name: String,
+    /// The enforced value, in the limit's own unit; only limits above 0 get a
+    /// receipt.
     pub value: u64,
     /// e.g. `cgroup v1`, `cgroup v2 + rlimit NPROC`, `rlimit NOFILE`.
     pub mechanism: String,
@@ -132,7 +147,10 @@ pub struct EnforcementReceipt {
     pub network_isolated: bool,
     /// `none` (no egress) or `proxy` (through the daemon, to `allow_hosts`).
     pub egress: String,
+    /// The egress allowlist the proxy enforces; empty when the sandbox has no
+    /// network.
     pub allow_hosts: Vec<String>,
+    /// The paths the sandbox's processes may write, as they see them.
     pub write_roots: Vec<String>,
     /// The host uid the sandbox's processes run as.
     pub host_uid: u32,
@@ -144,6 +162,7 @@ pub struct EnforcementReceipt {
     pub seccomp_digest: String,
     /// Whether nested user namespaces are refused.
     pub userns_disabled: bool,
+    /// Each enforced limit and what enforces it.
     pub limits: Vec<LimitReceipt>,
     /// Credential routes presented by the daemon's gateway (the harness
     /// holds placeholders).
