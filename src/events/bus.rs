@@ -17,12 +17,19 @@ pub enum RawPart {
     Finished(RawResult),
 }
 
+/// One stored event as the bus carries it, with the raw part only its direct
+/// caller may see.
 #[derive(Clone, Debug)]
 pub struct BusItem {
+    /// The event, as stored.
     pub event: Arc<Event>,
+    /// What only the direct caller sees; `None` on most events.
     pub raw: Option<Arc<RawPart>>,
 }
 
+/// The live channels of every subject that is running in this daemon, one
+/// broadcast channel each. Watchers of a subject that is not live read the
+/// store instead.
 pub struct EventBus {
     channels: Mutex<HashMap<String, broadcast::Sender<BusItem>>>,
     /// How many events a subscriber may fall behind before it is ended.
@@ -30,6 +37,8 @@ pub struct EventBus {
 }
 
 impl EventBus {
+    /// A bus whose subscribers may fall `capacity` events behind (at least 16)
+    /// before they are ended.
     pub fn new(capacity: usize) -> Self {
         EventBus { channels: Mutex::new(HashMap::new()), capacity: capacity.max(16) }
     }
@@ -51,6 +60,9 @@ impl EventBus {
         self.channels().get(subject).map(|tx| tx.subscribe())
     }
 
+    /// Sends an item to the live subscribers of its subject. An item of a
+    /// subject with no open channel, or with no subscriber, is dropped: it is
+    /// in the store already.
     pub fn publish(&self, item: BusItem) {
         let tx = self.channels().get(&item.event.subject_id).cloned();
         if let Some(tx) = tx {
@@ -64,10 +76,12 @@ impl EventBus {
         self.channels().remove(subject);
     }
 
+    /// How many events a subscriber may fall behind before it is ended.
     pub fn capacity(&self) -> usize {
         self.capacity
     }
 
+    /// How many subjects have an open live channel.
     pub fn live_subjects(&self) -> usize {
         self.channels().len()
     }

@@ -6,6 +6,8 @@ use super::{BusItem, Event, EventBus, EventKind, RawPart};
 use crate::records::now_ms;
 use crate::store::Store;
 
+/// Numbers, stores and then publishes one subject's events, so that each has
+/// the next sequence and none is seen before it is stored. One per subject.
 pub struct Recorder {
     subject: String,
     next: u64,
@@ -22,10 +24,13 @@ impl Recorder {
         Recorder { subject, next: after + 1, store, bus, held: Vec::new() }
     }
 
+    /// The execution or session id the events belong to.
     pub fn subject(&self) -> &str {
         &self.subject
     }
 
+    /// The sequence of the last event stored (or of the one the recorder was
+    /// created after); 0 when there is none.
     pub fn last_sequence(&self) -> u64 {
         self.next - 1
     }

@@ -16,6 +16,9 @@ use crate::records::{now_ms, ExecutionRecord};
 use crate::store::{OutboxRow, Store};
 use crate::types::evidence::HubReportStatus;
 
+/// Where and how to deliver hub reports: the daemon config's `hub` section.
+/// Without it, no report is delivered and a request that asks for one notes
+/// that no hub is configured.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HubConfig {
@@ -30,10 +33,14 @@ pub struct HubConfig {
     pub token_env: Option<String>,
     /// A file holding the bearer token.
     pub token_file: Option<std::path::PathBuf>,
+    /// How long one delivery may take, in seconds (default 5; must be above 0).
     #[serde(default = "defaults::timeout")]
     pub timeout_seconds: u64,
+    /// The wait before the first retry, in milliseconds (default 500); it
+    /// doubles with each failed attempt.
     #[serde(default = "defaults::backoff")]
     pub initial_backoff_ms: u64,
+    /// The longest wait between retries, in seconds (default 60).
     #[serde(default = "defaults::max_backoff")]
     pub max_backoff_seconds: u64,
     /// A report still undelivered this long after the execution finished
@@ -58,6 +65,10 @@ mod defaults {
 }
 
 impl HubConfig {
+    /// Checks the section before the daemon starts: a usable URL, at most one
+    /// token source, no token in clear beyond loopback, a CA file only for
+    /// `https://` (and one that loads), a timeout above 0. The error names the
+    /// offending key and says why.
     pub fn validate(&self) -> Result<(), (String, String)> {
         let url = crate::net::client::Origin::parse(&self.url).map_err(|e| ("hub.url".to_string(), e))?;
         if self.token_env.is_some() && self.token_file.is_some() {
@@ -157,6 +168,9 @@ pub struct Hub {
 }
 
 impl Hub {
+    /// A hub for `config` that delivers the reports of `store`'s outbox. A URL
+    /// or CA file that cannot be used is logged; its reports then fail and are
+    /// retried.
     pub fn new(config: HubConfig, store: Store) -> Arc<Hub> {
         let client = http::Client::new(&config.url, config.ca_file.as_deref())
             .map_err(|e| tracing::error!(error = %e, "the hub client cannot be set up"))
@@ -169,6 +183,9 @@ impl Hub {
         self.wake.notify_one();
     }
 
+    /// Starts the delivery loop on the Tokio runtime: due reports are tried
+    /// every 200 ms, or at once after [`Hub::notify`]. The loop ends when the
+    /// last `Arc` of the hub is dropped.
     pub fn spawn(self: &Arc<Self>) {
         let hub: Weak<Hub> = Arc::downgrade(self);
         tokio::spawn(async move {

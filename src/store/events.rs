@@ -66,9 +66,9 @@ impl Store {
         Ok(row.map(|r| (r.get(0), r.get(1))))
     }
 
-    /// Compacts executions finished before `cutoff_ms` to their record: all
-    /// their events but the last (`finished`, which carries the record and
-    /// evidence) are deleted. Returns how many events went.
+    /// Deletes what finished executions older than `cutoff_ms` (Unix
+    /// milliseconds, by their end) no longer need: their raw results and every
+    /// event but the last. Returns how many events were deleted.
     pub async fn compact_events(&self, cutoff_ms: i64) -> Result<u64, StoreError> {
         sqlx::query(
             "DELETE FROM execution_raw WHERE execution_id IN (

@@ -3,6 +3,10 @@
 use super::*;
 
 impl Store {
+    /// Inserts a new execution with its request digest. A request id its
+    /// principal already used is not inserted again: the execution that holds
+    /// it comes back as [`Inserted::Existing`], for the caller to compare
+    /// digests.
     pub async fn insert_execution(&self, record: &ExecutionRecord, digest: &str) -> Result<Inserted, StoreError> {
         let request_id = (!record.request_id.is_empty()).then_some(record.request_id.as_str());
         let result = sqlx::query(
@@ -41,6 +45,7 @@ impl Store {
         }
     }
 
+    /// Stores the record as it now is, with no report, raw result or event.
     pub async fn update_execution(&self, record: &ExecutionRecord) -> Result<(), StoreError> {
         self.finish_execution(record, None, None, None).await
     }
@@ -108,6 +113,7 @@ impl Store {
         Ok(())
     }
 
+    /// The execution with this id, if there is one.
     pub async fn get_execution(&self, id: &str) -> Result<Option<ExecutionRecord>, StoreError> {
         let row = sqlx::query(&format!("SELECT {EXECUTION} FROM executions WHERE execution_id = $1"))
             .bind(id)
@@ -153,10 +159,13 @@ impl Store {
         Ok(row.get::<Option<i64>, _>(0))
     }
 
+    /// How many executions the store holds, finished or not.
     pub async fn count_executions(&self) -> Result<i64, StoreError> {
         Ok(sqlx::query("SELECT COUNT(*) FROM executions").fetch_one(&self.pool).await?.get(0))
     }
 
+    /// This daemon's executions still pending or running (of this node, or of
+    /// no node), in id order: what a restart must recover.
     pub async fn unfinished_executions(&self) -> Result<Vec<ExecutionRecord>, StoreError> {
         let rows = sqlx::query(&format!(
             "SELECT {EXECUTION} FROM executions WHERE state IN ('pending', 'running') AND (node = $1 OR node IS NULL)

@@ -26,14 +26,22 @@ mod stored;
 
 pub use nodes::{NodeRow, NodeState};
 
+/// Why a store operation failed. Every variant means the record could not be
+/// read or written as asked; the operation did not take effect.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// The database refused or failed the query, or could not be reached.
     #[error("store: {0}")]
     Database(#[from] sqlx::Error),
+    /// The migrations could not run: a failed migration, or a store with a
+    /// version this binary does not know.
     #[error("store migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A stored record or event could not be encoded or decoded.
     #[error("store encoding: {0}")]
     Encoding(#[from] serde_json::Error),
+    /// A row the operation needs is not there (e.g. the record a stored
+    /// `finished` event points to).
     #[error("store: {0} is missing")]
     Missing(String),
     /// This node was declared lost (or started again elsewhere): it owns
@@ -45,48 +53,70 @@ pub enum StoreError {
 /// The result of inserting an execution under a request id.
 #[derive(Debug)]
 pub enum Inserted {
+    /// The execution was inserted.
     Created,
     /// The request id was taken; here is the execution that holds it.
     Existing {
+        /// The execution that holds the request id.
         record: Box<ExecutionRecord>,
+        /// The digest of the request that created it.
         digest: String,
     },
 }
 
+/// What to list: every empty or `None` field matches everything.
 #[derive(Clone, Debug, Default)]
 pub struct ExecutionFilter {
+    /// Only executions in this state.
     pub state: Option<ExecutionState>,
+    /// Only executions of this profile: `id@version`, or a bare `id` for any
+    /// version.
     pub profile: String,
+    /// Only executions of this actor.
     pub actor: String,
+    /// Only executions of this project.
     pub project: String,
     /// Only executions whose id sorts before this one (the page token).
     pub before_id: String,
     /// Only these projects (the caller's); `None`: all.
     pub projects: Option<Vec<String>>,
+    /// At most this many executions.
     pub limit: u32,
 }
 
 /// A hub report waiting in the outbox.
 #[derive(Clone, Debug)]
 pub struct OutboxRow {
+    /// The report's id.
     pub id: String,
+    /// The execution the report is about.
     pub subject_id: String,
+    /// The report as it is POSTed (a CloudEvents JSON envelope).
     pub body: String,
+    /// How many deliveries were tried so far.
     pub attempts: u32,
+    /// When the report was stored, in Unix milliseconds; it is given up
+    /// `max_age_seconds` later.
     pub created_at_ms: i64,
 }
 
 /// A sandbox as recorded before it was created.
 #[derive(Clone, Debug)]
 pub struct SandboxRow {
+    /// The sandbox's id.
     pub sandbox_id: String,
+    /// The execution or session it was created for.
     pub subject_id: String,
+    /// The backend that creates it (`linux_bwrap`, `none`).
     pub backend: String,
+    /// Its root directory on the host.
     pub root_path: std::path::PathBuf,
     /// The host uid it held, if it had its own.
     pub uid: Option<u32>,
 }
 
+/// The daemon's record, behind one connection pool (SQLite or PostgreSQL).
+/// Cheap to clone: clones share the pool.
 #[derive(Clone)]
 pub struct Store {
     pool: AnyPool,
@@ -165,6 +195,8 @@ impl Store {
         self.shared
     }
 
+    /// Closes the connection pool, waiting for connections in use to be given
+    /// back.
     pub async fn close(&self) {
         self.pool.close().await;
     }

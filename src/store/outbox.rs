@@ -3,6 +3,8 @@
 use super::*;
 
 impl Store {
+    /// Up to `limit` pending reports of this node (or of no node) whose next
+    /// attempt is due at `now` (Unix milliseconds), the most overdue first.
     pub async fn due_reports(&self, now: i64, limit: u32) -> Result<Vec<OutboxRow>, StoreError> {
         let rows = sqlx::query(
             "SELECT id, subject_id, body, attempts, created_at_ms FROM hub_outbox
@@ -26,6 +28,8 @@ impl Store {
             .collect())
     }
 
+    /// Records a failed delivery: the attempts so far and when to try again
+    /// (Unix milliseconds).
     pub async fn retry_report(&self, id: &str, attempts: u32, next_attempt_ms: i64) -> Result<(), StoreError> {
         sqlx::query("UPDATE hub_outbox SET attempts = $1, next_attempt_ms = $2 WHERE id = $3")
             .bind(attempts as i64)

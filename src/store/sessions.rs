@@ -26,6 +26,7 @@ impl Store {
         }
     }
 
+    /// Stores the session's record as it now is.
     pub async fn update_session(&self, record: &SessionRecord) -> Result<(), StoreError> {
         if !self.shared {
             return update_session_on(&self.pool, record).await;
@@ -48,6 +49,7 @@ impl Store {
         Ok(())
     }
 
+    /// The session with this id, if there is one.
     pub async fn get_session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
         let row = sqlx::query("SELECT record FROM sessions WHERE session_id = $1")
             .bind(id)
@@ -75,6 +77,8 @@ impl Store {
         rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
     }
 
+    /// This daemon's sessions still starting or active (of this node, or of no
+    /// node), in id order: what a restart must recover.
     pub async fn unfinished_sessions(&self) -> Result<Vec<SessionRecord>, StoreError> {
         let rows = sqlx::query(
             "SELECT record FROM sessions WHERE state IN ('starting', 'active') AND (node = $1 OR node IS NULL)
