@@ -41,55 +41,99 @@ use crate::sandbox::{Backends, Consumer};
 use crate::store::{ExecutionFilter, Inserted, Store, StoreError};
 use crate::types::evidence::HubReportStatus;
 
+/// Why the engine did not do what was asked. Each variant maps to one gRPC
+/// status (see `api::status`); the message is safe to show the caller.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// No execution or session has this id (the text names what was looked
+    /// for).
     #[error("{0} not found")]
     NotFound(String),
+    /// The request id (or session id) is already taken by a different request.
     #[error("request_id {0} is already used by a different request")]
     AlreadyExists(String),
+    /// The daemon is shutting down and accepts no new work, or the work could
+    /// not be started.
     #[error("{0}")]
     Unavailable(String),
+    /// A watch asked to start before the oldest event compaction kept.
     #[error("sequence {requested} is older than retention; oldest available is {oldest}")]
-    OutOfRange { requested: u64, oldest: u64 },
+    OutOfRange {
+        /// The sequence the watch asked to start after.
+        requested: u64,
+        /// The oldest sequence still stored.
+        oldest: u64,
+    },
     /// Resolution refused a session (rule 1); the reason is the daemon's.
     #[error("{0}")]
     Refused(String),
+    /// A session's agent_start gate denied it: the deciding policy and its
+    /// reason.
     #[error("agent_start denied by policy {policy}: {reason}")]
-    AgentStartDenied { policy: String, reason: String },
+    AgentStartDenied {
+        /// The policy that denied it.
+        policy: String,
+        /// Why, in the policy's words.
+        reason: String,
+    },
     /// A session could not be opened; `raw` is for the direct caller.
     #[error("{}", stage.fixed_error())]
-    StageFailed { stage: crate::types::evidence::FailureStage, raw: String },
+    StageFailed {
+        /// The stage that failed.
+        stage: crate::types::evidence::FailureStage,
+        /// The raw error, for the direct caller only.
+        raw: String,
+    },
+    /// The subject is not in a state that allows the request (a session that
+    /// ended, a turn already in flight).
     #[error("{0}")]
     FailedPrecondition(String),
+    /// The caller may not do this.
     #[error("{0}")]
     PermissionDenied(String),
     /// Admission control: too much running already; retry later.
     #[error("{0}")]
     Overloaded(String),
+    /// The store failed; the details are logged, not sent.
     #[error(transparent)]
     Store(#[from] StoreError),
 }
 
 /// What `submit` gives back.
 pub struct Submitted {
+    /// The execution as stored: the new one, or the one that already held the
+    /// request id.
     pub record: ExecutionRecord,
     /// The live stream for the direct caller; for an existing execution
     /// (same request id), a replay of its stored events instead.
     pub subscription: Subscription,
+    /// Whether the request id was already used by the same request, so no new
+    /// execution was started.
     pub existing: bool,
 }
 
+/// The lifecycle engine: what every execution and session runs through, from
+/// admission to teardown. One per daemon, shared behind an `Arc`.
 pub struct Engine {
+    /// The harness profiles executions and sessions resolve.
     pub catalog: Arc<Catalog>,
+    /// The policy gate.
     pub gate: Arc<Gate>,
+    /// The sandbox backends, by type.
     pub backends: Backends,
+    /// The rein adapters, by kind (the `rein.kind` a profile names).
     pub reins: HashMap<String, Arc<dyn Rein>>,
+    /// The record of executions, sessions and their events.
     pub store: Store,
+    /// Live events of running subjects, for watchers.
     pub bus: Arc<EventBus>,
     sandboxes_dir: PathBuf,
     /// Identifies this daemon instance in the sandbox rows it writes.
     epoch: String,
+    /// Where finished executions are reported; `None` when no hub is
+    /// configured.
     pub hub: Option<Arc<Hub>>,
+    /// The credential routes the daemon's gateway presents to sandboxes.
     pub credentials: Arc<CredentialsConfig>,
     /// Host uids for sandboxes, when the daemon is root and gives each its own.
     pub uid_range: Option<crate::sandbox::UidRange>,
@@ -116,28 +160,52 @@ pub struct Engine {
     live_sandboxes: Mutex<std::collections::HashSet<String>>,
 }
 
+/// What [`Engine::new`] is built from: the daemon's parts and its bounds.
 pub struct EngineParts {
+    /// The harness profiles.
     pub catalog: Arc<Catalog>,
+    /// The policy gate.
     pub gate: Arc<Gate>,
+    /// The sandbox backends.
     pub backends: Backends,
+    /// The rein adapters, by kind.
     pub reins: HashMap<String, Arc<dyn Rein>>,
+    /// The store.
     pub store: Store,
+    /// The daemon's data directory; sandboxes live in its `sandboxes`
+    /// subdirectory.
     pub data_dir: PathBuf,
+    /// How many events a watcher may fall behind before it is ended (at least
+    /// 16).
     pub bus_capacity: usize,
+    /// The hub reports go to, if one is configured.
     pub hub: Option<Arc<Hub>>,
+    /// The credential routes.
     pub credentials: Arc<CredentialsConfig>,
+    /// How many executions may run at once (at least 1).
     pub max_running: usize,
+    /// How many sessions may be open at once (at least 1).
     pub max_sessions: usize,
+    /// How many watchers one execution or session may have (at least 1).
     pub max_watchers_per_subject: usize,
+    /// How many watchers all subjects may have together (at least 1).
     pub max_watchers: usize,
+    /// The largest message the server sends, in bytes: the raw output of a
+    /// `finished` event is cut to fit it.
     pub max_message_bytes: usize,
+    /// Host uids for sandboxes, when the daemon is root and gives each its own.
     pub uid_range: Option<crate::sandbox::UidRange>,
+    /// The workspace capture at the end of a run.
     pub git: crate::config::GitConfig,
+    /// What all sandboxes' egress proxies may hold open together.
     pub proxy_budget: Arc<crate::net::ProxyBudget>,
+    /// The hook helper bound into Codex's sandboxes; `None` when there is none.
     pub hook_program: Option<PathBuf>,
 }
 
 impl Engine {
+    /// The engine, with no work yet; a fresh epoch names this instance in the
+    /// sandbox rows it writes.
     pub fn new(parts: EngineParts) -> Arc<Engine> {
         let event_pages = watch::EventPages::new(parts.store.clone());
         let epoch = parts.store.epoch().to_string();
@@ -325,6 +393,7 @@ impl Engine {
         self.release(&execution_id);
     }
 
+    /// The stored execution with this id.
     pub async fn get(&self, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
         self.store
             .get_execution(execution_id)
@@ -338,6 +407,7 @@ impl Engine {
         Ok(raw.map(|(tool_output, tool_error)| RawResult { tool_output, tool_error }))
     }
 
+    /// The stored executions that match `filter`, newest first.
     pub async fn list(&self, filter: &ExecutionFilter) -> Result<Vec<ExecutionRecord>, EngineError> {
         Ok(self.store.list_executions(filter).await?)
     }
@@ -441,6 +511,8 @@ impl Engine {
         !was
     }
 
+    /// Whether the engine refuses new work: draining started, or the shutdown
+    /// grace is over.
     pub fn is_draining(&self) -> bool {
         self.tasks.is_closed() || self.draining.is_cancelled()
     }

@@ -13,13 +13,19 @@ use crate::events::{Event, EventKind, Recorder};
 use crate::sandbox::SandboxState;
 use crate::types::evidence::{Evidence, FailureStage, Outcome, TeardownResult};
 
+/// What [`Engine::recover`] did at start; logged when it did anything.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct RecoveryReport {
+    /// Leftover sandbox rows it tried to destroy (a destroy that failed counts
+    /// too).
     pub sandboxes_destroyed: usize,
     /// Rows recovery would not act on (logged with the reason).
     pub sandboxes_refused: usize,
+    /// Leftover sandbox processes it killed.
     pub processes_killed: usize,
+    /// Unfinished executions it finished as `failed`.
     pub executions_failed: usize,
+    /// Unfinished sessions it finished as `failed`.
     pub sessions_failed: usize,
 }
 
@@ -36,6 +42,9 @@ fn stage_of(last: Option<&Event>) -> FailureStage {
 }
 
 impl Engine {
+    /// Cleans up after a previous instance of this daemon (see the module doc):
+    /// destroys its leftover sandboxes, then finishes its unfinished executions
+    /// and sessions as `failed`. Fails only when the store does.
     pub async fn recover(self: &Arc<Self>) -> Result<RecoveryReport, EngineError> {
         let mut report = RecoveryReport::default();
         let mut destroyed_for: std::collections::HashMap<String, TeardownResult> = Default::default();

@@ -18,15 +18,25 @@ use crate::rein::{Task, ToolCall};
 use crate::sandbox::{Consumer, WORKSPACE_MOUNT};
 use crate::types::evidence::{FailureStage, Outcome};
 
+/// What a caller asked for when it created a session.
 pub struct CreateSessionCommand {
+    /// The id to give the session (the API scopes it to its principal); empty:
+    /// the daemon picks one.
     pub session_id: String,
+    /// The profile as the request named it: `id@version`, or a bare `id`.
     pub profile_ref: String,
+    /// The governed consumer type: `adm`, `agt` or `atm`.
     pub actor: String,
+    /// The project the session runs in.
     pub project: String,
+    /// A local git repository the workspace starts from; empty means it starts
+    /// empty.
     pub repo: String,
+    /// The caller's own policies, which the gate evaluates first.
     pub policies: Vec<Policy>,
     /// The principal that asked for it, and its `max_running`.
     pub principal: String,
+    /// The principal's `max_running`, if it has one.
     pub quota: Option<usize>,
     /// The caller's W3C trace context: the session's start joins it.
     pub traceparent: Option<String>,
@@ -49,8 +59,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Why a session ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EndReason {
+    /// Its caller ended it.
     Requested,
+    /// The reaper ended it after it was idle this long.
     Idle(Duration),
+    /// The daemon is shutting down.
     Shutdown,
 }
 
@@ -59,6 +72,9 @@ impl Engine {
         lock(&self.sessions).get(id).cloned()
     }
 
+    /// Creates a session and starts its harness: resolution, the agent_start
+    /// gate, the sandbox and the harness, on the engine's own task. Returns the
+    /// record once the session is active, or why it could not be.
     pub async fn create_session(self: &Arc<Self>, cmd: CreateSessionCommand) -> Result<SessionRecord, EngineError> {
         if self.is_draining() {
             return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
@@ -305,6 +321,7 @@ impl Engine {
         }
     }
 
+    /// The stored session with this id.
     pub async fn get_session(&self, session_id: &str) -> Result<SessionRecord, EngineError> {
         if let Some(live) = self.live_session(session_id) {
             return Ok(lock(&live.record).clone());

@@ -21,6 +21,7 @@ use crate::store::{Store, StoreError};
 /// resume with `after_sequence = last_sequence`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lagged {
+    /// The sequence of the last event the subscriber received.
     pub last_sequence: u64,
 }
 
@@ -78,6 +79,8 @@ impl Drop for WatchPermit {
     }
 }
 
+/// One watcher's stream of a subject's events: the stored ones first, then the
+/// live ones. Counts against the watch bounds while it lives.
 pub struct Subscription {
     /// Held while the subscription lives: the watcher counts against the bounds.
     _permit: Option<WatchPermit>,
@@ -252,6 +255,8 @@ impl Subscription {
         self
     }
 
+    /// The sequence of the last event delivered (or the one the stream started
+    /// after).
     pub fn last_sequence(&self) -> u64 {
         self.last
     }
