@@ -9,6 +9,8 @@ use crate::credentials::CredentialsConfig;
 use crate::hub::HubConfig;
 use crate::policy::PolicySpec;
 
+/// The daemon's configuration, as [`Config::load`] builds it; every key has a
+/// default.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -43,6 +45,7 @@ pub struct Config {
     pub hub: Option<HubConfig>,
     /// Credential routes profiles may name in `credential_route_refs`.
     pub credentials: CredentialsConfig,
+    /// The `[store]` section: where the record is kept.
     pub store: StoreConfig,
     /// Host identity and cgroups of sandboxes.
     pub sandbox: crate::sandbox::SandboxConfig,
@@ -66,6 +69,7 @@ pub struct Config {
     pub unix_socket_group: Option<String>,
     /// TLS for the TCP listener: certificate chain and key (PEM).
     pub tls_cert: Option<PathBuf>,
+    /// The TLS private key (PEM) for `tls_cert`.
     pub tls_key: Option<PathBuf>,
     /// With TLS, verify client certificates against this CA (PEM): mTLS.
     /// A verified certificate's names map to principals (`tls_names`);
@@ -178,6 +182,7 @@ impl GrpcConfig {
 pub struct TelemetryConfig {
     /// e.g. `http://127.0.0.1:4317`; unset: no traces are exported.
     pub otlp_endpoint: Option<String>,
+    /// The `service.name` the exported traces carry (default `corral`).
     pub service_name: String,
 }
 
@@ -217,6 +222,7 @@ impl Default for GitConfig {
     }
 }
 
+/// The `[store]` section: SQLite in the data directory, or a shared PostgreSQL.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StoreConfig {
@@ -285,21 +291,44 @@ pub fn default_data_dir() -> PathBuf {
     PathBuf::from("corral-data")
 }
 
+/// Why the configuration was refused. Each variant names what to fix: the file,
+/// the environment variable or the key.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The file could not be read or is not valid TOML for the config.
     #[error("{file}: {message}")]
-    File { file: String, message: String },
+    File {
+        /// The file's path.
+        file: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A `CORRAL_*` environment variable holds a value that cannot be used.
     #[error("environment variable {name}: {message}")]
-    Env { name: String, message: String },
+    Env {
+        /// The variable's name.
+        name: String,
+        /// What is wrong with its value.
+        message: String,
+    },
+    /// A key's value was refused by validation.
     #[error("config key {key}: {message}")]
-    Invalid { key: String, message: String },
+    Invalid {
+        /// The key, as the file spells it (`grpc.max_watchers`).
+        key: String,
+        /// Why its value was refused.
+        message: String,
+    },
 }
 
 /// Command-line values that override everything else.
 #[derive(Clone, Debug, Default)]
 pub struct Overrides {
+    /// The `--listen` address; `None` keeps the configured one.
     pub listen: Option<String>,
+    /// The `--data-dir`; `None` keeps the configured one.
     pub data_dir: Option<PathBuf>,
+    /// Profile directories added after the configured ones.
     pub profile_dirs: Vec<PathBuf>,
 }
 
@@ -322,6 +351,8 @@ impl Config {
         })
     }
 
+    /// The configuration: `file` (or the defaults, without one), then the
+    /// `CORRAL_*` environment, then `overrides`, validated once at the end.
     pub fn load(file: Option<&Path>, overrides: Overrides) -> Result<Config, ConfigError> {
         let mut config = match file {
             Some(path) => Self::from_file(path)?,
@@ -339,6 +370,8 @@ impl Config {
         Ok(config)
     }
 
+    /// The file's keys over the defaults, neither validated nor overridden by
+    /// the environment.
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
         let file = path.display().to_string();
         let text = std::fs::read_to_string(path)

@@ -18,20 +18,38 @@ use crate::rein::{CommandRein, Rein};
 use crate::sandbox::{Backends, UidMode, UidRange};
 use crate::store::{Store, StoreError};
 
+/// Why the daemon could not start or serve. Each message names what to fix: a
+/// path, a config key, a profile.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
+    /// The data directory could not be created, restricted or used (also a TLS
+    /// file that could not be read, named by its key).
     #[error("data directory {path}: {source}")]
-    DataDir { path: String, source: std::io::Error },
+    DataDir {
+        /// The directory (or the TLS key) concerned.
+        path: String,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// The store could not be opened or migrated.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A harness profile could not be loaded.
     #[error("profiles: {0}")]
     Catalog(#[from] CatalogError),
+    /// A config value was refused when the daemon was built or served
+    /// (policies, sandbox uids, file descriptors, principals, metrics); the
+    /// message starts with the key.
     #[error("config key {0}")]
     Policies(String),
+    /// Recovering what a previous instance left behind failed.
     #[error("recovery: {0}")]
     Recovery(String),
+    /// The sandbox uid range could not be claimed: the message names the live
+    /// daemon whose range overlaps, or what failed.
     #[error("{0}")]
     UidRange(String),
+    /// The gRPC server could not be set up or failed while serving.
     #[error(transparent)]
     Serve(#[from] ServeError),
     /// The node lost its lease and killed its sandboxes (see `fleet`).
@@ -39,13 +57,21 @@ pub enum StartError {
     Fenced,
 }
 
+/// A daemon built from its config, ready to serve: its engine (recovered
+/// already), its catalog, its gate and its callers.
 pub struct Daemon {
     /// Who may call; replaced whole by [`reload_principals`] (SIGHUP).
     pub authenticator: Arc<crate::auth::Principals>,
+    /// The key that signs and checks page tokens, kept in the data directory so
+    /// tokens survive a restart.
     pub page_tokens: Arc<crate::api::page::PageTokens>,
+    /// The config the daemon was built from.
     pub config: Config,
+    /// The lifecycle engine.
     pub engine: Arc<Engine>,
+    /// The harness profiles.
     pub catalog: Arc<Catalog>,
+    /// The policy gate.
     pub gate: Arc<Gate>,
     /// This daemon's host-wide claim on its sandbox uid range (root only),
     /// held until the daemon is dropped.
@@ -60,6 +86,10 @@ pub fn default_reins() -> HashMap<String, Arc<dyn Rein>> {
 }
 
 impl Daemon {
+    /// Builds the daemon: prepares the data directory, opens the store, loads
+    /// the profiles, probes the host, claims the uid range, recovers what a
+    /// previous instance left, and starts the hub, the reaper and the
+    /// compactor. Nothing is served yet.
     pub async fn build(
         config: Config,
         backends: Backends,
@@ -168,6 +198,9 @@ impl Daemon {
         Ok(Daemon { authenticator, page_tokens: Arc::new(page_tokens), config, engine, catalog, gate, uid_lock })
     }
 
+    /// Serves the gRPC API (and the metrics endpoint, if configured) on
+    /// `listener` until `shutdown` is cancelled, then drains: in-flight
+    /// executions get the shutdown grace, then are cancelled and torn down.
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<(), StartError> {
         // The uid range stays claimed while the daemon serves.
         let _uid_lock = self.uid_lock;

@@ -149,10 +149,15 @@ pub fn execution_finished(evidence: &Evidence) {
     counter!("corral_model_tokens_total").increment(evidence.tokens_spent);
 }
 
+/// Counts a finished session under its final state
+/// (`corral_sessions_finished_total`).
 pub fn session_finished(state: &'static str) {
     counter!("corral_sessions_finished_total", "state" => state).increment(1);
 }
 
+/// Counts one policy verdict of the gate by its source and action
+/// (`corral_gate_decisions_total`); a source outside the known four counts as
+/// `other`.
 pub fn gate_decision(source: &str, action: crate::policy::Action) {
     let source = match source {
         "session" | "profile" | "admin" | "builtin" => source.to_string(),
@@ -161,31 +166,43 @@ pub fn gate_decision(source: &str, action: crate::policy::Action) {
     counter!("corral_gate_decisions_total", "source" => source, "action" => serde_label(&action)).increment(1);
 }
 
+/// Counts one egress attempt as allowed or denied (`corral_egress_total`).
 pub fn egress(allowed: bool) {
     counter!("corral_egress_total", "decision" => if allowed { "allowed" } else { "denied" }).increment(1);
 }
 
+/// Counts work admission refused: `executions`, `sessions` or `quota`
+/// (`corral_admission_refused_total`).
 pub fn admission_refused(kind: &'static str) {
     counter!("corral_admission_refused_total", "kind" => kind).increment(1);
 }
 
+/// Sets how many executions or sessions (`kind`) run now (`corral_running`).
 pub fn running(kind: &'static str, count: usize) {
     gauge!("corral_running", "kind" => kind).set(count as f64);
 }
 
+/// Moves the count of live sandboxes by `delta` (+1 created, -1 destroyed)
+/// (`corral_sandboxes_alive`).
 pub fn sandbox_alive(delta: f64) {
     gauge!("corral_sandboxes_alive").increment(delta);
 }
 
+/// Counts `count` events stored in one write and records how long the write
+/// took, in seconds (`corral_events_stored_total`,
+/// `corral_store_write_seconds`).
 pub fn events_stored(count: usize, seconds: f64) {
     counter!("corral_events_stored_total").increment(count as u64);
     histogram!("corral_store_write_seconds").record(seconds);
 }
 
+/// Moves the count of open watch streams by `delta` (`corral_watchers`).
 pub fn watchers(delta: f64) {
     gauge!("corral_watchers").increment(delta);
 }
 
+/// Counts a hub report settled as accepted or given up
+/// (`corral_hub_deliveries_total`).
 pub fn hub_delivery(accepted: bool) {
     counter!("corral_hub_deliveries_total", "result" => if accepted { "accepted" } else { "failed" }).increment(1);
 }

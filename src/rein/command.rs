@@ -66,6 +66,9 @@ fn read_lines(pipe: ChildStdout) -> StdoutLines {
     rx
 }
 
+/// The `command` rein (see the module doc): the profile's argv in the sandbox,
+/// each task on stdin, the JSON-lines protocol or a preset's format read back
+/// from stdout.
 #[derive(Default)]
 pub struct CommandRein;
 

@@ -27,9 +27,13 @@ use crate::sandbox::{Consumer, Sandbox, SandboxBackend};
 /// Everything a rein needs to start a harness.
 #[derive(Clone)]
 pub struct StartContext {
+    /// The backend that created the sandbox, to run the harness in it.
     pub backend: Arc<dyn SandboxBackend>,
+    /// The sandbox the harness runs in.
     pub sandbox: Sandbox,
+    /// The resolved profile: the harness's command, its limits, its settings.
     pub profile: Arc<Profile>,
+    /// Who the run is for.
     pub consumer: Consumer,
     /// Per dispatch: the profile's timeout as the gate left it.
     pub timeout: Duration,
@@ -44,43 +48,62 @@ pub struct StartContext {
 /// The task as the harness receives it: one JSON line on stdin.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Task {
+    /// The line's type: `task` for every task the lifecycle sends.
     #[serde(rename = "type")]
     pub kind: &'static str,
     /// `run_task` for executions; the turn's tool in a session.
     pub tool: String,
+    /// The call's arguments; `null` for an execution's `run_task`.
     pub arguments: serde_json::Value,
+    /// The execution's id; empty in a session.
     pub execution_id: String,
+    /// The session's id; empty for an execution.
     pub session_id: String,
+    /// The execution's title; empty in a session.
     pub title: String,
+    /// The execution's task, in the caller's words; empty in a session.
     pub description: String,
     /// Where the workspace is, as the harness sees it.
     pub workspace: String,
 }
 
+/// One tool call the lifecycle hands to a harness.
 #[derive(Clone, Debug)]
 pub struct ToolCall {
+    /// The tool, as the gate decides it and the `dispatched` event names it.
     pub tool: String,
+    /// What the harness receives for it.
     pub task: Task,
 }
 
 /// What the harness reported while it worked.
 #[derive(Clone, Debug, PartialEq)]
 pub enum HarnessEvent {
+    /// A progress line: the harness's own words.
     Progress {
+        /// What the harness said; raw, so only the direct caller sees it.
         message: String,
+        /// Tokens the harness reported spending so far.
         tokens_so_far: u64,
     },
+    /// A tool_use line: the harness is calling a tool.
     ToolUse {
+        /// The tool it named.
         tool: String,
+        /// Tokens the harness reported spending so far.
         tokens_so_far: u64,
     },
+    /// Output went past the profile's `max_output_bytes` and was cut.
     OutputTruncated {
+        /// Which stream was cut: `stdout` or `stderr`.
         stream: &'static str,
+        /// How many bytes were dropped.
         bytes_dropped: u64,
     },
     /// A plain (non-protocol) line of the harness's stdout, as it comes:
     /// raw output, so only the direct caller sees its text.
     Output {
+        /// The line, without its line ending.
         line: String,
     },
     /// The harness asked the gate about a tool call (`policy_request`, or
@@ -89,21 +112,32 @@ pub enum HarnessEvent {
     /// A call waits for a person's decision. Raw: the summary is scrubbed
     /// and bounded before it is recorded.
     ApprovalRequested {
+        /// The id a person decides the call by.
         call_id: String,
+        /// The tool the call is for.
         tool: String,
+        /// The call's arguments as JSON, cut to 512 characters; not scrubbed
+        /// yet.
         summary: String,
+        /// When the call is denied if nobody decided, in Unix milliseconds.
         expires_at_ms: i64,
     },
+    /// How a waiting call was decided.
     ApprovalDecided {
+        /// The id of the call.
         call_id: String,
+        /// Whether the call may go ahead.
         allow: bool,
+        /// The deciding principal, or `corral` when no decision came in time.
         by: String,
+        /// The reason given with the decision; may be empty.
         reason: String,
     },
 }
 
 /// The `tool_call` gate, as a harness can reach it from inside the sandbox.
 pub trait ToolGate: Send + Sync {
+    /// The gate's decision on one tool call with these arguments.
     fn check(&self, tool: &str, arguments: &serde_json::Value) -> GateOutcome;
     /// Registers a call the gate asked about, to wait for a person's
     /// decision; `None` when nobody could decide it (it is denied).
@@ -166,13 +200,18 @@ pub async fn decide_call(
 
 /// What a dispatch reports to and is told by the lifecycle.
 pub struct Dispatch {
+    /// Where the harness's events go, in order.
     pub events: mpsc::Sender<HarnessEvent>,
+    /// Cancelled when the run must stop; the harness stops early.
     pub cancel: CancellationToken,
+    /// The tool_call gate the harness's policy requests are answered by.
     pub gate: Arc<dyn ToolGate>,
 }
 
+/// What a harness returned for one tool call.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ToolResult {
+    /// Whether the call succeeded.
     pub ok: bool,
     /// Raw: only for the direct caller.
     pub output: String,
@@ -181,6 +220,7 @@ pub struct ToolResult {
     /// Every token the model processed: `usage.total()` when the harness
     /// reported its usage.
     pub tokens_spent: u64,
+    /// The model the harness reported using; empty when it reported none.
     pub resolved_model: String,
     /// The harness's usage, kind by kind, when it reports one.
     pub usage: Option<TokenUsage>,
@@ -190,15 +230,20 @@ pub struct ToolResult {
 /// from no cache, so the total is their sum.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct TokenUsage {
+    /// Tokens read from no cache.
     pub input: u64,
+    /// Tokens the model wrote.
     pub output: u64,
+    /// Tokens read from the prompt cache.
     pub cache_read: u64,
+    /// Tokens written to the prompt cache.
     pub cache_creation: u64,
     /// What the harness says the run cost, when it says.
     pub cost_usd: Option<f64>,
 }
 
 impl TokenUsage {
+    /// Every token of the four kinds, summed.
     pub fn total(&self) -> u64 {
         self.input + self.output + self.cache_read + self.cache_creation
     }
@@ -220,31 +265,46 @@ impl TokenUsage {
     }
 }
 
+/// Why a harness step failed. The text is raw (it may carry the harness's
+/// words), so it goes only to the direct caller; the evidence keeps a fixed
+/// sentence.
 #[derive(Debug, thiserror::Error)]
 pub enum ReinError {
+    /// The harness could not be started in the sandbox.
     #[error("harness start failed: {0}")]
     Start(String),
+    /// The tool call could not be handed to the harness, or its answer could
+    /// not be read.
     #[error("harness dispatch failed: {0}")]
     Dispatch(String),
     /// The harness process is gone; a session restarts it through the gate.
     #[error("harness exited: {0}")]
     Exited(String),
+    /// The call outlasted the profile's timeout, the duration given.
     #[error("harness timed out after {0:?}")]
     TimedOut(Duration),
+    /// The run was cancelled while the call was in flight.
     #[error("cancelled")]
     Cancelled,
+    /// The harness did not end cleanly when its session was ended.
     #[error("harness end failed: {0}")]
     End(String),
+    /// What the harness left running could not be killed.
     #[error("harness cleanup failed: {0}")]
     Cleanup(String),
 }
 
+/// An adapter that runs harnesses: one per `rein.kind` a profile may name.
 #[async_trait]
 pub trait Rein: Send + Sync {
+    /// The kind this rein serves, as profiles name it in `rein.kind`.
     fn name(&self) -> &str;
+    /// Starts the profile's harness in the sandbox, ready for its first tool
+    /// call.
     async fn start_session(&self, ctx: StartContext) -> Result<Box<dyn HarnessSession>, ReinError>;
 }
 
+/// One started harness, from `start_session` until `cleanup_session`.
 #[async_trait]
 pub trait HarnessSession: Send + Sync {
     /// Hands one tool call to the harness and waits for its result,
@@ -257,6 +317,8 @@ pub trait HarnessSession: Send + Sync {
     fn invocation(&self) -> crate::types::evidence::HarnessInvocation {
         crate::types::evidence::HarnessInvocation::default()
     }
+    /// Ends the harness gracefully, waiting a bounded time for it to exit;
+    /// `cleanup_session` kills whatever is left.
     async fn end_session(&mut self) -> Result<(), ReinError>;
     /// Kills whatever the harness left running. Safe to call twice.
     async fn cleanup_session(&mut self) -> Result<(), ReinError>;

@@ -18,16 +18,21 @@ use crate::catalog::Preset;
 /// What one stdout line means.
 #[derive(Debug, PartialEq)]
 pub enum Line {
+    /// Not a protocol line (not a JSON object with a `type`): plain output.
     Plain,
     /// Progress, tool use: one line can carry several (a message with two
     /// tool calls).
     Events(Vec<HarnessEvent>),
+    /// The harness's final answer to the tool call.
     Result(ToolResult),
     /// `{"type":"policy_request","id":..,"tool":..,"arguments":..}`: the
     /// harness asks the tool_call gate before using a tool.
     PolicyRequest {
+        /// The request's id, echoed back in the `policy_verdict` answer.
         id: Value,
+        /// The tool the harness wants to use.
         tool: String,
+        /// The arguments it wants to call it with.
         arguments: Value,
     },
     /// A protocol line with nothing to report (e.g. Claude's `user` lines).
@@ -38,10 +43,13 @@ pub enum Line {
 /// agent message and error, and each preset's own bookkeeping.
 #[derive(Debug, Default)]
 pub struct ParserState {
+    /// Tokens the harness reported so far on this stream.
     pub tokens: u64,
     /// The model: Claude's init line (then the model the API says it
     /// served); for Codex the one corral wrote into its config.
     pub model: String,
+    /// The agent's last message as the preset read it (a Codex run's output is
+    /// its last message).
     pub last_message: String,
     /// The last error the harness reported before it stopped, for a run
     /// that ends without a result line.
@@ -72,6 +80,8 @@ fn conversation_id(text: &str) -> Option<String> {
     plain.then(|| text.to_string())
 }
 
+/// Reads one stdout line in `preset`'s format, updating `state`; a line that is
+/// not a JSON object with a `type` is [`Line::Plain`].
 pub fn parse_line(preset: Preset, line: &[u8], state: &mut ParserState) -> Line {
     let Ok(value @ Value::Object(_)) = serde_json::from_slice::<Value>(line) else {
         return Line::Plain;
