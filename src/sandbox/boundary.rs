@@ -23,6 +23,7 @@ const KILL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Host paths of one sandbox, all under its root.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SandboxPaths {
+    /// The cloned repository the harness works in.
     pub workspace: PathBuf,
     /// The harness's writable HOME (`/home/agent` inside).
     pub home: PathBuf,
@@ -30,10 +31,12 @@ pub struct SandboxPaths {
     pub tmp: PathBuf,
     /// The sandbox's own /etc/passwd and /etc/group.
     pub passwd: PathBuf,
+    /// The sandbox's own /etc/group.
     pub group: PathBuf,
 }
 
 impl SandboxPaths {
+    /// The paths of a sandbox whose root is `root` (nothing is created).
     pub fn under(root: &Path) -> SandboxPaths {
         SandboxPaths {
             workspace: root.join("workspace"),
@@ -59,7 +62,11 @@ fn identity_files() -> (String, String) {
 
 /// The host side of every backend's sandboxes.
 pub struct Boundary {
+    /// The host's cgroups, shared by every backend; `None` when the host has
+    /// no usable hierarchy.
     pub cgroups: Option<Arc<CgroupHost>>,
+    /// Every process group started in a sandbox, so destroy can kill what a
+    /// rein left behind.
     pub processes: ProcessRegistry,
     /// Each sandbox's egress proxies (one per harness start): dropped, and
     /// so closed, at destroy.
@@ -67,6 +74,7 @@ pub struct Boundary {
 }
 
 impl Boundary {
+    /// A boundary using `cgroups` (`None`: no cgroup limits or cgroup kill).
     pub fn new(cgroups: Option<Arc<CgroupHost>>) -> Boundary {
         Boundary { cgroups, processes: ProcessRegistry::default(), proxies: Mutex::default() }
     }
@@ -174,6 +182,8 @@ impl Boundary {
         })
     }
 
+    /// Records a process (and its egress proxy, if any) so that destroy kills
+    /// its group and closes the proxy.
     pub fn register(&self, sandbox: &Sandbox, process: &SandboxProcess, proxy: Option<ProxyHandle>) {
         self.processes.register(&sandbox.id, process);
         if let Some(proxy) = proxy {

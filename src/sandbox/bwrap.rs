@@ -59,6 +59,8 @@ const ETC_FILES: &[&str] = &[
 /// hosts have symlinks where older ones have directories).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostLayout {
+    /// Each top-level directory that exists on the host, and whether it is a
+    /// symlink (recreated inside) or a directory (bound read-only).
     pub entries: Vec<(String, TopLevel)>,
 }
 
@@ -69,6 +71,7 @@ pub enum TopLevel {
 }
 
 impl HostLayout {
+    /// Reads this host's layout of `/bin`, `/sbin` and the `/lib*` directories.
     pub fn detect() -> Self {
         let mut entries = Vec::new();
         for dir in ["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"] {
@@ -200,6 +203,8 @@ pub fn command_digest(program: &Path, args: &[OsString]) -> String {
     hex::encode(hasher.finalize())
 }
 
+/// The `linux_bwrap` backend: every process runs under bubblewrap in its
+/// own namespaces, with the sandbox's seccomp filter, cgroup, uid and rlimits.
 pub struct BwrapBackend {
     program: Option<PathBuf>,
     layout: HostLayout,
@@ -221,10 +226,12 @@ impl BwrapBackend {
         }
     }
 
+    /// The `bwrap` program found on PATH, if any.
     pub fn program(&self) -> Option<&Path> {
         self.program.as_deref()
     }
 
+    /// The host layout the sandbox's system directories are mounted from.
     pub fn layout(&self) -> &HostLayout {
         &self.layout
     }
@@ -521,6 +528,7 @@ fn place_gate_files(root: &Path, files: &[GateFile]) -> std::io::Result<GateMoun
     Ok(GateMounts { binds, gateway: false })
 }
 
+/// The first executable file called `name` in the daemon's PATH.
 pub fn find_on_path(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path).map(|dir| dir.join(name)).find(|candidate| is_executable(candidate))

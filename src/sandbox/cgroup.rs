@@ -31,7 +31,9 @@ const CPU_PERIOD_US: u64 = 100_000;
 /// Limits a sandbox's cgroup enforces; 0 = not limited.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CgroupLimits {
+    /// Memory of the whole cgroup, in bytes.
     pub memory_bytes: u64,
+    /// Tasks (processes and threads) alive at once.
     pub max_processes: u64,
     /// CPU in millicores (1000 = one CPU).
     pub cpu_millis: u64,
@@ -41,7 +43,9 @@ pub struct CgroupLimits {
 /// `Err` of the [`CgroupHost`] accessor).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Mechanism {
+    /// The unified cgroup v2 hierarchy.
     CgroupV2,
+    /// A cgroup v1 controller hierarchy.
     CgroupV1,
 }
 
@@ -57,25 +61,48 @@ impl fmt::Display for Mechanism {
 /// Which limits a sandbox hit so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LimitHits {
+    /// How many times a process was OOM-killed at the memory limit (a v1 host
+    /// that only reports the limit was reached counts as one).
     pub memory_oom_kills: u64,
+    /// How many forks the pids limit refused.
     pub pids_refused: u64,
 }
 
+/// Why a sandbox's cgroup could not be created, limited, emptied or removed.
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
+    /// The cgroup name has characters other than `[A-Za-z0-9_-]`.
     #[error("invalid cgroup name {0:?}: only [A-Za-z0-9_-] are allowed")]
     InvalidName(String),
+    /// A non-zero limit needs a controller this host lacks.
     #[error("cannot enforce {what} with cgroups: {reason}")]
-    Unsupported { what: &'static str, reason: String },
+    Unsupported {
+        /// The limit, as a phrase ("a memory limit").
+        what: &'static str,
+        /// Why this host cannot enforce it.
+        reason: String,
+    },
+    /// A file operation on the cgroup filesystem failed.
     #[error("{op} {}: {source}", path.display())]
     Io {
+        /// What was being done.
         op: &'static str,
+        /// The file or directory it was done to.
         path: PathBuf,
+        /// The error the filesystem returned.
         #[source]
         source: io::Error,
     },
+    /// Processes were still in the cgroup when the kill gave up.
     #[error("cgroup {} still holds pids {pids:?} after {timeout:?}", path.display())]
-    NotEmpty { path: PathBuf, pids: Vec<i32>, timeout: Duration },
+    NotEmpty {
+        /// The cgroup's directory.
+        path: PathBuf,
+        /// The processes still in it.
+        pids: Vec<i32>,
+        /// How long the kill was retried.
+        timeout: Duration,
+    },
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> CgroupError + 'a {
@@ -210,12 +237,15 @@ impl CgroupHost {
         host
     }
 
+    /// How a memory limit is enforced here, or why none can be.
     pub fn memory(&self) -> Result<Mechanism, String> {
         self.memory.as_ref().map(|s| s.mech.clone()).map_err(Clone::clone)
     }
+    /// How a process limit is enforced here, or why none can be.
     pub fn pids(&self) -> Result<Mechanism, String> {
         self.pids.as_ref().map(|s| s.mech.clone()).map_err(Clone::clone)
     }
+    /// How a CPU limit is enforced here, or why none can be.
     pub fn cpu(&self) -> Result<Mechanism, String> {
         self.cpu.as_ref().map(|s| s.mech.clone()).map_err(Clone::clone)
     }

@@ -51,7 +51,9 @@ impl SandboxConfig {
 /// An inclusive range of host uids for sandboxes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UidRange {
+    /// The lowest uid of the range.
     pub first: u32,
+    /// The highest uid of the range (inclusive).
     pub last: u32,
 }
 
@@ -71,6 +73,7 @@ impl UidRange {
         Ok(range)
     }
 
+    /// Whether `uid` lies in the range.
     pub fn contains(&self, uid: u32) -> bool {
         (self.first..=self.last).contains(&uid)
     }
@@ -82,10 +85,17 @@ pub enum UidMode {
     /// A root daemon: each sandbox gets its own uid from the range.
     PerSandbox(UidRange),
     /// An unprivileged daemon: sandboxes run as the daemon's own uid.
-    Daemon { uid: u32, gid: u32 },
+    Daemon {
+        /// The daemon's effective uid.
+        uid: u32,
+        /// The daemon's effective gid.
+        gid: u32,
+    },
 }
 
 impl UidMode {
+    /// Per-sandbox uids from `range` when the daemon runs as root, else the
+    /// daemon's own uid.
     pub fn detect(range: UidRange) -> UidMode {
         // SAFETY: getters with no arguments and no failure mode.
         let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
@@ -96,6 +106,7 @@ impl UidMode {
         }
     }
 
+    /// A sentence for `corral doctor` and the startup log saying who sandboxes run as.
     pub fn describe(&self) -> String {
         match self {
             UidMode::PerSandbox(r) => format!("one host uid per sandbox from {}-{}", r.first, r.last),

@@ -46,15 +46,28 @@ pub use process::{HostUser, SandboxProcess};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SandboxLimits {
+    /// Memory of the whole sandbox, in bytes: its cgroup's memory limit.
     pub memory_bytes: u64,
+    /// Tasks (processes and threads) alive at once: the cgroup's pids limit,
+    /// or RLIMIT_NPROC when there is no cgroup and the sandbox has a uid of its own.
     pub max_processes: u64,
+    /// CPU in millicores (1000 = one CPU): the cgroup's CPU quota.
     pub cpu_millis: u64,
+    /// Open file descriptors per process (RLIMIT_NOFILE).
     pub max_open_files: u64,
+    /// Virtual address space per process, in bytes (RLIMIT_AS).
     pub address_space_bytes: u64,
+    /// The largest file a process may write, in bytes (RLIMIT_FSIZE).
     pub max_file_bytes: u64,
+    /// Bytes under the sandbox's own directory, watched by the daemon while
+    /// the harness runs.
     pub max_workspace_bytes: u64,
+    /// Files, directories and links under the sandbox's own directory,
+    /// watched like `max_workspace_bytes`.
     pub max_workspace_inodes: u64,
+    /// Size of a `linux_bwrap` sandbox's private `/tmp` tmpfs, in bytes.
     pub tmp_bytes: u64,
+    /// Size of a `linux_bwrap` sandbox's private `/dev/shm` tmpfs, in bytes.
     pub shm_bytes: u64,
 }
 
@@ -75,15 +88,20 @@ impl SandboxLimits {
 /// host's RAM).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tmpfs {
+    /// Size of `/tmp`, in bytes.
     pub tmp_bytes: u64,
+    /// Size of `/dev/shm`, in bytes.
     pub shm_bytes: u64,
 }
 
 /// What the daemon asks a backend to create.
 #[derive(Clone, Debug)]
 pub struct CreateSandbox {
+    /// The id the daemon gave the sandbox; it also names its cgroup.
     pub sandbox_id: String,
+    /// Who the sandbox is for.
     pub consumer: Consumer,
+    /// What the profile asks of the sandbox: its type, network and paths.
     pub spec: SandboxSpec,
     /// A directory the daemon reserved for this sandbox; the backend puts
     /// the workspace inside it and removes it on destroy.
@@ -91,6 +109,7 @@ pub struct CreateSandbox {
     /// The host user the sandbox runs as (its own uid, allocated by the
     /// daemon); `None` when the daemon is not root and keeps its own.
     pub user: Option<HostUser>,
+    /// The limits the backend enforces (0 = not limited).
     pub limits: SandboxLimits,
     /// What the agent's managed pre-tool hook needs inside (see
     /// [`GateFile`]); empty for a harness without one.
@@ -109,9 +128,11 @@ pub struct CreateSandbox {
 pub struct GateFile {
     /// Absolute, under `/etc`.
     pub inside: String,
+    /// Where the file's contents come from.
     pub source: GateSource,
 }
 
+/// Where a [`GateFile`]'s contents come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum GateSource {
     /// Written by the daemon under the sandbox's root (root-owned).
@@ -124,12 +145,14 @@ pub enum GateSource {
 /// inside)`, in order. Non-empty: the gate's listener is opened too.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GateMounts {
+    /// The bind mounts, as `(host path, path inside)`.
     pub binds: Vec<(PathBuf, String)>,
     /// The credential gateway listens in the namespace too.
     pub gateway: bool,
 }
 
 impl GateMounts {
+    /// Whether no hook file is bound (and so no gate listener is opened).
     pub fn is_empty(&self) -> bool {
         self.binds.is_empty()
     }
@@ -138,17 +161,25 @@ impl GateMounts {
 /// A sandbox a backend created.
 #[derive(Clone, Debug)]
 pub struct Sandbox {
+    /// The sandbox's id, as given in [`CreateSandbox::sandbox_id`].
     pub id: String,
+    /// The backend that created it.
     pub backend: SandboxType,
+    /// Where it is in its life; anything but `Ready` after create is a failure.
     pub state: SandboxState,
+    /// Who the sandbox is for.
     pub consumer: Consumer,
+    /// What the profile asked of the sandbox.
     pub spec: SandboxSpec,
+    /// The directory reserved for it on the host; removed on destroy.
     pub root: PathBuf,
     /// The workspace as the host sees it.
     pub workspace: PathBuf,
     /// The harness's HOME as the host sees it.
     pub home: PathBuf,
+    /// The host user its processes run as; `None` when they run as the daemon's uid.
     pub user: Option<HostUser>,
+    /// The limits it was created with (0 = not limited).
     pub limits: SandboxLimits,
     /// The sandbox's cgroup: its limits, and how teardown finds everything.
     pub cgroup: Option<Arc<cgroup::SandboxCgroup>>,
@@ -156,6 +187,7 @@ pub struct Sandbox {
     pub egress: Option<Arc<crate::net::EgressLog>>,
     /// Its agent's hook files, as bound (empty: no gate listener).
     pub gate: GateMounts,
+    /// What the sandbox enforces and by which mechanism.
     pub receipt: EnforcementReceipt,
 }
 
@@ -163,11 +195,16 @@ pub struct Sandbox {
 /// identity, the profile's credential route refs and its timeout.
 #[derive(Clone)]
 pub struct ExecSpec {
+    /// The program and its arguments.
     pub argv: Vec<String>,
     /// Extra environment for the process (never passed as arguments).
     pub env: Vec<(String, String)>,
+    /// Who the command runs for, put in its environment (see [`base_env`]).
     pub consumer: Consumer,
+    /// The profile's credential route refs, put in `CORRAL_CREDENTIAL_ROUTES`.
     pub credential_route_refs: Vec<String>,
+    /// The run's timeout, told to the process as `CORRAL_TIMEOUT_SECONDS`; the
+    /// caller enforces it, not the backend.
     pub timeout: Duration,
 }
 
@@ -185,21 +222,30 @@ impl std::fmt::Debug for ExecSpec {
     }
 }
 
+/// Why a backend could not create, run in or destroy a sandbox.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     /// The backend cannot work on this host (e.g. bwrap missing).
     #[error("sandbox backend unavailable: {0}")]
     Unavailable(String),
+    /// Creating the sandbox failed (its directory, its cgroup, or the
+    /// backend's own setup).
     #[error("sandbox creation failed: {0}")]
     Create(String),
+    /// Starting a process inside the sandbox failed.
     #[error("spawn in sandbox failed: {0}")]
     Spawn(String),
+    /// Destroy could not kill everything of the sandbox or remove its files;
+    /// the sandbox may still hold processes or disk space.
     #[error("sandbox destroy failed: {0}")]
     Destroy(String),
 }
 
+/// A way of creating sandboxes, running processes in them and destroying
+/// them (`linux_bwrap`, `none`, or a test double).
 #[async_trait]
 pub trait SandboxBackend: Send + Sync {
+    /// Which [`SandboxType`] this backend implements.
     fn kind(&self) -> SandboxType;
     /// Whether this host can enforce the backend; `Err` carries the reason.
     async fn probe(&self) -> Result<(), SandboxError>;
@@ -233,8 +279,11 @@ pub trait SandboxBackend: Send + Sync {
 /// enforced) and for `corral doctor`.
 #[derive(Clone, Debug)]
 pub struct Capabilities {
+    /// How a memory limit is enforced (`Ok`), or why it cannot be (`Err`).
     pub memory: Result<String, String>,
+    /// How a process limit is enforced, or why it cannot be.
     pub pids: Result<String, String>,
+    /// How a CPU limit is enforced, or why it cannot be.
     pub cpu: Result<String, String>,
     /// How teardown finds every process of a sandbox.
     pub kill: Result<String, String>,
@@ -250,6 +299,8 @@ impl Default for Capabilities {
 }
 
 impl Capabilities {
+    /// What a backend with these cgroups (`None`: no usable hierarchy) can
+    /// enforce; egress needs a root daemon.
     pub fn from_cgroups(host: Option<&cgroup::CgroupHost>) -> Capabilities {
         let egress = if host::effective_uid() == 0 {
             Ok("a proxy in the sandbox's own network namespace".to_string())
@@ -297,7 +348,10 @@ impl Capabilities {
 /// The backends a daemon can use, by type.
 #[derive(Clone)]
 pub struct Backends {
+    /// The bubblewrap backend.
     pub linux_bwrap: Arc<dyn SandboxBackend>,
+    /// The unisolated backend: the sandbox's own directory, uid and cgroup,
+    /// but no namespaces.
     pub none: Arc<dyn SandboxBackend>,
 }
 
@@ -322,6 +376,7 @@ impl Backends {
         }
     }
 
+    /// The backend for `kind`.
     pub fn get(&self, kind: SandboxType) -> &Arc<dyn SandboxBackend> {
         match kind {
             SandboxType::LinuxBwrap => &self.linux_bwrap,

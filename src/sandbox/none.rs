@@ -21,11 +21,14 @@ use super::{
     SandboxProcess, SandboxState, SandboxType,
 };
 
+/// The `none` backend: no namespaces or seccomp filter, but the sandbox's
+/// own directory, host uid, cgroup and rlimits, and the same teardown.
 pub struct NoneBackend {
     boundary: Boundary,
 }
 
 impl NoneBackend {
+    /// A backend using `cgroups` (`None`: no cgroup limits or cgroup kill).
     pub fn new(cgroups: Option<Arc<CgroupHost>>) -> Self {
         NoneBackend { boundary: Boundary::new(cgroups) }
     }

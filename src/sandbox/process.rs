@@ -35,13 +35,16 @@ pub struct Rlimits {
 /// The host identity a sandbox's first process takes before it runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HostUser {
+    /// The host uid.
     pub uid: u32,
+    /// The host gid (no supplementary groups).
     pub gid: u32,
 }
 
 /// How to start a sandbox's process beyond its argv and environment.
 #[derive(Default)]
 pub struct SpawnOptions {
+    /// The resource limits the process starts with.
     pub rlimits: Rlimits,
     /// Drop to this uid/gid (no supplementary groups) before exec; `None`
     /// keeps the daemon's own identity.
@@ -59,8 +62,11 @@ pub struct SpawnOptions {
 pub struct SandboxProcess {
     child: Child,
     pgid: i32,
+    /// The process's piped stdin; `None` once taken.
     pub stdin: Option<ChildStdin>,
+    /// The process's piped stdout; `None` once taken.
     pub stdout: Option<ChildStdout>,
+    /// The process's piped stderr; `None` once taken.
     pub stderr: Option<ChildStderr>,
     exit: Option<ExitStatus>,
     /// Set once the leader is reaped: from then on its pid (and so the
@@ -262,6 +268,8 @@ impl SandboxProcess {
         }
     }
 
+    /// SIGTERM to the whole group, SIGKILL after `grace` if the first process
+    /// has not exited, then reaps it so no zombie is left.
     pub async fn terminate(&mut self, grace: Duration) -> std::io::Result<ExitStatus> {
         self.signal(libc::SIGTERM);
         if let Ok(status) = tokio::time::timeout(grace, self.wait()).await {
@@ -300,6 +308,7 @@ pub struct ProcessRegistry {
 type Group = (i32, Arc<AtomicBool>);
 
 impl ProcessRegistry {
+    /// Records `process`'s group under `sandbox_id`, for [`Self::kill_all`].
     pub fn register(&self, sandbox_id: &str, process: &SandboxProcess) {
         let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
         groups.entry(sandbox_id.to_string()).or_default().push((process.pgid, process.reaped.clone()));

@@ -25,12 +25,16 @@ use std::path::{Component, Path, PathBuf};
 /// only [`NOT_ALLOWED`].
 #[derive(Debug, thiserror::Error)]
 pub enum Refused {
+    /// The path is not beneath any of the daemon's `repo_roots`.
     #[error("not beneath any of the daemon's repo_roots")]
     OutsideRoots,
+    /// The path is not beneath any repository the principal may use.
     #[error("not beneath any of the principal's repos")]
     OutsidePrincipal,
+    /// The path could not be opened beneath its root (it is missing, or resolves outside it).
     #[error("cannot be opened beneath its root: {0}")]
     Open(std::io::Error),
+    /// The directory is not a git repository.
     #[error("not a git repository")]
     NotGit,
 }

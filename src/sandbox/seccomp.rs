@@ -47,15 +47,20 @@ impl SeccompFilter {
     }
 }
 
+/// Why the sandbox's seccomp filter could not be built; bwrap sandboxes
+/// are refused rather than run without it.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SeccompError {
+    /// The daemon runs on an architecture the filter is not built for.
     #[error(
         "no seccomp filter for the {0} architecture (corral builds it for x86_64 and aarch64 only); \
          refusing to run bwrap sandboxes unconfined"
     )]
     UnsupportedArch(&'static str),
+    /// A syscall in the deny table has no number on this architecture.
     #[error("syscall {0:?} in the seccomp deny table has no number on this architecture")]
     UnknownSyscall(&'static str),
+    /// seccompiler could not compile the filter.
     #[error("compiling the seccomp filter failed: {0}")]
     Compile(String),
 }

@@ -31,6 +31,7 @@ use super::host::UidRange;
 pub struct UidRangeLock {
     /// Holds the flock; never read.
     _file: File,
+    /// The lock file (`uids-<first>-<last>.lock` in the lock directory).
     pub path: PathBuf,
 }
 

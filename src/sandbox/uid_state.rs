@@ -57,8 +57,11 @@ pub fn purge(uid: u32, gid: u32, dirs: &[&Path]) -> Result<(), String> {
 /// A kind of System V IPC object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ipc {
+    /// Shared memory segments.
     Shm,
+    /// Semaphore sets.
     Sem,
+    /// Message queues.
     Msg,
 }
 

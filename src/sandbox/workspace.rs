@@ -22,6 +22,8 @@ use tokio::process::Command;
 
 use super::repo::OpenRepo;
 
+/// Why preparing or capturing a workspace failed: which git step, and git's
+/// own message or why it did not run.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct WorkspaceError(pub String);
