@@ -33,12 +33,27 @@ pub const ACTOR_REFUSAL: &str = "execution actor must be a governed consumer typ
 #[error("{0}")]
 pub struct Refusal(pub String);
 
+/// Why the catalog could not be loaded; the daemon does not start with it.
 #[derive(Debug, thiserror::Error)]
 pub enum CatalogError {
+    /// A profile file or directory could not be read, parsed or validated.
     #[error("{file}: {message}")]
-    Invalid { file: String, message: String },
+    Invalid {
+        /// The file or directory (`builtin` for a built-in profile).
+        file: String,
+        /// What is wrong, naming the key.
+        message: String,
+    },
+    /// Two profiles have the same id and version.
     #[error("{reference} is defined twice: in {first} and in {second}")]
-    Duplicate { reference: String, first: String, second: String },
+    Duplicate {
+        /// The `id@version` both define.
+        reference: String,
+        /// Where the first one came from.
+        first: String,
+        /// Where the second one came from.
+        second: String,
+    },
 }
 
 /// All profiles, keyed by id then version.
@@ -125,6 +140,7 @@ impl Catalog {
         Ok(())
     }
 
+    /// Every profile, every version, ordered by id then version.
     pub fn list(&self) -> Vec<Arc<Profile>> {
         self.profiles.values().flat_map(|v| v.values().cloned()).collect()
     }

@@ -7,11 +7,14 @@ use crate::policy::{compile_all, Policy, PolicySpec};
 use crate::sandbox::{SandboxSpec, SandboxType};
 pub use crate::types::{Readiness, ReadinessState};
 
+/// Whether a profile may run at all.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ProfileStatus {
+    /// It resolves (unless unusable or blocked).
     #[default]
     Enabled,
+    /// It is listed but every resolution is refused.
     Disabled,
 }
 
@@ -44,14 +47,19 @@ pub enum TaskInput {
     Nothing,
 }
 
+/// How the harness is started: the `[rein]` section of a profile.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReinSpec {
+    /// The rein; only `command` (the default) exists.
     #[serde(default = "default_rein_kind")]
     pub kind: String,
+    /// How its stdout is read.
     #[serde(default)]
     pub preset: Preset,
+    /// The program and its arguments, run inside the sandbox.
     pub argv: Vec<String>,
+    /// What it gets on stdin.
     #[serde(default)]
     pub input: TaskInput,
     /// For the `claude_stream_json` and `codex_exec_json` presets: the model
@@ -127,6 +135,7 @@ fn default_rein_kind() -> String {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Limits {
+    /// How long one run may take, in seconds; 0 is refused.
     pub timeout_seconds: u64,
     /// Per stream (stdout, stderr); bytes past it are dropped and reported.
     pub max_output_bytes: u64,
@@ -179,7 +188,9 @@ pub const DEFAULT_MEMORY_BYTES: u64 = 2 << 30;
 pub const DEFAULT_MAX_PROCESSES: u64 = 512;
 pub const DEFAULT_CPU_MILLIS: u64 = 2000;
 pub const DEFAULT_WORKSPACE_BYTES: u64 = 2 << 30;
+/// The default `max_workspace_inodes` (see above).
 pub const DEFAULT_WORKSPACE_INODES: u64 = 200_000;
+/// The default `shm_bytes`, in bytes (see above).
 pub const DEFAULT_SHM_BYTES: u64 = 64 << 20;
 
 impl Default for Limits {
@@ -250,12 +261,16 @@ impl Limits {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GitSettings {
+    /// The harness's commit author and committer name.
     pub author_name: String,
+    /// The harness's commit author and committer email.
     pub author_email: String,
     /// Commit what the agent left uncommitted at the end (in the sandbox),
     /// so `refs/corral/<id>` holds it.
     pub snapshot: bool,
+    /// The author name of a snapshot commit.
     pub snapshot_name: String,
+    /// The author email of a snapshot commit.
     pub snapshot_email: String,
 }
 
@@ -272,6 +287,7 @@ impl Default for GitSettings {
 }
 
 impl GitSettings {
+    /// The `(name, email)` a snapshot commit is made with.
     pub fn snapshot_identity(&self) -> (String, String) {
         (self.snapshot_name.clone(), self.snapshot_email.clone())
     }
@@ -306,7 +322,9 @@ pub fn check_id(id: &str) -> Result<(), String> {
 /// A reference to a profile: `id`, or `id@version` with a semver version.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProfileRef {
+    /// The profile id.
     pub id: String,
+    /// The pinned version; `None` when the reference names only the id.
     pub version: Option<semver::Version>,
 }
 
@@ -332,23 +350,35 @@ impl ProfileRef {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProfileFile {
+    /// Letters, digits, '.', '_' and '-', at most [`MAX_ID`] of them.
     pub id: String,
+    /// A semver version; one id may have several.
     pub version: String,
+    /// A disabled profile is listed but never runs.
     #[serde(default)]
     pub status: ProfileStatus,
+    /// Free text shown in listings.
     #[serde(default)]
     pub description: String,
+    /// Whether it is known to work; a blocked one never runs.
     #[serde(default)]
     pub readiness: Readiness,
+    /// How the harness is started.
     pub rein: ReinSpec,
+    /// The sandbox it asks for (the gate may only tighten it).
     #[serde(default)]
     pub sandbox: SandboxSpec,
+    /// What one run may use; keys left out take the daemon's `[default_limits]`.
     #[serde(default)]
     pub limits: Limits,
+    /// Names of the daemon's `[credentials.routes]` the harness may use; an
+    /// unknown name makes the profile unusable.
     #[serde(default)]
     pub credential_route_refs: Vec<String>,
+    /// The profile's own policies, evaluated after the session's.
     #[serde(default)]
     pub guardrails: Guardrails,
+    /// Git identities and the end-of-run snapshot.
     #[serde(default)]
     pub git: GitSettings,
 }
@@ -356,7 +386,9 @@ pub struct ProfileFile {
 /// A validated profile.
 #[derive(Clone, Debug)]
 pub struct Profile {
+    /// The file as parsed.
     pub file: ProfileFile,
+    /// Its version, parsed.
     pub version: semver::Version,
     /// `guardrails.policies`, compiled.
     pub policies: Vec<Policy>,
@@ -410,11 +442,15 @@ fn check_endpoint(
 
 /// Who and what a run is for, as the agent_start gate sees it.
 pub struct RunFacts<'a> {
+    /// The caller's consumer type (`adm`, `agt` or `atm`).
     pub actor: &'a str,
+    /// The project the run is for.
     pub project: &'a str,
+    /// The repository path the run works on; empty when there is none.
     pub repo: &'a str,
     /// Tool calls already allowed in the run.
     pub tool_calls: u64,
+    /// The session's policies, evaluated first.
     pub session_policies: &'a [Policy],
 }
 
@@ -502,6 +538,7 @@ impl Profile {
         Ok(Profile { file, version, policies, digest, source, unusable: None })
     }
 
+    /// The profile id, without its version.
     pub fn id(&self) -> &str {
         &self.file.id
     }

@@ -13,12 +13,17 @@ use crate::sandbox::SandboxType;
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnforceSandbox {
+    /// Upgrades `none` to `linux_bwrap`; never downgrades.
     pub sandbox_type: Option<SandboxType>,
+    /// `false` turns the network off; `true` never turns it on.
     pub allow_network: Option<bool>,
     /// Narrows the egress allowlist: the intersection, never a union.
     pub allow_hosts: Option<Vec<String>>,
+    /// Keeps only the write paths covered by these; never adds one.
     pub write_paths: Option<Vec<String>>,
+    /// Keeps only the read paths covered by these; never adds one.
     pub read_paths: Option<Vec<String>>,
+    /// Keeps only these of the passed-through variables; never adds one.
     pub env_passthrough: Option<Vec<String>>,
 }
 
@@ -63,31 +68,46 @@ struct Hosts {
     hosts: Vec<String>,
 }
 
+/// A policy kind with its validated arguments.
 #[derive(Clone, Debug)]
 pub enum Kind {
+    /// Tightens the sandbox (`enforce_sandbox`).
     EnforceSandbox(EnforceSandbox),
+    /// Turns the network off and clears `allow_hosts` (`deny_network`).
     DenyNetwork,
     /// Narrows `allow_hosts` to these (intersection).
     EgressAllowlist {
+        /// The hosts egress may still reach.
         hosts: Vec<String>,
     },
+    /// Shortens the run's timeout to at most `seconds` (`max_timeout`).
     MaxTimeout {
+        /// The longest timeout, in seconds.
         seconds: u64,
     },
+    /// Denies a caller whose consumer type is not listed (`allowed_actors`).
     AllowedActors {
+        /// The consumer types allowed, such as `adm` or `agt`.
         types: Vec<String>,
     },
+    /// Denies a repository outside every prefix (`allowed_repos`); a run
+    /// without a repository is allowed.
     AllowedRepos {
+        /// Host path prefixes, compared by path component.
         prefixes: Vec<String>,
     },
+    /// Denies a tool call once `limit` calls were allowed (`max_tool_calls`).
     MaxToolCalls {
+        /// The most tool calls allowed.
         limit: u64,
     },
     /// The call waits for a person's decision (`DecideToolCall`) for at
     /// most this long, then is denied.
     RequireApproval {
+        /// How long the call waits, in seconds.
         timeout_seconds: u64,
     },
+    /// An operator's CEL expression: `true` allows, anything else denies (`expr`).
     Expr(Expr),
 }
 
@@ -108,13 +128,17 @@ fn default_approval_seconds() -> u64 {
 /// A policy whose arguments were validated.
 #[derive(Clone, Debug)]
 pub struct Policy {
+    /// Shown in every decision it makes.
     pub name: String,
+    /// What it does, with its arguments.
     pub kind: Kind,
+    /// Where it applies; empty for every phase its kind applies to.
     pub on: Vec<Selector>,
     /// Where it came from: session, profile or admin.
     pub source: &'static str,
 }
 
+/// The policy kinds a [`PolicySpec`] may name, for error messages.
 pub const KNOWN_KINDS: &str =
     "enforce_sandbox, deny_network, egress_allowlist, max_timeout, allowed_actors, allowed_repos, max_tool_calls, \
      expr, require_approval";

@@ -22,15 +22,19 @@ pub use tighten::tighten;
 use crate::sandbox::{Capabilities, SandboxLimits, SandboxSpec, SandboxType};
 pub use crate::types::{Action, PolicyDecision};
 
+/// Which decision the gate is asked for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
+    /// Whether a harness may start, and in which sandbox.
     #[default]
     AgentStart,
+    /// Whether one tool call may run.
     ToolCall,
 }
 
 impl Phase {
+    /// The phase as written in selectors and records (`agent_start`, `tool_call`).
     pub fn as_str(self) -> &'static str {
         match self {
             Phase::AgentStart => "agent_start",
@@ -43,8 +47,11 @@ impl Phase {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicySpec {
+    /// Shown in every decision the policy makes.
     pub name: String,
+    /// One of [`KNOWN_KINDS`].
     pub kind: String,
+    /// The kind's arguments, a JSON object; checked at load.
     #[serde(default = "empty_object")]
     pub arguments: Value,
     /// `agent_start`, `tool_call` or `tool_call:<tool>`; empty = every phase
@@ -60,11 +67,14 @@ fn empty_object() -> Value {
 /// Where a policy applies: a phase, optionally narrowed to one tool.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Selector {
+    /// The phase it applies at.
     pub phase: Phase,
+    /// The one tool it is narrowed to; `None` for every tool.
     pub tool: Option<String>,
 }
 
 impl Selector {
+    /// Parses `agent_start`, `tool_call` or `tool_call:<tool>`.
     pub fn parse(text: &str) -> Result<Selector, String> {
         match text.split_once(':') {
             None if text == "agent_start" => Ok(Selector { phase: Phase::AgentStart, tool: None }),
@@ -80,23 +90,32 @@ impl Selector {
 /// What the gate looks at.
 #[derive(Clone, Debug)]
 pub struct GateInput<'a> {
+    /// Which decision is asked for.
     pub phase: Phase,
+    /// The profile's pinned reference, `id@version`.
     pub profile_ref: &'a str,
+    /// The caller's consumer type (`adm`, `agt` or `atm`).
     pub actor: &'a str,
+    /// The project the run is for.
     pub project: &'a str,
+    /// The repository path; empty when the run has none.
     pub repo: &'a str,
     /// The sandbox so far: the profile's at agent_start, the effective one
     /// at tool_call.
     pub sandbox: &'a SandboxSpec,
     /// The limits the sandbox must enforce (the profile's).
     pub limits: &'a SandboxLimits,
+    /// The run's timeout in seconds, before any policy shortens it.
     pub timeout_seconds: u64,
     /// The tool call at `tool_call`.
     pub tool: &'a str,
+    /// The tool call's arguments at `tool_call`; `Null` at agent_start.
     pub arguments: &'a Value,
     /// Tool calls already allowed in this session.
     pub tool_calls: u64,
+    /// The session's policies, evaluated first.
     pub session_policies: &'a [Policy],
+    /// The profile's policies, evaluated after the session's.
     pub profile_policies: &'a [Policy],
     /// At agent_start: why the harness's own tool calls cannot be gated
     /// (see `ReinSpec::tool_calls_ungated`); `None` when they can.
@@ -107,13 +126,20 @@ pub struct GateInput<'a> {
 /// the sandbox and timeout as the policies left them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GateOutcome {
+    /// The phase decided.
     pub phase: Phase,
     /// At `tool_call`: the tool asked about (raw: scrub and bound it before
     /// it is recorded).
     pub tool: String,
+    /// Allow, deny or ask.
     pub action: Action,
+    /// Each evaluated policy's verdict, in order; the last is the deciding
+    /// one when denied.
     pub decisions: Vec<PolicyDecision>,
+    /// The sandbox after every `enforce_sandbox`, `deny_network` and
+    /// `egress_allowlist` tightened it.
     pub effective_sandbox: SandboxSpec,
+    /// The run's timeout after every `max_timeout`, in seconds.
     pub effective_timeout_seconds: u64,
     /// With [`Action::Ask`]: how long the call waits for a decision (the
     /// shortest of the asking policies', bounded by the run's timeout).
@@ -134,6 +160,7 @@ pub struct HostCapabilities {
     pub bwrap: Result<(), String>,
     /// What each backend can enforce of a profile's limits.
     pub linux_bwrap: Capabilities,
+    /// What the `none` backend can enforce of a profile's limits.
     pub none: Capabilities,
     /// The sandboxes' seccomp program (`sha256:` digest), or why there is none.
     pub seccomp: Result<String, String>,
@@ -150,6 +177,8 @@ impl HostCapabilities {
     }
 }
 
+/// The policy gate: the daemon's admin policies and what this host can
+/// enforce, applied to every decision.
 pub struct Gate {
     admin_policies: Vec<Policy>,
     host: HostCapabilities,
@@ -192,6 +221,8 @@ impl Policy {
 }
 
 impl Gate {
+    /// A gate with the daemon config's policies (evaluated last) and the
+    /// host's probed capabilities.
     pub fn new(admin_policies: Vec<Policy>, host: HostCapabilities) -> Self {
         Gate { admin_policies, host }
     }
@@ -201,6 +232,9 @@ impl Gate {
         &self.host
     }
 
+    /// Evaluates the session's, the profile's, then the admin policies that
+    /// apply at `input.phase`; the first deny stops. At agent_start the host
+    /// must also be able to enforce the resulting sandbox, or the run is denied.
     pub fn evaluate(&self, input: &GateInput<'_>) -> GateOutcome {
         let mut outcome = GateOutcome {
             phase: input.phase,

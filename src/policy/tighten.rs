@@ -31,6 +31,8 @@ fn narrow(current: &mut Vec<String>, wanted: &[String], what: &str, notes: &mut 
     *current = kept;
 }
 
+/// Applies `enforce` to `spec`, tighten-only (see the module doc), and
+/// returns what changed, for the decision's reason.
 pub fn tighten(spec: &mut SandboxSpec, enforce: &EnforceSandbox) -> String {
     let mut notes = Vec::new();
     match (spec.sandbox_type, enforce.sandbox_type) {
