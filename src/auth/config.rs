@@ -16,6 +16,8 @@ use super::{ConsumerType, Principal, Projects};
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PrincipalConfig {
+    /// Its name, 1-64 letters, digits, '.', '_' or '-': what records and
+    /// quotas know it by.
     pub name: String,
     /// `adm`, `agt` or `atm`.
     #[serde(rename = "type")]

@@ -19,13 +19,18 @@ pub const LOCAL_ADMIN: &str = "local-admin";
 /// What a call presented.
 #[derive(Clone, Copy, Debug)]
 pub enum Credential<'a> {
+    /// A bearer token, as presented after `Bearer ` in `authorization`.
     Bearer(&'a str),
     /// The names of a verified client certificate (subject CN, DNS SANs).
     ClientCert(&'a [String]),
+    /// The peer uid of a unix socket connection (SO_PEERCRED).
     UnixPeer(u32),
+    /// Nothing the daemon could tie to a principal.
     None,
 }
 
+/// Ties a [`Credential`] to a principal: the configured principals' token
+/// digests, unix uids and certificate names, and the local admin.
 pub struct Authenticator {
     tokens: Vec<([u8; 32], Arc<Principal>)>,
     uids: HashMap<u32, Arc<Principal>>,

@@ -35,12 +35,16 @@ pub use reload::Principals;
 /// A governed consumer type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ConsumerType {
+    /// The administrator (`adm`): the only type that may pass session policies.
     Adm,
+    /// The `agt` consumer type.
     Agt,
+    /// The `atm` consumer type.
     Atm,
 }
 
 impl ConsumerType {
+    /// The type written as `adm`, `agt` or `atm`; `None` for anything else.
     pub fn parse(text: &str) -> Option<ConsumerType> {
         match text {
             "adm" => Some(ConsumerType::Adm),
@@ -50,6 +54,7 @@ impl ConsumerType {
         }
     }
 
+    /// The type as written (`adm`, `agt`, `atm`).
     pub fn as_str(self) -> &'static str {
         match self {
             ConsumerType::Adm => "adm",
@@ -62,15 +67,20 @@ impl ConsumerType {
 /// The projects a principal may act in and see.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Projects {
+    /// Every project (`adm` only).
     All,
+    /// Only these projects.
     Only(BTreeSet<String>),
 }
 
 /// A caller the daemon knows.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Principal {
+    /// Its configured name (`local-admin` for the implicit administrator).
     pub name: String,
+    /// Its consumer type.
     pub kind: ConsumerType,
+    /// The projects it may act in and see.
     pub projects: Projects,
     /// Executions and sessions it may have running at once.
     pub max_running: Option<usize>,
@@ -84,7 +94,9 @@ pub struct Principal {
 /// Why a call is refused: a stable machine reason and a sentence.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Denied {
+    /// A stable machine-readable reason, e.g. `PROJECT_NOT_ALLOWED`.
     pub reason: &'static str,
+    /// A sentence for the caller.
     pub message: String,
 }
 
@@ -92,6 +104,7 @@ pub struct Denied {
 pub const DEFAULT_PROJECT: &str = "default";
 
 impl Principal {
+    /// Whether its type is `adm`.
     pub fn is_admin(&self) -> bool {
         self.kind == ConsumerType::Adm
     }

@@ -9,11 +9,13 @@ use std::sync::{Arc, RwLock};
 
 use super::Authenticator;
 
+/// The [`Authenticator`] in force, swapped whole on reload.
 pub struct Principals {
     current: RwLock<Arc<Authenticator>>,
 }
 
 impl Principals {
+    /// Starts with `authenticator` in force.
     pub fn new(authenticator: Authenticator) -> Principals {
         Principals { current: RwLock::new(Arc::new(authenticator)) }
     }

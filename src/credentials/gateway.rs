@@ -33,6 +33,7 @@ pub enum Presented {
 }
 
 impl Presented {
+    /// The name of the header the secret goes in.
     pub fn header(&self) -> &str {
         match self {
             Presented::Header(name) => name,
@@ -71,12 +72,18 @@ pub fn placeholder(route: &str) -> String {
 
 /// One route as the gateway serves it for one run.
 pub struct GatewayRoute {
+    /// The credential route's name; also the path prefix (`/<name>/...`)
+    /// the harness reaches it at.
     pub name: String,
+    /// What the harness holds instead of the secret (random per run).
     pub placeholder: String,
+    /// How the secret is presented to the upstream.
     pub presented: Presented,
+    /// Where requests are forwarded.
     pub upstream: Upstream,
     /// Reads the real secret now (rotation).
     pub secret: Box<dyn Fn() -> Result<String, String> + Send + Sync>,
+    /// The TLS client configuration for an `https` upstream; `None` for plain HTTP.
     pub tls: Option<Arc<rustls::ClientConfig>>,
 }
 

@@ -28,8 +28,12 @@ pub use scrub::Scrubber;
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
+    /// The daemon environment variable holding the value.
     pub env: Option<String>,
+    /// The file holding the value (trailing newlines are dropped).
     pub file: Option<PathBuf>,
+    /// The variable the harness receives the value (or its placeholder) as;
+    /// never `CORRAL_*`.
     pub inject_as: String,
     /// `https://host[:port][/path]` (or `http://` on loopback).
     #[serde(default)]
@@ -82,8 +86,12 @@ const OPENAI_UPSTREAM: &str = "https://api.openai.com/v1";
 /// of exposed routes, placeholders of gatewayed ones), the gateway's
 /// routes, and the scrubber of every real value.
 pub struct Plan {
+    /// What the harness's environment gets: real values of exposed routes and
+    /// placeholders of gatewayed ones.
     pub env: Vec<(String, String)>,
+    /// The routes the credential gateway serves for the run.
     pub gateway: Vec<GatewayRoute>,
+    /// Replaces every real value in what the daemon stores, streams or logs.
     pub scrubber: Scrubber,
 }
 
@@ -94,9 +102,11 @@ impl Plan {
     }
 }
 
+/// The `[credentials]` section of the daemon config.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CredentialsConfig {
+    /// The routes by name; profiles name them in `credential_route_refs`.
     pub routes: BTreeMap<String, RouteConfig>,
 }
 
@@ -148,6 +158,7 @@ impl CredentialsConfig {
         Ok(())
     }
 
+    /// The names of every configured route.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.routes.keys().map(String::as_str)
     }

@@ -12,6 +12,8 @@ use std::sync::Arc;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE};
 use base64::Engine as _;
 
+/// Replaces credential values, and their common encodings, with
+/// `[REDACTED:<route>]`. Cheap to clone (the patterns are shared).
 #[derive(Clone, Debug, Default)]
 pub struct Scrubber {
     /// (pattern, replacement), longest pattern first.
@@ -81,10 +83,12 @@ impl Scrubber {
         patterns.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
     }
 
+    /// Whether there is nothing to replace.
     pub fn is_empty(&self) -> bool {
         self.patterns.is_empty()
     }
 
+    /// `text` with every known value replaced, longest pattern first.
     pub fn scrub(&self, text: &str) -> String {
         let mut text = text.to_string();
         for (pattern, replacement) in self.patterns.iter() {

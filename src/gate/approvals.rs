@@ -17,9 +17,11 @@ const REMEMBERED: usize = 4096;
 /// A person's decision.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Decision {
+    /// Whether the call may run.
     pub allow: bool,
     /// The deciding principal.
     pub by: String,
+    /// Why, as the person wrote it.
     pub reason: String,
 }
 
@@ -50,6 +52,7 @@ impl Inner {
     }
 }
 
+/// The registry of tool calls waiting for a person's decision.
 #[derive(Default)]
 pub struct Approvals {
     inner: Mutex<Inner>,
@@ -57,6 +60,7 @@ pub struct Approvals {
 
 /// One waiting call. Dropping it withdraws the call.
 pub struct Waiter {
+    /// The id corral gave the call (`call-<n>`); `DecideToolCall` names it.
     pub call_id: String,
     key: Key,
     rx: Option<oneshot::Receiver<Decision>>,

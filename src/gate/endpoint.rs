@@ -22,7 +22,9 @@ const MAX_CONNECTIONS: usize = 16;
 
 /// One call waiting for the gate's verdict.
 pub struct HookRequest {
+    /// The tool call the hook asks about.
     pub call: HookCall,
+    /// Where the rein sends the verdict; dropping it denies the call.
     pub reply: oneshot::Sender<Verdict>,
 }
 

@@ -155,16 +155,19 @@ fn clip(text: &str, max: usize) -> String {
 /// The gate's answer to one call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Verdict {
+    /// Whether the tool call may run.
     pub allow: bool,
     /// For a deny: what the model is told.
     pub reason: String,
 }
 
 impl Verdict {
+    /// A verdict that lets the call run.
     pub fn allow() -> Verdict {
         Verdict { allow: true, reason: String::new() }
     }
 
+    /// A verdict that blocks the call, telling the model `reason`.
     pub fn deny(reason: impl Into<String>) -> Verdict {
         Verdict { allow: false, reason: reason.into() }
     }

@@ -137,6 +137,7 @@ fn is_subdomain(name: &str, suffix: &str) -> bool {
 }
 
 impl HostPattern {
+    /// Parses one `allow_hosts` entry; the error says what is wrong with it.
     pub fn parse(text: &str) -> Result<HostPattern, String> {
         if text.is_empty() {
             return Err("empty entry".into());
@@ -301,8 +302,16 @@ pub fn intersect(a: &[String], b: &[String]) -> Vec<String> {
 /// Decision at the name level, before any resolution.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict {
-    Allow { rule: String },
-    Deny { reason: String },
+    /// The connection may go ahead.
+    Allow {
+        /// The allowlist entry that allows it.
+        rule: String,
+    },
+    /// The connection is refused.
+    Deny {
+        /// Why, as the egress log records it.
+        reason: String,
+    },
 }
 
 /// A parsed allowlist. Empty = nothing is allowed.
@@ -312,10 +321,12 @@ pub struct Allowlist {
 }
 
 impl Allowlist {
+    /// An allowlist of `patterns`.
     pub fn new(patterns: Vec<HostPattern>) -> Allowlist {
         Allowlist { patterns }
     }
 
+    /// Its patterns, in the order given.
     pub fn patterns(&self) -> &[HostPattern] {
         &self.patterns
     }

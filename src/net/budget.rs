@@ -99,6 +99,9 @@ impl Drop for ConnectionPermit {
 }
 
 impl ProxyBudget {
+    /// A budget of `max_total` connections, `max_per_principal` of them for any
+    /// one principal (capped at `max_total`), each closed after `idle_timeout`
+    /// without traffic.
     pub fn new(max_total: usize, max_per_principal: usize, idle_timeout: Duration) -> Arc<ProxyBudget> {
         Arc::new(ProxyBudget {
             max_total,
@@ -113,10 +116,12 @@ impl ProxyBudget {
         self.counts.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The most proxied connections of all sandboxes at once.
     pub fn max_total(&self) -> usize {
         self.max_total
     }
 
+    /// How long a proxied connection may move no byte before it is closed.
     pub fn idle_timeout(&self) -> Duration {
         self.idle_timeout
     }

@@ -75,14 +75,18 @@ pub fn tls_config(ca_file: Option<&std::path::Path>) -> Result<Arc<rustls::Clien
 /// An `http(s)://host[:port][/path]` URL the daemon connects to.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Origin {
+    /// `https` (true) or `http` (false).
     pub tls: bool,
+    /// The host name (lowercase) or address, IPv6 without brackets.
     pub host: String,
+    /// The port, the scheme's default when the URL names none.
     pub port: u16,
     /// Without a trailing `/`; empty for the root.
     pub path: String,
 }
 
 impl Origin {
+    /// Parses an `http(s)://host[:port][/path]` URL; the error says what is wrong.
     pub fn parse(url: &str) -> Result<Origin, String> {
         let endpoint = super::Endpoint::parse(url)?;
         let tls = url.to_ascii_lowercase().starts_with("https://");

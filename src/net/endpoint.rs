@@ -5,11 +5,14 @@
 /// A model endpoint, `http(s)://host[:port][/path]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Endpoint {
+    /// The host name (lowercase) or address, IPv6 without brackets.
     pub host: String,
+    /// The port, the scheme's default (443 or 80) when the URL names none.
     pub port: u16,
 }
 
 impl Endpoint {
+    /// Parses `url`; the error quotes it and says what is wrong.
     pub fn parse(url: &str) -> Result<Endpoint, String> {
         let bad = |why: &str| format!("{url:?} is not an http(s)://host[:port][/path] URL: {why}");
         if url.chars().any(|c| c.is_whitespace() || c.is_control()) {

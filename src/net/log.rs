@@ -22,6 +22,7 @@ pub struct EgressDecision {
     pub host: String,
     /// 0 when the request could not be parsed that far.
     pub port: u16,
+    /// Whether the connection was let through.
     pub allowed: bool,
     /// the rule that allowed it, or why it was denied
     pub rule_or_reason: String,
@@ -57,18 +58,19 @@ impl EgressLog {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Ties this sandbox's proxy to the daemon's connection budget, counted
-    /// for `principal`. Set once; later calls change nothing.
     /// Values no request through the proxy may carry (the run's credential
     /// placeholders: only the gateway takes them).
     pub fn forbid(&self, values: Vec<String>) {
         let _ = self.forbidden.set(values);
     }
 
+    /// The values set by [`Self::forbid`]; empty before.
     pub fn forbidden(&self) -> &[String] {
         self.forbidden.get().map(Vec::as_slice).unwrap_or_default()
     }
 
+    /// Ties this sandbox's proxy to the daemon's connection budget, counted
+    /// for `principal`. Set once; later calls change nothing.
     pub fn attach_budget(&self, budget: std::sync::Arc<super::ProxyBudget>, principal: &str) {
         let _ = self.budget.set((budget, principal.to_string()));
     }

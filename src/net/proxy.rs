@@ -24,7 +24,9 @@ const MAX_ADDRESSES: usize = 16;
 /// Copy buffer per direction.
 const COPY_BUFFER: usize = 16 * 1024;
 
+/// What one sandbox's egress proxy allows and refuses.
 pub struct ProxyConfig {
+    /// The hosts and ports the sandbox may reach.
     pub allowlist: Allowlist,
     /// The daemon's own listeners: never reachable, whatever the allowlist says.
     pub protected: Vec<SocketAddr>,
@@ -58,6 +60,7 @@ pub struct ProxyHandle {
 }
 
 impl ProxyHandle {
+    /// Stops the proxy now, as dropping the handle does.
     pub fn abort(&self) {
         self.task.abort();
     }
@@ -405,6 +408,7 @@ pub struct Scanner {
 }
 
 impl Scanner {
+    /// A scanner for `needles` (empty ones are ignored).
     pub fn new(needles: &[String]) -> Scanner {
         let needles: Vec<Vec<u8>> = needles.iter().filter(|n| !n.is_empty()).map(|n| n.as_bytes().to_vec()).collect();
         let keep = needles.iter().map(Vec::len).max().unwrap_or(1).saturating_sub(1);
