@@ -14,9 +14,13 @@ use crate::pb::catalog_service_server::CatalogService;
 use crate::policy::Gate;
 use crate::store::Store;
 
+/// The CatalogService: profile listings and dry runs of resolution and the gate.
 pub struct CatalogApi {
+    /// The profiles the daemon loaded.
     pub catalog: Arc<Catalog>,
+    /// The same gate executions are decided by.
     pub gate: Arc<Gate>,
+    /// The daemon's `repo_roots`: a request's repository must be under one.
     pub repo_roots: Vec<PathBuf>,
     /// Where the last end-to-end success of an unverified profile is read.
     pub store: Store,

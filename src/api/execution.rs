@@ -21,10 +21,15 @@ use crate::store::ExecutionFilter;
 
 pub type EventStream = Pin<Box<dyn Stream<Item = Result<pb::LifecycleEvent, Status>> + Send>>;
 
+/// The ExecutionService: runs, watches, lists and cancels executions.
 pub struct ExecutionApi {
+    /// The engine every call goes to.
     pub engine: Arc<Engine>,
+    /// The daemon's `repo_roots`: a request's repository must be under one.
     pub repo_roots: Vec<PathBuf>,
+    /// Cancelled once the daemon has drained; every open event stream then ends.
     pub shutdown: CancellationToken,
+    /// Seals and opens the listings' page tokens.
     pub page_tokens: Arc<PageTokens>,
 }
 

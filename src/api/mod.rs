@@ -38,17 +38,25 @@ use crate::pb::execution_service_server::ExecutionServiceServer;
 use crate::pb::session_service_server::SessionServiceServer;
 use crate::policy::Gate;
 
+/// Everything [`serve`] needs besides its listener.
 pub struct ApiParts {
+    /// The principals in force (replaced on reload), used to identify every call.
     pub authenticator: Arc<crate::auth::Principals>,
     /// The unix socket to serve on too (peer uid → principal), and the
     /// group that may connect (mode 0660).
     pub unix_socket: Option<(PathBuf, Option<u32>)>,
     /// TLS for the TCP listener (with a client CA: mTLS).
     pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// The engine the services call.
     pub engine: Arc<Engine>,
+    /// The profiles the daemon loaded.
     pub catalog: Arc<Catalog>,
+    /// The policy gate, for CatalogService's dry runs.
     pub gate: Arc<Gate>,
+    /// The daemon's `repo_roots`: a request's repository must be under one.
     pub repo_roots: Vec<PathBuf>,
+    /// How long in-flight executions may run on after shutdown begins before
+    /// they are cancelled and torn down.
     pub shutdown_grace: Duration,
     /// The server's limits (`[grpc]`).
     pub grpc: crate::config::GrpcConfig,
@@ -56,14 +64,23 @@ pub struct ApiParts {
     pub page_tokens: Arc<page::PageTokens>,
 }
 
+/// Why the gRPC server could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
+    /// Building the reflection service failed.
     #[error("reflection: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
+    /// The TCP or unix socket server failed (binding, TLS, or serving).
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// The unix socket could not be set up.
     #[error("unix socket {path}: {source}")]
-    Socket { path: String, source: std::io::Error },
+    Socket {
+        /// The socket's path.
+        path: String,
+        /// What the system said.
+        source: std::io::Error,
+    },
 }
 
 /// Serves every service on `listener` until `shutdown` is cancelled, then

@@ -19,6 +19,7 @@ use super::status::invalid_argument;
 const MAX_TOKEN: usize = 600;
 const VERSION: &str = "v2";
 
+/// Issues and checks page tokens under the daemon's key.
 pub struct PageTokens {
     key: LessSafeKey,
     random: SystemRandom,

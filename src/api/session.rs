@@ -16,10 +16,15 @@ use crate::pb;
 use crate::pb::session_service_server::SessionService;
 use crate::policy::{compile_all, Policy, PolicySpec};
 
+/// The SessionService: creates, drives and ends sessions.
 pub struct SessionApi {
+    /// The engine every call goes to.
     pub engine: Arc<Engine>,
+    /// The daemon's `repo_roots`: a request's repository must be under one.
     pub repo_roots: Vec<PathBuf>,
+    /// Cancelled once the daemon has drained; every open event stream then ends.
     pub shutdown: CancellationToken,
+    /// Seals and opens the listings' page tokens.
     pub page_tokens: Arc<PageTokens>,
 }
 

@@ -7,8 +7,11 @@ use tonic_types::{ErrorDetails, FieldViolation, StatusExt};
 
 use crate::lifecycle::{EngineError, Lagged};
 
+/// The `domain` of every `google.rpc.ErrorInfo` corral sends.
 pub const DOMAIN: &str = "corral.dev";
 
+/// A status with `code` and `message` whose `ErrorInfo` carries the stable
+/// machine `reason` and `metadata`.
 pub fn with_reason(code: Code, message: String, reason: &str, metadata: Vec<(String, String)>) -> Status {
     let details = ErrorDetails::with_error_info(
         reason,

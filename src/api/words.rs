@@ -15,6 +15,7 @@ pub trait Word: Copy + Eq + TryFrom<i32> + Into<i32> + 'static {
     /// Every value but `UNSPECIFIED`, in wire order.
     const ALL: &'static [Self];
 
+    /// The word this value stands for; `""` for `UNSPECIFIED`.
     fn word(self) -> &'static str;
 
     /// The value of `word`; `None` for a word the enum does not have.
