@@ -87,16 +87,22 @@ impl ClientOpts {
 /// TLS material for an `https://` daemon (PEM).
 #[derive(Clone, Debug, Default)]
 pub struct ClientTls {
+    /// The CA that signed the daemon's certificate.
     pub ca: Option<Vec<u8>>,
+    /// The client certificate, for a daemon that asks for one (mTLS).
     pub cert: Option<Vec<u8>>,
+    /// The client certificate's private key.
     pub key: Option<Vec<u8>>,
 }
 
 /// A daemon to talk to.
 #[derive(Clone, Debug)]
 pub struct Remote {
+    /// The daemon's address: `unix:///path`, `http://host:port` or `https://host:port`.
     pub url: String,
+    /// The bearer token sent on every call; `None` sends none.
     pub token: Option<String>,
+    /// The TLS material for an `https://` daemon.
     pub tls: ClientTls,
 }
 
@@ -117,6 +123,7 @@ impl tonic::service::Interceptor for Bearer {
 pub type Conn = tonic::service::interceptor::InterceptedService<Channel, Bearer>;
 
 impl Remote {
+    /// Connects to the daemon, with the token (if any) on every call.
     pub async fn open(&self) -> anyhow::Result<Conn> {
         use anyhow::Context as _;
         let bearer = match &self.token {
@@ -244,11 +251,14 @@ pub enum SessionCommand {
         /// A git repository to clone into the workspace.
         #[arg(long)]
         repo: Option<std::path::PathBuf>,
+        /// Project the session is accounted to [default: the principal's only
+        /// project, or `default` for one that sees all].
         #[arg(long)]
         project: Option<String>,
     },
     /// Send one turn and follow it to `turn_finished`; exit 0 when it succeeded.
     Turn {
+        /// The session's id.
         id: String,
         /// The turn's prompt (Claude Code, Codex): `arguments_json = {"prompt": ...}`.
         #[arg(long)]
@@ -262,12 +272,17 @@ pub enum SessionCommand {
     },
     /// Follow a session's events (stored ones first).
     Watch {
+        /// The session's id.
         id: String,
+        /// Replay only the events after this sequence number.
         #[arg(long, value_name = "SEQ", default_value_t = 0)]
         after: u64,
     },
     /// End a session: its harness and sandbox are torn down.
-    End { id: String },
+    End {
+        /// The session's id.
+        id: String,
+    },
 }
 
 /// Arguments of `corral approve` and `corral deny`.

@@ -27,11 +27,18 @@ const WATCHERS_PER_CONNECTION: usize = 50;
 /// How often the daemon's RSS is sampled during a level.
 const RSS_EVERY: Duration = Duration::from_millis(50);
 
+/// One fanout level: what W watchers of one execution received, how fast,
+/// and what the daemon's memory did.
 #[derive(Clone, Debug, Serialize)]
 pub struct FanoutLevel {
+    /// Watchers subscribed to the execution.
     pub watchers: usize,
+    /// Progress events the harness emits.
     pub events: u64,
+    /// The execution the watchers follow.
     pub execution_id: String,
+    /// Its state at the end (`SUCCEEDED`, ...), or the status code if it could
+    /// not be read.
     pub execution_state: String,
     /// Watchers that received every progress event and `finished`.
     pub complete_watchers: usize,
@@ -39,41 +46,57 @@ pub struct FanoutLevel {
     pub delivered: u64,
     /// From the barrier's release to the last watcher's `finished`.
     pub seconds: f64,
+    /// Progress events delivered per second, over every watcher.
     pub aggregate_per_second: f64,
+    /// The median watcher's progress events per second.
     pub per_watcher_per_second_median: f64,
+    /// The slowest watcher's progress events per second.
     pub per_watcher_per_second_min: f64,
     /// Event `time` (stamped by the daemon as it stores the event, 1 ms
     /// resolution) to receipt by a watcher, over every delivery.
     pub delay_p50_ms: f64,
+    /// The 99th percentile of the same delay, in ms.
     pub delay_p99_ms: f64,
+    /// The largest such delay, in ms.
     pub delay_max_ms: f64,
     /// Times a watcher was ended with RESOURCE_EXHAUSTED and resumed.
     pub resumes: u64,
+    /// Watchers that ended with an error, by status code.
     pub errors: BTreeMap<String, usize>,
     /// One message for each status code in `errors`.
     pub error_messages: BTreeMap<String, String>,
+    /// The daemon's RSS before any watcher subscribed, in KiB; `None` when it
+    /// could not be read.
     pub rss_before_kib: Option<u64>,
     /// Every watcher subscribed, no event streamed yet.
     pub rss_attached_kib: Option<u64>,
+    /// The highest RSS sampled while events streamed, in KiB.
     pub rss_peak_kib: Option<u64>,
     /// After every watcher ended (allocators keep some of what was freed).
     pub rss_after_kib: Option<u64>,
+    /// RSS growth per watcher once all were subscribed, in KiB.
     pub per_watcher_attached_kib: Option<f64>,
+    /// RSS growth per watcher at the peak, in KiB.
     pub per_watcher_peak_kib: Option<f64>,
+    /// Whether the harness's barrier was released (false: it never started emitting).
     pub barrier_released: bool,
     /// Why the level stopped early, if it did.
     pub aborted: Option<String>,
 }
 
+/// What `corral bench fanout` measured, level by level.
 #[derive(Clone, Debug, Serialize)]
 pub struct FanoutReport {
+    /// The harness profile run.
     pub profile: String,
+    /// Which harness emitted the events.
     pub emitter: Emitter,
     /// What the RSS figures are the memory of.
     pub rss_of: String,
     /// Events per second the harness was paced at (`--pace`); none: as
     /// fast as it could.
     pub pace: Option<u64>,
+    /// One entry per `--fanout` level, in order.
     pub levels: Vec<FanoutLevel>,
 }
 

@@ -17,8 +17,11 @@ use crate::gate::{helper, serve, HookRequest, Verdict};
 use crate::policy::{compile_all, Action, Gate, GateInput, HostCapabilities, Phase, PolicySpec};
 use crate::sandbox::{SandboxLimits, SandboxSpec};
 
+/// What `corral bench gate` measured: a hook call's round trip with and
+/// without the tool_call gate.
 #[derive(Clone, Debug, Serialize)]
 pub struct GateReport {
+    /// Round trips timed, both halves together.
     pub n: usize,
     /// Through the endpoint, answered at once.
     pub baseline: Percentiles,
@@ -26,6 +29,7 @@ pub struct GateReport {
     pub gated: Percentiles,
     /// gated p50 / baseline p50.
     pub ratio_p50: f64,
+    /// Policies the gate evaluated for each call.
     pub policies: usize,
 }
 

@@ -19,8 +19,11 @@ use super::BenchArgs;
 use crate::credentials::gateway::{self, GatewayRoute, Presented};
 use crate::net::{self, Allowlist, EgressLog, ProxyBudget, ProxyConfig};
 
+/// What `corral bench gateway` measured: a model request through the
+/// egress proxy and through the credential gateway.
 #[derive(Clone, Debug, Serialize)]
 pub struct GatewayReport {
+    /// Requests timed, both halves together.
     pub n: usize,
     /// Through the egress proxy (plain HTTP proxying), no gateway.
     pub proxy: Percentiles,

@@ -19,21 +19,31 @@ use crate::pb;
 use crate::pb::execution_service_client::ExecutionServiceClient;
 use crate::pb::lifecycle_event::Kind;
 
+/// What `corral bench ingest` measured: how fast the daemon stores one
+/// harness's progress events.
 #[derive(Clone, Debug, Serialize)]
 pub struct IngestReport {
+    /// The harness profile run.
     pub profile: String,
+    /// Which harness emitted the events.
     pub emitter: Emitter,
+    /// Progress events the harness was asked to emit.
     pub events: u64,
+    /// The execution measured.
     pub execution_id: String,
+    /// Its state at the end (`SUCCEEDED`, ...), or the status code if it could
+    /// not be read.
     pub execution_state: String,
     /// Progress events stored for the execution.
     pub stored: u64,
     /// First progress event → `finished`, by the events' own times (ms).
     pub span_ms: f64,
+    /// Stored progress events per second over `span_ms`.
     pub per_second: f64,
     /// The same emitter alone, outside any sandbox, into a pipe: the
     /// ceiling the daemon could reach with it.
     pub emitter_alone_per_second: f64,
+    /// Whether the harness's barrier was released (false: it never started emitting).
     pub barrier_released: bool,
     /// `--ingest-harnesses` emitters at once (absent when 0 or 1).
     pub parallel: Option<IngestParallel>,
@@ -42,14 +52,17 @@ pub struct IngestReport {
 /// H harnesses emitting at once, each `events` progress lines.
 #[derive(Clone, Debug, Serialize)]
 pub struct IngestParallel {
+    /// Harnesses run at once.
     pub harnesses: usize,
     /// Progress events stored, over every execution.
     pub stored: u64,
     /// From the earliest first progress event to the latest `finished`.
     pub span_ms: f64,
+    /// Stored progress events per second over `span_ms`, all executions together.
     pub per_second: f64,
     /// The same H emitters at once outside any sandbox, summed.
     pub emitter_alone_per_second: f64,
+    /// Each execution's state at the end.
     pub execution_states: Vec<String>,
 }
 

@@ -20,17 +20,25 @@ use crate::pb::catalog_service_client::CatalogServiceClient;
 /// The stages an execution times, in the order they happen.
 pub const STAGES: &[&str] = &["resolve", "gate", "sandbox_create", "workspace", "session_start", "harness", "teardown"];
 
+/// What `corral bench latency` measured: corral's Execute against the
+/// same bwrap command line spawned directly.
 #[derive(Clone, Debug, Serialize)]
 pub struct LatencyReport {
+    /// The harness profile run.
     pub profile: String,
+    /// Executions timed (and floor spawns, as many).
     pub n: usize,
+    /// Untimed runs of each side before the timed ones.
     pub warmup: usize,
     /// Client-observed: Execute sent → `finished` received.
     pub corral: Percentiles,
     /// The same bwrap command line, spawned directly.
     pub floor: Percentiles,
+    /// corral p50 / floor p50.
     pub ratio_p50: f64,
+    /// corral p90 / floor p90.
     pub ratio_p90: f64,
+    /// corral p99 / floor p99.
     pub ratio_p99: f64,
     /// The floor's command line hashes to corral's enforcement receipt.
     pub floor_matches_receipt: bool,
@@ -40,6 +48,7 @@ pub struct LatencyReport {
     pub stages_p50_ms: BTreeMap<String, f64>,
     /// Executions that did not succeed, by status code or final state.
     pub errors: BTreeMap<String, usize>,
+    /// Direct spawns of the floor that failed.
     pub floor_errors: usize,
     /// What one execution adds to the store on disk: the growth of the
     /// SQLite store over the N timed executions, divided by N (in-process

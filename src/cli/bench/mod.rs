@@ -127,7 +127,9 @@ pub struct BenchArgs {
 /// (`--events` when not given).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FanoutSpec {
+    /// Watchers subscribed to the execution.
     pub watchers: usize,
+    /// Progress events the execution emits; `None` takes `--events`.
     pub events: Option<u64>,
 }
 
@@ -169,10 +171,13 @@ impl BenchArgs {
 /// Everything one `corral bench` run measured (`--json` prints it).
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
+    /// Which scenario ran.
     pub scenario: Scenario,
     /// `in-process` or `server`.
     pub mode: String,
+    /// The daemon's address.
     pub server: String,
+    /// The machine the run was made on.
     pub host: HostInfo,
     /// The daemon's RSS when the bench started: idle for an in-process or
     /// a fresh daemon (in-process: the whole bench process).
@@ -180,12 +185,19 @@ pub struct BenchReport {
     /// Whether the daemon had run no execution before this bench (its
     /// store lists none): only then is the RSS above an idle figure.
     pub daemon_fresh: bool,
+    /// The `latency` scenario's figures, when it ran.
     pub latency: Option<LatencyReport>,
+    /// The `throughput` scenario's figures, when it ran.
     pub throughput: Option<ThroughputReport>,
+    /// The `fanout` scenario's figures, when it ran.
     pub fanout: Option<FanoutReport>,
+    /// The `ingest` scenario's figures, when it ran.
     pub ingest: Option<IngestReport>,
+    /// The `peer` scenario's figures, when it ran.
     pub peer: Option<PeerReport>,
+    /// The `gate` scenario's figures, when it ran.
     pub gate: Option<GateReport>,
+    /// The `gateway` scenario's figures, when it ran.
     pub gateway: Option<GatewayReport>,
     /// Issue 6's targets, judged on what this run measured.
     pub targets: Vec<TargetCheck>,
@@ -206,6 +218,8 @@ pub struct Daemons {
 }
 
 impl Daemons {
+    /// Daemons at `server` when given, else fresh in-process ones keeping
+    /// their data under `data_dir` (default: a temporary directory).
     pub fn new(server: Option<&str>, data_dir: Option<&std::path::Path>) -> Daemons {
         Daemons {
             server: server.map(str::to_string),

@@ -13,17 +13,25 @@ use super::target::Target;
 use super::BenchArgs;
 use crate::sandbox::find_on_path;
 
+/// What `corral bench peer` measured: the same no-op through another
+/// sandbox wrapper and through corral.
 #[derive(Clone, Debug, Serialize)]
 pub struct PeerReport {
     /// The wrapper found, or `None` when the scenario was skipped.
     pub wrapper: Option<String>,
+    /// Why the scenario was skipped, if it was.
     pub skipped: Option<String>,
+    /// Runs timed on each side.
     pub n: usize,
+    /// The wrapper's timings; `None` when skipped.
     pub peer: Option<Percentiles>,
+    /// corral's timings; `None` when skipped.
     pub corral: Option<Percentiles>,
     /// peer p50 / corral p50.
     pub ratio_p50: Option<f64>,
+    /// Runs of the wrapper that failed.
     pub peer_failures: usize,
+    /// corral executions that did not succeed, by status code or final state.
     pub corral_errors: BTreeMap<String, usize>,
 }
 

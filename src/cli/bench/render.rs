@@ -14,8 +14,11 @@ use crate::cli::table::table;
 /// run did not measure it (another scenario, or other parameters).
 #[derive(Clone, Debug, Serialize)]
 pub struct TargetCheck {
+    /// The target, as a sentence.
     pub target: String,
+    /// What this run measured against it.
     pub measured: String,
+    /// Whether it was met; `None` when not measured.
     pub met: Option<bool>,
 }
 

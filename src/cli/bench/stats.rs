@@ -8,15 +8,22 @@ use serde::Serialize;
 /// p50/p90/p99 (nearest rank) of a sample set, in milliseconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Percentiles {
+    /// Samples.
     pub count: usize,
+    /// The median, in ms.
     pub p50_ms: f64,
+    /// The 90th percentile, in ms.
     pub p90_ms: f64,
+    /// The 99th percentile, in ms.
     pub p99_ms: f64,
+    /// The largest sample, in ms.
     pub max_ms: f64,
+    /// The mean, in ms.
     pub mean_ms: f64,
 }
 
 impl Percentiles {
+    /// The percentiles of `samples` (in ms); all zero when there are none.
     pub fn of_ms(samples: &[f64]) -> Percentiles {
         if samples.is_empty() {
             return Percentiles::default();

@@ -9,10 +9,15 @@ use serde::Serialize;
 /// The machine a run was made on.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct HostInfo {
+    /// CPUs available to the bench.
     pub nproc: usize,
+    /// The CPU model from `/proc/cpuinfo`; empty when unknown.
     pub cpu_model: String,
+    /// Total memory, in MiB.
     pub mem_total_mib: u64,
+    /// The kernel release.
     pub kernel: String,
+    /// `bwrap --version`, or `not found`.
     pub bwrap: String,
     /// `/proc/loadavg` when the run started: other work on the machine
     /// shares its cores with the bench.
@@ -20,6 +25,7 @@ pub struct HostInfo {
 }
 
 impl HostInfo {
+    /// Reads the machine's figures from `/proc` and `bwrap --version`.
     pub fn detect() -> HostInfo {
         let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
             .ok()

@@ -22,36 +22,48 @@ use super::BenchArgs;
 /// 100–200; the bench stays well under).
 const STREAMS_PER_CONNECTION: usize = 16;
 
+/// One concurrency level of `corral bench throughput`.
 #[derive(Clone, Debug, Serialize)]
 pub struct Level {
+    /// Executions in flight at once.
     pub concurrency: usize,
+    /// Executions run at the level, succeeded or not.
     pub executions: usize,
+    /// Executions that succeeded.
     pub succeeded: usize,
+    /// Wall time of the level, in seconds.
     pub seconds: f64,
     /// Executions that succeeded, per second of the level.
     pub per_second: f64,
+    /// Client-observed latency of the executions that succeeded.
     pub latency: Percentiles,
     /// The floor (the same bwrap command line spawned directly) at the
     /// same concurrency and count: spawns per second, the ceiling.
     pub floor_per_second: f64,
+    /// Direct spawns of the floor that failed.
     pub floor_errors: usize,
     /// What did not succeed: a status code (`RESOURCE_EXHAUSTED`, ...) or
     /// the final state of an execution that ran (`FAILED`, ...).
     pub errors: BTreeMap<String, usize>,
 }
 
+/// What the run's sandboxes left behind.
 #[derive(Clone, Debug, Serialize)]
 pub struct Leaks {
     /// Sandbox roots of this run's executions that still exist.
     pub sandbox_dirs: usize,
     /// Entries under `<data>/sandboxes` (in-process daemon only).
     pub data_sandboxes_entries: Option<usize>,
+    /// Processes left running and bwrap zombies nobody reaped.
     pub processes: LeakedProcesses,
 }
 
+/// What `corral bench throughput` measured, level by level.
 #[derive(Clone, Debug, Serialize)]
 pub struct ThroughputReport {
+    /// The harness profile run.
     pub profile: String,
+    /// One entry per concurrency level, in order.
     pub levels: Vec<Level>,
     /// Counted right after the last stream ended.
     pub leaks: Leaks,
