@@ -350,7 +350,7 @@ impl ProfileRef {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProfileFile {
-    /// Letters, digits, '.', '_' and '-', at most [`MAX_ID`] of them.
+    /// Letters, digits, '.', '_' and '-', at most `MAX_ID` (128) of them.
     pub id: String,
     /// A semver version; one id may have several.
     pub version: String,
