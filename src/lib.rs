@@ -33,6 +33,8 @@
 //! `events`, `hub` → `catalog`, `policy`, `store`, `sandbox` → `records` →
 //! `types` (the value types every record is made of, depending on nothing).
 
+#![warn(missing_docs)]
+
 pub mod api;
 pub mod auth;
 pub mod catalog;
@@ -57,7 +59,9 @@ pub mod store;
 pub mod telemetry;
 pub mod types;
 
-/// The wire contract, generated from `proto/corral/v1`.
+/// The wire contract, generated from `proto/corral/v1` (documented in the
+/// .proto files; a field without a comment there has none here).
+#[allow(missing_docs)]
 pub mod pb {
     tonic::include_proto!("corral.v1");
 

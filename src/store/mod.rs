@@ -47,7 +47,12 @@ pub enum StoreError {
     /// This node was declared lost (or started again elsewhere): it owns
     /// no run any more and may not write to one.
     #[error("store: node {node} (epoch {epoch}) is fenced: it was declared lost")]
-    Fenced { node: String, epoch: String },
+    Fenced {
+        /// The node's name.
+        node: String,
+        /// The start that is fenced.
+        epoch: String,
+    },
 }
 
 /// The result of inserting an execution under a request id.

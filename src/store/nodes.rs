@@ -46,6 +46,7 @@ pub struct NodeRow {
     pub name: String,
     /// The node's current start.
     pub epoch: String,
+    /// Active, draining or lost.
     pub state: NodeState,
     /// Executions it may run at once (its admission limit).
     pub capacity: u64,

@@ -19,9 +19,13 @@ pub use sandbox::{Consumer, EnforcementReceipt, LimitReceipt, SandboxSpec, Sandb
 /// How many digits of a second [`rfc3339`] writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fraction {
+    /// Whole seconds.
     None,
+    /// Three digits.
     Millis,
+    /// Six digits.
     Micros,
+    /// Nine digits.
     Nanos,
 }
 
