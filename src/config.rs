@@ -95,7 +95,7 @@ pub struct Config {
     /// How the real agents' tool calls reach the gate.
     pub gate: crate::gate::GateConfig,
     /// This daemon as a node of a fleet on one store: its name, its lease.
-    pub fleet: crate::fleet::FleetConfig,
+    pub fleet: FleetConfig,
 }
 
 /// The `[grpc]` section: what one client can ask of the server.
@@ -266,7 +266,7 @@ impl Default for Config {
             grpc: GrpcConfig::default(),
             proxy: crate::net::ProxyLimitsConfig::default(),
             gate: crate::gate::GateConfig::default(),
-            fleet: crate::fleet::FleetConfig::default(),
+            fleet: FleetConfig::default(),
         }
     }
 }
@@ -617,5 +617,31 @@ mod tests {
         assert!(err.contains("default_limits.shm_bytes"), "{err}");
         std::fs::write(&file, "[default_limits]\nmax_procs = 1\n").unwrap();
         assert!(Config::from_file(&file).unwrap_err().to_string().contains("max_procs"));
+    }
+}
+
+/// The `[fleet]` section.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FleetConfig {
+    /// This node's name in the store (default: `node_id`, else the host
+    /// name and data directory).
+    pub node: Option<String>,
+    /// How long a node's lease lasts without renewal (seconds). A node is
+    /// declared lost this long after its last renewal; it fences itself
+    /// after two thirds of it.
+    pub lease_seconds: u64,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        FleetConfig { node: None, lease_seconds: 10 }
+    }
+}
+
+impl FleetConfig {
+    /// The lease, once checked (`lease_seconds` ≥ 1).
+    pub fn lease(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.lease_seconds.max(1))
     }
 }

@@ -126,6 +126,27 @@ impl CatalogService for CatalogApi {
         }))
     }
 
+    async fn list_nodes(
+        &self,
+        request: Request<pb::ListNodesRequest>,
+    ) -> Result<Response<pb::ListNodesResponse>, Status> {
+        super::auth::caller(&request)?.may_manage_nodes().map_err(super::auth::denied)?;
+        let nodes = self.store.list_nodes().await.map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(pb::ListNodesResponse { nodes: nodes.iter().map(convert::node).collect() }))
+    }
+
+    async fn drain_node(&self, request: Request<pb::DrainNodeRequest>) -> Result<Response<pb::Node>, Status> {
+        super::auth::caller(&request)?.may_manage_nodes().map_err(super::auth::denied)?;
+        let name = &request.get_ref().name;
+        if name.is_empty() {
+            return Err(status::invalid_argument("name", "name the node to drain (see ListNodes)"));
+        }
+        match self.store.drain_node(name).await.map_err(|e| Status::unavailable(e.to_string()))? {
+            Some(node) => Ok(Response::new(convert::node(&node))),
+            None => Err(Status::not_found(format!("no node named {name:?}"))),
+        }
+    }
+
     async fn get_daemon_info(
         &self,
         request: Request<pb::GetDaemonInfoRequest>,

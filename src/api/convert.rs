@@ -533,3 +533,23 @@ mod limits_tests {
         assert_eq!(limits_from_wire(&wire_limits(&limits)), limits);
     }
 }
+
+/// A node of the fleet on the wire.
+pub fn node(n: &crate::store::NodeRow) -> pb::Node {
+    let state = match n.state {
+        crate::store::NodeState::Active => pb::NodeState::Active,
+        crate::store::NodeState::Draining => pb::NodeState::Draining,
+        crate::store::NodeState::Lost => pb::NodeState::Lost,
+    };
+    pb::Node {
+        name: n.name.clone(),
+        epoch: n.epoch.clone(),
+        state: state as i32,
+        capacity: n.capacity,
+        labels: n.labels.clone(),
+        version: n.version.clone(),
+        started_at_ms: n.started_at_ms,
+        lease_until_ms: n.lease_until_ms,
+        running: n.running,
+    }
+}

@@ -175,6 +175,18 @@ impl Principal {
         }
     }
 
+    /// The fleet's nodes (listing and draining them) are for `adm`.
+    pub fn may_manage_nodes(&self) -> Result<(), Denied> {
+        if self.is_admin() {
+            Ok(())
+        } else {
+            Err(Denied {
+                reason: "NODES_NEED_ADM",
+                message: format!("principal {} is {}: only adm may list or drain nodes", self.name, self.kind.as_str()),
+            })
+        }
+    }
+
     /// The raw output of a finished execution: its owner and `adm`.
     pub fn may_read_raw(&self, owner: &str) -> bool {
         self.is_admin() || self.name == owner
@@ -242,7 +254,9 @@ mod tests {
     #[test]
     fn policies_and_raw_output() {
         assert_eq!(agt(&["a"]).may_set_policies().unwrap_err().reason, "POLICIES_NEED_ADM");
+        assert_eq!(agt(&["a"]).may_manage_nodes().unwrap_err().reason, "NODES_NEED_ADM");
         assert!(adm().may_set_policies().is_ok());
+        assert!(adm().may_manage_nodes().is_ok());
         assert!(agt(&["a"]).may_read_raw("ci"));
         assert!(!agt(&["a"]).may_read_raw("someone-else"));
         assert!(adm().may_read_raw("someone-else"));

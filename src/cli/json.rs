@@ -33,6 +33,9 @@ impl WireMessage for pb::Session {
 impl WireMessage for pb::DaemonInfo {
     const FULL_NAME: &'static str = "corral.v1.DaemonInfo";
 }
+impl WireMessage for pb::ListNodesResponse {
+    const FULL_NAME: &'static str = "corral.v1.ListNodesResponse";
+}
 
 /// The corral descriptors, decoded once per process.
 pub(super) struct JsonEncoder {
@@ -101,5 +104,6 @@ mod tests {
         assert!(encoder.line(&pb::LifecycleEvent::default()).is_ok());
         assert!(encoder.line(&pb::ListExecutionsResponse::default()).is_ok());
         assert!(encoder.line(&pb::ListProfilesResponse::default()).is_ok());
+        assert!(encoder.line(&pb::ListNodesResponse::default()).is_ok());
     }
 }

@@ -162,6 +162,14 @@ pub enum ClientCommand {
     Ls(LsArgs),
     /// List the harness profiles the daemon knows.
     Profiles(ProfilesArgs),
+    /// List the nodes of the fleet on the daemon's store (adm).
+    Nodes,
+    /// Ask a node to drain: it takes no new work and finishes what it
+    /// runs; `corral nodes` shows it empty when 0 run (adm).
+    Drain {
+        /// The node's name, as `corral nodes` shows it.
+        node: String,
+    },
     /// This client's version, the daemon's, and what the daemon's host can
     /// enforce.
     Version,
@@ -353,6 +361,8 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
         ClientCommand::Deny(args) => query::decide(server, args, false, &printer).await,
         ClientCommand::Ls(args) => query::ls(server, args, &printer).await,
         ClientCommand::Profiles(_) => query::profiles(server, &printer).await,
+        ClientCommand::Nodes => query::nodes(server, &printer).await,
+        ClientCommand::Drain { node } => query::drain(server, node, &printer).await,
         ClientCommand::Version => query::version(server, &printer).await,
         // The bench's clients carry no credentials: a token given for it
         // would be ignored, so it is refused instead.

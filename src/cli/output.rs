@@ -64,6 +64,10 @@ impl Printer {
         self.either(response, || table::profiles(response))
     }
 
+    pub(super) fn nodes(&self, response: &pb::ListNodesResponse) -> anyhow::Result<()> {
+        self.either(response, || table::nodes(response, crate::records::now_ms()))
+    }
+
     pub(super) fn daemon_info(&self, info: &pb::DaemonInfo) -> anyhow::Result<()> {
         self.either(info, || {
             let mut text = format!("corral {} (client)\ncorral {} (daemon)\n", env!("CARGO_PKG_VERSION"), info.version);

@@ -80,6 +80,20 @@ pub(super) async fn version(server: &Remote, printer: &Printer) -> anyhow::Resul
     Ok(0)
 }
 
+pub(super) async fn nodes(server: &Remote, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = CatalogServiceClient::new(server.open().await?);
+    let response = client.list_nodes(pb::ListNodesRequest {}).await?.into_inner();
+    printer.nodes(&response)?;
+    Ok(0)
+}
+
+pub(super) async fn drain(server: &Remote, name: String, printer: &Printer) -> anyhow::Result<i32> {
+    let mut client = CatalogServiceClient::new(server.open().await?);
+    let node = client.drain_node(pb::DrainNodeRequest { name }).await?.into_inner();
+    printer.nodes(&pb::ListNodesResponse { nodes: vec![node] })?;
+    Ok(0)
+}
+
 pub(super) async fn profiles(server: &Remote, printer: &Printer) -> anyhow::Result<i32> {
     let mut client = CatalogServiceClient::new(server.open().await?);
     let response = client.list_profiles(pb::ListProfilesRequest {}).await?.into_inner();

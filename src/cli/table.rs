@@ -110,9 +110,65 @@ pub(super) fn profiles(response: &pb::ListProfilesResponse) -> String {
     table(&["REF", "STATUS", "READINESS", "SANDBOX", "TOOL CALLS", "SOURCE"], &rows)
 }
 
+/// `corral nodes`: name, state (`drained` for a draining node that runs
+/// nothing), running/capacity, the lease's time left, version, labels.
+pub(super) fn nodes(response: &pb::ListNodesResponse, now_ms: i64) -> String {
+    let rows: Vec<Vec<String>> = response
+        .nodes
+        .iter()
+        .map(|n| {
+            let state = match pb::NodeState::try_from(n.state) {
+                Ok(pb::NodeState::Draining) if n.running == 0 => "drained".to_string(),
+                _ => shown::<pb::NodeState>(n.state),
+            };
+            let lease = match n.lease_until_ms - now_ms {
+                left if left >= 0 => format!("{}s", left / 1000),
+                over => format!("expired {}s ago", -over / 1000),
+            };
+            vec![
+                n.name.clone(),
+                state,
+                format!("{}/{}", n.running, n.capacity),
+                lease,
+                n.version.clone(),
+                n.labels.join(","),
+            ]
+        })
+        .collect();
+    table(&["NODE", "STATE", "RUNNING", "LEASE", "VERSION", "LABELS"], &rows)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nodes_show_drained_and_the_lease_left() {
+        let node = |name: &str, state: pb::NodeState, running: u64, lease_until_ms: i64| pb::Node {
+            name: name.into(),
+            state: state as i32,
+            running,
+            capacity: 4,
+            lease_until_ms,
+            version: "0.1.0".into(),
+            labels: vec!["linux_bwrap".into(), "claude".into()],
+            ..Default::default()
+        };
+        let response = pb::ListNodesResponse {
+            nodes: vec![
+                node("a", pb::NodeState::Active, 2, 19_000),
+                node("b", pb::NodeState::Draining, 0, 12_000),
+                node("c", pb::NodeState::Lost, 1, 4_000),
+            ],
+        };
+        assert_eq!(
+            nodes(&response, 10_000),
+            "NODE  STATE    RUNNING  LEASE           VERSION  LABELS\n\
+             a     active   2/4      9s              0.1.0    linux_bwrap,claude\n\
+             b     drained  0/4      2s              0.1.0    linux_bwrap,claude\n\
+             c     lost     1/4      expired 6s ago  0.1.0    linux_bwrap,claude\n"
+        );
+    }
 
     #[test]
     fn columns_line_up_without_trailing_blanks() {

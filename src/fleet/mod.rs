@@ -1,4 +1,4 @@
-//! The fleet: every daemon on a store is a node (`nodes` in the store).
+//! The fleet (configured by `[fleet]`, `config::FleetConfig`): every daemon on a store is a node (`nodes` in the store).
 //! Each node renews a lease; one that cannot fences itself (kills its
 //! sandboxes and exits, to start again with a new epoch) before the lease
 //! runs out; a survivor marks a node whose lease ran out lost — exactly
@@ -14,38 +14,11 @@ pub mod lease;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::lifecycle::Engine;
 use crate::store::{NodeState, StoreError};
 use lease::{Renewal, Step};
-
-/// The `[fleet]` section.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct FleetConfig {
-    /// This node's name in the store (default: `node_id`, else the host
-    /// name and data directory).
-    pub node: Option<String>,
-    /// How long a node's lease lasts without renewal (seconds). A node is
-    /// declared lost this long after its last renewal; it fences itself
-    /// after two thirds of it.
-    pub lease_seconds: u64,
-}
-
-impl Default for FleetConfig {
-    fn default() -> Self {
-        FleetConfig { node: None, lease_seconds: 10 }
-    }
-}
-
-impl FleetConfig {
-    /// The lease, once checked (`lease_seconds` ≥ 1).
-    pub fn lease(&self) -> Duration {
-        Duration::from_secs(self.lease_seconds.max(1))
-    }
-}
 
 /// What a node can run, for `ListNodes`: its sandbox backend and the agent
 /// CLIs on its PATH.

@@ -417,7 +417,17 @@ impl Engine {
     /// done).
     pub async fn cancel(&self, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
         let record = self.get(execution_id).await?;
-        self.admission.cancel(execution_id);
+        let here = self.admission.cancel(execution_id);
+        let unfinished = matches!(record.state, ExecutionState::Pending | ExecutionState::Running);
+        // Another node of the fleet runs it: cancelling here would be
+        // accepted and ignored, so it is refused, naming the node.
+        if !here && unfinished && self.store.is_shared() {
+            let node = self.store.node_of_execution(execution_id).await?.unwrap_or_default();
+            return Err(EngineError::FailedPrecondition(format!(
+                "execution {execution_id} runs on node {node:?}: send CancelExecution to that node (a fleet does not \
+                 forward it yet)"
+            )));
+        }
         Ok(record)
     }
 

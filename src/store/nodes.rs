@@ -236,4 +236,13 @@ impl Store {
         .await?;
         rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
     }
+
+    /// The node that runs (or ran) execution `id`.
+    pub async fn node_of_execution(&self, id: &str) -> Result<Option<String>, StoreError> {
+        let row = sqlx::query("SELECT node FROM executions WHERE execution_id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.and_then(|r| r.get::<Option<String>, _>(0)))
+    }
 }

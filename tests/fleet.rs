@@ -1,0 +1,373 @@
+//! A fleet on one PostgreSQL: real daemons (processes) on one real
+//! database. Nodes are listed; a node killed with SIGKILL is declared lost
+//! by a survivor, which fails its runs exactly once; a node cut off from
+//! the store (its connection to PostgreSQL goes through a forwarder the
+//! test cuts) kills its sandboxes before its lease runs out and exits; a
+//! lost epoch can write nothing; a page token works on every node; a
+//! drained node takes no new work and finishes what it runs.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{request, require_bwrap, ServeProcess};
+use corral::pb;
+use corral::pb::catalog_service_client::CatalogServiceClient;
+use corral::pb::execution_service_client::ExecutionServiceClient;
+
+const LEASE_SECONDS: u64 = 3;
+
+fn admin_url() -> String {
+    std::env::var("CORRAL_TEST_POSTGRES").ok().filter(|u| !u.is_empty()).expect(
+        "this test needs PostgreSQL: set CORRAL_TEST_POSTGRES to an admin URL such as \
+         postgres://corral:corral@127.0.0.1:5432/postgres (scripts/test sets it up)",
+    )
+}
+
+/// A node: a daemon process on the shared database `url`, named `name`.
+struct Node {
+    name: String,
+    data: PathBuf,
+    profiles: PathBuf,
+    process: ServeProcess,
+}
+
+impl Node {
+    async fn start(dir: &Path, name: &str, url: &str) -> Node {
+        let data = dir.join(name);
+        let profiles = dir.join("profiles");
+        std::fs::create_dir_all(&profiles).unwrap();
+        // ServeProcess keeps the store URL a config of this data directory
+        // already names.
+        if !data.with_extension("toml").exists() {
+            std::fs::write(data.with_extension("toml"), format!("[store]\nurl = {url:?}\n")).unwrap();
+        }
+        let process = ServeProcess::start_with(&data, &profiles, &[], &fleet_config(name)).await;
+        Node { name: name.into(), data, profiles, process }
+    }
+
+    /// Starts this node's data directory again (after it died or fenced).
+    async fn restart(&mut self) {
+        self.process = ServeProcess::start_with(&self.data, &self.profiles, &[], &fleet_config(&self.name)).await;
+    }
+
+    async fn executions(&self) -> ExecutionServiceClient<tonic::transport::Channel> {
+        ExecutionServiceClient::new(self.process.channel().await)
+    }
+
+    async fn catalog(&self) -> CatalogServiceClient<tonic::transport::Channel> {
+        CatalogServiceClient::new(self.process.channel().await)
+    }
+
+    async fn nodes(&self) -> Vec<pb::Node> {
+        self.catalog().await.list_nodes(pb::ListNodesRequest {}).await.unwrap().into_inner().nodes
+    }
+}
+
+fn fleet_config(name: &str) -> String {
+    format!("[fleet]\nnode = {name:?}\nlease_seconds = {LEASE_SECONDS}\n")
+}
+
+/// Starts a shell execution on `node` that works until killed, and waits
+/// until its harness runs (its marker is in a process's command line).
+async fn start_long_run(node: &Node, marker: &str) -> String {
+    // The marker is the inner shell's $0: in its command line.
+    let script = format!("echo started; exec sh -c 'sleep 600; :' {marker}");
+    let execution = node.executions().await.start_execution(request("builtin.shell", &script)).await.unwrap();
+    let id = execution.into_inner().execution_id;
+    wait_for("the long run's harness", Duration::from_secs(30), || !processes_with(marker).is_empty()).await;
+    id
+}
+
+/// Pids whose command line carries `needle`.
+fn processes_with(needle: &str) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc is readable") {
+        let Ok(entry) = entry else { continue };
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if cmdline.windows(needle.len()).any(|w| w == needle.as_bytes()) && pid != std::process::id() as i32 {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(started.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Every stored event of `id`, read on `node`.
+async fn events(node: &Node, id: &str) -> Vec<pb::LifecycleEvent> {
+    let watch = pb::WatchRequest { execution_id: id.into(), after_sequence: 0 };
+    let mut stream = node.executions().await.watch_execution(watch).await.unwrap().into_inner();
+    let mut out = Vec::new();
+    while let Ok(Some(event)) = tokio::time::timeout(Duration::from_secs(10), stream.message()).await.unwrap() {
+        out.push(event);
+    }
+    out
+}
+
+async fn state_of(node: &Node, id: &str) -> pb::ExecutionState {
+    let get = pb::GetExecutionRequest { execution_id: id.into(), ..Default::default() };
+    let record = node.executions().await.get_execution(get).await.unwrap().into_inner();
+    pb::ExecutionState::try_from(record.state).unwrap()
+}
+
+/// Waits until `id` is finished as seen from `node`; returns how long.
+async fn until_finished(node: &Node, id: &str, limit: Duration) -> (pb::ExecutionState, Duration) {
+    let started = Instant::now();
+    loop {
+        let state = state_of(node, id).await;
+        if !matches!(state, pb::ExecutionState::Pending | pb::ExecutionState::Running) {
+            return (state, started.elapsed());
+        }
+        assert!(started.elapsed() < limit, "{id} not finished after {limit:?}: {state:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn note_of(events: &[pb::LifecycleEvent]) -> String {
+    events
+        .iter()
+        .find_map(|e| match &e.kind {
+            Some(pb::lifecycle_event::Kind::Recovered(r)) => Some(r.note.clone()),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+fn finished_count(events: &[pb::LifecycleEvent]) -> usize {
+    events.iter().filter(|e| matches!(e.kind, Some(pb::lifecycle_event::Kind::Finished(_)))).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_node_is_declared_lost_once_and_rejoins_with_a_new_epoch() {
+    require_bwrap();
+    let url = common::create_postgres_database(&admin_url()).await;
+    let dir = common::data_tempdir();
+    let a = Node::start(dir.path(), "node-a", &url).await;
+    let mut b = Node::start(dir.path(), "node-b", &url).await;
+
+    let nodes = a.nodes().await;
+    let names: Vec<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(names, vec!["node-a", "node-b"], "{nodes:?}");
+    assert!(nodes.iter().all(|n| n.state == pb::NodeState::Active as i32 && !n.epoch.is_empty()), "{nodes:?}");
+    assert!(nodes.iter().all(|n| n.labels.contains(&"linux_bwrap".to_string())), "{nodes:?}");
+    let old_epoch = nodes[1].epoch.clone();
+
+    // A page token made on one node works on the other (one fleet key).
+    for n in 0..2 {
+        a.executions().await.execute(request("builtin.shell", &format!("echo {n}"))).await.unwrap();
+    }
+    let first = pb::ListExecutionsRequest { page_size: 1, ..Default::default() };
+    let page = a.executions().await.list_executions(first).await.unwrap().into_inner();
+    assert!(!page.next_page_token.is_empty());
+    let next = pb::ListExecutionsRequest { page_size: 1, page_token: page.next_page_token, ..Default::default() };
+    let on_b = b.executions().await.list_executions(next).await.expect("a page token of node-a works on node-b");
+    assert_eq!(on_b.into_inner().executions.len(), 1);
+
+    let marker = format!("fleet-kill-{}", uuid::Uuid::now_v7().simple());
+    let id = start_long_run(&b, &marker).await;
+    // Cancelling on a node that does not run it is refused, naming the
+    // owner (never accepted and ignored), and the run goes on.
+    let cancel = pb::CancelExecutionRequest { execution_id: id.clone() };
+    let refused = a.executions().await.cancel_execution(cancel).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
+    assert!(refused.message().contains("runs on node \"node-b\""), "{}", refused.message());
+    assert_eq!(state_of(&b, &id).await, pb::ExecutionState::Running);
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(b.process.pid(), libc::SIGKILL) };
+    let _ = b.process.child.wait().await;
+    let (state, after) = until_finished(&a, &id, Duration::from_secs(LEASE_SECONDS + 5)).await;
+    assert_eq!(state, pb::ExecutionState::Failed);
+    let seen = events(&a, &id).await;
+    assert!(note_of(&seen).starts_with("node node-b lost during "), "{:?}", note_of(&seen));
+    assert_eq!(finished_count(&seen), 1, "one finished event: {seen:?}");
+    let lost = a.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
+    assert_eq!(lost.state, pb::NodeState::Lost as i32, "{lost:?} ({after:?} after the kill)");
+    // Its harness died with it (bwrap --die-with-parent); its sandbox's
+    // directory is left for node-b's next start.
+    wait_for("node-b's harness gone", Duration::from_secs(10), || processes_with(&marker).is_empty()).await;
+    let leftovers = |node: &Node| std::fs::read_dir(node.data.join("sandboxes")).map(|d| d.count()).unwrap_or(0);
+    assert_eq!(leftovers(&b), 1, "the killed node's sandbox is still on disk");
+
+    // node-b starts again: a new epoch, its leftover recovered, and the run
+    // it lost left as the survivor finished it.
+    b.restart().await;
+    let rejoined = a.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
+    assert_eq!(rejoined.state, pb::NodeState::Active as i32);
+    assert_ne!(rejoined.epoch, old_epoch, "a new epoch per start");
+    assert_eq!(leftovers(&b), 0, "recovery destroyed node-b's own leftover sandbox");
+    let after_restart = events(&b, &id).await;
+    assert_eq!(after_restart, seen, "node-b appended to a run it no longer owns");
+}
+
+/// A TCP forwarder to PostgreSQL that the test can cut: the node behind it
+/// loses its store as in a partition (every connection dropped, new ones
+/// refused).
+struct Forwarder {
+    port: u16,
+    cut: Arc<AtomicBool>,
+}
+
+impl Forwarder {
+    async fn start(target: std::net::SocketAddr) -> Forwarder {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cut = Arc::new(AtomicBool::new(false));
+        let flag = cut.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else { return };
+                let flag = flag.clone();
+                tokio::spawn(async move {
+                    if flag.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else { return };
+                    let copy = tokio::io::copy_bidirectional(&mut inbound, &mut outbound);
+                    tokio::pin!(copy);
+                    loop {
+                        tokio::select! {
+                            _ = &mut copy => return,
+                            _ = tokio::time::sleep(Duration::from_millis(20)) => {
+                                if flag.load(Ordering::SeqCst) {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Forwarder { port, cut }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_from_the_store_kills_its_sandboxes_before_its_lease_runs_out() {
+    require_bwrap();
+    let url = common::create_postgres_database(&admin_url()).await;
+    // postgres://user:password@host:port/db: the same database through
+    // the forwarder.
+    let (before, rest) = url.split_once('@').expect("a URL with user@host");
+    let (authority, path) = rest.split_once('/').expect("a URL with a database");
+    let target = tokio::net::lookup_host(authority).await.unwrap().next().expect("PostgreSQL's address");
+    let forwarder = Forwarder::start(target).await;
+    let through = format!("{before}@127.0.0.1:{}/{path}", forwarder.port);
+    let dir = common::data_tempdir();
+    let a = Node::start(dir.path(), "node-a", &url).await;
+    let mut b = Node::start(dir.path(), "node-b", &through).await;
+    let marker = format!("fleet-cut-{}", uuid::Uuid::now_v7().simple());
+    let id = start_long_run(&b, &marker).await;
+    let renewed = b.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
+
+    forwarder.cut.store(true, Ordering::SeqCst);
+    // Its harness is killed before the lease it last renewed runs out.
+    wait_for("node-b's harness killed", Duration::from_secs(LEASE_SECONDS + 2), || processes_with(&marker).is_empty())
+        .await;
+    let killed_at = corral::records::now_ms();
+    assert!(
+        killed_at < renewed.lease_until_ms + LEASE_SECONDS as i64 * 1000 / 3,
+        "killed at {killed_at}, the lease ran out at {} (renewed again at most once before the cut)",
+        renewed.lease_until_ms
+    );
+    // And node-b exits, saying why.
+    let status = tokio::time::timeout(Duration::from_secs(10), b.process.child.wait()).await.unwrap().unwrap();
+    assert!(!status.success(), "a fenced node exits with an error");
+    let log = std::fs::read_to_string(b.data.with_extension("log")).unwrap();
+    assert!(log.contains("fleet: this node fences itself"), "{log}");
+    // The survivor fails the run.
+    let (state, _) = until_finished(&a, &id, Duration::from_secs(LEASE_SECONDS + 5)).await;
+    assert_eq!(state, pb::ExecutionState::Failed);
+    let seen = events(&a, &id).await;
+    assert_eq!(finished_count(&seen), 1);
+
+    // The link restored, node-b rejoins with a new epoch and appends
+    // nothing to its old run.
+    forwarder.cut.store(false, Ordering::SeqCst);
+    b.restart().await;
+    let rejoined = a.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
+    assert_eq!(rejoined.state, pb::NodeState::Active as i32);
+    assert_ne!(rejoined.epoch, renewed.epoch);
+    assert_eq!(events(&a, &id).await, seen);
+}
+
+/// The store refuses every write of a run by a start that was declared
+/// lost, while the survivor's writes go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_epoch_can_write_nothing() {
+    use corral::records::{Event, EventKind};
+    let url = common::create_postgres_database(&admin_url()).await;
+    let dir = common::data_tempdir();
+    let lost = corral::store::Store::open(dir.path(), Some(&url), "lost").await.unwrap();
+    let survivor = corral::store::Store::open(dir.path(), Some(&url), "survivor").await.unwrap();
+    lost.join_fleet(1, &[], 1).await.unwrap();
+    survivor.join_fleet(1, &[], 60_000).await.unwrap();
+    let event = |sequence| Event {
+        subject_id: "e1".into(),
+        sequence,
+        time_ms: 1,
+        kind: EventKind::Recovered { note: format!("event {sequence}") },
+    };
+    lost.append_events(&[event(1)]).await.expect("a node that holds its lease writes");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let claimed = survivor.claim_lost_nodes(corral::records::now_ms()).await.unwrap();
+    assert_eq!(claimed.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), vec!["lost"]);
+    assert!(survivor.claim_lost_nodes(corral::records::now_ms()).await.unwrap().is_empty(), "claimed once");
+    let refused = lost.append_events(&[event(2)]).await.unwrap_err();
+    assert!(matches!(refused, corral::store::StoreError::Fenced { .. }), "{refused}");
+    assert!(matches!(lost.renew_lease(1000, 0).await, Err(corral::store::StoreError::Fenced { .. })));
+    survivor.append_events(&[event(2)]).await.expect("the survivor writes");
+    let stored: Vec<u64> = survivor.events_after("e1", 0).await.unwrap().iter().map(|e| e.sequence).collect();
+    assert_eq!(stored, vec![1, 2]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_node_finishes_what_it_runs_and_takes_nothing_new() {
+    require_bwrap();
+    let url = common::create_postgres_database(&admin_url()).await;
+    let dir = common::data_tempdir();
+    let a = Node::start(dir.path(), "node-a", &url).await;
+    let b = Node::start(dir.path(), "node-b", &url).await;
+    let running = b
+        .executions()
+        .await
+        .start_execution(request("builtin.shell", "sleep 2; echo done"))
+        .await
+        .unwrap()
+        .into_inner()
+        .execution_id;
+    let drained = a.catalog().await.drain_node(pb::DrainNodeRequest { name: "node-b".into() }).await.unwrap();
+    assert_eq!(drained.into_inner().state, pb::NodeState::Draining as i32);
+    // node-b reads it at its next renewal (a third of the lease).
+    let started = Instant::now();
+    let refused = loop {
+        let attempt = b.executions().await.start_execution(request("builtin.shell", "echo new")).await;
+        match attempt {
+            Err(status) => break status,
+            Ok(_) => assert!(started.elapsed() < Duration::from_secs(LEASE_SECONDS), "node-b still takes work"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    let (state, _) = until_finished(&b, &running, Duration::from_secs(30)).await;
+    assert_eq!(state, pb::ExecutionState::Succeeded, "a drained node finishes what it runs");
+    let node = a.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
+    assert_eq!(node.state, pb::NodeState::Draining as i32);
+    // node-a still takes work; an unknown node is NOT_FOUND; no name is
+    // INVALID_ARGUMENT.
+    a.executions().await.execute(request("builtin.shell", "echo a")).await.unwrap();
+    let missing = a.catalog().await.drain_node(pb::DrainNodeRequest { name: "nope".into() }).await.unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::NotFound);
+    let empty = a.catalog().await.drain_node(pb::DrainNodeRequest::default()).await.unwrap_err();
+    assert_eq!(empty.code(), tonic::Code::InvalidArgument);
+}
