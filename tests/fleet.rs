@@ -176,13 +176,6 @@ async fn a_killed_node_is_declared_lost_once_and_rejoins_with_a_new_epoch() {
 
     let marker = format!("fleet-kill-{}", uuid::Uuid::now_v7().simple());
     let id = start_long_run(&b, &marker).await;
-    // Cancelling on a node that does not run it is refused, naming the
-    // owner (never accepted and ignored), and the run goes on.
-    let cancel = pb::CancelExecutionRequest { execution_id: id.clone() };
-    let refused = a.executions().await.cancel_execution(cancel).await.unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
-    assert!(refused.message().contains("runs on node \"node-b\""), "{}", refused.message());
-    assert_eq!(state_of(&b, &id).await, pb::ExecutionState::Running);
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(b.process.pid(), libc::SIGKILL) };
     let _ = b.process.child.wait().await;
@@ -370,4 +363,35 @@ async fn a_drained_node_finishes_what_it_runs_and_takes_nothing_new() {
     assert_eq!(missing.code(), tonic::Code::NotFound);
     let empty = a.catalog().await.drain_node(pb::DrainNodeRequest::default()).await.unwrap_err();
     assert_eq!(empty.code(), tonic::Code::InvalidArgument);
+}
+
+/// A cancel sent to a node that does not run the execution reaches the
+/// node that does (through the store, woken by NOTIFY): the caller gets
+/// the owner's answer, the run ends CANCELLED with one `finished` event,
+/// and nothing of it is left running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_sent_to_another_node_reaches_the_owner() {
+    require_bwrap();
+    let url = common::create_postgres_database(&admin_url()).await;
+    let dir = common::data_tempdir();
+    let a = Node::start(dir.path(), "node-a", &url).await;
+    let b = Node::start(dir.path(), "node-b", &url).await;
+    let marker = format!("fleet-cancel-{}", uuid::Uuid::now_v7().simple());
+    let id = start_long_run(&b, &marker).await;
+    let cancel = pb::CancelExecutionRequest { execution_id: id.clone() };
+    let asked = Instant::now();
+    let answer = a.executions().await.cancel_execution(cancel).await.expect("node-a forwards the cancel");
+    let answered = asked.elapsed();
+    assert_eq!(answer.into_inner().execution_id, id);
+    let (state, _) = until_finished(&a, &id, Duration::from_secs(30)).await;
+    assert_eq!(state, pb::ExecutionState::Cancelled);
+    wait_for("the cancelled run's harness gone", Duration::from_secs(10), || processes_with(&marker).is_empty()).await;
+    let seen = events(&a, &id).await;
+    assert_eq!(finished_count(&seen), 1, "{seen:?}");
+    assert!(answered < Duration::from_secs(1), "NOTIFY, not the one-second look: answered in {answered:?}");
+    // The owner running nothing of it any more, a second cancel anywhere
+    // is answered with the finished record (idempotent, as on the owner).
+    let again = pb::CancelExecutionRequest { execution_id: id.clone() };
+    let record = a.executions().await.cancel_execution(again).await.unwrap().into_inner();
+    assert_eq!(record.state, pb::ExecutionState::Cancelled as i32);
 }

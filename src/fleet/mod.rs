@@ -96,6 +96,41 @@ pub fn spawn(engine: Arc<Engine>, lease: Duration, shutdown: CancellationToken, 
     });
 }
 
+/// Answers other nodes' requests for this one (shared stores only): woken
+/// by `NOTIFY corral_requests` naming this node, and every second in case
+/// a notification was missed (a listener reconnecting).
+pub fn serve_requests(engine: Arc<Engine>, shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        let mut listener = match engine.store.listen_for_requests().await {
+            Ok(Some(listener)) => listener,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "fleet: no LISTEN connection; requests are read every second");
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => engine.answer_requests().await,
+                    }
+                }
+            }
+        };
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                notified = listener.recv() => match notified {
+                    Ok(n) if n.payload() == engine.store.node() => engine.answer_requests().await,
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "fleet: LISTEN failed; retrying");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                },
+                _ = tokio::time::sleep(Duration::from_secs(1)) => engine.answer_requests().await,
+            }
+        }
+    });
+}
+
 /// Fails the runs of every node whose lease ran out (each claimed by one
 /// sweeper only).
 async fn sweep(engine: &Engine) {

@@ -94,6 +94,13 @@ pub enum EngineError {
     /// Admission control: too much running already; retry later.
     #[error("{0}")]
     Overloaded(String),
+    /// Another node of the fleet runs it and did not answer a forwarded
+    /// request in time (it may be lost; a survivor will fail its runs).
+    #[error("node {node:?} did not answer within {} s", FORWARD_TIMEOUT.as_secs())]
+    NodeUnreachable {
+        /// The node that runs it.
+        node: String,
+    },
     /// The store failed; the details are logged, not sent.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -159,6 +166,9 @@ pub struct Engine {
     /// them without the store (see [`Engine::fence`]).
     live_sandboxes: Mutex<std::collections::HashSet<String>>,
 }
+
+/// How long a node waits for another node's answer to a forwarded request.
+pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What [`Engine::new`] is built from: the daemon's parts and its bounds.
 pub struct EngineParts {
@@ -419,16 +429,55 @@ impl Engine {
         let record = self.get(execution_id).await?;
         let here = self.admission.cancel(execution_id);
         let unfinished = matches!(record.state, ExecutionState::Pending | ExecutionState::Running);
-        // Another node of the fleet runs it: cancelling here would be
-        // accepted and ignored, so it is refused, naming the node.
+        // Another node of the fleet runs it: the request goes to that node
+        // through the store, and its answer comes back.
         if !here && unfinished && self.store.is_shared() {
             let node = self.store.node_of_execution(execution_id).await?.unwrap_or_default();
-            return Err(EngineError::FailedPrecondition(format!(
-                "execution {execution_id} runs on node {node:?}: send CancelExecution to that node (a fleet does not \
-                 forward it yet)"
-            )));
+            if !node.is_empty() && node != self.store.node() {
+                return self.forward_cancel(&node, execution_id).await;
+            }
         }
         Ok(record)
+    }
+
+    /// Asks node `node` to cancel `execution_id` and waits for its answer
+    /// (the record as the owner returns it), at most [`FORWARD_TIMEOUT`].
+    async fn forward_cancel(&self, node: &str, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
+        let request = self.store.ask_node(node, "cancel", execution_id).await?;
+        let deadline = std::time::Instant::now() + FORWARD_TIMEOUT;
+        loop {
+            match self.store.request_answer(&request).await? {
+                Some(Ok(json)) => return Ok(serde_json::from_str(&json).map_err(StoreError::from)?),
+                Some(Err(why)) => return Err(EngineError::FailedPrecondition(why)),
+                None if std::time::Instant::now() >= deadline => {
+                    return Err(EngineError::NodeUnreachable { node: node.to_string() })
+                }
+                None => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    }
+
+    /// Answers what other nodes asked of this one (see
+    /// [`Engine::forward_cancel`]): a cancel of an execution that runs here
+    /// is done as if it had been sent here.
+    pub async fn answer_requests(&self) {
+        let pending = match self.store.pending_requests().await {
+            Ok(pending) => pending,
+            Err(e) => return tracing::warn!(error = %e, "fleet: cannot read requests for this node"),
+        };
+        for (id, kind, subject) in pending {
+            let answer = match kind.as_str() {
+                "cancel" if self.admission.cancel(&subject) => match self.get(&subject).await {
+                    Ok(record) => serde_json::to_string(&record).map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                },
+                "cancel" => Err(format!("execution {subject} is not running on node {}", self.store.node())),
+                other => Err(format!("node {} does not know requests of kind {other:?}", self.store.node())),
+            };
+            if let Err(e) = self.store.answer_request(&id, answer).await {
+                tracing::warn!(error = %e, request = %id, "fleet: a request not answered");
+            }
+        }
     }
 
     /// Replays stored events of an execution or a session after `after`,

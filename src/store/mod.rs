@@ -132,6 +132,8 @@ pub struct Store {
     /// declared lost cannot append to a run it no longer owns.
     epoch: String,
     shared: bool,
+    /// The PostgreSQL URL (shared stores only), for `LISTEN`.
+    url: Option<String>,
 }
 
 static SHARED_MIGRATIONS: Migrator = sqlx::migrate!("./migrations");
@@ -182,7 +184,14 @@ impl Store {
             .connect(&url)
             .await?;
         migrator(sqlite).run(&pool).await?;
-        Ok(Store { pool, node: node.to_string(), epoch: uuid::Uuid::now_v7().to_string(), shared: !sqlite })
+        let listen_url = (!sqlite).then(|| url.clone());
+        Ok(Store {
+            pool,
+            node: node.to_string(),
+            epoch: uuid::Uuid::now_v7().to_string(),
+            shared: !sqlite,
+            url: listen_url,
+        })
     }
 
     /// This daemon's name in the store.

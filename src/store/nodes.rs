@@ -245,4 +245,75 @@ impl Store {
             .await?;
         Ok(row.and_then(|r| r.get::<Option<String>, _>(0)))
     }
+
+    /// Files a request of `kind` about `subject` for node `node`, and wakes
+    /// it (`NOTIFY corral_requests`). Returns the request's id.
+    pub async fn ask_node(&self, node: &str, kind: &str, subject: &str) -> Result<String, StoreError> {
+        let id = uuid::Uuid::now_v7().to_string();
+        sqlx::query(
+            "INSERT INTO node_requests (id, node, kind, subject, state, created_at_ms) VALUES ($1, $2, $3, $4, 'pending', $5)",
+        )
+        .bind(&id)
+        .bind(node)
+        .bind(kind)
+        .bind(subject)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        if self.shared {
+            sqlx::query("SELECT pg_notify('corral_requests', $1)").bind(node).execute(&self.pool).await?;
+        }
+        Ok(id)
+    }
+
+    /// The requests waiting for this node: (id, kind, subject), oldest first.
+    pub async fn pending_requests(&self) -> Result<Vec<(String, String, String)>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, kind, subject FROM node_requests WHERE node = $1 AND state = 'pending' ORDER BY id LIMIT 100",
+        )
+        .bind(&self.node)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
+    }
+
+    /// Answers request `id`: a JSON answer, or an error sentence.
+    pub async fn answer_request(&self, id: &str, answer: Result<String, String>) -> Result<(), StoreError> {
+        let (answer, error) = match answer {
+            Ok(answer) => (Some(answer), None),
+            Err(error) => (None, Some(error)),
+        };
+        sqlx::query("UPDATE node_requests SET state = 'done', answer = $2, error = $3 WHERE id = $1")
+            .bind(id)
+            .bind(answer)
+            .bind(error)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Request `id`'s answer, once it has one.
+    pub async fn request_answer(&self, id: &str) -> Result<Option<Result<String, String>>, StoreError> {
+        let row = sqlx::query("SELECT state, answer, error FROM node_requests WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        if row.get::<&str, _>(0) != "done" {
+            return Ok(None);
+        }
+        Ok(Some(match row.get::<Option<String>, _>(2) {
+            Some(error) => Err(error),
+            None => Ok(row.get::<Option<String>, _>(1).unwrap_or_default()),
+        }))
+    }
+
+    /// A listener on `corral_requests` (shared stores only), which carries
+    /// the name of the node a new request is for.
+    pub async fn listen_for_requests(&self) -> Result<Option<sqlx::postgres::PgListener>, StoreError> {
+        let Some(url) = &self.url else { return Ok(None) };
+        let mut listener = sqlx::postgres::PgListener::connect(url).await?;
+        listener.listen("corral_requests").await?;
+        Ok(Some(listener))
+    }
 }
