@@ -395,3 +395,44 @@ async fn a_cancel_sent_to_another_node_reaches_the_owner() {
     let record = a.executions().await.cancel_execution(again).await.unwrap().into_inner();
     assert_eq!(record.state, pb::ExecutionState::Cancelled as i32);
 }
+
+/// EndSession sent to a node that does not run the session reaches the
+/// node that does; a turn sent there is refused naming the owner (never
+/// accepted and ignored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_is_ended_through_another_node_and_its_turns_go_to_the_owner() {
+    use corral::pb::session_service_client::SessionServiceClient;
+    require_bwrap();
+    let url = common::create_postgres_database(&admin_url()).await;
+    let dir = common::data_tempdir();
+    std::fs::create_dir_all(dir.path().join("profiles")).unwrap();
+    std::fs::write(dir.path().join("profiles/agent.toml"), common::session_agent_profile("test.session-agent", ""))
+        .unwrap();
+    let a = Node::start(dir.path(), "node-a", &url).await;
+    let b = Node::start(dir.path(), "node-b", &url).await;
+    let create = pb::CreateSessionRequest {
+        profile_ref: "test.session-agent".into(),
+        project: "proj-a".into(),
+        ..Default::default()
+    };
+    let mut on_b = SessionServiceClient::new(b.process.channel().await);
+    let session = on_b.create_session(create).await.unwrap().into_inner();
+    let mut on_a = SessionServiceClient::new(a.process.channel().await);
+    let turn = pb::SendTurnRequest {
+        session_id: session.session_id.clone(),
+        tool_call: Some(pb::ToolCall { tool: "echo".into(), arguments_json: "{}".into() }),
+    };
+    let refused = on_a.send_turn(turn).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
+    assert!(refused.message().contains("runs on node \"node-b\""), "{}", refused.message());
+    let end = pb::EndSessionRequest { session_id: session.session_id.clone() };
+    let ended = on_a.end_session(end).await.expect("node-a forwards EndSession").into_inner();
+    assert_eq!(ended.state, pb::SessionState::Ended as i32, "{ended:?}");
+    let get = pb::GetSessionRequest { session_id: session.session_id.clone() };
+    let stored = on_b.get_session(get).await.unwrap().into_inner();
+    assert_eq!(stored.state, pb::SessionState::Ended as i32, "the owner ended it");
+    wait_for("node-b's session sandbox gone", Duration::from_secs(10), || {
+        std::fs::read_dir(b.data.join("sandboxes")).map(|d| d.count()).unwrap_or(0) == 0
+    })
+    .await;
+}

@@ -434,20 +434,22 @@ impl Engine {
         if !here && unfinished && self.store.is_shared() {
             let node = self.store.node_of_execution(execution_id).await?.unwrap_or_default();
             if !node.is_empty() && node != self.store.node() {
-                return self.forward_cancel(&node, execution_id).await;
+                let answer = self.forward(&node, "cancel", execution_id).await?;
+                return Ok(serde_json::from_str(&answer).map_err(StoreError::from)?);
             }
         }
         Ok(record)
     }
 
-    /// Asks node `node` to cancel `execution_id` and waits for its answer
-    /// (the record as the owner returns it), at most [`FORWARD_TIMEOUT`].
-    async fn forward_cancel(&self, node: &str, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
-        let request = self.store.ask_node(node, "cancel", execution_id).await?;
+    /// Asks node `node` to do `kind` (`cancel`, `end_session`) to
+    /// `subject` and waits for its answer (the record as the owner returns
+    /// it, as JSON), at most [`FORWARD_TIMEOUT`].
+    pub(crate) async fn forward(&self, node: &str, kind: &str, subject: &str) -> Result<String, EngineError> {
+        let request = self.store.ask_node(node, kind, subject).await?;
         let deadline = std::time::Instant::now() + FORWARD_TIMEOUT;
         loop {
             match self.store.request_answer(&request).await? {
-                Some(Ok(json)) => return Ok(serde_json::from_str(&json).map_err(StoreError::from)?),
+                Some(Ok(json)) => return Ok(json),
                 Some(Err(why)) => return Err(EngineError::FailedPrecondition(why)),
                 None if std::time::Instant::now() >= deadline => {
                     return Err(EngineError::NodeUnreachable { node: node.to_string() })
@@ -457,9 +459,9 @@ impl Engine {
         }
     }
 
-    /// Answers what other nodes asked of this one (see
-    /// [`Engine::forward_cancel`]): a cancel of an execution that runs here
-    /// is done as if it had been sent here.
+    /// Answers what other nodes asked of this one (see [`Engine::forward`]):
+    /// a cancel of an execution, or the end of a session, that runs here is
+    /// done as if it had been sent here.
     pub async fn answer_requests(&self) {
         let pending = match self.store.pending_requests().await {
             Ok(pending) => pending,
@@ -472,6 +474,13 @@ impl Engine {
                     Err(e) => Err(e.to_string()),
                 },
                 "cancel" => Err(format!("execution {subject} is not running on node {}", self.store.node())),
+                "end_session" if self.live_session(&subject).is_some() => {
+                    match self.end_session(&subject, session::EndReason::Requested).await {
+                        Ok(record) => serde_json::to_string(&record).map_err(|e| e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+                "end_session" => Err(format!("session {subject} is not running on node {}", self.store.node())),
                 other => Err(format!("node {} does not know requests of kind {other:?}", self.store.node())),
             };
             if let Err(e) = self.store.answer_request(&id, answer).await {

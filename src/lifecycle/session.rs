@@ -68,7 +68,7 @@ pub enum EndReason {
 }
 
 impl Engine {
-    fn live_session(&self, id: &str) -> Option<Arc<LiveSession>> {
+    pub(super) fn live_session(&self, id: &str) -> Option<Arc<LiveSession>> {
         lock(&self.sessions).get(id).cloned()
     }
 
@@ -294,9 +294,30 @@ impl Engine {
         }
     }
 
+    /// The node that runs session `session_id`, when it is another node
+    /// of the fleet (not live here, not finished, on a shared store).
+    async fn runs_elsewhere(&self, session_id: &str) -> Result<Option<String>, EngineError> {
+        if !self.store.is_shared() || self.live_session(session_id).is_some() {
+            return Ok(None);
+        }
+        let unfinished = self
+            .store
+            .get_session(session_id)
+            .await?
+            .is_some_and(|r| matches!(r.state, SessionState::Starting | SessionState::Active));
+        let node = self.store.node_of_session(session_id).await?.unwrap_or_default();
+        Ok((unfinished && !node.is_empty() && node != self.store.node()).then_some(node))
+    }
+
     async fn live_or_ended(&self, session_id: &str) -> Result<Arc<LiveSession>, EngineError> {
         if let Some(live) = self.live_session(session_id) {
             return Ok(live);
+        }
+        if let Some(node) = self.runs_elsewhere(session_id).await? {
+            return Err(EngineError::FailedPrecondition(format!(
+                "session {session_id} runs on node {node:?}: send its turns there (a fleet forwards CancelExecution \
+                 and EndSession only)"
+            )));
         }
         match self.store.get_session(session_id).await? {
             Some(record) => Err(EngineError::FailedPrecondition(format!(
@@ -347,6 +368,10 @@ impl Engine {
 
     /// end → cleanup → destroy. An in-flight turn is cancelled first.
     pub async fn end_session(&self, session_id: &str, reason: EndReason) -> Result<SessionRecord, EngineError> {
+        if let Some(node) = self.runs_elsewhere(session_id).await? {
+            let answer = self.forward(&node, "end_session", session_id).await?;
+            return Ok(serde_json::from_str(&answer).map_err(crate::store::StoreError::from)?);
+        }
         let Some(live) = lock(&self.sessions).remove(session_id) else {
             self.release(session_id);
             return match self.store.get_session(session_id).await? {

@@ -316,4 +316,11 @@ impl Store {
         listener.listen("corral_requests").await?;
         Ok(Some(listener))
     }
+
+    /// The node that runs (or ran) session `id`.
+    pub async fn node_of_session(&self, id: &str) -> Result<Option<String>, StoreError> {
+        let row =
+            sqlx::query("SELECT node FROM sessions WHERE session_id = $1").bind(id).fetch_optional(&self.pool).await?;
+        Ok(row.and_then(|r| r.get::<Option<String>, _>(0)))
+    }
 }
