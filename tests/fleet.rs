@@ -339,8 +339,24 @@ async fn a_drained_node_finishes_what_it_runs_and_takes_nothing_new() {
         .unwrap()
         .into_inner()
         .execution_id;
-    let drained = a.catalog().await.drain_node(pb::DrainNodeRequest { name: "node-b".into() }).await.unwrap();
-    assert_eq!(drained.into_inner().state, pb::NodeState::Draining as i32);
+    // `corral drain` and `corral nodes`, as an operator runs them.
+    let server = format!("unix://{}", a.process.socket.display());
+    let corral = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+            .arg("--server")
+            .arg(&server)
+            .args(args)
+            .env_remove("CORRAL_TOKEN")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "corral {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let drained = corral(&["drain", "node-b"]);
+    assert!(drained.lines().nth(1).is_some_and(|l| l.starts_with("node-b  draining")), "not drained yet: {drained}");
+    let listed = corral(&["nodes"]);
+    assert!(listed.starts_with("NODE    STATE"), "{listed}");
+    assert!(listed.lines().any(|l| l.starts_with("node-a  active")), "{listed}");
     // node-b reads it at its next renewal (a third of the lease).
     let started = Instant::now();
     let refused = loop {
@@ -356,6 +372,13 @@ async fn a_drained_node_finishes_what_it_runs_and_takes_nothing_new() {
     assert_eq!(state, pb::ExecutionState::Succeeded, "a drained node finishes what it runs");
     let node = a.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
     assert_eq!(node.state, pb::NodeState::Draining as i32);
+    // Empty, it says so at its next renewal.
+    let started = Instant::now();
+    while !a.nodes().await.into_iter().any(|n| n.name == "node-b" && n.drained) {
+        assert!(started.elapsed() < Duration::from_secs(LEASE_SECONDS), "node-b never reported drained");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(corral(&["nodes"]).lines().any(|l| l.starts_with("node-b  drained")));
     // node-a still takes work; an unknown node is NOT_FOUND; no name is
     // INVALID_ARGUMENT.
     a.executions().await.execute(request("builtin.shell", "echo a")).await.unwrap();

@@ -551,5 +551,7 @@ pub fn node(n: &crate::store::NodeRow) -> pb::Node {
         started_at_ms: n.started_at_ms,
         lease_until_ms: n.lease_until_ms,
         running: n.running,
+        renewed_at_ms: n.renewed_at_ms,
+        drained: n.drained(),
     }
 }

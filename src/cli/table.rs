@@ -110,15 +110,16 @@ pub(super) fn profiles(response: &pb::ListProfilesResponse) -> String {
     table(&["REF", "STATUS", "READINESS", "SANDBOX", "TOOL CALLS", "SOURCE"], &rows)
 }
 
-/// `corral nodes`: name, state (`drained` for a draining node that runs
-/// nothing), running/capacity, the lease's time left, version, labels.
+/// `corral nodes`: name, state (`drained` for a draining node that
+/// reported nothing running since it was asked to drain), running/capacity,
+/// the lease's time left, version, labels.
 pub(super) fn nodes(response: &pb::ListNodesResponse, now_ms: i64) -> String {
     let rows: Vec<Vec<String>> = response
         .nodes
         .iter()
         .map(|n| {
             let state = match pb::NodeState::try_from(n.state) {
-                Ok(pb::NodeState::Draining) if n.running == 0 => "drained".to_string(),
+                Ok(pb::NodeState::Draining) if n.drained => "drained".to_string(),
                 _ => shown::<pb::NodeState>(n.state),
             };
             let lease = match n.lease_until_ms - now_ms {
@@ -157,16 +158,18 @@ mod tests {
         let response = pb::ListNodesResponse {
             nodes: vec![
                 node("a", pb::NodeState::Active, 2, 19_000),
-                node("b", pb::NodeState::Draining, 0, 12_000),
+                pb::Node { drained: true, ..node("b", pb::NodeState::Draining, 0, 12_000) },
+                node("d", pb::NodeState::Draining, 0, 12_000),
                 node("c", pb::NodeState::Lost, 1, 4_000),
             ],
         };
         assert_eq!(
             nodes(&response, 10_000),
-            "NODE  STATE    RUNNING  LEASE           VERSION  LABELS\n\
-             a     active   2/4      9s              0.1.0    linux_bwrap,claude\n\
-             b     drained  0/4      2s              0.1.0    linux_bwrap,claude\n\
-             c     lost     1/4      expired 6s ago  0.1.0    linux_bwrap,claude\n"
+            "NODE  STATE     RUNNING  LEASE           VERSION  LABELS\n\
+             a     active    2/4      9s              0.1.0    linux_bwrap,claude\n\
+             b     drained   0/4      2s              0.1.0    linux_bwrap,claude\n\
+             d     draining  0/4      2s              0.1.0    linux_bwrap,claude\n\
+             c     lost      1/4      expired 6s ago  0.1.0    linux_bwrap,claude\n"
         );
     }
 

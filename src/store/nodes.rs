@@ -62,10 +62,20 @@ pub struct NodeRow {
     pub lease_until_ms: i64,
     /// Executions and sessions it ran at its last renewal.
     pub running: u64,
+    /// When it was last asked to drain (0: never).
+    pub drain_requested_at_ms: i64,
+}
+
+impl NodeRow {
+    /// Draining, and it renewed its lease since it was asked to, with
+    /// nothing running: a rolling restart may stop it now.
+    pub fn drained(&self) -> bool {
+        self.state == NodeState::Draining && self.running == 0 && self.renewed_at_ms > self.drain_requested_at_ms
+    }
 }
 
 const NODE: &str =
-    "name, epoch, state, capacity, labels, version, started_at_ms, renewed_at_ms, lease_until_ms, running";
+    "name, epoch, state, capacity, labels, version, started_at_ms, renewed_at_ms, lease_until_ms, running, drain_requested_at_ms";
 
 fn node_from_row(row: &sqlx::any::AnyRow) -> NodeRow {
     NodeRow {
@@ -79,6 +89,7 @@ fn node_from_row(row: &sqlx::any::AnyRow) -> NodeRow {
         renewed_at_ms: row.get("renewed_at_ms"),
         lease_until_ms: row.get("lease_until_ms"),
         running: row.get::<i64, _>("running").max(0) as u64,
+        drain_requested_at_ms: row.get("drain_requested_at_ms"),
     }
 }
 
@@ -142,10 +153,13 @@ impl Store {
     /// Asks node `name` to drain (from `active`); returns its row, `None`
     /// when there is no such node. A lost node stays lost.
     pub async fn drain_node(&self, name: &str) -> Result<Option<NodeRow>, StoreError> {
-        sqlx::query("UPDATE nodes SET state = 'draining' WHERE name = $1 AND state = 'active'")
-            .bind(name)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "UPDATE nodes SET state = 'draining', drain_requested_at_ms = $2 WHERE name = $1 AND state = 'active'",
+        )
+        .bind(name)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
         let row = sqlx::query(&format!("SELECT {NODE} FROM nodes WHERE name = $1"))
             .bind(name)
             .fetch_optional(&self.pool)
