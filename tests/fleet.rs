@@ -459,3 +459,25 @@ async fn a_session_is_ended_through_another_node_and_its_turns_go_to_the_owner()
     })
     .await;
 }
+
+/// An event stored by one node wakes the watchers on every other node:
+/// the write's transaction notifies `corral_events` with its subject.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_write_notifies_every_node_of_its_subject() {
+    use corral::records::{Event, EventKind};
+    let url = common::create_postgres_database(&admin_url()).await;
+    let dir = common::data_tempdir();
+    let writer = corral::store::Store::open(dir.path(), Some(&url), "writer").await.unwrap();
+    let watcher = corral::store::Store::open(dir.path(), Some(&url), "watcher").await.unwrap();
+    writer.join_fleet(1, &[], 60_000).await.unwrap();
+    let mut listener = watcher.listen("corral_events").await.unwrap().expect("a shared store listens");
+    let event = Event {
+        subject_id: "e-notified".into(),
+        sequence: 1,
+        time_ms: 1,
+        kind: EventKind::Recovered { note: "x".into() },
+    };
+    writer.append_events(&[event]).await.unwrap();
+    let notified = tokio::time::timeout(Duration::from_secs(5), listener.recv()).await.expect("notified").unwrap();
+    assert_eq!(notified.payload(), "e-notified");
+}

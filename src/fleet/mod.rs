@@ -101,7 +101,7 @@ pub fn spawn(engine: Arc<Engine>, lease: Duration, shutdown: CancellationToken, 
 /// a notification was missed (a listener reconnecting).
 pub fn serve_requests(engine: Arc<Engine>, shutdown: CancellationToken) {
     tokio::spawn(async move {
-        let mut listener = match engine.store.listen_for_requests().await {
+        let mut listener = match engine.store.listen("corral_requests").await {
             Ok(Some(listener)) => listener,
             Ok(None) => return,
             Err(e) => {
@@ -126,6 +126,31 @@ pub fn serve_requests(engine: Arc<Engine>, shutdown: CancellationToken) {
                     }
                 },
                 _ = tokio::time::sleep(Duration::from_secs(1)) => engine.answer_requests().await,
+            }
+        }
+    });
+}
+
+/// Wakes this node's watchers of runs on other nodes when those runs have
+/// new events (`NOTIFY corral_events` naming the subject; shared stores
+/// only). Without it they still read the store every 100 ms.
+pub fn serve_event_wakeups(engine: Arc<Engine>, shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        let mut listener = match engine.store.listen("corral_events").await {
+            Ok(Some(listener)) => listener,
+            Ok(None) => return,
+            Err(e) => return tracing::warn!(error = %e, "fleet: no LISTEN connection; remote watchers poll"),
+        };
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                notified = listener.recv() => match notified {
+                    Ok(n) => engine.wake_watchers(n.payload()),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "fleet: LISTEN failed; retrying");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                },
             }
         }
     });

@@ -165,6 +165,8 @@ pub struct Engine {
     /// The sandboxes that exist now, so a fenced node can kill what runs in
     /// them without the store (see [`Engine::fence`]).
     live_sandboxes: Mutex<std::collections::HashSet<String>>,
+    /// Watchers of runs on other nodes, woken by the store's NOTIFY.
+    wakeups: watch::Wakeups,
 }
 
 /// How long a node waits for another node's answer to a forwarded request.
@@ -243,7 +245,13 @@ impl Engine {
             tasks: TaskTracker::new(),
             draining: CancellationToken::new(),
             live_sandboxes: Mutex::default(),
+            wakeups: watch::Wakeups::default(),
         })
+    }
+
+    /// Another node stored events of `subject`: its watchers here read them.
+    pub fn wake_watchers(&self, subject: &str) {
+        self.wakeups.wake(subject);
     }
 
     /// Executions and sessions running now.
@@ -520,7 +528,12 @@ impl Engine {
         let subscription = Subscription::replay_then_live(replay, live, after)
             .catching_up(self.event_pages.clone(), execution_id.to_string(), self.bus.capacity())
             .holding(permit);
-        Ok(if remote { subscription.polling(self.store.clone(), execution_id.to_string()) } else { subscription })
+        Ok(match remote {
+            true => {
+                subscription.polling(self.store.clone(), execution_id.to_string(), self.wakeups.waiter(execution_id))
+            }
+            false => subscription,
+        })
     }
 
     /// Whether a subject's record says it has ended (its `finished` event

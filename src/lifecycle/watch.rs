@@ -9,7 +9,7 @@
 //! using [`Subscription::overrun`].
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::broadcast::{self, error::RecvError};
@@ -95,6 +95,8 @@ pub struct Subscription {
     /// A subject running on another daemon (shared store): followed by
     /// polling the store, since its live channel is not here.
     poll: Option<(Store, String)>,
+    /// Woken when the polled subject has new events (see `polling`).
+    wakeup: Option<Arc<tokio::sync::Notify>>,
     /// Where skipped events are read back from, and the live buffer's size.
     catch_up: Option<(Arc<EventPages>, String, usize)>,
     /// The live event that showed a gap, held until the gap before it has
@@ -188,6 +190,7 @@ impl Subscription {
             with_raw,
             until_turn: None,
             poll: None,
+            wakeup: None,
             catch_up: None,
             held: None,
             draining: false,
@@ -208,6 +211,7 @@ impl Subscription {
             with_raw: false,
             until_turn: None,
             poll: None,
+            wakeup: None,
             catch_up: None,
             held: None,
             draining,
@@ -237,8 +241,9 @@ impl Subscription {
     }
 
     /// Follows the subject through the store instead of a live channel.
-    pub fn polling(mut self, store: Store, subject: String) -> Self {
+    pub fn polling(mut self, store: Store, subject: String, wakeup: Arc<tokio::sync::Notify>) -> Self {
         self.poll = Some((store, subject));
+        self.wakeup = Some(wakeup);
         self.draining = false;
         self
     }
@@ -368,7 +373,13 @@ impl Subscription {
                     let item = self.replay.pop_front()?;
                     return Some(Ok(self.deliver(item)));
                 }
-                Ok(_) => tokio::time::sleep(POLL_EVERY).await,
+                // Woken by the store's NOTIFY, or after POLL_EVERY anyway.
+                Ok(_) => match &self.wakeup {
+                    Some(wakeup) => {
+                        let _ = tokio::time::timeout(POLL_EVERY, wakeup.notified()).await;
+                    }
+                    None => tokio::time::sleep(POLL_EVERY).await,
+                },
                 Err(e) => {
                     tracing::warn!(%subject, error = %e, "polling the store failed; ending the watch");
                     self.done = true;
@@ -405,5 +416,60 @@ mod tests {
         assert!(w.admit("c").err().unwrap().contains("3 watch streams are open"));
         drop(a1);
         assert!(w.admit("a").is_ok(), "a dropped permit is given back");
+    }
+}
+
+/// Which watchers of runs on other nodes wait for news of which subject:
+/// the store's `NOTIFY corral_events` wakes them (see `fleet`).
+#[derive(Default)]
+pub struct Wakeups {
+    waiting: Mutex<HashMap<String, std::sync::Weak<tokio::sync::Notify>>>,
+}
+
+impl Wakeups {
+    /// What a watcher of `subject` waits on (shared by its watchers).
+    pub fn waiter(&self, subject: &str) -> Arc<tokio::sync::Notify> {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        waiting.retain(|_, w| w.strong_count() > 0);
+        if let Some(existing) = waiting.get(subject).and_then(|w| w.upgrade()) {
+            return existing;
+        }
+        let notify = Arc::new(tokio::sync::Notify::new());
+        waiting.insert(subject.to_string(), Arc::downgrade(&notify));
+        notify
+    }
+
+    /// `subject` has new events: every watcher waiting for it reads now.
+    pub fn wake(&self, subject: &str) {
+        let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(notify) = waiting.get(subject).and_then(|w| w.upgrade()) {
+            notify.notify_waiters();
+        }
+    }
+}
+
+#[cfg(test)]
+mod wakeup_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_wake_reaches_the_waiters_of_its_subject_only() {
+        let wakeups = Wakeups::default();
+        let a = wakeups.waiter("a");
+        assert!(Arc::ptr_eq(&a, &wakeups.waiter("a")), "one waiter per subject");
+        let b = wakeups.waiter("b");
+        {
+            let (woken_a, woken_b) = (a.notified(), b.notified());
+            tokio::pin!(woken_a, woken_b);
+            woken_a.as_mut().enable();
+            woken_b.as_mut().enable();
+            wakeups.wake("a");
+            assert!(tokio::time::timeout(Duration::from_millis(100), woken_a).await.is_ok());
+            assert!(tokio::time::timeout(Duration::from_millis(50), woken_b).await.is_err(), "b was not woken");
+        }
+        drop((a, b));
+        assert!(wakeups.waiting.lock().unwrap().values().all(|w| w.strong_count() == 0));
+        let _c = wakeups.waiter("c");
+        assert_eq!(wakeups.waiting.lock().unwrap().len(), 1, "dropped waiters are forgotten");
     }
 }

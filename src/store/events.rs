@@ -12,6 +12,7 @@ impl Store {
         let mut tx = self.pool.begin().await?;
         self.check_fence(&mut tx).await?;
         self.insert_events(&mut *tx, events, false).await?;
+        self.notify_events(&mut tx, events).await?;
         tx.commit().await?;
         Ok(())
     }

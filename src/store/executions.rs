@@ -68,6 +68,7 @@ impl Store {
         self.check_fence(&mut tx).await?;
         if let Some(event) = finished {
             self.insert_events(&mut *tx, std::slice::from_ref(event), true).await?;
+            self.notify_events(&mut tx, std::slice::from_ref(event)).await?;
         }
         // Nothing to keep for a run that said nothing: no row (reading it
         // back gives the same empty output and error).

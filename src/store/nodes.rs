@@ -322,13 +322,33 @@ impl Store {
         }))
     }
 
-    /// A listener on `corral_requests` (shared stores only), which carries
-    /// the name of the node a new request is for.
-    pub async fn listen_for_requests(&self) -> Result<Option<sqlx::postgres::PgListener>, StoreError> {
+    /// A listener on `channel` (shared stores only): `corral_requests`
+    /// carries the name of the node a new request is for, `corral_events`
+    /// the subject that has new events.
+    pub async fn listen(&self, channel: &str) -> Result<Option<sqlx::postgres::PgListener>, StoreError> {
         let Some(url) = &self.url else { return Ok(None) };
         let mut listener = sqlx::postgres::PgListener::connect(url).await?;
-        listener.listen("corral_requests").await?;
+        listener.listen(channel).await?;
         Ok(Some(listener))
+    }
+
+    /// Within a write's transaction on a shared store: tells every node
+    /// that `events`' subjects have new events (`NOTIFY corral_events`,
+    /// delivered at commit), so their watchers read them at once.
+    pub(super) async fn notify_events(
+        &self,
+        conn: &mut sqlx::AnyConnection,
+        events: &[Event],
+    ) -> Result<(), StoreError> {
+        if !self.shared {
+            return Ok(());
+        }
+        let mut subjects: Vec<&str> = events.iter().map(|e| e.subject_id.as_str()).collect();
+        subjects.dedup();
+        for subject in subjects {
+            sqlx::query("SELECT pg_notify('corral_events', $1)").bind(subject).execute(&mut *conn).await?;
+        }
+        Ok(())
     }
 
     /// The node that runs (or ran) session `id`.

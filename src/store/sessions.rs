@@ -44,6 +44,7 @@ impl Store {
         let mut tx = self.pool.begin().await?;
         self.check_fence(&mut tx).await?;
         self.insert_events(&mut *tx, std::slice::from_ref(finished), true).await?;
+        self.notify_events(&mut tx, std::slice::from_ref(finished)).await?;
         update_session_on(&mut *tx, record).await?;
         tx.commit().await?;
         Ok(())
