@@ -419,9 +419,9 @@ async fn a_cancel_sent_to_another_node_reaches_the_owner() {
     assert_eq!(record.state, pb::ExecutionState::Cancelled as i32);
 }
 
-/// EndSession sent to a node that does not run the session reaches the
-/// node that does; a turn sent there is refused naming the owner (never
-/// accepted and ignored).
+/// EndSession and CancelTurn sent to a node that does not run the session
+/// reach the node that does; a turn sent there is refused naming the owner
+/// (never accepted and ignored).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_is_ended_through_another_node_and_its_turns_go_to_the_owner() {
     use corral::pb::session_service_client::SessionServiceClient;
@@ -448,6 +448,11 @@ async fn a_session_is_ended_through_another_node_and_its_turns_go_to_the_owner()
     let refused = on_a.send_turn(turn).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
     assert!(refused.message().contains("runs on node \"node-b\""), "{}", refused.message());
+    // CancelTurn reaches the owner too: with no turn in flight, its answer.
+    let cancel = pb::CancelTurnRequest { session_id: session.session_id.clone() };
+    let answered = on_a.cancel_turn(cancel).await.unwrap_err();
+    assert_eq!(answered.code(), tonic::Code::FailedPrecondition, "{answered:?}");
+    assert_eq!(answered.message(), "no turn is in flight in this session", "the owner's answer");
     let end = pb::EndSessionRequest { session_id: session.session_id.clone() };
     let ended = on_a.end_session(end).await.expect("node-a forwards EndSession").into_inner();
     assert_eq!(ended.state, pb::SessionState::Ended as i32, "{ended:?}");

@@ -449,7 +449,8 @@ impl Engine {
         Ok(record)
     }
 
-    /// Asks node `node` to do `kind` (`cancel`, `end_session`) to
+    /// Asks node `node` to do `kind` (`cancel`, `end_session`,
+    /// `cancel_turn`) to
     /// `subject` and waits for its answer (the record as the owner returns
     /// it, as JSON), at most [`FORWARD_TIMEOUT`].
     pub(crate) async fn forward(&self, node: &str, kind: &str, subject: &str) -> Result<String, EngineError> {
@@ -489,6 +490,11 @@ impl Engine {
                     }
                 }
                 "end_session" => Err(format!("session {subject} is not running on node {}", self.store.node())),
+                "cancel_turn" if self.live_session(&subject).is_some() => match self.cancel_turn(&subject).await {
+                    Ok(record) => serde_json::to_string(&record).map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                },
+                "cancel_turn" => Err(format!("session {subject} is not running on node {}", self.store.node())),
                 other => Err(format!("node {} does not know requests of kind {other:?}", self.store.node())),
             };
             if let Err(e) = self.store.answer_request(&id, answer).await {

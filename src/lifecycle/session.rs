@@ -315,8 +315,8 @@ impl Engine {
         }
         if let Some(node) = self.runs_elsewhere(session_id).await? {
             return Err(EngineError::FailedPrecondition(format!(
-                "session {session_id} runs on node {node:?}: send its turns there (a fleet forwards CancelExecution \
-                 and EndSession only)"
+                "session {session_id} runs on node {node:?}: send its turns there (a fleet forwards CancelExecution, \
+                 EndSession and CancelTurn only)"
             )));
         }
         match self.store.get_session(session_id).await? {
@@ -331,6 +331,10 @@ impl Engine {
     /// Cancels the turn in flight; with no turn in flight it does nothing
     /// and says so.
     pub async fn cancel_turn(&self, session_id: &str) -> Result<SessionRecord, EngineError> {
+        if let Some(node) = self.runs_elsewhere(session_id).await? {
+            let answer = self.forward(&node, "cancel_turn", session_id).await?;
+            return Ok(serde_json::from_str(&answer).map_err(crate::store::StoreError::from)?);
+        }
         let live = self.live_or_ended(session_id).await?;
         let token = lock(&live.turn_cancel).clone();
         match token {
