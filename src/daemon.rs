@@ -219,8 +219,7 @@ impl Daemon {
         }
         let fenced = CancellationToken::new();
         crate::fleet::spawn(self.engine.clone(), self.config.fleet.lease(), shutdown.clone(), fenced.clone());
-        crate::fleet::serve_requests(self.engine.clone(), shutdown.clone());
-        crate::fleet::serve_event_wakeups(self.engine.clone(), shutdown.clone());
+        crate::fleet::serve_notifications(self.engine.clone(), shutdown.clone());
         let parts = ApiParts {
             tls,
             authenticator: self.authenticator,

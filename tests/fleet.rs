@@ -20,13 +20,6 @@ use corral::pb::execution_service_client::ExecutionServiceClient;
 
 const LEASE_SECONDS: u64 = 3;
 
-fn admin_url() -> String {
-    std::env::var("CORRAL_TEST_POSTGRES").ok().filter(|u| !u.is_empty()).expect(
-        "this test needs PostgreSQL: set CORRAL_TEST_POSTGRES to an admin URL such as \
-         postgres://corral:corral@127.0.0.1:5432/postgres (scripts/test sets it up)",
-    )
-}
-
 /// A node: a daemon process on the shared database `url`, named `name`.
 struct Node {
     name: String,
@@ -151,7 +144,7 @@ fn finished_count(events: &[pb::LifecycleEvent]) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_node_is_declared_lost_once_and_rejoins_with_a_new_epoch() {
     require_bwrap();
-    let url = common::create_postgres_database(&admin_url()).await;
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
     let a = Node::start(dir.path(), "node-a", &url).await;
     let mut b = Node::start(dir.path(), "node-b", &url).await;
@@ -248,7 +241,7 @@ impl Forwarder {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_cut_off_from_the_store_kills_its_sandboxes_before_its_lease_runs_out() {
     require_bwrap();
-    let url = common::create_postgres_database(&admin_url()).await;
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     // postgres://user:password@host:port/db: the same database through
     // the forwarder.
     let (before, rest) = url.split_once('@').expect("a URL with user@host");
@@ -299,7 +292,7 @@ async fn a_node_cut_off_from_the_store_kills_its_sandboxes_before_its_lease_runs
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_epoch_can_write_nothing() {
     use corral::records::{Event, EventKind};
-    let url = common::create_postgres_database(&admin_url()).await;
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
     let lost = corral::store::Store::open(dir.path(), Some(&url), "lost").await.unwrap();
     let survivor = corral::store::Store::open(dir.path(), Some(&url), "survivor").await.unwrap();
@@ -327,7 +320,7 @@ async fn a_lost_epoch_can_write_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_node_finishes_what_it_runs_and_takes_nothing_new() {
     require_bwrap();
-    let url = common::create_postgres_database(&admin_url()).await;
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
     let a = Node::start(dir.path(), "node-a", &url).await;
     let b = Node::start(dir.path(), "node-b", &url).await;
@@ -395,7 +388,7 @@ async fn a_drained_node_finishes_what_it_runs_and_takes_nothing_new() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_sent_to_another_node_reaches_the_owner() {
     require_bwrap();
-    let url = common::create_postgres_database(&admin_url()).await;
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
     let a = Node::start(dir.path(), "node-a", &url).await;
     let b = Node::start(dir.path(), "node-b", &url).await;
@@ -426,7 +419,7 @@ async fn a_cancel_sent_to_another_node_reaches_the_owner() {
 async fn a_session_is_ended_through_another_node_and_its_turns_go_to_the_owner() {
     use corral::pb::session_service_client::SessionServiceClient;
     require_bwrap();
-    let url = common::create_postgres_database(&admin_url()).await;
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
     std::fs::create_dir_all(dir.path().join("profiles")).unwrap();
     std::fs::write(dir.path().join("profiles/agent.toml"), common::session_agent_profile("test.session-agent", ""))
@@ -470,12 +463,12 @@ async fn a_session_is_ended_through_another_node_and_its_turns_go_to_the_owner()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_write_notifies_every_node_of_its_subject() {
     use corral::records::{Event, EventKind};
-    let url = common::create_postgres_database(&admin_url()).await;
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
     let writer = corral::store::Store::open(dir.path(), Some(&url), "writer").await.unwrap();
     let watcher = corral::store::Store::open(dir.path(), Some(&url), "watcher").await.unwrap();
     writer.join_fleet(1, &[], 60_000).await.unwrap();
-    let mut listener = watcher.listen("corral_events").await.unwrap().expect("a shared store listens");
+    let mut listener = watcher.listen(&["corral_events"]).await.unwrap().expect("a shared store listens");
     let event = Event {
         subject_id: "e-notified".into(),
         sequence: 1,

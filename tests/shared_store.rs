@@ -6,17 +6,10 @@ mod common;
 use common::{finished, request, require_bwrap, Options, TestDaemon};
 use corral::pb;
 
-fn admin_url() -> String {
-    std::env::var("CORRAL_TEST_POSTGRES").ok().filter(|u| !u.is_empty()).expect(
-        "this test needs PostgreSQL: set CORRAL_TEST_POSTGRES to an admin URL such as \
-         postgres://corral:corral@127.0.0.1:5432/postgres (scripts/test sets it up)",
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_daemon_watches_an_execution_the_first_runs() {
     require_bwrap();
-    let url = common::create_postgres_database(&admin_url()).await;
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let a = TestDaemon::start(Options {
         store_url: Some(url.clone()),
         config: Box::new(|c| c.node_id = Some("node-a".into())),
@@ -58,7 +51,7 @@ async fn a_second_daemon_watches_an_execution_the_first_runs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_daemon_starting_beside_a_running_one_leaves_its_work_alone() {
     require_bwrap();
-    let url = common::create_postgres_database(&admin_url()).await;
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let a = TestDaemon::start(Options {
         store_url: Some(url.clone()),
         config: Box::new(|c| c.node_id = Some("node-a".into())),

@@ -165,25 +165,22 @@ impl Principal {
 
     /// Session policies (and a dry run of the gate with them) are for `adm`.
     pub fn may_set_policies(&self) -> Result<(), Denied> {
-        if self.is_admin() {
-            Ok(())
-        } else {
-            Err(Denied {
-                reason: "POLICIES_NEED_ADM",
-                message: format!("principal {} is {}: only adm may pass policies", self.name, self.kind.as_str()),
-            })
-        }
+        self.adm_only("POLICIES_NEED_ADM", "pass policies")
     }
 
     /// The fleet's nodes (listing and draining them) are for `adm`.
     pub fn may_manage_nodes(&self) -> Result<(), Denied> {
-        if self.is_admin() {
-            Ok(())
-        } else {
-            Err(Denied {
-                reason: "NODES_NEED_ADM",
-                message: format!("principal {} is {}: only adm may list or drain nodes", self.name, self.kind.as_str()),
-            })
+        self.adm_only("NODES_NEED_ADM", "list or drain nodes")
+    }
+
+    /// `adm` may `act`; anyone else is refused with `reason`.
+    fn adm_only(&self, reason: &'static str, act: &str) -> Result<(), Denied> {
+        match self.is_admin() {
+            true => Ok(()),
+            false => Err(Denied {
+                reason,
+                message: format!("principal {} is {}: only adm may {act}", self.name, self.kind.as_str()),
+            }),
         }
     }
 

@@ -96,56 +96,39 @@ pub fn spawn(engine: Arc<Engine>, lease: Duration, shutdown: CancellationToken, 
     });
 }
 
-/// Answers other nodes' requests for this one (shared stores only): woken
-/// by `NOTIFY corral_requests` naming this node, and every second in case
-/// a notification was missed (a listener reconnecting).
-pub fn serve_requests(engine: Arc<Engine>, shutdown: CancellationToken) {
+/// Listens, on one connection, for what other nodes tell this one (shared
+/// stores only): `corral_requests` naming this node wakes its request
+/// answering, `corral_events` naming a subject wakes this node's watchers
+/// of that run. Requests are read every second besides (a notification is
+/// missed while the listener reconnects); watchers read the store every
+/// 100 ms without a wakeup.
+pub fn serve_notifications(engine: Arc<Engine>, shutdown: CancellationToken) {
     tokio::spawn(async move {
-        let mut listener = match engine.store.listen("corral_requests").await {
-            Ok(Some(listener)) => listener,
+        let mut listener = match engine.store.listen(&["corral_requests", "corral_events"]).await {
+            Ok(Some(listener)) => Some(listener),
             Ok(None) => return,
             Err(e) => {
-                tracing::warn!(error = %e, "fleet: no LISTEN connection; requests are read every second");
-                loop {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(Duration::from_secs(1)) => engine.answer_requests().await,
-                    }
-                }
+                tracing::warn!(error = %e, "fleet: no LISTEN connection; requests are read every second, watchers poll");
+                None
             }
         };
+        // An interval, not a sleep per turn: a stream of notifications must
+        // not keep postponing the look.
+        let mut every_second = tokio::time::interval(Duration::from_secs(1));
         loop {
+            let notified = async {
+                match listener.as_mut() {
+                    Some(listener) => listener.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                notified = listener.recv() => match notified {
+                _ = every_second.tick() => engine.answer_requests().await,
+                notified = notified => match notified {
+                    Ok(n) if n.channel() == "corral_events" => engine.wake_watchers(n.payload()),
                     Ok(n) if n.payload() == engine.store.node() => engine.answer_requests().await,
                     Ok(_) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "fleet: LISTEN failed; retrying");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                },
-                _ = tokio::time::sleep(Duration::from_secs(1)) => engine.answer_requests().await,
-            }
-        }
-    });
-}
-
-/// Wakes this node's watchers of runs on other nodes when those runs have
-/// new events (`NOTIFY corral_events` naming the subject; shared stores
-/// only). Without it they still read the store every 100 ms.
-pub fn serve_event_wakeups(engine: Arc<Engine>, shutdown: CancellationToken) {
-    tokio::spawn(async move {
-        let mut listener = match engine.store.listen("corral_events").await {
-            Ok(Some(listener)) => listener,
-            Ok(None) => return,
-            Err(e) => return tracing::warn!(error = %e, "fleet: no LISTEN connection; remote watchers poll"),
-        };
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                notified = listener.recv() => match notified {
-                    Ok(n) => engine.wake_watchers(n.payload()),
                     Err(e) => {
                         tracing::warn!(error = %e, "fleet: LISTEN failed; retrying");
                         tokio::time::sleep(Duration::from_secs(1)).await;

@@ -168,11 +168,20 @@ impl Store {
     /// This daemon's executions still pending or running (of this node, or of
     /// no node), in id order: what a restart must recover.
     pub async fn unfinished_executions(&self) -> Result<Vec<ExecutionRecord>, StoreError> {
+        self.unfinished_executions_where("(node = $1 OR node IS NULL)", &self.node).await
+    }
+
+    /// Executions still pending or running whose `owner` condition (on
+    /// `node`, bound as `$1`) holds, in id order.
+    pub(super) async fn unfinished_executions_where(
+        &self,
+        owner: &'static str,
+        node: &str,
+    ) -> Result<Vec<ExecutionRecord>, StoreError> {
         let rows = sqlx::query(&format!(
-            "SELECT {EXECUTION} FROM executions WHERE state IN ('pending', 'running') AND (node = $1 OR node IS NULL)
-             ORDER BY execution_id"
+            "SELECT {EXECUTION} FROM executions WHERE state IN ('pending', 'running') AND {owner} ORDER BY execution_id"
         ))
-        .bind(&self.node)
+        .bind(node)
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(execution_from_row).collect()

@@ -231,32 +231,26 @@ impl Store {
     /// The unfinished executions of node `node` (a lost one's, for the
     /// survivor that fails them).
     pub async fn unfinished_executions_of(&self, node: &str) -> Result<Vec<ExecutionRecord>, StoreError> {
-        let rows = sqlx::query(&format!(
-            "SELECT {EXECUTION} FROM executions WHERE state IN ('pending', 'running') AND node = $1 ORDER BY execution_id"
-        ))
-        .bind(node)
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(execution_from_row).collect()
+        self.unfinished_executions_where("node = $1", node).await
     }
 
     /// The unfinished sessions of node `node`.
     pub async fn unfinished_sessions_of(&self, node: &str) -> Result<Vec<SessionRecord>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT record FROM sessions WHERE state IN ('starting', 'active') AND node = $1 ORDER BY session_id",
-        )
-        .bind(node)
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
+        self.unfinished_sessions_where("node = $1", node).await
     }
 
     /// The node that runs (or ran) execution `id`.
     pub async fn node_of_execution(&self, id: &str) -> Result<Option<String>, StoreError> {
-        let row = sqlx::query("SELECT node FROM executions WHERE execution_id = $1")
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?;
+        self.node_of("SELECT node FROM executions WHERE execution_id = $1", id).await
+    }
+
+    /// The node that runs (or ran) session `id`.
+    pub async fn node_of_session(&self, id: &str) -> Result<Option<String>, StoreError> {
+        self.node_of("SELECT node FROM sessions WHERE session_id = $1", id).await
+    }
+
+    async fn node_of(&self, query: &'static str, id: &str) -> Result<Option<String>, StoreError> {
+        let row = sqlx::query(query).bind(id).fetch_optional(&self.pool).await?;
         Ok(row.and_then(|r| r.get::<Option<String>, _>(0)))
     }
 
@@ -322,13 +316,13 @@ impl Store {
         }))
     }
 
-    /// A listener on `channel` (shared stores only): `corral_requests`
+    /// A listener on `channels` (shared stores only): `corral_requests`
     /// carries the name of the node a new request is for, `corral_events`
     /// the subject that has new events.
-    pub async fn listen(&self, channel: &str) -> Result<Option<sqlx::postgres::PgListener>, StoreError> {
+    pub async fn listen(&self, channels: &[&str]) -> Result<Option<sqlx::postgres::PgListener>, StoreError> {
         let Some(url) = &self.url else { return Ok(None) };
         let mut listener = sqlx::postgres::PgListener::connect(url).await?;
-        listener.listen(channel).await?;
+        listener.listen_all(channels.iter().copied()).await?;
         Ok(Some(listener))
     }
 
@@ -349,12 +343,5 @@ impl Store {
             sqlx::query("SELECT pg_notify('corral_events', $1)").bind(subject).execute(&mut *conn).await?;
         }
         Ok(())
-    }
-
-    /// The node that runs (or ran) session `id`.
-    pub async fn node_of_session(&self, id: &str) -> Result<Option<String>, StoreError> {
-        let row =
-            sqlx::query("SELECT node FROM sessions WHERE session_id = $1").bind(id).fetch_optional(&self.pool).await?;
-        Ok(row.and_then(|r| r.get::<Option<String>, _>(0)))
     }
 }

@@ -81,11 +81,20 @@ impl Store {
     /// This daemon's sessions still starting or active (of this node, or of no
     /// node), in id order: what a restart must recover.
     pub async fn unfinished_sessions(&self) -> Result<Vec<SessionRecord>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT record FROM sessions WHERE state IN ('starting', 'active') AND (node = $1 OR node IS NULL)
-             ORDER BY session_id",
-        )
-        .bind(&self.node)
+        self.unfinished_sessions_where("(node = $1 OR node IS NULL)", &self.node).await
+    }
+
+    /// Sessions still starting or active whose `owner` condition (on
+    /// `node`, bound as `$1`) holds, in id order.
+    pub(super) async fn unfinished_sessions_where(
+        &self,
+        owner: &'static str,
+        node: &str,
+    ) -> Result<Vec<SessionRecord>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT record FROM sessions WHERE state IN ('starting', 'active') AND {owner} ORDER BY session_id"
+        ))
+        .bind(node)
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()

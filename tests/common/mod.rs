@@ -330,6 +330,15 @@ pub async fn fresh_postgres_database() -> Option<String> {
     Some(create_postgres_database(&admin).await)
 }
 
+/// `CORRAL_TEST_POSTGRES`, the admin URL of the tests' PostgreSQL; a test
+/// that needs it fails, never skips, without it.
+pub fn postgres_admin_url() -> String {
+    std::env::var("CORRAL_TEST_POSTGRES").ok().filter(|u| !u.is_empty()).expect(
+        "this test needs PostgreSQL: set CORRAL_TEST_POSTGRES to an admin URL such as \
+         postgres://corral:corral@127.0.0.1:5432/postgres (scripts/test sets it up)",
+    )
+}
+
 pub async fn create_postgres_database(admin: &str) -> String {
     use sqlx::Connection;
     let name = format!("corral_test_{}", uuid::Uuid::now_v7().simple());
