@@ -437,6 +437,24 @@ impl Config {
         if self.fleet.lease_seconds == 0 {
             return Err(invalid("fleet.lease_seconds", "must be at least 1".into()));
         }
+        match self.fleet.capacity {
+            Some(c) if c > self.max_running_executions => {
+                return Err(invalid(
+                    "fleet.capacity",
+                    format!("{c} is more than max_running_executions ({})", self.max_running_executions),
+                ))
+            }
+            Some(0) if self.store.url.is_none() => {
+                return Err(invalid(
+                    "fleet.capacity",
+                    "0 (a front end) needs a shared store (store.url): on its own store nothing would run".into(),
+                ))
+            }
+            _ => {}
+        }
+        if self.fleet.max_queued == 0 {
+            return Err(invalid("fleet.max_queued", "must be at least 1".into()));
+        }
         if self.fleet.node.as_deref().is_some_and(|n| n.is_empty() || n.len() > 200 || n.chars().any(char::is_control))
         {
             return Err(invalid("fleet.node", "must be 1-200 characters, none of them control characters".into()));
@@ -521,6 +539,21 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The README's configuration block is a file the daemon reads: every
+    /// key in it exists, in the table it is written under.
+    #[test]
+    fn the_readme_configuration_parses_as_written() {
+        let readme = include_str!("../README.md");
+        let start = readme.find("## Configuration").expect("the README has a Configuration section");
+        let block = &readme[start..];
+        let block = &block[block.find("```toml\n").expect("a toml block") + 8..];
+        let block = &block[..block.find("```").expect("the block ends")];
+        let config: Config = toml::from_str(block).unwrap_or_else(|e| panic!("the README's configuration: {e}"));
+        assert_eq!(config.fleet.capacity, Some(8));
+        assert_eq!(config.fleet.max_queued, 1000);
+        assert!(config.unix_socket.is_some(), "a top-level key after the tables would belong to the last one");
+    }
 
     #[test]
     fn layers_apply_in_order() {
@@ -631,15 +664,27 @@ pub struct FleetConfig {
     /// declared lost this long after its last renewal; it fences itself
     /// after two thirds of it.
     pub lease_seconds: u64,
+    /// Executions this node runs at once (default: `max_running_executions`,
+    /// which it may not exceed). `0`: a front end, which accepts work and
+    /// queues it for the other nodes (a shared store only).
+    pub capacity: Option<usize>,
+    /// The most executions the fleet's queue holds (shared stores); a
+    /// submit beyond it is refused with RESOURCE_EXHAUSTED.
+    pub max_queued: u64,
 }
 
 impl Default for FleetConfig {
     fn default() -> Self {
-        FleetConfig { node: None, lease_seconds: 10 }
+        FleetConfig { node: None, lease_seconds: 10, capacity: None, max_queued: 1000 }
     }
 }
 
 impl FleetConfig {
+    /// Executions this node runs at once (see `capacity`).
+    pub fn capacity(&self, max_running_executions: usize) -> usize {
+        self.capacity.unwrap_or(max_running_executions)
+    }
+
     /// The lease, once checked (`lease_seconds` ≥ 1).
     pub fn lease(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.lease_seconds.max(1))

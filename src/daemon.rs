@@ -112,7 +112,8 @@ impl Daemon {
         // this start's epoch against the node's row.
         let labels = crate::fleet::labels(bwrap.is_ok());
         let lease_ms = config.fleet.lease().as_millis() as i64;
-        store.join_fleet(config.max_running_executions as u64, &labels, lease_ms).await?;
+        let capacity = config.fleet.capacity(config.max_running_executions);
+        store.join_fleet(capacity as u64, &labels, lease_ms).await?;
         let host = HostCapabilities {
             bwrap,
             linux_bwrap: backends.linux_bwrap.capabilities(),
@@ -170,6 +171,9 @@ impl Daemon {
             git: config.git.clone(),
             proxy_budget,
             hook_program: config.gate.hook_program(),
+            capacity,
+            labels,
+            max_queued: config.fleet.max_queued,
             uid_range: match uid_mode {
                 UidMode::PerSandbox(range) => Some(range),
                 UidMode::Daemon { .. } => None,
@@ -220,6 +224,9 @@ impl Daemon {
         let fenced = CancellationToken::new();
         crate::fleet::spawn(self.engine.clone(), self.config.fleet.lease(), shutdown.clone(), fenced.clone());
         crate::fleet::serve_notifications(self.engine.clone(), shutdown.clone());
+        if self.engine.store.is_shared() {
+            crate::fleet::spawn_claimer(self.engine.clone(), shutdown.clone());
+        }
         let parts = ApiParts {
             tls,
             authenticator: self.authenticator,

@@ -1,8 +1,12 @@
 //! Admission control: overload is refused with RESOURCE_EXHAUSTED, never a
-//! crash or a leaked sandbox, and the store is unchanged by a refusal.
+//! crash or a leaked sandbox, and the store is unchanged by a refusal. On a
+//! shared store (PostgreSQL, a fleet) work past a node's room waits in the
+//! fleet's queue instead, up to `fleet.max_queued`, and is refused beyond
+//! it; what runs at once is bounded the same way.
 
 mod common;
 
+use common::witness::Witness;
 use common::{finished, request, require_bwrap, Options, TestDaemon};
 use corral::pb::{self, lifecycle_event::Kind};
 use tonic::Code;
@@ -11,8 +15,15 @@ use tonic_types::StatusExt;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_limit_executions_are_refused_with_resource_exhausted() {
     require_bwrap();
-    let daemon =
-        TestDaemon::start(Options { config: Box::new(|c| c.max_running_executions = 1), ..Options::default() }).await;
+    let daemon = TestDaemon::start(Options {
+        config: Box::new(|c| {
+            c.max_running_executions = 1;
+            c.fleet.max_queued = 1;
+        }),
+        ..Options::default()
+    })
+    .await;
+    let shared = daemon.engine.store.is_shared();
     let mut client = daemon.executions().await;
     let running = client.start_execution(request("test.fake-agent", "NOWORK\nHANG")).await.unwrap().into_inner();
     // Wait until it really runs.
@@ -23,6 +34,20 @@ async fn past_the_limit_executions_are_refused_with_resource_exhausted() {
             break;
         }
     }
+    // A fleet queues one past the node's room (max_queued = 1): it waits,
+    // pending, while the first one runs.
+    let queued = match shared {
+        true => {
+            let queued = client.start_execution(request("test.fake-agent", "NOWORK")).await.unwrap().into_inner();
+            assert_eq!(queued.state, pb::ExecutionState::Pending as i32, "{queued:?}");
+            tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+            let get = pb::GetExecutionRequest { execution_id: queued.execution_id.clone(), ..Default::default() };
+            let still = client.get_execution(get).await.unwrap().into_inner();
+            assert_eq!(still.state, pb::ExecutionState::Pending as i32, "no room: it is not started: {still:?}");
+            Some(queued.execution_id)
+        }
+        false => None,
+    };
     let before = daemon.engine.store.count_executions().await.unwrap();
     let status = client.start_execution(request("test.fake-agent", "NOWORK")).await.expect_err("over the limit");
     assert_eq!(status.code(), Code::ResourceExhausted);
@@ -34,82 +59,17 @@ async fn past_the_limit_executions_are_refused_with_resource_exhausted() {
     client.cancel_execution(pb::CancelExecutionRequest { execution_id: running.execution_id.clone() }).await.unwrap();
     let events = daemon.watch_all(&running.execution_id, 0).await;
     assert_eq!(pb::ExecutionState::try_from(finished(&events).state).unwrap(), pb::ExecutionState::Cancelled);
+    // The queued one runs once there is room, and its events are whole.
+    if let Some(queued) = queued {
+        let events = daemon.watch_all(&queued, 0).await;
+        assert_eq!(pb::ExecutionState::try_from(finished(&events).state).unwrap(), pb::ExecutionState::Succeeded);
+        let sequences: Vec<u64> = events.iter().map(|e| e.sequence).collect();
+        assert_eq!(sequences, (1..=events.len() as u64).collect::<Vec<_>>());
+    }
     // Room again once the first one is done.
     let next = finished(&daemon.execute(request("test.fake-agent", "NOWORK")).await);
     assert_eq!(pb::ExecutionState::try_from(next.state).unwrap(), pb::ExecutionState::Succeeded);
     assert!(daemon.leftover_sandboxes().is_empty());
-}
-
-/// A directory every sandbox may write to (its own uid each, as root):
-/// `alive/` holds one file per harness while it runs, `seen/` what each
-/// harness counted there when it started and before it ended.
-struct Witness {
-    dir: tempfile::TempDir,
-}
-
-impl Witness {
-    fn new() -> Witness {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        for sub in ["", "alive", "seen"] {
-            let path = dir.path().join(sub);
-            std::fs::create_dir_all(&path).unwrap();
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o1777)).unwrap();
-        }
-        Witness { dir }
-    }
-
-    fn path(&self) -> String {
-        self.dir.path().display().to_string()
-    }
-
-    /// The shell lines that mark a harness alive and record what it sees.
-    fn enter(&self) -> String {
-        let d = self.path();
-        format!(r#"me="${{CORRAL_RUN_ID:?}}"; touch "{d}/alive/$me"; ls "{d}/alive" | wc -l > "{d}/seen/$me.start";"#)
-    }
-
-    fn leave(&self) -> String {
-        let d = self.path();
-        format!(r#"ls "{d}/alive" | wc -l > "{d}/seen/$me.end"; rm -f "{d}/alive/$me";"#)
-    }
-
-    /// A bwrap profile whose harness is `script`, with the witness
-    /// directory writable.
-    fn profile(&self, id: &str, script: &str, input: &str) -> String {
-        format!(
-            r#"id = "{id}"
-version = "1.0.0"
-[rein]
-argv = ["/bin/sh", "-c", '''{script}''']
-input = "{input}"
-[sandbox]
-type = "linux_bwrap"
-allow_network = false
-write_paths = [".", "{}"]
-[limits]
-timeout_seconds = 60
-max_output_bytes = 65536
-"#,
-            self.path()
-        )
-    }
-
-    /// How many harnesses started, and the most any of them saw alive at
-    /// once (itself included).
-    fn counts(&self) -> (usize, usize) {
-        let mut started = 0;
-        let mut most = 0;
-        for entry in std::fs::read_dir(self.dir.path().join("seen")).unwrap() {
-            let path = entry.unwrap().path();
-            if path.extension().is_some_and(|e| e == "start") {
-                started += 1;
-            }
-            let n: usize = std::fs::read_to_string(&path).unwrap().trim().parse().unwrap_or(0);
-            most = most.max(n);
-        }
-        (started, most)
-    }
 }
 
 fn count_of(rows: &[(&'static str, i64)], table: &str) -> i64 {
@@ -144,6 +104,8 @@ async fn a_burst_of_executions_never_runs_more_than_the_bound() {
             Ok::<_, tonic::Status>(last)
         })
     });
+    // On a fleet all 40 are accepted: past the room they wait in the queue.
+    let shared = daemon.engine.store.is_shared();
     let mut admitted = Vec::new();
     let mut refused = 0;
     for call in calls.collect::<Vec<_>>() {
@@ -159,16 +121,17 @@ async fn a_burst_of_executions_never_runs_more_than_the_bound() {
     // From inside the sandboxes: four harnesses, never more than four alive.
     let (started, most) = witness.counts();
     assert!(most <= 4, "{most} harnesses were alive at once");
-    assert_eq!(started, 4, "harnesses that started");
     assert_eq!(most, 4, "the four admitted ran side by side");
-    assert_eq!((admitted.len(), refused), (4, 36));
+    let expect = if shared { 40 } else { 4 };
+    assert_eq!(started, expect, "harnesses that started");
+    assert_eq!((admitted.len(), refused), (expect, 40 - expect));
     for record in &admitted {
         assert_eq!(record.state, pb::ExecutionState::Succeeded as i32, "{record:?}");
     }
-    // Nothing stored for the 36; the four sandboxes were destroyed, and a
+    // Nothing stored for the refused; the sandboxes were destroyed, and a
     // destroyed sandbox keeps no row.
     let after = daemon.engine.store.row_counts().await.unwrap();
-    assert_eq!(count_of(&after, "executions"), 4);
+    assert_eq!(count_of(&after, "executions"), expect as i64);
     assert_eq!(count_of(&after, "sandboxes"), 0);
     assert!(daemon.leftover_sandboxes().is_empty());
     daemon.stop().await;

@@ -25,11 +25,22 @@ struct Node {
     name: String,
     data: PathBuf,
     profiles: PathBuf,
+    config: String,
     process: ServeProcess,
 }
 
 impl Node {
     async fn start(dir: &Path, name: &str, url: &str) -> Node {
+        Node::start_with(dir, name, url, "").await
+    }
+
+    /// A node whose `[fleet]` section also holds `fleet` (e.g.
+    /// `capacity = 0`), followed by `tables` (e.g. `[[principals]]`).
+    async fn start_configured(dir: &Path, name: &str, url: &str, fleet: &str, tables: &str) -> Node {
+        Node::start_with(dir, name, url, &format!("{fleet}\n{tables}")).await
+    }
+
+    async fn start_with(dir: &Path, name: &str, url: &str, extra: &str) -> Node {
         let data = dir.join(name);
         let profiles = dir.join("profiles");
         std::fs::create_dir_all(&profiles).unwrap();
@@ -38,13 +49,14 @@ impl Node {
         if !data.with_extension("toml").exists() {
             std::fs::write(data.with_extension("toml"), format!("[store]\nurl = {url:?}\n")).unwrap();
         }
-        let process = ServeProcess::start_with(&data, &profiles, &[], &fleet_config(name)).await;
-        Node { name: name.into(), data, profiles, process }
+        let config = format!("{}{extra}\n", fleet_config(name));
+        let process = ServeProcess::start_with(&data, &profiles, &[], &config).await;
+        Node { name: name.into(), data, profiles, config, process }
     }
 
     /// Starts this node's data directory again (after it died or fenced).
     async fn restart(&mut self) {
-        self.process = ServeProcess::start_with(&self.data, &self.profiles, &[], &fleet_config(&self.name)).await;
+        self.process = ServeProcess::start_with(&self.data, &self.profiles, &[], &self.config).await;
     }
 
     async fn executions(&self) -> ExecutionServiceClient<tonic::transport::Channel> {
@@ -478,4 +490,172 @@ async fn an_event_write_notifies_every_node_of_its_subject() {
     writer.append_events(&[event]).await.unwrap();
     let notified = tokio::time::timeout(Duration::from_secs(5), listener.recv()).await.expect("notified").unwrap();
     assert_eq!(notified.payload(), "e-notified");
+}
+
+/// Every event of one execution as its caller's stream delivered them.
+async fn stream_to_end(mut stream: tonic::Streaming<pb::LifecycleEvent>) -> Vec<pb::LifecycleEvent> {
+    let mut out = Vec::new();
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(60), stream.message())
+        .await
+        .expect("an event within a minute")
+        .expect("the stream ends cleanly")
+    {
+        out.push(event);
+    }
+    out
+}
+
+/// Events 1..=n, each once, from `accepted` to `finished`.
+fn assert_whole(events: &[pb::LifecycleEvent], what: &str) {
+    let sequences: Vec<u64> = events.iter().map(|e| e.sequence).collect();
+    assert_eq!(sequences, (1..=events.len() as u64).collect::<Vec<_>>(), "{what}: every event once, in order");
+    assert!(matches!(events.first().and_then(|e| e.kind.as_ref()), Some(pb::lifecycle_event::Kind::Accepted(_))));
+    assert_eq!(finished_count(events), 1, "{what}: {events:?}");
+    assert!(events.last().unwrap().kind.as_ref().is_some_and(|k| matches!(k, pb::lifecycle_event::Kind::Finished(_))));
+}
+
+/// Thirty executions sent to a front end (`capacity = 0`) all run on the
+/// two nodes that have room, each caller's stream carries every event of
+/// its run once (the direct caller gets its raw output too), and a
+/// watcher on a third node sees exactly the same events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_sent_to_a_front_end_runs_on_the_nodes_with_room_and_every_caller_sees_every_event() {
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let front = Node::start_configured(dir.path(), "front", &url, "capacity = 0", "").await;
+    let b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 4", "").await;
+    let c = Node::start_configured(dir.path(), "node-c", &url, "capacity = 4", "").await;
+    let nodes = front.nodes().await;
+    let capacities: Vec<(String, u64)> = nodes.iter().map(|n| (n.name.clone(), n.capacity)).collect();
+    assert_eq!(capacities, vec![("front".into(), 0), ("node-b".into(), 4), ("node-c".into(), 4)]);
+
+    let mut calls = Vec::new();
+    for n in 0..30 {
+        let mut client = front.executions().await;
+        calls.push(tokio::spawn(async move {
+            let script = format!("echo output-{n}; sleep 0.2");
+            let stream = client.execute(request("builtin.shell", &script)).await.expect("accepted").into_inner();
+            (n, stream_to_end(stream).await)
+        }));
+    }
+    let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
+    let mut ran_on = std::collections::BTreeMap::new();
+    for call in calls {
+        let Ok((n, seen)) = call.await else {
+            let log = std::fs::read_to_string(front.data.with_extension("log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).take(8).collect();
+            panic!("a caller's stream failed; the front end's log: {tail:#?}");
+        };
+        assert_whole(&seen, &format!("execution {n}"));
+        let record = common::finished(&seen);
+        assert_eq!(record.state, pb::ExecutionState::Succeeded as i32, "{record:?}");
+        assert!(record.tool_output.contains(&format!("output-{n}")), "the direct caller's raw output: {record:?}");
+        let node = store.node_of_execution(&record.execution_id).await.unwrap().unwrap_or_default();
+        *ran_on.entry(node.clone()).or_insert(0) += 1;
+        // A watcher on the node that did not run it: the same events.
+        let other = if node == "node-b" { &c } else { &b };
+        let watched = events(other, &record.execution_id).await;
+        let strip = |events: &[pb::LifecycleEvent]| -> Vec<(u64, String)> {
+            events
+                .iter()
+                .map(|e| (e.sequence, format!("{:?}", std::mem::discriminant(e.kind.as_ref().unwrap()))))
+                .collect()
+        };
+        assert_eq!(strip(&watched), strip(&seen), "execution {n} watched on {}", other.name);
+    }
+    assert_eq!(ran_on.keys().cloned().collect::<Vec<_>>(), vec!["node-b", "node-c"], "{ran_on:?}");
+    assert_eq!(ran_on.values().sum::<i32>(), 30);
+    assert_eq!(store.queued_count().await.unwrap(), 0, "nothing left in the queue");
+    // A session cannot be queued: the front end says so instead of taking it.
+    let mut sessions = corral::pb::session_service_client::SessionServiceClient::new(front.process.channel().await);
+    let create = pb::CreateSessionRequest {
+        profile_ref: "builtin.shell".into(),
+        project: "proj-a".into(),
+        ..Default::default()
+    };
+    let refused = sessions.create_session(create).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("front end"), "{}", refused.message());
+}
+
+/// A principal's `max_running` holds across the fleet: a burst sent to two
+/// nodes at once (each with room for more) never has more harnesses alive
+/// than the quota, counted from inside the sandboxes; all of it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_holds_across_nodes_under_a_concurrent_burst() {
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let witness = common::witness::Witness::new();
+    let script = format!("{} sleep 1; {}", witness.enter(), witness.leave());
+    std::fs::create_dir_all(dir.path().join("profiles")).unwrap();
+    std::fs::write(dir.path().join("profiles/burst.toml"), witness.profile("test.burst", &script, "nothing")).unwrap();
+    let token = "burst-token-5a1f-0c2e-4b7d-9e3a-quota-test";
+    let token_file = dir.path().join("burst.token");
+    std::fs::write(&token_file, token).unwrap();
+    let principal = format!(
+        "[[principals]]\nname = \"burst\"\ntype = \"agt\"\nprojects = [\"proj-q\"]\ntoken_file = {:?}\nmax_running = 2\n",
+        token_file.display().to_string()
+    );
+    let b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 4", &principal).await;
+    let c = Node::start_configured(dir.path(), "node-c", &url, "capacity = 4", &principal).await;
+    let mut calls = Vec::new();
+    for n in 0..12 {
+        let node = if n % 2 == 0 { &b } else { &c };
+        let mut client = node.executions().await;
+        calls.push(tokio::spawn(async move {
+            let mut req = request("test.burst", "burst");
+            req.project = "proj-q".into();
+            let stream = client.execute(common::with_token(token, req)).await.expect("accepted").into_inner();
+            stream_to_end(stream).await
+        }));
+    }
+    for call in calls {
+        let seen = call.await.unwrap();
+        assert_whole(&seen, "a burst execution");
+        let record = common::finished(&seen);
+        assert_eq!(record.state, pb::ExecutionState::Succeeded as i32, "{record:?}");
+    }
+    let (started, most) = witness.counts();
+    assert_eq!(started, 12, "every execution of the burst ran");
+    assert!(most <= 2, "{most} harnesses of a principal with max_running = 2 were alive at once");
+    assert_eq!(most, 2, "the quota's two ran side by side");
+}
+
+/// An execution waiting in the queue is cancelled by any node: it is taken
+/// out, finished CANCELLED with `accepted` and one `finished`, and never
+/// runs; the work queued behind it runs once there is room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_execution_is_cancelled_before_it_runs_and_the_next_one_runs() {
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let front = Node::start_configured(dir.path(), "front", &url, "capacity = 0", "").await;
+    let b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 1", "").await;
+    let marker = format!("fleet-queued-{}", uuid::Uuid::now_v7().simple());
+    let busy = start_long_run(&b, &marker).await;
+    let never = format!("fleet-never-{}", uuid::Uuid::now_v7().simple());
+    let mut client = front.executions().await;
+    let queued = client
+        .start_execution(request("builtin.shell", &format!("exec sh -c 'sleep 5' {never}")))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(queued.state, pb::ExecutionState::Pending as i32, "{queued:?}");
+    let next = client.start_execution(request("builtin.shell", "echo next")).await.unwrap().into_inner();
+    let cancel = pb::CancelExecutionRequest { execution_id: queued.execution_id.clone() };
+    let cancelled = b.executions().await.cancel_execution(cancel).await.unwrap().into_inner();
+    assert_eq!(cancelled.state, pb::ExecutionState::Cancelled as i32, "{cancelled:?}");
+    let seen = events(&front, &queued.execution_id).await;
+    assert_whole(&seen, "the cancelled queued execution");
+    assert_eq!(seen.len(), 2, "accepted and finished only: {seen:?}");
+    // The long run ends: the one queued behind the cancelled one runs.
+    let cancel = pb::CancelExecutionRequest { execution_id: busy.clone() };
+    front.executions().await.cancel_execution(cancel).await.unwrap();
+    let (state, _) = until_finished(&front, &next.execution_id, Duration::from_secs(30)).await;
+    assert_eq!(state, pb::ExecutionState::Succeeded);
+    assert!(processes_with(&never).is_empty(), "the cancelled execution never ran");
+    let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
+    assert_eq!(store.node_of_execution(&next.execution_id).await.unwrap().as_deref(), Some("node-b"));
 }

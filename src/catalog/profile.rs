@@ -455,6 +455,21 @@ pub struct RunFacts<'a> {
 }
 
 impl Profile {
+    /// The labels a node must have to run this profile (see
+    /// `fleet::labels`): its sandbox backend and its agent CLI.
+    pub fn needs(&self) -> Vec<String> {
+        let mut needs = Vec::new();
+        if self.file.sandbox.sandbox_type == crate::sandbox::SandboxType::LinuxBwrap {
+            needs.push("linux_bwrap".to_string());
+        }
+        match self.file.rein.preset {
+            Preset::ClaudeStreamJson => needs.push("claude".to_string()),
+            Preset::CodexExecJson => needs.push("codex".to_string()),
+            Preset::Protocol => {}
+        }
+        needs
+    }
+
     /// The agent_start gate's decision on running this profile for
     /// `facts`: the one place that input is built (a run's start, a
     /// restart, and `EvaluateGate`'s dry run, so the dry run and the real

@@ -99,12 +99,12 @@ pub fn spawn(engine: Arc<Engine>, lease: Duration, shutdown: CancellationToken, 
 /// Listens, on one connection, for what other nodes tell this one (shared
 /// stores only): `corral_requests` naming this node wakes its request
 /// answering, `corral_events` naming a subject wakes this node's watchers
-/// of that run. Requests are read every second besides (a notification is
+/// of that run, `corral_queue` wakes its claimer. Requests are read every second besides (a notification is
 /// missed while the listener reconnects); watchers read the store every
 /// 100 ms without a wakeup.
 pub fn serve_notifications(engine: Arc<Engine>, shutdown: CancellationToken) {
     tokio::spawn(async move {
-        let mut listener = match engine.store.listen(&["corral_requests", "corral_events"]).await {
+        let mut listener = match engine.store.listen(&["corral_requests", "corral_events", "corral_queue"]).await {
             Ok(Some(listener)) => Some(listener),
             Ok(None) => return,
             Err(e) => {
@@ -127,6 +127,7 @@ pub fn serve_notifications(engine: Arc<Engine>, shutdown: CancellationToken) {
                 _ = every_second.tick() => engine.answer_requests().await,
                 notified = notified => match notified {
                     Ok(n) if n.channel() == "corral_events" => engine.wake_watchers(n.payload()),
+                    Ok(n) if n.channel() == "corral_queue" => engine.wake_claims(),
                     Ok(n) if n.payload() == engine.store.node() => engine.answer_requests().await,
                     Ok(_) => {}
                     Err(e) => {
@@ -135,6 +136,24 @@ pub fn serve_notifications(engine: Arc<Engine>, shutdown: CancellationToken) {
                     }
                 },
             }
+        }
+    });
+}
+
+/// Claims queued work whenever this node may have room for it: woken by
+/// `NOTIFY corral_queue` (new work, or a run ended somewhere and freed a
+/// place in a quota) and by its own runs ending, and once a second
+/// besides (a notification missed while the listener reconnects).
+pub fn spawn_claimer(engine: Arc<Engine>, shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        let mut every_second = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = every_second.tick() => {}
+                _ = engine.claims_wanted() => {}
+            }
+            engine.claim_work().await;
         }
     });
 }

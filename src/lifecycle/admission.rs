@@ -75,6 +75,21 @@ impl Admission {
         Ok(cancel)
     }
 
+    /// Moves the slot held under `from` to `to` (its principal now
+    /// `principal`), keeping its cancel token; `None` when `from` holds
+    /// none or `to` holds one already.
+    pub fn rename(&self, from: &str, to: &str, principal: &str) -> Option<CancellationToken> {
+        let mut slots = self.slots();
+        if slots.contains_key(to) {
+            return None;
+        }
+        let mut slot = slots.remove(from)?;
+        slot.principal = principal.to_string();
+        let cancel = slot.cancel.clone();
+        slots.insert(to.to_string(), slot);
+        Some(cancel)
+    }
+
     /// Gives the slot back; a second release does nothing.
     pub fn release(&self, id: &str) {
         let mut slots = self.slots();
@@ -129,6 +144,19 @@ mod tests {
         let refused = a.reserve("e2", Work::Execution, "ci", Some(2)).unwrap_err();
         assert!(refused.0.contains("max_running quota of 2"), "{}", refused.0);
         assert!(a.reserve("e2", Work::Execution, "other", Some(2)).is_ok(), "another principal is not affected");
+    }
+
+    #[test]
+    fn a_renamed_slot_keeps_its_place_and_its_token() {
+        let a = Admission::new(1, 1);
+        let token = a.reserve("claim-1", Work::Execution, "", None).unwrap();
+        let renamed = a.rename("claim-1", "e1", "ci").unwrap();
+        assert!(a.reserve("e2", Work::Execution, "ci", None).is_err(), "the slot is still taken");
+        assert!(a.cancel("e1") && token.is_cancelled() && renamed.is_cancelled());
+        assert!(a.rename("claim-1", "e3", "ci").is_none(), "nothing is left under the old name");
+        assert!(a.reserve("x", Work::Session, "ci", Some(1)).is_err(), "the renamed slot counts for its principal");
+        a.release("e1");
+        assert_eq!(a.running(Work::Execution), 0);
     }
 
     #[test]

@@ -10,7 +10,7 @@ mod fit;
 mod leftover;
 mod limits;
 mod phase;
-
+mod queue;
 mod recovery;
 mod session;
 mod uids;
@@ -167,6 +167,8 @@ pub struct Engine {
     live_sandboxes: Mutex<std::collections::HashSet<String>>,
     /// Watchers of runs on other nodes, woken by the store's NOTIFY.
     wakeups: watch::Wakeups,
+    /// This node's part in the fleet's queue (shared stores).
+    fleet: queue::FleetRoom,
 }
 
 /// How long a node waits for another node's answer to a forwarded request.
@@ -213,6 +215,13 @@ pub struct EngineParts {
     pub proxy_budget: Arc<crate::net::ProxyBudget>,
     /// The hook helper bound into Codex's sandboxes; `None` when there is none.
     pub hook_program: Option<PathBuf>,
+    /// Executions this node runs at once on a shared store (at most
+    /// `max_running`; 0: it only accepts and queues).
+    pub capacity: usize,
+    /// What this node can run (`fleet::labels`).
+    pub labels: Vec<String>,
+    /// The most executions the fleet's queue holds.
+    pub max_queued: u64,
 }
 
 impl Engine {
@@ -237,7 +246,8 @@ impl Engine {
             proxy_budget: parts.proxy_budget,
             hook_program: parts.hook_program,
             approvals: Arc::default(),
-            admission: admission::Admission::new(parts.max_running, parts.max_sessions),
+            // `fleet.capacity` bounds what runs here (at most max_running).
+            admission: admission::Admission::new(parts.capacity.min(parts.max_running), parts.max_sessions),
             watchers: watch::Watchers::new(parts.max_watchers_per_subject, parts.max_watchers),
             event_pages,
             max_message_bytes: parts.max_message_bytes,
@@ -246,6 +256,7 @@ impl Engine {
             draining: CancellationToken::new(),
             live_sandboxes: Mutex::default(),
             wakeups: watch::Wakeups::default(),
+            fleet: queue::FleetRoom::new(parts.capacity.min(parts.max_running), parts.labels, parts.max_queued),
         })
     }
 
@@ -287,6 +298,8 @@ impl Engine {
     /// Gives an execution's or a session's admission slot back.
     pub(crate) fn release(&self, id: &str) {
         self.admission.release(id);
+        // Room here: queued work may be claimed.
+        self.fleet.wake.notify_one();
     }
 
     /// Accepts an execution and starts it on its own task. The same
@@ -299,6 +312,9 @@ impl Engine {
         if self.is_draining() {
             return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
         }
+        if self.store.is_shared() {
+            return self.submit_to_fleet(cmd).await;
+        }
         let execution_id = uuid::Uuid::now_v7().to_string();
         // Reserved before anything is stored; every path below that does not
         // start the execution gives the slot back.
@@ -308,18 +324,7 @@ impl Engine {
             .map_err(|refused| EngineError::Overloaded(refused.0))?;
         let (answer, submitted) = tokio::sync::oneshot::channel();
         let engine = self.clone();
-        // Every log line of the run carries its id.
-        // The outcome fields are recorded when it finishes (see `execution`).
-        let span = tracing::info_span!(
-            "execution",
-            execution_id = %execution_id,
-            outcome = tracing::field::Empty,
-            "corral.failure_class" = tracing::field::Empty,
-            "corral.profile" = tracing::field::Empty,
-            "gen_ai.response.model" = tracing::field::Empty,
-            "gen_ai.usage.total_tokens" = tracing::field::Empty,
-        );
-        crate::telemetry::set_parent(&span, cmd.traceparent.as_deref());
+        let span = execution_span(&execution_id, cmd.traceparent.as_deref());
         self.tasks.spawn(tracing::Instrument::instrument(
             async move { engine.accept(execution_id, cmd, cancel, answer).await },
             span,
@@ -327,26 +332,20 @@ impl Engine {
         submitted.await.unwrap_or_else(|_| Err(EngineError::Unavailable("the execution was not accepted".into())))
     }
 
-    /// Stores an admitted execution, answers the caller, and runs it.
-    async fn accept(
-        self: Arc<Self>,
-        execution_id: String,
-        cmd: ExecuteCommand,
-        cancel: CancellationToken,
-        answer: tokio::sync::oneshot::Sender<Result<Submitted, EngineError>>,
-    ) {
+    /// A new execution's record, as accepted (stored `running` when it
+    /// starts at once, `pending` when it is queued).
+    fn new_record(&self, execution_id: &str, cmd: &ExecuteCommand, state: ExecutionState) -> ExecutionRecord {
         let mut record = ExecutionRecord {
-            execution_id: execution_id.clone(),
+            execution_id: execution_id.to_string(),
             request_id: cmd.request_id.clone(),
-            // Nothing queues yet: an accepted execution starts at once.
-            state: ExecutionState::Running,
+            state,
             harness_profile_ref: cmd.harness_profile_ref.clone(),
             title: cmd.title.clone(),
             repo: cmd.repo.clone(),
             consumer: Consumer {
                 actor: cmd.actor.clone(),
                 project: cmd.project.clone(),
-                run_id: execution_id.clone(),
+                run_id: execution_id.to_string(),
                 session_id: String::new(),
                 principal: cmd.principal.clone(),
             },
@@ -367,6 +366,18 @@ impl Engine {
                 HubReportStatus::Failed
             }
         };
+        record
+    }
+
+    /// Stores an admitted execution, answers the caller, and runs it.
+    async fn accept(
+        self: Arc<Self>,
+        execution_id: String,
+        cmd: ExecuteCommand,
+        cancel: CancellationToken,
+        answer: tokio::sync::oneshot::Sender<Result<Submitted, EngineError>>,
+    ) {
+        let record = self.new_record(&execution_id, &cmd, ExecutionState::Running);
         // Subscribe before the execution runs, so the caller sees event 1.
         let live = self.bus.open(&execution_id);
         match self.store.insert_execution(&record, &cmd.digest()).await {
@@ -374,16 +385,7 @@ impl Engine {
             Ok(Inserted::Existing { record, digest }) => {
                 self.bus.close(&execution_id);
                 self.release(&execution_id);
-                let existing = if digest != cmd.digest() {
-                    Err(EngineError::AlreadyExists(cmd.request_id))
-                } else {
-                    self.watch(&record.execution_id, 0).await.map(|subscription| Submitted {
-                        record: *record,
-                        subscription,
-                        existing: true,
-                    })
-                };
-                let _ = answer.send(existing);
+                let _ = answer.send(self.existing(*record, &digest, &cmd).await);
                 return;
             }
             Err(e) => {
@@ -393,12 +395,6 @@ impl Engine {
                 return;
             }
         }
-        // A shutdown past its grace cancels it too.
-        let draining = self.draining.clone();
-        let slot = cancel.clone();
-        tokio::spawn(async move {
-            tokio::select! { _ = draining.cancelled() => slot.cancel(), _ = slot.cancelled() => {} }
-        });
         let subscription = Subscription::live(live, true).catching_up(
             self.event_pages.clone(),
             record.execution_id.clone(),
@@ -406,7 +402,35 @@ impl Engine {
         );
         // The caller may be gone already; the execution runs regardless.
         let _ = answer.send(Ok(Submitted { record: record.clone(), subscription, existing: false }));
-        execution::run(&self, record, cmd, cancel).await;
+        self.run_here(record, cmd, cancel).await;
+    }
+
+    /// What a request whose id is already taken gets: the execution that
+    /// holds it, replayed, when it is the same request.
+    async fn existing(
+        &self,
+        record: ExecutionRecord,
+        digest: &str,
+        cmd: &ExecuteCommand,
+    ) -> Result<Submitted, EngineError> {
+        if digest != cmd.digest() {
+            return Err(EngineError::AlreadyExists(cmd.request_id.clone()));
+        }
+        let subscription = self.watch(&record.execution_id, 0).await?;
+        Ok(Submitted { record, subscription, existing: true })
+    }
+
+    /// Runs a stored execution that holds an admission slot here (its bus
+    /// open), then closes its bus and gives the slot back.
+    async fn run_here(self: &Arc<Self>, record: ExecutionRecord, cmd: ExecuteCommand, cancel: CancellationToken) {
+        let execution_id = record.execution_id.clone();
+        // A shutdown past its grace cancels it too.
+        let draining = self.draining.clone();
+        let slot = cancel.clone();
+        tokio::spawn(async move {
+            tokio::select! { _ = draining.cancelled() => slot.cancel(), _ = slot.cancelled() => {} }
+        });
+        execution::run(self, record, cmd, cancel).await;
         self.bus.close(&execution_id);
         self.release(&execution_id);
     }
@@ -433,20 +457,26 @@ impl Engine {
     /// Asks a running execution to stop; idempotent. Returns the record as
     /// it is now (the execution reports `cancelled` when its teardown is
     /// done).
-    pub async fn cancel(&self, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
+    pub async fn cancel(self: &Arc<Self>, execution_id: &str) -> Result<ExecutionRecord, EngineError> {
         let record = self.get(execution_id).await?;
-        let here = self.admission.cancel(execution_id);
         let unfinished = matches!(record.state, ExecutionState::Pending | ExecutionState::Running);
+        if self.cancel_here(execution_id).await || !unfinished || !self.store.is_shared() {
+            return Ok(record);
+        }
+        // Still in the fleet's queue: out of it, and finished here.
+        if record.state == ExecutionState::Pending && self.store.cancel_queued(execution_id).await? {
+            return self.cancel_unclaimed(record).await;
+        }
         // Another node of the fleet runs it: the request goes to that node
         // through the store, and its answer comes back.
-        if !here && unfinished && self.store.is_shared() {
-            let node = self.store.node_of_execution(execution_id).await?.unwrap_or_default();
-            if !node.is_empty() && node != self.store.node() {
-                let answer = self.forward(&node, "cancel", execution_id).await?;
-                return Ok(serde_json::from_str(&answer).map_err(StoreError::from)?);
-            }
+        let node = self.store.node_of_execution(execution_id).await?.unwrap_or_default();
+        if node == self.store.node() {
+            self.cancel_here(execution_id).await;
+        } else if !node.is_empty() {
+            let answer = self.forward(&node, "cancel", execution_id).await?;
+            return Ok(serde_json::from_str(&answer).map_err(StoreError::from)?);
         }
-        Ok(record)
+        self.get(execution_id).await
     }
 
     /// Asks node `node` to do `kind` (`cancel`, `end_session`,
@@ -471,14 +501,14 @@ impl Engine {
     /// Answers what other nodes asked of this one (see [`Engine::forward`]):
     /// a cancel of an execution, or the end of a session, that runs here is
     /// done as if it had been sent here.
-    pub async fn answer_requests(&self) {
+    pub async fn answer_requests(self: &Arc<Self>) {
         let pending = match self.store.pending_requests().await {
             Ok(pending) => pending,
             Err(e) => return tracing::warn!(error = %e, "fleet: cannot read requests for this node"),
         };
         for (id, kind, subject) in pending {
             let answer = match kind.as_str() {
-                "cancel" if self.admission.cancel(&subject) => match self.get(&subject).await {
+                "cancel" if self.cancel_here(&subject).await => match self.get(&subject).await {
                     Ok(record) => serde_json::to_string(&record).map_err(|e| e.to_string()),
                     Err(e) => Err(e.to_string()),
                 },
@@ -609,4 +639,21 @@ impl Engine {
     pub fn grace_over(&self) -> CancellationToken {
         self.draining.clone()
     }
+}
+
+/// The span of one execution, joined to the caller's trace: every log line
+/// of the run carries its id. The outcome fields are recorded when it
+/// finishes (see `execution`).
+fn execution_span(execution_id: &str, traceparent: Option<&str>) -> tracing::Span {
+    let span = tracing::info_span!(
+        "execution",
+        execution_id = %execution_id,
+        outcome = tracing::field::Empty,
+        "corral.failure_class" = tracing::field::Empty,
+        "corral.profile" = tracing::field::Empty,
+        "gen_ai.response.model" = tracing::field::Empty,
+        "gen_ai.usage.total_tokens" = tracing::field::Empty,
+    );
+    crate::telemetry::set_parent(&span, traceparent);
+    span
 }

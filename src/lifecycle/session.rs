@@ -16,6 +16,7 @@ use crate::events::{EventKind, RawPart, Recorder};
 use crate::policy::Policy;
 use crate::rein::{Task, ToolCall};
 use crate::sandbox::{Consumer, WORKSPACE_MOUNT};
+use crate::store::SessionInsert;
 use crate::types::evidence::{FailureStage, Outcome};
 
 /// What a caller asked for when it created a session.
@@ -85,8 +86,18 @@ impl Engine {
         if self.live_session(&id).is_some() {
             return Err(EngineError::AlreadyExists(format!("session {id}")));
         }
+        if self.store.is_shared() && !self.runs_work() {
+            return Err(EngineError::Unavailable(format!(
+                "node {} is a front end (fleet.capacity = 0) and sessions are not queued: create the session on a \
+                 node that runs work",
+                self.store.node()
+            )));
+        }
+        // On a shared store the quota counts the whole fleet, in the store
+        // (see `store::queue`).
+        let local_quota = if self.store.is_shared() { None } else { cmd.quota };
         self.admission
-            .reserve(&id, admission::Work::Session, &cmd.principal, cmd.quota)
+            .reserve(&id, admission::Work::Session, &cmd.principal, local_quota)
             .map_err(|refused| EngineError::Overloaded(refused.0))?;
         // On the engine's own task: a caller that goes away mid-start (a
         // disconnect, its deadline) leaves a session that is whole, or none,
@@ -129,8 +140,18 @@ impl Engine {
             created_at_ms: now_ms(),
             ..SessionRecord::default()
         };
-        if !self.store.insert_session(&record).await? {
-            return Err(EngineError::AlreadyExists(format!("session {id}")));
+        match self.store.insert_session_admitted(&record, cmd.quota).await? {
+            SessionInsert::Created => {}
+            SessionInsert::Taken => return Err(EngineError::AlreadyExists(format!("session {id}"))),
+            SessionInsert::AtQuota(running) => {
+                crate::telemetry::admission_refused("quota");
+                return Err(EngineError::Overloaded(format!(
+                    "principal {} has {running} executions and sessions running across the fleet: its \
+                     max_running quota of {} is reached",
+                    cmd.principal,
+                    cmd.quota.unwrap_or_default()
+                )));
+            }
         }
         let _live = self.bus.open(&id);
         let recorder = Recorder::new(id.clone(), 0, self.store.clone(), self.bus.clone());

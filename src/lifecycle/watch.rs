@@ -90,6 +90,9 @@ pub struct Subscription {
     done: bool,
     /// Whether raw parts (the direct caller's) are passed on.
     with_raw: bool,
+    /// Where a direct caller's `finished` event of a run on another node
+    /// gets its raw result from (see [`Subscription::for_direct_caller`]).
+    raw_from: Option<(Store, String)>,
     /// A turn's stream ends with that turn's `turn_finished`.
     until_turn: Option<u64>,
     /// A subject running on another daemon (shared store): followed by
@@ -188,6 +191,7 @@ impl Subscription {
             last: 0,
             done: false,
             with_raw,
+            raw_from: None,
             until_turn: None,
             poll: None,
             wakeup: None,
@@ -209,6 +213,7 @@ impl Subscription {
             last: after,
             done: false,
             with_raw: false,
+            raw_from: None,
             until_turn: None,
             poll: None,
             wakeup: None,
@@ -266,9 +271,32 @@ impl Subscription {
         self.last
     }
 
+    /// The direct caller's stream of a run on another node (one it queued):
+    /// its `finished` event gets the raw result the running node stored for
+    /// the owner in `store`, as the live one would carry it (whether it
+    /// comes from the first replay or from polling).
+    pub fn for_direct_caller(mut self, store: Store, subject: String) -> Self {
+        self.with_raw = true;
+        self.raw_from = Some((store, subject));
+        self
+    }
+
     /// The next event; `None` once `finished` was delivered or the subject
     /// is no longer live; `Err` when this subscriber fell behind.
     pub async fn next(&mut self) -> Option<Result<BusItem, Lagged>> {
+        let mut next = self.next_event().await;
+        if let (Some(Ok(item)), Some((store, subject))) = (&mut next, &self.raw_from) {
+            if item.raw.is_none() && matches!(item.event.kind, crate::events::EventKind::Finished { .. }) {
+                let raw = store.get_raw(subject).await.ok().flatten();
+                item.raw = raw.map(|(tool_output, tool_error)| {
+                    Arc::new(crate::events::RawPart::Finished(crate::records::RawResult { tool_output, tool_error }))
+                });
+            }
+        }
+        next
+    }
+
+    async fn next_event(&mut self) -> Option<Result<BusItem, Lagged>> {
         if self.done {
             return None;
         }

@@ -95,6 +95,11 @@ impl Store {
         .bind(&record.execution_id)
         .execute(&mut *tx)
         .await?;
+        // A run that ends frees a place in its principal's quota (and
+        // maybe its node's): every node looks at the queue again.
+        if self.shared && record.state.is_terminal() {
+            sqlx::query("SELECT pg_notify('corral_queue', '')").execute(&mut *tx).await?;
+        }
         if let Some(body) = report {
             let now = now_ms();
             sqlx::query(
@@ -166,9 +171,15 @@ impl Store {
     }
 
     /// This daemon's executions still pending or running (of this node, or of
-    /// no node), in id order: what a restart must recover.
+    /// no node and not queued), in id order: what a restart must recover.
     pub async fn unfinished_executions(&self) -> Result<Vec<ExecutionRecord>, StoreError> {
-        self.unfinished_executions_where("(node = $1 OR node IS NULL)", &self.node).await
+        // One of no node is this daemon's (from before nodes), unless it
+        // waits in the fleet's queue for whichever node claims it.
+        self.unfinished_executions_where(
+            "(node = $1 OR (node IS NULL AND execution_id NOT IN (SELECT execution_id FROM queue)))",
+            &self.node,
+        )
+        .await
     }
 
     /// Executions still pending or running whose `owner` condition (on

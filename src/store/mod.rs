@@ -20,11 +20,13 @@ mod events;
 mod executions;
 mod nodes;
 mod outbox;
+mod queue;
 mod sandboxes;
 mod sessions;
 mod stored;
 
 pub use nodes::{NodeRow, NodeState};
+pub use queue::{Admit, Claimed, Enqueued, QueuedWork, SessionInsert};
 
 /// Why a store operation failed. Every variant means the record could not be
 /// read or written as asked; the operation did not take effect.
@@ -125,6 +127,9 @@ pub struct SandboxRow {
 #[derive(Clone)]
 pub struct Store {
     pool: AnyPool,
+    /// The connection the node's lease is renewed on (PostgreSQL: one of
+    /// its own; SQLite: the pool).
+    lease_pool: AnyPool,
     /// Who this daemon is in a shared store: recovery only touches its own.
     node: String,
     /// This start of the daemon: a new one per `open`. On a shared store
@@ -184,9 +189,16 @@ impl Store {
             .connect(&url)
             .await?;
         migrator(sqlite).run(&pool).await?;
+        // The lease's own connection: a pool busy with runs and watchers
+        // must not make a healthy node miss its renewal and fence itself.
+        let lease_pool = match sqlite {
+            true => pool.clone(),
+            false => AnyPoolOptions::new().max_connections(1).test_before_acquire(true).connect(&url).await?,
+        };
         let listen_url = (!sqlite).then(|| url.clone());
         Ok(Store {
             pool,
+            lease_pool,
             node: node.to_string(),
             epoch: uuid::Uuid::now_v7().to_string(),
             shared: !sqlite,
@@ -213,6 +225,7 @@ impl Store {
     /// back.
     pub async fn close(&self) {
         self.pool.close().await;
+        self.lease_pool.close().await;
     }
 
     /// Rows of every table a request can add to: executions, sessions,

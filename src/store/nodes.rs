@@ -131,12 +131,13 @@ impl Store {
         .bind(now)
         .bind(now + lease_ms)
         .bind(running.min(i64::MAX as u64) as i64)
-        .execute(&self.pool)
+        .execute(&self.lease_pool)
         .await?;
         if renewed.rows_affected() == 0 {
             return Err(self.fenced());
         }
-        let row = sqlx::query("SELECT state FROM nodes WHERE name = $1").bind(&self.node).fetch_one(&self.pool).await?;
+        let row =
+            sqlx::query("SELECT state FROM nodes WHERE name = $1").bind(&self.node).fetch_one(&self.lease_pool).await?;
         Ok(NodeState::parse(row.get::<&str, _>(0)))
     }
 

@@ -5,25 +5,7 @@ use super::*;
 impl Store {
     /// Inserts a new session; `false` when the id is taken.
     pub async fn insert_session(&self, record: &SessionRecord) -> Result<bool, StoreError> {
-        let result = sqlx::query(
-            "INSERT INTO sessions (session_id, state, profile_ref, actor, project, created_at_ms, record, node)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        )
-        .bind(&record.session_id)
-        .bind(record.state.as_str())
-        .bind(&record.profile_ref)
-        .bind(&record.consumer.actor)
-        .bind(&record.consumer.project)
-        .bind(record.created_at_ms)
-        .bind(stored::to_stored(record)?)
-        .bind(&self.node)
-        .execute(&self.pool)
-        .await;
-        match result {
-            Ok(_) => Ok(true),
-            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
-            Err(e) => Err(e.into()),
-        }
+        insert_session_on(&self.pool, record, &self.node).await
     }
 
     /// Stores the session's record as it now is.
@@ -98,5 +80,32 @@ impl Store {
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
+    }
+}
+
+/// Inserts `record` as a session of `node`; `false` when its id is taken.
+pub(super) async fn insert_session_on<'c, E>(conn: E, record: &SessionRecord, node: &str) -> Result<bool, StoreError>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Any>,
+{
+    let result = sqlx::query(
+        "INSERT INTO sessions (session_id, state, profile_ref, actor, project, created_at_ms, record, node, principal)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+    )
+    .bind(&record.session_id)
+    .bind(record.state.as_str())
+    .bind(&record.profile_ref)
+    .bind(&record.consumer.actor)
+    .bind(&record.consumer.project)
+    .bind(record.created_at_ms)
+    .bind(stored::to_stored(record)?)
+    .bind(node)
+    .bind(&record.consumer.principal)
+    .execute(conn)
+    .await;
+    match result {
+        Ok(_) => Ok(true),
+        Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod faults;
 pub mod model_mock;
+pub mod witness;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -530,7 +531,9 @@ impl ServeProcess {
                     }
                 }
             }
-            panic!("corral serve ended without its address line; see {}", data_dir.with_extension("log").display());
+            let log = std::fs::read_to_string(data_dir.with_extension("log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().filter(|l| !l.starts_with(' ')).rev().take(5).collect();
+            panic!("corral serve ended without its address line; its log ends: {tail:?}");
         })
         .await
         .expect("corral serve prints its address");

@@ -1,0 +1,295 @@
+//! The engine's side of the fleet's queue (shared stores; see
+//! `store::queue`): an execution accepted here runs here when this node has
+//! room, can run its profile and its principal's fleet-wide quota allows;
+//! otherwise it waits in the queue and the node with room that claims it
+//! first runs it. Its caller's stream follows it wherever it runs (events
+//! come from the store, woken by NOTIFY). On SQLite nothing queues: there
+//! is one node, and admission refuses at once.
+
+use std::sync::Arc;
+
+use tokio::sync::{Mutex, Notify};
+use tokio_util::sync::CancellationToken;
+
+use super::{admission, execution_span, now_ms, Engine, EngineError, ExecuteCommand, ExecutionRecord};
+use super::{ExecutionState, Submitted};
+use crate::events::{EventKind, Recorder};
+use crate::store::{Admit, Claimed, Enqueued, QueuedWork};
+use crate::types::evidence::Outcome;
+
+/// This node's part in the queue.
+pub(super) struct FleetRoom {
+    /// Executions it runs at once (0: a front end).
+    capacity: usize,
+    /// What it can run.
+    labels: Vec<String>,
+    max_queued: u64,
+    /// Held while claiming, so that a cancel never falls between a claim
+    /// and the admission slot it gets here.
+    claiming: Mutex<()>,
+    /// Wakes the claim loop: room here, or new work in the queue.
+    pub(super) wake: Notify,
+}
+
+impl FleetRoom {
+    pub(super) fn new(capacity: usize, labels: Vec<String>, max_queued: u64) -> FleetRoom {
+        FleetRoom { capacity, labels, max_queued, claiming: Mutex::new(()), wake: Notify::new() }
+    }
+}
+
+/// Whether `labels` cover everything `needs` names.
+pub fn covers(labels: &[String], needs: &[String]) -> bool {
+    needs.iter().all(|need| labels.contains(need))
+}
+
+impl Engine {
+    /// What a node needs to run `profile_ref`; nothing when it does not
+    /// resolve (any node then records the refusal).
+    fn needs_of(&self, profile_ref: &str) -> Vec<String> {
+        self.catalog.resolve(profile_ref).map(|p| p.needs()).unwrap_or_default()
+    }
+
+    /// Whether this node runs work (a front end, `fleet.capacity = 0`,
+    /// only accepts it).
+    pub fn runs_work(&self) -> bool {
+        self.fleet.capacity > 0
+    }
+
+    /// Wakes this node's claim loop.
+    pub fn wake_claims(&self) {
+        self.fleet.wake.notify_one();
+    }
+
+    /// Waits until the claim loop should look at the queue again.
+    pub async fn claims_wanted(&self) {
+        self.fleet.wake.notified().await;
+    }
+
+    /// Accepts an execution on a shared store: taken here, or queued.
+    pub(super) async fn submit_to_fleet(self: &Arc<Self>, cmd: ExecuteCommand) -> Result<Submitted, EngineError> {
+        let execution_id = uuid::Uuid::now_v7().to_string();
+        let needs = self.needs_of(&cmd.harness_profile_ref);
+        let can_here = self.fleet.capacity > 0 && covers(&self.fleet.labels, &needs);
+        // A slot here when there is room; the store decides on the quota.
+        let slot = match can_here && self.admission.running(admission::Work::Execution) < self.fleet.capacity {
+            true => self.admission.reserve(&execution_id, admission::Work::Execution, &cmd.principal, None).ok(),
+            false => None,
+        };
+        if slot.is_none() {
+            self.someone_can_run(&cmd.harness_profile_ref, &needs).await?;
+        }
+        let (answer, submitted) = tokio::sync::oneshot::channel();
+        let engine = self.clone();
+        let span = execution_span(&execution_id, cmd.traceparent.as_deref());
+        self.tasks.spawn(tracing::Instrument::instrument(
+            async move { engine.accept_in_fleet(execution_id, cmd, slot, needs, answer).await },
+            span,
+        ));
+        submitted.await.unwrap_or_else(|_| Err(EngineError::Unavailable("the execution was not accepted".into())))
+    }
+
+    /// Refuses work no active node of the fleet could ever claim, rather
+    /// than queueing it for nobody.
+    async fn someone_can_run(&self, profile_ref: &str, needs: &[String]) -> Result<(), EngineError> {
+        let nodes = self.store.list_nodes().await?;
+        let able = nodes
+            .iter()
+            .any(|n| n.state == crate::store::NodeState::Active && n.capacity > 0 && covers(&n.labels, needs));
+        match able {
+            true => Ok(()),
+            false => Err(EngineError::Unavailable(format!(
+                "no active node of the fleet with capacity can run {profile_ref} (it needs {}); retry later",
+                if needs.is_empty() { "nothing in particular".to_string() } else { needs.join(", ") }
+            ))),
+        }
+    }
+
+    async fn accept_in_fleet(
+        self: Arc<Self>,
+        execution_id: String,
+        cmd: ExecuteCommand,
+        slot: Option<CancellationToken>,
+        needs: Vec<String>,
+        answer: tokio::sync::oneshot::Sender<Result<Submitted, EngineError>>,
+    ) {
+        let mut record = self.new_record(&execution_id, &cmd, ExecutionState::Pending);
+        let live = slot.as_ref().map(|_| self.bus.open(&execution_id));
+        let work = QueuedWork { command: cmd.clone(), traceparent: cmd.traceparent.clone(), quota: cmd.quota };
+        let admit = Admit { take_here: slot.is_some(), needs: &needs, max_queued: self.fleet.max_queued };
+        let enqueued = self.store.enqueue_execution(&record, &cmd.digest(), &work, admit).await;
+        let taken = matches!(enqueued, Ok(Enqueued::Taken));
+        if !taken && slot.is_some() {
+            self.bus.close(&execution_id);
+            self.release(&execution_id);
+        }
+        let mut run = None;
+        let answered = match enqueued {
+            Ok(Enqueued::Taken) => {
+                record.state = ExecutionState::Running;
+                run = Some(record.clone());
+                // Opened with the slot, which taking it needs.
+                let subscription = match live {
+                    Some(live) => Ok(super::Subscription::live(live, true).catching_up(
+                        self.event_pages.clone(),
+                        execution_id.clone(),
+                        self.bus.capacity(),
+                    )),
+                    None => self.watch(&execution_id, 0).await,
+                };
+                subscription.map(|subscription| Submitted { record: record.clone(), subscription, existing: false })
+            }
+            Ok(Enqueued::Queued) => {
+                tracing::info!(execution_id = %execution_id, "queued for a node with room");
+                self.watch(&execution_id, 0).await.map(|subscription| Submitted {
+                    record,
+                    subscription: subscription.for_direct_caller(self.store.clone(), execution_id.clone()),
+                    existing: false,
+                })
+            }
+            Ok(Enqueued::Existing { record, digest }) => self.existing(*record, &digest, &cmd).await,
+            Ok(Enqueued::Full(queued)) => {
+                crate::telemetry::admission_refused("queue");
+                Err(EngineError::Overloaded(format!(
+                    "the fleet's queue holds {queued} executions, its max_queued; retry later"
+                )))
+            }
+            Err(e) => Err(e.into()),
+        };
+        let _ = answer.send(answered);
+        // The caller may be gone already; the execution runs regardless.
+        if let (Some(record), Some(cancel)) = (run, slot) {
+            self.run_here(record, cmd, cancel).await;
+        }
+    }
+
+    /// Claims queued work while this node has room (one claimer at a
+    /// time), and starts each claimed execution on its own task.
+    pub async fn claim_work(self: &Arc<Self>) {
+        if !self.store.is_shared() || self.fleet.capacity == 0 {
+            return;
+        }
+        let _claiming = self.fleet.claiming.lock().await;
+        loop {
+            if self.is_draining() {
+                return;
+            }
+            let room = self.fleet.capacity.saturating_sub(self.admission.running(admission::Work::Execution));
+            // Slots held for a claim are not free for work sent here: look
+            // first (most wakeups find the queue empty).
+            let queued = match self.store.queued_count().await {
+                Ok(queued) => queued,
+                Err(e) => return tracing::warn!(error = %e, "fleet: cannot read the queue"),
+            };
+            let room = room.min(queued);
+            // The slots first, under placeholder names: nothing else takes
+            // them between the claim and the start.
+            let placeholders: Vec<String> = (0..room)
+                // Not a valid execution or session id: never taken.
+                .map(|i| format!("\0claim-{i}"))
+                .filter(|name| self.admission.reserve(name, admission::Work::Execution, "", None).is_ok())
+                .collect();
+            if placeholders.is_empty() {
+                return;
+            }
+            let claimed = match self.store.claim_queued(placeholders.len(), &self.fleet.labels).await {
+                Ok(claimed) => claimed,
+                Err(e) => {
+                    tracing::warn!(error = %e, "fleet: cannot claim queued work");
+                    Vec::new()
+                }
+            };
+            let full = claimed.len() == placeholders.len();
+            let mut unused = placeholders.iter();
+            for claimed in claimed {
+                let placeholder = unused.next().expect("one placeholder per claimed execution");
+                let id = claimed.record.execution_id.clone();
+                match self.admission.rename(placeholder, &id, &claimed.record.consumer.principal) {
+                    Some(cancel) => self.start_claimed(claimed, cancel),
+                    None => tracing::error!(execution_id = %id, "fleet: a claimed execution got no slot"),
+                }
+            }
+            for placeholder in unused {
+                self.admission.release(placeholder);
+            }
+            if !full {
+                return;
+            }
+        }
+    }
+
+    /// Runs a claimed execution here, on the engine's own task.
+    fn start_claimed(self: &Arc<Self>, claimed: Claimed, cancel: CancellationToken) {
+        let Claimed { record, work } = claimed;
+        let mut cmd = work.command;
+        cmd.quota = work.quota;
+        cmd.traceparent = work.traceparent;
+        let span = execution_span(&record.execution_id, cmd.traceparent.as_deref());
+        tracing::info!(parent: &span, "claimed from the fleet's queue");
+        let engine = self.clone();
+        let _ = self.bus.open(&record.execution_id);
+        self.tasks
+            .spawn(tracing::Instrument::instrument(async move { engine.run_here(record, cmd, cancel).await }, span));
+    }
+
+    /// Cancels the execution if it holds an admission slot here (waiting
+    /// out a claim under way, which may be taking it).
+    pub(super) async fn cancel_here(&self, execution_id: &str) -> bool {
+        if self.admission.cancel(execution_id) {
+            return true;
+        }
+        if !self.store.is_shared() {
+            return false;
+        }
+        let _claiming = self.fleet.claiming.lock().await;
+        self.admission.cancel(execution_id)
+    }
+
+    /// Finishes, as cancelled, an execution this node took out of the queue
+    /// before any node ran it: `accepted`, then `finished`, as for any run.
+    pub(super) async fn cancel_unclaimed(&self, mut record: ExecutionRecord) -> Result<ExecutionRecord, EngineError> {
+        let id = record.execution_id.clone();
+        let mut recorder = Recorder::new(id.clone(), 0, self.store.clone(), self.bus.clone());
+        recorder.hold(EventKind::Accepted {
+            execution_id: id.clone(),
+            session_id: String::new(),
+            request_id: record.request_id.clone(),
+            consumer: record.consumer.clone(),
+        });
+        record.state = ExecutionState::Cancelled;
+        record.finished_at_ms = Some(now_ms());
+        record.evidence.outcome = Outcome::Cancelled;
+        record.evidence.error = "execution cancelled before a node took it from the queue".into();
+        let report = match (&self.hub, record.report_to_hub) {
+            (Some(_), true) => Some(crate::hub::report(&record).to_string()),
+            _ => None,
+        };
+        let finished = recorder.prepare(EventKind::Finished { execution: Box::new(record.clone()) }).await;
+        let store = &self.store;
+        let stored = recorder
+            .persist_with(1, || store.finish_execution(&record, report.as_deref(), None, Some(&finished)))
+            .await;
+        if !stored {
+            return Err(EngineError::Unavailable(format!("execution {id} was taken out of the queue, not stored")));
+        }
+        if let (Some(hub), Some(_)) = (&self.hub, &report) {
+            hub.notify();
+        }
+        recorder.publish(finished, None);
+        Ok(record)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::covers;
+
+    #[test]
+    fn a_node_covers_what_a_profile_needs_only_with_every_label() {
+        let labels = vec!["linux_bwrap".to_string(), "claude".to_string()];
+        assert!(covers(&labels, &[]));
+        assert!(covers(&labels, &["linux_bwrap".into()]));
+        assert!(covers(&labels, &["claude".into(), "linux_bwrap".into()]));
+        assert!(!covers(&labels, &["codex".into()]));
+        assert!(!covers(&[], &["linux_bwrap".into()]));
+    }
+}
