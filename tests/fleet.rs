@@ -424,11 +424,12 @@ async fn a_cancel_sent_to_another_node_reaches_the_owner() {
     assert_eq!(record.state, pb::ExecutionState::Cancelled as i32);
 }
 
-/// EndSession and CancelTurn sent to a node that does not run the session
-/// reach the node that does; a turn sent there is refused naming the owner
-/// (never accepted and ignored).
+/// SendTurn, EndSession and CancelTurn sent to a node that does not run
+/// the session reach the node that does, and their callers get what the
+/// owner's callers get (the turn's events, its raw output, the owner's
+/// refusals).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_session_is_ended_through_another_node_and_its_turns_go_to_the_owner() {
+async fn a_session_is_driven_through_another_node_as_on_its_owner() {
     use corral::pb::session_service_client::SessionServiceClient;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
@@ -446,13 +447,44 @@ async fn a_session_is_ended_through_another_node_and_its_turns_go_to_the_owner()
     let mut on_b = SessionServiceClient::new(b.process.channel().await);
     let session = on_b.create_session(create).await.unwrap().into_inner();
     let mut on_a = SessionServiceClient::new(a.process.channel().await);
-    let turn = pb::SendTurnRequest {
+    let turn = |text: &str| pb::SendTurnRequest {
         session_id: session.session_id.clone(),
-        tool_call: Some(pb::ToolCall { tool: "echo".into(), arguments_json: "{}".into() }),
+        tool_call: Some(pb::ToolCall {
+            tool: "echo".into(),
+            arguments_json: format!(r#"{{"progress": 2, "echo": "{text}"}}"#),
+        }),
     };
-    let refused = on_a.send_turn(turn).await.unwrap_err();
+    // A turn sent to node-a runs on node-b, the owner, and its caller gets
+    // what the owner's caller gets: the turn's events, each once, ending
+    // with `turn_finished` and its raw output.
+    let kinds = |events: &[pb::LifecycleEvent]| -> Vec<String> {
+        events.iter().map(|e| format!("{:?}", std::mem::discriminant(e.kind.as_ref().unwrap()))).collect()
+    };
+    let turn_finished = |events: &[pb::LifecycleEvent]| match events.last().and_then(|e| e.kind.clone()) {
+        Some(pb::lifecycle_event::Kind::TurnFinished(t)) => *t,
+        other => panic!("the turn's stream ends with turn_finished, not {other:?}"),
+    };
+    let forwarded =
+        stream_to_end(on_a.send_turn(turn("through-a")).await.expect("node-a forwards the turn").into_inner()).await;
+    let direct = stream_to_end(on_b.send_turn(turn("on-b")).await.unwrap().into_inner()).await;
+    assert_eq!(kinds(&forwarded), kinds(&direct), "the same events: {forwarded:?} / {direct:?}");
+    let (f, d) = (turn_finished(&forwarded), turn_finished(&direct));
+    assert_eq!((f.turn, d.turn, f.ok, d.ok), (1, 2, true, true), "{f:?} / {d:?}");
+    assert!(f.output.contains("echo through-a"), "the forwarded turn's raw output: {f:?}");
+    assert!(d.output.contains("echo on-b"), "{d:?}");
+    let first = forwarded.first().unwrap().sequence;
+    let sequences: Vec<u64> = forwarded.iter().map(|e| e.sequence).collect();
+    assert_eq!(sequences, (first..first + forwarded.len() as u64).collect::<Vec<_>>(), "each event once, in order");
+    assert!(direct.first().unwrap().sequence > forwarded.last().unwrap().sequence, "the owner's turn comes after");
+    // A turn while one is in flight is refused as on the owner.
+    let busy = turn(r#"busy", "sleep": 3, "x": "1"#);
+    let mut on_b2 = on_b.clone();
+    let in_flight = tokio::spawn(async move { stream_to_end(on_b2.send_turn(busy).await.unwrap().into_inner()).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let refused = on_a.send_turn(turn("second")).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
-    assert!(refused.message().contains("runs on node \"node-b\""), "{}", refused.message());
+    assert_eq!(refused.message(), "a turn is already in flight in this session", "the owner's answer");
+    in_flight.await.unwrap();
     // CancelTurn reaches the owner too: with no turn in flight, its answer.
     let cancel = pb::CancelTurnRequest { session_id: session.session_id.clone() };
     let answered = on_a.cancel_turn(cancel).await.unwrap_err();

@@ -484,11 +484,23 @@ impl Engine {
     /// `subject` and waits for its answer (the record as the owner returns
     /// it, as JSON), at most [`FORWARD_TIMEOUT`].
     pub(crate) async fn forward(&self, node: &str, kind: &str, subject: &str) -> Result<String, EngineError> {
-        let request = self.store.ask_node(node, kind, subject).await?;
+        Ok(self.forward_with(node, kind, subject, "").await?.1)
+    }
+
+    /// [`Engine::forward`] with a payload (JSON); returns the request's id
+    /// with the answer.
+    pub(crate) async fn forward_with(
+        &self,
+        node: &str,
+        kind: &str,
+        subject: &str,
+        payload: &str,
+    ) -> Result<(String, String), EngineError> {
+        let request = self.store.ask_node(node, kind, subject, payload).await?;
         let deadline = std::time::Instant::now() + FORWARD_TIMEOUT;
         loop {
             match self.store.request_answer(&request).await? {
-                Some(Ok(json)) => return Ok(json),
+                Some(Ok(json)) => return Ok((request, json)),
                 Some(Err(why)) => return Err(EngineError::FailedPrecondition(why)),
                 None if std::time::Instant::now() >= deadline => {
                     return Err(EngineError::NodeUnreachable { node: node.to_string() })
@@ -506,8 +518,10 @@ impl Engine {
             Ok(pending) => pending,
             Err(e) => return tracing::warn!(error = %e, "fleet: cannot read requests for this node"),
         };
-        for (id, kind, subject) in pending {
+        for crate::store::NodeRequest { id, kind, subject, payload } in pending {
             let answer = match kind.as_str() {
+                "send_turn" if self.live_session(&subject).is_some() => self.answer_turn(&id, &subject, &payload).await,
+                "send_turn" => Err(format!("session {subject} is not running on node {}", self.store.node())),
                 "cancel" if self.cancel_here(&subject).await => match self.get(&subject).await {
                     Ok(record) => serde_json::to_string(&record).map_err(|e| e.to_string()),
                     Err(e) => Err(e.to_string()),

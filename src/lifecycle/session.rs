@@ -57,6 +57,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// What the owner of a session answers a forwarded turn with.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StartedTurn {
+    /// The turn's number in the session.
+    turn: u64,
+    /// The session's last sequence before the turn's first event.
+    after: u64,
+}
+
 /// Why a session ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EndReason {
@@ -208,6 +217,79 @@ impl Engine {
         arguments: serde_json::Value,
         traceparent: Option<String>,
     ) -> Result<Subscription, EngineError> {
+        if self.live_session(session_id).is_none() {
+            if let Some(node) = self.runs_elsewhere(session_id).await? {
+                return self.send_turn_elsewhere(&node, session_id, tool, arguments, traceparent).await;
+            }
+        }
+        Ok(self.start_turn(session_id, tool, arguments, traceparent).await?.0)
+    }
+
+    /// Sends a turn to node `node`, which runs the session, through the
+    /// store; the stream follows the turn's events there, as on the owner,
+    /// and its `turn_finished` gets the raw result the owner hands back.
+    async fn send_turn_elsewhere(
+        &self,
+        node: &str,
+        session_id: &str,
+        tool: String,
+        arguments: serde_json::Value,
+        traceparent: Option<String>,
+    ) -> Result<Subscription, EngineError> {
+        let payload = serde_json::json!({ "tool": tool, "arguments": arguments, "traceparent": traceparent });
+        let (request, answer) = self.forward_with(node, "send_turn", session_id, &payload.to_string()).await?;
+        let started: StartedTurn = serde_json::from_str(&answer).map_err(crate::store::StoreError::from)?;
+        let subscription = self.watch(session_id, started.after).await?;
+        Ok(subscription.until_turn(started.turn).for_forwarded_turn(self.store.clone(), request))
+    }
+
+    /// Starts a turn another node was sent (request `request`): answers with
+    /// the turn and the sequence it follows, and hands the turn's raw
+    /// result to the request once the turn is over.
+    pub(super) async fn answer_turn(
+        self: &Arc<Self>,
+        request: &str,
+        session_id: &str,
+        payload: &str,
+    ) -> Result<String, String> {
+        #[derive(serde::Deserialize)]
+        struct Call {
+            tool: String,
+            arguments: serde_json::Value,
+            traceparent: Option<String>,
+        }
+        let call: Call = serde_json::from_str(payload).map_err(|e| format!("a send_turn request: {e}"))?;
+        let (mut subscription, turn) = self
+            .start_turn(session_id, call.tool, call.arguments, call.traceparent)
+            .await
+            .map_err(|e| e.to_string())?;
+        let started = StartedTurn { turn, after: subscription.last_sequence() };
+        let store = self.store.clone();
+        let request = request.to_string();
+        tokio::spawn(async move {
+            while let Some(Ok(item)) = subscription.next().await {
+                if let (EventKind::TurnFinished { .. }, Some(raw)) = (&item.event.kind, &item.raw) {
+                    if let RawPart::Finished(raw) = raw.as_ref() {
+                        let raw = serde_json::to_string(raw).unwrap_or_default();
+                        if let Err(e) = store.set_request_raw(&request, &raw).await {
+                            tracing::warn!(error = %e, "fleet: a forwarded turn's raw result not handed back");
+                        }
+                    }
+                }
+            }
+        });
+        serde_json::to_string(&started).map_err(|e| e.to_string())
+    }
+
+    /// Starts one turn of a session that runs here; returns its stream and
+    /// its number.
+    async fn start_turn(
+        self: &Arc<Self>,
+        session_id: &str,
+        tool: String,
+        arguments: serde_json::Value,
+        traceparent: Option<String>,
+    ) -> Result<(Subscription, u64), EngineError> {
         let live = self.live_or_ended(session_id).await?;
         if live.busy.swap(true, Ordering::SeqCst) {
             return Err(EngineError::FailedPrecondition("a turn is already in flight in this session".into()));
@@ -306,10 +388,13 @@ impl Engine {
         };
         self.tasks.spawn(task.instrument(span));
         match subscription.await {
-            Ok(Some((rx, after))) => Ok(Subscription::live(rx, true).after(after).until_turn(turn).catching_up(
-                self.event_pages.clone(),
-                session_id.to_string(),
-                self.bus.capacity(),
+            Ok(Some((rx, after))) => Ok((
+                Subscription::live(rx, true).after(after).until_turn(turn).catching_up(
+                    self.event_pages.clone(),
+                    session_id.to_string(),
+                    self.bus.capacity(),
+                ),
+                turn,
             )),
             _ => Err(EngineError::FailedPrecondition(format!("session {session_id} has ended"))),
         }
@@ -336,8 +421,7 @@ impl Engine {
         }
         if let Some(node) = self.runs_elsewhere(session_id).await? {
             return Err(EngineError::FailedPrecondition(format!(
-                "session {session_id} runs on node {node:?}: send its turns there (a fleet forwards CancelExecution, \
-                 EndSession and CancelTurn only)"
+                "session {session_id} runs on node {node:?}, not here"
             )));
         }
         match self.store.get_session(session_id).await? {

@@ -90,9 +90,9 @@ pub struct Subscription {
     done: bool,
     /// Whether raw parts (the direct caller's) are passed on.
     with_raw: bool,
-    /// Where a direct caller's `finished` event of a run on another node
-    /// gets its raw result from (see [`Subscription::for_direct_caller`]).
-    raw_from: Option<(Store, String)>,
+    /// Where a direct caller's `finished` (or `turn_finished`) event of a
+    /// run on another node gets its raw result from.
+    raw_from: Option<RawFrom>,
     /// A turn's stream ends with that turn's `turn_finished`.
     until_turn: Option<u64>,
     /// A subject running on another daemon (shared store): followed by
@@ -277,7 +277,16 @@ impl Subscription {
     /// comes from the first replay or from polling).
     pub fn for_direct_caller(mut self, store: Store, subject: String) -> Self {
         self.with_raw = true;
-        self.raw_from = Some((store, subject));
+        self.raw_from = Some(RawFrom::Execution(store, subject));
+        self
+    }
+
+    /// The caller's stream of a turn sent to another node through request
+    /// `request`: its `turn_finished` gets the raw result the owner hands
+    /// back on that request (see `Engine::answer_turn`).
+    pub fn for_forwarded_turn(mut self, store: Store, request: String) -> Self {
+        self.with_raw = true;
+        self.raw_from = Some(RawFrom::Turn(store, request));
         self
     }
 
@@ -285,12 +294,11 @@ impl Subscription {
     /// is no longer live; `Err` when this subscriber fell behind.
     pub async fn next(&mut self) -> Option<Result<BusItem, Lagged>> {
         let mut next = self.next_event().await;
-        if let (Some(Ok(item)), Some((store, subject))) = (&mut next, &self.raw_from) {
-            if item.raw.is_none() && matches!(item.event.kind, crate::events::EventKind::Finished { .. }) {
-                let raw = store.get_raw(subject).await.ok().flatten();
-                item.raw = raw.map(|(tool_output, tool_error)| {
-                    Arc::new(crate::events::RawPart::Finished(crate::records::RawResult { tool_output, tool_error }))
-                });
+        if let (Some(Ok(item)), Some(from)) = (&mut next, &self.raw_from) {
+            if item.raw.is_none() {
+                if let Some(raw) = from.raw_of(&item.event.kind).await {
+                    item.raw = Some(Arc::new(crate::events::RawPart::Finished(raw)));
+                }
             }
         }
         next
@@ -499,5 +507,44 @@ mod wakeup_tests {
         assert!(wakeups.waiting.lock().unwrap().values().all(|w| w.strong_count() == 0));
         let _c = wakeups.waiter("c");
         assert_eq!(wakeups.waiting.lock().unwrap().len(), 1, "dropped waiters are forgotten");
+    }
+}
+
+/// Where the raw result of a run on another node is read back from.
+enum RawFrom {
+    /// An execution's, kept in the store for its owner.
+    Execution(Store, String),
+    /// A forwarded turn's, handed back on its request by the owner just
+    /// after the turn's `turn_finished` is stored.
+    Turn(Store, String),
+}
+
+/// How long a forwarded turn's caller waits for the raw result after the
+/// `turn_finished` event (the owner writes it right after the event).
+const TURN_RAW_WAIT: Duration = Duration::from_secs(2);
+
+impl RawFrom {
+    async fn raw_of(&self, kind: &crate::events::EventKind) -> Option<crate::records::RawResult> {
+        use crate::events::EventKind;
+        match (self, kind) {
+            (RawFrom::Execution(store, subject), EventKind::Finished { .. }) => {
+                let (tool_output, tool_error) = store.get_raw(subject).await.ok().flatten()?;
+                Some(crate::records::RawResult { tool_output, tool_error })
+            }
+            (RawFrom::Turn(store, request), EventKind::TurnFinished { .. }) => {
+                let deadline = std::time::Instant::now() + TURN_RAW_WAIT;
+                loop {
+                    if let Ok(Some(raw)) = store.request_raw(request).await {
+                        return serde_json::from_str(&raw).ok();
+                    }
+                    if std::time::Instant::now() >= deadline {
+                        tracing::warn!(request = %request, "a forwarded turn's raw result did not come back");
+                        return None;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+            _ => None,
+        }
     }
 }

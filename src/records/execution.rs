@@ -150,7 +150,7 @@ pub struct ExecutionRecord {
 }
 
 /// What only the direct caller sees.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RawResult {
     /// The harness's raw output.
     pub tool_output: String,

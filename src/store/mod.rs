@@ -25,7 +25,7 @@ mod sandboxes;
 mod sessions;
 mod stored;
 
-pub use nodes::{NodeRow, NodeState};
+pub use nodes::{NodeRequest, NodeRow, NodeState};
 pub use queue::{Admit, Claimed, Enqueued, QueuedWork, SessionInsert};
 
 /// Why a store operation failed. Every variant means the record could not be

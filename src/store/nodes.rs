@@ -93,6 +93,19 @@ fn node_from_row(row: &sqlx::any::AnyRow) -> NodeRow {
     }
 }
 
+/// A request another node filed for this one (see [`Store::ask_node`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeRequest {
+    /// Its id.
+    pub id: String,
+    /// `cancel`, `end_session`, `cancel_turn` or `send_turn`.
+    pub kind: String,
+    /// The execution or session it is about.
+    pub subject: String,
+    /// What else it carries (JSON), or empty.
+    pub payload: String,
+}
+
 impl Store {
     /// Joins the fleet as this start (a new epoch, `active`), replacing
     /// whatever an earlier start of this node left in the row.
@@ -255,18 +268,21 @@ impl Store {
         Ok(row.and_then(|r| r.get::<Option<String>, _>(0)))
     }
 
-    /// Files a request of `kind` about `subject` for node `node`, and wakes
-    /// it (`NOTIFY corral_requests`). Returns the request's id.
-    pub async fn ask_node(&self, node: &str, kind: &str, subject: &str) -> Result<String, StoreError> {
+    /// Files a request of `kind` about `subject` (with `payload`, JSON or
+    /// empty) for node `node`, and wakes it (`NOTIFY corral_requests`).
+    /// Returns the request's id.
+    pub async fn ask_node(&self, node: &str, kind: &str, subject: &str, payload: &str) -> Result<String, StoreError> {
         let id = uuid::Uuid::now_v7().to_string();
         sqlx::query(
-            "INSERT INTO node_requests (id, node, kind, subject, state, created_at_ms) VALUES ($1, $2, $3, $4, 'pending', $5)",
+            "INSERT INTO node_requests (id, node, kind, subject, state, created_at_ms, payload)
+             VALUES ($1, $2, $3, $4, 'pending', $5, $6)",
         )
         .bind(&id)
         .bind(node)
         .bind(kind)
         .bind(subject)
         .bind(now_ms())
+        .bind(payload)
         .execute(&self.pool)
         .await?;
         if self.shared {
@@ -275,15 +291,32 @@ impl Store {
         Ok(id)
     }
 
-    /// The requests waiting for this node: (id, kind, subject), oldest first.
-    pub async fn pending_requests(&self) -> Result<Vec<(String, String, String)>, StoreError> {
+    /// The requests waiting for this node, oldest first.
+    pub async fn pending_requests(&self) -> Result<Vec<NodeRequest>, StoreError> {
         let rows = sqlx::query(
-            "SELECT id, kind, subject FROM node_requests WHERE node = $1 AND state = 'pending' ORDER BY id LIMIT 100",
+            "SELECT id, kind, subject, payload FROM node_requests WHERE node = $1 AND state = 'pending' ORDER BY id LIMIT 100",
         )
         .bind(&self.node)
         .fetch_all(&self.pool)
         .await?;
-        Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
+        Ok(rows
+            .iter()
+            .map(|r| NodeRequest { id: r.get(0), kind: r.get(1), subject: r.get(2), payload: r.get(3) })
+            .collect())
+    }
+
+    /// Hands the caller of answered request `id` what came after the
+    /// answer (a forwarded turn's raw result, as JSON).
+    pub async fn set_request_raw(&self, id: &str, raw: &str) -> Result<(), StoreError> {
+        sqlx::query("UPDATE node_requests SET raw = $2 WHERE id = $1").bind(id).bind(raw).execute(&self.pool).await?;
+        Ok(())
+    }
+
+    /// What [`Store::set_request_raw`] left for request `id`, once it did.
+    pub async fn request_raw(&self, id: &str) -> Result<Option<String>, StoreError> {
+        let row =
+            sqlx::query("SELECT raw FROM node_requests WHERE id = $1").bind(id).fetch_optional(&self.pool).await?;
+        Ok(row.and_then(|r| r.get::<Option<String>, _>(0)))
     }
 
     /// Answers request `id`: a JSON answer, or an error sentence.
