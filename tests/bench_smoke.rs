@@ -172,3 +172,36 @@ async fn gateway_compares_a_model_request_through_the_gateway_and_the_proxy() {
     assert_eq!((g.proxy.count, g.gateway.count), (20, 20));
     assert!(g.proxy.p50_ms > 0.0 && g.gateway.p50_ms > 0.0, "{g:?}");
 }
+
+/// The fleet scenario: two in-process nodes on a real PostgreSQL, every
+/// execution sent to the front end claimed from the queue by the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_measures_the_queue_between_two_nodes() {
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let report = bench(&["fleet", "--n", "16", "--postgres", &url]).await;
+    let f = report.fleet.expect("a fleet report");
+    assert_eq!(f.not_measured, None);
+    assert_eq!((f.sequential, f.claim_latency.count), (16, 16));
+    assert!(f.cross_node_delay.count >= 16 * 6, "every event of every run: {}", f.cross_node_delay.count);
+    assert_eq!(f.errors, 0);
+    assert!(f.queued_per_second > 0.0 && f.single_per_second > 0.0 && f.ratio > 0.0, "{f:?}");
+    let store = corral::store::Store::open(std::path::Path::new("/nonexistent"), Some(&url), "reader").await.unwrap();
+    let nodes = store.list_nodes().await.unwrap();
+    let mut capacities: Vec<u64> = nodes.iter().map(|n| n.capacity).collect();
+    capacities.sort();
+    assert_eq!(capacities, vec![0, 16], "a front end and a node with room: {nodes:?}");
+    assert!(report.targets.iter().any(|t| t.target.starts_with("fleet: cross-node") && t.met.is_some()));
+}
+
+/// Without a PostgreSQL URL the fleet scenario says why it measured nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_without_a_database_says_it_is_not_measured() {
+    let args = BenchArgs::parse(&["fleet"]).expect("valid bench arguments");
+    if args.postgres.is_some() {
+        return; // CORRAL_BENCH_POSTGRES is set: the other test measures.
+    }
+    let report = run_scenario(&args, None).await.expect("the bench runs");
+    let f = report.fleet.expect("a fleet report");
+    assert!(f.not_measured.as_deref().is_some_and(|w| w.contains("--postgres")), "{f:?}");
+    assert!(report.targets.iter().filter(|t| t.target.starts_with("fleet")).all(|t| t.met.is_none()));
+}

@@ -586,6 +586,17 @@ impl Engine {
         })
     }
 
+    /// The direct caller's stream of an execution this node has just
+    /// queued: it follows the store from the first event, with none of the
+    /// lookups a watch of an unknown subject needs.
+    pub(super) fn watch_queued(&self, execution_id: &str) -> Result<Subscription, EngineError> {
+        let permit = self.watchers.admit(execution_id).map_err(EngineError::Overloaded)?;
+        Ok(Subscription::replay_then_live(Vec::new(), None, 0)
+            .catching_up(self.event_pages.clone(), execution_id.to_string(), self.bus.capacity())
+            .holding(permit)
+            .polling(self.store.clone(), execution_id.to_string(), self.wakeups.waiter(execution_id)))
+    }
+
     /// Whether a subject's record says it has ended (its `finished` event
     /// is then stored, and nothing more will come).
     async fn is_terminal(&self, subject: &str) -> Result<bool, EngineError> {

@@ -29,11 +29,25 @@ pub(super) struct FleetRoom {
     claiming: Mutex<()>,
     /// Wakes the claim loop: room here, or new work in the queue.
     pub(super) wake: Notify,
+    /// The fleet's nodes, as last read (see `someone_can_run`).
+    nodes: Mutex<Option<(std::time::Instant, Arc<Vec<crate::store::NodeRow>>)>>,
 }
+
+/// How long a read of the fleet's nodes is used before it is read again:
+/// nodes change state in seconds (leases, drains), submits come many a
+/// second.
+const NODES_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl FleetRoom {
     pub(super) fn new(capacity: usize, labels: Vec<String>, max_queued: u64) -> FleetRoom {
-        FleetRoom { capacity, labels, max_queued, claiming: Mutex::new(()), wake: Notify::new() }
+        FleetRoom {
+            capacity,
+            labels,
+            max_queued,
+            claiming: Mutex::new(()),
+            wake: Notify::new(),
+            nodes: Mutex::new(None),
+        }
     }
 }
 
@@ -88,10 +102,22 @@ impl Engine {
         submitted.await.unwrap_or_else(|_| Err(EngineError::Unavailable("the execution was not accepted".into())))
     }
 
+    /// The fleet's nodes as read at most [`NODES_FRESH`] ago.
+    async fn fleet_nodes(&self) -> Result<Arc<Vec<crate::store::NodeRow>>, EngineError> {
+        if let Some((read, nodes)) = &*self.fleet.nodes.lock().await {
+            if read.elapsed() < NODES_FRESH {
+                return Ok(nodes.clone());
+            }
+        }
+        let nodes = Arc::new(self.store.list_nodes().await?);
+        *self.fleet.nodes.lock().await = Some((std::time::Instant::now(), nodes.clone()));
+        Ok(nodes)
+    }
+
     /// Refuses work no active node of the fleet could ever claim, rather
     /// than queueing it for nobody.
     async fn someone_can_run(&self, profile_ref: &str, needs: &[String]) -> Result<(), EngineError> {
-        let nodes = self.store.list_nodes().await?;
+        let nodes = self.fleet_nodes().await?;
         let able = nodes
             .iter()
             .any(|n| n.state == crate::store::NodeState::Active && n.capacity > 0 && covers(&n.labels, needs));
@@ -140,7 +166,7 @@ impl Engine {
             }
             Ok(Enqueued::Queued) => {
                 tracing::info!(execution_id = %execution_id, "queued for a node with room");
-                self.watch(&execution_id, 0).await.map(|subscription| Submitted {
+                self.watch_queued(&execution_id).map(|subscription| Submitted {
                     record,
                     subscription: subscription.for_direct_caller(self.store.clone(), execution_id.clone()),
                     existing: false,

@@ -10,6 +10,7 @@
 mod client;
 mod emitter;
 mod fanout;
+pub mod fleet;
 mod floor;
 mod gate;
 mod gateway;
@@ -61,6 +62,10 @@ pub enum Scenario {
     /// One model request through the credential gateway, against the same
     /// request through the egress proxy.
     Gateway,
+    /// Two in-process nodes on one PostgreSQL (`--postgres`): a front end
+    /// and a node with room; claim latency, cross-node event delay, and
+    /// executions per second through the queue against the node alone.
+    Fleet,
     /// Every scenario above, one after the other.
     All,
 }
@@ -117,6 +122,11 @@ pub struct BenchArgs {
     /// Also write the JSON report to this file (the tables still print).
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
+    /// fleet: a PostgreSQL database the bench's two nodes share (it writes
+    /// executions, events and two nodes' rows there) [env:
+    /// CORRAL_BENCH_POSTGRES].
+    #[arg(long, value_name = "URL", env = "CORRAL_BENCH_POSTGRES")]
+    pub postgres: Option<String>,
     /// In-process daemon: keep its data here (default: a temporary
     /// directory, removed afterwards).
     #[arg(long, value_name = "DIR")]
@@ -199,6 +209,8 @@ pub struct BenchReport {
     pub gate: Option<GateReport>,
     /// The `gateway` scenario's figures, when it ran.
     pub gateway: Option<GatewayReport>,
+    /// The `fleet` scenario's figures, when it ran.
+    pub fleet: Option<fleet::FleetReport>,
     /// Issue 6's targets, judged on what this run measured.
     pub targets: Vec<TargetCheck>,
     /// `/proc/loadavg` when the run ended.
@@ -279,6 +291,7 @@ pub async fn run_scenario(args: &BenchArgs, server: Option<&str>) -> anyhow::Res
                 peer: None,
                 gate: None,
                 gateway: None,
+                fleet: None,
                 targets: Vec::new(),
                 load_average_end: String::new(),
             })
@@ -302,6 +315,9 @@ pub async fn run_scenario(args: &BenchArgs, server: Option<&str>) -> anyhow::Res
     }
     if all || args.scenario == Scenario::Gateway {
         report.gateway = Some(gateway::run(args).await?);
+    }
+    if all || args.scenario == Scenario::Fleet {
+        report.fleet = Some(fleet::run(args, server).await?);
     }
     if all || args.scenario == Scenario::Fanout {
         report.fanout = Some(fanout::run(&daemons, args).await?);

@@ -89,6 +89,37 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
         });
         out.push(leak_check(&t.leaks));
     }
+    if let Some(f) = &r.fleet {
+        let delay = "fleet: cross-node event delay p99 <= 20 ms";
+        let rate = "fleet: executions/s at concurrency 16 through the queue >= 80% of one node alone";
+        match &f.not_measured {
+            Some(why) => {
+                out.push(check(delay, format!("not measured: {why}"), None));
+                out.push(check(rate, format!("not measured: {why}"), None));
+            }
+            None => {
+                out.push(check(
+                    delay,
+                    format!(
+                        "p99 {:.0} ms (p50 {:.0}; {} events, 1 ms resolution)",
+                        f.cross_node_delay.p99_ms, f.cross_node_delay.p50_ms, f.cross_node_delay.count
+                    ),
+                    Some(f.cross_node_delay.count > 0 && f.cross_node_delay.p99_ms <= 20.0),
+                ));
+                out.push(check(
+                    rate,
+                    format!(
+                        "{:.1}/s vs {:.1}/s = {:.0}% ({} errors)",
+                        f.queued_per_second,
+                        f.single_per_second,
+                        100.0 * f.ratio,
+                        f.errors
+                    ),
+                    Some(f.errors == 0 && f.ratio >= 0.8),
+                ));
+            }
+        }
+    }
     if let Some(f) = &r.fanout {
         for (w, events, p99) in [(1000, 100_000, 50.0), (10_000, 0, 250.0)] {
             // The goals are for a harness that emits as fast as it can.
@@ -367,6 +398,33 @@ pub fn human(r: &BenchReport) -> String {
         ];
         out.push_str(&table(&["", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"], &rows));
         let _ = writeln!(out, "gated/baseline p50: {:.2}x (goal: gated p50 <= 5 ms)\n", g.ratio_p50);
+    }
+    if let Some(f) = &r.fleet {
+        match &f.not_measured {
+            Some(why) => {
+                let _ = writeln!(out, "fleet: not measured: {why}\n");
+            }
+            None => {
+                let _ = writeln!(
+                    out,
+                    "fleet: {} through a front end (capacity 0) and one node with room, on one PostgreSQL",
+                    f.profile
+                );
+                let rows = vec![
+                    percentile_row("claim (stored -> accepted)", &f.claim_latency),
+                    percentile_row("cross-node event delay", &f.cross_node_delay),
+                ];
+                out.push_str(&table(&["", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"], &rows));
+                let _ = writeln!(
+                    out,
+                    "at concurrency {}: {:.1} executions/s through the queue, {:.1}/s on the node alone ({:.0}%)\n",
+                    super::fleet::CONCURRENCY,
+                    f.queued_per_second,
+                    f.single_per_second,
+                    100.0 * f.ratio
+                );
+            }
+        }
     }
     if let Some(g) = &r.gateway {
         let _ = writeln!(out, "gateway: one model request (a short SSE answer) on loopback");

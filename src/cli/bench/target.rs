@@ -62,6 +62,12 @@ impl Target {
     /// fake-agent profile, data under `root` (a temporary directory when
     /// `None`, removed at the end).
     pub async fn in_process(root: Option<&Path>) -> anyhow::Result<Target> {
+        Target::in_process_with(root, |_| {}).await
+    }
+
+    /// [`Target::in_process`] with `configure` applied to its config last
+    /// (the `fleet` scenario's nodes: a shared store, a name, a capacity).
+    pub async fn in_process_with(root: Option<&Path>, configure: impl FnOnce(&mut Config)) -> anyhow::Result<Target> {
         let (root, remove) = match root {
             Some(root) => (root.to_path_buf(), None),
             None => {
@@ -90,6 +96,7 @@ impl Target {
         // 10,000 watchers.
         config.grpc.max_watchers_per_subject = config.grpc.max_watchers_per_subject.max(16_384);
         config.grpc.max_watchers = config.grpc.max_watchers.max(20_000);
+        configure(&mut config);
         let data_dir = config.data_dir.clone();
         let daemon = Daemon::build(config, Backends::host_default(), default_reins())
             .await

@@ -95,7 +95,7 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<Throughput
     Ok(ThroughputReport { profile: args.noop_profile.clone(), levels, leaks })
 }
 
-async fn level(
+pub(super) async fn level(
     channels: &[tonic::transport::Channel],
     profile: &str,
     concurrency: usize,
