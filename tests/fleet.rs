@@ -691,3 +691,44 @@ async fn a_queued_execution_is_cancelled_before_it_runs_and_the_next_one_runs() 
     let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
     assert_eq!(store.node_of_execution(&next.execution_id).await.unwrap().as_deref(), Some("node-b"));
 }
+
+/// kill -9 of a node mid-run: its run is failed by a survivor, once; the
+/// work waiting in the queue is not lost with it and runs on another node
+/// once that one has room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_work_outlives_a_killed_node() {
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let front = Node::start_configured(dir.path(), "front", &url, "capacity = 0", "").await;
+    let mut b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 1", "").await;
+    let c = Node::start_configured(dir.path(), "node-c", &url, "capacity = 1", "").await;
+    let on_b = format!("fleet-b-{}", uuid::Uuid::now_v7().simple());
+    let on_c = format!("fleet-c-{}", uuid::Uuid::now_v7().simple());
+    let lost = start_long_run(&b, &on_b).await;
+    let busy = start_long_run(&c, &on_c).await;
+    let queued = front.executions().await.start_execution(request("builtin.shell", "echo queued")).await.unwrap();
+    let queued = queued.into_inner().execution_id;
+    assert_eq!(state_of(&front, &queued).await, pb::ExecutionState::Pending);
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(b.process.pid(), libc::SIGKILL) };
+    let _ = b.process.child.wait().await;
+    let (state, _) = until_finished(&front, &lost, Duration::from_secs(LEASE_SECONDS + 5)).await;
+    assert_eq!(state, pb::ExecutionState::Failed);
+    assert_eq!(finished_count(&events(&front, &lost).await), 1);
+    assert_eq!(state_of(&front, &queued).await, pb::ExecutionState::Pending, "still queued: no node has room");
+    // node-c gets room: the queued execution runs there.
+    let cancel = pb::CancelExecutionRequest { execution_id: busy.clone() };
+    front.executions().await.cancel_execution(cancel).await.unwrap();
+    let (state, _) = until_finished(&front, &queued, Duration::from_secs(30)).await;
+    assert_eq!(state, pb::ExecutionState::Succeeded);
+    let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
+    assert_eq!(store.node_of_execution(&queued).await.unwrap().as_deref(), Some("node-c"));
+    // node-b restarted recovers its own leftover only: the queued run and
+    // node-c's are untouched.
+    b.restart().await;
+    let seen = events(&front, &queued).await;
+    assert_whole(&seen, "the queued execution");
+    assert!(note_of(&seen).is_empty(), "node-b's recovery touched another node's run: {seen:?}");
+    assert_eq!(std::fs::read_dir(b.data.join("sandboxes")).map(|d| d.count()).unwrap_or(0), 0);
+}
