@@ -732,3 +732,66 @@ async fn queued_work_outlives_a_killed_node() {
     assert!(note_of(&seen).is_empty(), "node-b's recovery touched another node's run: {seen:?}");
     assert_eq!(std::fs::read_dir(b.data.join("sandboxes")).map(|d| d.count()).unwrap_or(0), 0);
 }
+
+/// A tool call waiting for approval on one node is decided through
+/// another: the decision reaches the owner, the harness gets the verdict,
+/// and the owner's answers (a call nobody waits on, one decided already)
+/// come back as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_call_waiting_on_one_node_is_decided_through_another() {
+    use corral::pb::session_service_client::SessionServiceClient;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    std::fs::create_dir_all(dir.path().join("profiles")).unwrap();
+    std::fs::write(dir.path().join("profiles/agent.toml"), common::session_agent_profile("test.session-agent", ""))
+        .unwrap();
+    let ask = "[[policies]]\nname = \"ask-deploy\"\nkind = \"require_approval\"\narguments = { timeout_seconds = 60 }\non = [\"tool_call:deploy\"]\n";
+    let a = Node::start_configured(dir.path(), "node-a", &url, "", ask).await;
+    let b = Node::start_configured(dir.path(), "node-b", &url, "", ask).await;
+    let mut on_b = SessionServiceClient::new(b.process.channel().await);
+    let create = pb::CreateSessionRequest {
+        profile_ref: "test.session-agent".into(),
+        project: "proj-a".into(),
+        ..Default::default()
+    };
+    let session = on_b.create_session(create).await.unwrap().into_inner().session_id;
+    let asks = serde_json::json!({"ask": {"tool": "deploy", "arguments": {"to": "prod"}}});
+    let turn = pb::SendTurnRequest {
+        session_id: session.clone(),
+        tool_call: Some(pb::ToolCall { tool: "run".into(), arguments_json: asks.to_string() }),
+    };
+    let mut stream = on_b.send_turn(turn).await.unwrap().into_inner();
+    let call_id = loop {
+        match stream.message().await.unwrap().expect("the turn asks before it ends").kind {
+            Some(pb::lifecycle_event::Kind::ApprovalRequested(asked)) => break asked.call_id,
+            _ => continue,
+        }
+    };
+    let mut on_a = SessionServiceClient::new(a.process.channel().await);
+    let decide = |call: &str| pb::DecideSessionToolCallRequest {
+        session_id: session.clone(),
+        call_id: call.into(),
+        decision: pb::ToolCallDecision::Allow as i32,
+        reason: "through node-a".into(),
+    };
+    let unknown = on_a.decide_tool_call(decide("call-999999")).await.unwrap_err();
+    assert_eq!(unknown.code(), tonic::Code::NotFound, "the owner knows no such call: {unknown:?}");
+    let decided = on_a.decide_tool_call(decide(&call_id)).await.expect("node-a forwards the decision").into_inner();
+    assert!(decided.allow, "{decided:?}");
+    let again = on_a.decide_tool_call(decide(&call_id)).await.unwrap_err();
+    assert_eq!(again.code(), tonic::Code::FailedPrecondition, "decided already, on the owner: {again:?}");
+    let mut rest = Vec::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        rest.push(event);
+    }
+    let finished = match rest.last().and_then(|e| e.kind.clone()) {
+        Some(pb::lifecycle_event::Kind::TurnFinished(t)) => *t,
+        other => panic!("the turn ends with turn_finished: {other:?}"),
+    };
+    assert!(finished.output.contains("verdict deploy: allow"), "the harness got the verdict: {finished:?}");
+    assert!(
+        rest.iter().any(|e| matches!(&e.kind, Some(pb::lifecycle_event::Kind::ApprovalDecided(d)) if d.allow && d.reason == "through node-a")),
+        "{rest:?}"
+    );
+}

@@ -82,7 +82,7 @@ pub fn audit(principal: &Principal, rpc: &str, subject: &str) {
 /// `DecideToolCall` on either service, once the run is known to be
 /// visible: the run's own principal, `adm`, or an approver of its project
 /// may decide; then the call must still be waiting. One audit line each.
-pub fn decide_tool_call(
+pub async fn decide_tool_call(
     engine: &crate::lifecycle::Engine,
     principal: &Principal,
     run: (&str, &crate::sandbox::Consumer),
@@ -105,7 +105,8 @@ pub fn decide_tool_call(
         }));
     }
     let decision = Decision { allow, by: principal.name.clone(), reason: reason.to_string() };
-    match engine.approvals.decide(subject, call_id, decision) {
+    // Here, or on the node of the fleet that runs it.
+    match engine.decide_tool_call(subject, call_id, decision).await? {
         Ok(()) => {}
         Err(Undecidable::Unknown) => {
             return Err(Status::not_found(format!("call_id: no tool call {call_id} waits for a decision in {subject}")))

@@ -179,7 +179,8 @@ impl SessionService for SessionApi {
         let allow = validate::tool_call_decision(&req.call_id, req.decision, &req.reason)?;
         let record = self.visible(&principal, &req.session_id).await?;
         let run = (record.session_id.as_str(), &record.consumer);
-        let decided = super::auth::decide_tool_call(&self.engine, &principal, run, &req.call_id, allow, &req.reason)?;
+        let decided =
+            super::auth::decide_tool_call(&self.engine, &principal, run, &req.call_id, allow, &req.reason).await?;
         Ok(Response::new(decided))
     }
 

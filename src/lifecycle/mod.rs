@@ -510,6 +510,56 @@ impl Engine {
         }
     }
 
+    /// Decides a tool call waiting for a person: here, or (on a fleet) on
+    /// the node that runs the execution or session, through the store.
+    pub async fn decide_tool_call(
+        &self,
+        subject: &str,
+        call_id: &str,
+        decision: crate::gate::approvals::Decision,
+    ) -> Result<Result<(), crate::gate::approvals::Undecidable>, EngineError> {
+        use crate::gate::approvals::Undecidable;
+        match self.approvals.decide(subject, call_id, decision.clone()) {
+            Err(Undecidable::Unknown) if self.store.is_shared() && !self.is_terminal(subject).await? => {}
+            decided => return Ok(decided),
+        }
+        let node = match self.store.node_of_execution(subject).await? {
+            Some(node) => node,
+            None => self.store.node_of_session(subject).await?.unwrap_or_default(),
+        };
+        if node.is_empty() || node == self.store.node() {
+            return Ok(Err(Undecidable::Unknown));
+        }
+        let payload = serde_json::json!({
+            "call_id": call_id, "allow": decision.allow, "by": decision.by, "reason": decision.reason,
+        });
+        let (_, answer) = self.forward_with(&node, "decide_tool_call", subject, &payload.to_string()).await?;
+        Ok(match answer.as_str() {
+            "\"decided\"" => Ok(()),
+            "\"settled\"" => Err(Undecidable::Settled),
+            _ => Err(Undecidable::Unknown),
+        })
+    }
+
+    /// A decision another node was sent for a tool call waiting here.
+    fn answer_decision(&self, subject: &str, payload: &str) -> Result<String, String> {
+        #[derive(serde::Deserialize)]
+        struct Decided {
+            call_id: String,
+            allow: bool,
+            by: String,
+            reason: String,
+        }
+        let d: Decided = serde_json::from_str(payload).map_err(|e| format!("a decide_tool_call request: {e}"))?;
+        let decision = crate::gate::approvals::Decision { allow: d.allow, by: d.by, reason: d.reason };
+        Ok(match self.approvals.decide(subject, &d.call_id, decision) {
+            Ok(()) => "\"decided\"",
+            Err(crate::gate::approvals::Undecidable::Settled) => "\"settled\"",
+            Err(crate::gate::approvals::Undecidable::Unknown) => "\"unknown\"",
+        }
+        .to_string())
+    }
+
     /// Answers what other nodes asked of this one (see [`Engine::forward`]):
     /// a cancel of an execution, or the end of a session, that runs here is
     /// done as if it had been sent here.
@@ -522,6 +572,7 @@ impl Engine {
             let answer = match kind.as_str() {
                 "send_turn" if self.live_session(&subject).is_some() => self.answer_turn(&id, &subject, &payload).await,
                 "send_turn" => Err(format!("session {subject} is not running on node {}", self.store.node())),
+                "decide_tool_call" => self.answer_decision(&subject, &payload),
                 "cancel" if self.cancel_here(&subject).await => match self.get(&subject).await {
                     Ok(record) => serde_json::to_string(&record).map_err(|e| e.to_string()),
                     Err(e) => Err(e.to_string()),
