@@ -239,13 +239,31 @@ impl Daemon {
             grpc: self.config.grpc.clone(),
             page_tokens: self.page_tokens,
         };
-        api::serve(parts, listener, shutdown).await?;
+        // A fenced node's sandboxes are dead already; what is left of its
+        // runs (their teardown, their last writes) may wait on a store it
+        // cannot reach (a partition drops no connection, it stalls them):
+        // it exits after a short grace instead of waiting on them, and its
+        // next start recovers what they left.
+        let fence_exit = async {
+            fenced.cancelled().await;
+            tokio::time::sleep(FENCE_EXIT_GRACE).await;
+        };
+        tokio::select! {
+            served = api::serve(parts, listener, shutdown) => served?,
+            () = fence_exit => tracing::error!(
+                grace_ms = FENCE_EXIT_GRACE.as_millis() as u64,
+                "fleet: fenced; exiting without waiting for the rest of the shutdown"
+            ),
+        }
         if fenced.is_cancelled() {
             return Err(StartError::Fenced);
         }
         Ok(())
     }
 }
+
+/// How long a fenced node's shutdown may take before it exits regardless.
+const FENCE_EXIT_GRACE: Duration = Duration::from_secs(2);
 
 /// Reads the principals of `config` again (its `principals` and
 /// `principals_dir`, the local admin token) and makes them current: calls

@@ -143,7 +143,13 @@ fn main() -> anyhow::Result<()> {
         Ok(code) => code,
         // The reader went away (`corral man | head`): how a pipe ends.
         Err(e) if corral::cli::is_broken_pipe(&e) => 0,
-        Err(e) => return Err(e),
+        // As returning the error would print it, without dropping the
+        // runtime: a fenced daemon must not wait there for store calls a
+        // partition stalls.
+        Err(e) => {
+            eprintln!("Error: {e:?}");
+            1
+        }
     };
     std::process::exit(code);
 }

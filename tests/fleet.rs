@@ -1,16 +1,15 @@
 //! A fleet on one PostgreSQL: real daemons (processes) on one real
 //! database. Nodes are listed; a node killed with SIGKILL is declared lost
 //! by a survivor, which fails its runs exactly once; a node cut off from
-//! the store (its connection to PostgreSQL goes through a forwarder the
-//! test cuts) kills its sandboxes before its lease runs out and exits; a
+//! the store (it runs in a network namespace of the test's own, and the
+//! test takes its veth link down) kills its sandboxes before its lease
+//! runs out and exits; a
 //! lost epoch can write nothing; a page token works on every node; a
 //! drained node takes no new work and finishes what it runs.
 
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{request, require_bwrap, ServeProcess};
@@ -18,7 +17,12 @@ use corral::pb;
 use corral::pb::catalog_service_client::CatalogServiceClient;
 use corral::pb::execution_service_client::ExecutionServiceClient;
 
-const LEASE_SECONDS: u64 = 3;
+const LEASE_SECONDS: u64 = 5;
+
+/// One test of this file at a time: each runs two or three daemons with
+/// short leases, and a dozen of them at once on a 2-core machine starve a
+/// node's renewals into fencing it, which is what some tests check for.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A node: a daemon process on the shared database `url`, named `name`.
 struct Node {
@@ -26,6 +30,8 @@ struct Node {
     data: PathBuf,
     profiles: PathBuf,
     config: String,
+    /// What the daemon is started through (e.g. `ip netns exec NS`).
+    wrapper: Vec<String>,
     process: ServeProcess,
 }
 
@@ -41,6 +47,10 @@ impl Node {
     }
 
     async fn start_with(dir: &Path, name: &str, url: &str, extra: &str) -> Node {
+        Node::start_through(dir, name, url, extra, Vec::new()).await
+    }
+
+    async fn start_through(dir: &Path, name: &str, url: &str, extra: &str, wrapper: Vec<String>) -> Node {
         let data = dir.join(name);
         let profiles = dir.join("profiles");
         std::fs::create_dir_all(&profiles).unwrap();
@@ -50,13 +60,15 @@ impl Node {
             std::fs::write(data.with_extension("toml"), format!("[store]\nurl = {url:?}\n")).unwrap();
         }
         let config = format!("{}{extra}\n", fleet_config(name));
-        let process = ServeProcess::start_with(&data, &profiles, &[], &config).await;
-        Node { name: name.into(), data, profiles, config, process }
+        let wrap: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+        let process = ServeProcess::start_wrapped(&data, &profiles, &[], &config, &wrap).await;
+        Node { name: name.into(), data, profiles, config, wrapper, process }
     }
 
     /// Starts this node's data directory again (after it died or fenced).
     async fn restart(&mut self) {
-        self.process = ServeProcess::start_with(&self.data, &self.profiles, &[], &self.config).await;
+        let wrap: Vec<&str> = self.wrapper.iter().map(String::as_str).collect();
+        self.process = ServeProcess::start_wrapped(&self.data, &self.profiles, &[], &self.config, &wrap).await;
     }
 
     async fn executions(&self) -> ExecutionServiceClient<tonic::transport::Channel> {
@@ -155,6 +167,7 @@ fn finished_count(events: &[pb::LifecycleEvent]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_node_is_declared_lost_once_and_rejoins_with_a_new_epoch() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
@@ -208,67 +221,101 @@ async fn a_killed_node_is_declared_lost_once_and_rejoins_with_a_new_epoch() {
     assert_eq!(after_restart, seen, "node-b appended to a run it no longer owns");
 }
 
-/// A TCP forwarder to PostgreSQL that the test can cut: the node behind it
-/// loses its store as in a partition (every connection dropped, new ones
-/// refused).
+/// A TCP forwarder to PostgreSQL listening on `bind` (the host's end of a
+/// test network's veth pair): PostgreSQL itself listens on loopback only.
 struct Forwarder {
     port: u16,
-    cut: Arc<AtomicBool>,
 }
 
 impl Forwarder {
-    async fn start(target: std::net::SocketAddr) -> Forwarder {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    async fn start(bind: std::net::IpAddr, target: std::net::SocketAddr) -> Forwarder {
+        let listener = tokio::net::TcpListener::bind((bind, 0)).await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let cut = Arc::new(AtomicBool::new(false));
-        let flag = cut.clone();
         tokio::spawn(async move {
             loop {
                 let Ok((mut inbound, _)) = listener.accept().await else { return };
-                let flag = flag.clone();
                 tokio::spawn(async move {
-                    if flag.load(Ordering::SeqCst) {
-                        return;
-                    }
                     let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else { return };
-                    let copy = tokio::io::copy_bidirectional(&mut inbound, &mut outbound);
-                    tokio::pin!(copy);
-                    loop {
-                        tokio::select! {
-                            _ = &mut copy => return,
-                            _ = tokio::time::sleep(Duration::from_millis(20)) => {
-                                if flag.load(Ordering::SeqCst) {
-                                    return;
-                                }
-                            }
-                        }
-                    }
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
                 });
             }
         });
-        Forwarder { port, cut }
+        Forwarder { port }
+    }
+}
+
+/// A network namespace of the test's own, joined to the host by a veth
+/// pair (198.18.N.1 on the host, .2 inside: the benchmarking range, on no
+/// real network); removed, with the pair, when dropped.
+struct TestNet {
+    ns: String,
+    host_if: String,
+    host_ip: std::net::Ipv4Addr,
+}
+
+fn ip(args: &[&str]) {
+    let status = std::process::Command::new("ip").args(args).status().expect("ip(8) runs (iproute2)");
+    assert!(status.success(), "ip {args:?} failed");
+}
+
+impl TestNet {
+    fn create() -> TestNet {
+        let n = std::process::id() % 250;
+        let (ns, host_if, peer) = (format!("corral-fleet-{n}"), format!("cfh{n}"), format!("cfn{n}"));
+        let _ = std::process::Command::new("ip").args(["netns", "del", &ns]).status();
+        let _ = std::process::Command::new("ip").args(["link", "del", &host_if]).status();
+        ip(&["netns", "add", &ns]);
+        ip(&["link", "add", &host_if, "type", "veth", "peer", "name", &peer]);
+        ip(&["link", "set", &peer, "netns", &ns]);
+        ip(&["addr", "add", &format!("198.18.{n}.1/30"), "dev", &host_if]);
+        ip(&["link", "set", &host_if, "up"]);
+        ip(&["netns", "exec", &ns, "ip", "addr", "add", &format!("198.18.{n}.2/30"), "dev", &peer]);
+        ip(&["netns", "exec", &ns, "ip", "link", "set", &peer, "up"]);
+        ip(&["netns", "exec", &ns, "ip", "link", "set", "lo", "up"]);
+        TestNet { ns, host_if, host_ip: std::net::Ipv4Addr::new(198, 18, n as u8, 1) }
+    }
+
+    /// The link between the namespace and the host, up or down.
+    fn link(&self, up: bool) {
+        ip(&["link", "set", &self.host_if, if up { "up" } else { "down" }]);
+    }
+
+    /// Runs a command in the namespace's network only: `ip netns exec`
+    /// would also remount /sys, hiding the host's cgroups from the daemon.
+    fn wrapper(&self) -> Vec<String> {
+        vec!["nsenter".into(), format!("--net=/run/netns/{}", self.ns), "--".into()]
+    }
+}
+
+impl Drop for TestNet {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["link", "del", &self.host_if]).status();
+        let _ = std::process::Command::new("ip").args(["netns", "del", &self.ns]).status();
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_cut_off_from_the_store_kills_its_sandboxes_before_its_lease_runs_out() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
-    // postgres://user:password@host:port/db: the same database through
-    // the forwarder.
+    // node-b runs in a network namespace of its own; it reaches the same
+    // database through the veth pair (postgres://user:password@host/db).
+    let net = TestNet::create();
     let (before, rest) = url.split_once('@').expect("a URL with user@host");
     let (authority, path) = rest.split_once('/').expect("a URL with a database");
     let target = tokio::net::lookup_host(authority).await.unwrap().next().expect("PostgreSQL's address");
-    let forwarder = Forwarder::start(target).await;
-    let through = format!("{before}@127.0.0.1:{}/{path}", forwarder.port);
+    let forwarder = Forwarder::start(net.host_ip.into(), target).await;
+    let through = format!("{before}@{}:{}/{path}", net.host_ip, forwarder.port);
     let dir = common::data_tempdir();
     let a = Node::start(dir.path(), "node-a", &url).await;
-    let mut b = Node::start(dir.path(), "node-b", &through).await;
+    let mut b = Node::start_through(dir.path(), "node-b", &through, "", net.wrapper()).await;
     let marker = format!("fleet-cut-{}", uuid::Uuid::now_v7().simple());
     let id = start_long_run(&b, &marker).await;
     let renewed = b.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
 
-    forwarder.cut.store(true, Ordering::SeqCst);
+    // The partition: the link down.
+    net.link(false);
     // Its harness is killed before the lease it last renewed runs out.
     wait_for("node-b's harness killed", Duration::from_secs(LEASE_SECONDS + 2), || processes_with(&marker).is_empty())
         .await;
@@ -291,7 +338,7 @@ async fn a_node_cut_off_from_the_store_kills_its_sandboxes_before_its_lease_runs
 
     // The link restored, node-b rejoins with a new epoch and appends
     // nothing to its old run.
-    forwarder.cut.store(false, Ordering::SeqCst);
+    net.link(true);
     b.restart().await;
     let rejoined = a.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
     assert_eq!(rejoined.state, pb::NodeState::Active as i32);
@@ -303,6 +350,7 @@ async fn a_node_cut_off_from_the_store_kills_its_sandboxes_before_its_lease_runs
 /// lost, while the survivor's writes go through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_epoch_can_write_nothing() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     use corral::records::{Event, EventKind};
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
@@ -331,6 +379,7 @@ async fn a_lost_epoch_can_write_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_node_finishes_what_it_runs_and_takes_nothing_new() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
@@ -399,6 +448,7 @@ async fn a_drained_node_finishes_what_it_runs_and_takes_nothing_new() {
 /// and nothing of it is left running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_sent_to_another_node_reaches_the_owner() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
@@ -430,6 +480,7 @@ async fn a_cancel_sent_to_another_node_reaches_the_owner() {
 /// refusals).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_is_driven_through_another_node_as_on_its_owner() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     use corral::pb::session_service_client::SessionServiceClient;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
@@ -506,6 +557,7 @@ async fn a_session_is_driven_through_another_node_as_on_its_owner() {
 /// the write's transaction notifies `corral_events` with its subject.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_write_notifies_every_node_of_its_subject() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     use corral::records::{Event, EventKind};
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
@@ -552,6 +604,7 @@ fn assert_whole(events: &[pb::LifecycleEvent], what: &str) {
 /// watcher on a third node sees exactly the same events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_sent_to_a_front_end_runs_on_the_nodes_with_room_and_every_caller_sees_every_event() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
@@ -616,6 +669,7 @@ async fn work_sent_to_a_front_end_runs_on_the_nodes_with_room_and_every_caller_s
 /// than the quota, counted from inside the sandboxes; all of it runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quota_holds_across_nodes_under_a_concurrent_burst() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
@@ -660,6 +714,7 @@ async fn a_quota_holds_across_nodes_under_a_concurrent_burst() {
 /// runs; the work queued behind it runs once there is room.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_execution_is_cancelled_before_it_runs_and_the_next_one_runs() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
@@ -697,6 +752,7 @@ async fn a_queued_execution_is_cancelled_before_it_runs_and_the_next_one_runs() 
 /// once that one has room.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_work_outlives_a_killed_node() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
@@ -739,6 +795,7 @@ async fn queued_work_outlives_a_killed_node() {
 /// come back as they are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_call_waiting_on_one_node_is_decided_through_another() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     use corral::pb::session_service_client::SessionServiceClient;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;

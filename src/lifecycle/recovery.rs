@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use super::leftover::{self, SignalScope};
-use super::{now_ms, Engine, EngineError, ExecutionState, SessionState};
+use super::{now_ms, Engine, EngineError, ExecutionRecord, ExecutionState, SessionRecord, SessionState};
 use crate::events::{Event, EventKind, Recorder};
 use crate::sandbox::SandboxState;
 use crate::types::evidence::{Evidence, FailureStage, Outcome, TeardownResult};
@@ -87,8 +87,7 @@ impl Engine {
             let finished = self.recover_subject(&record.execution_id, &mut record.evidence, destroy).await?;
             record.state = ExecutionState::Failed;
             record.finished_at_ms = Some(now_ms());
-            self.store.update_execution(&record).await?;
-            finished.emit(EventKind::Finished { execution: Box::new(record) }, None).await;
+            finished.execution(self, record).await?;
             report.executions_failed += 1;
         }
         for mut record in self.store.unfinished_sessions().await? {
@@ -96,8 +95,7 @@ impl Engine {
             let finished = self.recover_subject(&record.session_id, &mut record.evidence, destroy).await?;
             record.state = SessionState::Failed;
             record.ended_at_ms = Some(now_ms());
-            self.store.update_session(&record).await?;
-            finished.emit(EventKind::SessionFinished { session: Box::new(record) }, None).await;
+            finished.session(self, record).await?;
             report.sessions_failed += 1;
         }
         if report != RecoveryReport::default() {
@@ -120,8 +118,7 @@ impl Engine {
                 self.finish_subject(&record.execution_id, &mut record.evidence, TeardownResult::Unknown, &lost).await?;
             record.state = ExecutionState::Failed;
             record.finished_at_ms = Some(now_ms());
-            self.store.update_execution(&record).await?;
-            finished.emit(EventKind::Finished { execution: Box::new(record) }, None).await;
+            finished.execution(self, record).await?;
             failed.0 += 1;
         }
         for mut record in self.store.unfinished_sessions_of(node).await? {
@@ -129,8 +126,7 @@ impl Engine {
                 self.finish_subject(&record.session_id, &mut record.evidence, TeardownResult::Unknown, &lost).await?;
             record.state = SessionState::Failed;
             record.ended_at_ms = Some(now_ms());
-            self.store.update_session(&record).await?;
-            finished.emit(EventKind::SessionFinished { session: Box::new(record) }, None).await;
+            finished.session(self, record).await?;
             failed.1 += 1;
         }
         Ok(failed)
@@ -181,7 +177,40 @@ impl Engine {
 struct Finisher(Recorder);
 
 impl Finisher {
-    async fn emit(mut self, kind: EventKind, raw: Option<crate::events::RawPart>) {
-        self.0.emit(kind, raw).await;
+    /// The failed execution's final record, its hub report (when it asked
+    /// for one) and its `finished` event, in one transaction: nobody sees
+    /// it ended without its `finished` event.
+    async fn execution(mut self, engine: &Engine, record: ExecutionRecord) -> Result<(), EngineError> {
+        let report = match (&engine.hub, record.report_to_hub) {
+            (Some(_), true) => Some(crate::hub::report(&record).to_string()),
+            _ => None,
+        };
+        let finished = self.0.prepare(EventKind::Finished { execution: Box::new(record.clone()) }).await;
+        let store = &engine.store;
+        let stored =
+            self.0.persist_with(1, || store.finish_execution(&record, report.as_deref(), None, Some(&finished))).await;
+        if !stored {
+            return Err(EngineError::Unavailable(format!(
+                "execution {} not finished in the store",
+                record.execution_id
+            )));
+        }
+        if let (Some(hub), Some(_)) = (&engine.hub, &report) {
+            hub.notify();
+        }
+        self.0.publish(finished, None);
+        Ok(())
+    }
+
+    /// The failed session's final record and its `finished` event, in one
+    /// transaction.
+    async fn session(mut self, engine: &Engine, record: SessionRecord) -> Result<(), EngineError> {
+        let finished = self.0.prepare(EventKind::SessionFinished { session: Box::new(record.clone()) }).await;
+        let store = &engine.store;
+        if !self.0.persist_with(1, || store.finish_session(&record, &finished)).await {
+            return Err(EngineError::Unavailable(format!("session {} not finished in the store", record.session_id)));
+        }
+        self.0.publish(finished, None);
+        Ok(())
     }
 }
