@@ -555,3 +555,43 @@ fn a_token_for_a_plain_http_hub_beyond_loopback_is_refused_at_start() {
     let tls = HubConfig { token_env: Some("HUB_TOKEN".into()), ..hub_config("https://hub.example", 60) };
     assert!(tls.validate().is_ok());
 }
+
+/// A run that asked for a report and was failed by recovery (its daemon
+/// died mid-run) is reported too: the final record, its `finished` event
+/// and the report are stored together when the next start fails it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_failed_by_recovery_is_reported_when_it_asked() {
+    require_bwrap();
+    let hub = TestHub::start(Answer::Status(200)).await;
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("fake.toml"), common::fake_agent_profile("test.fake-agent", "")).unwrap();
+    let data = dir.path().join("data");
+    let hub_toml = format!(
+        "[hub]\nurl = \"{}\"\ntimeout_seconds = 1\ninitial_backoff_ms = 100\nmax_backoff_seconds = 1\n",
+        hub.url
+    );
+    let mut daemon = ServeProcess::start_with(&data, &profiles, &[], &hub_toml).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let mut req = request("test.fake-agent", "NOWORK\nHANG");
+    req.report_to_hub = true;
+    let id = client.start_execution(req).await.unwrap().into_inner().execution_id;
+    let req = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
+    let mut stream = client.watch_execution(req).await.unwrap().into_inner();
+    while let Some(e) = stream.message().await.unwrap() {
+        if matches!(e.kind, Some(Kind::Progress(_))) {
+            break;
+        }
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGKILL) };
+    daemon.child.wait().await.unwrap();
+    assert!(hub.bodies().is_empty(), "nothing reported before recovery");
+    let daemon = ServeProcess::start_with(&data, &profiles, &[], &hub_toml).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    wait_for_status(&mut client, &id, pb::HubReportStatus::Accepted).await;
+    let bodies = hub.bodies();
+    assert_eq!(bodies.len(), 1, "{bodies:?}");
+    assert!(bodies[0].contains(&id) && bodies[0].contains("failed"), "{}", bodies[0]);
+}
