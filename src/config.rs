@@ -452,6 +452,9 @@ impl Config {
             }
             _ => {}
         }
+        for label in &self.fleet.labels {
+            crate::catalog::check_label(label).map_err(|e| invalid("fleet.labels", e))?;
+        }
         if self.fleet.max_queued == 0 {
             return Err(invalid("fleet.max_queued", "must be at least 1".into()));
         }
@@ -552,6 +555,7 @@ mod tests {
         let config: Config = toml::from_str(block).unwrap_or_else(|e| panic!("the README's configuration: {e}"));
         assert_eq!(config.fleet.capacity, Some(8));
         assert_eq!(config.fleet.max_queued, 1000);
+        assert_eq!(config.fleet.labels, vec!["gpu".to_string()]);
         assert!(config.unix_socket.is_some(), "a top-level key after the tables would belong to the last one");
     }
 
@@ -671,11 +675,14 @@ pub struct FleetConfig {
     /// The most executions the fleet's queue holds (shared stores); a
     /// submit beyond it is refused with RESOURCE_EXHAUSTED.
     pub max_queued: u64,
+    /// Labels of this node besides the ones it finds itself (its backend
+    /// and agent CLIs): a profile's `[placement] labels` must all be here.
+    pub labels: Vec<String>,
 }
 
 impl Default for FleetConfig {
     fn default() -> Self {
-        FleetConfig { node: None, lease_seconds: 10, capacity: None, max_queued: 1000 }
+        FleetConfig { node: None, lease_seconds: 10, capacity: None, max_queued: 1000, labels: Vec::new() }
     }
 }
 

@@ -110,7 +110,8 @@ impl Daemon {
         let bwrap = backends.linux_bwrap.probe().await.map_err(|e| e.to_string());
         // A node of the fleet from here on: every write of a run checks
         // this start's epoch against the node's row.
-        let labels = crate::fleet::labels(bwrap.is_ok());
+        let mut labels = crate::fleet::labels(bwrap.is_ok());
+        labels.extend(config.fleet.labels.iter().filter(|l| !labels.contains(l)).cloned().collect::<Vec<_>>());
         let lease_ms = config.fleet.lease().as_millis() as i64;
         let capacity = config.fleet.capacity(config.max_running_executions);
         store.join_fleet(capacity as u64, &labels, lease_ms).await?;

@@ -316,3 +316,17 @@ async fn every_sandbox_command_carries_identity_routes_and_timeout_and_never_the
     // /proc shows command lines to everyone: the task is not in any of them.
     assert!(!out.contains(task_text) || !out.lines().any(|l| l.starts_with("pid1:") && l.contains(task_text)));
 }
+
+/// On one node, a profile whose `[placement]` names a label the node does
+/// not have is refused at resolution, with the reason: never run anyway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profile_placed_on_labels_this_node_lacks_is_refused() {
+    let profile = "id = \"test.placed\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n[sandbox]\ntype = \"none\"\n[limits]\ntimeout_seconds = 5\n[placement]\nlabels = [\"gpu\"]\n";
+    let daemon =
+        TestDaemon::start(Options { profiles: vec![("placed.toml".into(), profile.into())], ..Options::default() })
+            .await;
+    let execution = finished(&daemon.execute(request("test.placed", "")).await);
+    assert_eq!(pb::ExecutionState::try_from(execution.state).unwrap(), pb::ExecutionState::Refused);
+    let ev = execution.evidence.unwrap();
+    assert!(ev.error.contains("runs only on nodes labelled gpu"), "{}", ev.error);
+}

@@ -852,3 +852,43 @@ async fn a_tool_call_waiting_on_one_node_is_decided_through_another() {
         "{rest:?}"
     );
 }
+
+/// A profile's `[placement] labels` keep its runs on nodes with those
+/// labels (`[fleet] labels`): sent to a front end or to a node without
+/// them, they run on the node that has them; when no node has them, the
+/// request is refused naming what it needs, never queued for nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placement_labels_keep_runs_on_the_nodes_that_have_them() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let placed = |id: &str, label: &str| {
+        format!(
+            "id = \"{id}\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/sh\", \"-s\"]\ninput = \"description\"\n\
+             [sandbox]\ntype = \"linux_bwrap\"\n[limits]\ntimeout_seconds = 60\n[placement]\nlabels = [\"{label}\"]\n"
+        )
+    };
+    std::fs::write(profiles.join("gpu.toml"), placed("test.gpu", "gpu")).unwrap();
+    std::fs::write(profiles.join("tpu.toml"), placed("test.tpu", "tpu")).unwrap();
+    let front = Node::start_configured(dir.path(), "front", &url, "capacity = 0", "").await;
+    let b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 2", "").await;
+    let c = Node::start_configured(dir.path(), "node-c", &url, "capacity = 2\nlabels = [\"gpu\"]", "").await;
+    let labelled = front.nodes().await.into_iter().find(|n| n.name == "node-c").unwrap();
+    assert!(labelled.labels.contains(&"gpu".to_string()), "{labelled:?}");
+    let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
+    for node in [&front, &b, &c] {
+        let stream = node.executions().await.execute(request("test.gpu", "echo placed")).await.unwrap().into_inner();
+        let seen = stream_to_end(stream).await;
+        let record = common::finished(&seen);
+        assert_eq!(record.state, pb::ExecutionState::Succeeded as i32, "sent to {}: {record:?}", node.name);
+        let ran_on = store.node_of_execution(&record.execution_id).await.unwrap();
+        assert_eq!(ran_on.as_deref(), Some("node-c"), "sent to {}", node.name);
+    }
+    let refused = front.executions().await.execute(request("test.tpu", "echo nowhere")).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("tpu"), "{}", refused.message());
+    assert_eq!(store.queued_count().await.unwrap(), 0);
+}

@@ -33,6 +33,7 @@ fn file(id: &str, description: &str, rein: ReinSpec, sandbox: SandboxSpec, readi
         credential_route_refs: Vec::new(),
         guardrails: Default::default(),
         git: Default::default(),
+        placement: Default::default(),
     }
 }
 

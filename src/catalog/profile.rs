@@ -381,6 +381,37 @@ pub struct ProfileFile {
     /// Git identities and the end-of-run snapshot.
     #[serde(default)]
     pub git: GitSettings,
+    /// Which nodes may run it (a fleet): labels a node must have besides
+    /// the ones its backend and CLI need.
+    #[serde(default, skip_serializing_if = "Placement::is_empty")]
+    pub placement: Placement,
+}
+
+/// The `[placement]` section of a profile.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Placement {
+    /// Labels every node that runs it must have (`[fleet] labels`).
+    #[serde(default)]
+    pub labels: Vec<String>,
+}
+
+impl Placement {
+    fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+}
+
+/// A node label: 1-64 lowercase letters, digits, `.`, `_` or `-`.
+pub fn check_label(label: &str) -> Result<(), String> {
+    let ok = !label.is_empty()
+        && label.len() <= 64
+        && label.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "._-".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{label:?} must be 1-64 lowercase letters, digits, '.', '_' or '-'"))
+    }
 }
 
 /// A validated profile.
@@ -467,6 +498,11 @@ impl Profile {
             Preset::CodexExecJson => needs.push("codex".to_string()),
             Preset::Protocol => {}
         }
+        for label in &self.file.placement.labels {
+            if !needs.contains(label) {
+                needs.push(label.clone());
+            }
+        }
         needs
     }
 
@@ -546,6 +582,9 @@ impl Profile {
             if !path.starts_with('/') {
                 return Err(format!("sandbox.read_paths: {path:?} must be absolute"));
             }
+        }
+        for label in &file.placement.labels {
+            check_label(label).map_err(|e| format!("placement.labels: {e}"))?;
         }
         let policies = compile_all(&file.guardrails.policies, "profile", "guardrails.policies")?;
         let canonical = serde_json::to_vec(&file).map_err(|e| format!("cannot encode profile: {e}"))?;

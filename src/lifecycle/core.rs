@@ -186,6 +186,12 @@ impl Core {
                 Ok(()) => Ok(profile),
                 Err(why) => Err(crate::catalog::Refusal(format!("profile {} cannot run: {why}", profile.reference()))),
             });
+        // A fleet places work by labels; a node never runs what its
+        // profile's [placement] keeps off it (on one node: never at all).
+        let resolved = resolved.and_then(|profile| match self.engine.misplaced(&profile) {
+            None => Ok(profile),
+            Some(why) => Err(crate::catalog::Refusal(why)),
+        });
         let resolved = resolved.and_then(|profile| match profile.file.rein.takes_turns() {
             true => Ok(profile),
             false if self.consumer.session_id.is_empty() => Ok(profile),

@@ -63,6 +63,28 @@ impl Engine {
         self.catalog.resolve(profile_ref).map(|p| p.needs()).unwrap_or_default()
     }
 
+    /// Why this node may not run `profile`: a label of its `[placement]`
+    /// this node lacks (`[fleet] labels`); `None` when it may.
+    pub(super) fn misplaced(&self, profile: &crate::catalog::Profile) -> Option<String> {
+        let missing: Vec<&str> = profile
+            .file
+            .placement
+            .labels
+            .iter()
+            .filter(|label| !self.fleet.labels.contains(label))
+            .map(String::as_str)
+            .collect();
+        (!missing.is_empty()).then(|| {
+            format!(
+                "profile {} runs only on nodes labelled {}; node {} is not (its [fleet] labels: {})",
+                profile.reference(),
+                missing.join(", "),
+                self.store.node(),
+                self.fleet.labels.join(", ")
+            )
+        })
+    }
+
     /// Whether this node runs work (a front end, `fleet.capacity = 0`,
     /// only accepts it).
     pub fn runs_work(&self) -> bool {

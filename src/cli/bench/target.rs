@@ -249,7 +249,9 @@ max_output_bytes = 67108864
 fn bench_uids() -> String {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    let slot = (std::process::id() % 1000) * 16 + NEXT.fetch_add(1, Ordering::SeqCst) % 16;
+    // 64 per process: a bench (or its smoke tests, several at once) starts
+    // a fresh daemon per scenario, and the fleet scenario two at a time.
+    let slot = (std::process::id() % 1000) * 64 + NEXT.fetch_add(1, Ordering::SeqCst) % 64;
     let first = 600_000 + slot * 256;
     format!("{first}-{}", first + 255)
 }
