@@ -325,6 +325,17 @@ async fn a_profile_placed_on_labels_this_node_lacks_is_refused() {
     let daemon =
         TestDaemon::start(Options { profiles: vec![("placed.toml".into(), profile.into())], ..Options::default() })
             .await;
+    if daemon.engine.store.is_shared() {
+        // A fleet (of one here) refuses it before storing anything.
+        let mut client = daemon.executions().await;
+        let refused = client.execute(request("test.placed", "")).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+        assert!(refused.message().contains("needs gpu"), "{}", refused.message());
+        use tonic_types::StatusExt;
+        assert_eq!(refused.get_details_error_info().unwrap().reason, "NO_NODE_CAN_RUN");
+        assert_eq!(daemon.engine.store.count_executions().await.unwrap(), 0);
+        return;
+    }
     let execution = finished(&daemon.execute(request("test.placed", "")).await);
     assert_eq!(pb::ExecutionState::try_from(execution.state).unwrap(), pb::ExecutionState::Refused);
     let ev = execution.evidence.unwrap();

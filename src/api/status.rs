@@ -39,6 +39,7 @@ impl From<EngineError> for Status {
                 with_reason(Code::AlreadyExists, message, "REQUEST_ID_REUSED", vec![("request_id".into(), request_id)])
             }
             EngineError::Unavailable(_) => with_reason(Code::Unavailable, message, "DRAINING", vec![]),
+            EngineError::NoNodeCanRun(_) => with_reason(Code::Unavailable, message, "NO_NODE_CAN_RUN", vec![]),
             EngineError::NodeUnreachable { node } => {
                 with_reason(Code::Unavailable, message, "NODE_UNREACHABLE", vec![("node".into(), node)])
             }

@@ -94,6 +94,10 @@ pub enum EngineError {
     /// Admission control: too much running already; retry later.
     #[error("{0}")]
     Overloaded(String),
+    /// No active node of the fleet with capacity has the labels the work
+    /// needs: it is refused, not queued for nobody.
+    #[error("{0}")]
+    NoNodeCanRun(String),
     /// Another node of the fleet runs it and did not answer a forwarded
     /// request in time (it may be lost; a survivor will fail its runs).
     #[error("node {node:?} did not answer within {} s", FORWARD_TIMEOUT.as_secs())]

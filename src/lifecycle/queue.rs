@@ -145,7 +145,7 @@ impl Engine {
             .any(|n| n.state == crate::store::NodeState::Active && n.capacity > 0 && covers(&n.labels, needs));
         match able {
             true => Ok(()),
-            false => Err(EngineError::Unavailable(format!(
+            false => Err(EngineError::NoNodeCanRun(format!(
                 "no active node of the fleet with capacity can run {profile_ref} (it needs {}); retry later",
                 if needs.is_empty() { "nothing in particular".to_string() } else { needs.join(", ") }
             ))),
