@@ -485,16 +485,10 @@ async fn a_session_is_driven_through_another_node_as_on_its_owner() {
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
-    std::fs::create_dir_all(dir.path().join("profiles")).unwrap();
-    std::fs::write(dir.path().join("profiles/agent.toml"), common::session_agent_profile("test.session-agent", ""))
-        .unwrap();
+    write_session_agent(dir.path());
     let a = Node::start(dir.path(), "node-a", &url).await;
     let b = Node::start(dir.path(), "node-b", &url).await;
-    let create = pb::CreateSessionRequest {
-        profile_ref: "test.session-agent".into(),
-        project: "proj-a".into(),
-        ..Default::default()
-    };
+    let create = create_agent_session();
     let mut on_b = SessionServiceClient::new(b.process.channel().await);
     let session = on_b.create_session(create).await.unwrap().into_inner();
     let mut on_a = SessionServiceClient::new(a.process.channel().await);
@@ -574,6 +568,21 @@ async fn an_event_write_notifies_every_node_of_its_subject() {
     writer.append_events(&[event]).await.unwrap();
     let notified = tokio::time::timeout(Duration::from_secs(5), listener.recv()).await.expect("notified").unwrap();
     assert_eq!(notified.payload(), "e-notified");
+}
+
+/// The nodes' profile `test.session-agent`, the tests' session harness.
+fn write_session_agent(dir: &Path) {
+    std::fs::create_dir_all(dir.join("profiles")).unwrap();
+    std::fs::write(dir.join("profiles/agent.toml"), common::session_agent_profile("test.session-agent", "")).unwrap();
+}
+
+/// A session of `test.session-agent` in project `proj-a`.
+fn create_agent_session() -> pb::CreateSessionRequest {
+    pb::CreateSessionRequest {
+        profile_ref: "test.session-agent".into(),
+        project: "proj-a".into(),
+        ..Default::default()
+    }
 }
 
 /// Every event of one execution as its caller's stream delivered them.
@@ -800,18 +809,12 @@ async fn a_tool_call_waiting_on_one_node_is_decided_through_another() {
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
-    std::fs::create_dir_all(dir.path().join("profiles")).unwrap();
-    std::fs::write(dir.path().join("profiles/agent.toml"), common::session_agent_profile("test.session-agent", ""))
-        .unwrap();
+    write_session_agent(dir.path());
     let ask = "[[policies]]\nname = \"ask-deploy\"\nkind = \"require_approval\"\narguments = { timeout_seconds = 60 }\non = [\"tool_call:deploy\"]\n";
     let a = Node::start_configured(dir.path(), "node-a", &url, "", ask).await;
     let b = Node::start_configured(dir.path(), "node-b", &url, "", ask).await;
     let mut on_b = SessionServiceClient::new(b.process.channel().await);
-    let create = pb::CreateSessionRequest {
-        profile_ref: "test.session-agent".into(),
-        project: "proj-a".into(),
-        ..Default::default()
-    };
+    let create = create_agent_session();
     let session = on_b.create_session(create).await.unwrap().into_inner().session_id;
     let asks = serde_json::json!({"ask": {"tool": "deploy", "arguments": {"to": "prod"}}});
     let turn = pb::SendTurnRequest {

@@ -260,6 +260,38 @@ async fn a_hub_that_is_down_slow_or_failing_leaves_the_outcome_and_ends_failed()
     assert!(failing.bodies().len() >= 2, "the 503 hub saw retries");
 }
 
+/// For a daemon process reporting to the hub at `url` (with short
+/// retries): its profile directory (the fake agent), its data directory
+/// and its `[hub]` config.
+fn reporting_daemon_files(dir: &std::path::Path, url: &str) -> (std::path::PathBuf, std::path::PathBuf, String) {
+    let profiles = dir.join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("fake.toml"), common::fake_agent_profile("test.fake-agent", "")).unwrap();
+    let hub_toml =
+        format!("[hub]\nurl = \"{url}\"\ntimeout_seconds = 1\ninitial_backoff_ms = 100\nmax_backoff_seconds = 1\n");
+    (profiles, dir.join("data"), hub_toml)
+}
+
+/// Starts the fake agent on `description`, asking for a report, and reads
+/// its events until one `until` matches; returns the execution's id.
+async fn start_reported(
+    client: &mut ExecutionServiceClient<tonic::transport::Channel>,
+    description: &str,
+    until: fn(&Kind) -> bool,
+) -> String {
+    let mut req = request("test.fake-agent", description);
+    req.report_to_hub = true;
+    let id = client.start_execution(req).await.unwrap().into_inner().execution_id;
+    let req = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
+    let mut stream = client.watch_execution(req).await.unwrap().into_inner();
+    while let Some(e) = stream.message().await.unwrap() {
+        if e.kind.as_ref().is_some_and(until) {
+            break;
+        }
+    }
+    id
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_waits_out_a_restart_and_is_delivered_when_the_hub_is_back() {
     require_bwrap();
@@ -267,25 +299,11 @@ async fn a_report_waits_out_a_restart_and_is_delivered_when_the_hub_is_back() {
     let port = reserved.local_addr().unwrap().port();
     drop(reserved);
     let dir = common::data_tempdir();
-    let profiles = dir.path().join("profiles");
-    std::fs::create_dir_all(&profiles).unwrap();
-    std::fs::write(profiles.join("fake.toml"), common::fake_agent_profile("test.fake-agent", "")).unwrap();
-    let data = dir.path().join("data");
-    let hub_toml =
-        format!("[hub]\nurl = \"http://127.0.0.1:{port}\"\ntimeout_seconds = 1\ninitial_backoff_ms = 100\nmax_backoff_seconds = 1\n");
+    let (profiles, data, hub_toml) = reporting_daemon_files(dir.path(), &format!("http://127.0.0.1:{port}"));
 
     let mut daemon = ServeProcess::start_with(&data, &profiles, &[], &hub_toml).await;
     let mut client = ExecutionServiceClient::new(daemon.channel().await);
-    let mut req = request("test.fake-agent", "NOWORK");
-    req.report_to_hub = true;
-    let id = client.start_execution(req).await.unwrap().into_inner().execution_id;
-    let req = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
-    let mut stream = client.watch_execution(req).await.unwrap().into_inner();
-    while let Some(e) = stream.message().await.unwrap() {
-        if matches!(e.kind, Some(Kind::Finished(_))) {
-            break;
-        }
-    }
+    let id = start_reported(&mut client, "NOWORK", |k| matches!(k, Kind::Finished(_))).await;
     assert_eq!(hub_status(&mut client, &id).await, pb::HubReportStatus::Pending);
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
@@ -564,26 +582,10 @@ async fn a_run_failed_by_recovery_is_reported_when_it_asked() {
     require_bwrap();
     let hub = TestHub::start(Answer::Status(200)).await;
     let dir = common::data_tempdir();
-    let profiles = dir.path().join("profiles");
-    std::fs::create_dir_all(&profiles).unwrap();
-    std::fs::write(profiles.join("fake.toml"), common::fake_agent_profile("test.fake-agent", "")).unwrap();
-    let data = dir.path().join("data");
-    let hub_toml = format!(
-        "[hub]\nurl = \"{}\"\ntimeout_seconds = 1\ninitial_backoff_ms = 100\nmax_backoff_seconds = 1\n",
-        hub.url
-    );
+    let (profiles, data, hub_toml) = reporting_daemon_files(dir.path(), &hub.url);
     let mut daemon = ServeProcess::start_with(&data, &profiles, &[], &hub_toml).await;
     let mut client = ExecutionServiceClient::new(daemon.channel().await);
-    let mut req = request("test.fake-agent", "NOWORK\nHANG");
-    req.report_to_hub = true;
-    let id = client.start_execution(req).await.unwrap().into_inner().execution_id;
-    let req = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
-    let mut stream = client.watch_execution(req).await.unwrap().into_inner();
-    while let Some(e) = stream.message().await.unwrap() {
-        if matches!(e.kind, Some(Kind::Progress(_))) {
-            break;
-        }
-    }
+    let id = start_reported(&mut client, "NOWORK\nHANG", |k| matches!(k, Kind::Progress(_))).await;
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(daemon.pid(), libc::SIGKILL) };
     daemon.child.wait().await.unwrap();

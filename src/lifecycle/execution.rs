@@ -9,7 +9,7 @@ use tracing::Instrument;
 
 use super::core::{Core, OpenFailure, TurnOutcome};
 use super::fit::{fit_raw, json_len};
-use super::{now_ms, Engine, ExecuteCommand, ExecutionRecord, ExecutionState};
+use super::{now_ms, Engine, ExecuteCommand, ExecutionRecord, ExecutionState, RawResult};
 use crate::events::{EventKind, RawPart, Recorder};
 use crate::rein::{Task, ToolCall};
 use crate::sandbox::WORKSPACE_MOUNT;
@@ -101,31 +101,14 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
         record.evidence.notes.push("the raw output was cut to fit one message; see output_truncated".into());
         core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
     }
-    // The report goes into the outbox with the final record, or not at all.
-    let report = match (&core.engine.hub, record.report_to_hub) {
-        (Some(_), true) => Some(crate::hub::report(record).to_string()),
-        _ => None,
-    };
     // Out of admission's count before anyone hears it finished, so a caller
     // may start the next one at once (its sandbox is gone already).
     core.engine.release(&record.execution_id);
     crate::telemetry::execution_finished(&record.evidence);
-    // The final record, its raw result (kept scrubbed, like everything the
-    // harness said, for the owner and adm), its hub report and the
-    // `finished` event: one transaction, then the event is sent.
-    let finished = core.recorder.prepare(EventKind::Finished { execution: Box::new(record.clone()) }).await;
-    let store = &core.engine.store;
-    let raw = (core.raw.tool_output.as_str(), core.raw.tool_error.as_str());
-    let stored = core
-        .recorder
-        .persist_with(1, || store.finish_execution(record, report.as_deref(), Some(raw), Some(&finished)))
-        .await;
-    if stored {
-        if let (Some(hub), Some(_)) = (&core.engine.hub, &report) {
-            hub.notify();
-        }
-        core.recorder.publish(finished, Some(RawPart::Finished(std::mem::take(&mut core.raw))));
-    } else {
+    // Its raw result is kept scrubbed, like everything the harness said,
+    // for the owner and adm.
+    let raw = std::mem::take(&mut core.raw);
+    if !store_finished(&core.engine, &mut core.recorder, record, Some(raw)).await {
         tracing::error!(execution_id = %record.execution_id, "execution record not stored");
     }
     crate::telemetry::finished_span(&tracing::Span::current(), &record.evidence);
@@ -136,4 +119,34 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
         class = record.evidence.failure_class.as_str(),
         "execution finished"
     );
+}
+
+/// Stores an execution's final record, its raw result, its hub report
+/// (when it asked for one and a hub is configured) and its `finished`
+/// event in one transaction, then sends the event (with the raw result,
+/// for the direct caller) and wakes the hub's reporter. `false` when the
+/// store refused: nothing was stored or sent.
+pub(super) async fn store_finished(
+    engine: &Engine,
+    recorder: &mut Recorder,
+    record: &ExecutionRecord,
+    raw: Option<RawResult>,
+) -> bool {
+    // The report goes into the outbox with the final record, or not at all.
+    let report = match (&engine.hub, record.report_to_hub) {
+        (Some(_), true) => Some(crate::hub::report(record).to_string()),
+        _ => None,
+    };
+    let finished = recorder.prepare(EventKind::Finished { execution: Box::new(record.clone()) }).await;
+    let store = &engine.store;
+    let kept = raw.as_ref().map(|r| (r.tool_output.as_str(), r.tool_error.as_str()));
+    let stored =
+        recorder.persist_with(1, || store.finish_execution(record, report.as_deref(), kept, Some(&finished))).await;
+    if stored {
+        if let (Some(hub), Some(_)) = (&engine.hub, &report) {
+            hub.notify();
+        }
+        recorder.publish(finished, raw.map(RawPart::Finished));
+    }
+    stored
 }

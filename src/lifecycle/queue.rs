@@ -161,13 +161,11 @@ impl Engine {
         answer: tokio::sync::oneshot::Sender<Result<Submitted, EngineError>>,
     ) {
         let mut record = self.new_record(&execution_id, &cmd, ExecutionState::Pending);
-        let live = slot.as_ref().map(|_| self.bus.open(&execution_id));
         let work = QueuedWork { command: cmd.clone(), traceparent: cmd.traceparent.clone(), quota: cmd.quota };
         let admit = Admit { take_here: slot.is_some(), needs: &needs, max_queued: self.fleet.max_queued };
         let enqueued = self.store.enqueue_execution(&record, &cmd.digest(), &work, admit).await;
         let taken = matches!(enqueued, Ok(Enqueued::Taken));
         if !taken && slot.is_some() {
-            self.bus.close(&execution_id);
             self.release(&execution_id);
         }
         let mut run = None;
@@ -175,16 +173,14 @@ impl Engine {
             Ok(Enqueued::Taken) => {
                 record.state = ExecutionState::Running;
                 run = Some(record.clone());
-                // Opened with the slot, which taking it needs.
-                let subscription = match live {
-                    Some(live) => Ok(super::Subscription::live(live, true).catching_up(
-                        self.event_pages.clone(),
-                        execution_id.clone(),
-                        self.bus.capacity(),
-                    )),
-                    None => self.watch(&execution_id, 0).await,
-                };
-                subscription.map(|subscription| Submitted { record: record.clone(), subscription, existing: false })
+                // Opened before the run starts (below), so the caller sees
+                // event 1.
+                let subscription = super::Subscription::live(self.bus.open(&execution_id), true).catching_up(
+                    self.event_pages.clone(),
+                    execution_id.clone(),
+                    self.bus.capacity(),
+                );
+                Ok(Submitted { record: record.clone(), subscription, existing: false })
             }
             Ok(Enqueued::Queued) => {
                 tracing::info!(execution_id = %execution_id, "queued for a node with room");
@@ -247,16 +243,17 @@ impl Engine {
                 }
             };
             let full = claimed.len() == placeholders.len();
-            let mut unused = placeholders.iter();
-            for claimed in claimed {
-                let placeholder = unused.next().expect("one placeholder per claimed execution");
+            // At most one claimed execution per placeholder (the claim's
+            // limit); the placeholders left over are given back.
+            let used = claimed.len();
+            for (claimed, placeholder) in claimed.into_iter().zip(&placeholders) {
                 let id = claimed.record.execution_id.clone();
                 match self.admission.rename(placeholder, &id, &claimed.record.consumer.principal) {
                     Some(cancel) => self.start_claimed(claimed, cancel),
                     None => tracing::error!(execution_id = %id, "fleet: a claimed execution got no slot"),
                 }
             }
-            for placeholder in unused {
+            for placeholder in placeholders.iter().skip(used) {
                 self.admission.release(placeholder);
             }
             if !full {
@@ -307,22 +304,9 @@ impl Engine {
         record.finished_at_ms = Some(now_ms());
         record.evidence.outcome = Outcome::Cancelled;
         record.evidence.error = "execution cancelled before a node took it from the queue".into();
-        let report = match (&self.hub, record.report_to_hub) {
-            (Some(_), true) => Some(crate::hub::report(&record).to_string()),
-            _ => None,
-        };
-        let finished = recorder.prepare(EventKind::Finished { execution: Box::new(record.clone()) }).await;
-        let store = &self.store;
-        let stored = recorder
-            .persist_with(1, || store.finish_execution(&record, report.as_deref(), None, Some(&finished)))
-            .await;
-        if !stored {
+        if !super::execution::store_finished(self, &mut recorder, &record, None).await {
             return Err(EngineError::Unavailable(format!("execution {id} was taken out of the queue, not stored")));
         }
-        if let (Some(hub), Some(_)) = (&self.hub, &report) {
-            hub.notify();
-        }
-        recorder.publish(finished, None);
         Ok(record)
     }
 }

@@ -181,25 +181,12 @@ impl Finisher {
     /// for one) and its `finished` event, in one transaction: nobody sees
     /// it ended without its `finished` event.
     async fn execution(mut self, engine: &Engine, record: ExecutionRecord) -> Result<(), EngineError> {
-        let report = match (&engine.hub, record.report_to_hub) {
-            (Some(_), true) => Some(crate::hub::report(&record).to_string()),
-            _ => None,
-        };
-        let finished = self.0.prepare(EventKind::Finished { execution: Box::new(record.clone()) }).await;
-        let store = &engine.store;
-        let stored =
-            self.0.persist_with(1, || store.finish_execution(&record, report.as_deref(), None, Some(&finished))).await;
-        if !stored {
-            return Err(EngineError::Unavailable(format!(
-                "execution {} not finished in the store",
-                record.execution_id
-            )));
+        match super::execution::store_finished(engine, &mut self.0, &record, None).await {
+            true => Ok(()),
+            false => {
+                Err(EngineError::Unavailable(format!("execution {} not finished in the store", record.execution_id)))
+            }
         }
-        if let (Some(hub), Some(_)) = (&engine.hub, &report) {
-            hub.notify();
-        }
-        self.0.publish(finished, None);
-        Ok(())
     }
 
     /// The failed session's final record and its `finished` event, in one

@@ -276,7 +276,6 @@ impl Subscription {
     /// the owner in `store`, as the live one would carry it (whether it
     /// comes from the first replay or from polling).
     pub fn for_direct_caller(mut self, store: Store, subject: String) -> Self {
-        self.with_raw = true;
         self.raw_from = Some(RawFrom::Execution(store, subject));
         self
     }
@@ -285,7 +284,6 @@ impl Subscription {
     /// `request`: its `turn_finished` gets the raw result the owner hands
     /// back on that request (see `Engine::answer_turn`).
     pub fn for_forwarded_turn(mut self, store: Store, request: String) -> Self {
-        self.with_raw = true;
         self.raw_from = Some(RawFrom::Turn(store, request));
         self
     }

@@ -8,41 +8,27 @@ impl Store {
     /// it comes back as [`Inserted::Existing`], for the caller to compare
     /// digests.
     pub async fn insert_execution(&self, record: &ExecutionRecord, digest: &str) -> Result<Inserted, StoreError> {
-        let request_id = (!record.request_id.is_empty()).then_some(record.request_id.as_str());
-        let result = sqlx::query(
-            "INSERT INTO executions (execution_id, request_id, request_digest, state, profile_ref, actor, project, created_at_ms, record, node, principal)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
-        )
-        .bind(&record.execution_id)
-        .bind(request_id)
-        // Only a repeated request id compares digests.
-        .bind(if request_id.is_some() { digest } else { "" })
-        .bind(record.state.as_str())
-        .bind(&record.harness_profile_ref)
-        .bind(&record.consumer.actor)
-        .bind(&record.consumer.project)
-        .bind(record.created_at_ms)
-        .bind(stored::execution_to_stored(record)?)
-        .bind(&self.node)
-        // Request ids are unique per principal, not across the daemon.
-        .bind(&record.consumer.principal)
-        .execute(&self.pool)
-        .await;
-        match result {
-            Ok(_) => Ok(Inserted::Created),
-            Err(sqlx::Error::Database(e)) if e.is_unique_violation() && request_id.is_some() => {
-                let row = sqlx::query(&format!(
-                    "SELECT {EXECUTION}, request_digest FROM executions WHERE principal = $1 AND request_id = $2"
-                ))
-                .bind(&record.consumer.principal)
-                .bind(request_id)
-                .fetch_one(&self.pool)
-                .await?;
-                let record = execution_from_row(&row)?;
-                Ok(Inserted::Existing { record: Box::new(record), digest: row.get("request_digest") })
-            }
-            Err(e) => Err(e.into()),
+        if insert_execution_on(&self.pool, record, digest, record.state, Some(&self.node)).await? {
+            return Ok(Inserted::Created);
         }
+        let (record, digest) = self.execution_holding(record).await?;
+        Ok(Inserted::Existing { record, digest })
+    }
+
+    /// The execution that holds `record`'s request id (its principal's),
+    /// with the digest of the request that created it.
+    pub(super) async fn execution_holding(
+        &self,
+        record: &ExecutionRecord,
+    ) -> Result<(Box<ExecutionRecord>, String), StoreError> {
+        let row = sqlx::query(&format!(
+            "SELECT {EXECUTION}, request_digest FROM executions WHERE principal = $1 AND request_id = $2"
+        ))
+        .bind(&record.consumer.principal)
+        .bind(&record.request_id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((Box::new(execution_from_row(&row)?), row.get("request_digest")))
     }
 
     /// Stores the record as it now is, with no report, raw result or event.
@@ -197,4 +183,40 @@ impl Store {
         .await?;
         rows.iter().map(execution_from_row).collect()
     }
+}
+
+/// Inserts `record` as `state`, of `node` (`None`: of no node yet, queued);
+/// `false` when its principal already used its request id.
+pub(super) async fn insert_execution_on<'c, E>(
+    conn: E,
+    record: &ExecutionRecord,
+    digest: &str,
+    state: ExecutionState,
+    node: Option<&str>,
+) -> Result<bool, StoreError>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Any>,
+{
+    let request_id = (!record.request_id.is_empty()).then_some(record.request_id.as_str());
+    let inserted = sqlx::query(
+        "INSERT INTO executions (execution_id, request_id, request_digest, state, profile_ref, actor, project, created_at_ms, record, node, principal)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+         ON CONFLICT (principal, request_id) DO NOTHING",
+    )
+    .bind(&record.execution_id)
+    .bind(request_id)
+    // Only a repeated request id compares digests.
+    .bind(if request_id.is_some() { digest } else { "" })
+    .bind(state.as_str())
+    .bind(&record.harness_profile_ref)
+    .bind(&record.consumer.actor)
+    .bind(&record.consumer.project)
+    .bind(record.created_at_ms)
+    .bind(stored::execution_to_stored(record)?)
+    .bind(node)
+    // Request ids are unique per principal, not across the daemon.
+    .bind(&record.consumer.principal)
+    .execute(conn)
+    .await?;
+    Ok(inserted.rows_affected() == 1)
 }

@@ -101,36 +101,10 @@ impl Store {
         self.check_fence(&mut tx).await?;
         let state = if take { ExecutionState::Running } else { ExecutionState::Pending };
         let node = take.then_some(self.node.as_str());
-        let request_id = (!record.request_id.is_empty()).then_some(record.request_id.as_str());
-        let inserted = sqlx::query(
-            "INSERT INTO executions (execution_id, request_id, request_digest, state, profile_ref, actor, project, created_at_ms, record, node, principal)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
-             ON CONFLICT (principal, request_id) DO NOTHING",
-        )
-        .bind(&record.execution_id)
-        .bind(request_id)
-        .bind(if request_id.is_some() { digest } else { "" })
-        .bind(state.as_str())
-        .bind(&record.harness_profile_ref)
-        .bind(&record.consumer.actor)
-        .bind(&record.consumer.project)
-        .bind(record.created_at_ms)
-        .bind(stored::execution_to_stored(record)?)
-        .bind(node)
-        .bind(principal)
-        .execute(&mut *tx)
-        .await?;
-        if inserted.rows_affected() == 0 {
+        if !super::executions::insert_execution_on(&mut *tx, record, digest, state, node).await? {
             drop(tx);
-            let row = sqlx::query(&format!(
-                "SELECT {EXECUTION}, request_digest FROM executions WHERE principal = $1 AND request_id = $2"
-            ))
-            .bind(principal)
-            .bind(request_id)
-            .fetch_one(&self.pool)
-            .await?;
-            let existing = execution_from_row(&row)?;
-            return Ok(Enqueued::Existing { record: Box::new(existing), digest: row.get("request_digest") });
+            let (record, digest) = self.execution_holding(record).await?;
+            return Ok(Enqueued::Existing { record, digest });
         }
         if !take {
             sqlx::query(
