@@ -50,6 +50,14 @@ impl Node {
         Node::start_through(dir, name, url, extra, Vec::new()).await
     }
 
+    /// A node whose config starts with the top-level keys `top` (e.g.
+    /// `max_running_sessions = 1`).
+    async fn start_topped(dir: &Path, name: &str, url: &str, top: &str, tables: &str) -> Node {
+        Node::start_through(dir, name, url, &format!("{top}\0{tables}"), Vec::new()).await
+    }
+
+    /// `extra` goes after the `[fleet]` section; a part of it before a NUL
+    /// goes before it, at the top of the file.
     async fn start_through(dir: &Path, name: &str, url: &str, extra: &str, wrapper: Vec<String>) -> Node {
         let data = dir.join(name);
         let profiles = dir.join("profiles");
@@ -59,7 +67,8 @@ impl Node {
         if !data.with_extension("toml").exists() {
             std::fs::write(data.with_extension("toml"), format!("[store]\nurl = {url:?}\n")).unwrap();
         }
-        let config = format!("{}{extra}\n", fleet_config(name));
+        let (top, extra) = extra.split_once('\0').unwrap_or(("", extra));
+        let config = format!("{top}\n{}{extra}\n", fleet_config(name));
         let wrap: Vec<&str> = wrapper.iter().map(String::as_str).collect();
         let process = ServeProcess::start_wrapped(&data, &profiles, &[], &config, &wrap).await;
         Node { name: name.into(), data, profiles, config, wrapper, process }
@@ -661,16 +670,6 @@ async fn work_sent_to_a_front_end_runs_on_the_nodes_with_room_and_every_caller_s
     assert_eq!(ran_on.keys().cloned().collect::<Vec<_>>(), vec!["node-b", "node-c"], "{ran_on:?}");
     assert_eq!(ran_on.values().sum::<i32>(), 30);
     assert_eq!(store.queued_count().await.unwrap(), 0, "nothing left in the queue");
-    // A session cannot be queued: the front end says so instead of taking it.
-    let mut sessions = corral::pb::session_service_client::SessionServiceClient::new(front.process.channel().await);
-    let create = pb::CreateSessionRequest {
-        profile_ref: "builtin.shell".into(),
-        project: "proj-a".into(),
-        ..Default::default()
-    };
-    let refused = sessions.create_session(create).await.unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
-    assert!(refused.message().contains("front end"), "{}", refused.message());
 }
 
 /// A principal's `max_running` holds across the fleet: a burst sent to two
@@ -894,4 +893,92 @@ async fn placement_labels_keep_runs_on_the_nodes_that_have_them() {
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
     assert!(refused.message().contains("tpu"), "{}", refused.message());
     assert_eq!(store.queued_count().await.unwrap(), 0);
+}
+
+/// Sessions sent to a front end start on the nodes with room: each create
+/// is handed to a node able to take it, the next one when the first is
+/// full; with every node full the create is RESOURCE_EXHAUSTED. A
+/// principal's `max_running` counts its sessions across the fleet, on
+/// every node it is sent to. A handed session is driven and ended through
+/// the front end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_sent_to_a_front_end_start_on_nodes_with_room_within_a_fleet_wide_quota() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    use corral::pb::session_service_client::SessionServiceClient;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    write_session_agent(dir.path());
+    let principal = |name: &str, max_running: usize| {
+        let token = format!("{name}-token-7c1e-44d2-9b0a-session-placement");
+        let file = dir.path().join(format!("{name}.token"));
+        std::fs::write(&file, &token).unwrap();
+        let table = format!(
+            "[[principals]]\nname = {name:?}\ntype = \"agt\"\nprojects = [\"proj-s\"]\ntoken_file = {:?}\n\
+             max_running = {max_running}\n",
+            file.display().to_string()
+        );
+        (token, table)
+    };
+    let (wide, wide_table) = principal("wide", 3);
+    let (narrow, narrow_table) = principal("narrow", 1);
+    let tables = format!("{wide_table}{narrow_table}");
+    let front = Node::start_configured(dir.path(), "front", &url, "capacity = 0", &tables).await;
+    let b = Node::start_topped(dir.path(), "node-b", &url, "max_running_sessions = 1", &tables).await;
+    let c = Node::start_topped(dir.path(), "node-c", &url, "max_running_sessions = 1", &tables).await;
+    let mut on_front = SessionServiceClient::new(front.process.channel().await);
+    let create = |token: &str| {
+        let mut create = create_agent_session();
+        create.project = "proj-s".into();
+        common::with_token(token, create)
+    };
+    let sandboxes = |node: &Node| std::fs::read_dir(node.data.join("sandboxes")).map(|d| d.count()).unwrap_or(0);
+    // node-b full: every create sent to the front end opens on node-c, the
+    // one of two that starts its tries at node-b as well (the front end
+    // starts each create's tries at the next node).
+    let mut on_b = SessionServiceClient::new(b.process.channel().await);
+    let on_b_itself = on_b.create_session(create(&wide)).await.unwrap().into_inner();
+    let mut opened = Vec::new();
+    for _ in 0..2 {
+        let session = on_front.create_session(create(&wide)).await.expect("handed to node-c").into_inner();
+        assert_eq!(session.state, pb::SessionState::Active as i32, "{session:?}");
+        assert_eq!((sandboxes(&front), sandboxes(&b), sandboxes(&c)), (0, 1, 1), "on the node with room");
+        // Driven through the front end, where it runs.
+        let turn = pb::SendTurnRequest {
+            session_id: session.session_id.clone(),
+            tool_call: Some(pb::ToolCall { tool: "echo".into(), arguments_json: r#"{"echo": "via-front"}"#.into() }),
+        };
+        let turned = on_front.send_turn(common::with_token(&wide, turn)).await.unwrap().into_inner();
+        match stream_to_end(turned).await.last().and_then(|e| e.kind.clone()) {
+            Some(pb::lifecycle_event::Kind::TurnFinished(t)) => {
+                assert!(t.ok && t.output.contains("echo via-front"), "{t:?}")
+            }
+            other => panic!("the turn ends with turn_finished, not {other:?}"),
+        }
+        opened.push(session);
+        if opened.len() == 1 {
+            let end = pb::EndSessionRequest { session_id: opened[0].session_id.clone() };
+            on_front.end_session(common::with_token(&wide, end)).await.unwrap();
+            wait_for("the first session's sandbox gone", Duration::from_secs(10), || sandboxes(&c) == 0).await;
+        }
+    }
+    let full = on_front.create_session(create(&wide)).await.unwrap_err();
+    assert_eq!(full.code(), tonic::Code::ResourceExhausted, "{full:?}");
+    assert!(full.message().contains("no node of the fleet has room"), "{full:?}");
+    for session in [&on_b_itself, &opened[1]] {
+        let end = pb::EndSessionRequest { session_id: session.session_id.clone() };
+        let ended = on_front.end_session(common::with_token(&wide, end)).await.unwrap().into_inner();
+        assert_eq!(ended.state, pb::SessionState::Ended as i32, "{ended:?}");
+    }
+    wait_for("both sessions' sandboxes gone", Duration::from_secs(10), || sandboxes(&b) + sandboxes(&c) == 0).await;
+    // Room on both nodes now; `narrow` may run one thing in the whole fleet.
+    let only = on_front.create_session(create(&narrow)).await.expect("narrow's one session").into_inner();
+    assert_eq!(only.state, pb::SessionState::Active as i32);
+    for node in [&front, &b, &c] {
+        let mut client = SessionServiceClient::new(node.process.channel().await);
+        let over = client.create_session(create(&narrow)).await.unwrap_err();
+        assert_eq!(over.code(), tonic::Code::ResourceExhausted, "sent to {}: {over:?}", node.name);
+        assert!(over.message().contains("max_running quota of 1"), "sent to {}: {over:?}", node.name);
+    }
+    assert_eq!(sandboxes(&b) + sandboxes(&c), 1, "nothing started past the quota");
 }

@@ -91,7 +91,7 @@ impl SessionService for SessionApi {
         let req = request.into_inner();
         let (repo, specs) = validate::create_session(&req, &self.repo_roots, &principal.repos).await?;
         let (actor, project) = principal.admit(&req.actor, &req.project).map_err(denied)?;
-        let policies = session_policies(&principal, specs)?;
+        let policies = session_policies(&principal, specs.clone())?;
         let cmd = CreateSessionCommand {
             session_id: scoped_session_id(&principal, &req.session_id),
             profile_ref: req.profile_ref,
@@ -99,6 +99,7 @@ impl SessionService for SessionApi {
             project,
             repo,
             policies,
+            policy_specs: specs,
             principal: principal.name.clone(),
             quota: principal.max_running,
             traceparent: trace_parent,

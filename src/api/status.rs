@@ -40,7 +40,7 @@ impl From<EngineError> for Status {
             }
             EngineError::Unavailable(_) => with_reason(Code::Unavailable, message, "DRAINING", vec![]),
             EngineError::NoNodeCanRun(_) => with_reason(Code::Unavailable, message, "NO_NODE_CAN_RUN", vec![]),
-            EngineError::NodeUnreachable { node } => {
+            EngineError::NodeUnreachable { node, .. } => {
                 with_reason(Code::Unavailable, message, "NODE_UNREACHABLE", vec![("node".into(), node)])
             }
             EngineError::OutOfRange { oldest, .. } => with_reason(

@@ -10,6 +10,7 @@ mod fit;
 mod leftover;
 mod limits;
 mod phase;
+mod place;
 mod queue;
 mod recovery;
 mod session;
@@ -100,10 +101,12 @@ pub enum EngineError {
     NoNodeCanRun(String),
     /// Another node of the fleet runs it and did not answer a forwarded
     /// request in time (it may be lost; a survivor will fail its runs).
-    #[error("node {node:?} did not answer within {} s", FORWARD_TIMEOUT.as_secs())]
+    #[error("node {node:?} did not answer within {seconds} s")]
     NodeUnreachable {
         /// The node that runs it.
         node: String,
+        /// How long it was waited for.
+        seconds: u64,
     },
     /// The store failed; the details are logged, not sent.
     #[error(transparent)]
@@ -500,14 +503,26 @@ impl Engine {
         subject: &str,
         payload: &str,
     ) -> Result<(String, String), EngineError> {
+        self.forward_for(node, kind, subject, payload, FORWARD_TIMEOUT).await
+    }
+
+    /// [`Engine::forward_with`] waiting up to `timeout` for the answer.
+    pub(crate) async fn forward_for(
+        &self,
+        node: &str,
+        kind: &str,
+        subject: &str,
+        payload: &str,
+        timeout: Duration,
+    ) -> Result<(String, String), EngineError> {
         let request = self.store.ask_node(node, kind, subject, payload).await?;
-        let deadline = std::time::Instant::now() + FORWARD_TIMEOUT;
+        let deadline = std::time::Instant::now() + timeout;
         loop {
             match self.store.request_answer(&request).await? {
                 Some(Ok(json)) => return Ok((request, json)),
                 Some(Err(why)) => return Err(EngineError::FailedPrecondition(why)),
                 None if std::time::Instant::now() >= deadline => {
-                    return Err(EngineError::NodeUnreachable { node: node.to_string() })
+                    return Err(EngineError::NodeUnreachable { node: node.to_string(), seconds: timeout.as_secs() })
                 }
                 None => tokio::time::sleep(Duration::from_millis(20)).await,
             }
@@ -574,6 +589,14 @@ impl Engine {
         };
         for crate::store::NodeRequest { id, kind, subject, payload } in pending {
             let answer = match kind.as_str() {
+                "create_session" => match self.store.take_request(&id).await {
+                    Ok(true) => {
+                        self.answer_create(id, subject, payload);
+                        continue;
+                    }
+                    Ok(false) => continue,
+                    Err(e) => Err(e.to_string()),
+                },
                 "send_turn" if self.live_session(&subject).is_some() => self.answer_turn(&id, &subject, &payload).await,
                 "send_turn" => Err(format!("session {subject} is not running on node {}", self.store.node())),
                 "decide_tool_call" => self.answer_decision(&subject, &payload),

@@ -59,7 +59,7 @@ pub fn covers(labels: &[String], needs: &[String]) -> bool {
 impl Engine {
     /// What a node needs to run `profile_ref`; nothing when it does not
     /// resolve (any node then records the refusal).
-    fn needs_of(&self, profile_ref: &str) -> Vec<String> {
+    pub(super) fn needs_of(&self, profile_ref: &str) -> Vec<String> {
         self.catalog.resolve(profile_ref).map(|p| p.needs()).unwrap_or_default()
     }
 
@@ -76,7 +76,7 @@ impl Engine {
             .collect();
         (!missing.is_empty()).then(|| {
             format!(
-                "profile {} runs only on nodes labelled {}; node {} is not (its [fleet] labels: {})",
+                "profile {} runs only on nodes labelled {}; node {} is not (it has: {})",
                 profile.reference(),
                 missing.join(", "),
                 self.store.node(),
@@ -125,7 +125,7 @@ impl Engine {
     }
 
     /// The fleet's nodes as read at most [`NODES_FRESH`] ago.
-    async fn fleet_nodes(&self) -> Result<Arc<Vec<crate::store::NodeRow>>, EngineError> {
+    pub(super) async fn fleet_nodes(&self) -> Result<Arc<Vec<crate::store::NodeRow>>, EngineError> {
         if let Some((read, nodes)) = &*self.fleet.nodes.lock().await {
             if read.elapsed() < NODES_FRESH {
                 return Ok(nodes.clone());
@@ -145,11 +145,21 @@ impl Engine {
             .any(|n| n.state == crate::store::NodeState::Active && n.capacity > 0 && covers(&n.labels, needs));
         match able {
             true => Ok(()),
-            false => Err(EngineError::NoNodeCanRun(format!(
-                "no active node of the fleet with capacity can run {profile_ref} (it needs {}); retry later",
-                if needs.is_empty() { "nothing in particular".to_string() } else { needs.join(", ") }
-            ))),
+            false => Err(self.no_node_can_run(profile_ref, needs)),
         }
+    }
+
+    /// The refusal of work no active node of the fleet can run.
+    pub(super) fn no_node_can_run(&self, profile_ref: &str, needs: &[String]) -> EngineError {
+        EngineError::NoNodeCanRun(format!(
+            "no active node of the fleet with capacity can run {profile_ref} (it needs {}); retry later",
+            if needs.is_empty() { "nothing in particular".to_string() } else { needs.join(", ") }
+        ))
+    }
+
+    /// The labels this node has (`[fleet] labels` and what it detected).
+    pub(super) fn fleet_labels(&self) -> &[String] {
+        &self.fleet.labels
     }
 
     async fn accept_in_fleet(

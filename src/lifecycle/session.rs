@@ -13,7 +13,7 @@ use super::core::{Core, OpenFailure, TurnOutcome};
 use super::fit::{fit_raw, json_len};
 use super::{now_ms, Engine, EngineError, RawResult, SessionRecord, SessionState, Subscription};
 use crate::events::{EventKind, RawPart, Recorder};
-use crate::policy::Policy;
+use crate::policy::{Policy, PolicySpec};
 use crate::rein::{Task, ToolCall};
 use crate::sandbox::{Consumer, WORKSPACE_MOUNT};
 use crate::store::SessionInsert;
@@ -35,6 +35,9 @@ pub struct CreateSessionCommand {
     pub repo: String,
     /// The caller's own policies, which the gate evaluates first.
     pub policies: Vec<Policy>,
+    /// The same policies as written, for a node this one hands the session
+    /// to (see `place`).
+    pub policy_specs: Vec<PolicySpec>,
     /// The principal that asked for it, and its `max_running`.
     pub principal: String,
     /// The principal's `max_running`, if it has one.
@@ -95,19 +98,33 @@ impl Engine {
         if self.live_session(&id).is_some() {
             return Err(EngineError::AlreadyExists(format!("session {id}")));
         }
-        if self.store.is_shared() && !self.runs_work() {
-            return Err(EngineError::Unavailable(format!(
-                "node {} is a front end (fleet.capacity = 0) and sessions are not queued: create the session on a \
-                 node that runs work",
-                self.store.node()
-            )));
+        if !self.takes_sessions_of(&cmd.profile_ref) {
+            return self.create_elsewhere(cmd, id, None).await;
         }
-        // On a shared store the quota counts the whole fleet, in the store
-        // (see `store::queue`).
+        match self.reserve_session(&id, &cmd) {
+            Ok(()) => self.start_session(cmd, id).await,
+            Err(full) if self.store.is_shared() => self.create_elsewhere(cmd, id, Some(full)).await,
+            Err(full) => Err(EngineError::Overloaded(full)),
+        }
+    }
+
+    /// Takes a session slot under this node's admission limits (and, on a
+    /// single node, the principal's quota; a fleet counts that in the
+    /// store); the refusal says why not.
+    pub(super) fn reserve_session(&self, id: &str, cmd: &CreateSessionCommand) -> Result<(), String> {
         let local_quota = if self.store.is_shared() { None } else { cmd.quota };
         self.admission
-            .reserve(&id, admission::Work::Session, &cmd.principal, local_quota)
-            .map_err(|refused| EngineError::Overloaded(refused.0))?;
+            .reserve(id, admission::Work::Session, &cmd.principal, local_quota)
+            .map(|_| ())
+            .map_err(|refused| refused.0)
+    }
+
+    /// Starts a session that holds its slot here.
+    pub(super) async fn start_session(
+        self: &Arc<Self>,
+        cmd: CreateSessionCommand,
+        id: String,
+    ) -> Result<SessionRecord, EngineError> {
         // On the engine's own task: a caller that goes away mid-start (a
         // disconnect, its deadline) leaves a session that is whole, or none,
         // and its slot is given back exactly when it should be.

@@ -305,6 +305,17 @@ impl Store {
             .collect())
     }
 
+    /// Takes request `id` to answer later (a session start, which takes
+    /// seconds): it is no longer pending, so it is taken once. False when
+    /// it was taken already.
+    pub async fn take_request(&self, id: &str) -> Result<bool, StoreError> {
+        let taken = sqlx::query("UPDATE node_requests SET state = 'taken' WHERE id = $1 AND state = 'pending'")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(taken.rows_affected() == 1)
+    }
+
     /// Hands the caller of answered request `id` what came after the
     /// answer (a forwarded turn's raw result, as JSON).
     pub async fn set_request_raw(&self, id: &str, raw: &str) -> Result<(), StoreError> {
