@@ -381,6 +381,10 @@ async fn a_lost_epoch_can_write_nothing() {
     let refused = lost.append_events(&[event(2)]).await.unwrap_err();
     assert!(matches!(refused, corral::store::StoreError::Fenced { .. }), "{refused}");
     assert!(matches!(lost.renew_lease(1000, 0).await, Err(corral::store::StoreError::Fenced { .. })));
+    let mut record = corral::records::ExecutionRecord { execution_id: "e1".into(), ..Default::default() };
+    record.state = corral::records::ExecutionState::Running;
+    let refused = lost.update_execution(&record).await.unwrap_err();
+    assert!(matches!(refused, corral::store::StoreError::Fenced { .. }), "a record update too: {refused}");
     survivor.append_events(&[event(2)]).await.expect("the survivor writes");
     let stored: Vec<u64> = survivor.events_after("e1", 0).await.unwrap().iter().map(|e| e.sequence).collect();
     assert_eq!(stored, vec![1, 2]);

@@ -3,18 +3,23 @@
 use super::*;
 
 impl Store {
-    /// Stores several events in one statement (on a shared store, in a
-    /// transaction that first checks this node is not fenced).
+    /// Stores several events in one statement; on a shared store the same
+    /// statement checks this node is not fenced (see [`FENCED_APPEND`]) and
+    /// notifies their subjects' watchers: one round trip.
     pub async fn append_events(&self, events: &[Event]) -> Result<(), StoreError> {
         if !self.shared || events.is_empty() {
             return self.insert_events(&self.pool, events, false).await;
         }
-        let mut tx = self.pool.begin().await?;
-        self.check_fence(&mut tx).await?;
-        self.insert_events(&mut *tx, events, false).await?;
-        self.notify_events(&mut tx, events).await?;
-        tx.commit().await?;
-        Ok(())
+        let row = sqlx::query(FENCED_APPEND)
+            .bind(events_rows_json(events, false)?)
+            .bind(&self.node)
+            .bind(&self.epoch)
+            .fetch_one(&self.pool)
+            .await?;
+        match row.get::<i64, _>(0) {
+            0 => Err(self.fenced()),
+            _ => Ok(()),
+        }
     }
 
     /// Inserts `events` with one statement on `conn` (the pool, or a

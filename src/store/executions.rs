@@ -31,9 +31,26 @@ impl Store {
         Ok((Box::new(execution_from_row(&row)?), row.get("request_digest")))
     }
 
-    /// Stores the record as it now is, with no report, raw result or event.
+    /// Stores the record as it now is, with no report, raw result or event
+    /// (on a shared store, while it runs, in one fenced statement).
     pub async fn update_execution(&self, record: &ExecutionRecord) -> Result<(), StoreError> {
-        self.finish_execution(record, None, None, None).await
+        if !self.shared || record.state.is_terminal() {
+            return self.finish_execution(record, None, None, None).await;
+        }
+        let row = sqlx::query(FENCED_UPDATE_EXECUTION)
+            .bind(record.state.as_str())
+            .bind(profile_of(record))
+            .bind(record.finished_at_ms)
+            .bind(stored::execution_to_stored(record)?)
+            .bind(&record.execution_id)
+            .bind(&self.node)
+            .bind(&self.epoch)
+            .fetch_one(&self.pool)
+            .await?;
+        match row.get::<i64, _>(0) {
+            0 => Err(self.fenced()),
+            _ => Ok(()),
+        }
     }
 
     /// The final record, its hub report and its raw result, in one
@@ -66,16 +83,11 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
         }
-        let profile = if record.evidence.profile_ref.is_empty() {
-            &record.harness_profile_ref
-        } else {
-            &record.evidence.profile_ref
-        };
         sqlx::query(
             "UPDATE executions SET state = $1, profile_ref = $2, finished_at_ms = $3, record = $4 WHERE execution_id = $5",
         )
         .bind(record.state.as_str())
-        .bind(profile)
+        .bind(profile_of(record))
         .bind(record.finished_at_ms)
         .bind(stored::execution_to_stored(record)?)
         .bind(&record.execution_id)
@@ -219,4 +231,14 @@ where
     .execute(conn)
     .await?;
     Ok(inserted.rows_affected() == 1)
+}
+
+/// The profile an execution's row is listed under: the resolved reference
+/// once there is one, else the one the request named.
+fn profile_of(record: &ExecutionRecord) -> &str {
+    if record.evidence.profile_ref.is_empty() {
+        &record.harness_profile_ref
+    } else {
+        &record.evidence.profile_ref
+    }
 }

@@ -265,6 +265,34 @@ const INSERT_EVENTS_SQLITE: &str = "INSERT INTO events (subject_id, sequence, ti
 const INSERT_EVENTS_POSTGRES: &str = "INSERT INTO events (subject_id, sequence, time_ms, kind, body)
      SELECT e ->> 0, (e ->> 1)::BIGINT, (e ->> 2)::BIGINT, e ->> 3, e ->> 4 FROM json_array_elements($1::json) AS e";
 
+/// [`INSERT_EVENTS_POSTGRES`] behind the fence, in one statement (its own
+/// transaction): the share lock on the writer's node row that
+/// [`Store::check_fence`] takes first is taken by `owner`, which the insert
+/// waits for; when the node was declared lost nothing is inserted and
+/// `owned` is 0. The subjects' watchers are notified at commit.
+const FENCED_APPEND: &str = "WITH owner AS MATERIALIZED (
+         SELECT 1 FROM nodes WHERE name = $2 AND epoch = $3 AND state <> 'lost' FOR SHARE
+     ), stored AS (
+         INSERT INTO events (subject_id, sequence, time_ms, kind, body)
+         SELECT e ->> 0, (e ->> 1)::BIGINT, (e ->> 2)::BIGINT, e ->> 3, e ->> 4
+         FROM json_array_elements($1::json) AS e WHERE EXISTS (SELECT 1 FROM owner)
+         RETURNING subject_id
+     )
+     SELECT (SELECT count(*) FROM owner) AS owned,
+            (SELECT count(pg_notify('corral_events', subject)) FROM (SELECT DISTINCT subject_id AS subject FROM stored) AS s)
+                AS notified";
+
+/// An execution's record updated behind the fence, in one statement (see
+/// [`FENCED_APPEND`]); `owned` is 0 when the writer was declared lost.
+const FENCED_UPDATE_EXECUTION: &str = "WITH owner AS MATERIALIZED (
+         SELECT 1 FROM nodes WHERE name = $6 AND epoch = $7 AND state <> 'lost' FOR SHARE
+     ), updated AS (
+         UPDATE executions SET state = $1, profile_ref = $2, finished_at_ms = $3, record = $4
+         WHERE execution_id = $5 AND EXISTS (SELECT 1 FROM owner)
+         RETURNING 1
+     )
+     SELECT (SELECT count(*) FROM owner) AS owned, (SELECT count(*) FROM updated) AS updated";
+
 /// The rows of [`INSERT_EVENTS_SQLITE`] as its JSON parameter; with
 /// `stub_finished`, `finished` events as their stubs.
 fn events_rows_json(events: &[Event], stub_finished: bool) -> Result<String, StoreError> {

@@ -154,7 +154,7 @@ impl Store {
         Ok(NodeState::parse(row.get::<&str, _>(0)))
     }
 
-    fn fenced(&self) -> StoreError {
+    pub(super) fn fenced(&self) -> StoreError {
         StoreError::Fenced { node: self.node.clone(), epoch: self.epoch.clone() }
     }
 
