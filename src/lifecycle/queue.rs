@@ -228,6 +228,10 @@ impl Engine {
                 return;
             }
             let room = self.fleet.capacity.saturating_sub(self.admission.running(admission::Work::Execution));
+            if room == 0 {
+                // A run ending here wakes this loop again.
+                return;
+            }
             // Slots held for a claim are not free for work sent here: look
             // first (most wakeups find the queue empty).
             let queued = match self.store.queued_count().await {

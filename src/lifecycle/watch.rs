@@ -99,7 +99,10 @@ pub struct Subscription {
     /// polling the store, since its live channel is not here.
     poll: Option<(Store, String)>,
     /// Woken when the polled subject has new events (see `polling`).
-    wakeup: Option<Arc<tokio::sync::Notify>>,
+    wakeup: Option<Arc<Wakeup>>,
+    /// The wakeup's generation when the store was last read: while it is
+    /// the same, nothing was stored since, and the next read waits for news.
+    read_at: Option<u64>,
     /// Where skipped events are read back from, and the live buffer's size.
     catch_up: Option<(Arc<EventPages>, String, usize)>,
     /// The live event that showed a gap, held until the gap before it has
@@ -195,6 +198,7 @@ impl Subscription {
             until_turn: None,
             poll: None,
             wakeup: None,
+            read_at: None,
             catch_up: None,
             held: None,
             draining: false,
@@ -217,6 +221,7 @@ impl Subscription {
             until_turn: None,
             poll: None,
             wakeup: None,
+            read_at: None,
             catch_up: None,
             held: None,
             draining,
@@ -246,7 +251,7 @@ impl Subscription {
     }
 
     /// Follows the subject through the store instead of a live channel.
-    pub fn polling(mut self, store: Store, subject: String, wakeup: Arc<tokio::sync::Notify>) -> Self {
+    pub fn polling(mut self, store: Store, subject: String, wakeup: Arc<Wakeup>) -> Self {
         self.poll = Some((store, subject));
         self.wakeup = Some(wakeup);
         self.draining = false;
@@ -401,19 +406,33 @@ impl Subscription {
     async fn poll_next(&mut self) -> Option<Result<BusItem, Lagged>> {
         let (store, subject) = self.poll.clone()?;
         loop {
+            let generation = self.wakeup.as_ref().map(|w| w.generation());
+            if let (Some(wakeup), Some(read_at)) = (self.wakeup.clone(), self.read_at) {
+                if generation == Some(read_at) {
+                    // Nothing announced since the last read: wait for the
+                    // store's NOTIFY, or POLL_EVERY anyway (one missed
+                    // while the listener reconnects), then read.
+                    let notified = wakeup.notify.notified();
+                    tokio::pin!(notified);
+                    notified.as_mut().enable();
+                    if wakeup.generation() == read_at {
+                        let _ = tokio::time::timeout(POLL_EVERY, notified).await;
+                    }
+                    self.read_at = None;
+                    continue;
+                }
+            }
+            // The generation is taken before the read: an event stored
+            // after the read began is announced after it, so it changes.
             match store.events_after(&subject, self.last).await {
                 Ok(events) if !events.is_empty() => {
+                    self.read_at = generation;
                     self.replay = events.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }).collect();
                     let item = self.replay.pop_front()?;
                     return Some(Ok(self.deliver(item)));
                 }
-                // Woken by the store's NOTIFY, or after POLL_EVERY anyway.
-                Ok(_) => match &self.wakeup {
-                    Some(wakeup) => {
-                        let _ = tokio::time::timeout(POLL_EVERY, wakeup.notified()).await;
-                    }
-                    None => tokio::time::sleep(POLL_EVERY).await,
-                },
+                Ok(_) if self.wakeup.is_some() => self.read_at = generation,
+                Ok(_) => tokio::time::sleep(POLL_EVERY).await,
                 Err(e) => {
                     tracing::warn!(%subject, error = %e, "polling the store failed; ending the watch");
                     self.done = true;
@@ -457,27 +476,47 @@ mod tests {
 /// the store's `NOTIFY corral_events` wakes them (see `fleet`).
 #[derive(Default)]
 pub struct Wakeups {
-    waiting: Mutex<HashMap<String, std::sync::Weak<tokio::sync::Notify>>>,
+    waiting: Mutex<HashMap<String, std::sync::Weak<Wakeup>>>,
+}
+
+/// What the watchers of one subject on another node wait on: woken, and
+/// counted, at every NOTIFY of the subject.
+#[derive(Default)]
+pub struct Wakeup {
+    notify: tokio::sync::Notify,
+    generation: std::sync::atomic::AtomicU64,
+}
+
+impl Wakeup {
+    /// How many times the subject was announced so far.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn wake(&self) {
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
 }
 
 impl Wakeups {
     /// What a watcher of `subject` waits on (shared by its watchers).
-    pub fn waiter(&self, subject: &str) -> Arc<tokio::sync::Notify> {
+    pub fn waiter(&self, subject: &str) -> Arc<Wakeup> {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         waiting.retain(|_, w| w.strong_count() > 0);
         if let Some(existing) = waiting.get(subject).and_then(|w| w.upgrade()) {
             return existing;
         }
-        let notify = Arc::new(tokio::sync::Notify::new());
-        waiting.insert(subject.to_string(), Arc::downgrade(&notify));
-        notify
+        let wakeup = Arc::new(Wakeup::default());
+        waiting.insert(subject.to_string(), Arc::downgrade(&wakeup));
+        wakeup
     }
 
     /// `subject` has new events: every watcher waiting for it reads now.
     pub fn wake(&self, subject: &str) {
         let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(notify) = waiting.get(subject).and_then(|w| w.upgrade()) {
-            notify.notify_waiters();
+        if let Some(wakeup) = waiting.get(subject).and_then(|w| w.upgrade()) {
+            wakeup.wake();
         }
     }
 }
@@ -493,7 +532,7 @@ mod wakeup_tests {
         assert!(Arc::ptr_eq(&a, &wakeups.waiter("a")), "one waiter per subject");
         let b = wakeups.waiter("b");
         {
-            let (woken_a, woken_b) = (a.notified(), b.notified());
+            let (woken_a, woken_b) = (a.notify.notified(), b.notify.notified());
             tokio::pin!(woken_a, woken_b);
             woken_a.as_mut().enable();
             woken_b.as_mut().enable();
@@ -501,6 +540,7 @@ mod wakeup_tests {
             assert!(tokio::time::timeout(Duration::from_millis(100), woken_a).await.is_ok());
             assert!(tokio::time::timeout(Duration::from_millis(50), woken_b).await.is_err(), "b was not woken");
         }
+        assert_eq!((a.generation(), b.generation()), (1, 0), "a wake counts, for a watcher that was reading");
         drop((a, b));
         assert!(wakeups.waiting.lock().unwrap().values().all(|w| w.strong_count() == 0));
         let _c = wakeups.waiter("c");
