@@ -205,3 +205,22 @@ async fn fleet_without_a_database_says_it_is_not_measured() {
     assert!(f.not_measured.as_deref().is_some_and(|w| w.contains("--postgres")), "{f:?}");
     assert!(report.targets.iter().filter(|t| t.target.starts_with("fleet")).all(|t| t.met.is_none()));
 }
+
+/// `--server` measures a running daemon as any client calls it: with the
+/// token given (`CORRAL_TOKEN`, `--token-file`). Its TCP listener answers
+/// no call without one, so the same bench without the token is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_bench_calls_the_daemon_with_the_clients_token() {
+    common::require_bwrap();
+    let daemon = common::TestDaemon::start(common::Options::default()).await;
+    let args = BenchArgs::parse(&["latency", "--n", "2", "--warmup", "1"]).expect("valid bench arguments");
+    let without = corral::cli::Remote { url: daemon.url.clone(), token: None, tls: Default::default() };
+    let refused = run_scenario(&args, Some(&without)).await.expect_err("no token: refused");
+    assert!(format!("{refused:#}").contains("no credentials"), "{refused:#}");
+    let with = corral::cli::Remote { token: Some(daemon.admin_token()), ..without };
+    let report = run_scenario(&args, Some(&with)).await.expect("the bench runs with the token");
+    assert_eq!(report.mode, "server");
+    let latency = report.latency.expect("a latency report");
+    assert!(latency.errors.is_empty(), "{:?}", latency.errors);
+    assert_eq!(latency.corral.count, 2);
+}

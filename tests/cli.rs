@@ -308,16 +308,27 @@ async fn a_closed_pipe_ends_quietly_and_version_works_without_a_daemon() {
     assert_eq!(out.status.code(), Some(2));
 }
 
-/// `corral bench --server` sends no token: one given for it is refused
-/// rather than silently dropped.
-#[test]
-fn bench_against_a_server_refuses_a_token_it_would_not_send() {
-    let out = std::process::Command::new(CORRAL)
-        .args(["--server", "http://127.0.0.1:1", "bench", "latency"])
-        .env("CORRAL_TOKEN", "a-token-for-the-bench")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("sends no bearer token"), "{stderr}");
+/// `corral bench --server` calls the daemon with the client's token
+/// (`CORRAL_TOKEN`), as every other command does: without it the daemon's
+/// TCP listener refuses the bench's first call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_against_a_server_sends_the_clients_token() {
+    common::require_bwrap();
+    let daemon = common::TestDaemon::start(common::Options::default()).await;
+    let bench = |token: Option<String>| {
+        let mut command = tokio::process::Command::new(CORRAL);
+        command.args(["--server", &daemon.url, "bench", "latency", "--n", "1", "--warmup", "1"]);
+        command.env_remove("CORRAL_TOKEN").env_remove("CORRAL_TOKEN_FILE").env_remove("CORRAL_SERVER");
+        if let Some(token) = token {
+            command.env("CORRAL_TOKEN", token);
+        }
+        command.output()
+    };
+    let refused = bench(None).await.unwrap();
+    assert_ne!(refused.status.code(), Some(0), "no token, no bench");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("no credentials"), "{refused:?}");
+    let out = bench(Some(daemon.admin_token())).await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("(server daemon at http://"), "{stdout}");
 }

@@ -364,16 +364,9 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
         ClientCommand::Nodes => query::nodes(server, &printer).await,
         ClientCommand::Drain { node } => query::drain(server, node, &printer).await,
         ClientCommand::Version => query::version(server, &printer).await,
-        // The bench's clients carry no credentials: a token given for it
-        // would be ignored, so it is refused instead.
-        ClientCommand::Bench(_) if opts.server.is_some() && remote.token.is_some() => {
-            eprintln!(
-                "error: corral bench --server sends no bearer token (CORRAL_TOKEN, --token-file): run it over the \
-                 daemon's unix socket as its local administrator, or without --server (an in-process daemon)"
-            );
-            Ok(2)
-        }
-        ClientCommand::Bench(args) => bench::run(opts.server.as_deref(), args, opts.json).await,
+        // `--server` (or CORRAL_SERVER): that daemon, called with the token
+        // and TLS material given; none: in-process daemons.
+        ClientCommand::Bench(args) => bench::run(opts.server.is_some().then_some(&remote), args, opts.json).await,
     };
     match result {
         Ok(code) => Ok(code),

@@ -37,6 +37,8 @@ impl Store {
     /// row that the next start's recovery destroys again, which is a no-op.
     pub async fn set_sandbox_state(&self, sandbox_id: &str, state: SandboxState) -> Result<(), StoreError> {
         if state == SandboxState::Destroyed {
+            // One transaction (one commit, where these were three).
+            let mut tx = self.pool.begin().await?;
             // Remembered, so allocation hands it out again as late as it can.
             sqlx::query(
                 "INSERT INTO sandbox_uid_released (node, uid, released_at_ms)
@@ -46,14 +48,15 @@ impl Store {
             .bind(sandbox_id)
             .bind(&self.node)
             .bind(now_ms())
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
             sqlx::query("DELETE FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2")
                 .bind(sandbox_id)
                 .bind(&self.node)
-                .execute(&self.pool)
+                .execute(&mut *tx)
                 .await?;
-            sqlx::query("DELETE FROM sandboxes WHERE sandbox_id = $1").bind(sandbox_id).execute(&self.pool).await?;
+            sqlx::query("DELETE FROM sandboxes WHERE sandbox_id = $1").bind(sandbox_id).execute(&mut *tx).await?;
+            tx.commit().await?;
             return Ok(());
         }
         sqlx::query("UPDATE sandboxes SET state = $1, updated_at_ms = $2 WHERE sandbox_id = $3")

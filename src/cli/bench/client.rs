@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use tonic::transport::Channel;
+use super::target::Channel;
 
 use crate::pb;
 use crate::pb::execution_service_client::ExecutionServiceClient;

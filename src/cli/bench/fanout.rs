@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use super::target::Channel;
 use anyhow::Context as _;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 
 use super::client::{code_name, request};
 use super::emitter::{release, Emitter};

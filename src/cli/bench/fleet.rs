@@ -10,8 +10,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use super::target::Channel;
 use serde::Serialize;
-use tonic::transport::Channel;
 
 use super::client::request;
 use super::stats::Percentiles;
@@ -62,7 +62,7 @@ fn ms(t: &Option<prost_types::Timestamp>) -> f64 {
 
 /// Runs the scenario: two fresh in-process nodes on `--postgres`, or
 /// "not measured" with the reason.
-pub async fn run(args: &BenchArgs, server: Option<&str>) -> anyhow::Result<FleetReport> {
+pub async fn run(args: &BenchArgs, server: Option<&crate::cli::Remote>) -> anyhow::Result<FleetReport> {
     let not = |why: &str| FleetReport { not_measured: Some(why.into()), ..FleetReport::default() };
     if server.is_some() {
         return Ok(not("the fleet scenario starts its own two nodes (no --server)"));
@@ -104,15 +104,12 @@ async fn measure(args: &BenchArgs, front: &Target, runner: &Target) -> anyhow::R
     }
     let count = args.n.unwrap_or(10 * CONCURRENCY).max(CONCURRENCY);
     let sandboxes = Arc::new(Mutex::new(Vec::new()));
-    let channels = |target: &Target| {
-        let target_url = target.url.clone();
-        async move {
-            let mut channels = Vec::new();
-            for _ in 0..2 {
-                channels.push(crate::cli::connect(&target_url).await?);
-            }
-            anyhow::Ok(channels)
+    let channels = async |target: &Target| {
+        let mut channels = Vec::new();
+        for _ in 0..2 {
+            channels.push(target.connect().await?);
         }
+        anyhow::Ok(channels)
     };
     let queued = super::throughput::level(&channels(front).await?, &profile, CONCURRENCY, count, &sandboxes).await;
     let single = super::throughput::level(&channels(runner).await?, &profile, CONCURRENCY, count, &sandboxes).await;

@@ -6,9 +6,9 @@
 
 use std::time::{Duration, Instant};
 
+use super::target::Channel;
 use anyhow::{bail, Context as _};
 use serde::Serialize;
-use tonic::transport::Channel;
 
 use super::client::request;
 use super::emitter::{release, Emitter};

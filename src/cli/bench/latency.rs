@@ -5,9 +5,9 @@
 
 use std::collections::BTreeMap;
 
+use super::target::Channel;
 use anyhow::{bail, Context as _};
 use serde::Serialize;
-use tonic::transport::Channel;
 
 use super::client::{code_name, execute, request, Executed};
 use super::floor::Floor;

@@ -2,7 +2,8 @@
 //!
 //! Without an address (no `--server`, no `CORRAL_SERVER`) the bench starts
 //! a daemon in this process on 127.0.0.1:0 with a fresh data directory;
-//! with one, it measures that daemon. Scenarios: `latency` (against the
+//! with one, it measures that daemon, called with the client's token
+//! (`CORRAL_TOKEN`, `--token-file`) and TLS material. Scenarios: `latency` (against the
 //! floor: the exact bwrap command line corral runs, spawned directly),
 //! `throughput`, `fanout`, `ingest`, `peer`, or `all`. The figures and the
 //! method are in BENCHMARKS.md.
@@ -224,7 +225,7 @@ pub struct BenchReport {
 /// memory it grew and then forks more slowly, so no figure is taken on a
 /// daemon another one grew, and each means the same alone and in `all`.
 pub struct Daemons {
-    server: Option<String>,
+    server: Option<crate::cli::Remote>,
     data_dir: Option<PathBuf>,
     started: std::sync::atomic::AtomicUsize,
 }
@@ -232,18 +233,14 @@ pub struct Daemons {
 impl Daemons {
     /// Daemons at `server` when given, else fresh in-process ones keeping
     /// their data under `data_dir` (default: a temporary directory).
-    pub fn new(server: Option<&str>, data_dir: Option<&std::path::Path>) -> Daemons {
-        Daemons {
-            server: server.map(str::to_string),
-            data_dir: data_dir.map(|d| d.to_path_buf()),
-            started: Default::default(),
-        }
+    pub fn new(server: Option<&crate::cli::Remote>, data_dir: Option<&std::path::Path>) -> Daemons {
+        Daemons { server: server.cloned(), data_dir: data_dir.map(|d| d.to_path_buf()), started: Default::default() }
     }
 
     /// The daemon for the next scenario (or level) named `name`.
     async fn next(&self, name: &str) -> anyhow::Result<Target> {
         match &self.server {
-            Some(url) => Target::server(url).await,
+            Some(remote) => Target::server(remote).await,
             None => {
                 let n = self.started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 // With --data-dir each daemon gets a directory of its own in it.
@@ -273,7 +270,7 @@ impl Daemons {
 
 /// Runs a scenario against the daemon at `server`, or against fresh ones
 /// started in this process when `server` is `None` (see [`Daemons`]).
-pub async fn run_scenario(args: &BenchArgs, server: Option<&str>) -> anyhow::Result<BenchReport> {
+pub async fn run_scenario(args: &BenchArgs, server: Option<&crate::cli::Remote>) -> anyhow::Result<BenchReport> {
     let daemons = Daemons::new(server, args.data_dir.as_deref());
     let mut report = daemons
         .with("idle", async |target| {
@@ -330,7 +327,7 @@ pub async fn run_scenario(args: &BenchArgs, server: Option<&str>) -> anyhow::Res
 /// `corral bench`: runs the scenario and prints the tables (or, with
 /// `--json`, one JSON object). Exit code 0 once the run completed, whether
 /// or not the targets were met.
-pub async fn run(server: Option<&str>, args: BenchArgs, json: bool) -> anyhow::Result<i32> {
+pub async fn run(server: Option<&crate::cli::Remote>, args: BenchArgs, json: bool) -> anyhow::Result<i32> {
     let report = run_scenario(&args, server).await?;
     if let Some(path) = &args.save {
         use anyhow::Context as _;

@@ -5,11 +5,14 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use super::system;
+use crate::cli::Remote;
 use anyhow::Context as _;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 
-use super::system;
+/// A connection to the bench's daemon, with the caller's bearer token (if
+/// any) on every call.
+pub type Channel = crate::cli::Conn;
 use crate::config::Config;
 use crate::daemon::{default_reins, Daemon};
 use crate::sandbox::Backends;
@@ -40,6 +43,8 @@ pub enum Mode {
 
 pub struct Target {
     pub url: String,
+    /// How to reach it: its address, the token and the TLS material.
+    remote: Remote,
     pub mode: Mode,
     /// The daemon's data directory, when this process knows it.
     pub data_dir: Option<PathBuf>,
@@ -111,6 +116,7 @@ impl Target {
         let scratch = root.join("scratch");
         std::fs::create_dir_all(&scratch)?;
         Ok(Target {
+            remote: Remote { url: url.clone(), token: None, tls: Default::default() },
             url,
             mode: Mode::InProcess { shutdown, handle },
             data_dir: Some(data_dir),
@@ -121,9 +127,11 @@ impl Target {
         })
     }
 
-    /// A daemon that runs already. Its pid (for RSS and zombies) is found
-    /// when it listens on a loopback port of this host.
-    pub async fn server(url: &str) -> anyhow::Result<Target> {
+    /// A daemon that runs already, called with `remote`'s token and TLS
+    /// material (`CORRAL_TOKEN`, `--token-file`, `--ca`...). Its pid (for RSS
+    /// and zombies) is found when it listens on a loopback port of this host.
+    pub async fn server(remote: &Remote) -> anyhow::Result<Target> {
+        let url = remote.url.as_str();
         let root = std::env::temp_dir().join(format!("corral-bench-{}", uuid::Uuid::now_v7()));
         let scratch = root.join("scratch");
         std::fs::create_dir_all(&scratch).with_context(|| format!("cannot create {}", scratch.display()))?;
@@ -135,6 +143,7 @@ impl Target {
         };
         Ok(Target {
             url: url.to_string(),
+            remote: remote.clone(),
             mode: Mode::Server,
             data_dir: None,
             scratch,
@@ -145,11 +154,12 @@ impl Target {
     }
 
     /// A new connection (HTTP/2 channel) to the daemon: its unix socket
-    /// (`unix://…`, where the peer uid is the credential), or a TCP address.
+    /// (`unix://…`, where the peer uid is the credential), or a TCP address
+    /// (with the token, when one was given).
     pub async fn connect(&self) -> anyhow::Result<Channel> {
         let mut last = None;
         for _ in 0..50 {
-            match crate::cli::connect(&self.url).await {
+            match self.remote.open().await {
                 Ok(channel) => return Ok(channel),
                 Err(e) => last = Some(e),
             }

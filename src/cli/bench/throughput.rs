@@ -96,7 +96,7 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<Throughput
 }
 
 pub(super) async fn level(
-    channels: &[tonic::transport::Channel],
+    channels: &[super::target::Channel],
     profile: &str,
     concurrency: usize,
     count: usize,
