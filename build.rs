@@ -31,6 +31,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for kind in ["accepted", "resolved", "gated", "sandbox_ready", "finished", "turn_finished", "teardown"] {
         builder = builder.boxed(format!(".corral.v1.LifecycleEvent.kind.{kind}"));
     }
-    builder.compile_fds(fds)?;
+    builder.compile_fds(fds.clone())?;
+    // The services once more, as the daemon serves them: every message is
+    // the one above, but a stream's LifecycleEvent is sent as bytes encoded
+    // once for all its watchers (`api::wire::WireEvent`).
+    let wire = out.join("wire");
+    std::fs::create_dir_all(&wire)?;
+    tonic_prost_build::configure()
+        .build_client(false)
+        .build_server(true)
+        .out_dir(&wire)
+        .extern_path(".corral.v1.LifecycleEvent", "crate::api::wire::WireEvent")
+        .extern_path(".corral.v1", "crate::pb")
+        .compile_fds(fds)?;
     Ok(())
 }

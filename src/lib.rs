@@ -69,3 +69,10 @@ pub mod pb {
     /// reflection, and used by the CLI for canonical JSON output).
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("corral_descriptor");
 }
+
+/// The services as the daemon serves them: the messages of [`pb`], with
+/// each streamed `LifecycleEvent` sent as bytes encoded once for every
+/// stream that carries it (see `api::wire`).
+pub mod pb_wire {
+    include!(concat!(env!("OUT_DIR"), "/wire/corral.v1.rs"));
+}

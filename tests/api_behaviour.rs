@@ -60,6 +60,36 @@ fn assert_invalid(status: &tonic::Status, field: &str) {
     assert_eq!(bad.field_violations[0].field, field, "{bad:?}");
 }
 
+/// A watcher following the run live gets the very events the caller's
+/// stream carries (each encoded once for every stream), and never the
+/// caller's raw parts riding on them: the progress messages stay the
+/// caller's even though both streams share each event as it happens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_watcher_shares_the_callers_events_but_not_their_raw_parts() {
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut client = daemon.executions().await;
+    let mut caller = client.execute(request(FAKE, "PROGRESS 40\nPACE 40")).await.unwrap().into_inner();
+    let first = caller.message().await.unwrap().expect("accepted");
+    let Some(Kind::Accepted(accepted)) = first.kind.clone() else { panic!("first is accepted: {first:?}") };
+    let watch = pb::WatchRequest { execution_id: accepted.execution_id.clone(), after_sequence: 0 };
+    let mut watcher = client.watch_execution(watch).await.unwrap().into_inner();
+    let (mut seen_by_caller, mut watched) = (vec![first], Vec::new());
+    while let Some(event) = caller.message().await.unwrap() {
+        seen_by_caller.push(event);
+    }
+    while let Some(event) = watcher.message().await.unwrap() {
+        watched.push(event);
+    }
+    let messages = progress_messages(&seen_by_caller);
+    assert_eq!(messages.len(), 40);
+    assert!(messages.iter().all(|m| m.starts_with("step ")), "the caller sees its messages: {messages:?}");
+    let watched_messages = progress_messages(&watched);
+    assert_eq!(watched_messages.len(), 40, "{:?}", kinds(&watched));
+    assert!(watched_messages.iter().all(|m| m.is_empty()), "the live watcher saw raw parts: {watched_messages:?}");
+    assert_eq!(without_raw_parts(&seen_by_caller), watched, "the same events, raw parts aside");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_from_zero_replays_the_callers_events_without_raw_parts() {
     common::require_bwrap();

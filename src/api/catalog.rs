@@ -10,7 +10,7 @@ use tonic_types::{ErrorDetails, StatusExt};
 use super::{convert, status, validate};
 use crate::catalog::{check_actor, Catalog, Profile, ReadinessState, Refusal, RunFacts};
 use crate::pb;
-use crate::pb::catalog_service_server::CatalogService;
+use crate::pb_wire::catalog_service_server::CatalogService;
 use crate::policy::Gate;
 use crate::store::Store;
 

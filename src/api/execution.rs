@@ -16,10 +16,10 @@ use super::page::PageTokens;
 use super::{convert, limits, status, validate};
 use crate::lifecycle::{Engine, Lagged, Subscription};
 use crate::pb;
-use crate::pb::execution_service_server::ExecutionService;
+use crate::pb_wire::execution_service_server::ExecutionService;
 use crate::store::ExecutionFilter;
 
-pub type EventStream = Pin<Box<dyn Stream<Item = Result<pb::LifecycleEvent, Status>> + Send>>;
+pub type EventStream = Pin<Box<dyn Stream<Item = Result<super::wire::WireEvent, Status>> + Send>>;
 
 /// The ExecutionService: runs, watches, lists and cancels executions.
 pub struct ExecutionApi {
@@ -122,7 +122,7 @@ pub fn event_stream_with(
             };
             let (message, sequence) = match next {
                 None => return,
-                Some(Ok(item)) => (Ok(convert::event(&item)), item.event.sequence),
+                Some(Ok(item)) => (Ok(super::wire::WireEvent::of(&item)), item.event.sequence),
                 Some(Err(lag)) => {
                     let _ = tx.send(Err(status::lagged(lag))).await;
                     return;

@@ -13,6 +13,7 @@ mod session;
 pub mod status;
 mod unix;
 mod validate;
+pub mod wire;
 pub mod words;
 
 use std::path::PathBuf;
@@ -33,9 +34,9 @@ pub use session::SessionApi;
 use crate::catalog::Catalog;
 use crate::lifecycle::Engine;
 use crate::pb;
-use crate::pb::catalog_service_server::CatalogServiceServer;
-use crate::pb::execution_service_server::ExecutionServiceServer;
-use crate::pb::session_service_server::SessionServiceServer;
+use crate::pb_wire::catalog_service_server::CatalogServiceServer;
+use crate::pb_wire::execution_service_server::ExecutionServiceServer;
+use crate::pb_wire::session_service_server::SessionServiceServer;
 use crate::policy::Gate;
 
 /// Everything [`serve`] needs besides its listener.

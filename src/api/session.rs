@@ -13,7 +13,7 @@ use super::page::PageTokens;
 use super::{convert, limits, status, validate};
 use crate::lifecycle::{CreateSessionCommand, EndReason, Engine};
 use crate::pb;
-use crate::pb::session_service_server::SessionService;
+use crate::pb_wire::session_service_server::SessionService;
 use crate::policy::{compile_all, Policy, PolicySpec};
 
 /// The SessionService: creates, drives and ends sessions.

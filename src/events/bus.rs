@@ -25,6 +25,17 @@ pub struct BusItem {
     pub event: Arc<Event>,
     /// What only the direct caller sees; `None` on most events.
     pub raw: Option<Arc<RawPart>>,
+    /// The event as the API sends it without its raw part, encoded by the
+    /// first stream that sends it and shared with every other stream that
+    /// gets this item (opaque bytes here: the API fills them).
+    pub wire: Arc<std::sync::OnceLock<bytes::Bytes>>,
+}
+
+impl BusItem {
+    /// An item of `event`, encoded by nobody yet.
+    pub fn new(event: Arc<Event>, raw: Option<Arc<RawPart>>) -> BusItem {
+        BusItem { event, raw, wire: Arc::default() }
+    }
 }
 
 /// The live channels of every subject that is running in this daemon, one

@@ -78,7 +78,7 @@ impl Recorder {
         let mut last = None;
         for (event, raw) in events.into_iter().zip(raws) {
             let event = Arc::new(event);
-            self.bus.publish(BusItem { event: event.clone(), raw: raw.map(Arc::new) });
+            self.bus.publish(BusItem::new(event.clone(), raw.map(Arc::new)));
             last = Some(event);
         }
         last
@@ -101,7 +101,7 @@ impl Recorder {
         debug_assert_eq!(event.sequence, self.next, "events are published in order");
         self.next = event.sequence + 1;
         let event = Arc::new(event);
-        self.bus.publish(BusItem { event: event.clone(), raw: raw.map(Arc::new) });
+        self.bus.publish(BusItem::new(event.clone(), raw.map(Arc::new)));
         event
     }
 

@@ -212,7 +212,7 @@ impl Subscription {
         let draining = live.is_none();
         Subscription {
             _permit: None,
-            replay: replay.into_iter().map(|event| BusItem { event, raw: None }).collect(),
+            replay: replay.into_iter().map(|event| BusItem::new(event, None)).collect(),
             live,
             last: after,
             done: false,
@@ -391,7 +391,7 @@ impl Subscription {
                 }
             }
             Ok(page) => {
-                self.replay.extend(page.into_iter().map(|event| BusItem { event, raw: None }));
+                self.replay.extend(page.into_iter().map(|event| BusItem::new(event, None)));
                 let item = self.replay.pop_front()?;
                 Some(Some(Ok(self.deliver(item))))
             }
@@ -427,7 +427,7 @@ impl Subscription {
             match store.events_after(&subject, self.last).await {
                 Ok(events) if !events.is_empty() => {
                     self.read_at = generation;
-                    self.replay = events.into_iter().map(|e| BusItem { event: Arc::new(e), raw: None }).collect();
+                    self.replay = events.into_iter().map(|e| BusItem::new(Arc::new(e), None)).collect();
                     let item = self.replay.pop_front()?;
                     return Some(Ok(self.deliver(item)));
                 }

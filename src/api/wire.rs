@@ -1,0 +1,107 @@
+//! A streamed `LifecycleEvent` as the daemon sends it: bytes, encoded once.
+//!
+//! A thousand watchers of one execution get the same event a thousand
+//! times. Converting and encoding it for each would be most of the work of
+//! a fanout, so the services of [`crate::pb_wire`] stream [`WireEvent`]s:
+//! the message already encoded, which tonic's codec copies into each
+//! stream's frame as it is. A live event without its raw part (what every
+//! watcher gets) is encoded by the first stream that sends it and shared
+//! with every other (see [`crate::events::BusItem::wire`]); an event with
+//! the direct caller's raw part is encoded for that caller alone.
+//!
+//! On the wire nothing changes: the bytes are exactly the message's
+//! encoding, and every client decodes them as a `pb::LifecycleEvent`.
+
+use bytes::{BufMut, Bytes};
+
+use super::convert;
+use crate::events::BusItem;
+use crate::pb;
+
+/// An encoded `pb::LifecycleEvent`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WireEvent(Bytes);
+
+impl WireEvent {
+    /// The event of `item`, encoded: shared when it has no raw part.
+    pub fn of(item: &BusItem) -> WireEvent {
+        match item.raw {
+            None => WireEvent(item.wire.get_or_init(|| encode(&convert::event(item))).clone()),
+            Some(_) => WireEvent(encode(&convert::event(item))),
+        }
+    }
+
+    /// `event`, encoded.
+    pub fn encode(event: &pb::LifecycleEvent) -> WireEvent {
+        WireEvent(encode(event))
+    }
+}
+
+fn encode(event: &pb::LifecycleEvent) -> Bytes {
+    Bytes::from(prost::Message::encode_to_vec(event))
+}
+
+impl prost::Message for WireEvent {
+    fn encode_raw(&self, buf: &mut impl BufMut) {
+        buf.put_slice(&self.0);
+    }
+
+    /// The daemon never decodes one (it only sends them): any field is
+    /// skipped.
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: prost::encoding::WireType,
+        buf: &mut impl bytes::Buf,
+        ctx: prost::encoding::DecodeContext,
+    ) -> Result<(), prost::DecodeError> {
+        prost::encoding::skip_field(wire_type, tag, buf, ctx)
+    }
+
+    fn encoded_len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn clear(&mut self) {
+        self.0 = Bytes::new();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records::{Event, EventKind};
+    use std::sync::Arc;
+
+    fn item(raw: Option<crate::events::RawPart>) -> BusItem {
+        let event = Event {
+            subject_id: "e1".into(),
+            sequence: 7,
+            time_ms: 1_000,
+            kind: EventKind::Progress { progress_kind: "tool_use".into(), tool: "Bash".into(), tokens_so_far: 40 },
+        };
+        BusItem::new(Arc::new(event), raw.map(Arc::new))
+    }
+
+    #[test]
+    fn a_wire_event_is_the_message_encoding_exactly_and_decodes_as_one() {
+        let item = item(None);
+        let wire = WireEvent::of(&item);
+        let expected = prost::Message::encode_to_vec(&convert::event(&item));
+        assert_eq!(prost::Message::encode_to_vec(&wire), expected);
+        let decoded: pb::LifecycleEvent = prost::Message::decode(expected.as_slice()).unwrap();
+        assert_eq!(decoded, convert::event(&item));
+    }
+
+    #[test]
+    fn watchers_share_one_encoding_and_the_direct_caller_gets_its_own() {
+        let shared = item(None);
+        let copy = shared.clone();
+        let (a, b) = (WireEvent::of(&shared), WireEvent::of(&copy));
+        assert_eq!(a.0.as_ptr(), b.0.as_ptr(), "encoded once, the same bytes for both");
+        let direct = item(Some(crate::events::RawPart::ProgressMessage("the harness's own words".into())));
+        let raw = WireEvent::of(&direct);
+        assert!(direct.wire.get().is_none(), "a raw part is never put in the shared encoding");
+        assert_ne!(raw, WireEvent::of(&item(None)));
+    }
+}
