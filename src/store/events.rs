@@ -10,16 +10,7 @@ impl Store {
         if !self.shared || events.is_empty() {
             return self.insert_events(&self.pool, events, false).await;
         }
-        let row = sqlx::query(FENCED_APPEND)
-            .bind(events_rows_json(events, false)?)
-            .bind(&self.node)
-            .bind(&self.epoch)
-            .fetch_one(&self.pool)
-            .await?;
-        match row.get::<i64, _>(0) {
-            0 => Err(self.fenced()),
-            _ => Ok(()),
-        }
+        self.fenced_write(sqlx::query(FENCED_APPEND).bind(events_rows_json(events, false)?)).await
     }
 
     /// Inserts `events` with one statement on `conn` (the pool, or a

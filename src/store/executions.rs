@@ -37,20 +37,13 @@ impl Store {
         if !self.shared || record.state.is_terminal() {
             return self.finish_execution(record, None, None, None).await;
         }
-        let row = sqlx::query(FENCED_UPDATE_EXECUTION)
+        let update = sqlx::query(FENCED_UPDATE_EXECUTION)
             .bind(record.state.as_str())
             .bind(profile_of(record))
             .bind(record.finished_at_ms)
             .bind(stored::execution_to_stored(record)?)
-            .bind(&record.execution_id)
-            .bind(&self.node)
-            .bind(&self.epoch)
-            .fetch_one(&self.pool)
-            .await?;
-        match row.get::<i64, _>(0) {
-            0 => Err(self.fenced()),
-            _ => Ok(()),
-        }
+            .bind(&record.execution_id);
+        self.fenced_write(update).await
     }
 
     /// The final record, its hub report and its raw result, in one

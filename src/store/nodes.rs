@@ -229,6 +229,21 @@ impl Store {
         }
     }
 
+    /// Runs one of the fenced single statements ([`FENCED_APPEND`] and its
+    /// kind), binding this start's node and epoch as its last two
+    /// parameters: `Fenced` when the statement found this start declared
+    /// lost (its first column, `owned`, is 0) and so wrote nothing.
+    pub(super) async fn fenced_write<'q>(
+        &self,
+        statement: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
+    ) -> Result<(), StoreError> {
+        let row = statement.bind(self.node.clone()).bind(self.epoch.clone()).fetch_one(&self.pool).await?;
+        match row.get::<i64, _>(0) {
+            0 => Err(self.fenced()),
+            _ => Ok(()),
+        }
+    }
+
     /// The fleet's secret `name`: the one stored, or `make()`'s, stored now
     /// (the first node to ask decides it for every node).
     pub async fn fleet_secret(&self, name: &str, make: impl FnOnce() -> String) -> Result<String, StoreError> {
