@@ -385,6 +385,35 @@ mod tests {
         );
     }
 
+    /// Host uids go around the range: never used first, in order, then the
+    /// one given back longest ago; never one a sandbox holds, nor one
+    /// `usable` refuses; each node has its own.
+    #[tokio::test]
+    async fn uids_go_out_lowest_never_used_first_then_released_longest_ago() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let any = |_: u32| true;
+        for (sandbox, uid) in [("s1", 10), ("s2", 11), ("s3", 12)] {
+            assert_eq!(store.allocate_uid(10, 13, sandbox, any).await.unwrap(), Some(uid));
+        }
+        store.set_sandbox_state("s2", SandboxState::Destroyed).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        store.set_sandbox_state("s1", SandboxState::Destroyed).await.unwrap();
+        assert_eq!(store.allocate_uid(10, 13, "s4", any).await.unwrap(), Some(13), "never used first");
+        assert_eq!(store.allocate_uid(10, 13, "s5", any).await.unwrap(), Some(11), "then released longest ago");
+        assert_eq!(store.allocate_uid(10, 13, "s6", any).await.unwrap(), Some(10));
+        assert_eq!(store.allocate_uid(10, 13, "s7", any).await.unwrap(), None, "every uid is held");
+        store.set_sandbox_state("s3", SandboxState::Destroyed).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        store.set_sandbox_state("s4", SandboxState::Destroyed).await.unwrap();
+        let not_12 = |uid: u32| uid != 12;
+        assert_eq!(store.allocate_uid(10, 13, "s8", not_12).await.unwrap(), Some(13), "an unusable one is passed over");
+        assert_eq!(store.allocate_uid(10, 13, "s9", any).await.unwrap(), Some(12));
+        // Another node's uids are its own.
+        let other = Store::open(dir.path(), None, "m").await.unwrap();
+        assert_eq!(other.allocate_uid(10, 13, "t1", any).await.unwrap(), Some(10));
+    }
+
     /// A record's own columns are not repeated in its stored JSON; one
     /// stored with them (by an older daemon, `finished_at_ms` in the JSON
     /// alone) reads as it was.

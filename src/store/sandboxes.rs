@@ -70,8 +70,11 @@ impl Store {
 
     /// Reserves a host uid in `first..=last` for `sandbox_id` on this node,
     /// one no live sandbox holds and `usable` accepts (the daemon skips uids
-    /// that have live processes): the lowest never used, else the one
-    /// released longest ago. A uid thus goes around the whole range before
+    /// that have live processes): the lowest never used (never-used uids go
+    /// out in order, so those above every uid handed out so far; one skipped
+    /// as unusable, so below that mark, is not offered again),
+    /// else the one released longest ago. Each allocation reads a page of
+    /// candidates, not the whole range. A uid thus goes around the whole range before
     /// it is used again, so what one tenant might have left under it (and
     /// teardown missed) is not the next tenant's. `None` when none is free.
     pub async fn allocate_uid(
@@ -83,47 +86,67 @@ impl Store {
     ) -> Result<Option<u32>, StoreError> {
         // A concurrent allocation may take a candidate first; the primary
         // key makes one of the two inserts a no-op, and the loser goes on
-        // to the next free uid.
-        let used: std::collections::BTreeSet<i64> =
-            sqlx::query("SELECT uid FROM sandbox_uids WHERE node = $1 ORDER BY uid")
-                .bind(&self.node)
-                .fetch_all(&self.pool)
-                .await?
-                .iter()
-                .map(|r| r.get(0))
-                .collect();
-        let mut released: Vec<(i64, i64)> = sqlx::query(
-            "SELECT uid, released_at_ms FROM sandbox_uid_released WHERE node = $1 AND uid >= $2 AND uid <= $3",
+        // to the next candidate. Never-used uids go out lowest first, so
+        // they are the ones above every uid handed out so far.
+        let (node, low, high) = (&self.node, first as i64, last as i64);
+        // Two index lookups (each table's primary key), not a scan.
+        let row = sqlx::query(
+            "SELECT (SELECT MAX(uid) FROM sandbox_uids WHERE node = $1 AND uid >= $2 AND uid <= $3),
+                    (SELECT MAX(uid) FROM sandbox_uid_released WHERE node = $1 AND uid >= $2 AND uid <= $3)",
         )
-        .bind(&self.node)
-        .bind(first as i64)
-        .bind(last as i64)
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
-        released.sort_by_key(|&(uid, at)| (at, uid));
-        let once: std::collections::HashSet<i64> = released.iter().map(|&(uid, _)| uid).collect();
-        let never = (first as i64..=last as i64).filter(|u| !once.contains(u));
-        let candidates = never.chain(released.into_iter().map(|(uid, _)| uid));
-        for uid in candidates.filter(|u| !used.contains(u)) {
-            if !usable(uid as u32) {
-                continue;
-            }
-            let inserted = sqlx::query(
-                "INSERT INTO sandbox_uids (node, uid, sandbox_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
-            )
-            .bind(&self.node)
-            .bind(uid)
-            .bind(sandbox_id)
-            .execute(&self.pool)
-            .await?;
-            if inserted.rows_affected() == 1 {
+        .bind(node)
+        .bind(low)
+        .bind(high)
+        .fetch_one(&self.pool)
+        .await?;
+        let handed = row.get::<Option<i64>, _>(0).max(row.get::<Option<i64>, _>(1));
+        for uid in handed.map_or(low, |h| h + 1)..=high {
+            if usable(uid as u32) && self.take_uid(uid, sandbox_id).await? {
                 return Ok(Some(uid as u32));
             }
         }
-        Ok(None)
+        // Then the released ones no sandbox holds, longest ago first, a page
+        // at a time (in the order of `sandbox_uid_released_order`).
+        let mut after = (i64::MIN, i64::MIN);
+        loop {
+            let page: Vec<(i64, i64)> = sqlx::query(
+                "SELECT r.released_at_ms, r.uid FROM sandbox_uid_released r
+                 WHERE r.node = $1 AND r.uid >= $2 AND r.uid <= $3
+                   AND (r.released_at_ms > $4 OR (r.released_at_ms = $4 AND r.uid > $5))
+                   AND NOT EXISTS (SELECT 1 FROM sandbox_uids u WHERE u.node = r.node AND u.uid = r.uid)
+                 ORDER BY r.released_at_ms, r.uid LIMIT 64",
+            )
+            .bind(node)
+            .bind(low)
+            .bind(high)
+            .bind(after.0)
+            .bind(after.1)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+            let Some(&last_of_page) = page.last() else { return Ok(None) };
+            for &(_, uid) in &page {
+                if usable(uid as u32) && self.take_uid(uid, sandbox_id).await? {
+                    return Ok(Some(uid as u32));
+                }
+            }
+            after = last_of_page;
+        }
+    }
+
+    /// Reserves `uid` for `sandbox_id` on this node; false when another
+    /// sandbox took it first.
+    async fn take_uid(&self, uid: i64, sandbox_id: &str) -> Result<bool, StoreError> {
+        let inserted =
+            sqlx::query("INSERT INTO sandbox_uids (node, uid, sandbox_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
+                .bind(&self.node)
+                .bind(uid)
+                .bind(sandbox_id)
+                .execute(&self.pool)
+                .await?;
+        Ok(inserted.rows_affected() == 1)
     }
 
     /// The uid a sandbox holds, if any.
