@@ -162,11 +162,21 @@ pub fn spawn_group(
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            // Park the passed descriptors high, then put them at 3, 4, …
-            // (dup2 clears close-on-exec on the copy).
+            // Park every passed descriptor high first, then put them at 3,
+            // 4, … (dup2 clears close-on-exec on the copy). All parked
+            // before any is moved: a passed descriptor may itself be 3 or
+            // 4, and moving the first onto it would pass the wrong file in
+            // its place (bwrap then read its arguments as the seccomp
+            // program and refused to start, EINVAL).
+            let mut parked = [0 as libc::c_int; (FD_PARKING - 3) as usize];
             for (i, fd) in pass_fds.iter().enumerate() {
-                let parked = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, FD_PARKING + i as libc::c_int);
-                if parked < 0 || libc::dup2(parked, 3 + i as libc::c_int) < 0 {
+                parked[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, FD_PARKING);
+                if parked[i] < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            for (i, fd) in parked.iter().take(pass_fds.len()).enumerate() {
+                if libc::dup2(*fd, 3 + i as libc::c_int) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
             }
