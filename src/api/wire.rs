@@ -30,11 +30,6 @@ impl WireEvent {
             Some(_) => WireEvent(encode(&convert::event(item))),
         }
     }
-
-    /// `event`, encoded.
-    pub fn encode(event: &pb::LifecycleEvent) -> WireEvent {
-        WireEvent(encode(event))
-    }
 }
 
 fn encode(event: &pb::LifecycleEvent) -> Bytes {

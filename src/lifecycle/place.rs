@@ -18,29 +18,13 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::queue::covers;
+use super::queue::{can_take, covers};
 use super::{CreateSessionCommand, Engine, EngineError, SessionRecord};
-use crate::policy::PolicySpec;
 use crate::types::evidence::FailureStage;
 
 /// How long a node waits for another to start a session it handed over:
 /// the whole start (sandbox, harness) happens there.
 pub const CREATE_FORWARD_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// A create handed to another node: the command, as the accepting node
-/// checked it (the policies as written; the taker compiles them again).
-#[derive(Serialize, Deserialize)]
-struct HandedCreate {
-    session_id: String,
-    profile_ref: String,
-    actor: String,
-    project: String,
-    repo: String,
-    policies: Vec<PolicySpec>,
-    principal: String,
-    quota: Option<usize>,
-    traceparent: Option<String>,
-}
 
 /// The taker's answer: the session, or why not, kept apart where the
 /// accepting node acts on the difference.
@@ -107,7 +91,7 @@ impl Engine {
     /// (when it could have and was full).
     pub(super) async fn create_elsewhere(
         &self,
-        cmd: CreateSessionCommand,
+        mut cmd: CreateSessionCommand,
         session_id: String,
         refused_here: Option<String>,
     ) -> Result<SessionRecord, EngineError> {
@@ -115,7 +99,7 @@ impl Engine {
         let nodes = self.fleet_nodes().await?;
         let able: Vec<&str> = nodes
             .iter()
-            .filter(|n| n.state == crate::store::NodeState::Active && n.capacity > 0 && covers(&n.labels, &needs))
+            .filter(|n| can_take(n, &needs))
             .map(|n| n.name.as_str())
             .filter(|name| *name != self.store.node())
             .collect();
@@ -125,18 +109,9 @@ impl Engine {
                 None => self.no_node_can_run(&cmd.profile_ref, &needs),
             });
         }
-        let handed = HandedCreate {
-            session_id: session_id.clone(),
-            profile_ref: cmd.profile_ref,
-            actor: cmd.actor,
-            project: cmd.project,
-            repo: cmd.repo,
-            policies: cmd.policy_specs,
-            principal: cmd.principal,
-            quota: cmd.quota,
-            traceparent: cmd.traceparent,
-        };
-        let payload = serde_json::to_string(&handed).map_err(crate::store::StoreError::from)?;
+        // The id this node chose, for every node it asks.
+        cmd.session_id = session_id.clone();
+        let payload = serde_json::to_string(&cmd).map_err(crate::store::StoreError::from)?;
         let first = NEXT.fetch_add(1, Ordering::Relaxed);
         let mut full = Vec::new();
         for i in 0..able.len() {
@@ -167,9 +142,9 @@ impl Engine {
     pub(super) fn answer_create(self: &Arc<Self>, request: String, session_id: String, payload: String) {
         let engine = self.clone();
         tokio::spawn(async move {
-            let answer = match serde_json::from_str::<HandedCreate>(&payload) {
+            let answer = match serde_json::from_str::<CreateSessionCommand>(&payload) {
                 Err(e) => CreateAnswer::Unavailable(format!("a create_session request: {e}")),
-                Ok(handed) => engine.create_handed(handed, session_id).await,
+                Ok(cmd) => engine.create_handed(cmd, session_id).await,
             };
             let answer = serde_json::to_string(&answer).map_err(|e| e.to_string());
             if let Err(e) = engine.store.answer_request(&request, answer).await {
@@ -178,25 +153,13 @@ impl Engine {
         });
     }
 
-    async fn create_handed(self: &Arc<Self>, handed: HandedCreate, session_id: String) -> CreateAnswer {
-        if self.is_draining() || !self.takes_sessions_of(&handed.profile_ref) {
+    async fn create_handed(self: &Arc<Self>, mut cmd: CreateSessionCommand, session_id: String) -> CreateAnswer {
+        if self.is_draining() || !self.takes_sessions_of(&cmd.profile_ref) {
             return CreateAnswer::NoRoom(format!("node {} does not take this session now", self.store.node()));
         }
-        let policies = match crate::policy::compile_all(&handed.policies, "session", "policies") {
+        cmd.policies = match crate::policy::compile_all(&cmd.policy_specs, "session", "policies") {
             Ok(policies) => policies,
             Err(e) => return CreateAnswer::Refused(format!("session policies: {e}")),
-        };
-        let cmd = CreateSessionCommand {
-            session_id: handed.session_id,
-            profile_ref: handed.profile_ref,
-            actor: handed.actor,
-            project: handed.project,
-            repo: handed.repo,
-            policies,
-            policy_specs: handed.policies,
-            principal: handed.principal,
-            quota: handed.quota,
-            traceparent: handed.traceparent,
         };
         if let Err(full) = self.reserve_session(&session_id, &cmd) {
             return CreateAnswer::NoRoom(full);

@@ -56,6 +56,12 @@ pub fn covers(labels: &[String], needs: &[String]) -> bool {
     needs.iter().all(|need| labels.contains(need))
 }
 
+/// Whether node `node` takes work that needs `needs`: active, with
+/// capacity, and every label.
+pub fn can_take(node: &crate::store::NodeRow, needs: &[String]) -> bool {
+    node.state == crate::store::NodeState::Active && node.capacity > 0 && covers(&node.labels, needs)
+}
+
 impl Engine {
     /// What a node needs to run `profile_ref`; nothing when it does not
     /// resolve (any node then records the refusal).
@@ -140,10 +146,7 @@ impl Engine {
     /// than queueing it for nobody.
     async fn someone_can_run(&self, profile_ref: &str, needs: &[String]) -> Result<(), EngineError> {
         let nodes = self.fleet_nodes().await?;
-        let able = nodes
-            .iter()
-            .any(|n| n.state == crate::store::NodeState::Active && n.capacity > 0 && covers(&n.labels, needs));
-        match able {
+        match nodes.iter().any(|n| can_take(n, needs)) {
             true => Ok(()),
             false => Err(self.no_node_can_run(profile_ref, needs)),
         }

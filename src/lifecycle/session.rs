@@ -19,7 +19,10 @@ use crate::sandbox::{Consumer, WORKSPACE_MOUNT};
 use crate::store::SessionInsert;
 use crate::types::evidence::{FailureStage, Outcome};
 
-/// What a caller asked for when it created a session.
+/// What a caller asked for when it created a session. Serialised as it is
+/// when a node hands the create to another (see `place`): the compiled
+/// policies stay behind, and the taker compiles `policy_specs` again.
+#[derive(serde::Serialize, serde::Deserialize)]
 pub struct CreateSessionCommand {
     /// The id to give the session (the API scopes it to its principal); empty:
     /// the daemon picks one.
@@ -34,6 +37,7 @@ pub struct CreateSessionCommand {
     /// empty.
     pub repo: String,
     /// The caller's own policies, which the gate evaluates first.
+    #[serde(skip)]
     pub policies: Vec<Policy>,
     /// The same policies as written, for a node this one hands the session
     /// to (see `place`).
