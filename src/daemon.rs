@@ -108,6 +108,7 @@ impl Daemon {
         // at the gate, with the reason, instead of running them unsandboxed.
         let uid_mode = UidMode::detect(UidRange::parse(&config.sandbox.uids).map_err(StartError::Policies)?);
         let bwrap = backends.linux_bwrap.probe().await.map_err(|e| e.to_string());
+        check_warm_pools(&config, &catalog, &bwrap).map_err(StartError::Policies)?;
         // A node of the fleet from here on: every write of a run checks
         // this start's epoch against the node's row.
         let mut labels = crate::fleet::labels(bwrap.is_ok());
@@ -175,6 +176,7 @@ impl Daemon {
             capacity,
             labels,
             max_queued: config.fleet.max_queued,
+            warm: config.sandbox.warm.clone(),
             uid_range: match uid_mode {
                 UidMode::PerSandbox(range) => Some(range),
                 UidMode::Daemon { .. } => None,
@@ -187,6 +189,8 @@ impl Daemon {
             hub.spawn();
         }
         engine.spawn_reaper(Duration::from_secs(config.session_idle_seconds));
+        // After recovery: its uids and rows are the new epoch's.
+        engine.start_warm_pools();
         let retention = Duration::from_secs(config.event_retention_seconds);
         engine.spawn_compactor(retention, (retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(3600)));
         let authenticator = Arc::new(crate::auth::Principals::new(authenticator(&config)?));
@@ -326,6 +330,37 @@ fn group_id(group: &str) -> Result<u32, String> {
 /// The data directory is root's (0711: sandboxes' uids may traverse it to
 /// reach their own workspace, never list or read it), and so is its
 /// `sandboxes` directory.
+/// Refuses a warm pool the daemon could not keep: a profile that does not
+/// resolve, cannot start ahead, or a host without bwrap. (A pool that was
+/// accepted and never filled would be a promise not kept.)
+fn check_warm_pools(config: &Config, catalog: &Catalog, bwrap: &Result<(), String>) -> Result<(), String> {
+    let warm = &config.sandbox.warm;
+    // Within admission: the pools never hold more sandboxes than could run.
+    let total: usize = warm.values().sum();
+    if total > config.max_running_executions {
+        return Err(format!(
+            "sandbox.warm: {total} warm sandboxes in all is more than max_running_executions ({})",
+            config.max_running_executions
+        ));
+    }
+    if total > 0 && config.gate.hook_program().is_none() {
+        return Err("sandbox.warm: a warm sandbox's first process is the corral binary, and this daemon is not \
+                    running as one: set gate.hook_program to its path"
+            .into());
+    }
+    for (profile_ref, size) in warm.iter().filter(|(_, size)| **size > 0) {
+        let key = format!("sandbox.warm.{profile_ref:?}");
+        let profile = catalog.resolve(profile_ref).map_err(|refusal| format!("{key}: {}", refusal.0))?;
+        if let Some(why) = crate::lifecycle::unpoolable(&profile) {
+            return Err(format!("{key}: profile {} cannot have a warm pool: {why}", profile.reference()));
+        }
+        if let Err(why) = bwrap {
+            return Err(format!("{key}: {size} warm linux_bwrap sandboxes cannot be made on this host: {why}"));
+        }
+    }
+    Ok(())
+}
+
 fn prepare_data_dir(data_dir: &std::path::Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let sandboxes = data_dir.join("sandboxes");

@@ -29,7 +29,7 @@ use crate::credentials::Scrubber;
 use crate::events::{EventKind, RawPart, Recorder};
 use crate::policy::{Action, GateInput, GateOutcome, Phase, Policy};
 use crate::rein::{Dispatch, HarnessEvent, ReinError, StartContext, ToolCall, ToolGate, ToolResult};
-use crate::sandbox::{workspace, Consumer, CreateSandbox, SandboxSpec, SandboxState};
+use crate::sandbox::{workspace, Consumer, SandboxSpec, SandboxState};
 use crate::types::evidence::{Evidence, FailureStage, TeardownResult};
 
 /// Why `open` stopped; the evidence already says so.
@@ -272,88 +272,44 @@ impl Core {
     }
 
     async fn create_sandbox(&mut self, spec: &SandboxSpec) -> Result<(), OpenFailure> {
-        let fail = |stage, _error: String| OpenFailure::Failed { stage };
-        let backend = self.engine.backends.get(spec.sandbox_type).clone();
-        let sandbox_id = uuid::Uuid::now_v7().to_string();
-        let root = self.engine.sandboxes_dir.join(&sandbox_id);
+        let fail = |stage| OpenFailure::Failed { stage };
+        let Some(profile) = self.profile().cloned() else {
+            self.failed(FailureStage::SandboxCreate, "no profile to make a sandbox for");
+            return Err(fail(FailureStage::SandboxCreate));
+        };
         let t = Instant::now();
-        // Intent before action: a crashed daemon's successor finds this row.
-        let store = &self.engine.store;
-        let intent = store.insert_sandbox(
-            &sandbox_id,
-            self.recorder.subject(),
-            spec.sandbox_type.as_str(),
-            &root,
-            &self.engine.epoch,
-        );
-        if let Err(e) = intent.await {
-            self.failed(FailureStage::SandboxCreate, &e.to_string());
-            return Err(fail(FailureStage::SandboxCreate, e.to_string()));
-        }
-        // Its own host uid, reserved in the store before anything runs as it.
-        let user = match self.engine.uid_range {
-            None => None,
-            Some(range) => match super::uids::allocate_own_uid(store, range, &sandbox_id).await {
-                Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
-                Ok(None) => {
-                    let error = format!("no free sandbox uid in {}-{}", range.first, range.last);
+        // A warm sandbox made for exactly this profile version, sandbox and
+        // timeout, if its pool has one; else one made now.
+        let key = super::warm::pool_key(&profile, spec, self.timeout.as_secs());
+        let (made, warm) = match self.engine.take_warm(&key) {
+            Some(made) => (made, true),
+            None => match super::warm::make_sandbox(
+                &self.engine,
+                self.recorder.subject(),
+                spec,
+                &profile,
+                key.timeout_seconds,
+            )
+            .await
+            {
+                Ok(made) => (made, false),
+                Err(error) => {
                     self.failed(FailureStage::SandboxCreate, &error);
-                    self.set_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
-                    return Err(fail(FailureStage::SandboxCreate, error));
-                }
-                Err(e) => {
-                    self.failed(FailureStage::SandboxCreate, &e.to_string());
-                    self.set_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
-                    return Err(fail(FailureStage::SandboxCreate, e.to_string()));
+                    return Err(fail(FailureStage::SandboxCreate));
                 }
             },
         };
-        let limits = self.profile().map(|p| p.file.limits.sandbox()).unwrap_or_default();
-        let planned = self.gate_files(spec).and_then(|files| Ok((files, self.gateway_routes(spec)?)));
-        let (gate, gateway) = match planned {
-            Ok(planned) => planned,
-            Err(error) => {
-                self.failed(FailureStage::SandboxCreate, &error);
-                self.set_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
-                return Err(fail(FailureStage::SandboxCreate, error));
-            }
-        };
-        let request = CreateSandbox {
-            sandbox_id: sandbox_id.clone(),
-            consumer: self.consumer.clone(),
-            spec: spec.clone(),
-            root,
-            user,
-            limits,
-            gate,
-            gateway: !gateway.is_empty(),
-        };
+        let super::warm::Made { backend, mut sandbox, gateway } = made;
+        sandbox.consumer = self.consumer.clone();
         self.gateway = Arc::new(gateway);
-        let sandbox = match backend.create(&request).await {
-            Ok(mut sandbox) => {
-                sandbox.receipt.gateway_routes = self.gateway.iter().map(|r| r.name.clone()).collect();
-                sandbox
-            }
-            Err(e) => {
-                // The backend made nothing we can name; clear what we reserved.
-                self.failed(FailureStage::SandboxCreate, &e.to_string());
-                let _ = tokio::fs::remove_dir_all(&request.root).await;
-                self.set_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
-                return Err(fail(FailureStage::SandboxCreate, e.to_string()));
-            }
-        };
         self.evidence.sandbox_id = sandbox.id.clone();
-        self.engine.sandbox_alive(&sandbox.id, true);
         if let Some(egress) = &sandbox.egress {
             // Before anything runs in it: its proxy refuses every connection without.
             egress.attach_budget(self.engine.proxy_budget.clone(), &self.consumer.principal);
             // Only the gateway may carry them.
             egress.forbid(self.gateway.iter().map(|r| r.placeholder.clone()).collect());
         }
-        self.evidence.time("sandbox_create", t);
-        crate::telemetry::sandbox_alive(1.0);
         let ready = sandbox.state == SandboxState::Ready;
-        self.set_sandbox_state(&sandbox.id, if ready { SandboxState::Ready } else { SandboxState::Failed }).await;
         if let Err(bug) = self.phase.sandbox_made(backend.clone(), sandbox.clone()) {
             // Not held by the phase, so destroyed here.
             self.failed(FailureStage::SandboxCreate, &bug.to_string());
@@ -361,13 +317,26 @@ impl Core {
             self.engine.sandbox_alive(&sandbox.id, false);
             crate::telemetry::sandbox_alive(-1.0);
             self.set_sandbox_state(&sandbox.id, SandboxState::Destroyed).await;
-            return Err(fail(FailureStage::SandboxCreate, bug.to_string()));
+            return Err(fail(FailureStage::SandboxCreate));
         }
+        if warm {
+            // Its row names this run from now on: recovery finishes the run
+            // with it.
+            if let Err(e) = self.engine.store.adopt_sandbox(&sandbox.id, self.recorder.subject()).await {
+                self.failed(FailureStage::SandboxCreate, &e.to_string());
+                self.destroy().await;
+                return Err(fail(FailureStage::SandboxCreate));
+            }
+            self.evidence
+                .notes
+                .push(format!("the sandbox was made ahead, in the warm pool of {}", profile.reference()));
+        }
+        self.evidence.time("sandbox_create", t);
         if !ready {
             let error = format!("sandbox is {}, not ready", sandbox.state.as_str());
             self.failed(FailureStage::SandboxCreate, &error);
             self.destroy().await;
-            return Err(fail(FailureStage::SandboxCreate, error));
+            return Err(fail(FailureStage::SandboxCreate));
         }
 
         let t = Instant::now();
@@ -385,7 +354,7 @@ impl Core {
                 Err(e) => {
                     self.failed(FailureStage::SandboxCreate, &e.to_string());
                     self.destroy().await;
-                    return Err(fail(FailureStage::SandboxCreate, e.to_string()));
+                    return Err(fail(FailureStage::SandboxCreate));
                 }
             }
         }
@@ -665,40 +634,6 @@ impl Core {
             self.evidence.notes.push(raw.clone());
             self.recorder.emit(event, None).await;
             self.failed(FailureStage::Execution, &raw);
-        }
-    }
-
-    /// The files that install the agent's managed pre-tool hook, for a
-    /// `linux_bwrap` sandbox (a `none` one cannot carry them: its agent's
-    /// tool calls are ungated, and a tool_call policy refused it at
-    /// agent_start). An error is why the sandbox must not be made.
-    fn gate_files(&self, spec: &SandboxSpec) -> Result<Vec<crate::sandbox::GateFile>, String> {
-        let Some(profile) = self.profile() else { return Ok(Vec::new()) };
-        if spec.sandbox_type != crate::sandbox::SandboxType::LinuxBwrap {
-            return Ok(Vec::new());
-        }
-        let helper = self.engine.hook_program.as_deref();
-        let files = crate::gate::hook::managed_files(profile.file.rein.preset, self.timeout.as_secs(), helper)?;
-        Ok(files.unwrap_or_default())
-    }
-
-    /// The profile's routes that go through the credential gateway: in a
-    /// `linux_bwrap` sandbox, every route with an `upstream` and the model
-    /// key of Claude Code and Codex. A `none` sandbox has no namespace for
-    /// the gateway: a route that names an upstream refuses it, the
-    /// built-ins' keys are handed over as before.
-    fn gateway_routes(&self, spec: &SandboxSpec) -> Result<Vec<crate::credentials::GatewayRoute>, String> {
-        let Some(profile) = self.profile() else { return Ok(Vec::new()) };
-        let refs = &profile.file.credential_route_refs;
-        let credentials = &self.engine.credentials;
-        if spec.sandbox_type == crate::sandbox::SandboxType::LinuxBwrap {
-            return credentials.gateway_routes(refs, &profile.file.rein);
-        }
-        match refs.iter().find(|r| credentials.routes.get(*r).is_some_and(|c| c.upstream.is_some())) {
-            Some(route) => Err(format!(
-                "credential route {route} goes through the credential gateway, which a none sandbox cannot carry"
-            )),
-            None => Ok(Vec::new()),
         }
     }
 

@@ -15,7 +15,10 @@ mod queue;
 mod recovery;
 mod session;
 mod uids;
+mod warm;
 mod watch;
+
+pub use warm::unpoolable;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -176,6 +179,8 @@ pub struct Engine {
     wakeups: watch::Wakeups,
     /// This node's part in the fleet's queue (shared stores).
     fleet: queue::FleetRoom,
+    /// Sandboxes made ahead of requests (`[sandbox] warm`).
+    warm: warm::Warm,
 }
 
 /// How long a node waits for another node's answer to a forwarded request.
@@ -229,6 +234,8 @@ pub struct EngineParts {
     pub labels: Vec<String>,
     /// The most executions the fleet's queue holds.
     pub max_queued: u64,
+    /// How many warm sandboxes to keep, by profile reference.
+    pub warm: std::collections::BTreeMap<String, usize>,
 }
 
 impl Engine {
@@ -264,6 +271,7 @@ impl Engine {
             live_sandboxes: Mutex::default(),
             wakeups: watch::Wakeups::default(),
             fleet: queue::FleetRoom::new(parts.capacity.min(parts.max_running), parts.labels, parts.max_queued),
+            warm: warm::Warm::new(&parts.warm),
         })
     }
 
@@ -299,6 +307,8 @@ impl Engine {
         for id in ids {
             killed += leftover::kill_sandbox_processes(&id, scope).await;
         }
+        // Their processes are dead: no run takes them; recovery destroys them.
+        self.abandon_warm_pools();
         killed
     }
 
@@ -691,6 +701,8 @@ impl Engine {
     /// then cancels them and waits for their teardown.
     pub async fn shutdown(&self, grace: Duration) {
         self.tasks.close();
+        // No run will take them now.
+        self.close_warm_pools().await;
         if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
             let running = self.admission.running(admission::Work::Execution);
             tracing::warn!(running, "grace period over; cancelling in-flight executions");

@@ -71,12 +71,20 @@ pub struct Boundary {
     /// Each sandbox's egress proxies (one per harness start): dropped, and
     /// so closed, at destroy.
     proxies: Mutex<HashMap<String, Vec<ProxyHandle>>>,
+    /// Each warm sandbox's waiting first process, until a spawn takes it
+    /// (once) or destroy kills it.
+    waiting: Mutex<HashMap<String, SandboxProcess>>,
 }
 
 impl Boundary {
     /// A boundary using `cgroups` (`None`: no cgroup limits or cgroup kill).
     pub fn new(cgroups: Option<Arc<CgroupHost>>) -> Boundary {
-        Boundary { cgroups, processes: ProcessRegistry::default(), proxies: Mutex::default() }
+        Boundary {
+            cgroups,
+            processes: ProcessRegistry::default(),
+            proxies: Mutex::default(),
+            waiting: Mutex::default(),
+        }
     }
 
     /// Creates the sandbox's directory tree and its cgroup. The root is
@@ -192,6 +200,18 @@ impl Boundary {
         }
     }
 
+    /// Keeps `process`, a warm sandbox's waiter (registered already), for
+    /// the sandbox's first spawn.
+    pub fn hold_waiting(&self, sandbox: &Sandbox, process: SandboxProcess) {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).insert(sandbox.id.clone(), process);
+    }
+
+    /// The sandbox's waiter, if it has one no spawn took yet: taken out, so
+    /// it serves one request at most.
+    pub fn take_waiting(&self, sandbox: &Sandbox) -> Option<SandboxProcess> {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&sandbox.id)
+    }
+
     /// Kills everything of the sandbox and waits until nothing is alive,
     /// then removes its cgroup and its files. Succeeds only if all of that
     /// did.
@@ -209,6 +229,8 @@ impl Boundary {
     /// `allocate_own_uid`.)
     pub async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
         let mut errors = Vec::new();
+        // A waiter nobody took dies with the rest (killed through its group below).
+        drop(self.take_waiting(sandbox));
         self.processes.kill_all(&sandbox.id);
         // The proxies close with their sandbox: listener and every tunnel.
         drop(self.proxies.lock().unwrap_or_else(|e| e.into_inner()).remove(&sandbox.id));

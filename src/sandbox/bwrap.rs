@@ -273,6 +273,8 @@ impl BwrapBackend {
             packed.push(0);
         }
         let spawn = |e: std::io::Error| SandboxError::Spawn(format!("cannot pass bwrap its descriptors: {e}"));
+        // The caller's own descriptors go after bwrap's (see `passed_fd`).
+        let extra = std::mem::take(&mut options.pass_fds);
         options.pass_fds = vec![
             data_fd("corral-bwrap-args", &packed).map_err(spawn)?,
             data_fd("corral-seccomp", seccomp.bytes()).map_err(spawn)?,
@@ -285,6 +287,7 @@ impl BwrapBackend {
         } else {
             None
         };
+        options.pass_fds.extend(extra);
         let mut argv_full: Vec<OsString> = vec!["--args".into(), ARGS_FD.into(), dashdash.clone()];
         argv_full.extend(argv.iter().map(OsString::from));
         let mut process = spawn_group(program, &argv_full, env, &paths.workspace, options)?;
@@ -347,6 +350,17 @@ impl BwrapBackend {
         let gateway = take(&mut listeners, gate.gateway)?;
         netns::release(block)?;
         Ok((proxy, hook, gateway))
+    }
+
+    /// The number the first of a launch's own `pass_fds` has inside: after
+    /// bwrap's arguments and seccomp program, and its info and block pipes
+    /// when it joins the network namespace.
+    fn passed_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
+        if joins_netns(spec, gate) {
+            7
+        } else {
+            5
+        }
     }
 
     /// The digest of the exact command line a sandbox with `spec` at
@@ -476,6 +490,15 @@ impl SandboxBackend for BwrapBackend {
                 env.push((name.into(), netns::PROXY_URL.into()));
             }
         }
+        if let Some(mut waiter) = self.boundary.take_waiting(sandbox) {
+            // A warm sandbox: its first process becomes this one.
+            let frame = super::waiter::encode(&spec.argv, &env).map_err(SandboxError::Spawn)?;
+            use tokio::io::AsyncWriteExt;
+            let stdin = waiter.stdin.as_mut().ok_or_else(|| SandboxError::Spawn("the waiter has no stdin".into()))?;
+            let handed = async { stdin.write_all(&frame).await.and(stdin.flush().await) };
+            handed.await.map_err(|e| SandboxError::Spawn(format!("the warm sandbox's waiter is gone: {e}")))?;
+            return Ok(waiter);
+        }
         let options = self.boundary.spawn_options(sandbox)?;
         let paths = SandboxPaths::under(&sandbox.root);
         let tmp = sandbox.limits.tmpfs();
@@ -484,6 +507,24 @@ impl SandboxBackend for BwrapBackend {
             self.launch(&sandbox.spec, &paths, tmp, &sandbox.gate, &spec.argv, &env, options, egress).await?;
         self.boundary.register(sandbox, &process, proxy);
         Ok(process)
+    }
+
+    async fn prestart(&self, sandbox: &Sandbox, program: &Path) -> Result<(), SandboxError> {
+        // The corral binary, by descriptor: nothing is bound for it, so the
+        // command line (and its digest) is the cold one's.
+        let exe = std::fs::File::open(program)
+            .map_err(|e| SandboxError::Spawn(format!("cannot open {} for a warm sandbox: {e}", program.display())))?;
+        let mut options = self.boundary.spawn_options(sandbox)?;
+        options.pass_fds = vec![exe.into()];
+        let fd = Self::passed_fd(&sandbox.spec, &sandbox.gate);
+        let argv = [format!("/proc/self/fd/{fd}"), super::waiter::WAIT_ARG.to_string()];
+        let paths = SandboxPaths::under(&sandbox.root);
+        let (tmp, egress) = (sandbox.limits.tmpfs(), sandbox.egress.clone());
+        let (process, proxy) =
+            self.launch(&sandbox.spec, &paths, tmp, &sandbox.gate, &argv, &[], options, egress).await?;
+        self.boundary.register(sandbox, &process, proxy);
+        self.boundary.hold_waiting(sandbox, process);
+        Ok(())
     }
 
     async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {

@@ -23,7 +23,13 @@ pub struct SandboxConfig {
     /// every daemon on the host (see `uid_lock`): a second daemon whose
     /// range overlaps a live one refuses to start.
     pub lock_dir: std::path::PathBuf,
+    /// Warm sandboxes to keep ready, by profile reference (`"builtin.noop"
+    /// = 2`): made ahead of any request, each serves one execution.
+    pub warm: std::collections::BTreeMap<String, usize>,
 }
+
+/// The most warm sandboxes one profile's pool may keep.
+pub const MAX_WARM: usize = 256;
 
 impl Default for SandboxConfig {
     fn default() -> Self {
@@ -32,6 +38,7 @@ impl Default for SandboxConfig {
             cgroup_mount: "/sys/fs/cgroup".into(),
             cgroup_parent: "corral".into(),
             lock_dir: "/run/corral".into(),
+            warm: Default::default(),
         }
     }
 }
@@ -43,6 +50,11 @@ impl SandboxConfig {
         let parent = &self.cgroup_parent;
         if parent.is_empty() || parent.split('/').any(|c| c.is_empty() || c == "." || c == "..") {
             return Err(("sandbox.cgroup_parent".into(), format!("{parent:?} must be a relative path without '..'")));
+        }
+        for (profile, size) in &self.warm {
+            if *size > MAX_WARM {
+                return Err((format!("sandbox.warm.{profile:?}"), format!("{size} is above {MAX_WARM}")));
+            }
         }
         Ok(())
     }

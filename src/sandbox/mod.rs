@@ -11,12 +11,14 @@ pub mod cgroup;
 pub mod host;
 pub mod netns;
 mod none;
+pub mod pool;
 pub mod process;
 pub mod repo;
 pub mod seccomp;
 mod socket_family;
 pub mod uid_lock;
 pub mod uid_state;
+pub mod waiter;
 pub mod workspace;
 
 use std::path::{Path, PathBuf};
@@ -254,6 +256,16 @@ pub trait SandboxBackend: Send + Sync {
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError>;
     /// Starts a process inside the sandbox, in its own process group.
     async fn spawn(&self, sandbox: &Sandbox, spec: &ExecSpec) -> Result<SandboxProcess, SandboxError>;
+    /// Starts the sandbox's first process ahead of any request: a waiter
+    /// (see [`waiter`]) blocked on its stdin, under the whole boundary a
+    /// spawn would give it. The sandbox's next [`spawn`](Self::spawn) hands
+    /// it its argv and environment instead of starting bwrap; every later
+    /// spawn starts its own. `program` is the corral binary the waiter
+    /// runs. `Unavailable` for a backend without.
+    async fn prestart(&self, sandbox: &Sandbox, program: &Path) -> Result<(), SandboxError> {
+        let _ = (sandbox, program);
+        Err(SandboxError::Unavailable(format!("{} sandboxes cannot be started ahead", self.kind().as_str())))
+    }
     /// Kills whatever still runs in the sandbox, waits until nothing of it
     /// is alive, and removes its cgroup and files.
     async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError>;

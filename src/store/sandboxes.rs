@@ -31,6 +31,17 @@ impl Store {
         Ok(())
     }
 
+    /// Gives a warm sandbox (made with no subject) to the run that took it.
+    pub async fn adopt_sandbox(&self, sandbox_id: &str, subject_id: &str) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sandboxes SET subject_id = $2, updated_at_ms = $3 WHERE sandbox_id = $1")
+            .bind(sandbox_id)
+            .bind(subject_id)
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// Records a sandbox's state. A destroyed sandbox (nothing of it
     /// alive) gives its uid back and needs no row any more (the record
     /// keeps its id). The uid goes first: a crash between the two leaves a

@@ -1,0 +1,311 @@
+//! Making sandboxes, cold for a run or warm ahead of one.
+//!
+//! [`make_sandbox`] is the one way a sandbox comes to exist: its intent row,
+//! its own host uid, its hook files, the backend's create, its state. A run
+//! with no warm sandbox for it calls it on its critical path; the warm
+//! pools (`[sandbox] warm` in the daemon config) call it ahead of any
+//! request and start the sandbox's waiting first process (see
+//! `sandbox::waiter`). A request takes a warm sandbox only when it was made
+//! for exactly the request's profile version, effective sandbox and
+//! timeout (`sandbox::pool`); it serves that one run and is destroyed like
+//! any other. The pools refill one sandbox at a time in the background,
+//! never while the daemon drains, and are destroyed when it shuts down;
+//! what a crash leaves of them, recovery sweeps (their rows are like any
+//! sandbox's, with no subject until a run takes them).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use super::Engine;
+use crate::catalog::Profile;
+use crate::credentials::GatewayRoute;
+use crate::sandbox::pool::{PoolKey, Pools};
+use crate::sandbox::{CreateSandbox, GateFile, Sandbox, SandboxBackend, SandboxSpec, SandboxState, SandboxType};
+
+/// A sandbox the backend made, with its credential gateway routes.
+pub(super) struct Made {
+    pub backend: Arc<dyn SandboxBackend>,
+    pub sandbox: Sandbox,
+    pub gateway: Vec<GatewayRoute>,
+}
+
+/// A warm sandbox waiting in a pool.
+pub(super) type WarmSandbox = Made;
+
+/// The daemon's warm pools and what wakes their filler.
+pub(super) struct Warm {
+    pools: Mutex<Pools<WarmSandbox>>,
+    wake: Notify,
+}
+
+/// How long the filler waits after a sandbox could not be made, at first
+/// and at most (doubling in between).
+const RETRY_FIRST: Duration = Duration::from_millis(200);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+
+impl Warm {
+    pub fn new(sizes: &std::collections::BTreeMap<String, usize>) -> Warm {
+        Warm { pools: Mutex::new(Pools::new(sizes)), wake: Notify::new() }
+    }
+
+    fn pools(&self) -> std::sync::MutexGuard<'_, Pools<WarmSandbox>> {
+        self.pools.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// What a sandbox for `profile` with `spec` and `timeout_seconds` is made for.
+pub(super) fn pool_key(profile: &Profile, spec: &SandboxSpec, timeout_seconds: u64) -> PoolKey {
+    PoolKey { profile_digest: profile.digest.clone(), spec: spec.clone(), timeout_seconds }
+}
+
+/// Makes a sandbox for `subject` ("" for a warm one): intent row, own uid,
+/// hook files, the backend's create, its state stored. An error is the
+/// sentence the run fails with; nothing of the sandbox is left then. A
+/// returned sandbox whose state is not `Ready` is a failed creation that
+/// the caller still destroys.
+pub(super) async fn make_sandbox(
+    engine: &Engine,
+    subject: &str,
+    spec: &SandboxSpec,
+    profile: &Profile,
+    timeout_seconds: u64,
+) -> Result<Made, String> {
+    let backend = engine.backends.get(spec.sandbox_type).clone();
+    let sandbox_id = uuid::Uuid::now_v7().to_string();
+    let root = engine.sandboxes_dir.join(&sandbox_id);
+    // Intent before action: a crashed daemon's successor finds this row.
+    let store = &engine.store;
+    store
+        .insert_sandbox(&sandbox_id, subject, spec.sandbox_type.as_str(), &root, &engine.epoch)
+        .await
+        .map_err(|e| e.to_string())?;
+    let gone = |error: String| async {
+        engine.store_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
+        Err(error)
+    };
+    // Its own host uid, reserved in the store before anything runs as it.
+    let user = match engine.uid_range {
+        None => None,
+        Some(range) => match super::uids::allocate_own_uid(store, range, &sandbox_id).await {
+            Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
+            Ok(None) => return gone(format!("no free sandbox uid in {}-{}", range.first, range.last)).await,
+            Err(e) => return gone(e.to_string()).await,
+        },
+    };
+    let planned = gate_files(engine, profile, spec, timeout_seconds)
+        .and_then(|files| Ok((files, gateway_routes(engine, profile, spec)?)));
+    let (gate, gateway) = match planned {
+        Ok(planned) => planned,
+        Err(error) => return gone(error).await,
+    };
+    let request = CreateSandbox {
+        sandbox_id: sandbox_id.clone(),
+        consumer: Default::default(),
+        spec: spec.clone(),
+        root,
+        user,
+        limits: profile.file.limits.sandbox(),
+        gate,
+        gateway: !gateway.is_empty(),
+    };
+    let mut sandbox = match backend.create(&request).await {
+        Ok(sandbox) => sandbox,
+        Err(e) => {
+            // The backend made nothing we can name; clear what we reserved.
+            let _ = tokio::fs::remove_dir_all(&request.root).await;
+            return gone(e.to_string()).await;
+        }
+    };
+    sandbox.receipt.gateway_routes = gateway.iter().map(|r| r.name.clone()).collect();
+    engine.sandbox_alive(&sandbox.id, true);
+    crate::telemetry::sandbox_alive(1.0);
+    let state = if sandbox.state == SandboxState::Ready { SandboxState::Ready } else { SandboxState::Failed };
+    engine.store_sandbox_state(&sandbox.id, state).await;
+    Ok(Made { backend, sandbox, gateway })
+}
+
+/// The files that install the agent's managed pre-tool hook, for a
+/// `linux_bwrap` sandbox (a `none` one cannot carry them: its agent's
+/// tool calls are ungated, and a tool_call policy refused it at
+/// agent_start). An error is why the sandbox must not be made.
+fn gate_files(
+    engine: &Engine,
+    profile: &Profile,
+    spec: &SandboxSpec,
+    timeout_seconds: u64,
+) -> Result<Vec<GateFile>, String> {
+    if spec.sandbox_type != SandboxType::LinuxBwrap {
+        return Ok(Vec::new());
+    }
+    let helper = engine.hook_program.as_deref();
+    let files = crate::gate::hook::managed_files(profile.file.rein.preset, timeout_seconds, helper)?;
+    Ok(files.unwrap_or_default())
+}
+
+/// The profile's routes that go through the credential gateway: in a
+/// `linux_bwrap` sandbox, every route with an `upstream` and the model
+/// key of Claude Code and Codex. A `none` sandbox has no namespace for
+/// the gateway: a route that names an upstream refuses it, the
+/// built-ins' keys are handed over as before.
+fn gateway_routes(engine: &Engine, profile: &Profile, spec: &SandboxSpec) -> Result<Vec<GatewayRoute>, String> {
+    let refs = &profile.file.credential_route_refs;
+    let credentials = &engine.credentials;
+    if spec.sandbox_type == SandboxType::LinuxBwrap {
+        return credentials.gateway_routes(refs, &profile.file.rein);
+    }
+    match refs.iter().find(|r| credentials.routes.get(*r).is_some_and(|c| c.upstream.is_some())) {
+        Some(route) => Err(format!(
+            "credential route {route} goes through the credential gateway, which a none sandbox cannot carry"
+        )),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// Why a profile cannot have a warm pool, if it cannot: its sandbox must
+/// be one whose whole command line is known before the request.
+pub fn unpoolable(profile: &Profile) -> Option<String> {
+    let spec = &profile.file.sandbox;
+    if spec.sandbox_type != SandboxType::LinuxBwrap {
+        return Some(format!("its sandbox is {}: only linux_bwrap sandboxes start ahead", spec.sandbox_type.as_str()));
+    }
+    let workspace_writable = spec.write_paths.iter().any(|p| p == ".");
+    if !workspace_writable {
+        if let Some(path) = spec.write_paths.iter().find(|p| !std::path::Path::new(p).is_absolute()) {
+            return Some(format!(
+                "its write path {path:?} is inside a read-only workspace, and is bound from the cloned \
+                 repository, which is there only once a request is"
+            ));
+        }
+    }
+    None
+}
+
+impl Engine {
+    /// A warm sandbox made for exactly `key`, taken out of its pool, and
+    /// its refill begun.
+    pub(super) fn take_warm(&self, key: &PoolKey) -> Option<WarmSandbox> {
+        let taken = self.warm.pools().take(key);
+        if taken.is_some() {
+            self.warm.wake.notify_one();
+        }
+        taken
+    }
+
+    /// `(profile reference, waiting, size)` of each warm pool.
+    pub fn warm_levels(&self) -> Vec<(String, usize, usize)> {
+        self.warm.pools().levels()
+    }
+
+    /// Starts the filler of the warm pools, if any is configured: it keeps
+    /// each full, one sandbox at a time, until the daemon drains.
+    pub fn start_warm_pools(self: &Arc<Self>) {
+        if self.warm.pools().is_empty() {
+            return;
+        }
+        let engine = self.clone();
+        // Tracked: the shutdown waits for the sandbox being made to be destroyed.
+        self.tasks.spawn(async move { engine.fill_pools().await });
+    }
+
+    async fn fill_pools(self: Arc<Self>) {
+        let mut retry = RETRY_FIRST;
+        loop {
+            let next = self.warm.pools().next_fill();
+            let Some((index, profile_ref)) = next else {
+                if self.warm.pools().is_closed() {
+                    return;
+                }
+                self.warm.wake.notified().await;
+                continue;
+            };
+            let t = Instant::now();
+            match self.make_warm(&profile_ref).await {
+                Ok((key, made)) => {
+                    retry = RETRY_FIRST;
+                    tracing::debug!(profile = %profile_ref, ms = t.elapsed().as_millis() as u64, "warm sandbox ready");
+                    let stale = self.warm.pools().filled(index, key, made);
+                    for made in stale {
+                        self.destroy_warm(made).await;
+                    }
+                }
+                Err(error) => {
+                    self.warm.pools().failed(index);
+                    tracing::warn!(profile = %profile_ref, %error, retry_ms = retry.as_millis() as u64, "warm sandbox not made");
+                    tokio::select! {
+                        _ = tokio::time::sleep(retry) => {}
+                        _ = self.draining.cancelled() => {}
+                    }
+                    retry = (retry * 2).min(RETRY_MAX);
+                }
+            }
+            if self.is_draining() {
+                self.close_warm_pools().await;
+            }
+        }
+    }
+
+    /// A sandbox for the pool of `profile_ref`, its waiter started.
+    async fn make_warm(&self, profile_ref: &str) -> Result<(PoolKey, WarmSandbox), String> {
+        let profile = self.catalog.resolve(profile_ref).map_err(|refusal| refusal.0)?;
+        if let Some(why) = unpoolable(&profile) {
+            return Err(format!("profile {} cannot have a warm pool: {why}", profile.reference()));
+        }
+        let (spec, timeout) = (profile.file.sandbox.clone(), profile.file.limits.timeout_seconds);
+        let made = make_sandbox(self, "", &spec, &profile, timeout).await?;
+        let started = match made.sandbox.state {
+            SandboxState::Ready => match &self.hook_program {
+                Some(program) => made.backend.prestart(&made.sandbox, program).await.map_err(|e| e.to_string()),
+                None => Err("no corral binary to run as the sandbox's waiter (gate.hook_program)".into()),
+            },
+            state => Err(format!("sandbox is {}, not ready", state.as_str())),
+        };
+        match started {
+            Ok(()) => Ok((pool_key(&profile, &spec, timeout), made)),
+            Err(error) => {
+                self.destroy_warm(made).await;
+                Err(error)
+            }
+        }
+    }
+
+    /// Destroys a warm sandbox no run took.
+    async fn destroy_warm(&self, made: WarmSandbox) {
+        let Made { backend, sandbox, .. } = made;
+        self.store_sandbox_state(&sandbox.id, SandboxState::Destroying).await;
+        let destroyed = backend.destroy(&sandbox).await;
+        self.sandbox_alive(&sandbox.id, false);
+        crate::telemetry::sandbox_alive(-1.0);
+        match destroyed {
+            Ok(()) => self.store_sandbox_state(&sandbox.id, SandboxState::Destroyed).await,
+            Err(e) => {
+                tracing::error!(sandbox_id = %sandbox.id, error = %e, "warm sandbox not destroyed");
+                self.store_sandbox_state(&sandbox.id, SandboxState::Failed).await;
+            }
+        }
+    }
+
+    /// Closes the pools and destroys every waiting sandbox (a shutdown).
+    pub(super) async fn close_warm_pools(&self) {
+        let waiting = self.warm.pools().close();
+        self.warm.wake.notify_one();
+        for made in waiting {
+            self.destroy_warm(made).await;
+        }
+    }
+
+    /// Closes the pools and forgets their sandboxes, whose processes a
+    /// fence killed: their rows and files are recovery's.
+    pub(super) fn abandon_warm_pools(&self) {
+        drop(self.warm.pools().close());
+        self.warm.wake.notify_one();
+    }
+
+    /// Stores a sandbox's state; a store error is logged.
+    pub(super) async fn store_sandbox_state(&self, sandbox_id: &str, state: SandboxState) {
+        if let Err(error) = self.store.set_sandbox_state(sandbox_id, state).await {
+            tracing::error!(%sandbox_id, state = state.as_str(), %error, "sandbox state not stored");
+        }
+    }
+}

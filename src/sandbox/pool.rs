@@ -1,0 +1,208 @@
+//! Warm pools: sandboxes made ahead of any request, each waiting for the
+//! one execution it will serve (see [`super::waiter`]).
+//!
+//! This is the bookkeeping only, generic over what a warm sandbox is so it
+//! can be checked with exact vectors: which pool is filled next, which
+//! waiting sandbox a request takes (never one made for another profile
+//! version, sandbox or timeout), and what a closed pool hands back to be
+//! destroyed. The daemon fills, takes and destroys (`lifecycle::warm`).
+
+use std::collections::{BTreeMap, VecDeque};
+
+use super::SandboxSpec;
+
+/// What a warm sandbox was made for. A request takes one only when its
+/// resolved profile and the gate's effective sandbox and timeout are
+/// exactly these; any other request takes the cold path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolKey {
+    /// The digest of the profile version it was made from.
+    pub profile_digest: String,
+    /// The sandbox it has: the profile's, untightened.
+    pub spec: SandboxSpec,
+    /// The timeout its hook files were written with.
+    pub timeout_seconds: u64,
+}
+
+struct Pool<T> {
+    profile_ref: String,
+    size: usize,
+    /// What its sandboxes are made for now (`None` before the first).
+    key: Option<PoolKey>,
+    warm: VecDeque<T>,
+    filling: usize,
+}
+
+/// Every configured pool, by profile reference.
+pub struct Pools<T> {
+    pools: Vec<Pool<T>>,
+    closed: bool,
+}
+
+impl<T> Pools<T> {
+    /// A pool of `size` for each profile reference (size 0: none).
+    pub fn new(sizes: &BTreeMap<String, usize>) -> Pools<T> {
+        let pools = sizes
+            .iter()
+            .filter(|(_, size)| **size > 0)
+            .map(|(profile_ref, size)| Pool {
+                profile_ref: profile_ref.clone(),
+                size: *size,
+                key: None,
+                warm: VecDeque::new(),
+                filling: 0,
+            })
+            .collect();
+        Pools { pools, closed: false }
+    }
+
+    /// Whether any pool is configured.
+    pub fn is_empty(&self) -> bool {
+        self.pools.is_empty()
+    }
+
+    /// The oldest waiting sandbox made for exactly `key`, taken out: it
+    /// serves this request and no other.
+    pub fn take(&mut self, key: &PoolKey) -> Option<T> {
+        let pool = self.pools.iter_mut().find(|p| p.key.as_ref() == Some(key))?;
+        pool.warm.pop_front()
+    }
+
+    /// The pool to make a sandbox for next, as `(index, profile reference)`:
+    /// the one furthest below its size, counting those being made; `None`
+    /// when all are full or the pools are closed. Counted as being made
+    /// until [`filled`](Self::filled) or [`failed`](Self::failed).
+    pub fn next_fill(&mut self) -> Option<(usize, String)> {
+        if self.closed {
+            return None;
+        }
+        let (index, pool) = self
+            .pools
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, p)| p.warm.len() + p.filling < p.size)
+            .max_by_key(|(i, p)| (p.size - p.warm.len() - p.filling, usize::MAX - i))?;
+        pool.filling += 1;
+        Some((index, pool.profile_ref.clone()))
+    }
+
+    /// A sandbox for pool `index` is ready, made for `key`. Returns what is
+    /// to be destroyed: the sandbox itself when the pools closed meanwhile,
+    /// else every waiting one made for an earlier key (a new profile
+    /// version: they would never be taken).
+    pub fn filled(&mut self, index: usize, key: PoolKey, item: T) -> Vec<T> {
+        let closed = self.closed;
+        let Some(pool) = self.pools.get_mut(index) else { return vec![item] };
+        pool.filling = pool.filling.saturating_sub(1);
+        if closed {
+            return vec![item];
+        }
+        let stale = match pool.key.as_ref() == Some(&key) {
+            true => Vec::new(),
+            false => pool.warm.drain(..).collect(),
+        };
+        pool.key = Some(key);
+        pool.warm.push_back(item);
+        stale
+    }
+
+    /// Making a sandbox for pool `index` failed.
+    pub fn failed(&mut self, index: usize) {
+        if let Some(pool) = self.pools.get_mut(index) {
+            pool.filling = pool.filling.saturating_sub(1);
+        }
+    }
+
+    /// No more filling: every waiting sandbox, to be destroyed.
+    pub fn close(&mut self) -> Vec<T> {
+        self.closed = true;
+        self.pools.iter_mut().flat_map(|p| p.warm.drain(..)).collect()
+    }
+
+    /// Whether [`close`](Self::close) was called.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// `(profile reference, waiting, size)` of each pool.
+    pub fn levels(&self) -> Vec<(String, usize, usize)> {
+        self.pools.iter().map(|p| (p.profile_ref.clone(), p.warm.len(), p.size)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(digest: &str) -> PoolKey {
+        PoolKey { profile_digest: digest.into(), spec: SandboxSpec::default(), timeout_seconds: 60 }
+    }
+
+    fn pools(sizes: &[(&str, usize)]) -> Pools<u32> {
+        Pools::new(&sizes.iter().map(|(r, n)| (r.to_string(), *n)).collect())
+    }
+
+    #[test]
+    fn the_pool_furthest_below_its_size_fills_first_and_none_past_its_size() {
+        let mut p = pools(&[("a", 2), ("b", 1), ("z", 0)]);
+        assert_eq!(p.levels(), [("a".to_string(), 0, 2), ("b".to_string(), 0, 1)]);
+        assert_eq!(p.next_fill(), Some((0, "a".into())));
+        // a: 1 short (one being made), b: 1 short; the first wins a tie.
+        assert_eq!(p.next_fill(), Some((0, "a".into())));
+        assert_eq!(p.next_fill(), Some((1, "b".into())));
+        assert_eq!(p.next_fill(), None, "everything is being made");
+        p.failed(1);
+        assert_eq!(p.next_fill(), Some((1, "b".into())));
+    }
+
+    #[test]
+    fn a_warm_sandbox_is_taken_once_oldest_first_and_only_for_its_key() {
+        let mut p = pools(&[("a", 3)]);
+        for item in [10, 11] {
+            let (i, _) = p.next_fill().unwrap();
+            assert!(p.filled(i, key("d1"), item).is_empty());
+        }
+        assert_eq!(p.take(&key("d2")), None, "another profile version");
+        let mut tighter = key("d1");
+        tighter.spec.allow_network = true;
+        assert_eq!(p.take(&tighter), None, "another sandbox");
+        let mut shorter = key("d1");
+        shorter.timeout_seconds = 30;
+        assert_eq!(p.take(&shorter), None, "another timeout");
+        assert_eq!(p.take(&key("d1")), Some(10));
+        assert_eq!(p.take(&key("d1")), Some(11));
+        assert_eq!(p.take(&key("d1")), None);
+        assert_eq!(p.levels(), [("a".to_string(), 0, 3)]);
+    }
+
+    #[test]
+    fn a_new_profile_version_hands_back_the_sandboxes_made_for_the_old_one() {
+        let mut p = pools(&[("a", 3)]);
+        for item in [1, 2] {
+            let (i, _) = p.next_fill().unwrap();
+            p.filled(i, key("old"), item);
+        }
+        let (i, _) = p.next_fill().unwrap();
+        assert_eq!(p.filled(i, key("new"), 3), [1, 2]);
+        assert_eq!(p.take(&key("old")), None);
+        assert_eq!(p.take(&key("new")), Some(3));
+    }
+
+    #[test]
+    fn closed_pools_fill_nothing_and_hand_back_everything() {
+        let mut p = pools(&[("a", 2), ("b", 2)]);
+        let (a, _) = p.next_fill().unwrap();
+        p.filled(a, key("da"), 1);
+        let (b, _) = p.next_fill().unwrap();
+        assert_eq!(b, 1);
+        p.filled(b, key("db"), 2);
+        let (late, _) = p.next_fill().unwrap();
+        let mut all = p.close();
+        all.sort();
+        assert_eq!(all, [1, 2]);
+        assert!(p.is_closed());
+        assert_eq!(p.next_fill(), None);
+        assert_eq!(p.filled(late, key("da"), 3), [3], "made while closing: destroyed at once");
+        assert_eq!(p.take(&key("da")), None);
+    }
+}

@@ -1,0 +1,289 @@
+//! Warm pools (`[sandbox] warm`): sandboxes made ahead of any request, each
+//! waiting in real bubblewrap for the one execution it serves.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use corral::pb;
+
+const PROFILE: &str = "test.fake-agent";
+
+fn pooled(size: usize) -> Options {
+    Options {
+        config: Box::new(move |c| {
+            c.sandbox.warm.insert(PROFILE.into(), size);
+        }),
+        ..Options::default()
+    }
+}
+
+/// Waits until every pool of the daemon holds its size.
+async fn full(daemon: &TestDaemon) {
+    for _ in 0..400 {
+        if daemon.engine.warm_levels().iter().all(|(_, waiting, size)| waiting == size) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the warm pool did not fill: {:?}", daemon.engine.warm_levels());
+}
+
+fn ready(events: &[pb::LifecycleEvent]) -> pb::SandboxReady {
+    events
+        .iter()
+        .find_map(|e| match &e.kind {
+            Some(pb::lifecycle_event::Kind::SandboxReady(r)) => Some((**r).clone()),
+            _ => None,
+        })
+        .expect("a sandbox_ready event")
+}
+
+fn was_warm(execution: &pb::Execution) -> bool {
+    evidence(execution).notes.iter().any(|n| n.contains("warm pool"))
+}
+
+/// The lines of a PROBE_SELF run, and the sandbox they ran in.
+async fn probe(daemon: &TestDaemon) -> (Vec<String>, pb::Execution, pb::SandboxReady) {
+    let events = daemon.execute(request(PROFILE, "NOWORK\nPROBE_SELF")).await;
+    let execution = finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
+    let lines = execution.tool_output.lines().filter(|l| !l.starts_with("done:")).map(String::from).collect();
+    (lines, execution, ready(&events))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_run_is_confined_and_receipted_exactly_as_a_cold_one() {
+    require_bwrap();
+    let warm = TestDaemon::start(pooled(1)).await;
+    let cold = TestDaemon::start(Options::default()).await;
+    full(&warm).await;
+    let waiting = warm.leftover_sandboxes();
+    assert_eq!(waiting.len(), 1, "one sandbox waits before any request");
+    let (warm_lines, warm_run, warm_ready) = probe(&warm).await;
+    let (cold_lines, cold_run, cold_ready) = probe(&cold).await;
+    assert!(was_warm(&warm_run), "the pooled daemon's run took its warm sandbox: {:?}", evidence(&warm_run).notes);
+    assert!(!was_warm(&cold_run));
+    assert_eq!(waiting[0].file_name().unwrap().to_str(), Some(warm_ready.sandbox_id.as_str()));
+
+    // The boundary seen from inside: ids, capabilities, seccomp, every
+    // descriptor, rlimits, mounts, cgroups, environment names.
+    assert!(warm_lines.iter().any(|l| l == "status Seccomp: 2"), "{warm_lines:#?}");
+    assert!(warm_lines.iter().any(|l| l.starts_with("mount /workspace ")), "{warm_lines:#?}");
+    assert_eq!(warm_lines, cold_lines, "the warm run sees another boundary than the cold one");
+    // The waiter's own binary never reaches the harness.
+    // (The one that is gone is the listing's own, closed once read.)
+    let fds: Vec<&str> = warm_lines
+        .iter()
+        .filter(|l| l.starts_with("fd ") && !l.ends_with("<FileNotFoundError>"))
+        .map(|l| l.as_str())
+        .collect();
+    assert_eq!(fds, ["fd 0 -> pipe", "fd 1 -> pipe", "fd 2 -> pipe"], "stdio only");
+
+    // The receipt: the same but for what is the sandbox's own (its uid,
+    // and the digest of a command line that names its directory).
+    let strip = |r: &pb::SandboxReady| {
+        let mut receipt = r.receipt.clone().expect("a receipt");
+        assert_eq!(receipt.command_digest.len(), 64);
+        receipt.command_digest.clear();
+        receipt.host_uid = 0;
+        receipt
+    };
+    assert_eq!(strip(&warm_ready), strip(&cold_ready));
+    warm.stop().await;
+    cold.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_sandbox_serves_one_execution_and_the_pool_refills() {
+    require_bwrap();
+    let daemon = TestDaemon::start(pooled(1)).await;
+    let mut seen = std::collections::BTreeSet::new();
+    for round in 0..3 {
+        full(&daemon).await;
+        let waiting = daemon.leftover_sandboxes();
+        assert_eq!(waiting.len(), 1);
+        // A run that commits: its capture is a second process in the same
+        // sandbox, which must start a bwrap of its own (the waiter is spent).
+        let events = daemon.execute(request(PROFILE, "")).await;
+        let execution = finished(&events);
+        assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "round {round}: {:?}", execution.tool_error);
+        assert!(was_warm(&execution), "round {round}");
+        let sandbox = ready(&events).sandbox_id;
+        assert_eq!(waiting[0].file_name().unwrap().to_str(), Some(sandbox.as_str()));
+        assert!(seen.insert(sandbox.clone()), "sandbox {sandbox} served a second execution");
+        assert!(!daemon.data_dir().join("sandboxes").join(&sandbox).exists(), "destroyed after its run");
+    }
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_the_gate_tightens_takes_the_cold_path_and_leaves_the_pool_alone() {
+    require_bwrap();
+    // Every run's timeout is cut to 5 s: its hook files and its limits are
+    // not those the pool's sandbox was made with (the profile's 30 s).
+    let options = Options {
+        config: Box::new(|c| {
+            c.sandbox.warm.insert(PROFILE.into(), 1);
+            c.policies.push(corral::policy::PolicySpec {
+                name: "short".into(),
+                kind: "max_timeout".into(),
+                arguments: serde_json::json!({ "seconds": 5 }),
+                on: vec![],
+            });
+        }),
+        ..Options::default()
+    };
+    let daemon = TestDaemon::start(options).await;
+    full(&daemon).await;
+    let waiting = daemon.leftover_sandboxes();
+    for _ in 0..2 {
+        let events = daemon.execute(request(PROFILE, "NOWORK")).await;
+        let execution = finished(&events);
+        assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
+        assert!(!was_warm(&execution), "a tightened run took a sandbox made for another timeout");
+        assert_ne!(waiting[0].file_name().unwrap().to_str(), Some(ready(&events).sandbox_id.as_str()));
+        assert_eq!(daemon.leftover_sandboxes(), waiting, "the warm sandbox still waits, the only one left");
+    }
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_the_daemon_could_not_keep_is_refused_at_start() {
+    require_bwrap();
+    let none = r#"id = "test.none"
+version = "1.0.0"
+[rein]
+argv = ["/bin/true"]
+[sandbox]
+type = "none"
+[limits]
+memory_bytes = 0
+max_processes = 0
+cpu_millis = 0
+"#;
+    for (size, profile, key, binary) in [
+        (1, "no.such-profile", "sandbox.warm.\"no.such-profile\"", true),
+        (100, PROFILE, "sandbox.warm", true),
+        (1, "test.none", "sandbox.warm.\"test.none\"", true),
+        // The test binary is no corral binary: nothing to run as the waiter.
+        (1, PROFILE, "gate.hook_program", false),
+    ] {
+        let data = data_tempdir();
+        let profiles = data.path().join("profiles");
+        std::fs::create_dir_all(&profiles).unwrap();
+        std::fs::write(profiles.join("fake.toml"), fake_agent_profile(PROFILE, "")).unwrap();
+        std::fs::write(profiles.join("none.toml"), none).unwrap();
+        let mut config = corral::config::Config {
+            data_dir: data.path().join("data"),
+            profile_dirs: vec![profiles],
+            ..Default::default()
+        };
+        config.sandbox.uids = unique_uids();
+        config.credentials.routes.insert(
+            "route.test".into(),
+            corral::credentials::RouteConfig {
+                env: Some("PATH".into()),
+                inject_as: "ROUTE_TEST_TOKEN".into(),
+                ..Default::default()
+            },
+        );
+        config.sandbox.warm.insert(profile.into(), size);
+        if binary {
+            config.gate.hook_program = Some(env!("CARGO_BIN_EXE_corral").into());
+        }
+        let built = corral::daemon::Daemon::build(
+            config,
+            corral::sandbox::Backends::host_default(),
+            corral::daemon::default_reins(),
+        )
+        .await;
+        let error = match built {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a daemon started with an impossible pool of {size} for {profile}"),
+        };
+        assert!(error.contains(key), "{error}");
+    }
+}
+
+/// Processes whose real uid is in `range` (`first-last`).
+fn processes_of(range: &str) -> Vec<String> {
+    let (first, last) = range.split_once('-').unwrap();
+    let (first, last): (u32, u32) = (first.parse().unwrap(), last.parse().unwrap());
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else { continue };
+        // A zombie holds no memory, file or namespace: it is dead, waiting
+        // for its (reparented) parent to read its status.
+        if status.lines().any(|l| l.starts_with("State:") && l.contains("zombie")) {
+            continue;
+        }
+        let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next());
+        if let Some(uid) = uid.and_then(|u| u.parse::<u32>().ok()) {
+            if (first..=last).contains(&uid) {
+                let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+                found.push(String::from_utf8_lossy(&cmdline).replace('\0', " "));
+            }
+        }
+    }
+    found
+}
+
+fn sandboxes(data: &Path) -> Vec<String> {
+    std::fs::read_dir(data.join("sandboxes"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default()
+}
+
+async fn waiters(range: &str, n: usize) {
+    for _ in 0..400 {
+        if processes_of(range).iter().filter(|p| p.contains("corral-sandbox-wait")).count() >= n * 2 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("{n} warm sandboxes did not start: {:?}", processes_of(range));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_leaves_no_warm_sandbox_alive_and_recovery_sweeps_what_a_crash_left() {
+    require_bwrap();
+    let dir = data_tempdir();
+    let (data, profiles) = (dir.path().join("data"), dir.path().join("profiles"));
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("fake.toml"), fake_agent_profile(PROFILE, "")).unwrap();
+    let pool = format!("[sandbox.warm]\n{PROFILE:?} = 2\n");
+
+    // SIGTERM: the pool is destroyed, nothing of it runs, nothing is left.
+    let mut serve = ServeProcess::start_with(&data, &profiles, &[], &pool).await;
+    let uids = serve.uids.clone();
+    waiters(&uids, 2).await;
+    assert_eq!(sandboxes(&data).len(), 2);
+    // SAFETY: a plain kill(2) of our own child.
+    unsafe { libc::kill(serve.pid(), libc::SIGTERM) };
+    let status = tokio::time::timeout(Duration::from_secs(30), serve.child.wait()).await.expect("exits").unwrap();
+    assert!(status.success(), "{status}");
+    assert_eq!(processes_of(&uids), Vec::<String>::new(), "a warm sandbox outlived its daemon");
+    assert_eq!(sandboxes(&data), Vec::<String>::new());
+
+    // SIGKILL: the next start's recovery destroys what the pool left.
+    let mut serve = ServeProcess::start_with(&data, &profiles, &[], &pool).await;
+    waiters(&uids, 2).await;
+    let crashed = sandboxes(&data);
+    // SAFETY: as above.
+    unsafe { libc::kill(serve.pid(), libc::SIGKILL) };
+    let _ = serve.child.wait().await;
+    let mut serve = ServeProcess::start_with(&data, &profiles, &[], &pool).await;
+    waiters(&uids, 2).await;
+    let now = sandboxes(&data);
+    assert_eq!(now.len(), 2, "{now:?}");
+    for old in &crashed {
+        assert!(!now.contains(old), "recovery left the crashed daemon's warm sandbox {old}");
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(serve.pid(), libc::SIGTERM) };
+    let _ = serve.child.wait().await;
+    assert_eq!(processes_of(&uids), Vec::<String>::new());
+}
