@@ -31,6 +31,31 @@ async fn latency_compares_executes_with_the_floor() {
     assert!(report.targets.iter().any(|t| t.target.starts_with("latency") && t.met.is_some()));
 }
 
+/// With `--warm`, a second daemon keeps warm sandboxes: the runs that
+/// took one are counted, and accepted → dispatched is measured both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_with_a_warm_pool_measures_warm_runs_against_the_same_floor() {
+    common::require_bwrap();
+    let mut args = BenchArgs::parse(&["latency", "--n", "4", "--warmup", "1", "--warm", "2"]).unwrap();
+    args.corral_binary = Some(env!("CARGO_BIN_EXE_corral").into());
+    let report = run_scenario(&args, None).await.expect("the bench runs");
+    let (cold, warm) = (report.latency.expect("cold"), report.latency_warm.expect("warm"));
+    assert_eq!((cold.warm_pool, cold.warm_runs), (0, 0));
+    assert_eq!(warm.warm_pool, 2);
+    assert!(warm.errors.is_empty() && warm.floor_errors == 0, "{:?}", warm.errors);
+    // The pool refills between sequential runs (a floor spawn apart).
+    assert!(warm.warm_runs >= 1, "no timed run took a warm sandbox");
+    assert_eq!(warm.accepted_to_dispatched.count, 4);
+    assert!(warm.floor_matches_receipt, "a warm sandbox's receipt is the floor's command line too");
+    for name in ["latency, warm pool: corral Execute p50", "latency, warm pool: accepted -> dispatched"] {
+        assert!(report.targets.iter().any(|t| t.target.starts_with(name) && t.met.is_some()), "{name}");
+    }
+    // Against --server it is refused: the bench cannot configure that daemon.
+    let remote = corral::cli::Remote { url: "unix:///nonexistent".into(), token: None, tls: Default::default() };
+    let refused = run_scenario(&args, Some(&remote)).await.expect_err("refused").to_string();
+    assert!(refused.contains("--warm"), "{refused}");
+}
+
 /// With a network profile both sides pay for the egress proxy: the ratio
 /// is the control plane's share of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,6 +23,10 @@ pub struct Executed {
     pub workspace_path: Option<String>,
     pub command_digest: Option<String>,
     pub effective_sandbox: Option<pb::SandboxSpec>,
+    /// Its sandbox was made ahead, in a warm pool (the evidence says so).
+    pub warm: bool,
+    /// From receiving `accepted` to receiving `dispatched`, client-side.
+    pub accepted_to_dispatched: Option<Duration>,
 }
 
 impl Executed {
@@ -60,8 +64,11 @@ pub async fn execute(channel: &Channel, request: pb::ExecuteRequest) -> Result<E
     let started = Instant::now();
     let mut stream = client.execute(request).await?.into_inner();
     let mut executed = Executed::default();
+    let mut accepted = None;
     while let Some(event) = stream.message().await? {
         match event.kind {
+            Some(Kind::Accepted(_)) => accepted = Some(Instant::now()),
+            Some(Kind::Dispatched(_)) => executed.accepted_to_dispatched = accepted.map(|at| at.elapsed()),
             Some(Kind::SandboxReady(ready)) => {
                 executed.sandbox_id = Some(ready.sandbox_id);
                 executed.workspace_path = Some(ready.workspace_path);
@@ -74,6 +81,7 @@ pub async fn execute(channel: &Channel, request: pb::ExecuteRequest) -> Result<E
                 executed.state = execution.state;
                 executed.effective_sandbox = execution.effective_sandbox;
                 if let Some(evidence) = execution.evidence {
+                    executed.warm = evidence.notes.iter().any(|n| n.contains("warm pool"));
                     executed.stages = evidence.stage_timings.into_iter().map(|t| (t.stage, t.micros)).collect();
                 }
             }

@@ -54,6 +54,12 @@ pub struct LatencyReport {
     /// SQLite store over the N timed executions, divided by N (in-process
     /// daemons only: the bench must know the data directory).
     pub store_bytes_per_execution: Option<f64>,
+    /// Warm sandboxes the daemon kept of the profile (`--warm`; 0: none).
+    pub warm_pool: usize,
+    /// Timed executions whose sandbox was made ahead, in the warm pool.
+    pub warm_runs: usize,
+    /// Client-observed, `accepted` received → `dispatched` received.
+    pub accepted_to_dispatched: Percentiles,
 }
 
 /// One Execute of `profile`; a failure is counted in `errors`.
@@ -103,7 +109,9 @@ pub async fn floor_for(target: &Target, channel: &Channel, profile_ref: &str) ->
     Ok((floor, matches))
 }
 
-pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<LatencyReport> {
+/// `warm_pool`: how many warm sandboxes of the profile the daemon keeps
+/// (0: none; the report counts the runs that took one).
+pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow::Result<LatencyReport> {
     let n = args.n.unwrap_or(200);
     let channel = target.connect().await?;
     let (floor, floor_matches_receipt) = floor_for(target, &channel, &args.noop_profile).await?;
@@ -137,6 +145,8 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<LatencyRep
         _ => None,
     };
     let corral = Percentiles::of_ms(&ok.iter().map(|e| e.client.as_secs_f64() * 1e3).collect::<Vec<_>>());
+    let dispatch: Vec<f64> =
+        ok.iter().filter_map(|e| e.accepted_to_dispatched).map(|d| d.as_secs_f64() * 1e3).collect();
     let floor_p = Percentiles::of_ms(&floor_ms);
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
     Ok(LatencyReport {
@@ -154,6 +164,9 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<LatencyRep
         errors,
         floor_errors,
         store_bytes_per_execution,
+        warm_pool,
+        warm_runs: ok.iter().filter(|e| e.warm).count(),
+        accepted_to_dispatched: Percentiles::of_ms(&dispatch),
     })
 }
 

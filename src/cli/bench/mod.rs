@@ -83,6 +83,16 @@ pub struct BenchArgs {
     /// of each side [default: 500].
     #[arg(long)]
     pub n: Option<usize>,
+    /// latency, throughput: also run the scenario against a fresh
+    /// in-process daemon keeping this many warm sandboxes of the no-op
+    /// profile (`[sandbox] warm`), against the same floor.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub warm: usize,
+    /// The corral binary a warm sandbox's waiter runs (`gate.hook_program`)
+    /// in the in-process daemons; `None`: this process's own, when it is
+    /// corral. Not a flag: for a bench run inside another program (tests).
+    #[arg(skip)]
+    pub corral_binary: Option<PathBuf>,
     /// latency: untimed runs of each side first (at least one Execute).
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
@@ -198,8 +208,12 @@ pub struct BenchReport {
     pub daemon_fresh: bool,
     /// The `latency` scenario's figures, when it ran.
     pub latency: Option<LatencyReport>,
+    /// The same against a daemon with a warm pool (`--warm`).
+    pub latency_warm: Option<LatencyReport>,
     /// The `throughput` scenario's figures, when it ran.
     pub throughput: Option<ThroughputReport>,
+    /// The same against a daemon with warm pools (`--warm`).
+    pub throughput_warm: Option<ThroughputReport>,
     /// The `fanout` scenario's figures, when it ran.
     pub fanout: Option<FanoutReport>,
     /// The `ingest` scenario's figures, when it ran.
@@ -237,22 +251,33 @@ impl Daemons {
         Daemons { server: server.cloned(), data_dir: data_dir.map(|d| d.to_path_buf()), started: Default::default() }
     }
 
-    /// The daemon for the next scenario (or level) named `name`.
-    async fn next(&self, name: &str) -> anyhow::Result<Target> {
+    /// The daemon for the next scenario (or level) named `name`; an
+    /// in-process one with `configure` applied to its config.
+    async fn next(&self, name: &str, configure: impl FnOnce(&mut crate::config::Config)) -> anyhow::Result<Target> {
         match &self.server {
             Some(remote) => Target::server(remote).await,
             None => {
                 let n = self.started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 // With --data-dir each daemon gets a directory of its own in it.
                 let dir = self.data_dir.as_ref().map(|d| d.join(format!("{n:02}-{name}")));
-                Target::in_process(dir.as_deref()).await
+                Target::in_process_with(dir.as_deref(), configure).await
             }
         }
     }
 
     /// Runs `f` against the next daemon, then stops that daemon.
     async fn with<T>(&self, name: &str, f: impl AsyncFnOnce(&Target) -> anyhow::Result<T>) -> anyhow::Result<T> {
-        let target = self.next(name).await?;
+        self.with_config(name, |_| {}, f).await
+    }
+
+    /// [`with`](Self::with), the in-process daemon configured by `configure`.
+    async fn with_config<T>(
+        &self,
+        name: &str,
+        configure: impl FnOnce(&mut crate::config::Config),
+        f: impl AsyncFnOnce(&Target) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let target = self.next(name, configure).await?;
         // Connected once first, so an in-process daemon is serving.
         let result = match target.connect().await {
             Ok(channel) => {
@@ -271,6 +296,12 @@ impl Daemons {
 /// Runs a scenario against the daemon at `server`, or against fresh ones
 /// started in this process when `server` is `None` (see [`Daemons`]).
 pub async fn run_scenario(args: &BenchArgs, server: Option<&crate::cli::Remote>) -> anyhow::Result<BenchReport> {
+    if args.warm > 0 && server.is_some() {
+        anyhow::bail!(
+            "--warm starts an in-process daemon with a warm pool; against --server, configure [sandbox] warm on \
+             that daemon and run the scenario without --warm"
+        );
+    }
     let daemons = Daemons::new(server, args.data_dir.as_deref());
     let mut report = daemons
         .with("idle", async |target| {
@@ -282,7 +313,9 @@ pub async fn run_scenario(args: &BenchArgs, server: Option<&crate::cli::Remote>)
                 daemon_idle_rss_kib: target.daemon_rss_kib(),
                 daemon_fresh: target.is_fresh().await,
                 latency: None,
+                latency_warm: None,
                 throughput: None,
+                throughput_warm: None,
                 fanout: None,
                 ingest: None,
                 peer: None,
@@ -295,14 +328,30 @@ pub async fn run_scenario(args: &BenchArgs, server: Option<&crate::cli::Remote>)
         })
         .await?;
     let all = args.scenario == Scenario::All;
+    // A daemon keeping `--warm` sandboxes of the no-op profile ready.
+    let warm = |config: &mut crate::config::Config| {
+        config.sandbox.warm.insert(args.noop_profile.clone(), args.warm);
+        config.max_running_executions = config.max_running_executions.max(args.warm);
+        if let Some(binary) = &args.corral_binary {
+            config.gate.hook_program = Some(binary.clone());
+        }
+    };
     if all || args.scenario == Scenario::Latency {
-        report.latency = Some(daemons.with("latency", async |t| latency::run(t, args).await).await?);
+        report.latency = Some(daemons.with("latency", async |t| latency::run(t, args, 0).await).await?);
+        if args.warm > 0 {
+            let run = async |t: &Target| latency::run(t, args, args.warm).await;
+            report.latency_warm = Some(daemons.with_config("latency-warm", warm, run).await?);
+        }
     }
     if all || args.scenario == Scenario::Peer {
         report.peer = Some(daemons.with("peer", async |t| peer::run(t, args).await).await?);
     }
     if all || args.scenario == Scenario::Throughput {
-        report.throughput = Some(daemons.with("throughput", async |t| throughput::run(t, args).await).await?);
+        report.throughput = Some(daemons.with("throughput", async |t| throughput::run(t, args, 0).await).await?);
+        if args.warm > 0 {
+            let run = async |t: &Target| throughput::run(t, args, args.warm).await;
+            report.throughput_warm = Some(daemons.with_config("throughput-warm", warm, run).await?);
+        }
     }
     if all || args.scenario == Scenario::Ingest {
         report.ingest = Some(daemons.with("ingest", async |t| ingest::run(t, args).await).await?);

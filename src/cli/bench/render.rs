@@ -70,6 +70,46 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
             None => check(name, "not measured (in-process daemons only)".into(), None),
         });
     }
+    if let (Some(cold), Some(w)) = (&r.latency, &r.latency_warm) {
+        let share = format!("{} of {} runs took a warm sandbox", w.warm_runs, w.corral.count);
+        out.push(check(
+            "latency, warm pool: corral Execute p50 <= 0.5x the hardened floor's p50",
+            format!("{:.2}x ({:.2} ms vs {:.2} ms; {share})", w.ratio_p50, w.corral.p50_ms, w.floor.p50_ms),
+            Some(w.warm_runs > 0 && w.ratio_p50 <= 0.5),
+        ));
+        out.push(check(
+            "latency, warm pool: accepted -> dispatched p50 <= 2 ms",
+            format!(
+                "{:.2} ms (cold: {:.2} ms; client-observed)",
+                w.accepted_to_dispatched.p50_ms, cold.accepted_to_dispatched.p50_ms
+            ),
+            Some(w.warm_runs > 0 && w.accepted_to_dispatched.count > 0 && w.accepted_to_dispatched.p50_ms <= 2.0),
+        ));
+        out.push(check(
+            "latency: cold corral Execute p50 <= 1.3x the hardened floor's p50",
+            format!("{:.2}x ({:.2} ms vs {:.2} ms)", cold.ratio_p50, cold.corral.p50_ms, cold.floor.p50_ms),
+            Some(cold.corral.count > 0 && cold.ratio_p50 <= 1.3),
+        ));
+    }
+    if let Some(t) = &r.throughput_warm {
+        let name = "throughput at concurrency 16 with a warm pool >= 100% of the floor's parallel spawn rate";
+        out.push(match t.levels.iter().find(|l| l.concurrency == 16) {
+            Some(l) => check(
+                name,
+                format!(
+                    "{:.1}/s = {:.0}% of the floor's {:.1} spawns/s (pool of {}; {} errors)",
+                    l.per_second,
+                    if l.floor_per_second > 0.0 { 100.0 * l.per_second / l.floor_per_second } else { 0.0 },
+                    l.floor_per_second,
+                    t.leaks.warm_pool,
+                    l.errors.values().sum::<usize>(),
+                ),
+                Some(l.per_second >= l.floor_per_second),
+            ),
+            None => check(name, "not run (no concurrency 16 level)".into(), None),
+        });
+        out.push(leak_check(&t.leaks));
+    }
     if let Some(t) = &r.throughput {
         let at16 = t.levels.iter().find(|l| l.concurrency == 16);
         let name = "throughput at concurrency 16 >= 80% of the floor's parallel spawn rate";
@@ -224,6 +264,85 @@ fn errors(map: &std::collections::BTreeMap<String, usize>) -> String {
     map.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
 }
 
+/// The `latency` tables; `title` follows the word (" (warm pool)").
+fn latency_section(out: &mut String, title: &str, l: &super::LatencyReport) {
+    let _ = writeln!(out, "latency{title}: {} ({} runs each side, {} warm-up)", l.profile, l.n, l.warmup);
+    if l.warm_pool > 0 {
+        let _ = writeln!(
+            out,
+            "warm pool of {}: {} of {} timed runs took a warm sandbox",
+            l.warm_pool, l.warm_runs, l.corral.count
+        );
+    }
+    let rows = vec![
+        percentile_row("corral Execute", &l.corral),
+        percentile_row("floor (bwrap direct)", &l.floor),
+        percentile_row("accepted -> dispatched", &l.accepted_to_dispatched),
+        vec![
+            "ratio".into(),
+            String::new(),
+            format!("{:.2}x", l.ratio_p50),
+            format!("{:.2}x", l.ratio_p90),
+            format!("{:.2}x", l.ratio_p99),
+            String::new(),
+        ],
+    ];
+    out.push_str(&table(&["", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"], &rows));
+    let _ = writeln!(
+        out,
+        "floor command line matches corral's receipt: {}; errors: corral {}, floor {}",
+        if l.floor_matches_receipt { "yes" } else { "NO" },
+        errors(&l.errors),
+        l.floor_errors
+    );
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for stage in STAGES.iter().chain(&["total", "daemon_other", "outside_total", "store_other", "client"]) {
+        if let Some(v) = l.stages_p50_ms.get(*stage) {
+            rows.push(vec![stage.to_string(), ms(*v), stage_note(stage).into()]);
+        }
+    }
+    out.push('\n');
+    out.push_str(&table(&["stage", "p50 ms", "what"], &rows));
+    if let Some(bytes) = l.store_bytes_per_execution {
+        let _ = writeln!(out, "store: {bytes:.0} bytes on disk per execution");
+    }
+    out.push('\n');
+}
+
+/// The `throughput` table and leaks; `title` as in [`latency_section`].
+fn throughput_section(out: &mut String, title: &str, t: &super::ThroughputReport) {
+    let _ = writeln!(out, "throughput{title}: {}", t.profile);
+    let rows: Vec<Vec<String>> = t
+        .levels
+        .iter()
+        .map(|l| {
+            vec![
+                l.concurrency.to_string(),
+                l.executions.to_string(),
+                format!("{:.2}", l.seconds),
+                format!("{:.1}", l.per_second),
+                ms(l.latency.p50_ms),
+                ms(l.latency.p99_ms),
+                format!("{:.1}", l.floor_per_second),
+                errors(&l.errors),
+            ]
+        })
+        .collect();
+    let headers =
+        ["concurrency", "executions", "seconds", "succeeded/s", "p50 ms", "p99 ms", "floor spawns/s", "errors"];
+    out.push_str(&table(&headers, &rows));
+    let p = &t.leaks.processes;
+    let _ = writeln!(
+        out,
+        "leaks after the run: {} sandbox dirs of these executions, {} entries under data/sandboxes, {} processes with CORRAL_SANDBOX_ID ({} bwrap), {} bwrap zombies\n",
+        t.leaks.sandbox_dirs,
+        t.leaks.data_sandboxes_entries.map(|n| n.to_string()).unwrap_or_else(|| "?".into()),
+        p.with_sandbox_id,
+        p.bwrap,
+        p.bwrap_zombies
+    );
+}
+
 pub fn human(r: &BenchReport) -> String {
     let mut out = String::new();
     let h = &r.host;
@@ -237,71 +356,16 @@ pub fn human(r: &BenchReport) -> String {
     let _ =
         writeln!(out, "daemon RSS at the start (idle if the daemon is fresh): {} MiB\n", mib(r.daemon_idle_rss_kib));
     if let Some(l) = &r.latency {
-        let _ = writeln!(out, "latency: {} ({} runs each side, {} warm-up)", l.profile, l.n, l.warmup);
-        let rows = vec![
-            percentile_row("corral Execute", &l.corral),
-            percentile_row("floor (bwrap direct)", &l.floor),
-            vec![
-                "ratio".into(),
-                String::new(),
-                format!("{:.2}x", l.ratio_p50),
-                format!("{:.2}x", l.ratio_p90),
-                format!("{:.2}x", l.ratio_p99),
-                String::new(),
-            ],
-        ];
-        out.push_str(&table(&["", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"], &rows));
-        let _ = writeln!(
-            out,
-            "floor command line matches corral's receipt: {}; errors: corral {}, floor {}",
-            if l.floor_matches_receipt { "yes" } else { "NO" },
-            errors(&l.errors),
-            l.floor_errors
-        );
-        let mut rows: Vec<Vec<String>> = Vec::new();
-        for stage in STAGES.iter().chain(&["total", "daemon_other", "outside_total", "store_other", "client"]) {
-            if let Some(v) = l.stages_p50_ms.get(*stage) {
-                rows.push(vec![stage.to_string(), ms(*v), stage_note(stage).into()]);
-            }
-        }
-        out.push('\n');
-        out.push_str(&table(&["stage", "p50 ms", "what"], &rows));
-        if let Some(bytes) = l.store_bytes_per_execution {
-            let _ = writeln!(out, "store: {bytes:.0} bytes on disk per execution");
-        }
-        out.push('\n');
+        latency_section(&mut out, "", l);
+    }
+    if let Some(l) = &r.latency_warm {
+        latency_section(&mut out, " (warm pool)", l);
     }
     if let Some(t) = &r.throughput {
-        let _ = writeln!(out, "throughput: {}", t.profile);
-        let rows: Vec<Vec<String>> = t
-            .levels
-            .iter()
-            .map(|l| {
-                vec![
-                    l.concurrency.to_string(),
-                    l.executions.to_string(),
-                    format!("{:.2}", l.seconds),
-                    format!("{:.1}", l.per_second),
-                    ms(l.latency.p50_ms),
-                    ms(l.latency.p99_ms),
-                    format!("{:.1}", l.floor_per_second),
-                    errors(&l.errors),
-                ]
-            })
-            .collect();
-        let headers =
-            ["concurrency", "executions", "seconds", "succeeded/s", "p50 ms", "p99 ms", "floor spawns/s", "errors"];
-        out.push_str(&table(&headers, &rows));
-        let p = &t.leaks.processes;
-        let _ = writeln!(
-            out,
-            "leaks after the run: {} sandbox dirs of these executions, {} entries under data/sandboxes, {} processes with CORRAL_SANDBOX_ID ({} bwrap), {} bwrap zombies\n",
-            t.leaks.sandbox_dirs,
-            t.leaks.data_sandboxes_entries.map(|n| n.to_string()).unwrap_or_else(|| "?".into()),
-            p.with_sandbox_id,
-            p.bwrap,
-            p.bwrap_zombies
-        );
+        throughput_section(&mut out, "", t);
+    }
+    if let Some(t) = &r.throughput_warm {
+        throughput_section(&mut out, " (warm pool)", t);
     }
     if let Some(i) = &r.ingest {
         let _ = writeln!(out, "ingest: {} ({:?}), {} progress events", i.profile, i.emitter, i.events);
@@ -481,6 +545,7 @@ mod tests {
         Leaks {
             sandbox_dirs: 0,
             data_sandboxes_entries: data,
+            warm_pool: 0,
             processes: LeakedProcesses { with_sandbox_id: processes, bwrap: 0, bwrap_zombies: 0 },
         }
     }

@@ -52,8 +52,12 @@ pub struct Level {
 pub struct Leaks {
     /// Sandbox roots of this run's executions that still exist.
     pub sandbox_dirs: usize,
-    /// Entries under `<data>/sandboxes` (in-process daemon only).
+    /// Entries under `<data>/sandboxes` (in-process daemon only), not
+    /// counting the warm pool's (`warm_pool` of them wait there, refilled,
+    /// when the bench looks).
     pub data_sandboxes_entries: Option<usize>,
+    /// The warm sandboxes the daemon keeps (`--warm`; 0: none).
+    pub warm_pool: usize,
     /// Processes left running and bwrap zombies nobody reaped.
     pub processes: LeakedProcesses,
 }
@@ -69,7 +73,8 @@ pub struct ThroughputReport {
     pub leaks: Leaks,
 }
 
-pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<ThroughputReport> {
+/// `warm_pool`: how many warm sandboxes of the profile the daemon keeps.
+pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow::Result<ThroughputReport> {
     let mut channels = Vec::new();
     let max = args.concurrency.iter().copied().max().unwrap_or(1);
     for _ in 0..max.div_ceil(STREAMS_PER_CONNECTION) {
@@ -87,9 +92,21 @@ pub async fn run(target: &Target, args: &BenchArgs) -> anyhow::Result<Throughput
     }
     let sandboxes = std::mem::take(&mut *sandboxes.lock().unwrap_or_else(|e| e.into_inner()));
     let ids: HashSet<String> = sandboxes.iter().map(|(id, _)| id.clone()).collect();
+    // The pool refills after the last run: wait for it (up to 10 s), so
+    // that what is there beyond it is what leaked.
+    let entries = |d: &std::path::Path| system::entries(d);
+    if let Some(dir) = target.sandboxes_dir().filter(|_| warm_pool > 0) {
+        for _ in 0..200 {
+            if entries(&dir) >= warm_pool {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
     let leaks = Leaks {
         sandbox_dirs: sandboxes.iter().filter(|(_, root)| root.exists()).count(),
-        data_sandboxes_entries: target.sandboxes_dir().map(|d| system::entries(&d)),
+        data_sandboxes_entries: target.sandboxes_dir().map(|d| entries(&d).saturating_sub(warm_pool)),
+        warm_pool,
         processes: system::leaked_processes(target.daemon_pid, &ids),
     };
     Ok(ThroughputReport { profile: args.noop_profile.clone(), levels, leaks })
