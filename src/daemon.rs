@@ -327,9 +327,6 @@ fn group_id(group: &str) -> Result<u32, String> {
         .ok_or_else(|| format!("unix_socket_group: no group {group:?}"))
 }
 
-/// The data directory is root's (0711: sandboxes' uids may traverse it to
-/// reach their own workspace, never list or read it), and so is its
-/// `sandboxes` directory.
 /// Refuses a warm pool the daemon could not keep: a profile that does not
 /// resolve, cannot start ahead, or a host without bwrap. (A pool that was
 /// accepted and never filled would be a promise not kept.)
@@ -361,6 +358,9 @@ fn check_warm_pools(config: &Config, catalog: &Catalog, bwrap: &Result<(), Strin
     Ok(())
 }
 
+/// The data directory is root's (0711: sandboxes' uids may traverse it to
+/// reach their own workspace, never list or read it), and so is its
+/// `sandboxes` directory.
 fn prepare_data_dir(data_dir: &std::path::Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let sandboxes = data_dir.join("sandboxes");

@@ -280,24 +280,18 @@ impl Core {
         let t = Instant::now();
         // A warm sandbox made for exactly this profile version, sandbox and
         // timeout, if its pool has one; else one made now.
-        let key = super::warm::pool_key(&profile, spec, self.timeout.as_secs());
-        let (made, warm) = match self.engine.take_warm(&key) {
+        let timeout = self.timeout.as_secs();
+        let (made, warm) = match self.engine.take_warm(&profile, spec, timeout) {
             Some(made) => (made, true),
-            None => match super::warm::make_sandbox(
-                &self.engine,
-                self.recorder.subject(),
-                spec,
-                &profile,
-                key.timeout_seconds,
-            )
-            .await
-            {
-                Ok(made) => (made, false),
-                Err(error) => {
-                    self.failed(FailureStage::SandboxCreate, &error);
-                    return Err(fail(FailureStage::SandboxCreate));
+            None => {
+                match super::warm::make_sandbox(&self.engine, self.recorder.subject(), spec, &profile, timeout).await {
+                    Ok(made) => (made, false),
+                    Err(error) => {
+                        self.failed(FailureStage::SandboxCreate, &error);
+                        return Err(fail(FailureStage::SandboxCreate));
+                    }
                 }
-            },
+            }
         };
         let super::warm::Made { backend, mut sandbox, gateway } = made;
         sandbox.consumer = self.consumer.clone();
@@ -313,10 +307,7 @@ impl Core {
         if let Err(bug) = self.phase.sandbox_made(backend.clone(), sandbox.clone()) {
             // Not held by the phase, so destroyed here.
             self.failed(FailureStage::SandboxCreate, &bug.to_string());
-            let _ = backend.destroy(&sandbox).await;
-            self.engine.sandbox_alive(&sandbox.id, false);
-            crate::telemetry::sandbox_alive(-1.0);
-            self.set_sandbox_state(&sandbox.id, SandboxState::Destroyed).await;
+            let _ = self.engine.destroy_sandbox(backend.as_ref(), &sandbox).await;
             return Err(fail(FailureStage::SandboxCreate));
         }
         if warm {
@@ -820,27 +811,13 @@ impl Core {
         // Not Ready: no sandbox to destroy (never made, or destroyed already).
         let Ok(ready) = self.phase.take_sandbox() else { return };
         let Ready { backend, sandbox, .. } = *ready;
-        self.set_sandbox_state(&sandbox.id, SandboxState::Destroying).await;
-        let destroyed = backend.destroy(&sandbox).await;
-        self.engine.sandbox_alive(&sandbox.id, false);
-        crate::telemetry::sandbox_alive(-1.0);
-        self.sandbox_destroy = match destroyed {
-            Ok(()) => {
-                self.set_sandbox_state(&sandbox.id, SandboxState::Destroyed).await;
-                TeardownResult::Succeeded
-            }
+        self.sandbox_destroy = match self.engine.destroy_sandbox(backend.as_ref(), &sandbox).await {
+            Ok(()) => TeardownResult::Succeeded,
             Err(e) => {
-                self.set_sandbox_state(&sandbox.id, SandboxState::Failed).await;
                 self.failed(FailureStage::Teardown, &e.to_string());
                 TeardownResult::Failed
             }
         };
-    }
-
-    async fn set_sandbox_state(&self, sandbox_id: &str, state: SandboxState) {
-        if let Err(error) = self.engine.store.set_sandbox_state(sandbox_id, state).await {
-            tracing::error!(%sandbox_id, state = state.as_str(), %error, "sandbox state not stored");
-        }
     }
 }
 

@@ -183,10 +183,15 @@ pub fn unpoolable(profile: &Profile) -> Option<String> {
 }
 
 impl Engine {
-    /// A warm sandbox made for exactly `key`, taken out of its pool, and
-    /// its refill begun.
-    pub(super) fn take_warm(&self, key: &PoolKey) -> Option<WarmSandbox> {
-        let taken = self.warm.pools().take(key);
+    /// A warm sandbox made for exactly `profile`, `spec` and
+    /// `timeout_seconds`, taken out of its pool, and its refill begun.
+    pub(super) fn take_warm(&self, profile: &Profile, spec: &SandboxSpec, timeout_seconds: u64) -> Option<WarmSandbox> {
+        let mut pools = self.warm.pools();
+        if pools.is_empty() {
+            return None;
+        }
+        let taken = pools.take(&pool_key(profile, spec, timeout_seconds));
+        drop(pools);
         if taken.is_some() {
             self.warm.wake.notify_one();
         }
@@ -270,19 +275,26 @@ impl Engine {
         }
     }
 
-    /// Destroys a warm sandbox no run took.
-    async fn destroy_warm(&self, made: WarmSandbox) {
-        let Made { backend, sandbox, .. } = made;
+    /// Destroys a sandbox and stores what came of it: `Destroyed`, or
+    /// `Failed` (recovery tries again) when something of it may be left.
+    pub(super) async fn destroy_sandbox(
+        &self,
+        backend: &dyn SandboxBackend,
+        sandbox: &Sandbox,
+    ) -> Result<(), crate::sandbox::SandboxError> {
         self.store_sandbox_state(&sandbox.id, SandboxState::Destroying).await;
-        let destroyed = backend.destroy(&sandbox).await;
+        let destroyed = backend.destroy(sandbox).await;
         self.sandbox_alive(&sandbox.id, false);
         crate::telemetry::sandbox_alive(-1.0);
-        match destroyed {
-            Ok(()) => self.store_sandbox_state(&sandbox.id, SandboxState::Destroyed).await,
-            Err(e) => {
-                tracing::error!(sandbox_id = %sandbox.id, error = %e, "warm sandbox not destroyed");
-                self.store_sandbox_state(&sandbox.id, SandboxState::Failed).await;
-            }
+        let state = if destroyed.is_ok() { SandboxState::Destroyed } else { SandboxState::Failed };
+        self.store_sandbox_state(&sandbox.id, state).await;
+        destroyed
+    }
+
+    /// Destroys a warm sandbox no run took.
+    async fn destroy_warm(&self, made: WarmSandbox) {
+        if let Err(e) = self.destroy_sandbox(made.backend.as_ref(), &made.sandbox).await {
+            tracing::error!(sandbox_id = %made.sandbox.id, error = %e, "warm sandbox not destroyed");
         }
     }
 

@@ -94,10 +94,9 @@ pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow:
     let ids: HashSet<String> = sandboxes.iter().map(|(id, _)| id.clone()).collect();
     // The pool refills after the last run: wait for it (up to 10 s), so
     // that what is there beyond it is what leaked.
-    let entries = |d: &std::path::Path| system::entries(d);
     if let Some(dir) = target.sandboxes_dir().filter(|_| warm_pool > 0) {
         for _ in 0..200 {
-            if entries(&dir) >= warm_pool {
+            if system::entries(&dir) >= warm_pool {
                 break;
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -105,7 +104,7 @@ pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow:
     }
     let leaks = Leaks {
         sandbox_dirs: sandboxes.iter().filter(|(_, root)| root.exists()).count(),
-        data_sandboxes_entries: target.sandboxes_dir().map(|d| entries(&d).saturating_sub(warm_pool)),
+        data_sandboxes_entries: target.sandboxes_dir().map(|d| system::entries(&d).saturating_sub(warm_pool)),
         warm_pool,
         processes: system::leaked_processes(target.daemon_pid, &ids),
     };
