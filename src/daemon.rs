@@ -332,12 +332,15 @@ fn group_id(group: &str) -> Result<u32, String> {
 /// accepted and never filled would be a promise not kept.)
 fn check_warm_pools(config: &Config, catalog: &Catalog, bwrap: &Result<(), String>) -> Result<(), String> {
     let warm = &config.sandbox.warm;
-    // Within admission: the pools never hold more sandboxes than could run.
+    // Within admission: the pools never hold more sandboxes than this node
+    // may run (a front end, fleet.capacity = 0, runs none: its pool would
+    // never be taken).
     let total: usize = warm.values().sum();
-    if total > config.max_running_executions {
+    let room = config.fleet.capacity(config.max_running_executions).min(config.max_running_executions);
+    if total > room {
         return Err(format!(
-            "sandbox.warm: {total} warm sandboxes in all is more than max_running_executions ({})",
-            config.max_running_executions
+            "sandbox.warm: {total} warm sandboxes in all is more than this node runs at once ({room}: \
+             fleet.capacity, else max_running_executions)"
         ));
     }
     if total > 0 && config.gate.hook_program().is_none() {

@@ -164,12 +164,14 @@ memory_bytes = 0
 max_processes = 0
 cpu_millis = 0
 "#;
-    for (size, profile, key, binary) in [
-        (1, "no.such-profile", "sandbox.warm.\"no.such-profile\"", true),
-        (100, PROFILE, "sandbox.warm", true),
-        (1, "test.none", "sandbox.warm.\"test.none\"", true),
+    for (size, profile, key, binary, capacity) in [
+        (1, "no.such-profile", "sandbox.warm.\"no.such-profile\"", true, None),
+        (100, PROFILE, "sandbox.warm", true, None),
+        // A front end runs nothing: no run would take its pool.
+        (1, PROFILE, "sandbox.warm", true, Some(0)),
+        (1, "test.none", "sandbox.warm.\"test.none\"", true, None),
         // The test binary is no corral binary: nothing to run as the waiter.
-        (1, PROFILE, "gate.hook_program", false),
+        (1, PROFILE, "gate.hook_program", false, None),
     ] {
         let data = data_tempdir();
         let profiles = data.path().join("profiles");
@@ -191,6 +193,7 @@ cpu_millis = 0
             },
         );
         config.sandbox.warm.insert(profile.into(), size);
+        config.fleet.capacity = capacity;
         if binary {
             config.gate.hook_program = Some(env!("CARGO_BIN_EXE_corral").into());
         }
