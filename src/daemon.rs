@@ -108,11 +108,11 @@ impl Daemon {
         // at the gate, with the reason, instead of running them unsandboxed.
         let uid_mode = UidMode::detect(UidRange::parse(&config.sandbox.uids).map_err(StartError::Policies)?);
         let bwrap = backends.linux_bwrap.probe().await.map_err(|e| e.to_string());
-        check_warm_pools(&config, &catalog, &bwrap).map_err(StartError::Policies)?;
         // A node of the fleet from here on: every write of a run checks
         // this start's epoch against the node's row.
         let mut labels = crate::fleet::labels(bwrap.is_ok());
         labels.extend(config.fleet.labels.iter().filter(|l| !labels.contains(l)).cloned().collect::<Vec<_>>());
+        check_warm_pools(&config, &catalog, &bwrap, &labels).map_err(StartError::Policies)?;
         let lease_ms = config.fleet.lease().as_millis() as i64;
         let capacity = config.fleet.capacity(config.max_running_executions);
         store.join_fleet(capacity as u64, &labels, lease_ms).await?;
@@ -330,7 +330,12 @@ fn group_id(group: &str) -> Result<u32, String> {
 /// Refuses a warm pool the daemon could not keep: a profile that does not
 /// resolve, cannot start ahead, or a host without bwrap. (A pool that was
 /// accepted and never filled would be a promise not kept.)
-fn check_warm_pools(config: &Config, catalog: &Catalog, bwrap: &Result<(), String>) -> Result<(), String> {
+fn check_warm_pools(
+    config: &Config,
+    catalog: &Catalog,
+    bwrap: &Result<(), String>,
+    labels: &[String],
+) -> Result<(), String> {
     let warm = &config.sandbox.warm;
     // Within admission: the pools never hold more sandboxes than this node
     // may run (a front end, fleet.capacity = 0, runs none: its pool would
@@ -353,6 +358,18 @@ fn check_warm_pools(config: &Config, catalog: &Catalog, bwrap: &Result<(), Strin
         let profile = catalog.resolve(profile_ref).map_err(|refusal| format!("{key}: {}", refusal.0))?;
         if let Some(why) = crate::lifecycle::unpoolable(&profile) {
             return Err(format!("{key}: profile {} cannot have a warm pool: {why}", profile.reference()));
+        }
+        // A run of a profile this node may not run goes to another node
+        // (or is refused): a pool of it here would never be taken.
+        let missing = crate::lifecycle::missing_labels(&profile, labels);
+        if !missing.is_empty() {
+            return Err(format!(
+                "{key}: profile {} runs only on nodes labelled {}; this node is not (it has: {}), so no run \
+                 would take its warm sandboxes",
+                profile.reference(),
+                missing.join(", "),
+                labels.join(", ")
+            ));
         }
         if let Err(why) = bwrap {
             return Err(format!("{key}: {size} warm linux_bwrap sandboxes cannot be made on this host: {why}"));

@@ -170,6 +170,8 @@ cpu_millis = 0
         // A front end runs nothing: no run would take its pool.
         (1, PROFILE, "sandbox.warm", true, Some(0)),
         (1, "test.none", "sandbox.warm.\"test.none\"", true, None),
+        // Its runs go to nodes labelled gpu, which this one is not.
+        (1, "test.placed", "sandbox.warm.\"test.placed\"", true, None),
         // The test binary is no corral binary: nothing to run as the waiter.
         (1, PROFILE, "gate.hook_program", false, None),
     ] {
@@ -178,6 +180,8 @@ cpu_millis = 0
         std::fs::create_dir_all(&profiles).unwrap();
         std::fs::write(profiles.join("fake.toml"), fake_agent_profile(PROFILE, "")).unwrap();
         std::fs::write(profiles.join("none.toml"), none).unwrap();
+        let placed = fake_agent_profile("test.placed", "[placement]\nlabels = [\"gpu\"]");
+        std::fs::write(profiles.join("placed.toml"), placed).unwrap();
         let mut config = corral::config::Config {
             data_dir: data.path().join("data"),
             profile_dirs: vec![profiles],

@@ -18,6 +18,7 @@ mod uids;
 mod warm;
 mod watch;
 
+pub use queue::missing_labels;
 pub use warm::unpoolable;
 
 use std::collections::HashMap;

@@ -62,6 +62,12 @@ pub fn can_take(node: &crate::store::NodeRow, needs: &[String]) -> bool {
     node.state == crate::store::NodeState::Active && node.capacity > 0 && covers(&node.labels, needs)
 }
 
+/// The labels of `profile`'s `[placement]` that a node labelled `labels`
+/// lacks; empty when it may run the profile.
+pub fn missing_labels<'a>(profile: &'a crate::catalog::Profile, labels: &[String]) -> Vec<&'a str> {
+    profile.file.placement.labels.iter().filter(|label| !labels.contains(label)).map(String::as_str).collect()
+}
+
 impl Engine {
     /// What a node needs to run `profile_ref`; nothing when it does not
     /// resolve (any node then records the refusal).
@@ -72,14 +78,7 @@ impl Engine {
     /// Why this node may not run `profile`: a label of its `[placement]`
     /// this node lacks (`[fleet] labels`); `None` when it may.
     pub(super) fn misplaced(&self, profile: &crate::catalog::Profile) -> Option<String> {
-        let missing: Vec<&str> = profile
-            .file
-            .placement
-            .labels
-            .iter()
-            .filter(|label| !self.fleet.labels.contains(label))
-            .map(String::as_str)
-            .collect();
+        let missing = missing_labels(profile, &self.fleet.labels);
         (!missing.is_empty()).then(|| {
             format!(
                 "profile {} runs only on nodes labelled {}; node {} is not (it has: {})",
