@@ -24,7 +24,12 @@ pub(crate) fn describe() {
     describe_counter!("corral_egress_total", "Egress attempts through sandbox proxies, by decision.");
     describe_counter!("corral_admission_refused_total", "Requests refused by admission, by kind.");
     describe_gauge!("corral_running", "Executions and sessions running, by kind.");
-    describe_gauge!("corral_sandboxes_alive", "Sandboxes created and not yet destroyed.");
+    describe_gauge!("corral_sandboxes_alive", "Sandboxes created and not yet stopped.");
+    describe_gauge!("corral_warm_sandboxes", "Warm sandboxes waiting for a run, by profile.");
+    describe_counter!(
+        "corral_sandbox_reclaim_failures_total",
+        "Stopped sandboxes whose uid, cgroup or files could not be given back (left to recovery)."
+    );
     describe_counter!("corral_events_stored_total", "Lifecycle events stored.");
     describe_histogram!("corral_store_write_seconds", Unit::Seconds, "Time to store a batch of events.");
     describe_gauge!("corral_watchers", "Event streams open to callers and watchers.");
@@ -124,6 +129,7 @@ pub(crate) fn initialise() {
         gauge!("corral_running", "kind" => kind).increment(0.0);
     }
     gauge!("corral_sandboxes_alive").increment(0.0);
+    counter!("corral_sandbox_reclaim_failures_total").absolute(0);
     gauge!("corral_watchers").increment(0.0);
     counter!("corral_events_stored_total").absolute(0);
     for result in ["accepted", "failed"] {
@@ -182,10 +188,23 @@ pub fn running(kind: &'static str, count: usize) {
     gauge!("corral_running", "kind" => kind).set(count as f64);
 }
 
-/// Moves the count of live sandboxes by `delta` (+1 created, -1 destroyed)
+/// Moves the count of live sandboxes by `delta` (+1 created, -1 stopped)
 /// (`corral_sandboxes_alive`).
 pub fn sandbox_alive(delta: f64) {
     gauge!("corral_sandboxes_alive").increment(delta);
+}
+
+/// Sets how many warm sandboxes of `profile_ref` wait for a run
+/// (`corral_warm_sandboxes`).
+pub fn warm_sandboxes(profile_ref: &str, waiting: usize) {
+    gauge!("corral_warm_sandboxes", "profile" => profile_ref.to_string()).set(waiting as f64);
+}
+
+/// Counts a stopped sandbox whose uid, cgroup or files could not all be
+/// given back (`corral_sandbox_reclaim_failures_total`); recovery tries
+/// again at the next start.
+pub fn sandbox_reclaim_failed() {
+    counter!("corral_sandbox_reclaim_failures_total").increment(1);
 }
 
 /// Counts `count` events stored in one write and records how long the write

@@ -69,7 +69,7 @@ async fn past_the_limit_executions_are_refused_with_resource_exhausted() {
     // Room again once the first one is done.
     let next = finished(&daemon.execute(request("test.fake-agent", "NOWORK")).await);
     assert_eq!(pb::ExecutionState::try_from(next.state).unwrap(), pb::ExecutionState::Succeeded);
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
 }
 
 fn count_of(rows: &[(&'static str, i64)], table: &str) -> i64 {
@@ -129,11 +129,12 @@ async fn a_burst_of_executions_never_runs_more_than_the_bound() {
         assert_eq!(record.state, pb::ExecutionState::Succeeded as i32, "{record:?}");
     }
     // Nothing stored for the refused; the sandboxes were destroyed, and a
-    // destroyed sandbox keeps no row.
+    // destroyed sandbox keeps no row once it is reclaimed.
+    daemon.engine.reclaimed().await;
     let after = daemon.engine.store.row_counts().await.unwrap();
     assert_eq!(count_of(&after, "executions"), expect as i64);
     assert_eq!(count_of(&after, "sandboxes"), 0);
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
     daemon.stop().await;
 }
 
@@ -202,6 +203,6 @@ async fn a_burst_of_sessions_never_runs_more_than_the_bound() {
     };
     let again = client.clone().create_session(req).await.expect("room again").into_inner();
     client.clone().end_session(pb::EndSessionRequest { session_id: again.session_id }).await.unwrap();
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
     daemon.stop().await;
 }

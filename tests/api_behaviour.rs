@@ -224,7 +224,7 @@ async fn invalid_input_is_refused_naming_the_field_and_changes_nothing() {
         .expect_err("unknown state");
     assert_invalid(&status, "state");
     assert_eq!(count(&daemon).await, before);
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
     daemon.stop().await;
 }
 
@@ -362,7 +362,7 @@ async fn cancel_stops_a_hanging_harness_and_tears_everything_down() {
     assert_eq!(teardown.session_cleanup, pb::TeardownResult::Succeeded as i32);
     assert_eq!(teardown.sandbox_destroy, pb::TeardownResult::Succeeded as i32);
     assert_eq!(sequences(&events), (1..=events.len() as u64).collect::<Vec<_>>());
-    assert!(daemon.leftover_sandboxes().is_empty(), "left behind: {:?}", daemon.leftover_sandboxes());
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "left behind: {:?}", daemon.leftover_sandboxes().await);
 
     let again = client.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.expect("again");
     let again = again.into_inner();

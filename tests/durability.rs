@@ -315,5 +315,5 @@ async fn cancel_on_disconnect_cancels_only_when_asked() {
     let events = read_all(&mut client, &a.execution_id, 0).await;
     let execution = finished(&events);
     assert_eq!(pb::ExecutionState::try_from(execution.state).unwrap(), pb::ExecutionState::Cancelled);
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
 }

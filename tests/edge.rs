@@ -438,7 +438,7 @@ async fn every_malformed_field_of_every_rpc_is_invalid_argument_and_stores_nothi
     let status = c.exec.clone().watch_execution(watch).await.expect_err("unknown");
     assert_eq!(status.code(), Code::NotFound, "{status:?}");
     assert_eq!(rows(&daemon).await, before);
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
     daemon.stop().await;
 }
 
@@ -494,7 +494,7 @@ async fn a_queue_worker_actor_is_refused_at_resolution_on_every_path() {
 
     let sandboxes = rows(&daemon).await.into_iter().find(|(t, _)| *t == "sandboxes").unwrap().1;
     assert_eq!(sandboxes, 0, "no sandbox was ever created");
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
     daemon.stop().await;
 }
 
@@ -910,6 +910,6 @@ async fn a_unary_deadline_never_leaves_a_half_made_session() {
     let req = pb::CreateSessionRequest { session_id: "hurried-2".into(), ..session_request() };
     let again = c.sessions.clone().create_session(req).await.expect("room again").into_inner();
     c.sessions.clone().end_session(pb::EndSessionRequest { session_id: again.session_id }).await.unwrap();
-    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
     daemon.stop().await;
 }

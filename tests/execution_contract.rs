@@ -103,7 +103,7 @@ async fn success_runs_the_rein_in_order_and_destroys_the_sandbox_once() {
     assert!(execution.tool_output.contains("done: test task"), "{}", execution.tool_output);
     assert_eq!(h.calls(), ["start_session", "dispatch_tool", "end_session", "cleanup_session"]);
     assert_eq!((h.creates(), h.destroys()), (1, 1));
-    assert!(h.daemon.leftover_sandboxes().is_empty(), "workspace removed");
+    assert!(h.daemon.leftover_sandboxes().await.is_empty(), "workspace removed");
     let timings: Vec<&str> = ev.stage_timings.iter().map(|t| t.stage.as_str()).collect();
     for stage in ["resolve", "gate", "sandbox_create", "workspace", "session_start", "harness", "teardown", "total"] {
         assert!(timings.contains(&stage), "stage timing {stage} missing: {timings:?}");
@@ -210,7 +210,7 @@ async fn a_sandbox_that_is_not_ready_is_destroyed_and_the_rein_never_starts() {
     assert_eq!(teardown(&ev), (TeardownResult::NotAttempted, TeardownResult::Succeeded));
     assert!(!ev.sandbox_id.is_empty());
     assert!(!kinds(&events).contains(&"sandbox_ready"));
-    assert!(h.daemon.leftover_sandboxes().is_empty());
+    assert!(h.daemon.leftover_sandboxes().await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -224,7 +224,7 @@ async fn a_backend_that_cannot_initialise_fails_sandbox_create_with_no_sandbox_i
     assert_eq!(h.destroys(), 0);
     assert_eq!(teardown(&ev), (TeardownResult::NotAttempted, TeardownResult::NotAttempted));
     assert!(execution.tool_error.contains("cannot initialise"), "{}", execution.tool_error);
-    assert!(h.daemon.leftover_sandboxes().is_empty());
+    assert!(h.daemon.leftover_sandboxes().await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -250,6 +250,90 @@ async fn a_destroy_failure_after_success_fails_at_teardown() {
     assert_eq!(ev.error, "teardown failed; its principal reads the cause with `corral get --full`");
     assert_eq!(teardown(&ev), (TeardownResult::Succeeded, TeardownResult::Failed));
     assert_eq!(h.destroys(), 1, "destroyed exactly once, even when it fails");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reclaim_failure_after_finished_keeps_the_run_and_leaves_the_sandbox_to_recovery() {
+    let h = start(BackendFaults { fail_reclaim: true, ..Default::default() }, ReinFaults::default(), vec![]).await;
+    let events = h.daemon.execute(request("test.fake-agent", "NOWORK")).await;
+    let ev = evidence(&finished(&events));
+    // Stopped before `finished`: nothing of the sandbox runs, the run stands.
+    assert_eq!(outcome(&ev), Outcome::Succeeded);
+    assert_eq!(teardown(&ev), (TeardownResult::Succeeded, TeardownResult::Succeeded));
+    h.daemon.engine.reclaimed().await;
+    assert_eq!(
+        h.backend.lock().unwrap().reclaims,
+        std::slice::from_ref(&ev.sandbox_id),
+        "reclaimed once, after the run"
+    );
+    // Its row stays, `failed`, with its uid held: the next start's recovery
+    // finds it (a row of another epoch that is not destroyed).
+    let rows = h.daemon.engine.store.sandboxes().await.unwrap();
+    assert_eq!(rows, [(ev.sandbox_id.clone(), finished(&events).execution_id, "failed".to_string())]);
+    let leftover = h.daemon.engine.store.leftover_sandboxes("the-next-epoch").await.unwrap();
+    assert_eq!(leftover.len(), 1);
+    assert_eq!(leftover[0].sandbox_id, ev.sandbox_id);
+    assert!(leftover[0].uid.is_some(), "its uid is not handed out again before recovery");
+}
+
+/// A harness that leaves a process of its own session behind and exits
+/// (once that process leads its session: out of reach of the harness's
+/// process group).
+fn leaving_profile(id: &str, sandbox_type: &str, marker: &str) -> (String, String) {
+    let text = format!(
+        r#"id = "{id}"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-c", '''setsid sleep {marker} </dev/null >/dev/null 2>&1 &
+child=$!; sid=
+while [ "$sid" != "$child" ]; do read -r _ _ _ _ _ sid _ < /proc/$child/stat; done
+echo started''']
+input = "description"
+[sandbox]
+type = "{sandbox_type}"
+allow_network = {allow}
+write_paths = ["."]
+[limits]
+timeout_seconds = 30
+max_output_bytes = 65536
+"#,
+        allow = sandbox_type == "none"
+    );
+    (format!("{id}.toml"), text)
+}
+
+/// `finished` is sent before the sandbox's files and uid are given back,
+/// never before all of it is dead: with reclaim held back a second, a
+/// setsid process the harness left is already gone when the caller reads
+/// `finished` (for bwrap, and for `none`, which has no pid namespace).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_of_a_sandbox_runs_once_finished_is_sent_though_its_reclaim_is_later() {
+    let marker = format!("{}{}", 7_000_000 + std::process::id() % 1_000_000, 17);
+    let (backends, log) = common::faults::all_with(BackendFaults { slow_reclaim: true, ..Default::default() });
+    require_bwrap();
+    let profiles = vec![
+        leaving_profile("test.leave-bwrap", "linux_bwrap", &marker),
+        leaving_profile("test.leave-none", "none", &marker),
+    ];
+    let daemon = TestDaemon::start(Options { backends: Some(backends), profiles, ..Options::default() }).await;
+    for profile in ["test.leave-bwrap", "test.leave-none"] {
+        let events = daemon.execute(request(profile, "")).await;
+        let execution = finished(&events);
+        assert_eq!(execution.state, ExecutionState::Succeeded as i32, "{profile}: {execution:?}");
+        assert!(execution.tool_output.contains("started"), "{profile}: {}", execution.tool_output);
+        let ev = evidence(&execution);
+        assert_eq!(teardown(&ev).1, TeardownResult::Succeeded, "{profile}");
+        assert!(
+            log.lock().unwrap().reclaims.is_empty(),
+            "{profile}: reclaimed before `finished`: the check proves nothing"
+        );
+        let alive = common::processes_with(&marker);
+        assert_eq!(alive, 0, "{profile}: a process of the sandbox runs after `finished`");
+        daemon.engine.reclaimed().await;
+        assert_eq!(log.lock().unwrap().reclaims.drain(..).collect::<Vec<_>>(), [ev.sandbox_id], "{profile}");
+    }
+    assert!(daemon.leftover_sandboxes().await.is_empty());
+    daemon.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

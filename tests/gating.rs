@@ -127,7 +127,7 @@ async fn a_session_of_a_harness_that_cannot_take_turns_is_refused() {
         assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{profile}: {status:?}");
         assert!(status.message().contains("cannot take turns"), "{profile}: {}", status.message());
     }
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
     daemon.stop().await;
 }
 
@@ -160,7 +160,7 @@ async fn a_missing_credential_refuses_the_run_before_a_sandbox_and_doctor_says_s
         evidence.error
     );
     assert!(evidence.sandbox_id.is_empty(), "a sandbox was made");
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
     daemon.stop().await;
 
     let dir = tempfile::tempdir().unwrap();

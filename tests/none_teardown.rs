@@ -124,6 +124,8 @@ async fn a_none_run_leaves_no_ipc_shm_tmp_file_or_key_of_its_uid() {
     let tmpdir = out.lines().find_map(|l| l.strip_prefix("TMPDIR ")).unwrap_or_default();
     assert!(tmpdir.starts_with(&daemon.data_dir().join("sandboxes").display().to_string()), "a private TMPDIR: {out}");
     assert_eq!(execution.evidence.unwrap().sandbox_destroy, pb::TeardownResult::Succeeded as i32);
+    // The purge is the reclaim, which runs after `finished`.
+    daemon.engine.reclaimed().await;
     // After teardown: nothing of the uid.
     for kind in ["shm", "sem", "msg"] {
         assert_eq!(sysv_of(kind, uid), Vec::<String>::new(), "System V {kind} of uid {uid} survived teardown");

@@ -463,6 +463,7 @@ async fn a_fresh_daemons_metrics_are_described_and_listed_at_zero() {
         "corral_egress_total",
         "corral_model_tokens_total",
         "corral_sandboxes_alive",
+        "corral_sandbox_reclaim_failures_total",
         "process_cpu_seconds_total",
         "process_resident_memory_bytes",
         "process_virtual_memory_bytes",
@@ -476,6 +477,7 @@ async fn a_fresh_daemons_metrics_are_described_and_listed_at_zero() {
     assert_eq!(sample(&text, "corral_build_info", &version), Some(1.0), "{text}");
     assert_eq!(sample(&text, "corral_admission_refused_total", r#"kind="executions""#), Some(0.0), "{text}");
     assert_eq!(sample(&text, "corral_gate_decisions_total", r#"source="admin",action="ask""#), Some(0.0), "{text}");
+    assert_eq!(sample(&text, "corral_sandbox_reclaim_failures_total", ""), Some(0.0), "{text}");
     // The process collector reads the daemon's own process: started a
     // moment ago (its boot-relative start, not the first scrape), some
     // memory, a few descriptors under the limit.

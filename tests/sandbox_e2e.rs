@@ -27,7 +27,7 @@ async fn the_harness_commit_is_fetched_back_under_refs_corral() {
     // The origin's own branch and work tree are untouched.
     assert_eq!(git(repo.path(), &["rev-parse", "HEAD"]), base);
     assert!(!repo.path().join("AGENT_NOTES.md").exists());
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -147,5 +147,5 @@ async fn a_hanging_harness_is_killed_at_its_timeout_with_its_whole_group() {
     assert_eq!(FailureStage::try_from(ev.failure_stage).unwrap(), FailureStage::Execution);
     assert!(execution.tool_error.contains("timed out"), "{}", execution.tool_error);
     assert_eq!(processes_with(&marker), 0, "a harness process survived its timeout ({running} were running)");
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
 }

@@ -324,7 +324,7 @@ async fn profile_enforce_sandbox_runs_a_none_profile_under_bwrap() {
         .expect("sandbox_ready");
     assert_eq!(ready.backend, pb::SandboxType::LinuxBwrap as i32, "{ready:?}");
     assert!(ready.receipt.expect("receipt").network_isolated);
-    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
     daemon.stop().await;
 }
 
@@ -348,7 +348,7 @@ async fn the_same_none_profile_without_the_policy_runs_unchanged() {
     assert_probe_not_under_bwrap(&output);
 
     end(&mut client, &session.session_id).await;
-    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
     daemon.stop().await;
 }
 
@@ -606,7 +606,7 @@ arguments = { types = ["adm"] }
     let reason = info.metadata.get("reason").expect("a reason");
     assert!(reason.contains("agt"), "the reason says why: {reason:?}");
     assert_eq!(log.lock().unwrap().creates, 0, "no sandbox may be created for a denied start");
-    assert!(daemon.leftover_sandboxes().is_empty());
+    assert!(daemon.leftover_sandboxes().await.is_empty());
 
     let record = get(&mut client, &stored_id("agt", &unique_id("denied"))).await;
     assert_eq!(record.state, pb::SessionState::Refused as i32, "{record:?}");
@@ -806,7 +806,7 @@ async fn an_idle_session_is_reaped_and_torn_down() {
     let names = kinds(&history);
     assert_eq!(&names[names.len() - 3..], &["reaped", "teardown", "finished"], "{names:?}");
     assert_eq!(session_of(&history).state, pb::SessionState::Reaped as i32);
-    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
 
     let status = client
         .send_turn(turn_request(&session.session_id, "echo", json!({"echo": "late"})))
@@ -967,7 +967,7 @@ async fn end_session_tears_down_and_cancel_turn_only_acts_on_a_turn_in_flight() 
     assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{evidence:?}");
     assert_eq!(ended.turns, 2, "{ended:?}");
     assert!(ended.ended_at.is_some());
-    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
 
     // Ended: GetSession agrees, no more turns or cancels.
     assert_eq!(get(&mut client, &id).await.state, pb::SessionState::Ended as i32);
@@ -1014,7 +1014,7 @@ arguments = { allow_network = false }
     assert_eq!(info.reason, "AGENT_START_DENIED", "{info:?}");
     assert_eq!(info.metadata.get("policy").map(String::as_str), Some("host_enforceability"), "{info:?}");
     assert_eq!(log.lock().unwrap().creates, 0);
-    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
     daemon.stop().await;
 }
 

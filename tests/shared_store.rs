@@ -86,5 +86,5 @@ async fn a_daemon_starting_beside_a_running_one_leaves_its_work_alone() {
     );
     let progress = events.iter().filter(|e| matches!(e.kind, Some(pb::lifecycle_event::Kind::Progress(_)))).count();
     assert!(progress >= 30, "the harness ran to its end: {progress} progress events");
-    assert!(a.leftover_sandboxes().is_empty() && b.leftover_sandboxes().is_empty());
+    assert!(a.leftover_sandboxes().await.is_empty() && b.leftover_sandboxes().await.is_empty());
 }

@@ -60,7 +60,7 @@ async fn a_warm_run_is_confined_and_receipted_exactly_as_a_cold_one() {
     let warm = TestDaemon::start(pooled(1)).await;
     let cold = TestDaemon::start(Options::default()).await;
     full(&warm).await;
-    let waiting = warm.leftover_sandboxes();
+    let waiting = warm.leftover_sandboxes().await;
     assert_eq!(waiting.len(), 1, "one sandbox waits before any request");
     let (warm_lines, warm_run, warm_ready) = probe(&warm).await;
     let (cold_lines, cold_run, cold_ready) = probe(&cold).await;
@@ -103,7 +103,7 @@ async fn a_warm_sandbox_serves_one_execution_and_the_pool_refills() {
     let mut seen = std::collections::BTreeSet::new();
     for round in 0..3 {
         full(&daemon).await;
-        let waiting = daemon.leftover_sandboxes();
+        let waiting = daemon.leftover_sandboxes().await;
         assert_eq!(waiting.len(), 1);
         // A run that commits: its capture is a second process in the same
         // sandbox, which must start a bwrap of its own (the waiter is spent).
@@ -114,6 +114,7 @@ async fn a_warm_sandbox_serves_one_execution_and_the_pool_refills() {
         let sandbox = ready(&events).sandbox_id;
         assert_eq!(waiting[0].file_name().unwrap().to_str(), Some(sandbox.as_str()));
         assert!(seen.insert(sandbox.clone()), "sandbox {sandbox} served a second execution");
+        daemon.engine.reclaimed().await;
         assert!(!daemon.data_dir().join("sandboxes").join(&sandbox).exists(), "destroyed after its run");
     }
     daemon.stop().await;
@@ -138,14 +139,14 @@ async fn a_run_the_gate_tightens_takes_the_cold_path_and_leaves_the_pool_alone()
     };
     let daemon = TestDaemon::start(options).await;
     full(&daemon).await;
-    let waiting = daemon.leftover_sandboxes();
+    let waiting = daemon.leftover_sandboxes().await;
     for _ in 0..2 {
         let events = daemon.execute(request(PROFILE, "NOWORK")).await;
         let execution = finished(&events);
         assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
         assert!(!was_warm(&execution), "a tightened run took a sandbox made for another timeout");
         assert_ne!(waiting[0].file_name().unwrap().to_str(), Some(ready(&events).sandbox_id.as_str()));
-        assert_eq!(daemon.leftover_sandboxes(), waiting, "the warm sandbox still waits, the only one left");
+        assert_eq!(daemon.leftover_sandboxes().await, waiting, "the warm sandbox still waits, the only one left");
     }
     daemon.stop().await;
 }

@@ -103,7 +103,7 @@ async fn a_fifo_head_or_a_huge_packed_refs_ends_within_the_git_timeout() {
     assert_eq!(evidence.failure_stage, pb::FailureStage::Teardown as i32);
     assert!(execution.tool_error.contains("did not finish within"), "{}", execution.tool_error);
     assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32);
-    assert!(daemon.leftover_sandboxes().is_empty(), "{:?}", daemon.leftover_sandboxes());
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
 
     let origin = git_repo();
     let script = r##"python3 - <<'EOF'

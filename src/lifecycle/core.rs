@@ -82,6 +82,8 @@ pub struct Core {
     /// The run's routes through the credential gateway (placeholders made
     /// once, when its sandbox is).
     gateway: Arc<Vec<crate::credentials::GatewayRoute>>,
+    /// The stopped sandbox, given back once `finished` is sent.
+    reclaim: Option<super::warm::PendingReclaim>,
 }
 
 impl Core {
@@ -112,7 +114,15 @@ impl Core {
             workspace_over: false,
             egress_events: EgressEvents::default(),
             gateway: Arc::default(),
+            reclaim: None,
         }
+    }
+
+    /// Gives the stopped sandbox's uid, cgroup and files back, in the
+    /// background: called once the run's `finished` is sent (dropping the
+    /// core does the same).
+    pub fn reclaim_sandbox(&mut self) {
+        drop(self.reclaim.take());
     }
 
     /// `text` with every credential value of this run replaced.
@@ -811,13 +821,17 @@ impl Core {
         // Not Ready: no sandbox to destroy (never made, or destroyed already).
         let Ok(ready) = self.phase.take_sandbox() else { return };
         let Ready { backend, sandbox, .. } = *ready;
-        self.sandbox_destroy = match self.engine.destroy_sandbox(backend.as_ref(), &sandbox).await {
+        // Nothing of it can run once stopped: that is what the run reports.
+        // Its uid, cgroup and files are given back after `finished`.
+        let stopped = self.engine.stop_sandbox(backend.as_ref(), &sandbox).await;
+        self.sandbox_destroy = match &stopped {
             Ok(()) => TeardownResult::Succeeded,
             Err(e) => {
                 self.failed(FailureStage::Teardown, &e.to_string());
                 TeardownResult::Failed
             }
         };
+        self.reclaim = Some(self.engine.reclaim_later(backend, sandbox, stopped.is_ok()));
     }
 }
 

@@ -111,6 +111,7 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     if !store_finished(&core.engine, &mut core.recorder, record, Some(raw)).await {
         tracing::error!(execution_id = %record.execution_id, "execution record not stored");
     }
+    core.reclaim_sandbox();
     crate::telemetry::finished_span(&tracing::Span::current(), &record.evidence);
     tracing::info!(
         execution_id = %record.execution_id,

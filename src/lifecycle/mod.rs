@@ -182,6 +182,8 @@ pub struct Engine {
     fleet: queue::FleetRoom,
     /// Sandboxes made ahead of requests (`[sandbox] warm`).
     warm: warm::Warm,
+    /// How many stopped sandboxes are being given back now.
+    reclaiming: tokio::sync::watch::Sender<usize>,
 }
 
 /// How long a node waits for another node's answer to a forwarded request.
@@ -273,12 +275,19 @@ impl Engine {
             wakeups: watch::Wakeups::default(),
             fleet: queue::FleetRoom::new(parts.capacity.min(parts.max_running), parts.labels, parts.max_queued),
             warm: warm::Warm::new(&parts.warm),
+            reclaiming: tokio::sync::watch::Sender::new(0),
         })
     }
 
     /// Another node stored events of `subject`: its watchers here read them.
     pub fn wake_watchers(&self, subject: &str) {
         self.wakeups.wake(subject);
+    }
+
+    /// Returns once no stopped sandbox is still being given back (its uid,
+    /// cgroup and files): a run's `finished` does not wait for that.
+    pub async fn reclaimed(&self) {
+        let _ = self.reclaiming.subscribe().wait_for(|n| *n == 0).await;
     }
 
     /// Executions and sessions running now.
@@ -712,6 +721,9 @@ impl Engine {
         }
         self.draining.cancel();
         self.end_all_sessions().await;
+        // What the last runs and sessions stopped is given back before the
+        // store closes.
+        self.tasks.wait().await;
         self.store.close().await;
     }
 

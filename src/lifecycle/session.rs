@@ -554,6 +554,7 @@ impl Engine {
             tracing::error!(session_id = %record.session_id, "session record not stored");
         }
         self.bus.close(&record.session_id);
+        core.reclaim_sandbox();
         tracing::info!(session_id = %record.session_id, state = record.state.as_str(), "session finished");
     }
 

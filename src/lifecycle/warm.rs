@@ -193,9 +193,17 @@ impl Engine {
         let taken = pools.take(&pool_key(profile, spec, timeout_seconds));
         drop(pools);
         if taken.is_some() {
+            self.report_warm_levels();
             self.warm.wake.notify_one();
         }
         taken
+    }
+
+    /// Sets `corral_warm_sandboxes` of every pool to how many wait in it.
+    fn report_warm_levels(&self) {
+        for (profile_ref, waiting, _) in self.warm_levels() {
+            crate::telemetry::warm_sandboxes(&profile_ref, waiting);
+        }
     }
 
     /// `(profile reference, waiting, size)` of each warm pool.
@@ -231,6 +239,7 @@ impl Engine {
                     retry = RETRY_FIRST;
                     tracing::debug!(profile = %profile_ref, ms = t.elapsed().as_millis() as u64, "warm sandbox ready");
                     let stale = self.warm.pools().filled(index, key, made);
+                    self.report_warm_levels();
                     for made in stale {
                         self.destroy_warm(made).await;
                     }
@@ -282,13 +291,57 @@ impl Engine {
         backend: &dyn SandboxBackend,
         sandbox: &Sandbox,
     ) -> Result<(), crate::sandbox::SandboxError> {
-        self.store_sandbox_state(&sandbox.id, SandboxState::Destroying).await;
-        let destroyed = backend.destroy(sandbox).await;
+        let stopped = self.stop_sandbox(backend, sandbox).await;
+        let reclaimed = self.reclaim_sandbox(backend, sandbox, stopped.is_ok()).await;
+        crate::sandbox::both(stopped, reclaimed)
+    }
+
+    /// Kills everything of a sandbox and waits until nothing of it can run
+    /// again; it is then no longer alive. What a run's `sandbox_destroy`
+    /// reports: the rest is [`Engine::reclaim_sandbox`]'s. Its row stays
+    /// until then, so a crash in between leaves it to recovery.
+    pub(super) async fn stop_sandbox(
+        &self,
+        backend: &dyn SandboxBackend,
+        sandbox: &Sandbox,
+    ) -> Result<(), crate::sandbox::SandboxError> {
+        let stopped = backend.stop(sandbox).await;
         self.sandbox_alive(&sandbox.id, false);
         crate::telemetry::sandbox_alive(-1.0);
-        let state = if destroyed.is_ok() { SandboxState::Destroyed } else { SandboxState::Failed };
+        stopped
+    }
+
+    /// Gives back what a stopped sandbox held (uid, cgroup, files) and
+    /// stores what came of it: `Destroyed` (its row goes, its uid is free),
+    /// or `Failed` when it was not stopped or something of it is left
+    /// (recovery tries again; `corral_sandbox_reclaim_failures_total`).
+    pub(super) async fn reclaim_sandbox(
+        &self,
+        backend: &dyn SandboxBackend,
+        sandbox: &Sandbox,
+        stopped: bool,
+    ) -> Result<(), crate::sandbox::SandboxError> {
+        let reclaimed = backend.reclaim(sandbox).await;
+        if let Err(error) = &reclaimed {
+            tracing::error!(sandbox_id = %sandbox.id, %error, "sandbox not reclaimed; recovery tries again");
+            crate::telemetry::sandbox_reclaim_failed();
+        }
+        let state = if stopped && reclaimed.is_ok() { SandboxState::Destroyed } else { SandboxState::Failed };
         self.store_sandbox_state(&sandbox.id, state).await;
-        destroyed
+        reclaimed
+    }
+
+    /// A stopped sandbox to give back once the run that held it has sent
+    /// `finished` (when the guard drops): counted in
+    /// [`Engine::reclaimed`] from now on.
+    pub(super) fn reclaim_later(
+        self: &Arc<Self>,
+        backend: Arc<dyn SandboxBackend>,
+        sandbox: Sandbox,
+        stopped: bool,
+    ) -> PendingReclaim {
+        self.reclaiming.send_modify(|n| *n += 1);
+        PendingReclaim { engine: self.clone(), backend, sandbox: Some(sandbox), stopped }
     }
 
     /// Destroys a warm sandbox no run took.
@@ -319,5 +372,33 @@ impl Engine {
         if let Err(error) = self.store.set_sandbox_state(sandbox_id, state).await {
             tracing::error!(%sandbox_id, state = state.as_str(), %error, "sandbox state not stored");
         }
+    }
+}
+
+/// A stopped sandbox not given back yet. Dropped, it hands the work to the
+/// engine's background tasks (a shutdown waits for them): a run drops it
+/// after its `finished` is sent, so the caller does not wait for the files
+/// to go, nor does that work compete with the run's last writes.
+pub(super) struct PendingReclaim {
+    engine: Arc<Engine>,
+    backend: Arc<dyn SandboxBackend>,
+    sandbox: Option<Sandbox>,
+    stopped: bool,
+}
+
+impl Drop for PendingReclaim {
+    fn drop(&mut self) {
+        let Some(sandbox) = self.sandbox.take() else { return };
+        let (engine, backend, stopped) = (self.engine.clone(), self.backend.clone(), self.stopped);
+        if tokio::runtime::Handle::try_current().is_err() {
+            // No runtime left to run it on: its row stays for recovery.
+            tracing::error!(sandbox_id = %sandbox.id, "sandbox not reclaimed: the runtime is gone; recovery will");
+            engine.reclaiming.send_modify(|n| *n -= 1);
+            return;
+        }
+        self.engine.tasks.spawn(async move {
+            let _ = engine.reclaim_sandbox(backend.as_ref(), &sandbox, stopped).await;
+            engine.reclaiming.send_modify(|n| *n -= 1);
+        });
     }
 }

@@ -212,43 +212,51 @@ impl Boundary {
         self.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&sandbox.id)
     }
 
-    /// Kills everything of the sandbox and waits until nothing is alive,
-    /// then removes its cgroup and its files. Succeeds only if all of that
-    /// did.
+    /// Kills everything of the sandbox and waits until nothing of it can
+    /// run again: what a run reports as `sandbox_destroy`. [`reclaim`]
+    /// gives back what it held.
     ///
     /// The cgroup finds and kills everything (nothing unprivileged leaves
     /// it), and it is empty only when nothing of the sandbox can run again:
     /// the kernel takes an exiting process out of `cgroup.procs`
-    /// (`cgroup_exit`) after it has let go of its memory and its files.
-    /// Then, with a cgroup or without one (a host without one, or recovery
-    /// after it is gone), the sandbox's own uid is swept until no task of
-    /// it is alive at all, not even one past `cgroup_exit` that has yet to
-    /// finish exiting. (Its uid goes to no other
-    /// sandbox while any task of it is alive, nor while only its zombies
-    /// are left unless no uid in the range is free of tasks: see
-    /// `allocate_own_uid`.)
-    pub async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
-        let mut errors = Vec::new();
+    /// (`cgroup_exit`) after it has let go of its memory and its files, and
+    /// such a task never returns to user space. Without a cgroup (a host
+    /// without one), the sandbox's own uid is swept here instead: that is
+    /// then the only way to find what it started.
+    ///
+    /// [`reclaim`]: Self::reclaim
+    pub async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
         // A waiter nobody took dies with the rest (killed through its group below).
         drop(self.take_waiting(sandbox));
         self.processes.kill_all(&sandbox.id);
         // The proxies close with their sandbox: listener and every tunnel.
         drop(self.proxies.lock().unwrap_or_else(|e| e.into_inner()).remove(&sandbox.id));
-        if let Some(cgroup) = &sandbox.cgroup {
-            if let Err(e) = cgroup.kill_all(KILL_TIMEOUT).await {
-                errors.push(e.to_string());
-            }
-        }
+        let result = match (&sandbox.cgroup, own_uid(sandbox)) {
+            (Some(cgroup), _) => cgroup.kill_all(KILL_TIMEOUT).await.map_err(|e| e.to_string()),
+            (None, Some(user)) => kill_uid(user.uid, KILL_TIMEOUT).await.map(drop),
+            (None, None) => Ok(()),
+        };
+        result.map_err(SandboxError::Destroy)
+    }
+
+    /// Gives back what a stopped sandbox held: its uid (once no task of it
+    /// is left), what a `none` sandbox left on the host, its cgroup, its
+    /// files. Succeeds only if all of that did.
+    ///
+    /// The sandbox's own uid is swept until no task of it is alive at all,
+    /// not even one past `cgroup_exit` that has yet to finish exiting
+    /// (under the sandbox's CPU quota that tail can be long; one
+    /// getpriority(2) call when none is). Its uid goes to no other sandbox
+    /// while any task of it is alive, nor while only its zombies are left
+    /// unless no uid in the range is free of tasks: see `allocate_uid`.
+    pub async fn reclaim(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        let mut errors = Vec::new();
         // Only a uid that is the sandbox's alone: never one shared with
         // anything else on the host (the benchmark's floor runs as nobody).
-        // Swept even after the cgroup emptied: a killed task leaves
-        // `cgroup.procs` before it has finished exiting, and under the
-        // sandbox's CPU quota that tail can be long; success waits until no
-        // task of the uid is alive (one getpriority(2) call when none is).
         // A `none` sandbox's host objects are purged next, and nothing of
         // its uid may make new ones meanwhile.
         let none = sandbox.backend == super::SandboxType::None;
-        let own = sandbox.user.filter(|_| sandbox.receipt.own_uid);
+        let own = own_uid(sandbox);
         let mut uid_gone = false;
         if let Some(user) = own {
             match kill_uid(user.uid, KILL_TIMEOUT).await {
@@ -285,6 +293,18 @@ impl Boundary {
             Err(SandboxError::Destroy(errors.join("; ")))
         }
     }
+
+    /// [`stop`](Self::stop), then [`reclaim`](Self::reclaim) whatever
+    /// came of it; succeeds only if both did.
+    pub async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        let stopped = self.stop(sandbox).await;
+        super::both(stopped, self.reclaim(sandbox).await)
+    }
+}
+
+/// The sandbox's uid when it is its own (not the daemon's, nor shared).
+fn own_uid(sandbox: &Sandbox) -> Option<super::HostUser> {
+    sandbox.user.filter(|_| sandbox.receipt.own_uid)
 }
 
 impl Boundary {

@@ -527,8 +527,12 @@ impl SandboxBackend for BwrapBackend {
         Ok(())
     }
 
-    async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
-        self.boundary.destroy(sandbox).await
+    async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        self.boundary.stop(sandbox).await
+    }
+
+    async fn reclaim(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        self.boundary.reclaim(sandbox).await
     }
 
     async fn destroy_leftover(

@@ -192,7 +192,14 @@ pub async fn kill_uid(uid: u32, timeout: Duration) -> Result<usize, String> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut killed = 0;
     loop {
-        let pids = processes_of_uid(uid);
+        // The /proc walk reads every process's status: a few milliseconds
+        // of a runtime thread on a busy host, so it gets a thread of its own.
+        let pids = match uid_may_have_processes(uid) {
+            false => Vec::new(),
+            true => tokio::task::spawn_blocking(move || processes_of_uid(uid))
+                .await
+                .map_err(|e| format!("processes of uid {uid} not listed: {e}"))?,
+        };
         if pids.is_empty() {
             return Ok(killed);
         }

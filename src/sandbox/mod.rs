@@ -266,9 +266,19 @@ pub trait SandboxBackend: Send + Sync {
         let _ = (sandbox, program);
         Err(SandboxError::Unavailable(format!("{} sandboxes cannot be started ahead", self.kind().as_str())))
     }
-    /// Kills whatever still runs in the sandbox, waits until nothing of it
-    /// is alive, and removes its cgroup and files.
-    async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError>;
+    /// Kills whatever still runs in the sandbox and waits until nothing of
+    /// it can run again (its cgroup empty; without one, its uid swept).
+    async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError>;
+    /// Gives back what a stopped sandbox held: its uid once no task of it
+    /// is left at all, its cgroup, its files. Runs after [`stop`](Self::stop)
+    /// whatever came of it, off a run's critical path.
+    async fn reclaim(&self, sandbox: &Sandbox) -> Result<(), SandboxError>;
+    /// [`stop`](Self::stop), then [`reclaim`](Self::reclaim); succeeds
+    /// only if both did.
+    async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        let stopped = self.stop(sandbox).await;
+        both(stopped, self.reclaim(sandbox).await)
+    }
     /// What this backend can enforce on this host.
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
@@ -283,6 +293,23 @@ pub trait SandboxBackend: Send + Sync {
     ) -> Result<(), SandboxError> {
         let _ = (sandbox_id, user);
         boundary::remove_root(root).await
+    }
+}
+
+/// Both results: the first's error, with the second's joined to it.
+pub fn both(first: Result<(), SandboxError>, second: Result<(), SandboxError>) -> Result<(), SandboxError> {
+    match (first, second) {
+        (Ok(()), second) => second,
+        (Err(e), Ok(())) => Err(e),
+        (Err(a), Err(b)) => Err(SandboxError::Destroy(format!("{}; {}", destroy_reason(a), destroy_reason(b)))),
+    }
+}
+
+/// The text of a destroy error, without its prefix.
+fn destroy_reason(e: SandboxError) -> String {
+    match e {
+        SandboxError::Destroy(reason) => reason,
+        other => other.to_string(),
     }
 }
 

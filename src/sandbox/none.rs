@@ -116,8 +116,12 @@ impl SandboxBackend for NoneBackend {
         Ok(process)
     }
 
-    async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
-        self.boundary.destroy(sandbox).await
+    async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        self.boundary.stop(sandbox).await
+    }
+
+    async fn reclaim(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        self.boundary.reclaim(sandbox).await
     }
 
     async fn destroy_leftover(

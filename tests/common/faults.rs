@@ -15,13 +15,21 @@ pub struct BackendFaults {
     pub fail_init: bool,
     /// `create` returns a sandbox that is not READY.
     pub not_ready: bool,
+    /// `stop` fails (what a run reports as `sandbox_destroy`).
     pub fail_destroy: bool,
+    /// `reclaim` fails, after the run has finished.
+    pub fail_reclaim: bool,
+    /// `reclaim` waits a second first, so what `stop` alone left can be seen.
+    pub slow_reclaim: bool,
 }
 
 #[derive(Default)]
 pub struct BackendLog {
     pub creates: usize,
+    /// Sandboxes stopped (a run's destroy), in order.
     pub destroys: Vec<String>,
+    /// Sandboxes reclaimed, in order.
+    pub reclaims: Vec<String>,
     pub spawns: Vec<ExecSpec>,
 }
 
@@ -36,6 +44,14 @@ impl FaultyBackend {
         let log = Arc::new(Mutex::new(BackendLog::default()));
         (Arc::new(FaultyBackend { inner, faults, log: log.clone() }), log)
     }
+}
+
+/// Real backends, both wrapped in `faults`, with one log.
+pub fn all_with(faults: BackendFaults) -> (Backends, Arc<Mutex<BackendLog>>) {
+    let host = Backends::host_default();
+    let (linux_bwrap, log) = FaultyBackend::wrap(host.linux_bwrap, faults);
+    let none = Arc::new(FaultyBackend { inner: host.none, faults, log: log.clone() });
+    (Backends { linux_bwrap, none }, log)
 }
 
 /// Real backends with the bwrap one wrapped in `faults`.
@@ -85,11 +101,23 @@ impl SandboxBackend for FaultyBackend {
         self.inner.spawn(sandbox, spec).await
     }
 
-    async fn destroy(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+    async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
         self.log.lock().unwrap().destroys.push(sandbox.id.clone());
-        let result = self.inner.destroy(sandbox).await;
+        let result = self.inner.stop(sandbox).await;
         if self.faults.fail_destroy {
             return Err(SandboxError::Destroy("injected: destroy failed".into()));
+        }
+        result
+    }
+
+    async fn reclaim(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        if self.faults.slow_reclaim {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+        self.log.lock().unwrap().reclaims.push(sandbox.id.clone());
+        let result = self.inner.reclaim(sandbox).await;
+        if self.faults.fail_reclaim {
+            return Err(SandboxError::Destroy("injected: reclaim failed".into()));
         }
         result
     }

@@ -228,8 +228,11 @@ impl TestDaemon {
         self.data.path().join("data")
     }
 
-    /// The sandbox directories left under the data dir.
-    pub fn leftover_sandboxes(&self) -> Vec<PathBuf> {
+    /// What is left under the daemon's `sandboxes` directory once every
+    /// stopped sandbox has been given back (a run's `finished` does not
+    /// wait for that).
+    pub async fn leftover_sandboxes(&self) -> Vec<PathBuf> {
+        self.engine.reclaimed().await;
         std::fs::read_dir(self.data_dir().join("sandboxes"))
             .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
             .unwrap_or_default()
@@ -564,6 +567,7 @@ pub fn processes_with(marker: &str) -> usize {
     assert!(!own.is_empty(), "/proc is no procfs here (no command line of this process): cannot count {marker:?}");
     dir.filter_map(|e| e.ok())
         .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-        .filter(|cmdline| String::from_utf8_lossy(cmdline).contains(marker))
+        // Its arguments are NUL-separated: read as one line, as ps shows it.
+        .filter(|cmdline| String::from_utf8_lossy(cmdline).replace('\0', " ").contains(marker))
         .count()
 }

@@ -56,6 +56,10 @@ pub struct LatencyReport {
     pub store_bytes_per_execution: Option<f64>,
     /// Warm sandboxes the daemon kept of the profile (`--warm`; 0: none).
     pub warm_pool: usize,
+    /// Whether every timed sample began on a quiet daemon (see
+    /// `Target::settle`); `false` against `--server`, which the bench
+    /// cannot see into.
+    pub settled: bool,
     /// Timed executions whose sandbox was made ahead, in the warm pool.
     pub warm_runs: usize,
     /// Client-observed, `accepted` received → `dispatched` received.
@@ -131,10 +135,17 @@ pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow:
     let mut ok = Vec::with_capacity(n);
     let mut floor_ms = Vec::with_capacity(n);
     let store_before = target.store_bytes().await;
+    // Each timed sample, either side, starts on a quiet daemon (what an
+    // earlier run stopped given back, the pool refilled): what a request
+    // costs, not the background work of the one before. That work is
+    // throughput's to count.
+    let mut settled = true;
     for _ in 0..n {
+        settled &= target.settle().await;
         if let Some(e) = one(&channel, &args.noop_profile, &mut errors).await {
             ok.push(e);
         }
+        settled &= target.settle().await;
         match floor.spawn_once().await {
             Ok(d) => floor_ms.push(d.as_secs_f64() * 1e3),
             Err(_) => floor_errors += 1,
@@ -165,6 +176,7 @@ pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow:
         floor_errors,
         store_bytes_per_execution,
         warm_pool,
+        settled,
         warm_runs: ok.iter().filter(|e| e.warm).count(),
         accepted_to_dispatched: Percentiles::of_ms(&dispatch),
     })

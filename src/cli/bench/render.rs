@@ -267,6 +267,15 @@ fn errors(map: &std::collections::BTreeMap<String, usize>) -> String {
 /// The `latency` tables; `title` follows the word (" (warm pool)").
 fn latency_section(out: &mut String, title: &str, l: &super::LatencyReport) {
     let _ = writeln!(out, "latency{title}: {} ({} runs each side, {} warm-up)", l.profile, l.n, l.warmup);
+    let _ = writeln!(
+        out,
+        "{}",
+        if l.settled {
+            "each timed sample, either side, began on a quiet daemon: earlier sandboxes given back, the pool full"
+        } else {
+            "samples not settled: the bench cannot see this daemon's background work (teardown, refills)"
+        }
+    );
     if l.warm_pool > 0 {
         let _ = writeln!(
             out,

@@ -56,6 +56,8 @@ pub struct Target {
     pub fake_agent: PathBuf,
     /// Removed when the target stops (a directory this bench created).
     remove: Option<PathBuf>,
+    /// The daemon's engine, when it runs in this process.
+    engine: Option<std::sync::Arc<crate::lifecycle::Engine>>,
 }
 
 impl Target {
@@ -106,6 +108,7 @@ impl Target {
         let daemon = Daemon::build(config, Backends::host_default(), default_reins())
             .await
             .context("cannot start the in-process daemon")?;
+        let engine = Some(daemon.engine.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         // The bench talks to its own daemon over the daemon's unix socket,
         // as the local administrator (its uid is the daemon's).
@@ -124,7 +127,27 @@ impl Target {
             daemon_pid: Some(std::process::id()),
             fake_agent,
             remove,
+            engine,
         })
+    }
+
+    /// Waits (up to 10 s) until the in-process daemon is quiet: every
+    /// sandbox a run stopped given back, every warm pool full. A timed
+    /// sample then pays for no earlier run's background work. `false` when
+    /// it cannot know (a `--server` daemon) or did not get quiet in time.
+    pub async fn settle(&self) -> bool {
+        let Some(engine) = &self.engine else { return false };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        if tokio::time::timeout_at(deadline, engine.reclaimed()).await.is_err() {
+            return false;
+        }
+        while !engine.warm_levels().iter().all(|(_, waiting, size)| waiting == size) {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        true
     }
 
     /// A daemon that runs already, called with `remote`'s token and TLS
@@ -150,6 +173,7 @@ impl Target {
             daemon_pid,
             fake_agent,
             remove: Some(root),
+            engine: None,
         })
     }
 
