@@ -116,6 +116,10 @@ pub struct GrpcConfig {
     pub keepalive_interval_seconds: u64,
     /// A PING unanswered this long closes the connection.
     pub keepalive_timeout_seconds: u64,
+    /// Bytes one stream may have waiting to be written to its connection;
+    /// beyond it the stream stops producing until the client reads (a slow
+    /// watcher catches up from the store). h2's own default is 400 KiB.
+    pub max_send_buffer_bytes: usize,
     /// Watch streams on one execution or session at once; more are refused
     /// with RESOURCE_EXHAUSTED.
     pub max_watchers_per_subject: usize,
@@ -133,6 +137,7 @@ impl Default for GrpcConfig {
             max_concurrent_streams: 256,
             keepalive_interval_seconds: 60,
             keepalive_timeout_seconds: 20,
+            max_send_buffer_bytes: 16 << 10,
             max_watchers_per_subject: 2048,
             max_watchers: 16384,
         }
@@ -152,6 +157,8 @@ impl GrpcConfig {
         for (name, value, min) in [
             ("max_recv_message_bytes", self.max_recv_message_bytes, Self::MIN_RECV_BYTES),
             ("max_send_message_bytes", self.max_send_message_bytes, Self::MIN_SEND_BYTES),
+            // One 16 KiB HTTP/2 frame at least.
+            ("max_send_buffer_bytes", self.max_send_buffer_bytes, 16 << 10),
         ] {
             if !(min..=1 << 30).contains(&value) {
                 return Err((key(name), format!("{value} must be between {min} and {}", 1 << 30)));

@@ -294,21 +294,49 @@ fn authenticator(config: &Config) -> Result<crate::auth::Authenticator, StartErr
     Ok(crate::auth::Authenticator::new(loaded, Some(token), &local))
 }
 
-/// The TCP listener's TLS from `tls_cert`, `tls_key` and `client_ca`;
-/// errors name the key and the file.
-fn tls_config(config: &Config) -> Result<Option<tonic::transport::ServerTlsConfig>, (String, std::io::Error)> {
-    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+/// The TCP listener's TLS from `tls_cert`, `tls_key` and `client_ca`
+/// (HTTP/2 only, by ALPN); errors name the key and the file.
+fn tls_config(config: &Config) -> Result<Option<tokio_rustls::TlsAcceptor>, (String, std::io::Error)> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else { return Ok(None) };
+    let client_ca = config.client_ca.as_deref();
+    fn bad(name: &str, path: &std::path::Path, e: impl std::fmt::Display) -> (String, std::io::Error) {
+        (format!("{name} {}", path.display()), std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))
+    }
     let read =
         |name: &str, path: &std::path::Path| std::fs::read(path).map_err(|e| (format!("{name} {}", path.display()), e));
-    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read("tls_cert", cert)?, read("tls_key", key)?));
-    if let Some(ca) = &config.client_ca {
-        // Optional: a client without a certificate may still present a
-        // bearer token; one with a certificate from another CA fails the
-        // handshake.
-        tls = tls.client_ca_root(Certificate::from_pem(read("client_ca", ca)?)).client_auth_optional(true);
+    let chain: Vec<_> = CertificateDer::pem_slice_iter(&read("tls_cert", cert)?)
+        .collect::<Result<_, _>>()
+        .map_err(|e| bad("tls_cert", cert, e))?;
+    if chain.is_empty() {
+        return Err(bad("tls_cert", cert, "no certificate in the file"));
     }
-    Ok(Some(tls))
+    let private = PrivateKeyDer::from_pem_slice(&read("tls_key", key)?).map_err(|e| bad("tls_key", key, e))?;
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad("tls_cert", cert, e))?;
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for root in CertificateDer::pem_slice_iter(&read("client_ca", ca)?) {
+                roots.add(root.map_err(|e| bad("client_ca", ca, e))?).map_err(|e| bad("client_ca", ca, e))?;
+            }
+            // Optional: a client without a certificate may still present a
+            // bearer token; one with a certificate from another CA fails the
+            // handshake.
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
+                .allow_unauthenticated()
+                .build()
+                .map_err(|e| bad("client_ca", ca, e))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut tls = builder.with_single_cert(chain, private).map_err(|e| bad("tls_key", key, e))?;
+    tls.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Some(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(tls))))
 }
 
 /// A group name or number as a gid.

@@ -1,30 +1,17 @@
 //! The server's limits, from the config's `[grpc]` section: message sizes
-//! per service, streams per connection, HTTP/2 keepalive, and the caller's
-//! deadline (`grpc-timeout`). Watchers are bounded by the engine, which
-//! owns the subscriptions.
+//! per service and the caller's deadline (`grpc-timeout`); the connection's
+//! own (streams, keepalive, send buffer) are set in [`super::serve`].
+//! Watchers are bounded by the engine, which owns the subscriptions.
 //!
-//! Deadlines: tonic ends a unary call whose `grpc-timeout` passes before it
-//! answers (its handler future is dropped, which is why work that must go
+//! Deadlines: the server ends a unary call whose `grpc-timeout` passes
+//! before it answers (its handler future is dropped, which is why work that must go
 //! on — an execution, a session's start — runs on the engine's own tasks).
 //! A stream's deadline is this module's: [`deadline`] reads it, and the
 //! stream ends with DEADLINE_EXCEEDED when it passes.
 
 use std::time::{Duration, Instant};
 
-use tonic::transport::Server;
 use tonic::Request;
-
-use crate::config::GrpcConfig;
-
-/// The server builder with the connection-level limits.
-pub fn server(builder: Server, limits: &GrpcConfig) -> Server {
-    let keepalive =
-        (limits.keepalive_interval_seconds > 0).then(|| Duration::from_secs(limits.keepalive_interval_seconds));
-    builder
-        .max_concurrent_streams(limits.max_concurrent_streams)
-        .http2_keepalive_interval(keepalive)
-        .http2_keepalive_timeout(keepalive.map(|_| Duration::from_secs(limits.keepalive_timeout_seconds)))
-}
 
 /// Applies the message size limits to a generated service server.
 macro_rules! sized {
@@ -40,6 +27,11 @@ pub(crate) use sized;
 pub fn deadline<T>(request: &Request<T>) -> Option<Instant> {
     let value = request.metadata().get("grpc-timeout")?.to_str().ok()?;
     Some(Instant::now() + parse_grpc_timeout(value)?)
+}
+
+/// The caller's `grpc-timeout` from a request's headers, if it set one.
+pub fn timeout_of(headers: &http::HeaderMap) -> Option<Duration> {
+    parse_grpc_timeout(headers.get("grpc-timeout")?.to_str().ok()?)
 }
 
 /// `grpc-timeout`: at most 8 digits and a unit (H, M, S, m, u, n).

@@ -9,6 +9,7 @@ mod convert;
 mod execution;
 mod limits;
 pub mod page;
+mod serve;
 mod session;
 pub mod status;
 mod unix;
@@ -23,8 +24,6 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::server::TcpIncoming;
-use tonic::transport::Server;
 
 pub use catalog::CatalogApi;
 pub use convert::{limits_from_wire, wire_limits};
@@ -47,7 +46,7 @@ pub struct ApiParts {
     /// group that may connect (mode 0660).
     pub unix_socket: Option<(PathBuf, Option<u32>)>,
     /// TLS for the TCP listener (with a client CA: mTLS).
-    pub tls: Option<tonic::transport::ServerTlsConfig>,
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
     /// The engine the services call.
     pub engine: Arc<Engine>,
     /// The profiles the daemon loaded.
@@ -71,9 +70,6 @@ pub enum ServeError {
     /// Building the reflection service failed.
     #[error("reflection: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
-    /// The TCP or unix socket server failed (binding, TLS, or serving).
-    #[error("transport: {0}")]
-    Transport(#[from] tonic::transport::Error),
     /// The unix socket could not be set up.
     #[error("unix socket {path}: {source}")]
     Socket {
@@ -202,15 +198,11 @@ async fn drain(
 async fn listen(
     routes: tonic::service::Routes,
     grpc: &crate::config::GrpcConfig,
-    tls: Option<tonic::transport::ServerTlsConfig>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     listener: TcpListener,
     unix: Option<(tokio::net::UnixListener, PathBuf)>,
     drained: impl std::future::Future<Output = ()>,
 ) -> Result<(), ServeError> {
-    let mut tcp_server = limits::server(Server::builder(), grpc);
-    if let Some(tls) = tls {
-        tcp_server = tcp_server.tls_config(tls)?;
-    }
     let drain_done = CancellationToken::new();
     let done = drain_done.clone();
     let drained = async move {
@@ -219,16 +211,17 @@ async fn listen(
     };
     // Lifecycle events are small frames: without TCP_NODELAY each waits
     // on Nagle and the peer's delayed ACK (tens of ms per Execute).
-    let tcp = tcp_server
-        .add_routes(routes.clone())
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), drained);
-    let Some((listener, path)) = unix else { return Ok(tcp.await?) };
-    let on_unix = limits::server(Server::builder(), grpc)
-        .add_routes(routes)
-        .serve_with_incoming_shutdown(unix::incoming(listener), drain_done.cancelled_owned());
-    let (a, b) = tokio::join!(tcp, on_unix);
+    let accepted = futures_util::stream::unfold(listener, |listener| async move {
+        let accepted = listener.accept().await.and_then(|(stream, _)| stream.set_nodelay(true).map(|()| stream));
+        Some((accepted, listener))
+    });
+    let tcp = serve::serve(accepted, routes.clone(), grpc, tls, drained);
+    let Some((listener, path)) = unix else {
+        tcp.await;
+        return Ok(());
+    };
+    let on_unix = serve::serve(unix::incoming(listener), routes, grpc, None, drain_done.cancelled_owned());
+    tokio::join!(tcp, on_unix);
     let _ = std::fs::remove_file(&path);
-    a?;
-    b?;
     Ok(())
 }
