@@ -93,6 +93,8 @@ pub struct FanoutReport {
     pub emitter: Emitter,
     /// What the RSS figures are the memory of.
     pub rss_of: String,
+    /// Whether the daemon ran in the bench's own process.
+    pub in_process: bool,
     /// Events per second the harness was paced at (`--pace`); none: as
     /// fast as it could.
     pub pace: Option<u64>,
@@ -133,7 +135,7 @@ pub async fn run(daemons: &Daemons, args: &BenchArgs) -> anyhow::Result<FanoutRe
     for spec in &args.watchers {
         let events = spec.events.unwrap_or(args.events);
         let name = format!("fanout-{}x{events}", spec.watchers);
-        let (level, emitter, profile, rss_of) = daemons
+        let (level, emitter, profile, rss_of, in_process) = daemons
             .with(&name, async |target| {
                 let emitter = args.emitter(target);
                 if args.pace.is_some() && emitter != Emitter::FakeAgent {
@@ -142,11 +144,18 @@ pub async fn run(daemons: &Daemons, args: &BenchArgs) -> anyhow::Result<FanoutRe
                 let (profile, _) = emitter.task(events, args.pace);
                 let profile = args.emitter_profile.clone().unwrap_or(profile);
                 let level = level(target, args, emitter, &profile, spec.watchers.max(1), events).await?;
-                Ok((level, emitter, profile, rss_of(target)))
+                Ok((level, emitter, profile, rss_of(target), target.in_process_mode()))
             })
             .await?;
         report
-            .get_or_insert_with(|| FanoutReport { profile, emitter, rss_of, pace: args.pace, levels: Vec::new() })
+            .get_or_insert_with(|| FanoutReport {
+                profile,
+                emitter,
+                rss_of,
+                in_process,
+                pace: args.pace,
+                levels: Vec::new(),
+            })
             .levels
             .push(level);
     }

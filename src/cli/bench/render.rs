@@ -184,6 +184,7 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
                 None => check(&name, format!("not run at {shape}"), None),
             });
         }
+        out.extend(fanout_round_three(f));
         let full = f.levels.iter().find(|l| f.pace.is_none() && l.watchers == 1000 && l.events == 100_000);
         let memory = "fanout W=1000: <= 64 KiB daemon memory per watcher at peak";
         out.push(match full.and_then(|l| l.per_watcher_peak_kib.map(|k| (l, k))) {
@@ -544,6 +545,41 @@ fn stage_note(stage: &str) -> &'static str {
     }
 }
 
+/// Issue 27's fanout goals: W = 1,000 sustained in-process (unpaced), and
+/// the paced delays, each judged only on a run at exactly that shape.
+fn fanout_round_three(f: &super::fanout::FanoutReport) -> Vec<TargetCheck> {
+    let find = |w: usize, pace: Option<u64>| f.levels.iter().find(|l| f.pace == pace && l.watchers == w);
+    let rate = "fanout W=1000 in-process, unpaced: >= 2,000,000 deliveries/s";
+    let mut out = vec![match find(1000, None) {
+        Some(l) if f.in_process => check(
+            rate,
+            format!("{:.0}/s ({} of 1000 complete{})", l.aggregate_per_second, l.complete_watchers, aborted(l)),
+            Some(l.complete_watchers == 1000 && l.aggregate_per_second >= 2_000_000.0),
+        ),
+        Some(_) => check(rate, "not measured: the daemon is not in-process".into(), None),
+        None => check(rate, "not run: --watchers 1000 without --pace".into(), None),
+    }];
+    for (w, pace, p99) in [(1000, 1000, 50.0), (10_000, 100, 250.0)] {
+        let name = format!("fanout W={w} paced at {pace} events/s: p99 delay <= {p99} ms");
+        out.push(match find(w, Some(pace)) {
+            Some(l) => check(
+                &name,
+                format!(
+                    "p99 {:.1} ms (p50 {:.1}), {} of {w} complete, {} events{}",
+                    l.delay_p99_ms,
+                    l.delay_p50_ms,
+                    l.complete_watchers,
+                    l.events,
+                    aborted(l)
+                ),
+                Some(l.complete_watchers == w && l.delay_p99_ms <= p99),
+            ),
+            None => check(&name, format!("not run: --watchers {w} --pace {pace}"), None),
+        });
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -570,5 +606,78 @@ mod tests {
         assert_eq!(leak_check(&leaks(Some(0), 0)).met, Some(true));
         assert_eq!(leak_check(&leaks(Some(0), 1)).met, Some(false));
         assert_eq!(leak_check(&leaks(Some(2), 0)).met, Some(false));
+    }
+
+    fn fanout(
+        in_process: bool,
+        pace: Option<u64>,
+        levels: &[(usize, f64, f64, usize)],
+    ) -> super::super::fanout::FanoutReport {
+        let level = |&(watchers, per_second, p99, complete): &(usize, f64, f64, usize)| super::super::FanoutLevel {
+            watchers,
+            events: 1000,
+            execution_id: "e".into(),
+            execution_state: "SUCCEEDED".into(),
+            complete_watchers: complete,
+            delivered: 0,
+            seconds: 1.0,
+            aggregate_per_second: per_second,
+            per_watcher_per_second_median: 0.0,
+            per_watcher_per_second_min: 0.0,
+            delay_p50_ms: 1.0,
+            delay_p99_ms: p99,
+            delay_max_ms: p99,
+            resumes: 0,
+            errors: Default::default(),
+            error_messages: Default::default(),
+            rss_before_kib: None,
+            rss_attached_kib: None,
+            rss_peak_kib: None,
+            rss_after_kib: None,
+            per_watcher_attached_kib: None,
+            per_watcher_peak_kib: None,
+            barrier_released: true,
+            aborted: None,
+        };
+        super::super::fanout::FanoutReport {
+            profile: "p".into(),
+            emitter: super::super::emitter::Emitter::FakeAgent,
+            rss_of: "x".into(),
+            in_process,
+            pace,
+            levels: levels.iter().map(level).collect(),
+        }
+    }
+
+    fn judged(report: &super::super::fanout::FanoutReport) -> Vec<(String, Option<bool>)> {
+        fanout_round_three(report).into_iter().map(|c| (c.measured, c.met)).collect()
+    }
+
+    #[test]
+    fn fanout_goals_are_judged_only_at_their_shape() {
+        let unpaced = fanout(true, None, &[(1000, 2_100_000.0, 900.0, 1000), (10_000, 1.0, 1.0, 10_000)]);
+        assert_eq!(
+            judged(&unpaced),
+            [
+                ("2100000/s (1000 of 1000 complete)".to_string(), Some(true)),
+                ("not run: --watchers 1000 --pace 1000".to_string(), None),
+                ("not run: --watchers 10000 --pace 100".to_string(), None),
+            ]
+        );
+        // A watcher short: not met, however fast.
+        assert_eq!(judged(&fanout(true, None, &[(1000, 3e6, 1.0, 999)]))[0].1, Some(false));
+        assert_eq!(judged(&fanout(true, None, &[(1000, 1_999_999.0, 1.0, 1000)]))[0].1, Some(false));
+        assert_eq!(judged(&fanout(false, None, &[(1000, 3e6, 1.0, 1000)]))[0].1, None, "not in-process");
+        // Paced at another rate: not judged.
+        assert_eq!(judged(&fanout(true, Some(500), &[(1000, 1.0, 1.0, 1000)]))[1].1, None);
+        let paced = fanout(true, Some(1000), &[(1000, 1.0, 50.0, 1000)]);
+        assert_eq!(judged(&paced)[0].1, None, "a paced level is not the sustained rate");
+        assert_eq!(
+            judged(&paced)[1],
+            ("p99 50.0 ms (p50 1.0), 1000 of 1000 complete, 1000 events".to_string(), Some(true))
+        );
+        assert_eq!(judged(&fanout(true, Some(1000), &[(1000, 1.0, 50.1, 1000)]))[1].1, Some(false));
+        assert_eq!(judged(&fanout(true, Some(100), &[(10_000, 1.0, 250.0, 10_000)]))[2].1, Some(true));
+        assert_eq!(judged(&fanout(true, Some(100), &[(10_000, 1.0, 251.0, 10_000)]))[2].1, Some(false));
     }
 }
