@@ -121,6 +121,27 @@ async fn a_warm_sandbox_serves_one_execution_and_the_pool_refills() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_refills_more_than_one_sandbox_at_once_and_each_serves_one_run() {
+    require_bwrap();
+    let (backends, log) = faults::bwrap_with(faults::BackendFaults { slow_create: true, ..Default::default() });
+    let daemon = TestDaemon::start(Options { backends: Some(backends), ..pooled(4) }).await;
+    full(&daemon).await;
+    assert!(log.lock().unwrap().most_creating >= 2, "the pool of 4 was made one sandbox at a time");
+    // Four runs at once take the four, and the pool makes four more.
+    let runs: Vec<_> = (0..4).map(|_| daemon.execute(request(PROFILE, ""))).collect();
+    let mut served = std::collections::BTreeSet::new();
+    for events in futures_util::future::join_all(runs).await {
+        let execution = finished(&events);
+        assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
+        assert!(was_warm(&execution));
+        assert!(served.insert(ready(&events).sandbox_id), "one warm sandbox served two runs");
+    }
+    full(&daemon).await;
+    assert_eq!(log.lock().unwrap().creates, 8);
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_the_gate_tightens_takes_the_cold_path_and_leaves_the_pool_alone() {
     require_bwrap();
     // Every run's timeout is cut to 5 s: its hook files and its limits are

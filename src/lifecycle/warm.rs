@@ -8,8 +8,9 @@
 //! `sandbox::waiter`). A request takes a warm sandbox only when it was made
 //! for exactly the request's profile version, effective sandbox and
 //! timeout (`sandbox::pool`); it serves that one run and is destroyed like
-//! any other. The pools refill one sandbox at a time in the background,
-//! never while the daemon drains, and are destroyed when it shuts down;
+//! any other. The pools refill in the background, as many sandboxes at
+//! once as the host has cores (at least two, at most the pools' total
+//! size), never while the daemon drains, and are destroyed when it shuts down;
 //! what a crash leaves of them, recovery sweeps (their rows are like any
 //! sandbox's, with no subject until a run takes them).
 
@@ -182,6 +183,13 @@ pub fn unpoolable(profile: &Profile) -> Option<String> {
     None
 }
 
+/// How many fillers make warm sandboxes at once: one per core, at least two
+/// (a make waits on bwrap and the store as much as it computes), never more
+/// than the pools hold.
+fn fillers(pool_size: usize, cores: usize) -> usize {
+    pool_size.min(cores.max(2))
+}
+
 impl Engine {
     /// A warm sandbox made for exactly `profile`, `spec` and
     /// `timeout_seconds`, taken out of its pool, and its refill begun.
@@ -211,26 +219,33 @@ impl Engine {
         self.warm.pools().levels()
     }
 
-    /// Starts the filler of the warm pools, if any is configured: it keeps
-    /// each full, one sandbox at a time, until the daemon drains.
+    /// Starts the fillers of the warm pools, if any is configured: they
+    /// keep each full, [`fillers`] sandboxes at a time, until the daemon
+    /// drains.
     pub fn start_warm_pools(self: &Arc<Self>) {
-        if self.warm.pools().is_empty() {
-            return;
+        let size = self.warm_levels().iter().map(|(_, _, size)| size).sum::<usize>();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for _ in 0..fillers(size, cores) {
+            let engine = self.clone();
+            // Tracked: the shutdown waits for the sandbox being made to be destroyed.
+            self.tasks.spawn(async move { engine.fill_pools().await });
         }
-        let engine = self.clone();
-        // Tracked: the shutdown waits for the sandbox being made to be destroyed.
-        self.tasks.spawn(async move { engine.fill_pools().await });
     }
 
     async fn fill_pools(self: Arc<Self>) {
         let mut retry = RETRY_FIRST;
         loop {
+            // Armed before the pools are read: a take or a close between
+            // the read and the wait wakes this filler all the same.
+            let wake = self.warm.wake.notified();
+            let mut wake = std::pin::pin!(wake);
+            wake.as_mut().enable();
             let next = self.warm.pools().next_fill();
             let Some((index, profile_ref)) = next else {
                 if self.warm.pools().is_closed() {
                     return;
                 }
-                self.warm.wake.notified().await;
+                wake.await;
                 continue;
             };
             let t = Instant::now();
@@ -354,7 +369,7 @@ impl Engine {
     /// Closes the pools and destroys every waiting sandbox (a shutdown).
     pub(super) async fn close_warm_pools(&self) {
         let waiting = self.warm.pools().close();
-        self.warm.wake.notify_one();
+        self.warm.wake.notify_waiters();
         for made in waiting {
             self.destroy_warm(made).await;
         }
@@ -364,7 +379,7 @@ impl Engine {
     /// fence killed: their rows and files are recovery's.
     pub(super) fn abandon_warm_pools(&self) {
         drop(self.warm.pools().close());
-        self.warm.wake.notify_one();
+        self.warm.wake.notify_waiters();
     }
 
     /// Stores a sandbox's state; a store error is logged.
@@ -400,5 +415,16 @@ impl Drop for PendingReclaim {
             let _ = engine.reclaim_sandbox(backend.as_ref(), &sandbox, stopped).await;
             engine.reclaiming.send_modify(|n| *n -= 1);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fillers_are_one_per_core_at_least_two_at_most_the_pools() {
+        let cases = [((0, 8), 0), ((1, 8), 1), ((16, 1), 2), ((16, 2), 2), ((16, 8), 8), ((3, 8), 3)];
+        for ((size, cores), want) in cases {
+            assert_eq!(super::fillers(size, cores), want, "pool size {size}, {cores} cores");
+        }
     }
 }

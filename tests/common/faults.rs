@@ -21,11 +21,16 @@ pub struct BackendFaults {
     pub fail_reclaim: bool,
     /// `reclaim` waits a second first, so what `stop` alone left can be seen.
     pub slow_reclaim: bool,
+    /// `create` waits 300 ms first, so creates that overlap can be seen.
+    pub slow_create: bool,
 }
 
 #[derive(Default)]
 pub struct BackendLog {
     pub creates: usize,
+    /// Creates in flight now, and the most that ever were at once.
+    pub creating: usize,
+    pub most_creating: usize,
     /// Sandboxes stopped (a run's destroy), in order.
     pub destroys: Vec<String>,
     /// Sandboxes reclaimed, in order.
@@ -40,6 +45,20 @@ pub struct FaultyBackend {
 }
 
 impl FaultyBackend {
+    async fn create_faulty(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
+        if self.faults.slow_create {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
+        if self.faults.fail_init {
+            return Err(SandboxError::Unavailable("injected: backend cannot initialise".into()));
+        }
+        let mut sandbox = self.inner.create(req).await?;
+        if self.faults.not_ready {
+            sandbox.state = SandboxState::Failed;
+        }
+        Ok(sandbox)
+    }
+
     pub fn wrap(inner: Arc<dyn SandboxBackend>, faults: BackendFaults) -> (Arc<Self>, Arc<Mutex<BackendLog>>) {
         let log = Arc::new(Mutex::new(BackendLog::default()));
         (Arc::new(FaultyBackend { inner, faults, log: log.clone() }), log)
@@ -85,20 +104,24 @@ impl SandboxBackend for FaultyBackend {
     }
 
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
-        self.log.lock().unwrap().creates += 1;
-        if self.faults.fail_init {
-            return Err(SandboxError::Unavailable("injected: backend cannot initialise".into()));
+        {
+            let mut log = self.log.lock().unwrap();
+            log.creates += 1;
+            log.creating += 1;
+            log.most_creating = log.most_creating.max(log.creating);
         }
-        let mut sandbox = self.inner.create(req).await?;
-        if self.faults.not_ready {
-            sandbox.state = SandboxState::Failed;
-        }
-        Ok(sandbox)
+        let created = self.create_faulty(req).await;
+        self.log.lock().unwrap().creating -= 1;
+        created
     }
 
     async fn spawn(&self, sandbox: &Sandbox, spec: &ExecSpec) -> Result<SandboxProcess, SandboxError> {
         self.log.lock().unwrap().spawns.push(spec.clone());
         self.inner.spawn(sandbox, spec).await
+    }
+
+    async fn prestart(&self, sandbox: &Sandbox, program: &std::path::Path) -> Result<(), SandboxError> {
+        self.inner.prestart(sandbox, program).await
     }
 
     async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
