@@ -320,10 +320,9 @@ fn tls_config(config: &Config) -> Result<Option<tokio_rustls::TlsAcceptor>, (Str
     let builder = match client_ca {
         None => builder.with_no_client_auth(),
         Some(ca) => {
-            let mut roots = rustls::RootCertStore::empty();
-            for root in CertificateDer::pem_slice_iter(&read("client_ca", ca)?) {
-                roots.add(root.map_err(|e| bad("client_ca", ca, e))?).map_err(|e| bad("client_ca", ca, e))?;
-            }
+            let invalid =
+                |e: String| ("client_ca".to_string(), std::io::Error::new(std::io::ErrorKind::InvalidData, e));
+            let roots = crate::net::client::roots(ca).map_err(invalid)?;
             // Optional: a client without a certificate may still present a
             // bearer token; one with a certificate from another CA fails the
             // handshake.

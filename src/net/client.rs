@@ -51,10 +51,22 @@ where
 
 /// The TLS client settings: the system's roots, or `ca_file`'s alone.
 pub fn tls_config(ca_file: Option<&std::path::Path>) -> Result<Arc<rustls::ClientConfig>, String> {
+    let roots = roots(ca_file.unwrap_or(std::path::Path::new("/etc/ssl/certs/ca-certificates.crt")))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
+/// The certificates of the PEM file at `path`, as trust roots; at least one.
+/// Errors name the path.
+pub fn roots(path: &std::path::Path) -> Result<rustls::RootCertStore, String> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::CertificateDer;
     let mut roots = rustls::RootCertStore::empty();
-    let path = ca_file.unwrap_or(std::path::Path::new("/etc/ssl/certs/ca-certificates.crt"));
     let certs = CertificateDer::pem_file_iter(path).map_err(|e| format!("{}: {e}", path.display()))?;
     for cert in certs {
         let cert = cert.map_err(|e| format!("{}: {e}", path.display()))?;
@@ -63,13 +75,7 @@ pub fn tls_config(ca_file: Option<&std::path::Path>) -> Result<Arc<rustls::Clien
     if roots.is_empty() {
         return Err(format!("{}: no certificate", path.display()));
     }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(Arc::new(config))
+    Ok(roots)
 }
 
 /// An `http(s)://host[:port][/path]` URL the daemon connects to.
