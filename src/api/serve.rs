@@ -34,7 +34,7 @@ use crate::config::GrpcConfig;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The HTTP/2 settings of every connection, from `[grpc]`.
-pub(super) fn http2_builder(limits: &GrpcConfig) -> http2::Builder<TokioExecutor> {
+fn http2_builder(limits: &GrpcConfig) -> http2::Builder<TokioExecutor> {
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
