@@ -271,8 +271,10 @@ impl TestNet {
     fn create() -> TestNet {
         let n = std::process::id() % 250;
         let (ns, host_if, peer) = (format!("corral-fleet-{n}"), format!("cfh{n}"), format!("cfn{n}"));
-        let _ = std::process::Command::new("ip").args(["netns", "del", &ns]).status();
-        let _ = std::process::Command::new("ip").args(["link", "del", &host_if]).status();
+        // What an earlier run of the same pid left, if anything.
+        for leftover in [["netns", "del", &ns], ["link", "del", &host_if]] {
+            let _ = std::process::Command::new("ip").args(leftover).stderr(std::process::Stdio::null()).status();
+        }
         ip(&["netns", "add", &ns]);
         ip(&["link", "add", &host_if, "type", "veth", "peer", "name", &peer]);
         ip(&["link", "set", &peer, "netns", &ns]);
@@ -287,6 +289,25 @@ impl TestNet {
     /// The link between the namespace and the host, up or down.
     fn link(&self, up: bool) {
         ip(&["link", "set", &self.host_if, if up { "up" } else { "down" }]);
+    }
+
+    /// Waits until a TCP connection from inside the namespace reaches
+    /// `port` on the host's end: a link set up again carries nothing until
+    /// the kernel sees its carrier and resolves the neighbour the
+    /// partition left failed, and a daemon started before then fails with
+    /// "no route to host" (as it should: that is not what this tests).
+    async fn until_reachable(&self, port: u16) {
+        let _ = std::process::Command::new("ip").args(["-n", &self.ns, "neigh", "flush", "all"]).status();
+        let probe = format!("exec 3<>/dev/tcp/{}/{port}", self.host_ip);
+        let reaches = || {
+            std::process::Command::new("nsenter")
+                .arg(format!("--net=/run/netns/{}", self.ns))
+                .args(["--", "timeout", "2", "bash", "-c", &probe])
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        wait_for("the namespace reaching the host again", Duration::from_secs(15), reaches).await;
     }
 
     /// Runs a command in the namespace's network only: `ip netns exec`
@@ -348,6 +369,7 @@ async fn a_node_cut_off_from_the_store_kills_its_sandboxes_before_its_lease_runs
     // The link restored, node-b rejoins with a new epoch and appends
     // nothing to its old run.
     net.link(true);
+    net.until_reachable(forwarder.port).await;
     b.restart().await;
     let rejoined = a.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
     assert_eq!(rejoined.state, pb::NodeState::Active as i32);
