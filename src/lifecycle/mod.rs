@@ -689,7 +689,7 @@ impl Engine {
     /// lookups a watch of an unknown subject needs.
     pub(super) fn watch_queued(&self, execution_id: &str) -> Result<Subscription, EngineError> {
         let permit = self.watchers.admit(execution_id).map_err(EngineError::Overloaded)?;
-        Ok(Subscription::replay_then_live(Vec::new(), None, 0)
+        Ok(Subscription::replay_then_live(watch::Run::default(), None, 0)
             .catching_up(self.event_pages.clone(), execution_id.to_string(), self.bus.capacity())
             .holding(permit)
             .polling(self.store.clone(), execution_id.to_string(), self.wakeups.waiter(execution_id)))

@@ -84,7 +84,9 @@ impl Drop for WatchPermit {
 pub struct Subscription {
     /// Held while the subscription lives: the watcher counts against the bounds.
     _permit: Option<WatchPermit>,
-    replay: VecDeque<BusItem>,
+    /// Stored events to deliver before anything else: a run of a page
+    /// shared with every other subscriber reading the same stretch.
+    replay: Run,
     live: Option<broadcast::Receiver<BusItem>>,
     last: u64,
     done: bool,
@@ -116,8 +118,11 @@ pub struct Subscription {
 /// Stored events read back in aligned pages (page k holds sequences
 /// k·PAGE+1 ..= (k+1)·PAGE), shared by every subscriber: a thousand
 /// watchers that fell behind together cost one store query per page, not
-/// one each, and hold the page once. Only full pages are kept (a page that
-/// is still filling may grow), the most recent [`PAGES_KEPT`].
+/// one each, hold the page once (each a [`Run`] of it: two indices), and
+/// share each event's encoding (a page holds [`BusItem`]s, whose wire
+/// bytes the first stream to send one fills for all). The most recent
+/// [`PAGES_KEPT`] pages are kept; one still filling is kept too, and read
+/// again only by a subscriber that needs an event past its end.
 pub struct EventPages {
     store: Store,
     /// The kept pages by (subject, index), and their keys oldest first.
@@ -127,8 +132,55 @@ pub struct EventPages {
     fill: tokio::sync::Mutex<()>,
 }
 
-type Page = Arc<[Arc<Event>]>;
+type Page = Arc<[BusItem]>;
 type PageKey = (String, u64);
+
+/// A stretch of a shared page: `items[next..end]`, in sequence order.
+#[derive(Clone, Default)]
+pub struct Run {
+    items: Option<Page>,
+    next: usize,
+    end: usize,
+}
+
+impl Run {
+    /// The events of `page` with `after < sequence < before`.
+    fn of(page: Page, after: u64, before: u64) -> Run {
+        let next = page.partition_point(|item| item.event.sequence <= after);
+        let end = page.partition_point(|item| item.event.sequence < before).max(next);
+        Run { items: Some(page), next, end }
+    }
+
+    /// Events from elsewhere (a poll of the store), as a run of their own.
+    fn owned(events: Vec<Event>) -> Run {
+        let page: Page = events.into_iter().map(|e| BusItem::new(Arc::new(e), None)).collect();
+        Run { end: page.len(), items: Some(page), next: 0 }
+    }
+
+    fn items(&self) -> &[BusItem] {
+        self.items.as_deref().map(|items| &items[self.next..self.end]).unwrap_or_default()
+    }
+
+    /// Whether nothing is left in it.
+    pub fn is_empty(&self) -> bool {
+        self.items().is_empty()
+    }
+
+    /// The last event in it.
+    pub fn last(&self) -> Option<&Event> {
+        self.items().last().map(|item| &*item.event)
+    }
+
+    fn pop_front(&mut self) -> Option<BusItem> {
+        let item = self.items().first()?.clone();
+        self.next += 1;
+        if self.next == self.end {
+            // Let go of the page as soon as this subscriber is past it.
+            *self = Run::default();
+        }
+        Some(item)
+    }
+}
 
 /// Full pages kept: 64 × 1,024 events.
 const PAGES_KEPT: usize = 64;
@@ -144,32 +196,36 @@ impl EventPages {
 
     /// The stored events of `subject` with `after < sequence < before`, up
     /// to the end of the page that holds `after + 1`.
-    pub async fn between(&self, subject: &str, after: u64, before: u64) -> Result<Vec<Arc<Event>>, StoreError> {
-        let page = self.page(subject, after / PAGE).await?;
-        Ok(page.iter().filter(|e| e.sequence > after && e.sequence < before).cloned().collect())
+    pub async fn between(&self, subject: &str, after: u64, before: u64) -> Result<Run, StoreError> {
+        let page = self.page(subject, after / PAGE, before.saturating_sub(1)).await?;
+        Ok(Run::of(page, after, before))
     }
 
-    async fn page(&self, subject: &str, index: u64) -> Result<Page, StoreError> {
+    /// Page `index` of `subject`, holding every stored event up to
+    /// `through` that it can hold: a kept page that is full, or that
+    /// already reaches `through`, is not read again.
+    async fn page(&self, subject: &str, index: u64, through: u64) -> Result<Page, StoreError> {
         let key = (subject.to_string(), index);
-        if let Some(page) = self.kept(&key) {
+        let enough =
+            |page: &Page| page.len() as u64 == PAGE || page.last().is_some_and(|item| item.event.sequence >= through);
+        if let Some(page) = self.kept(&key).filter(enough) {
             return Ok(page);
         }
         let _fill = self.fill.lock().await;
-        if let Some(page) = self.kept(&key) {
+        if let Some(page) = self.kept(&key).filter(enough) {
             return Ok(page);
         }
         let first = index.saturating_mul(PAGE);
         let events = self.store.events_between(subject, first, first.saturating_add(PAGE + 1)).await?;
-        let page: Page = events.into_iter().map(Arc::new).collect();
-        if page.len() as u64 == PAGE {
-            let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
-            let (pages, order) = &mut *kept;
-            pages.insert(key.clone(), page.clone());
+        let page: Page = events.into_iter().map(|event| BusItem::new(Arc::new(event), None)).collect();
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        let (pages, order) = &mut *kept;
+        if pages.insert(key.clone(), page.clone()).is_none() {
             order.push_back(key);
-            while order.len() > PAGES_KEPT {
-                if let Some(old) = order.pop_front() {
-                    pages.remove(&old);
-                }
+        }
+        while order.len() > PAGES_KEPT {
+            if let Some(old) = order.pop_front() {
+                pages.remove(&old);
             }
         }
         Ok(page)
@@ -189,7 +245,7 @@ impl Subscription {
     pub fn live(rx: broadcast::Receiver<BusItem>, with_raw: bool) -> Self {
         Subscription {
             _permit: None,
-            replay: VecDeque::new(),
+            replay: Run::default(),
             live: Some(rx),
             last: 0,
             done: false,
@@ -208,11 +264,11 @@ impl Subscription {
     /// `replay` is the first page of stored events after `after`; without a
     /// live channel the rest is read back from the store (see
     /// [`Subscription::catching_up`]) a page at a time.
-    pub fn replay_then_live(replay: Vec<Arc<Event>>, live: Option<broadcast::Receiver<BusItem>>, after: u64) -> Self {
+    pub fn replay_then_live(replay: Run, live: Option<broadcast::Receiver<BusItem>>, after: u64) -> Self {
         let draining = live.is_none();
         Subscription {
             _permit: None,
-            replay: replay.into_iter().map(|event| BusItem::new(event, None)).collect(),
+            replay,
             live,
             last: after,
             done: false,
@@ -378,7 +434,7 @@ impl Subscription {
             None => u64::MAX,
         };
         match pages.between(&subject, self.last, before).await {
-            Ok(page) if page.is_empty() => {
+            Ok(run) if run.is_empty() => {
                 // Nothing stored where the gap is (compacted away): go on
                 // with the held event, or end.
                 self.draining = false;
@@ -390,8 +446,8 @@ impl Subscription {
                     }
                 }
             }
-            Ok(page) => {
-                self.replay.extend(page.into_iter().map(|event| BusItem::new(event, None)));
+            Ok(run) => {
+                self.replay = run;
                 let item = self.replay.pop_front()?;
                 Some(Some(Ok(self.deliver(item))))
             }
@@ -427,7 +483,7 @@ impl Subscription {
             match store.events_after(&subject, self.last).await {
                 Ok(events) if !events.is_empty() => {
                     self.read_at = generation;
-                    self.replay = events.into_iter().map(|e| BusItem::new(Arc::new(e), None)).collect();
+                    self.replay = Run::owned(events);
                     let item = self.replay.pop_front()?;
                     return Some(Ok(self.deliver(item)));
                 }
@@ -469,6 +525,76 @@ mod tests {
         assert!(w.admit("c").err().unwrap().contains("3 watch streams are open"));
         drop(a1);
         assert!(w.admit("a").is_ok(), "a dropped permit is given back");
+    }
+
+    fn event(subject: &str, sequence: u64) -> Event {
+        let kind = crate::events::EventKind::Progress {
+            progress_kind: "output".into(),
+            tool: String::new(),
+            tokens_so_far: sequence,
+        };
+        Event { subject_id: subject.into(), sequence, time_ms: 1_000, kind }
+    }
+
+    fn sequences(mut run: Run) -> Vec<u64> {
+        std::iter::from_fn(|| run.pop_front()).map(|item| item.event.sequence).collect()
+    }
+
+    #[test]
+    fn a_run_is_the_stretch_of_its_page_strictly_between_its_bounds() {
+        let page: Page = [3, 4, 5, 6].into_iter().map(|s| BusItem::new(Arc::new(event("e", s)), None)).collect();
+        let cases: [(u64, u64, &[u64]); 7] = [
+            (0, u64::MAX, &[3, 4, 5, 6]),
+            (3, u64::MAX, &[4, 5, 6]),
+            (3, 6, &[4, 5]),
+            (4, 5, &[]),
+            (6, u64::MAX, &[]),
+            (9, 2, &[]),
+            (0, 3, &[]),
+        ];
+        for (after, before, expected) in cases {
+            let run = Run::of(page.clone(), after, before);
+            assert_eq!(run.is_empty(), expected.is_empty(), "({after}, {before})");
+            assert_eq!(run.last().map(|e| e.sequence), expected.last().copied(), "({after}, {before})");
+            assert_eq!(sequences(run), expected, "({after}, {before})");
+        }
+        let mut run = Run::of(page.clone(), 4, u64::MAX);
+        assert_eq!(Arc::strong_count(&page), 2);
+        run.pop_front();
+        run.pop_front();
+        assert!(run.pop_front().is_none() && run.is_empty());
+        assert_eq!(Arc::strong_count(&page), 1, "an exhausted run lets go of its page");
+        assert!(Run::default().pop_front().is_none());
+    }
+
+    #[tokio::test]
+    async fn watchers_behind_on_the_same_stretch_share_one_read_and_each_event_s_encoding() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let stored: Vec<Event> = (1..=PAGE + 10).map(|s| event("e", s)).collect();
+        store.append_events(&stored).await.unwrap();
+        let pages = EventPages::new(store.clone());
+
+        let (mut a, mut b) = (pages.between("e", 0, 500).await.unwrap(), pages.between("e", 0, 500).await.unwrap());
+        let (first_a, first_b) = (a.pop_front().unwrap(), b.pop_front().unwrap());
+        assert_eq!(first_a.event.sequence, 1);
+        assert!(Arc::ptr_eq(&first_a.wire, &first_b.wire), "one encoding cell for both watchers");
+        assert!(Arc::ptr_eq(&first_a.event, &first_b.event));
+        assert_eq!(sequences(a).len(), 498);
+
+        // The second page is still filling: it is kept, and read again only
+        // for an event past its end.
+        let partial = pages.between("e", PAGE, u64::MAX).await.unwrap();
+        assert_eq!(partial.last().map(|e| e.sequence), Some(PAGE + 10));
+        let again = pages.between("e", PAGE + 2, PAGE + 11).await.unwrap();
+        assert!(
+            Arc::ptr_eq(&partial.items.clone().unwrap(), &again.items.clone().unwrap()),
+            "reaches `before`: not read again"
+        );
+        store.append_events(&[event("e", PAGE + 11)]).await.unwrap();
+        let grown = pages.between("e", PAGE + 2, u64::MAX).await.unwrap();
+        assert_eq!(grown.last().map(|e| e.sequence), Some(PAGE + 11), "an event past the kept end is read");
+        assert_eq!(sequences(grown).len(), 9);
     }
 }
 
