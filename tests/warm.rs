@@ -316,3 +316,65 @@ async fn sigterm_leaves_no_warm_sandbox_alive_and_recovery_sweeps_what_a_crash_l
     let _ = serve.child.wait().await;
     assert_eq!(processes_of(&uids), Vec::<String>::new());
 }
+
+/// Starts a hanging execution of the pool's profile and returns its id and
+/// its sandbox's once its harness runs.
+async fn start_hanging(channel: tonic::transport::Channel, repo: &str) -> (String, String) {
+    let mut client = pb::execution_service_client::ExecutionServiceClient::new(channel);
+    let mut req = request(PROFILE, "NOWORK\nHANG");
+    req.repo = repo.into();
+    let execution = client.start_execution(req).await.expect("start").into_inner();
+    let watch = pb::WatchRequest { execution_id: execution.execution_id.clone(), after_sequence: 0 };
+    let mut stream = client.watch_execution(watch).await.unwrap().into_inner();
+    let mut sandbox = None;
+    while let Some(event) = stream.message().await.unwrap() {
+        match event.kind {
+            Some(pb::lifecycle_event::Kind::SandboxReady(ready)) => sandbox = Some(ready.sandbox_id),
+            Some(pb::lifecycle_event::Kind::Progress(_)) => {
+                return (execution.execution_id, sandbox.expect("sandbox_ready before progress"))
+            }
+            _ => {}
+        }
+    }
+    panic!("the execution ended before its harness reported progress");
+}
+
+/// A warm sandbox's row names the run that took it (in the run's
+/// `sandbox_ready` write when there is nothing to clone, in a write of its
+/// own before a clone): after a crash, recovery destroys it *for* that run,
+/// whose teardown then reads `succeeded`, not `not attempted`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_crash_recovery_destroys_a_taken_warm_sandbox_for_the_run_that_took_it() {
+    require_bwrap();
+    let dir = data_tempdir();
+    let (data, profiles) = (dir.path().join("data"), dir.path().join("profiles"));
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("fake.toml"), fake_agent_profile(PROFILE, "")).unwrap();
+    let pool = format!("[sandbox.warm]\n{PROFILE:?} = 2\n");
+    let repo = git_repo();
+
+    let mut serve = ServeProcess::start_with(&data, &profiles, &[], &pool).await;
+    waiters(&serve.uids, 2).await;
+    let warm = sandboxes(&data);
+    let (bare, in_bare) = start_hanging(serve.channel().await, "").await;
+    let (cloned, in_cloned) = start_hanging(serve.channel().await, &repo.path().display().to_string()).await;
+    for sandbox in [&in_bare, &in_cloned] {
+        assert!(warm.contains(sandbox), "{sandbox} was not one of the warm {warm:?}");
+    }
+    // SAFETY: a plain kill(2) of our own child.
+    unsafe { libc::kill(serve.pid(), libc::SIGKILL) };
+    let _ = serve.child.wait().await;
+
+    let mut serve = ServeProcess::start_with(&data, &profiles, &[], &pool).await;
+    let mut client = pb::execution_service_client::ExecutionServiceClient::new(serve.channel().await);
+    for id in [&bare, &cloned] {
+        let req = pb::GetExecutionRequest { execution_id: id.clone(), ..Default::default() };
+        let record = client.get_execution(req).await.unwrap().into_inner();
+        assert_eq!(record.state, pb::ExecutionState::Failed as i32);
+        let destroy = pb::TeardownResult::try_from(evidence(&record).sandbox_destroy).unwrap();
+        assert_eq!(destroy, pb::TeardownResult::Succeeded, "run {id} (repo: {})", id == &cloned);
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(serve.pid(), libc::SIGTERM) };
+    let _ = serve.child.wait().await;
+}

@@ -56,7 +56,23 @@ impl Recorder {
     /// Stores several events (after any held ones) in one write, then
     /// publishes them in order; the last one, once published. Same rules
     /// as [`Recorder::emit`].
-    pub async fn emit_batch(&mut self, mut kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
+    pub async fn emit_batch(&mut self, kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
+        self.store_and_publish(kinds, None).await
+    }
+
+    /// [`Recorder::emit`], and in the same write the warm sandbox
+    /// `sandbox_id` becomes this subject's (see
+    /// [`Store::append_events_adopting`]); `None` when the store refused
+    /// both.
+    pub async fn emit_adopting(&mut self, kind: EventKind, sandbox_id: &str) -> Option<Arc<Event>> {
+        self.store_and_publish(vec![(kind, None)], Some(sandbox_id)).await
+    }
+
+    async fn store_and_publish(
+        &mut self,
+        mut kinds: Vec<(EventKind, Option<RawPart>)>,
+        adopt: Option<&str>,
+    ) -> Option<Arc<Event>> {
         if !self.held.is_empty() {
             kinds.splice(0..0, self.held.drain(..).map(|kind| (kind, None)));
         }
@@ -71,7 +87,13 @@ impl Recorder {
                 (Event { subject_id: self.subject.clone(), sequence: self.next + i as u64, time_ms, kind }, raw)
             })
             .unzip();
-        if !self.persist(&events).await {
+        let stored = match adopt {
+            None => self.persist_with(events.len(), || self.store.append_events(&events)).await,
+            Some(sandbox) => {
+                self.persist_with(events.len(), || self.store.append_events_adopting(&events, sandbox)).await
+            }
+        };
+        if !stored {
             return None;
         }
         self.next += events.len() as u64;
@@ -103,12 +125,6 @@ impl Recorder {
         let event = Arc::new(event);
         self.bus.publish(BusItem::new(event.clone(), raw.map(Arc::new)));
         event
-    }
-
-    /// Writes `events` in one transaction, retrying a few times; `false`
-    /// when the store still refuses them.
-    async fn persist(&self, events: &[Event]) -> bool {
-        self.persist_with(events.len(), || self.store.append_events(events)).await
     }
 
     /// Runs `write` (which stores `count` events), retrying a few times (a

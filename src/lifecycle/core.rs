@@ -320,10 +320,15 @@ impl Core {
             let _ = self.engine.destroy_sandbox(backend.as_ref(), &sandbox).await;
             return Err(fail(FailureStage::SandboxCreate));
         }
+        // A warm sandbox's row names this run from now on: recovery
+        // finishes the run with it. With nothing to clone, the run's next
+        // write is `sandbox_ready`, microseconds later, and names it there;
+        // before a clone (seconds), a write of its own does.
+        let mut adopt = None;
         if warm {
-            // Its row names this run from now on: recovery finishes the run
-            // with it.
-            if let Err(e) = self.engine.store.adopt_sandbox(&sandbox.id, self.recorder.subject()).await {
+            if self.repo.is_empty() {
+                adopt = Some(sandbox.id.clone());
+            } else if let Err(e) = self.engine.store.adopt_sandbox(&sandbox.id, self.recorder.subject()).await {
                 self.failed(FailureStage::SandboxCreate, &e.to_string());
                 self.destroy().await;
                 return Err(fail(FailureStage::SandboxCreate));
@@ -366,7 +371,16 @@ impl Core {
             workspace_path: sandbox.workspace.to_string_lossy().into_owned(),
             receipt: sandbox.receipt.clone(),
         };
-        self.recorder.emit(ready, None).await;
+        match adopt {
+            None => drop(self.recorder.emit(ready, None).await),
+            Some(sandbox_id) => {
+                if self.recorder.emit_adopting(ready, &sandbox_id).await.is_none() {
+                    self.failed(FailureStage::SandboxCreate, "the warm sandbox could not be given to this run");
+                    self.destroy().await;
+                    return Err(fail(FailureStage::SandboxCreate));
+                }
+            }
+        }
         Ok(())
     }
 

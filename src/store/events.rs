@@ -13,6 +13,28 @@ impl Store {
         self.fenced_write(sqlx::query(FENCED_APPEND).bind(events_rows_json(events, false)?)).await
     }
 
+    /// Stores `events` and gives the warm sandbox `sandbox_id` to their
+    /// subject (see [`Store::adopt_sandbox`]) in one commit: a run that
+    /// took a warm sandbox names it in its `sandbox_ready` write, not in a
+    /// write of its own. On a shared store, one fenced statement.
+    pub async fn append_events_adopting(&self, events: &[Event], sandbox_id: &str) -> Result<(), StoreError> {
+        let Some(subject) = events.first().map(|e| e.subject_id.as_str()) else {
+            return Ok(());
+        };
+        if self.shared {
+            let statement = sqlx::query(FENCED_APPEND_ADOPTING)
+                .bind(events_rows_json(events, false)?)
+                .bind(sandbox_id)
+                .bind(now_ms());
+            return self.fenced_write(statement).await;
+        }
+        let mut tx = self.pool.begin().await?;
+        super::sandboxes::adopt(&mut *tx, sandbox_id, subject).await?;
+        self.insert_events(&mut *tx, events, false).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// Inserts `events` with one statement on `conn` (the pool, or a
     /// transaction's connection); with `stub_finished`, a `finished` event
     /// is stored as its stub (only when its record is written in the same

@@ -282,6 +282,25 @@ const FENCED_APPEND: &str = "WITH owner AS MATERIALIZED (
             (SELECT count(pg_notify('corral_events', subject)) FROM (SELECT DISTINCT subject_id AS subject FROM stored) AS s)
                 AS notified";
 
+/// [`FENCED_APPEND`], and the warm sandbox `$2` given to the events'
+/// subject (`$3` is the time), behind the same fence.
+const FENCED_APPEND_ADOPTING: &str = "WITH owner AS MATERIALIZED (
+         SELECT 1 FROM nodes WHERE name = $4 AND epoch = $5 AND state <> 'lost' FOR SHARE
+     ), stored AS (
+         INSERT INTO events (subject_id, sequence, time_ms, kind, body)
+         SELECT e ->> 0, (e ->> 1)::BIGINT, (e ->> 2)::BIGINT, e ->> 3, e ->> 4
+         FROM json_array_elements($1::json) AS e WHERE EXISTS (SELECT 1 FROM owner)
+         RETURNING subject_id
+     ), adopted AS (
+         UPDATE sandboxes SET subject_id = ($1::json -> 0 ->> 0), updated_at_ms = $3
+         WHERE sandbox_id = $2 AND EXISTS (SELECT 1 FROM owner)
+         RETURNING 1
+     )
+     SELECT (SELECT count(*) FROM owner) AS owned,
+            (SELECT count(*) FROM adopted) AS adopted,
+            (SELECT count(pg_notify('corral_events', subject)) FROM (SELECT DISTINCT subject_id AS subject FROM stored) AS s)
+                AS notified";
+
 /// An execution's record updated behind the fence, in one statement (see
 /// [`FENCED_APPEND`]); `owned` is 0 when the writer was declared lost.
 const FENCED_UPDATE_EXECUTION: &str = "WITH owner AS MATERIALIZED (

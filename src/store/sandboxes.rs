@@ -33,13 +33,7 @@ impl Store {
 
     /// Gives a warm sandbox (made with no subject) to the run that took it.
     pub async fn adopt_sandbox(&self, sandbox_id: &str, subject_id: &str) -> Result<(), StoreError> {
-        sqlx::query("UPDATE sandboxes SET subject_id = $2, updated_at_ms = $3 WHERE sandbox_id = $1")
-            .bind(sandbox_id)
-            .bind(subject_id)
-            .bind(now_ms())
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+        adopt(&self.pool, sandbox_id, subject_id).await
     }
 
     /// Records a sandbox's state. A destroyed sandbox (nothing of it
@@ -217,4 +211,18 @@ impl Store {
             .await?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
     }
+}
+
+/// The row of warm sandbox `sandbox_id` names `subject_id` from now on.
+pub(super) async fn adopt<'c, E>(conn: E, sandbox_id: &str, subject_id: &str) -> Result<(), StoreError>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Any>,
+{
+    sqlx::query("UPDATE sandboxes SET subject_id = $2, updated_at_ms = $3 WHERE sandbox_id = $1")
+        .bind(sandbox_id)
+        .bind(subject_id)
+        .bind(now_ms())
+        .execute(conn)
+        .await?;
+    Ok(())
 }
