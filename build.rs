@@ -42,6 +42,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         .out_dir(&wire)
         .extern_path(".corral.v1.LifecycleEvent", "crate::api::wire::WireEvent")
+        .codec_path("crate::api::wire::WireCodec")
         .extern_path(".corral.v1", "crate::pb")
         .compile_fds(fds)?;
     Ok(())

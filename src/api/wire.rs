@@ -12,7 +12,11 @@
 //! On the wire nothing changes: the bytes are exactly the message's
 //! encoding, and every client decodes them as a `pb::LifecycleEvent`.
 
+use std::marker::PhantomData;
+
 use bytes::{BufMut, Bytes};
+use tonic::codec::{BufferSettings, Codec};
+use tonic_prost::{ProstDecoder, ProstEncoder};
 
 use super::convert;
 use crate::events::BusItem;
@@ -59,6 +63,41 @@ impl prost::Message for WireEvent {
 
     fn clear(&mut self) {
         self.0 = Bytes::new();
+    }
+}
+
+/// How many bytes of encoded messages a stream gathers before it hands
+/// them to HTTP/2 as one frame (tonic's default is 32 KiB, on an 8 KiB
+/// buffer). Each open stream holds up to this much on top of h2's send
+/// buffer, so a watcher that is behind costs the sum of the two.
+const STREAM_CHUNK: usize = 4 << 10;
+
+/// The services' codec: prost's, with each stream's encode buffer and
+/// frame bounded by [`STREAM_CHUNK`] (requests decode as prost's do).
+pub struct WireCodec<T, U>(PhantomData<(T, U)>);
+
+impl<T, U> Default for WireCodec<T, U> {
+    fn default() -> Self {
+        WireCodec(PhantomData)
+    }
+}
+
+impl<T, U> Codec for WireCodec<T, U>
+where
+    T: prost::Message + Send + 'static,
+    U: prost::Message + Default + Send + 'static,
+{
+    type Encode = T;
+    type Decode = U;
+    type Encoder = ProstEncoder<T>;
+    type Decoder = ProstDecoder<U>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        ProstEncoder::new(BufferSettings::new(STREAM_CHUNK, STREAM_CHUNK))
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        ProstDecoder::default()
     }
 }
 

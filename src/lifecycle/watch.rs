@@ -9,7 +9,7 @@
 //! using [`Subscription::overrun`].
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::sync::broadcast::{self, error::RecvError};
@@ -120,13 +120,17 @@ pub struct Subscription {
 /// watchers that fell behind together cost one store query per page, not
 /// one each, hold the page once (each a [`Run`] of it: two indices), and
 /// share each event's encoding (a page holds [`BusItem`]s, whose wire
-/// bytes the first stream to send one fills for all). The most recent
-/// [`PAGES_KEPT`] pages are kept; one still filling is kept too, and read
-/// again only by a subscriber that needs an event past its end.
+/// bytes the first stream to send one fills for all). A page is found
+/// again for as long as any subscriber still holds a run of it, and the
+/// [`PAGES_KEPT`] read last are held here too, for the subscribers that
+/// reach them next: the memory is that of the stretches watchers are on,
+/// not of every page read lately. A page still filling is found again too,
+/// and read again only by a subscriber that needs an event past its end.
 pub struct EventPages {
     store: Store,
-    /// The kept pages by (subject, index), and their keys oldest first.
-    kept: std::sync::Mutex<(HashMap<PageKey, Page>, VecDeque<PageKey>)>,
+    /// Every page a subscriber may still hold, by (subject, index); the
+    /// [`PAGES_KEPT`] read last, held, oldest first.
+    kept: std::sync::Mutex<Kept>,
     /// One store read at a time: subscribers that miss the same page wait
     /// for the first one's read and then find it kept.
     fill: tokio::sync::Mutex<()>,
@@ -134,6 +138,14 @@ pub struct EventPages {
 
 type Page = Arc<[BusItem]>;
 type PageKey = (String, u64);
+
+/// Every page a subscriber may still hold, found by key, and the pages
+/// read last, held, oldest first.
+#[derive(Default)]
+struct Kept {
+    pages: HashMap<PageKey, Weak<[BusItem]>>,
+    held: VecDeque<Page>,
+}
 
 /// A stretch of a shared page: `items[next..end]`, in sequence order.
 #[derive(Clone, Default)]
@@ -182,8 +194,8 @@ impl Run {
     }
 }
 
-/// Full pages kept: 64 × 1,024 events.
-const PAGES_KEPT: usize = 64;
+/// Pages held after their read whether or not a subscriber holds them.
+const PAGES_KEPT: usize = 4;
 
 impl EventPages {
     pub fn new(store: Store) -> Arc<EventPages> {
@@ -191,7 +203,7 @@ impl EventPages {
     }
 
     fn kept(&self, key: &PageKey) -> Option<Page> {
-        self.kept.lock().unwrap_or_else(|e| e.into_inner()).0.get(key).cloned()
+        self.kept.lock().unwrap_or_else(|e| e.into_inner()).pages.get(key).and_then(Weak::upgrade)
     }
 
     /// The stored events of `subject` with `after < sequence < before`, up
@@ -219,14 +231,14 @@ impl EventPages {
         let events = self.store.events_between(subject, first, first.saturating_add(PAGE + 1)).await?;
         let page: Page = events.into_iter().map(|event| BusItem::new(Arc::new(event), None)).collect();
         let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
-        let (pages, order) = &mut *kept;
-        if pages.insert(key.clone(), page.clone()).is_none() {
-            order.push_back(key);
-        }
-        while order.len() > PAGES_KEPT {
-            if let Some(old) = order.pop_front() {
-                pages.remove(&old);
-            }
+        let Kept { pages, held } = &mut *kept;
+        pages.insert(key, Arc::downgrade(&page));
+        held.push_back(page.clone());
+        if held.len() > PAGES_KEPT {
+            held.pop_front();
+            // Forget what nobody holds any more (at most a few entries: one
+            // per page still held, plus those dropped since the last read).
+            pages.retain(|_, page| page.strong_count() > 0);
         }
         Ok(page)
     }
@@ -595,6 +607,46 @@ mod tests {
         let grown = pages.between("e", PAGE + 2, u64::MAX).await.unwrap();
         assert_eq!(grown.last().map(|e| e.sequence), Some(PAGE + 11), "an event past the kept end is read");
         assert_eq!(sequences(grown).len(), 9);
+    }
+
+    #[tokio::test]
+    async fn a_page_is_kept_while_a_watcher_holds_it_and_let_go_once_nobody_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let pages_stored = PAGES_KEPT as u64 + 3;
+        let stored: Vec<Event> = (1..=PAGE * pages_stored).map(|s| event("e", s)).collect();
+        store.append_events(&stored).await.unwrap();
+        let pages = EventPages::new(store.clone());
+        let page = |run: &Run| run.items.clone().unwrap();
+
+        // A watcher stays on page 0 while others read every later page.
+        let holder = pages.between("e", 0, u64::MAX).await.unwrap();
+        let first = pages.between("e", 0, u64::MAX).await.unwrap();
+        let mut later: Vec<Page> = Vec::new();
+        for index in 1..pages_stored {
+            later.push(page(&pages.between("e", index * PAGE, u64::MAX).await.unwrap()));
+        }
+        assert!(Arc::ptr_eq(&page(&holder), &page(&first)), "one read for both");
+        let again = pages.between("e", 5, u64::MAX).await.unwrap();
+        assert!(Arc::ptr_eq(&page(&holder), &page(&again)), "a held page is found again, however many were read since");
+
+        // Nobody holds page 1 now; it is older than the pages kept: it is let go.
+        let weak_1 = Arc::downgrade(&later[0]);
+        later.remove(0);
+        assert_eq!(weak_1.strong_count(), 0, "page 1 is held by no one, not even the pages kept");
+        let kept_last = Arc::downgrade(later.last().unwrap());
+        later.clear();
+        assert!(kept_last.strong_count() > 0, "the pages read last are kept");
+        let reread = pages.between("e", PAGE, u64::MAX).await.unwrap();
+        assert_eq!(reread.items().first().map(|i| i.event.sequence), Some(PAGE + 1), "read again from the store");
+        drop((holder, first, again, reread));
+        let kept = pages.kept.lock().unwrap();
+        assert!(
+            kept.pages.len() <= PAGES_KEPT + 1,
+            "entries of pages nobody holds are forgotten: {}",
+            kept.pages.len()
+        );
+        assert_eq!(kept.held.len(), PAGES_KEPT);
     }
 }
 
