@@ -141,6 +141,27 @@ async fn a_pool_refills_more_than_one_sandbox_at_once_and_each_serves_one_run() 
     daemon.stop().await;
 }
 
+/// Making a sandbox keeps a core busy: the pool a run took its sandbox
+/// from refills once the run's harness has its task, not while the harness
+/// is being started (a start held 300 ms sees no second create).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_refills_once_the_run_that_took_from_it_has_dispatched() {
+    require_bwrap();
+    let (backends, log) = faults::bwrap_with(faults::BackendFaults { slow_spawn: true, ..Default::default() });
+    let daemon = TestDaemon::start(Options { backends: Some(backends), ..pooled(1) }).await;
+    full(&daemon).await;
+    assert_eq!(log.lock().unwrap().creates, 1);
+    let events = daemon.execute(request(PROFILE, "")).await;
+    let execution = finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
+    assert!(was_warm(&execution));
+    let at_spawn = log.lock().unwrap().creates_at_spawn.clone();
+    assert_eq!(at_spawn.first(), Some(&1), "the refill began while the harness was starting: {at_spawn:?}");
+    full(&daemon).await;
+    assert_eq!(log.lock().unwrap().creates, 2, "the pool refilled after the run");
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_the_gate_tightens_takes_the_cold_path_and_leaves_the_pool_alone() {
     require_bwrap();

@@ -84,6 +84,9 @@ pub struct Core {
     gateway: Arc<Vec<crate::credentials::GatewayRoute>>,
     /// The stopped sandbox, given back once `finished` is sent.
     reclaim: Option<super::warm::PendingReclaim>,
+    /// The refill of the warm pool this run's sandbox came from, begun
+    /// once the harness has its task (see [`Core::begin_refill`]).
+    refill: Option<super::warm::Refill>,
 }
 
 impl Core {
@@ -115,6 +118,7 @@ impl Core {
             egress_events: EgressEvents::default(),
             gateway: Arc::default(),
             reclaim: None,
+            refill: None,
         }
     }
 
@@ -123,6 +127,13 @@ impl Core {
     /// core does the same).
     pub fn reclaim_sandbox(&mut self) {
         drop(self.reclaim.take());
+    }
+
+    /// Begins the refill of the warm pool this run's sandbox came from, if
+    /// it came from one: called once the harness is started and has its
+    /// first task (a turn's dispatch, a session's open), and by `close`.
+    pub fn begin_refill(&mut self) {
+        drop(self.refill.take());
     }
 
     /// `text` with every credential value of this run replaced.
@@ -292,7 +303,10 @@ impl Core {
         // timeout, if its pool has one; else one made now.
         let timeout = self.timeout.as_secs();
         let (made, warm) = match self.engine.take_warm(&profile, spec, timeout) {
-            Some(made) => (made, true),
+            Some((made, refill)) => {
+                self.refill = Some(refill);
+                (made, true)
+            }
             None => {
                 match super::warm::make_sandbox(&self.engine, self.recorder.subject(), spec, &profile, timeout).await {
                     Ok(made) => (made, false),
@@ -470,6 +484,7 @@ impl Core {
         // The decision and the dispatch it allows: one write.
         let dispatched = EventKind::Dispatched { tool: call.tool.clone() };
         self.recorder.emit_batch(vec![(gated, None), (dispatched, None)]).await;
+        self.begin_refill();
         let Some(mut harness) = self.phase.ready_mut().and_then(|r| r.harness.take_here()) else {
             return TurnOutcome::Failed(ReinError::Dispatch("no harness".into()));
         };
@@ -743,6 +758,7 @@ impl Core {
         if self.phase.kind() == PhaseKind::Closed {
             return;
         }
+        self.begin_refill();
         let t = Instant::now();
         let started = self.phase.harness_started();
         if let Some(mut harness) = self.phase.ready_mut().and_then(|r| r.harness.take_here()) {

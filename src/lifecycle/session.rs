@@ -194,6 +194,8 @@ impl Engine {
         };
         core.recorder.emit(accepted, None).await;
         let opened = core.open(&cmd.profile_ref, &self.draining.child_token()).await;
+        // A session's harness is started now; its first task may be far off.
+        core.begin_refill();
         record.effective_sandbox = core.effective();
         record.evidence = core.evidence.clone();
         if let Err(failure) = opened {

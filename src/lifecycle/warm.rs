@@ -183,6 +183,19 @@ pub fn unpoolable(profile: &Profile) -> Option<String> {
     None
 }
 
+/// The refill of the pool a run took its sandbox from, begun when this is
+/// dropped: once the run has handed its harness the task (a session: once
+/// its harness started), or has given up before. Making a sandbox keeps a
+/// core busy for a few milliseconds; begun at the take, it competed with
+/// the very start the warm sandbox was there to speed up.
+pub(super) struct Refill(Arc<Engine>);
+
+impl Drop for Refill {
+    fn drop(&mut self) {
+        self.0.warm.wake.notify_one();
+    }
+}
+
 /// How many fillers make warm sandboxes at once: one per core, at least two
 /// (a make waits on bwrap and the store as much as it computes), never more
 /// than the pools hold.
@@ -192,19 +205,23 @@ fn fillers(pool_size: usize, cores: usize) -> usize {
 
 impl Engine {
     /// A warm sandbox made for exactly `profile`, `spec` and
-    /// `timeout_seconds`, taken out of its pool, and its refill begun.
-    pub(super) fn take_warm(&self, profile: &Profile, spec: &SandboxSpec, timeout_seconds: u64) -> Option<WarmSandbox> {
+    /// `timeout_seconds`, taken out of its pool, with its pool's refill,
+    /// begun when the [`Refill`] is dropped.
+    pub(super) fn take_warm(
+        self: &Arc<Self>,
+        profile: &Profile,
+        spec: &SandboxSpec,
+        timeout_seconds: u64,
+    ) -> Option<(WarmSandbox, Refill)> {
         let mut pools = self.warm.pools();
         if pools.is_empty() {
             return None;
         }
         let taken = pools.take(&pool_key(profile, spec, timeout_seconds));
         drop(pools);
-        if taken.is_some() {
-            self.report_warm_levels();
-            self.warm.wake.notify_one();
-        }
-        taken
+        let taken = taken?;
+        self.report_warm_levels();
+        Some((taken, Refill(self.clone())))
     }
 
     /// Sets `corral_warm_sandboxes` of every pool to how many wait in it.

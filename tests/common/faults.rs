@@ -23,6 +23,9 @@ pub struct BackendFaults {
     pub slow_reclaim: bool,
     /// `create` waits 300 ms first, so creates that overlap can be seen.
     pub slow_create: bool,
+    /// `spawn` waits 300 ms first, so what happens while a harness starts
+    /// can be seen.
+    pub slow_spawn: bool,
 }
 
 #[derive(Default)]
@@ -36,6 +39,8 @@ pub struct BackendLog {
     /// Sandboxes reclaimed, in order.
     pub reclaims: Vec<String>,
     pub spawns: Vec<ExecSpec>,
+    /// `creates` when each spawn returned.
+    pub creates_at_spawn: Vec<usize>,
 }
 
 pub struct FaultyBackend {
@@ -117,7 +122,14 @@ impl SandboxBackend for FaultyBackend {
 
     async fn spawn(&self, sandbox: &Sandbox, spec: &ExecSpec) -> Result<SandboxProcess, SandboxError> {
         self.log.lock().unwrap().spawns.push(spec.clone());
-        self.inner.spawn(sandbox, spec).await
+        if self.faults.slow_spawn {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
+        let spawned = self.inner.spawn(sandbox, spec).await;
+        let mut log = self.log.lock().unwrap();
+        let creates = log.creates;
+        log.creates_at_spawn.push(creates);
+        spawned
     }
 
     async fn prestart(&self, sandbox: &Sandbox, program: &std::path::Path) -> Result<(), SandboxError> {
