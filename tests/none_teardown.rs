@@ -137,6 +137,69 @@ async fn a_none_run_leaves_no_ipc_shm_tmp_file_or_key_of_its_uid() {
     daemon.stop().await;
 }
 
+/// A setuid-root binary the test makes (root here): what a `none`
+/// sandbox's process would exec to become euid 0 while its real uid stays
+/// the sandbox's.
+fn setuid_copy(dir: &Path, of: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let copy = dir.join(Path::new(of).file_name().unwrap());
+    std::fs::copy(of, &copy).unwrap();
+    std::os::unix::fs::chown(&copy, Some(0), Some(0)).unwrap();
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o4755)).unwrap();
+    copy
+}
+
+/// Pids whose command line names `path`.
+fn running(path: &Path) -> Vec<String> {
+    let needle = path.display().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.parse::<u32>().is_ok()))
+        .filter(|e| {
+            std::fs::read(e.path().join("cmdline")).is_ok_and(|c| String::from_utf8_lossy(&c).contains(&needle))
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// No process of a `none` sandbox gains privileges by exec: a setuid-root
+/// binary runs as the sandbox's uid (no_new_privs), so a process it leaves
+/// behind is still one of that uid, and teardown's sweep (which reads the
+/// uid each /proc/<pid> belongs to) kills it before the uid goes to the
+/// next tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_none_sandbox_cannot_become_root_by_a_setuid_binary_nor_hide_from_teardown() {
+    require_bwrap();
+    let dir = tempfile::Builder::new().prefix("corral-setuid-").tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let id = setuid_copy(dir.path(), "/usr/bin/id");
+    let sleep = setuid_copy(dir.path(), "/usr/bin/sleep");
+    let daemon = TestDaemon::start(Options { profiles: vec![none_profile()], ..Options::default() }).await;
+    let script = format!(
+        "echo \"ID $({})\"\nsetsid {} 1000 </dev/null >/dev/null 2>&1 &\nsleep 0.3\necho \"STATUS $(grep -E '^(Uid|NoNewPrivs):' /proc/$!/status | tr -s '\\t\\n' ' ')\"\n",
+        id.display(),
+        sleep.display()
+    );
+    let events = daemon.execute(request("test.none", &script)).await;
+    let execution = finished(&events);
+    let out = execution.tool_output.clone();
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{out} {}", execution.tool_error);
+    let uid = events
+        .iter()
+        .find_map(|e| match &e.kind {
+            Some(Kind::SandboxReady(r)) => r.receipt.as_ref().map(|r| r.host_uid),
+            _ => None,
+        })
+        .unwrap();
+    assert!(out.contains(&format!("ID uid={uid}")), "{out}");
+    assert!(!out.contains("euid="), "a setuid binary ran as another user inside the sandbox: {out}");
+    assert!(out.contains("NoNewPrivs: 1"), "{out}");
+    daemon.engine.reclaimed().await;
+    assert_eq!(running(&sleep), Vec::<String>::new(), "the sandbox's setuid process outlived its teardown");
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_released_uid_is_not_handed_out_again_at_once() {
     require_bwrap();

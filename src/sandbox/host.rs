@@ -2,6 +2,7 @@
 //! as, what this host can enforce (the capability report), and how every
 //! process of a sandbox is found again by its uid.
 
+use std::os::unix::fs::MetadataExt;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -147,6 +148,13 @@ pub fn own_user(uid: u32) -> HostUser {
 /// sandbox, that is exactly the sandbox's processes, wherever they went
 /// (setsid, double fork, another process group). Zombies are dead already
 /// (their parent, often the host's init, reaps them in its own time).
+///
+/// A sandbox's processes cannot gain privileges by exec (`spawn_group`
+/// sets no_new_privs) nor change uid (they hold no capability on the
+/// host), so their effective uid is their real one: the walk stats each
+/// `/proc/<pid>` (owned by the process's effective uid, whatever its
+/// dumpable state: proc(5)), which the kernel answers without formatting
+/// anything, and reads the status of those it owns only.
 pub fn processes_of_uid(uid: u32) -> Vec<i32> {
     if !uid_may_have_processes(uid) {
         return Vec::new();
@@ -154,6 +162,7 @@ pub fn processes_of_uid(uid: u32) -> Vec<i32> {
     let Ok(proc_dir) = std::fs::read_dir("/proc") else { return Vec::new() };
     proc_dir
         .filter_map(|entry| entry.ok())
+        .filter(|entry| entry.metadata().is_ok_and(|m| m.uid() == uid))
         .filter_map(|entry| entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
         .filter(|pid| live_uid(*pid) == Some(uid))
         .collect()
@@ -162,8 +171,8 @@ pub fn processes_of_uid(uid: u32) -> Vec<i32> {
 /// Whether any task may have `uid` as its real uid, in one system call:
 /// `getpriority(PRIO_USER, uid)` fails with ESRCH when the kernel knows no
 /// task of that user (it looks the user up, then every task's real uid).
-/// `true` is only a maybe (it counts zombies too): the caller then reads
-/// /proc, which costs a millisecond or two on a busy host.
+/// `true` is only a maybe (it counts zombies too): the caller then walks
+/// /proc.
 pub fn uid_may_have_processes(uid: u32) -> bool {
     // SAFETY: getpriority reads no memory of ours; errno is this thread's.
     unsafe {
@@ -192,8 +201,8 @@ pub async fn kill_uid(uid: u32, timeout: Duration) -> Result<usize, String> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut killed = 0;
     loop {
-        // The /proc walk reads every process's status: a few milliseconds
-        // of a runtime thread on a busy host, so it gets a thread of its own.
+        // The /proc walk stats every process: most of a millisecond on a
+        // busy host, so it gets a thread of its own.
         let pids = match uid_may_have_processes(uid) {
             false => Vec::new(),
             true => tokio::task::spawn_blocking(move || processes_of_uid(uid))
@@ -226,6 +235,22 @@ mod tests {
         assert!(uid_may_have_processes(unsafe { libc::getuid() }), "this test's own uid has a task");
         assert!(!uid_may_have_processes(3_999_999), "nothing runs as uid 3999999");
         assert!(processes_of_uid(3_999_999).is_empty());
+    }
+
+    #[test]
+    fn the_walk_finds_a_process_of_the_uid_and_not_its_zombie() {
+        use std::os::unix::process::CommandExt;
+        let uid = 3_999_998;
+        let mut child = std::process::Command::new("sleep").arg("30").uid(uid).gid(uid).spawn().expect("spawn sleep");
+        let pid = child.id() as i32;
+        assert_eq!(processes_of_uid(uid), vec![pid]);
+        child.kill().unwrap();
+        // Dead, not yet reaped: a zombie of the uid, which the walk skips.
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(uid_may_have_processes(uid), "the zombie is still a task of the uid");
+        assert_eq!(processes_of_uid(uid), Vec::<i32>::new());
+        child.wait().unwrap();
+        assert!(!uid_may_have_processes(uid));
     }
 
     #[test]

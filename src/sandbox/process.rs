@@ -162,6 +162,14 @@ pub fn spawn_group(
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            // No process of the sandbox gains privileges by exec (a setuid
+            // or file-capability binary, in a `none` sandbox too; bwrap sets
+            // it again inside): its effective uid stays its real one, the
+            // sandbox's own, which is what teardown's sweep of that uid
+            // reads (`host::processes_of_uid`).
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1 as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             // Park every passed descriptor high first, then put them at 3,
             // 4, … (dup2 clears close-on-exec on the copy). All parked
             // before any is moved: a passed descriptor may itself be 3 or
