@@ -106,25 +106,37 @@ impl Recorder {
         last
     }
 
-    /// The subject's next event, not stored yet: for a caller that stores
-    /// it in a transaction of its own (the final record's, see
-    /// [`Store::finish_execution`]) through [`Recorder::persist_with`],
-    /// then hands it to [`Recorder::publish`]. Held events are stored and
-    /// published first.
-    pub async fn prepare(&mut self, kind: EventKind) -> Event {
-        if !self.held.is_empty() {
-            self.emit_batch(Vec::new()).await;
-        }
-        Event { subject_id: self.subject.clone(), sequence: self.next, time_ms: now_ms(), kind }
+    /// The subject's last events, not stored yet: the held ones, then
+    /// `kind`, for a caller that stores them in a transaction of its own
+    /// (the final record's, see [`Store::finish_execution`]) through
+    /// [`Recorder::persist_with`], then hands them to
+    /// [`Recorder::publish`]. A run's `teardown` rides with its `finished`
+    /// so: one commit where there were two.
+    pub fn prepare(&mut self, kind: EventKind) -> Vec<Event> {
+        let time_ms = now_ms();
+        let subject = &self.subject;
+        let kinds = self.held.drain(..).chain(std::iter::once(kind));
+        kinds
+            .enumerate()
+            .map(|(i, kind)| Event { subject_id: subject.clone(), sequence: self.next + i as u64, time_ms, kind })
+            .collect()
     }
 
-    /// Publishes an event from [`Recorder::prepare`] that the caller stored.
-    pub fn publish(&mut self, event: Event, raw: Option<RawPart>) -> Arc<Event> {
-        debug_assert_eq!(event.sequence, self.next, "events are published in order");
-        self.next = event.sequence + 1;
-        let event = Arc::new(event);
-        self.bus.publish(BusItem::new(event.clone(), raw.map(Arc::new)));
-        event
+    /// Publishes the events from [`Recorder::prepare`] that the caller
+    /// stored, in order; `raw` goes with the last. The last, once published.
+    pub fn publish(&mut self, events: Vec<Event>, raw: Option<RawPart>) -> Option<Arc<Event>> {
+        let count = events.len();
+        let mut raw = raw.map(Arc::new);
+        let mut last = None;
+        for (i, event) in events.into_iter().enumerate() {
+            debug_assert_eq!(event.sequence, self.next, "events are published in order");
+            self.next = event.sequence + 1;
+            let event = Arc::new(event);
+            let raw = if i + 1 == count { raw.take() } else { None };
+            self.bus.publish(BusItem::new(event.clone(), raw));
+            last = Some(event);
+        }
+        last
     }
 
     /// Runs `write` (which stores `count` events), retrying a few times (a

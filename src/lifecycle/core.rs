@@ -795,7 +795,9 @@ impl Core {
         self.evidence.sandbox_destroy = self.sandbox_destroy;
         let event =
             EventKind::Teardown { session_cleanup: self.session_cleanup, sandbox_destroy: self.sandbox_destroy };
-        self.recorder.emit(event, None).await;
+        // Stored with the next event: the run's `finished`, in its record's
+        // transaction (or anything emitted before that).
+        self.recorder.hold(event);
     }
 
     /// Brings the workspace's final state back: the capture runs inside the

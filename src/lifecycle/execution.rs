@@ -138,11 +138,12 @@ pub(super) async fn store_finished(
         (Some(_), true) => Some(crate::hub::report(record).to_string()),
         _ => None,
     };
-    let finished = recorder.prepare(EventKind::Finished { execution: Box::new(record.clone()) }).await;
+    let finished = recorder.prepare(EventKind::Finished { execution: Box::new(record.clone()) });
     let store = &engine.store;
     let kept = raw.as_ref().map(|r| (r.tool_output.as_str(), r.tool_error.as_str()));
-    let stored =
-        recorder.persist_with(1, || store.finish_execution(record, report.as_deref(), kept, Some(&finished))).await;
+    let stored = recorder
+        .persist_with(finished.len(), || store.finish_execution(record, report.as_deref(), kept, &finished))
+        .await;
     if stored {
         if let (Some(hub), Some(_)) = (&engine.hub, &report) {
             hub.notify();

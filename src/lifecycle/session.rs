@@ -548,9 +548,9 @@ impl Engine {
         let cut = fit_raw(&mut core.raw, json_len(record), self.max_message_bytes);
         core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
         // The final record and the `finished` event in one transaction.
-        let finished = core.recorder.prepare(EventKind::SessionFinished { session: Box::new(record.clone()) }).await;
+        let finished = core.recorder.prepare(EventKind::SessionFinished { session: Box::new(record.clone()) });
         let store = &self.store;
-        if core.recorder.persist_with(1, || store.finish_session(record, &finished)).await {
+        if core.recorder.persist_with(finished.len(), || store.finish_session(record, &finished)).await {
             core.recorder.publish(finished, Some(RawPart::Finished(std::mem::take(&mut core.raw))));
         } else {
             tracing::error!(session_id = %record.session_id, "session record not stored");

@@ -35,7 +35,7 @@ impl Store {
     /// (on a shared store, while it runs, in one fenced statement).
     pub async fn update_execution(&self, record: &ExecutionRecord) -> Result<(), StoreError> {
         if !self.shared || record.state.is_terminal() {
-            return self.finish_execution(record, None, None, None).await;
+            return self.finish_execution(record, None, None, &[]).await;
         }
         let update = sqlx::query(FENCED_UPDATE_EXECUTION)
             .bind(record.state.as_str())
@@ -58,13 +58,13 @@ impl Store {
         record: &ExecutionRecord,
         report: Option<&str>,
         raw: Option<(&str, &str)>,
-        finished: Option<&Event>,
+        events: &[Event],
     ) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
         self.check_fence(&mut tx).await?;
-        if let Some(event) = finished {
-            self.insert_events(&mut *tx, std::slice::from_ref(event), true).await?;
-            self.notify_events(&mut tx, std::slice::from_ref(event)).await?;
+        if !events.is_empty() {
+            self.insert_events(&mut *tx, events, true).await?;
+            self.notify_events(&mut tx, events).await?;
         }
         // Nothing to keep for a run that said nothing: no row (reading it
         // back gives the same empty output and error).

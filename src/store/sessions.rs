@@ -22,11 +22,11 @@ impl Store {
 
     /// The session's final record and its `finished` event (stored as its
     /// stub, see [`FINISHED_STUB`]), in one transaction.
-    pub async fn finish_session(&self, record: &SessionRecord, finished: &Event) -> Result<(), StoreError> {
+    pub async fn finish_session(&self, record: &SessionRecord, events: &[Event]) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
         self.check_fence(&mut tx).await?;
-        self.insert_events(&mut *tx, std::slice::from_ref(finished), true).await?;
-        self.notify_events(&mut tx, std::slice::from_ref(finished)).await?;
+        self.insert_events(&mut *tx, events, true).await?;
+        self.notify_events(&mut tx, events).await?;
         update_session_on(&mut *tx, record).await?;
         tx.commit().await?;
         Ok(())
