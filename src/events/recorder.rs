@@ -16,12 +16,15 @@ pub struct Recorder {
     /// Events held back to be stored with the next one (see
     /// [`Recorder::hold`]).
     held: Vec<EventKind>,
+    /// The warm sandbox the write of the held events gives this subject
+    /// (see [`Recorder::hold_adopting`]).
+    held_adopt: Option<String>,
 }
 
 impl Recorder {
     /// A recorder whose next event gets `after + 1`.
     pub fn new(subject: String, after: u64, store: Store, bus: Arc<EventBus>) -> Self {
-        Recorder { subject, next: after + 1, store, bus, held: Vec::new() }
+        Recorder { subject, next: after + 1, store, bus, held: Vec::new(), held_adopt: None }
     }
 
     /// The execution or session id the events belong to.
@@ -44,6 +47,22 @@ impl Recorder {
         self.held.push(kind);
     }
 
+    /// [`Recorder::hold`], and the write that stores it gives the warm
+    /// sandbox `sandbox_id` to this subject too (see
+    /// [`Store::append_events_adopting`]): a run names the sandbox it took
+    /// in the write of its dispatch, not in one of its own.
+    pub fn hold_adopting(&mut self, kind: EventKind, sandbox_id: &str) {
+        self.held.push(kind);
+        self.held_adopt = Some(sandbox_id.to_string());
+    }
+
+    /// Stores and publishes the held events, if any.
+    pub async fn flush(&mut self) {
+        if !self.held.is_empty() {
+            self.emit_batch(Vec::new()).await;
+        }
+    }
+
     /// Stores the event (after any held ones), then publishes it. A store
     /// error is retried a few times (a busy pool, a failover); events the
     /// store still refuses are not published (nobody may see what a later
@@ -57,25 +76,14 @@ impl Recorder {
     /// publishes them in order; the last one, once published. Same rules
     /// as [`Recorder::emit`].
     pub async fn emit_batch(&mut self, kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
-        self.store_and_publish(kinds, None).await
+        self.store_and_publish(kinds).await
     }
 
-    /// [`Recorder::emit`], and in the same write the warm sandbox
-    /// `sandbox_id` becomes this subject's (see
-    /// [`Store::append_events_adopting`]); `None` when the store refused
-    /// both.
-    pub async fn emit_adopting(&mut self, kind: EventKind, sandbox_id: &str) -> Option<Arc<Event>> {
-        self.store_and_publish(vec![(kind, None)], Some(sandbox_id)).await
-    }
-
-    async fn store_and_publish(
-        &mut self,
-        mut kinds: Vec<(EventKind, Option<RawPart>)>,
-        adopt: Option<&str>,
-    ) -> Option<Arc<Event>> {
+    async fn store_and_publish(&mut self, mut kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
         if !self.held.is_empty() {
             kinds.splice(0..0, self.held.drain(..).map(|kind| (kind, None)));
         }
+        let adopt = self.held_adopt.take();
         if kinds.is_empty() {
             return None;
         }
@@ -87,7 +95,7 @@ impl Recorder {
                 (Event { subject_id: self.subject.clone(), sequence: self.next + i as u64, time_ms, kind }, raw)
             })
             .unzip();
-        let stored = match adopt {
+        let stored = match &adopt {
             None => self.persist_with(events.len(), || self.store.append_events(&events)).await,
             Some(sandbox) => {
                 self.persist_with(events.len(), || self.store.append_events_adopting(&events, sandbox)).await
@@ -112,7 +120,12 @@ impl Recorder {
     /// [`Recorder::persist_with`], then hands them to
     /// [`Recorder::publish`]. A run's `teardown` rides with its `finished`
     /// so: one commit where there were two.
-    pub fn prepare(&mut self, kind: EventKind) -> Vec<Event> {
+    pub async fn prepare(&mut self, kind: EventKind) -> Vec<Event> {
+        if self.held_adopt.is_some() {
+            // The final record's transaction adopts nothing: the adopting
+            // write goes first.
+            self.flush().await;
+        }
         let time_ms = now_ms();
         let subject = &self.subject;
         let kinds = self.held.drain(..).chain(std::iter::once(kind));

@@ -335,9 +335,10 @@ impl Core {
             return Err(fail(FailureStage::SandboxCreate));
         }
         // A warm sandbox's row names this run from now on: recovery
-        // finishes the run with it. With nothing to clone, the run's next
-        // write is `sandbox_ready`, microseconds later, and names it there;
-        // before a clone (seconds), a write of its own does.
+        // finishes the run with it. With nothing to clone, the write that
+        // stores `sandbox_ready` (the dispatch's, a millisecond later, or
+        // whatever comes first) names it; before a clone (seconds), a
+        // write of its own does.
         let mut adopt = None;
         if warm {
             if self.repo.is_empty() {
@@ -385,15 +386,11 @@ impl Core {
             workspace_path: sandbox.workspace.to_string_lossy().into_owned(),
             receipt: sandbox.receipt.clone(),
         };
+        // Stored with the run's next write: its dispatch (an execution's
+        // turn follows at once), the end of a session's open, or a failure.
         match adopt {
-            None => drop(self.recorder.emit(ready, None).await),
-            Some(sandbox_id) => {
-                if self.recorder.emit_adopting(ready, &sandbox_id).await.is_none() {
-                    self.failed(FailureStage::SandboxCreate, "the warm sandbox could not be given to this run");
-                    self.destroy().await;
-                    return Err(fail(FailureStage::SandboxCreate));
-                }
-            }
+            None => self.recorder.hold(ready),
+            Some(sandbox_id) => self.recorder.hold_adopting(ready, &sandbox_id),
         }
         Ok(())
     }

@@ -138,7 +138,7 @@ pub(super) async fn store_finished(
         (Some(_), true) => Some(crate::hub::report(record).to_string()),
         _ => None,
     };
-    let finished = recorder.prepare(EventKind::Finished { execution: Box::new(record.clone()) });
+    let finished = recorder.prepare(EventKind::Finished { execution: Box::new(record.clone()) }).await;
     let store = &engine.store;
     let kept = raw.as_ref().map(|r| (r.tool_output.as_str(), r.tool_error.as_str()));
     let stored = recorder

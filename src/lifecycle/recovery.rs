@@ -192,7 +192,7 @@ impl Finisher {
     /// The failed session's final record and its `finished` event, in one
     /// transaction.
     async fn session(mut self, engine: &Engine, record: SessionRecord) -> Result<(), EngineError> {
-        let finished = self.0.prepare(EventKind::SessionFinished { session: Box::new(record.clone()) });
+        let finished = self.0.prepare(EventKind::SessionFinished { session: Box::new(record.clone()) }).await;
         let store = &engine.store;
         if !self.0.persist_with(finished.len(), || store.finish_session(&record, &finished)).await {
             return Err(EngineError::Unavailable(format!("session {} not finished in the store", record.session_id)));

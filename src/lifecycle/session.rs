@@ -214,6 +214,9 @@ impl Engine {
                 OpenFailure::Cancelled => EngineError::Unavailable("the daemon is shutting down".into()),
             });
         }
+        // Its `sandbox_ready`, held for a write to go with: a first turn
+        // may be far off.
+        core.recorder.flush().await;
         record.state = SessionState::Active;
         if let Err(e) = self.store.update_session(&record).await {
             tracing::error!(session_id = %id, error = %e, "session record not stored");
@@ -548,7 +551,7 @@ impl Engine {
         let cut = fit_raw(&mut core.raw, json_len(record), self.max_message_bytes);
         core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
         // The final record and the `finished` event in one transaction.
-        let finished = core.recorder.prepare(EventKind::SessionFinished { session: Box::new(record.clone()) });
+        let finished = core.recorder.prepare(EventKind::SessionFinished { session: Box::new(record.clone()) }).await;
         let store = &self.store;
         if core.recorder.persist_with(finished.len(), || store.finish_session(record, &finished)).await {
             core.recorder.publish(finished, Some(RawPart::Finished(std::mem::take(&mut core.raw))));
