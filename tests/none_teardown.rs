@@ -137,6 +137,17 @@ async fn a_none_run_leaves_no_ipc_shm_tmp_file_or_key_of_its_uid() {
     daemon.stop().await;
 }
 
+/// The host uid in a run's `sandbox_ready` receipt.
+fn host_uid(events: &[pb::LifecycleEvent]) -> u32 {
+    events
+        .iter()
+        .find_map(|e| match &e.kind {
+            Some(Kind::SandboxReady(r)) => r.receipt.as_ref().map(|r| r.host_uid),
+            _ => None,
+        })
+        .expect("a sandbox_ready receipt with the host uid")
+}
+
 /// A setuid-root binary the test makes (root here): what a `none`
 /// sandbox's process would exec to become euid 0 while its real uid stays
 /// the sandbox's.
@@ -185,13 +196,7 @@ async fn a_none_sandbox_cannot_become_root_by_a_setuid_binary_nor_hide_from_tear
     let execution = finished(&events);
     let out = execution.tool_output.clone();
     assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{out} {}", execution.tool_error);
-    let uid = events
-        .iter()
-        .find_map(|e| match &e.kind {
-            Some(Kind::SandboxReady(r)) => r.receipt.as_ref().map(|r| r.host_uid),
-            _ => None,
-        })
-        .unwrap();
+    let uid = host_uid(&events);
     assert!(out.contains(&format!("ID uid={uid}")), "{out}");
     assert!(!out.contains("euid="), "a setuid binary ran as another user inside the sandbox: {out}");
     assert!(out.contains("NoNewPrivs: 1"), "{out}");
@@ -207,13 +212,7 @@ async fn a_released_uid_is_not_handed_out_again_at_once() {
     let mut uids = Vec::new();
     for _ in 0..4 {
         let events = daemon.execute(request("test.none", "true")).await;
-        let uid = events
-            .iter()
-            .find_map(|e| match &e.kind {
-                Some(Kind::SandboxReady(r)) => r.receipt.as_ref().map(|r| r.host_uid),
-                _ => None,
-            })
-            .unwrap();
+        let uid = host_uid(&events);
         assert_eq!(finished(&events).state, pb::ExecutionState::Succeeded as i32);
         uids.push(uid);
         // Nothing of it is left, not even a zombie: without rotation the
