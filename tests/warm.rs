@@ -297,14 +297,20 @@ async fn waiters(range: &str, n: usize) {
     panic!("{n} warm sandboxes did not start: {:?}", processes_of(range));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_leaves_no_warm_sandbox_alive_and_recovery_sweeps_what_a_crash_left() {
-    require_bwrap();
+/// A data directory, a profile directory holding the pool's profile, and
+/// the config that keeps a pool of 2 of it: for `corral serve` processes.
+fn serve_dirs() -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf, String) {
     let dir = data_tempdir();
     let (data, profiles) = (dir.path().join("data"), dir.path().join("profiles"));
     std::fs::create_dir_all(&profiles).unwrap();
     std::fs::write(profiles.join("fake.toml"), fake_agent_profile(PROFILE, "")).unwrap();
-    let pool = format!("[sandbox.warm]\n{PROFILE:?} = 2\n");
+    (dir, data, profiles, format!("[sandbox.warm]\n{PROFILE:?} = 2\n"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_leaves_no_warm_sandbox_alive_and_recovery_sweeps_what_a_crash_left() {
+    require_bwrap();
+    let (_dir, data, profiles, pool) = serve_dirs();
 
     // SIGTERM: the pool is destroyed, nothing of it runs, nothing is left.
     let mut serve = ServeProcess::start_with(&data, &profiles, &[], &pool).await;
@@ -360,18 +366,14 @@ async fn start_hanging(channel: tonic::transport::Channel, repo: &str) -> (Strin
     panic!("the execution ended before its harness reported progress");
 }
 
-/// A warm sandbox's row names the run that took it (in the run's
-/// `sandbox_ready` write when there is nothing to clone, in a write of its
-/// own before a clone): after a crash, recovery destroys it *for* that run,
+/// A warm sandbox's row names the run that took it (in the write that
+/// stores the run's `sandbox_ready` when there is nothing to clone, in a
+/// write of its own before a clone): after a crash, recovery destroys it *for* that run,
 /// whose teardown then reads `succeeded`, not `not attempted`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_crash_recovery_destroys_a_taken_warm_sandbox_for_the_run_that_took_it() {
     require_bwrap();
-    let dir = data_tempdir();
-    let (data, profiles) = (dir.path().join("data"), dir.path().join("profiles"));
-    std::fs::create_dir_all(&profiles).unwrap();
-    std::fs::write(profiles.join("fake.toml"), fake_agent_profile(PROFILE, "")).unwrap();
-    let pool = format!("[sandbox.warm]\n{PROFILE:?} = 2\n");
+    let (_dir, data, profiles, pool) = serve_dirs();
     let repo = git_repo();
 
     let mut serve = ServeProcess::start_with(&data, &profiles, &[], &pool).await;

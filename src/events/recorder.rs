@@ -75,11 +75,7 @@ impl Recorder {
     /// Stores several events (after any held ones) in one write, then
     /// publishes them in order; the last one, once published. Same rules
     /// as [`Recorder::emit`].
-    pub async fn emit_batch(&mut self, kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
-        self.store_and_publish(kinds).await
-    }
-
-    async fn store_and_publish(&mut self, mut kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
+    pub async fn emit_batch(&mut self, mut kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
         if !self.held.is_empty() {
             kinds.splice(0..0, self.held.drain(..).map(|kind| (kind, None)));
         }

@@ -201,8 +201,8 @@ pub async fn kill_uid(uid: u32, timeout: Duration) -> Result<usize, String> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut killed = 0;
     loop {
-        // The /proc walk stats every process: most of a millisecond on a
-        // busy host, so it gets a thread of its own.
+        // The /proc walk stats every process on the host, so it gets a
+        // thread of its own.
         let pids = match uid_may_have_processes(uid) {
             false => Vec::new(),
             true => tokio::task::spawn_blocking(move || processes_of_uid(uid))

@@ -15,8 +15,9 @@ impl Store {
 
     /// Stores `events` and gives the warm sandbox `sandbox_id` to their
     /// subject (see [`Store::adopt_sandbox`]) in one commit: a run that
-    /// took a warm sandbox names it in its `sandbox_ready` write, not in a
-    /// write of its own. On a shared store, one fenced statement.
+    /// took a warm sandbox names it in the write that stores its
+    /// `sandbox_ready`, not in a write of its own. On a shared store, one
+    /// fenced statement.
     pub async fn append_events_adopting(&self, events: &[Event], sandbox_id: &str) -> Result<(), StoreError> {
         let Some(subject) = events.first().map(|e| e.subject_id.as_str()) else {
             return Ok(());

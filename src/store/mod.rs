@@ -294,10 +294,8 @@ const FENCED_APPEND_ADOPTING: &str = "WITH owner AS MATERIALIZED (
      ), adopted AS (
          UPDATE sandboxes SET subject_id = ($1::json -> 0 ->> 0), updated_at_ms = $3
          WHERE sandbox_id = $2 AND EXISTS (SELECT 1 FROM owner)
-         RETURNING 1
      )
      SELECT (SELECT count(*) FROM owner) AS owned,
-            (SELECT count(*) FROM adopted) AS adopted,
             (SELECT count(pg_notify('corral_events', subject)) FROM (SELECT DISTINCT subject_id AS subject FROM stored) AS s)
                 AS notified";
 
