@@ -4,7 +4,8 @@
 //! both back: every stored type reads a missing field as its default
 //! (checked for each one in the tests below), and rows written before this
 //! form (with every field and the `kind`) read as they always did. An
-//! `accepted` event also leaves out the ids that are its row's subject.
+//! `accepted` event also leaves out the ids that are its row's subject, and
+//! a `sandbox_ready` its sandbox id within its workspace path.
 
 use serde::Serialize;
 use serde_json::Value;
@@ -45,9 +46,18 @@ pub fn execution_to_stored(record: &ExecutionRecord) -> Result<String, serde_jso
 pub fn event_body(subject: &str, kind: &EventKind) -> Result<String, serde_json::Error> {
     let mut json = serde_json::to_value(kind)?;
     prune(&mut json);
-    if let (EventKind::Accepted { .. }, Value::Object(fields)) = (kind, &mut json) {
-        remove_if(fields, "execution_id", subject);
-        remove_run_id(fields, subject);
+    match (kind, &mut json) {
+        (EventKind::Accepted { .. }, Value::Object(fields)) => {
+            remove_if(fields, "execution_id", subject);
+            remove_run_id(fields, subject);
+        }
+        (EventKind::SandboxReady { sandbox_id, workspace_path, .. }, Value::Object(fields)) => {
+            if let Some(dir) = sandboxes_dir(sandbox_id, workspace_path) {
+                fields.remove("workspace_path");
+                fields.insert(SANDBOXES_DIR.into(), Value::String(dir.into()));
+            }
+        }
+        _ => {}
     }
     let tag = json.as_object_mut().and_then(|fields| fields.remove("kind"));
     let rest = serde_json::to_string(&json)?;
@@ -62,10 +72,24 @@ pub fn event_body(subject: &str, kind: &EventKind) -> Result<String, serde_json:
 /// `execution_id`, a session's in `session_id`, and either's consumer in
 /// `run_id`; a stored one without them gets the subject back.
 pub fn event_from_stored(subject: &str, column_kind: &str, body: &str) -> Result<EventKind, serde_json::Error> {
-    let mut kind: EventKind = if body.starts_with(r#"{"kind":"#) {
-        serde_json::from_str(body)?
+    let tagged;
+    let body = if body.starts_with(r#"{"kind":"#) {
+        body
     } else {
-        serde_json::from_str(&with_kind(column_kind, body))?
+        tagged = with_kind(column_kind, body);
+        &tagged
+    };
+    let mut kind: EventKind = if column_kind == "sandbox_ready" && body.contains(SANDBOXES_DIR) {
+        let mut json: Value = serde_json::from_str(body)?;
+        if let Value::Object(fields) = &mut json {
+            let id = fields.get("sandbox_id").and_then(Value::as_str).unwrap_or_default().to_owned();
+            if let Some(Value::String(dir)) = fields.remove(SANDBOXES_DIR) {
+                fields.insert("workspace_path".into(), Value::String(format!("{dir}/{id}/workspace")));
+            }
+        }
+        serde_json::from_value(json)?
+    } else {
+        serde_json::from_str(body)?
     };
     if let EventKind::Accepted { execution_id, session_id, consumer, .. } = &mut kind {
         if execution_id.is_empty() && session_id.is_empty() {
@@ -76,6 +100,18 @@ pub fn event_from_stored(subject: &str, column_kind: &str, body: &str) -> Result
         }
     }
     Ok(kind)
+}
+
+/// The field a stored `sandbox_ready` has instead of its `workspace_path`
+/// when that path is `<sandboxes_dir>/<sandbox_id>/workspace` (every
+/// sandbox's is): the sandbox's id is not stored twice, and the body stays
+/// within the ~1,000 bytes an events row keeps in its page (BENCHMARKS.md).
+const SANDBOXES_DIR: &str = "sandboxes_dir";
+
+/// The directory `workspace_path` is `<dir>/<sandbox_id>/workspace` in.
+fn sandboxes_dir<'a>(sandbox_id: &str, workspace_path: &'a str) -> Option<&'a str> {
+    let dir = workspace_path.strip_suffix("/workspace")?.strip_suffix(sandbox_id)?.strip_suffix('/')?;
+    (!sandbox_id.is_empty() && !dir.is_empty()).then_some(dir)
 }
 
 /// Removes `fields[name]` when it is the string `value`.
@@ -438,5 +474,51 @@ mod tests {
             event_from_stored("s1", "dispatched", old).unwrap(),
             EventKind::Dispatched { tool: "run_task".into() }
         );
+    }
+
+    #[test]
+    fn a_limit_receipt_is_stored_as_a_triple_and_its_object_form_still_reads() {
+        let ready = |limits| EventKind::SandboxReady {
+            sandbox_id: String::new(),
+            backend: SandboxType::LinuxBwrap,
+            workspace_path: String::new(),
+            receipt: EnforcementReceipt { limits, ..Default::default() },
+        };
+        let limits = vec![
+            LimitReceipt { name: "memory_bytes".into(), value: 1 << 31, mechanism: "cgroup v2".into() },
+            LimitReceipt { name: "tmp_bytes".into(), value: 0, mechanism: String::new() },
+        ];
+        let body = event_body("e1", &ready(limits.clone())).unwrap();
+        assert_eq!(
+            body,
+            r#"{"backend":"linux_bwrap","receipt":{"limits":[["memory_bytes",2147483648,"cgroup v2"],["tmp_bytes",0,""]]}}"#
+        );
+        assert_eq!(event_from_stored("e1", "sandbox_ready", &body).unwrap(), ready(limits.clone()));
+        // The workspace path keeps its directory, not the sandbox id again.
+        let placed = EventKind::SandboxReady {
+            sandbox_id: "01a2".into(),
+            backend: SandboxType::LinuxBwrap,
+            workspace_path: "/var/lib/corral/sandboxes/01a2/workspace".into(),
+            receipt: EnforcementReceipt::default(),
+        };
+        let body = event_body("e1", &placed).unwrap();
+        assert_eq!(body, r#"{"backend":"linux_bwrap","receipt":{},"sandbox_id":"01a2","sandboxes_dir":"/var/lib/corral/sandboxes"}"#);
+        assert_eq!(event_from_stored("e1", "sandbox_ready", &body).unwrap(), placed);
+        let old = r#"{"backend":"linux_bwrap","sandbox_id":"01a2","workspace_path":"/var/lib/corral/sandboxes/01a2/workspace"}"#;
+        assert_eq!(event_from_stored("e1", "sandbox_ready", old).unwrap(), placed);
+        // Any other path is stored as it is.
+        for (id, path) in [("01a2", "/elsewhere/workspace"), ("01a2", "/01a2/workspace"), ("", "/d//workspace")] {
+            let other = EventKind::SandboxReady {
+                sandbox_id: id.into(),
+                backend: SandboxType::LinuxBwrap,
+                workspace_path: path.into(),
+                receipt: EnforcementReceipt::default(),
+            };
+            let body = event_body("e1", &other).unwrap();
+            assert!(body.contains(path) && !body.contains(SANDBOXES_DIR), "{body}");
+            assert_eq!(event_from_stored("e1", "sandbox_ready", &body).unwrap(), other);
+        }
+        let old = r#"{"backend":"linux_bwrap","receipt":{"limits":[{"mechanism":"cgroup v2","name":"memory_bytes","value":2147483648},{"name":"tmp_bytes"}]}}"#;
+        assert_eq!(event_from_stored("e1", "sandbox_ready", old).unwrap(), ready(limits));
     }
 }

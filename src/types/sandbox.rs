@@ -122,9 +122,13 @@ impl SandboxState {
     }
 }
 
-/// One enforced limit and what enforces it.
+/// One enforced limit and what enforces it. Stored as `["name", value,
+/// "mechanism"]` (a receipt has one per limit; keeping `sandbox_ready`'s
+/// body within the ~1,000 bytes an events row holds in its page, see
+/// BENCHMARKS.md); the `{"name": …, "value": …, "mechanism": …}` form of
+/// older rows still reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(into = "(String, u64, String)", from = "StoredLimit")]
 pub struct LimitReceipt {
     /// The limit's name, as in the profile's limits (`memory_bytes`, ...).
     pub name: String,
@@ -133,6 +137,36 @@ pub struct LimitReceipt {
     pub value: u64,
     /// e.g. `cgroup v1`, `cgroup v2 + rlimit NPROC`, `rlimit NOFILE`.
     pub mechanism: String,
+}
+
+impl From<LimitReceipt> for (String, u64, String) {
+    fn from(l: LimitReceipt) -> Self {
+        (l.name, l.value, l.mechanism)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StoredLimit {
+    Triple(String, u64, String),
+    Object {
+        #[serde(default)]
+        name: String,
+        #[serde(default)]
+        value: u64,
+        #[serde(default)]
+        mechanism: String,
+    },
+}
+
+impl From<StoredLimit> for LimitReceipt {
+    fn from(l: StoredLimit) -> Self {
+        match l {
+            StoredLimit::Triple(name, value, mechanism) | StoredLimit::Object { name, value, mechanism } => {
+                LimitReceipt { name, value, mechanism }
+            }
+        }
+    }
 }
 
 /// Proof of what a sandbox enforces.
