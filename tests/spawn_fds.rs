@@ -1,7 +1,11 @@
-//! The descriptors a spawn passes arrive at 3, 4, … in order, whatever
-//! numbers they had in the daemon, even 3 and 4 themselves in the other
-//! order. The test runs itself again as a fresh process, where 3 and 4 are
-//! free, so the files it passes are created at exactly those numbers.
+//! How a sandbox's first process starts (`spawn_group`, a vfork-style
+//! clone). The descriptors a spawn passes arrive at 3, 4, … in order,
+//! whatever numbers they had in the daemon, even 3 and 4 themselves in the
+//! other order: that test runs itself again as a fresh process, where 3 and
+//! 4 are free, so the files it passes are created at exactly those numbers.
+//! The process starts with no signal blocked and SIGPIPE not ignored,
+//! though the daemon blocks every signal across the clone; a failed exec is
+//! an error with its errno; a process dropped unreaped is killed and reaped.
 
 use std::os::fd::AsRawFd;
 
@@ -43,4 +47,78 @@ fn child() {
         out
     });
     println!("passed: {output}");
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// A field of `/proc/self/status` as the spawned process saw it.
+fn status_field(status: &str, name: &str) -> u64 {
+    let line = status.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name} in {status}"));
+    u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+}
+
+#[test]
+fn a_spawned_process_starts_with_no_signal_blocked_nor_sigpipe_ignored() {
+    let status = runtime().block_on(async {
+        // Handlers of the daemon's own, as a running daemon has them.
+        let _term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).unwrap();
+        // cat itself, not a shell (which sets its own mask).
+        let args = vec!["/proc/self/status".into()];
+        let mut process = spawn_group(
+            std::path::Path::new("/bin/cat"),
+            &args,
+            &[],
+            std::path::Path::new("/"),
+            SpawnOptions::default(),
+        )
+        .unwrap();
+        drop(process.stdin.take());
+        let mut out = String::new();
+        use tokio::io::AsyncReadExt;
+        process.stdout.take().unwrap().read_to_string(&mut out).await.unwrap();
+        assert!(process.wait().await.unwrap().success());
+        out
+    });
+    assert_eq!(status_field(&status, "SigBlk:"), 0, "no signal blocked: {status}");
+    let sigpipe = 1u64 << (libc::SIGPIPE - 1);
+    assert_eq!(status_field(&status, "SigIgn:") & sigpipe, 0, "SIGPIPE at its default: {status}");
+    assert_eq!(status_field(&status, "NoNewPrivs:"), 1, "{status}");
+}
+
+#[test]
+fn a_failed_exec_is_an_error_naming_the_program_and_its_errno() {
+    let error = runtime().block_on(async {
+        let program = std::path::Path::new("/nonexistent/harness");
+        spawn_group(program, &[], &[], std::path::Path::new("/"), SpawnOptions::default()).unwrap_err()
+    });
+    let error = error.to_string();
+    assert!(error.contains("/nonexistent/harness") && error.contains("No such file"), "{error}");
+}
+
+#[test]
+fn a_process_dropped_before_it_is_reaped_is_killed_and_leaves_no_zombie() {
+    let runtime = runtime();
+    let pid = runtime.block_on(async {
+        let args = vec!["1000".into()];
+        let process = spawn_group(
+            std::path::Path::new("/bin/sleep"),
+            &args,
+            &[],
+            std::path::Path::new("/"),
+            SpawnOptions::default(),
+        )
+        .unwrap();
+        let pid = process.pgid();
+        drop(process);
+        for _ in 0..200 {
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        pid
+    });
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "pid {pid} is still there (alive or a zombie)");
 }

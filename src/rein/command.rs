@@ -10,10 +10,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::sandbox::process::{ProcessStdin, ProcessStdout};
 use async_trait::async_trait;
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
-use tokio::process::{ChildStdin, ChildStdout};
 
 use super::cli_setup::{self, SandboxTrust};
 use super::home;
@@ -44,7 +44,7 @@ const STDOUT_AHEAD: usize = 64;
 /// line is not cancel-safe; receiving one is).
 type StdoutLines = tokio::sync::mpsc::Receiver<std::io::Result<(Vec<u8>, u64)>>;
 
-fn read_lines(pipe: ChildStdout) -> StdoutLines {
+fn read_lines(pipe: ProcessStdout) -> StdoutLines {
     let (tx, rx) = tokio::sync::mpsc::channel(STDOUT_AHEAD);
     tokio::spawn(async move {
         let mut reader = LineReader::new(pipe);
@@ -136,7 +136,7 @@ impl Rein for CommandRein {
 /// this process's life).
 struct Run {
     process: SandboxProcess,
-    stdin: Option<ChildStdin>,
+    stdin: Option<ProcessStdin>,
     stdout: Option<StdoutLines>,
     _endpoint: Option<crate::gate::endpoint::Endpoint>,
     hooks: Option<tokio::sync::mpsc::Receiver<HookRequest>>,

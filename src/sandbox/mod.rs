@@ -18,6 +18,7 @@ pub mod seccomp;
 mod socket_family;
 pub mod uid_lock;
 pub mod uid_state;
+mod vfork;
 pub mod waiter;
 pub mod workspace;
 

@@ -2,17 +2,23 @@
 //! timeout or a cancel kills everything it started, not only its first pid.
 
 use std::collections::HashMap;
-use std::ffi::OsString;
+use std::ffi::{CString, OsString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command};
+use tokio::io::unix::AsyncFd;
 
-use super::SandboxError;
+use super::{vfork, SandboxError};
+
+/// A sandbox process's stdin, as the daemon writes it.
+pub type ProcessStdin = tokio::net::unix::pipe::Sender;
+/// A sandbox process's stdout or stderr, as the daemon reads it.
+pub type ProcessStdout = tokio::net::unix::pipe::Receiver;
 
 /// Per-process resource limits (rlimits) applied before the sandbox's
 /// first process runs, and so inherited by everything inside it. 0 means
@@ -60,14 +66,16 @@ pub struct SpawnOptions {
 
 /// A running process inside a sandbox.
 pub struct SandboxProcess {
-    child: Child,
+    /// The first process's pidfd, readable once it has exited; `None` once
+    /// it is reaped (or handed to the reaper on drop).
+    exited: Option<AsyncFd<OwnedFd>>,
     pgid: i32,
     /// The process's piped stdin; `None` once taken.
-    pub stdin: Option<ChildStdin>,
+    pub stdin: Option<ProcessStdin>,
     /// The process's piped stdout; `None` once taken.
-    pub stdout: Option<ChildStdout>,
+    pub stdout: Option<ProcessStdout>,
     /// The process's piped stderr; `None` once taken.
-    pub stderr: Option<ChildStderr>,
+    pub stderr: Option<ProcessStdout>,
     exit: Option<ExitStatus>,
     /// Set once the leader is reaped: from then on its pid (and so the
     /// group id) may belong to someone else and must not be signalled.
@@ -103,125 +111,166 @@ pub fn spawn_group(
     cwd: &Path,
     options: SpawnOptions,
 ) -> Result<SandboxProcess, SandboxError> {
-    let mut cmd = Command::new(program);
-    cmd.args(args)
-        .env_clear()
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .current_dir(cwd)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        // A safety net only: teardown kills the whole sandbox explicitly.
-        .kill_on_drop(true);
+    let spawn_error = |e: std::io::Error| SandboxError::Spawn(format!("{}: {e}", program.display()));
+    let c = |bytes: &[u8]| CString::new(bytes).map_err(|_| SandboxError::Spawn("a NUL byte in an argument".into()));
+    // Everything the child reads is built here, before it exists: it
+    // allocates nothing.
+    let path = c(program.as_os_str().as_bytes())?;
+    let cwd = c(cwd.as_os_str().as_bytes())?;
+    let argv: Vec<CString> =
+        std::iter::once(Ok(path.clone())).chain(args.iter().map(|a| c(a.as_bytes()))).collect::<Result<_, _>>()?;
+    let envp: Vec<CString> = env.iter().map(|(k, v)| c(format!("{k}={v}").as_bytes())).collect::<Result<_, _>>()?;
+    let argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).chain([std::ptr::null()]).collect();
+    let envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|e| e.as_ptr()).chain([std::ptr::null()]).collect();
     let cgroup_fds: Vec<RawFd> = options.cgroup_procs.iter().map(|f| f.as_raw_fd()).collect();
     let pass_fds: Vec<RawFd> = options.pass_fds.iter().map(|f| f.as_raw_fd()).collect();
     if pass_fds.len() > (FD_PARKING - 3) as usize {
         return Err(SandboxError::Spawn("too many descriptors to pass".into()));
     }
+    let (stdin_child, stdin_ours) = pipe().map_err(spawn_error)?;
+    let (stdout_ours, stdout_child) = pipe().map_err(spawn_error)?;
+    let (stderr_ours, stderr_child) = pipe().map_err(spawn_error)?;
+    let stdio = [stdin_child.as_raw_fd(), stdout_child.as_raw_fd(), stderr_child.as_raw_fd()];
     let limits = options.rlimits;
     let user = options.user;
-    // SAFETY: the closure runs in the forked child before exec and makes
-    // only async-signal-safe syscalls (write, setrlimit, setgroups,
-    // setresgid, setresuid, keyctl, prctl, fcntl, dup2, close_range); it allocates
-    // nothing (the vectors were built before the fork).
-    unsafe {
-        cmd.pre_exec(move || {
-            // Into the cgroups first, while still root: from here on
-            // everything this process starts is counted, limited and killable.
-            for fd in &cgroup_fds {
-                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
-                    return Err(std::io::Error::last_os_error());
+    let failure = vfork::Failure::default();
+    let mut child = || {
+        // SAFETY: runs in the vfork'd child (see `vfork::spawn`): system
+        // calls only (dup2, setpgid, write, setrlimit, raw setgroups,
+        // setresgid and setresuid, keyctl, prctl, fcntl, close_range,
+        // chdir, execve) on values built before the clone; no allocation.
+        unsafe {
+            let run = || -> Result<(), ()> {
+                let check = |rc: libc::c_long| if rc < 0 { Err(()) } else { Ok(()) };
+                for (target, fd) in stdio.iter().enumerate() {
+                    check(libc::dup2(*fd, target as libc::c_int).into())?;
                 }
-            }
-            set_rlimit(libc::RLIMIT_CORE, 0)?;
-            for (resource, value) in [
-                (libc::RLIMIT_NPROC, limits.max_processes),
-                (libc::RLIMIT_AS, limits.address_space_bytes),
-                (libc::RLIMIT_FSIZE, limits.max_file_bytes),
-                (libc::RLIMIT_NOFILE, limits.max_open_files),
-            ] {
-                if value > 0 {
-                    set_rlimit(resource, value)?;
+                // Its own process group, which signals reach as one.
+                check(libc::setpgid(0, 0).into())?;
+                // Into the cgroups first, while still root: from here on
+                // everything this process starts is counted, limited and
+                // killable.
+                for fd in &cgroup_fds {
+                    if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(());
+                    }
                 }
-            }
-            if let Some(user) = user {
-                if libc::setgroups(0, std::ptr::null()) != 0
-                    || libc::setresgid(user.gid, user.gid, user.gid) != 0
-                    || libc::setresuid(user.uid, user.uid, user.uid) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
+                check(set_rlimit(libc::RLIMIT_CORE, 0))?;
+                for (resource, value) in [
+                    (libc::RLIMIT_NPROC, limits.max_processes),
+                    (libc::RLIMIT_AS, limits.address_space_bytes),
+                    (libc::RLIMIT_FSIZE, limits.max_file_bytes),
+                    (libc::RLIMIT_NOFILE, limits.max_open_files),
+                ] {
+                    if value > 0 {
+                        check(set_rlimit(resource, value))?;
+                    }
                 }
-                // Not the daemon's (root's) session keyring: the sandbox
-                // would possess it, could write it, and pass keys on.
-                super::uid_state::join_fresh_session_keyring()?;
-            }
-            // After the uid change, which clears the parent-death signal.
-            // If the daemon dies, so does this process (and with bwrap, the
-            // whole sandbox: its --die-with-parent follows).
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // No process of the sandbox gains privileges by exec (a setuid
-            // or file-capability binary, in a `none` sandbox too; bwrap sets
-            // it again inside): its effective uid stays its real one, the
-            // sandbox's own, which is what teardown's sweep of that uid
-            // reads (`host::processes_of_uid`).
-            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1 as libc::c_ulong, 0, 0, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // Park every passed descriptor high first, then put them at 3,
-            // 4, … (dup2 clears close-on-exec on the copy). All parked
-            // before any is moved: a passed descriptor may itself be 3 or
-            // 4, and moving the first onto it would pass the wrong file in
-            // its place (bwrap then read its arguments as the seccomp
-            // program and refused to start, EINVAL).
-            let mut parked = [0 as libc::c_int; (FD_PARKING - 3) as usize];
-            for (i, fd) in pass_fds.iter().enumerate() {
-                parked[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, FD_PARKING);
-                if parked[i] < 0 {
-                    return Err(std::io::Error::last_os_error());
+                if let Some(user) = user {
+                    // The raw system calls: glibc's would act on every
+                    // thread of the daemon, whose memory this child shares.
+                    let (uid, gid) = (libc::c_long::from(user.uid), libc::c_long::from(user.gid));
+                    check(libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()))?;
+                    check(libc::syscall(libc::SYS_setresgid, gid, gid, gid))?;
+                    check(libc::syscall(libc::SYS_setresuid, uid, uid, uid))?;
+                    // Not the daemon's (root's) session keyring: the sandbox
+                    // would possess it, could write it, and pass keys on.
+                    super::uid_state::join_fresh_session_keyring().map_err(|_| ())?;
                 }
-            }
-            for (i, fd) in parked.iter().take(pass_fds.len()).enumerate() {
-                if libc::dup2(*fd, 3 + i as libc::c_int) < 0 {
-                    return Err(std::io::Error::last_os_error());
+                // After the uid change, which clears the parent-death signal.
+                // If the daemon dies, so does this process (and with bwrap, the
+                // whole sandbox: its --die-with-parent follows).
+                check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong).into())?;
+                // No process of the sandbox gains privileges by exec (a setuid
+                // or file-capability binary, in a `none` sandbox too; bwrap sets
+                // it again inside): its effective uid stays its real one, the
+                // sandbox's own, which is what teardown's sweep of that uid
+                // reads (`host::processes_of_uid`).
+                check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1 as libc::c_ulong, 0, 0, 0).into())?;
+                // Park every passed descriptor high first, then put them at 3,
+                // 4, … (dup2 clears close-on-exec on the copy). All parked
+                // before any is moved: a passed descriptor may itself be 3 or
+                // 4, and moving the first onto it would pass the wrong file in
+                // its place (bwrap then read its arguments as the seccomp
+                // program and refused to start, EINVAL).
+                let mut parked = [0 as libc::c_int; (FD_PARKING - 3) as usize];
+                for (i, fd) in pass_fds.iter().enumerate() {
+                    parked[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, FD_PARKING);
+                    check(parked[i].into())?;
                 }
-            }
-            // Everything else the daemon has open closes at exec. (Marked
-            // close-on-exec rather than closed, so the runtime's own
-            // exec-error pipe still works.)
-            let first = 3 + pass_fds.len() as libc::c_uint;
-            if libc::syscall(libc::SYS_close_range, first, libc::c_uint::MAX, libc::CLOSE_RANGE_CLOEXEC) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
+                for (i, fd) in parked.iter().take(pass_fds.len()).enumerate() {
+                    check(libc::dup2(*fd, 3 + i as libc::c_int).into())?;
+                }
+                // Everything else the daemon has open closes at exec.
+                let first = 3 + pass_fds.len() as libc::c_uint;
+                check(libc::syscall(libc::SYS_close_range, first, libc::c_uint::MAX, libc::CLOSE_RANGE_CLOEXEC))?;
+                check(libc::chdir(cwd.as_ptr()).into())?;
+                libc::execve(path.as_ptr(), argv_ptrs.as_ptr(), envp_ptrs.as_ptr());
+                Err(())
+            };
+            let _ = run();
+            failure.record();
+            127
+        }
+    };
+    // SAFETY: the closure keeps to what `vfork::spawn` requires (above).
+    let pid = unsafe { vfork::spawn(&mut child) }.map_err(spawn_error)?;
+    if let Some(error) = failure.get() {
+        let _ = vfork::reap(pid);
+        return Err(spawn_error(error));
     }
-    let mut child = cmd.spawn().map_err(|e| SandboxError::Spawn(format!("{}: {e}", program.display())))?;
     // The child has its copies; ours close here.
-    drop(options);
-    let pgid = child.id().map(|p| p as i32).unwrap_or(0);
+    drop((options, stdin_child, stdout_child, stderr_child));
+    let exited = pidfd(pid).map_err(|e| {
+        signal_group(pid, libc::SIGKILL);
+        let _ = vfork::reap(pid);
+        spawn_error(e)
+    })?;
+    let io = |e: std::io::Error| SandboxError::Spawn(format!("stdio of {}: {e}", program.display()));
     Ok(SandboxProcess {
         gate_listener: None,
         gateway_listener: None,
-        stdin: child.stdin.take(),
-        stdout: child.stdout.take(),
-        stderr: child.stderr.take(),
-        child,
-        pgid,
+        stdin: Some(ProcessStdin::from_owned_fd(stdin_ours).map_err(io)?),
+        stdout: Some(ProcessStdout::from_owned_fd(stdout_ours).map_err(io)?),
+        stderr: Some(ProcessStdout::from_owned_fd(stderr_ours).map_err(io)?),
+        exited: Some(exited),
+        pgid: pid,
         exit: None,
         reaped: Arc::new(AtomicBool::new(false)),
     })
 }
 
-fn set_rlimit(resource: libc::__rlimit_resource_t, value: u64) -> std::io::Result<()> {
-    let lim = libc::rlimit { rlim_cur: value, rlim_max: value };
-    // SAFETY: plain syscall with a valid pointer to a stack value.
-    if unsafe { libc::setrlimit(resource, &lim) } != 0 {
+/// A pipe as (read end, write end), both close-on-exec.
+fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: pipe2 writes two descriptors into the array; we own both.
+    unsafe {
+        if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok((OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])))
+    }
+}
+
+/// A pidfd of our child `pid`, readable once it has exited.
+fn pidfd(pid: libc::pid_t) -> std::io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: pidfd_open with integer arguments; the descriptor is ours.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, libc::PIDFD_NONBLOCK) };
+    if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(())
+    // SAFETY: a fresh descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    // SAFETY: the `AsyncFd` owns the descriptor and nothing replaces or
+    // closes it while it is registered.
+    Ok(unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)? })
+}
+
+/// setrlimit(2): its return value (async-signal-safe, for the child).
+fn set_rlimit(resource: libc::__rlimit_resource_t, value: u64) -> libc::c_long {
+    let lim = libc::rlimit { rlim_cur: value, rlim_max: value };
+    // SAFETY: plain syscall with a valid pointer to a stack value.
+    libc::c_long::from(unsafe { libc::setrlimit(resource, &lim) })
 }
 
 /// A sealed-in-spirit anonymous file holding `bytes`, positioned at its
@@ -250,12 +299,16 @@ impl SandboxProcess {
 
     /// Waits for the first process to exit.
     pub async fn wait(&mut self) -> std::io::Result<ExitStatus> {
-        if let Some(status) = self.exit {
-            return Ok(status);
+        loop {
+            if let Some(status) = self.exit {
+                return Ok(status);
+            }
+            let Some(exited) = &self.exited else { return Err(std::io::Error::other("not a child any more")) };
+            let mut ready = exited.readable().await?;
+            ready.clear_ready();
+            drop(ready);
+            self.has_exited();
         }
-        let status = self.child.wait().await?;
-        self.mark_reaped(status);
-        Ok(status)
     }
 
     /// Whether the first process has exited already.
@@ -263,7 +316,7 @@ impl SandboxProcess {
         if self.exit.is_some() {
             return true;
         }
-        match self.child.try_wait() {
+        match vfork::try_reap(self.pgid) {
             Ok(Some(status)) => {
                 self.mark_reaped(status);
                 true
@@ -274,6 +327,7 @@ impl SandboxProcess {
 
     fn mark_reaped(&mut self, status: ExitStatus) {
         self.exit = Some(status);
+        self.exited = None;
         self.reaped.store(true, Ordering::SeqCst);
     }
 
@@ -300,6 +354,29 @@ impl SandboxProcess {
     pub async fn kill(&mut self) -> std::io::Result<ExitStatus> {
         self.signal(libc::SIGKILL);
         self.wait().await
+    }
+}
+
+/// A process dropped before it was reaped is killed (its first process;
+/// teardown kills the rest of the sandbox) and reaped in the background,
+/// so it leaves no zombie.
+impl Drop for SandboxProcess {
+    fn drop(&mut self) {
+        let Some(exited) = self.exited.take() else { return };
+        let pid = self.pgid;
+        // SAFETY: kill(2) of our own unreaped child: its pid is not reused.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    let _ = exited.readable().await;
+                    let _ = vfork::reap(pid);
+                });
+            }
+            Err(_) => {
+                let _ = vfork::reap(pid);
+            }
+        }
     }
 }
 

@@ -185,89 +185,68 @@ pub fn join_fresh_session_keyring() -> std::io::Result<()> {
 }
 
 /// Clears the user, user-session and persistent keyrings of `uid` in a
-/// forked child that becomes `uid` (and exits without exec).
+/// child that becomes `uid` (and exits without exec). The child shares the
+/// daemon's memory rather than copying it (`vfork::spawn`).
 fn clear_keyrings(uid: u32, gid: u32) -> Result<(), String> {
-    let mut pipe = [0 as libc::c_int; 2];
-    // SAFETY: pipe2 writes two descriptors into the array.
-    if unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(format!("keyrings of uid {uid}: pipe: {}", std::io::Error::last_os_error()));
-    }
-    let (read_end, write_end) = (pipe[0], pipe[1]);
-    // SAFETY: the child makes only async-signal-safe calls (setgroups,
-    // setresgid, setresuid, syscall(keyctl), write, _exit) and touches no
-    // memory but its own stack: safe after fork in a threaded process.
-    let pid = unsafe { libc::fork() };
-    if pid == 0 {
-        // SAFETY: see above; the child never returns from this block.
+    use std::sync::atomic::{AtomicU32, Ordering};
+    // The failed step (high half) and its errno (low half).
+    let report = AtomicU32::new(0);
+    let mut child = || -> libc::c_int {
+        // SAFETY: runs in the vfork'd child: raw system calls (setgroups,
+        // setresgid, setresuid, keyctl) and an atomic store, nothing else.
         unsafe {
-            let fail = |step: u8| -> ! {
-                let errno = *libc::__errno_location();
-                let report = [step, (errno & 0xff) as u8, ((errno >> 8) & 0xff) as u8];
-                libc::write(write_end, report.as_ptr().cast(), report.len());
-                libc::_exit(1)
+            let fail = |step: u32| -> libc::c_int {
+                let errno = *libc::__errno_location() as u32;
+                report.store((step << 16) | (errno & 0xffff), Ordering::SeqCst);
+                1
             };
-            if libc::setgroups(0, std::ptr::null()) != 0
-                || libc::setresgid(gid, gid, gid) != 0
-                || libc::setresuid(uid, uid, uid) != 0
+            // The raw system calls: glibc's would act on every thread of
+            // the daemon, whose memory this child shares.
+            let (uid, gid) = (libc::c_long::from(uid), libc::c_long::from(gid));
+            if libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) < 0
+                || libc::syscall(libc::SYS_setresgid, gid, gid, gid) < 0
+                || libc::syscall(libc::SYS_setresuid, uid, uid, uid) < 0
             {
-                fail(1);
+                return fail(1);
             }
             let keyctl2 =
                 |cmd: libc::c_long, a: libc::c_long, b: libc::c_long| libc::syscall(libc::SYS_keyctl, cmd, a, b);
             if libc::syscall(libc::SYS_keyctl, KEYCTL_JOIN_SESSION_KEYRING, std::ptr::null::<libc::c_char>()) < 0 {
                 if *libc::__errno_location() == libc::ENOSYS {
-                    libc::_exit(0); // no keyrings in this kernel
+                    return 0; // no keyrings in this kernel
                 }
-                fail(2);
+                return fail(2);
             }
             // Linked into the session keyring, they are possessed: the
             // possessor may write (clear) them.
-            for (step, keyring) in [(3u8, KEY_SPEC_USER_KEYRING), (4, KEY_SPEC_USER_SESSION_KEYRING)] {
+            for (step, keyring) in [(3u32, KEY_SPEC_USER_KEYRING), (4, KEY_SPEC_USER_SESSION_KEYRING)] {
                 if keyctl2(KEYCTL_LINK, keyring, KEY_SPEC_SESSION_KEYRING) < 0 {
-                    fail(step);
+                    return fail(step);
                 }
                 if keyctl2(KEYCTL_CLEAR, keyring, 0) < 0 {
-                    fail(step + 2);
+                    return fail(step + 2);
                 }
             }
             let persistent = keyctl2(KEYCTL_GET_PERSISTENT, -1, KEY_SPEC_SESSION_KEYRING);
             if persistent < 0 {
                 // Persistent keyrings are a kernel option.
                 if *libc::__errno_location() != libc::EOPNOTSUPP {
-                    fail(7);
+                    return fail(7);
                 }
             } else if keyctl2(KEYCTL_CLEAR, persistent, 0) < 0 {
-                fail(8);
+                return fail(8);
             }
-            libc::_exit(0);
+            0
         }
-    }
-    // SAFETY: closing our copy of the write end.
-    unsafe { libc::close(write_end) };
-    if pid < 0 {
-        let err = std::io::Error::last_os_error();
-        // SAFETY: closing the read end we own.
-        unsafe { libc::close(read_end) };
-        return Err(format!("keyrings of uid {uid}: fork: {err}"));
-    }
-    let mut status = 0;
-    // SAFETY: waitpid on our own child with a valid pointer.
-    while unsafe { libc::waitpid(pid, &mut status, 0) } < 0 {
-        if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            break;
-        }
-    }
-    let mut report = [0u8; 3];
-    // SAFETY: reading at most 3 bytes into a 3-byte buffer, then closing our fd.
-    let got = unsafe {
-        let n = libc::read(read_end, report.as_mut_ptr().cast(), report.len());
-        libc::close(read_end);
-        n
     };
-    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+    // SAFETY: the child keeps to what `vfork::spawn` requires (above).
+    let pid = unsafe { super::vfork::spawn(&mut child) }.map_err(|e| format!("keyrings of uid {uid}: clone: {e}"))?;
+    let status = super::vfork::reap(pid).map_err(|e| format!("keyrings of uid {uid}: wait: {e}"))?;
+    if status.success() {
         return Ok(());
     }
-    let step = match report[0] {
+    let report = report.load(Ordering::SeqCst);
+    let step = match report >> 16 {
         1 => "become the uid",
         2 => "join a session keyring",
         3 => "possess the user keyring",
@@ -278,8 +257,10 @@ fn clear_keyrings(uid: u32, gid: u32) -> Result<(), String> {
         8 => "clear the persistent keyring",
         _ => "run the helper",
     };
-    let errno = i32::from(report[1]) | (i32::from(report[2]) << 8);
-    let why = if got == 3 { std::io::Error::from_raw_os_error(errno).to_string() } else { format!("status {status}") };
+    let why = match report {
+        0 => format!("status {status}"),
+        _ => std::io::Error::from_raw_os_error((report & 0xffff) as i32).to_string(),
+    };
     Err(format!("keyrings of uid {uid}: cannot {step}: {why}"))
 }
 

@@ -502,7 +502,10 @@ mod tests {
             receipt: EnforcementReceipt::default(),
         };
         let body = event_body("e1", &placed).unwrap();
-        assert_eq!(body, r#"{"backend":"linux_bwrap","receipt":{},"sandbox_id":"01a2","sandboxes_dir":"/var/lib/corral/sandboxes"}"#);
+        assert_eq!(
+            body,
+            r#"{"backend":"linux_bwrap","receipt":{},"sandbox_id":"01a2","sandboxes_dir":"/var/lib/corral/sandboxes"}"#
+        );
         assert_eq!(event_from_stored("e1", "sandbox_ready", &body).unwrap(), placed);
         let old = r#"{"backend":"linux_bwrap","sandbox_id":"01a2","workspace_path":"/var/lib/corral/sandboxes/01a2/workspace"}"#;
         assert_eq!(event_from_stored("e1", "sandbox_ready", old).unwrap(), placed);
