@@ -366,6 +366,21 @@ async fn start_hanging(channel: tonic::transport::Channel, repo: &str) -> (Strin
     panic!("the execution ended before its harness reported progress");
 }
 
+/// A sandbox made for a run (no pool here) reads `ready` in the store
+/// once the run's `sandbox_ready` is stored: the write that stores it marks
+/// it, as it names a warm sandbox the run took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_runs_sandbox_row_is_ready_once_its_sandbox_ready_is_stored() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let (run, sandbox) = start_hanging(daemon.channel().await, "").await;
+    let rows = daemon.engine.store.sandboxes().await.unwrap();
+    assert_eq!(rows, [(sandbox, run.clone(), "ready".to_string())]);
+    let mut client = daemon.executions().await;
+    client.cancel_execution(pb::CancelExecutionRequest { execution_id: run, ..Default::default() }).await.unwrap();
+    daemon.stop().await;
+}
+
 /// A warm sandbox's row names the run that took it (in the write that
 /// stores the run's `sandbox_ready` when there is nothing to clone, in a
 /// write of its own before a clone): after a crash, recovery destroys it *for* that run,

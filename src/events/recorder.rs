@@ -47,10 +47,11 @@ impl Recorder {
         self.held.push(kind);
     }
 
-    /// [`Recorder::hold`], and the write that stores it gives the warm
-    /// sandbox `sandbox_id` to this subject too (see
-    /// [`Store::append_events_adopting`]): a run names the sandbox it took
-    /// in the write of its dispatch, not in one of its own.
+    /// [`Recorder::hold`], and the write that stores it gives the sandbox
+    /// `sandbox_id` to this subject and marks it ready too (see
+    /// [`Store::append_events_adopting`]): a run names a warm sandbox it
+    /// took, or marks the one made for it ready, in the write of its
+    /// dispatch, not in one of its own.
     pub fn hold_adopting(&mut self, kind: EventKind, sandbox_id: &str) {
         self.held.push(kind);
         self.held_adopt = Some(sandbox_id.to_string());

@@ -338,11 +338,11 @@ impl Core {
         // finishes the run with it. With nothing to clone, the write that
         // stores `sandbox_ready` (the dispatch's, a millisecond later, or
         // whatever comes first) names it; before a clone (seconds), a
-        // write of its own does.
-        let mut adopt = None;
+        // write of its own does. That write marks a sandbox made for this
+        // run ready, too.
         if warm {
             if self.repo.is_empty() {
-                adopt = Some(sandbox.id.clone());
+                // Named by the held write below.
             } else if let Err(e) = self.engine.store.adopt_sandbox(&sandbox.id, self.recorder.subject()).await {
                 self.failed(FailureStage::SandboxCreate, &e.to_string());
                 self.destroy().await;
@@ -388,10 +388,7 @@ impl Core {
         };
         // Stored with the run's next write: its dispatch (an execution's
         // turn follows at once), the end of a session's open, or a failure.
-        match adopt {
-            None => self.recorder.hold(ready),
-            Some(sandbox_id) => self.recorder.hold_adopting(ready, &sandbox_id),
-        }
+        self.recorder.hold_adopting(ready, &sandbox.id);
         Ok(())
     }
 

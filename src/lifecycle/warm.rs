@@ -62,10 +62,12 @@ pub(super) fn pool_key(profile: &Profile, spec: &SandboxSpec, timeout_seconds: u
 }
 
 /// Makes a sandbox for `subject` ("" for a warm one): intent row, own uid,
-/// hook files, the backend's create, its state stored. An error is the
-/// sentence the run fails with; nothing of the sandbox is left then. A
-/// returned sandbox whose state is not `Ready` is a failed creation that
-/// the caller still destroys.
+/// hook files, the backend's create, its state stored: a warm sandbox's
+/// now, a run's `ready` with the write that stores its `sandbox_ready`
+/// (`Core::create_sandbox`), a failed one's now. An error is the sentence
+/// the run fails with; nothing of the sandbox is left then. A returned
+/// sandbox whose state is not `Ready` is a failed creation that the caller
+/// still destroys.
 pub(super) async fn make_sandbox(
     engine: &Engine,
     subject: &str,
@@ -122,8 +124,11 @@ pub(super) async fn make_sandbox(
     sandbox.receipt.gateway_routes = gateway.iter().map(|r| r.name.clone()).collect();
     engine.sandbox_alive(&sandbox.id, true);
     crate::telemetry::sandbox_alive(1.0);
-    let state = if sandbox.state == SandboxState::Ready { SandboxState::Ready } else { SandboxState::Failed };
-    engine.store_sandbox_state(&sandbox.id, state).await;
+    match sandbox.state {
+        SandboxState::Ready if !subject.is_empty() => {}
+        SandboxState::Ready => engine.store_sandbox_state(&sandbox.id, SandboxState::Ready).await,
+        _ => engine.store_sandbox_state(&sandbox.id, SandboxState::Failed).await,
+    }
     Ok(Made { backend, sandbox, gateway })
 }
 

@@ -13,11 +13,11 @@ impl Store {
         self.fenced_write(sqlx::query(FENCED_APPEND).bind(events_rows_json(events, false)?)).await
     }
 
-    /// Stores `events` and gives the warm sandbox `sandbox_id` to their
-    /// subject (see [`Store::adopt_sandbox`]) in one commit: a run that
-    /// took a warm sandbox names it in the write that stores its
-    /// `sandbox_ready`, not in a write of its own. On a shared store, one
-    /// fenced statement.
+    /// Stores `events` and gives the sandbox `sandbox_id` to their subject,
+    /// marked ready (see [`Store::adopt_sandbox`]), in one commit: a run
+    /// names a warm sandbox it took, and marks a sandbox made for it ready,
+    /// in the write that stores its `sandbox_ready`, not in a write of its
+    /// own. On a shared store, one fenced statement.
     pub async fn append_events_adopting(&self, events: &[Event], sandbox_id: &str) -> Result<(), StoreError> {
         let Some(subject) = events.first().map(|e| e.subject_id.as_str()) else {
             return Ok(());

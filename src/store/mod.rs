@@ -282,8 +282,9 @@ const FENCED_APPEND: &str = "WITH owner AS MATERIALIZED (
             (SELECT count(pg_notify('corral_events', subject)) FROM (SELECT DISTINCT subject_id AS subject FROM stored) AS s)
                 AS notified";
 
-/// [`FENCED_APPEND`], and the warm sandbox `$2` given to the events'
-/// subject (`$3` is the time), behind the same fence.
+/// [`FENCED_APPEND`], and the sandbox `$2` given to the events' subject
+/// and marked ready (`$3` is the time; see `sandboxes::adopt`), behind the
+/// same fence.
 const FENCED_APPEND_ADOPTING: &str = "WITH owner AS MATERIALIZED (
          SELECT 1 FROM nodes WHERE name = $4 AND epoch = $5 AND state <> 'lost' FOR SHARE
      ), stored AS (
@@ -292,7 +293,8 @@ const FENCED_APPEND_ADOPTING: &str = "WITH owner AS MATERIALIZED (
          FROM json_array_elements($1::json) AS e WHERE EXISTS (SELECT 1 FROM owner)
          RETURNING subject_id
      ), adopted AS (
-         UPDATE sandboxes SET subject_id = ($1::json -> 0 ->> 0), updated_at_ms = $3
+         UPDATE sandboxes SET subject_id = ($1::json -> 0 ->> 0), updated_at_ms = $3,
+             state = CASE WHEN state = 'creating' THEN 'ready' ELSE state END
          WHERE sandbox_id = $2 AND EXISTS (SELECT 1 FROM owner)
      )
      SELECT (SELECT count(*) FROM owner) AS owned,

@@ -31,7 +31,8 @@ impl Store {
         Ok(())
     }
 
-    /// Gives a warm sandbox (made with no subject) to the run that took it.
+    /// Gives a warm sandbox (made with no subject) to the run that took it
+    /// (see [`adopt`]).
     pub async fn adopt_sandbox(&self, sandbox_id: &str, subject_id: &str) -> Result<(), StoreError> {
         adopt(&self.pool, sandbox_id, subject_id).await
     }
@@ -213,16 +214,22 @@ impl Store {
     }
 }
 
-/// The row of warm sandbox `sandbox_id` names `subject_id` from now on.
+/// The row of sandbox `sandbox_id` names `subject_id` from now on (a warm
+/// one was made for no run), and one still `creating` is `ready`: a run's
+/// sandbox is marked ready by the write that stores its `sandbox_ready`.
 pub(super) async fn adopt<'c, E>(conn: E, sandbox_id: &str, subject_id: &str) -> Result<(), StoreError>
 where
     E: sqlx::Executor<'c, Database = sqlx::Any>,
 {
-    sqlx::query("UPDATE sandboxes SET subject_id = $2, updated_at_ms = $3 WHERE sandbox_id = $1")
-        .bind(sandbox_id)
-        .bind(subject_id)
-        .bind(now_ms())
-        .execute(conn)
-        .await?;
+    sqlx::query(
+        "UPDATE sandboxes SET subject_id = $2, updated_at_ms = $3,
+             state = CASE WHEN state = 'creating' THEN 'ready' ELSE state END
+         WHERE sandbox_id = $1",
+    )
+    .bind(sandbox_id)
+    .bind(subject_id)
+    .bind(now_ms())
+    .execute(conn)
+    .await?;
     Ok(())
 }
