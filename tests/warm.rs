@@ -377,7 +377,7 @@ async fn a_cold_runs_sandbox_row_is_ready_once_its_sandbox_ready_is_stored() {
     let rows = daemon.engine.store.sandboxes().await.unwrap();
     assert_eq!(rows, [(sandbox, run.clone(), "ready".to_string())]);
     let mut client = daemon.executions().await;
-    client.cancel_execution(pb::CancelExecutionRequest { execution_id: run, ..Default::default() }).await.unwrap();
+    client.cancel_execution(pb::CancelExecutionRequest { execution_id: run }).await.unwrap();
     daemon.stop().await;
 }
 
