@@ -17,3 +17,39 @@ pub(super) async fn allocate_own_uid(
         None => store.allocate_uid(range.first, range.last, sandbox_id, |uid| processes_of_uid(uid).is_empty()).await,
     }
 }
+
+/// What was stored when making a sandbox's row and uid failed.
+pub(super) enum Stored {
+    /// Nothing: the caller has nothing to undo.
+    Nothing(crate::store::StoreError),
+    /// The intent row: the caller marks it destroyed.
+    Intent(crate::store::StoreError),
+}
+
+/// The intent row of sandbox `sandbox_id` and its own host uid in `range`:
+/// in one commit when a uid the kernel knows no task of is free (the common
+/// case), else the row, then [`allocate_own_uid`]. `Ok(None)` (the row
+/// stored) when no uid is free.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn insert_with_own_uid(
+    store: &crate::store::Store,
+    range: crate::sandbox::UidRange,
+    sandbox_id: &str,
+    subject: &str,
+    backend: &str,
+    root: &std::path::Path,
+    epoch: &str,
+) -> Result<Option<u32>, Stored> {
+    use crate::sandbox::host::uid_may_have_processes;
+    let bounds = (range.first, range.last);
+    match store
+        .insert_sandbox_with_uid(sandbox_id, subject, backend, root, epoch, bounds, |uid| !uid_may_have_processes(uid))
+        .await
+    {
+        Ok(Some(uid)) => return Ok(Some(uid)),
+        Ok(None) => {}
+        Err(e) => return Err(Stored::Nothing(e)),
+    }
+    store.insert_sandbox(sandbox_id, subject, backend, root, epoch).await.map_err(Stored::Nothing)?;
+    allocate_own_uid(store, range, sandbox_id).await.map_err(Stored::Intent)
+}

@@ -79,22 +79,37 @@ pub(super) async fn make_sandbox(
     let sandbox_id = uuid::Uuid::now_v7().to_string();
     let root = engine.sandboxes_dir.join(&sandbox_id);
     // Intent before action: a crashed daemon's successor finds this row.
+    // With it, in the same commit, its own host uid, reserved in the store
+    // before anything runs as it.
     let store = &engine.store;
-    store
-        .insert_sandbox(&sandbox_id, subject, spec.sandbox_type.as_str(), &root, &engine.epoch)
-        .await
-        .map_err(|e| e.to_string())?;
+    let backend_name = spec.sandbox_type.as_str();
     let gone = |error: String| async {
         engine.store_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
         Err(error)
     };
-    // Its own host uid, reserved in the store before anything runs as it.
     let user = match engine.uid_range {
-        None => None,
-        Some(range) => match super::uids::allocate_own_uid(store, range, &sandbox_id).await {
+        None => {
+            store
+                .insert_sandbox(&sandbox_id, subject, backend_name, &root, &engine.epoch)
+                .await
+                .map_err(|e| e.to_string())?;
+            None
+        }
+        Some(range) => match super::uids::insert_with_own_uid(
+            store,
+            range,
+            &sandbox_id,
+            subject,
+            backend_name,
+            &root,
+            &engine.epoch,
+        )
+        .await
+        {
             Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
             Ok(None) => return gone(format!("no free sandbox uid in {}-{}", range.first, range.last)).await,
-            Err(e) => return gone(e.to_string()).await,
+            Err(super::uids::Stored::Nothing(e)) => return Err(e.to_string()),
+            Err(super::uids::Stored::Intent(e)) => return gone(e.to_string()).await,
         },
     };
     let planned = gate_files(engine, profile, spec, timeout_seconds)

@@ -433,6 +433,26 @@ mod tests {
         assert_eq!(other.allocate_uid(10, 13, "t1", any).await.unwrap(), Some(10));
     }
 
+    /// A sandbox's intent row and its uid are stored together, or neither
+    /// is: with no usable uid, no row is left behind.
+    #[tokio::test]
+    async fn a_sandbox_row_and_its_uid_are_stored_in_one_commit_or_not_at_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let root = Path::new("/var/lib/corral/sandboxes/s1");
+        let insert = |id: &'static str, usable: fn(u32) -> bool| {
+            let store = &store;
+            async move { store.insert_sandbox_with_uid(id, "e1", "linux_bwrap", root, "ep", (10, 11), usable).await }
+        };
+        assert_eq!(insert("s1", |_| true).await.unwrap(), Some(10));
+        assert_eq!(store.sandbox_uid("s1").await.unwrap(), Some(10));
+        assert_eq!(store.sandboxes().await.unwrap(), [("s1".into(), "e1".into(), "creating".into())]);
+        assert_eq!(insert("s2", |uid| uid != 11).await.unwrap(), None, "10 is held, 11 unusable");
+        assert_eq!(store.sandboxes().await.unwrap().len(), 1, "no row of s2");
+        assert_eq!(store.sandbox_uid("s2").await.unwrap(), None);
+        assert_eq!(insert("s3", |_| true).await.unwrap(), Some(11));
+    }
+
     /// A record's own columns are not repeated in its stored JSON; one
     /// stored with them (by an older daemon, `finished_at_ms` in the JSON
     /// alone) reads as it was.

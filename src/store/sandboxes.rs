@@ -12,6 +12,21 @@ impl Store {
         root: &Path,
         epoch: &str,
     ) -> Result<(), StoreError> {
+        self.insert_sandbox_on(&self.pool, sandbox_id, subject_id, backend, root, epoch).await
+    }
+
+    async fn insert_sandbox_on<'c, E>(
+        &self,
+        conn: E,
+        sandbox_id: &str,
+        subject_id: &str,
+        backend: &str,
+        root: &Path,
+        epoch: &str,
+    ) -> Result<(), StoreError>
+    where
+        E: sqlx::Executor<'c, Database = sqlx::Any>,
+    {
         let now = now_ms();
         sqlx::query(
             "INSERT INTO sandboxes (sandbox_id, subject_id, backend, state, root_path, instance_epoch, created_at_ms, updated_at_ms, node)
@@ -26,7 +41,7 @@ impl Store {
         .bind(now)
         .bind(now)
         .bind(&self.node)
-        .execute(&self.pool)
+        .execute(conn)
         .await?;
         Ok(())
     }
@@ -90,69 +105,36 @@ impl Store {
         sandbox_id: &str,
         usable: impl Fn(u32) -> bool,
     ) -> Result<Option<u32>, StoreError> {
-        // A concurrent allocation may take a candidate first; the primary
-        // key makes one of the two inserts a no-op, and the loser goes on
-        // to the next candidate. Never-used uids go out lowest first, so
-        // they are the ones above every uid handed out so far.
-        let (node, low, high) = (&self.node, first as i64, last as i64);
-        // Two index lookups (each table's primary key), not a scan.
-        let row = sqlx::query(
-            "SELECT (SELECT MAX(uid) FROM sandbox_uids WHERE node = $1 AND uid >= $2 AND uid <= $3),
-                    (SELECT MAX(uid) FROM sandbox_uid_released WHERE node = $1 AND uid >= $2 AND uid <= $3)",
-        )
-        .bind(node)
-        .bind(low)
-        .bind(high)
-        .fetch_one(&self.pool)
-        .await?;
-        let handed = row.get::<Option<i64>, _>(0).max(row.get::<Option<i64>, _>(1));
-        for uid in handed.map_or(low, |h| h + 1)..=high {
-            if usable(uid as u32) && self.take_uid(uid, sandbox_id).await? {
-                return Ok(Some(uid as u32));
-            }
-        }
-        // Then the released ones no sandbox holds, longest ago first, a page
-        // at a time (in the order of `sandbox_uid_released_order`).
-        let mut after = (i64::MIN, i64::MIN);
-        loop {
-            let page: Vec<(i64, i64)> = sqlx::query(
-                "SELECT r.released_at_ms, r.uid FROM sandbox_uid_released r
-                 WHERE r.node = $1 AND r.uid >= $2 AND r.uid <= $3
-                   AND (r.released_at_ms > $4 OR (r.released_at_ms = $4 AND r.uid > $5))
-                   AND NOT EXISTS (SELECT 1 FROM sandbox_uids u WHERE u.node = r.node AND u.uid = r.uid)
-                 ORDER BY r.released_at_ms, r.uid LIMIT 64",
-            )
-            .bind(node)
-            .bind(low)
-            .bind(high)
-            .bind(after.0)
-            .bind(after.1)
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(|r| (r.get(0), r.get(1)))
-            .collect();
-            let Some(&last_of_page) = page.last() else { return Ok(None) };
-            for &(_, uid) in &page {
-                if usable(uid as u32) && self.take_uid(uid, sandbox_id).await? {
-                    return Ok(Some(uid as u32));
-                }
-            }
-            after = last_of_page;
-        }
+        let mut conn = self.pool.acquire().await?;
+        allocate_uid_on(&mut conn, &self.node, first, last, sandbox_id, usable).await
     }
 
-    /// Reserves `uid` for `sandbox_id` on this node; false when another
-    /// sandbox took it first.
-    async fn take_uid(&self, uid: i64, sandbox_id: &str) -> Result<bool, StoreError> {
-        let inserted =
-            sqlx::query("INSERT INTO sandbox_uids (node, uid, sandbox_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
-                .bind(&self.node)
-                .bind(uid)
-                .bind(sandbox_id)
-                .execute(&self.pool)
-                .await?;
-        Ok(inserted.rows_affected() == 1)
+    /// [`Store::insert_sandbox`] and [`Store::allocate_uid`] in one commit:
+    /// the intent row and its uid, for a sandbox about to be made. `None`
+    /// when no uid is `usable`: then nothing is stored.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn insert_sandbox_with_uid(
+        &self,
+        sandbox_id: &str,
+        subject_id: &str,
+        backend: &str,
+        root: &Path,
+        epoch: &str,
+        (first, last): (u32, u32),
+        usable: impl Fn(u32) -> bool,
+    ) -> Result<Option<u32>, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        self.insert_sandbox_on(&mut *tx, sandbox_id, subject_id, backend, root, epoch).await?;
+        match allocate_uid_on(&mut tx, &self.node, first, last, sandbox_id, usable).await? {
+            Some(uid) => {
+                tx.commit().await?;
+                Ok(Some(uid))
+            }
+            None => {
+                tx.rollback().await?;
+                Ok(None)
+            }
+        }
     }
 
     /// The uid a sandbox holds, if any.
@@ -212,6 +194,81 @@ impl Store {
             .await?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
     }
+}
+
+/// [`Store::allocate_uid`] on `conn`: the pool's connection (each
+/// statement its own commit) or a transaction's.
+async fn allocate_uid_on(
+    conn: &mut sqlx::AnyConnection,
+    node: &str,
+    first: u32,
+    last: u32,
+    sandbox_id: &str,
+    usable: impl Fn(u32) -> bool,
+) -> Result<Option<u32>, StoreError> {
+    // A concurrent allocation may take a candidate first; the primary
+    // key makes one of the two inserts a no-op, and the loser goes on
+    // to the next candidate. Never-used uids go out lowest first, so
+    // they are the ones above every uid handed out so far.
+    let (low, high) = (first as i64, last as i64);
+    // Two index lookups (each table's primary key), not a scan.
+    let row = sqlx::query(
+        "SELECT (SELECT MAX(uid) FROM sandbox_uids WHERE node = $1 AND uid >= $2 AND uid <= $3),
+                (SELECT MAX(uid) FROM sandbox_uid_released WHERE node = $1 AND uid >= $2 AND uid <= $3)",
+    )
+    .bind(node)
+    .bind(low)
+    .bind(high)
+    .fetch_one(&mut *conn)
+    .await?;
+    let handed = row.get::<Option<i64>, _>(0).max(row.get::<Option<i64>, _>(1));
+    for uid in handed.map_or(low, |h| h + 1)..=high {
+        if usable(uid as u32) && take_uid(&mut *conn, node, uid, sandbox_id).await? {
+            return Ok(Some(uid as u32));
+        }
+    }
+    // Then the released ones no sandbox holds, longest ago first, a page
+    // at a time (in the order of `sandbox_uid_released_order`).
+    let mut after = (i64::MIN, i64::MIN);
+    loop {
+        let page: Vec<(i64, i64)> = sqlx::query(
+            "SELECT r.released_at_ms, r.uid FROM sandbox_uid_released r
+             WHERE r.node = $1 AND r.uid >= $2 AND r.uid <= $3
+               AND (r.released_at_ms > $4 OR (r.released_at_ms = $4 AND r.uid > $5))
+               AND NOT EXISTS (SELECT 1 FROM sandbox_uids u WHERE u.node = r.node AND u.uid = r.uid)
+             ORDER BY r.released_at_ms, r.uid LIMIT 64",
+        )
+        .bind(node)
+        .bind(low)
+        .bind(high)
+        .bind(after.0)
+        .bind(after.1)
+        .fetch_all(&mut *conn)
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+        let Some(&last_of_page) = page.last() else { return Ok(None) };
+        for &(_, uid) in &page {
+            if usable(uid as u32) && take_uid(&mut *conn, node, uid, sandbox_id).await? {
+                return Ok(Some(uid as u32));
+            }
+        }
+        after = last_of_page;
+    }
+}
+
+/// Reserves `uid` for `sandbox_id` on `node`; false when another sandbox
+/// took it first.
+async fn take_uid(conn: &mut sqlx::AnyConnection, node: &str, uid: i64, sandbox_id: &str) -> Result<bool, StoreError> {
+    let inserted =
+        sqlx::query("INSERT INTO sandbox_uids (node, uid, sandbox_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
+            .bind(node)
+            .bind(uid)
+            .bind(sandbox_id)
+            .execute(conn)
+            .await?;
+    Ok(inserted.rows_affected() == 1)
 }
 
 /// The row of sandbox `sandbox_id` names `subject_id` from now on (a warm
