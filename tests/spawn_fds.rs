@@ -5,7 +5,8 @@
 //! 4 are free, so the files it passes are created at exactly those numbers.
 //! The process starts with no signal blocked and SIGPIPE not ignored,
 //! though the daemon blocks every signal across the clone; a failed exec is
-//! an error with its errno; a process dropped unreaped is killed and reaped.
+//! an error with its errno; a process dropped unreaped is killed and reaped;
+//! a daemon started with its stdin closed still hands its child a stdin.
 
 use std::os::fd::AsRawFd;
 
@@ -121,4 +122,44 @@ fn a_process_dropped_before_it_is_reaped_is_killed_and_leaves_no_zombie() {
         pid
     });
     assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "pid {pid} is still there (alive or a zombie)");
+}
+
+const STDIN_CLOSED: &str = "a_daemon_with_its_stdin_closed_still_gives_the_child_a_stdin";
+
+#[test]
+fn a_daemon_with_its_stdin_closed_still_gives_the_child_a_stdin() {
+    if std::env::var_os("CORRAL_SPAWN_STDIN_CLOSED").is_some() {
+        let echoed = runtime().block_on(async {
+            // SAFETY: closes this process's fd 0, which nothing here reads;
+            // the spawn's first pipe takes it.
+            unsafe { libc::close(0) };
+            let args = vec!["-c".into(), "read line; echo got:$line".into()];
+            let mut process = spawn_group(
+                std::path::Path::new("/bin/sh"),
+                &args,
+                &[],
+                std::path::Path::new("/"),
+                SpawnOptions::default(),
+            )
+            .unwrap();
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut stdin = process.stdin.take().unwrap();
+            stdin.write_all(b"hello\n").await.unwrap();
+            drop(stdin);
+            let mut out = String::new();
+            process.stdout.take().unwrap().read_to_string(&mut out).await.unwrap();
+            process.wait().await.unwrap();
+            out
+        });
+        println!("child said {echoed}");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", STDIN_CLOSED, "--nocapture", "--test-threads=1"])
+        .env("CORRAL_SPAWN_STDIN_CLOSED", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("child said got:hello"), "{stdout}");
 }

@@ -240,16 +240,32 @@ pub fn spawn_group(
     })
 }
 
-/// A pipe as (read end, write end), both close-on-exec.
+/// A pipe as (read end, write end), both close-on-exec and above 2: the
+/// child moves them onto 0, 1 and 2, and one that already was one of those
+/// (a daemon started with a standard descriptor closed) would be lost.
 fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0 as libc::c_int; 2];
     // SAFETY: pipe2 writes two descriptors into the array; we own both.
-    unsafe {
+    let (read, write) = unsafe {
         if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
             return Err(std::io::Error::last_os_error());
         }
-        Ok((OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])))
+        (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1]))
+    };
+    Ok((above_stdio(read)?, above_stdio(write)?))
+}
+
+fn above_stdio(fd: OwnedFd) -> std::io::Result<OwnedFd> {
+    if fd.as_raw_fd() > 2 {
+        return Ok(fd);
     }
+    // SAFETY: fcntl duplicates a descriptor we own; the copy is ours.
+    let copy = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
+    if copy < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nobody else owns (the original closes on drop).
+    Ok(unsafe { OwnedFd::from_raw_fd(copy) })
 }
 
 /// A pidfd of our child `pid`, readable once it has exited.
@@ -305,9 +321,14 @@ impl SandboxProcess {
             }
             let Some(exited) = &self.exited else { return Err(std::io::Error::other("not a child any more")) };
             let mut ready = exited.readable().await?;
-            ready.clear_ready();
-            drop(ready);
-            self.has_exited();
+            match vfork::try_reap(self.pgid)? {
+                Some(status) => {
+                    drop(ready);
+                    self.mark_reaped(status);
+                }
+                // Not exited after all: wait for the pidfd's next readiness.
+                None => ready.clear_ready(),
+            }
         }
     }
 
