@@ -19,14 +19,21 @@ fn passed_descriptors_arrive_in_order_even_from_the_target_numbers() {
     if std::env::var_os("CORRAL_SPAWN_FDS_CHILD").is_some() {
         return child();
     }
+    let stdout = run_again(NAME, "CORRAL_SPAWN_FDS_CHILD");
+    assert!(stdout.contains("passed: [first|second]"), "fd 3 gets the first passed file, fd 4 the second: {stdout}");
+}
+
+/// Runs the test `name` again in a fresh process with `env` set, and
+/// returns what it printed once it passed.
+fn run_again(name: &str, env: &str) -> String {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
-        .env("CORRAL_SPAWN_FDS_CHILD", "1")
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(env, "1")
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("passed: [first|second]"), "fd 3 gets the first passed file, fd 4 the second: {stdout}");
+    stdout
 }
 
 fn child() {
@@ -154,12 +161,6 @@ fn a_daemon_with_its_stdin_closed_still_gives_the_child_a_stdin() {
         println!("child said {echoed}");
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", STDIN_CLOSED, "--nocapture", "--test-threads=1"])
-        .env("CORRAL_SPAWN_STDIN_CLOSED", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = run_again(STDIN_CLOSED, "CORRAL_SPAWN_STDIN_CLOSED");
     assert!(stdout.contains("child said got:hello"), "{stdout}");
 }
