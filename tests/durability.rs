@@ -131,10 +131,35 @@ async fn sigterm_drains_tears_down_and_exits_zero() {
     let mut daemon = ServeProcess::start(&data, &profiles, &[("CORRAL_SHUTDOWN_GRACE_SECONDS", "1")]).await;
     let mut client = ExecutionServiceClient::new(daemon.channel().await);
     let id = start_hanging(&mut client, "").await;
+    // A watcher still following gets the run's end before its stream ends:
+    // the drain finishes the run first, then ends the streams.
+    let watch = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
+    let mut watching = client.watch_execution(watch).await.unwrap().into_inner();
+    let mut last = None;
+    while let Some(event) = watching.message().await.unwrap() {
+        if matches!(event.kind, Some(Kind::Progress(_))) {
+            break;
+        }
+    }
 
     let started = Instant::now();
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match watching.message().await {
+                Ok(Some(event)) => last = event.kind,
+                Ok(None) => return Ok(()),
+                Err(status) => return Err(status),
+            }
+        }
+    })
+    .await
+    .expect("the watch ends at shutdown");
+    assert!(ended.is_ok(), "{ended:?}");
+    let Some(Kind::Finished(finished)) = &last else { panic!("the watch's last event: {last:?}") };
+    let Some(pb::finished::Record::Execution(execution)) = &finished.record else { panic!("{finished:?}") };
+    assert_eq!(execution.state, pb::ExecutionState::Cancelled as i32);
     let status = tokio::time::timeout(Duration::from_secs(30), daemon.child.wait()).await.expect("exits").unwrap();
     assert_eq!(status.code(), Some(0));
     assert!(started.elapsed() < Duration::from_secs(20));

@@ -88,6 +88,11 @@ pub fn event_stream_with(
         // be registered and dropped for every delivery to every watcher.
         let closed = tx.closed();
         tokio::pin!(closed);
+        // A token of this stream's own, cancelled with the daemon's: every
+        // stream polls it whenever it has no event ready, and polling the
+        // daemon's one token from thousands of streams contends on its
+        // lock (a tenth of the CPU at W = 10,000 paced).
+        let shutdown = shutdown.child_token();
         let cancelled = shutdown.cancelled();
         tokio::pin!(cancelled);
         let mut sent = subscription.last_sequence();
