@@ -10,7 +10,8 @@
 
 use std::os::fd::AsRawFd;
 
-use corral::sandbox::process::{data_fd, spawn_group, SpawnOptions};
+use corral::sandbox::process::{data_fd, spawn_group, SandboxProcess, SpawnOptions};
+use corral::sandbox::SandboxError;
 
 const NAME: &str = "passed_descriptors_arrive_in_order_even_from_the_target_numbers";
 
@@ -57,6 +58,12 @@ fn child() {
     println!("passed: {output}");
 }
 
+/// `program args`, spawned with no environment, in `/`, with default options.
+fn spawn(program: &str, args: &[&str]) -> Result<SandboxProcess, SandboxError> {
+    let args: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
+    spawn_group(std::path::Path::new(program), &args, &[], std::path::Path::new("/"), SpawnOptions::default())
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
@@ -73,15 +80,7 @@ fn a_spawned_process_starts_with_no_signal_blocked_nor_sigpipe_ignored() {
         // Handlers of the daemon's own, as a running daemon has them.
         let _term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).unwrap();
         // cat itself, not a shell (which sets its own mask).
-        let args = vec!["/proc/self/status".into()];
-        let mut process = spawn_group(
-            std::path::Path::new("/bin/cat"),
-            &args,
-            &[],
-            std::path::Path::new("/"),
-            SpawnOptions::default(),
-        )
-        .unwrap();
+        let mut process = spawn("/bin/cat", &["/proc/self/status"]).unwrap();
         drop(process.stdin.take());
         let mut out = String::new();
         use tokio::io::AsyncReadExt;
@@ -97,10 +96,7 @@ fn a_spawned_process_starts_with_no_signal_blocked_nor_sigpipe_ignored() {
 
 #[test]
 fn a_failed_exec_is_an_error_naming_the_program_and_its_errno() {
-    let error = runtime().block_on(async {
-        let program = std::path::Path::new("/nonexistent/harness");
-        spawn_group(program, &[], &[], std::path::Path::new("/"), SpawnOptions::default()).unwrap_err()
-    });
+    let error = runtime().block_on(async { spawn("/nonexistent/harness", &[]).unwrap_err() });
     let error = error.to_string();
     assert!(error.contains("/nonexistent/harness") && error.contains("No such file"), "{error}");
 }
@@ -109,15 +105,7 @@ fn a_failed_exec_is_an_error_naming_the_program_and_its_errno() {
 fn a_process_dropped_before_it_is_reaped_is_killed_and_leaves_no_zombie() {
     let runtime = runtime();
     let pid = runtime.block_on(async {
-        let args = vec!["1000".into()];
-        let process = spawn_group(
-            std::path::Path::new("/bin/sleep"),
-            &args,
-            &[],
-            std::path::Path::new("/"),
-            SpawnOptions::default(),
-        )
-        .unwrap();
+        let process = spawn("/bin/sleep", &["1000"]).unwrap();
         let pid = process.pgid();
         drop(process);
         for _ in 0..200 {
@@ -140,15 +128,7 @@ fn a_daemon_with_its_stdin_closed_still_gives_the_child_a_stdin() {
             // SAFETY: closes this process's fd 0, which nothing here reads;
             // the spawn's first pipe takes it.
             unsafe { libc::close(0) };
-            let args = vec!["-c".into(), "read line; echo got:$line".into()];
-            let mut process = spawn_group(
-                std::path::Path::new("/bin/sh"),
-                &args,
-                &[],
-                std::path::Path::new("/"),
-                SpawnOptions::default(),
-            )
-            .unwrap();
+            let mut process = spawn("/bin/sh", &["-c", "read line; echo got:$line"]).unwrap();
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
             let mut stdin = process.stdin.take().unwrap();
             stdin.write_all(b"hello\n").await.unwrap();

@@ -341,12 +341,12 @@ impl Core {
         // write of its own does. That write marks a sandbox made for this
         // run ready, too.
         if warm {
-            if self.repo.is_empty() {
-                // Named by the held write below.
-            } else if let Err(e) = self.engine.store.adopt_sandbox(&sandbox.id, self.recorder.subject()).await {
-                self.failed(FailureStage::SandboxCreate, &e.to_string());
-                self.destroy().await;
-                return Err(fail(FailureStage::SandboxCreate));
+            if !self.repo.is_empty() {
+                if let Err(e) = self.engine.store.adopt_sandbox(&sandbox.id, self.recorder.subject()).await {
+                    self.failed(FailureStage::SandboxCreate, &e.to_string());
+                    self.destroy().await;
+                    return Err(fail(FailureStage::SandboxCreate));
+                }
             }
             self.evidence
                 .notes

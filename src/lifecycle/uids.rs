@@ -2,22 +2,6 @@
 //! daemons on one store never hand out the same uid) before anything runs
 //! as it.
 
-/// A host uid in `range` for `sandbox_id`: first one the kernel knows no
-/// task of (one system call each); only when there is none, one whose tasks
-/// are all zombies (a /proc scan each: an init that reaps slowly leaves the
-/// sandboxes' orphaned zombies around for a while).
-pub(super) async fn allocate_own_uid(
-    store: &crate::store::Store,
-    range: crate::sandbox::UidRange,
-    sandbox_id: &str,
-) -> Result<Option<u32>, crate::store::StoreError> {
-    use crate::sandbox::host::{processes_of_uid, uid_may_have_processes};
-    match store.allocate_uid(range.first, range.last, sandbox_id, |uid| !uid_may_have_processes(uid)).await? {
-        Some(uid) => Ok(Some(uid)),
-        None => store.allocate_uid(range.first, range.last, sandbox_id, |uid| processes_of_uid(uid).is_empty()).await,
-    }
-}
-
 /// What was stored when making a sandbox's row and uid failed.
 pub(super) enum Stored {
     /// Nothing: the caller has nothing to undo.
@@ -27,9 +11,11 @@ pub(super) enum Stored {
 }
 
 /// The intent row of sandbox `sandbox_id` and its own host uid in `range`:
-/// in one commit when a uid the kernel knows no task of is free (the common
-/// case), else the row, then [`allocate_own_uid`]. `Ok(None)` (the row
-/// stored) when no uid is free.
+/// in one commit, with the first uid the kernel knows no task of (one
+/// system call each), the common case. When there is none: the row, then
+/// a uid whose tasks are all zombies (a /proc scan each: an init that reaps
+/// slowly leaves the sandboxes' orphaned zombies around for a while).
+/// `Ok(None)` (the row stored) when no uid is free.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn insert_with_own_uid(
     store: &crate::store::Store,
@@ -40,7 +26,7 @@ pub(super) async fn insert_with_own_uid(
     root: &std::path::Path,
     epoch: &str,
 ) -> Result<Option<u32>, Stored> {
-    use crate::sandbox::host::uid_may_have_processes;
+    use crate::sandbox::host::{processes_of_uid, uid_may_have_processes};
     let bounds = (range.first, range.last);
     match store
         .insert_sandbox_with_uid(sandbox_id, subject, backend, root, epoch, bounds, |uid| !uid_may_have_processes(uid))
@@ -51,5 +37,6 @@ pub(super) async fn insert_with_own_uid(
         Err(e) => return Err(Stored::Nothing(e)),
     }
     store.insert_sandbox(sandbox_id, subject, backend, root, epoch).await.map_err(Stored::Nothing)?;
-    allocate_own_uid(store, range, sandbox_id).await.map_err(Stored::Intent)
+    let no_live_task = |uid| processes_of_uid(uid).is_empty();
+    store.allocate_uid(range.first, range.last, sandbox_id, no_live_task).await.map_err(Stored::Intent)
 }

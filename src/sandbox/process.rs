@@ -136,9 +136,9 @@ pub fn spawn_group(
     let failure = vfork::Failure::default();
     let mut child = || {
         // SAFETY: runs in the vfork'd child (see `vfork::spawn`): system
-        // calls only (dup2, setpgid, write, setrlimit, raw setgroups,
-        // setresgid and setresuid, keyctl, prctl, fcntl, close_range,
-        // chdir, execve) on values built before the clone; no allocation.
+        // calls only (dup2, setpgid, write, setrlimit, `vfork::become_user`,
+        // keyctl, prctl, fcntl, close_range, chdir, execve) on values built
+        // before the clone; no allocation.
         unsafe {
             let run = || -> Result<(), ()> {
                 let check = |rc: libc::c_long| if rc < 0 { Err(()) } else { Ok(()) };
@@ -167,12 +167,9 @@ pub fn spawn_group(
                     }
                 }
                 if let Some(user) = user {
-                    // The raw system calls: glibc's would act on every
-                    // thread of the daemon, whose memory this child shares.
-                    let (uid, gid) = (libc::c_long::from(user.uid), libc::c_long::from(user.gid));
-                    check(libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()))?;
-                    check(libc::syscall(libc::SYS_setresgid, gid, gid, gid))?;
-                    check(libc::syscall(libc::SYS_setresuid, uid, uid, uid))?;
+                    if !vfork::become_user(user.uid, user.gid) {
+                        return Err(());
+                    }
                     // Not the daemon's (root's) session keyring: the sandbox
                     // would possess it, could write it, and pass keys on.
                     super::uid_state::join_fresh_session_keyring().map_err(|_| ())?;

@@ -192,21 +192,15 @@ fn clear_keyrings(uid: u32, gid: u32) -> Result<(), String> {
     // The failed step (high half) and its errno (low half).
     let report = AtomicU32::new(0);
     let mut child = || -> libc::c_int {
-        // SAFETY: runs in the vfork'd child: raw system calls (setgroups,
-        // setresgid, setresuid, keyctl) and an atomic store, nothing else.
+        // SAFETY: runs in the vfork'd child: `vfork::become_user`, raw
+        // keyctl system calls and an atomic store, nothing else.
         unsafe {
             let fail = |step: u32| -> libc::c_int {
                 let errno = *libc::__errno_location() as u32;
                 report.store((step << 16) | (errno & 0xffff), Ordering::SeqCst);
                 1
             };
-            // The raw system calls: glibc's would act on every thread of
-            // the daemon, whose memory this child shares.
-            let (uid, gid) = (libc::c_long::from(uid), libc::c_long::from(gid));
-            if libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) < 0
-                || libc::syscall(libc::SYS_setresgid, gid, gid, gid) < 0
-                || libc::syscall(libc::SYS_setresuid, uid, uid, uid) < 0
-            {
+            if !super::vfork::become_user(uid, gid) {
                 return fail(1);
             }
             let keyctl2 =

@@ -98,6 +98,20 @@ pub unsafe fn spawn(child: &mut dyn FnMut() -> libc::c_int) -> std::io::Result<l
     }
 }
 
+/// Becomes `uid`:`gid` with no supplementary groups, in a child of
+/// [`spawn`]: the raw system calls, which change this task alone (glibc's
+/// wrappers would act on every thread of the daemon, whose memory the child
+/// shares). Async-signal-safe; false on failure, with errno set.
+pub fn become_user(uid: u32, gid: u32) -> bool {
+    let (uid, gid) = (libc::c_long::from(uid), libc::c_long::from(gid));
+    // SAFETY: three system calls with integer arguments and a null list.
+    unsafe {
+        libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) == 0
+            && libc::syscall(libc::SYS_setresgid, gid, gid, gid) == 0
+            && libc::syscall(libc::SYS_setresuid, uid, uid, uid) == 0
+    }
+}
+
 /// Where a child records the first step that failed and its errno, for the
 /// parent to read after [`spawn`] returns.
 #[derive(Default)]
