@@ -8,7 +8,7 @@
 //! through a relay that reads the client's frames with h2's own codec (its
 //! HPACK decoder and frame limits), drops an `:authority` that is not a URI
 //! authority (a socket has no host), and writes the frames on to the server.
-//! The server's bytes go back to the client untouched; the peer's
+//! The server writes its bytes to the client's socket itself; the peer's
 //! credentials travel with the connection, so `[auth]` sees the same uid.
 //!
 //! The relay re-encodes what it reads, so two things it cannot carry
@@ -25,6 +25,7 @@ use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use h2::frame::{Frame, Headers};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{UnixListener, UnixStream};
 use tonic::transport::server::{Connected, UdsConnectInfo};
 
@@ -33,7 +34,7 @@ use super::ServeError;
 /// The HTTP/2 client connection preface (RFC 9113 §3.4).
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-/// Bytes buffered between the relay and the server in each direction.
+/// Bytes of the client's frames buffered between the relay and the server.
 const RELAY_BUFFER: usize = 256 * 1024;
 
 /// Binds the unix socket (replacing a stale one), mode 0660, owned by
@@ -60,10 +61,17 @@ pub(super) fn incoming(listener: UnixListener) -> impl futures_core::Stream<Item
     tokio_stream::wrappers::UnixListenerStream::new(listener).map(|accepted| accepted.map(relay))
 }
 
-/// The server's end of one relayed unix connection.
+/// The server's end of one unix connection: it reads the client's frames
+/// from the relay and writes its own bytes straight to the client's socket
+/// (they need no correction, and a stream of events to many watchers is
+/// nearly all of a connection's bytes).
 pub(super) struct Relayed {
-    io: DuplexStream,
+    /// The relay's output: the client's frames, corrected.
+    from_relay: DuplexStream,
+    to_client: OwnedWriteHalf,
     peer: UdsConnectInfo,
+    /// The relay's task, which reads the client: ended with the connection.
+    relay: tokio::task::AbortHandle,
 }
 
 impl Connected for Relayed {
@@ -75,41 +83,50 @@ impl Connected for Relayed {
 
 impl AsyncRead for Relayed {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        Pin::new(&mut self.from_relay).poll_read(cx, buf)
     }
 }
 
 impl AsyncWrite for Relayed {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        Pin::new(&mut self.to_client).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.to_client).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.to_client.is_write_vectored()
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
+        Pin::new(&mut self.to_client).poll_flush(cx)
     }
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
+        Pin::new(&mut self.to_client).poll_shutdown(cx)
+    }
+}
+
+impl Drop for Relayed {
+    fn drop(&mut self) {
+        self.relay.abort();
     }
 }
 
 fn relay(client: UnixStream) -> Relayed {
     let peer = client.connect_info();
-    let (server_end, relay_end) = tokio::io::duplex(RELAY_BUFFER);
-    tokio::spawn(run(client, relay_end));
-    Relayed { io: server_end, peer }
+    let (client_read, to_client) = client.into_split();
+    let (from_relay, relay_end) = tokio::io::duplex(RELAY_BUFFER);
+    let relay = tokio::spawn(forward(client_read, relay_end)).abort_handle();
+    Relayed { from_relay, to_client, peer, relay }
 }
 
-/// Copies the server's bytes to the client and the client's frames,
-/// corrected, to the server, until either side closes.
-async fn run(client: UnixStream, server: DuplexStream) {
-    let (client_read, mut client_write) = client.into_split();
-    let (mut server_read, server_write) = tokio::io::split(server);
-    let up = tokio::spawn(forward(client_read, server_write));
-    let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
-    let _ = client_write.shutdown().await;
-    up.abort();
-}
-
-async fn forward(mut client: tokio::net::unix::OwnedReadHalf, mut server: tokio::io::WriteHalf<DuplexStream>) {
+/// Writes the client's frames, corrected, to the server until the client
+/// closes or sends what cannot be relayed (the server then reads the end
+/// of its input and closes the connection).
+async fn forward(mut client: OwnedReadHalf, mut server: DuplexStream) {
     let mut preface = [0u8; PREFACE.len()];
     if client.read_exact(&mut preface).await.is_err() || server.write_all(&preface).await.is_err() {
         return;
@@ -166,6 +183,51 @@ fn corrected(frame: Frame) -> Option<Frame> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The server's bytes go to the client's socket as they are written,
+    /// the client's frames come through the relay, and once the server lets
+    /// go of the connection the socket is closed: the relay's task, which
+    /// reads the client, does not outlive it.
+    #[tokio::test]
+    async fn the_server_writes_to_the_client_and_the_relay_ends_with_the_connection() {
+        let (client, accepted) = UnixStream::pair().unwrap();
+        let mut server = relay(accepted);
+        let (mut client_read, mut client_write) = client.into_split();
+
+        server.write_all(b"from the server").await.unwrap();
+        server.flush().await.unwrap();
+        let mut got = [0u8; 15];
+        client_read.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"from the server");
+
+        let mut wire = PREFACE.to_vec();
+        wire.extend(frame(0x4, 0, 0, &[])); // an empty SETTINGS frame
+        client_write.write_all(&wire).await.unwrap();
+        let mut relayed = vec![0u8; wire.len()];
+        server.read_exact(&mut relayed).await.unwrap();
+        assert_eq!(relayed, wire);
+
+        drop(server);
+        let mut rest = Vec::new();
+        client_read.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "{rest:?}");
+        // The socket's other end is closed, not only shut for writing (the
+        // client sends nothing more that would end the relay by itself).
+        let fd = std::os::fd::AsRawFd::as_raw_fd(client_write.as_ref());
+        let hung_up = || {
+            let mut poll = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+            // SAFETY: one valid pollfd, no timeout.
+            unsafe { libc::poll(&mut poll, 1, 0) };
+            poll.revents & libc::POLLHUP != 0
+        };
+        let closed = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            while !hung_up() {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "the relay still reads the client after the server let go of the connection");
+    }
 
     /// Frames read from raw bytes the way the relay reads a client's.
     async fn frames(wire: &[u8]) -> Vec<Frame> {
