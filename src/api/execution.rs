@@ -127,7 +127,10 @@ pub fn event_stream_with(
             };
             let (message, sequence) = match next {
                 None => return,
-                Some(Ok(item)) => (Ok(super::wire::WireEvent::of(&item)), item.event.sequence),
+                Some(Ok(item)) => {
+                    let sequence = item.event.sequence;
+                    (Ok(super::wire::WireEvent::of(item)), sequence)
+                }
                 Some(Err(lag)) => {
                     let _ = tx.send(Err(status::lagged(lag))).await;
                     return;

@@ -13,6 +13,7 @@
 //! encoding, and every client decodes them as a `pb::LifecycleEvent`.
 
 use std::marker::PhantomData;
+use std::sync::{Arc, OnceLock};
 
 use bytes::{BufMut, Bytes};
 use tonic::codec::{BufferSettings, Codec};
@@ -23,15 +24,42 @@ use crate::events::BusItem;
 use crate::pb;
 
 /// An encoded `pb::LifecycleEvent`.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct WireEvent(Bytes);
+#[derive(Clone, Debug, PartialEq)]
+pub struct WireEvent(Encoded);
+
+#[derive(Clone, Debug, PartialEq)]
+enum Encoded {
+    /// The item's shared encoding, always set: held through the item's own
+    /// reference, so handing it over takes no further count on the bytes
+    /// (a thousand watchers on two cores would bounce that count).
+    Shared(Arc<OnceLock<Bytes>>),
+    /// An encoding of this stream's own.
+    Own(Bytes),
+}
+
+impl Default for WireEvent {
+    fn default() -> Self {
+        WireEvent(Encoded::Own(Bytes::new()))
+    }
+}
 
 impl WireEvent {
     /// The event of `item`, encoded: shared when it has no raw part.
-    pub fn of(item: &BusItem) -> WireEvent {
+    pub fn of(item: BusItem) -> WireEvent {
         match item.raw {
-            None => WireEvent(item.wire.get_or_init(|| encode(&convert::event(item))).clone()),
-            Some(_) => WireEvent(encode(&convert::event(item))),
+            None => {
+                item.wire.get_or_init(|| encode(&convert::event(&item)));
+                WireEvent(Encoded::Shared(item.wire))
+            }
+            Some(_) => WireEvent(Encoded::Own(encode(&convert::event(&item)))),
+        }
+    }
+
+    /// The encoded message.
+    pub fn bytes(&self) -> &[u8] {
+        match &self.0 {
+            Encoded::Shared(cell) => cell.get().map(|b| &b[..]).unwrap_or_default(),
+            Encoded::Own(bytes) => bytes,
         }
     }
 }
@@ -42,7 +70,7 @@ fn encode(event: &pb::LifecycleEvent) -> Bytes {
 
 impl prost::Message for WireEvent {
     fn encode_raw(&self, buf: &mut impl BufMut) {
-        buf.put_slice(&self.0);
+        buf.put_slice(self.bytes());
     }
 
     /// The daemon never decodes one (it only sends them): any field is
@@ -58,11 +86,11 @@ impl prost::Message for WireEvent {
     }
 
     fn encoded_len(&self) -> usize {
-        self.0.len()
+        self.bytes().len()
     }
 
     fn clear(&mut self) {
-        self.0 = Bytes::new();
+        *self = WireEvent::default();
     }
 }
 
@@ -105,7 +133,6 @@ where
 mod tests {
     use super::*;
     use crate::records::{Event, EventKind};
-    use std::sync::Arc;
 
     fn item(raw: Option<crate::events::RawPart>) -> BusItem {
         let event = Event {
@@ -120,7 +147,7 @@ mod tests {
     #[test]
     fn a_wire_event_is_the_message_encoding_exactly_and_decodes_as_one() {
         let item = item(None);
-        let wire = WireEvent::of(&item);
+        let wire = WireEvent::of(item.clone());
         let expected = prost::Message::encode_to_vec(&convert::event(&item));
         assert_eq!(prost::Message::encode_to_vec(&wire), expected);
         let decoded: pb::LifecycleEvent = prost::Message::decode(expected.as_slice()).unwrap();
@@ -131,11 +158,12 @@ mod tests {
     fn watchers_share_one_encoding_and_the_direct_caller_gets_its_own() {
         let shared = item(None);
         let copy = shared.clone();
-        let (a, b) = (WireEvent::of(&shared), WireEvent::of(&copy));
-        assert_eq!(a.0.as_ptr(), b.0.as_ptr(), "encoded once, the same bytes for both");
+        let (a, b) = (WireEvent::of(shared.clone()), WireEvent::of(copy));
+        assert_eq!(a.bytes().as_ptr(), b.bytes().as_ptr(), "encoded once, the same bytes for both");
+        assert_eq!(shared.wire.get().map(|b| b.as_ptr()), Some(a.bytes().as_ptr()), "the item's own encoding");
         let direct = item(Some(crate::events::RawPart::ProgressMessage("the harness's own words".into())));
-        let raw = WireEvent::of(&direct);
+        let raw = WireEvent::of(direct.clone());
         assert!(direct.wire.get().is_none(), "a raw part is never put in the shared encoding");
-        assert_ne!(raw, WireEvent::of(&item(None)));
+        assert_ne!(raw.bytes(), WireEvent::of(item(None)).bytes());
     }
 }
