@@ -163,31 +163,7 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
     if let Some(f) = &r.fanout {
         out.extend(fanout_delays(f));
         out.push(fanout_rate(f));
-        let full = f.levels.iter().find(|l| f.pace.is_none() && l.watchers == 1000 && l.events == 100_000);
-        let memory = "fanout W=1000: <= 64 KiB daemon memory per watcher at peak";
-        out.push(match full.and_then(|l| l.per_watcher_peak_kib.map(|k| (l, k))) {
-            Some((l, kib)) => {
-                // A process that already grew (earlier levels or scenarios:
-                // allocators keep what was freed) lends that memory to new
-                // watchers: the difference then understates what they cost.
-                let inflated = match (l.rss_before_kib, r.daemon_idle_rss_kib) {
-                    (Some(before), Some(idle)) => before > idle + idle / 2,
-                    _ => true,
-                };
-                let measured = format!(
-                    "{kib:.1} KiB at peak, {} KiB attached, from {} MiB before (RSS of {})",
-                    l.per_watcher_attached_kib.map(|k| format!("{k:.1}")).unwrap_or_else(|| "?".into()),
-                    mib(l.rss_before_kib),
-                    f.rss_of
-                );
-                if inflated {
-                    check(memory, format!("{measured}; not judged: run --watchers 1000 alone"), None)
-                } else {
-                    check(memory, measured, Some(kib <= 64.0))
-                }
-            }
-            None => check(memory, "not measured".into(), None),
-        });
+        out.push(fanout_memory(f, r.daemon_idle_rss_kib));
     }
     if let Some(i) = &r.ingest {
         out.push(check(
@@ -563,6 +539,41 @@ fn fanout_delays(f: &super::fanout::FanoutReport) -> Vec<TargetCheck> {
     out
 }
 
+/// The memory goal, from the unpaced W = 1,000 x 100,000 level. In-process
+/// the RSS is the bench's own, its 1,000 watcher clients included: an upper
+/// bound on the daemon's, so it can show the goal met but not missed.
+fn fanout_memory(f: &super::fanout::FanoutReport, daemon_idle_rss_kib: Option<u64>) -> TargetCheck {
+    let memory = "fanout W=1000: <= 64 KiB daemon memory per watcher at peak";
+    let full = f.levels.iter().find(|l| f.pace.is_none() && l.watchers == 1000 && l.events == 100_000);
+    let Some((l, kib)) = full.and_then(|l| l.per_watcher_peak_kib.map(|k| (l, k))) else {
+        return check(memory, "not measured".into(), None);
+    };
+    // A process that already grew (earlier levels or scenarios: allocators
+    // keep what was freed) lends that memory to new watchers: the
+    // difference then understates what they cost.
+    let inflated = match (l.rss_before_kib, daemon_idle_rss_kib) {
+        (Some(before), Some(idle)) => before > idle + idle / 2,
+        _ => true,
+    };
+    let measured = format!(
+        "{kib:.1} KiB at peak, {} KiB attached, from {} MiB before (RSS of {})",
+        l.per_watcher_attached_kib.map(|k| format!("{k:.1}")).unwrap_or_else(|| "?".into()),
+        mib(l.rss_before_kib),
+        f.rss_of
+    );
+    if inflated {
+        check(memory, format!("{measured}; not judged: run --watchers 1000 alone"), None)
+    } else if f.in_process && kib > 64.0 {
+        check(
+            memory,
+            format!("{measured}; not judged: the clients' memory is in it, measure the daemon alone with --server"),
+            None,
+        )
+    } else {
+        check(memory, measured, Some(kib <= 64.0))
+    }
+}
+
 /// Issue 27's sustained fanout goal: W = 1,000, unpaced, in-process.
 fn fanout_rate(f: &super::fanout::FanoutReport) -> TargetCheck {
     let rate = "fanout W=1000 in-process, unpaced: >= 2,000,000 deliveries/s";
@@ -644,6 +655,31 @@ mod tests {
             pace,
             levels: levels.iter().map(level).collect(),
         }
+    }
+
+    #[test]
+    fn memory_per_watcher_in_process_can_be_met_but_not_missed() {
+        let at = |in_process: bool, pace: Option<u64>, kib: f64| {
+            let mut report = fanout(in_process, pace, &[(1000, 1.0, 1.0, 1000)]);
+            let level = &mut report.levels[0];
+            level.events = 100_000;
+            level.rss_before_kib = Some(20 * 1024);
+            level.per_watcher_attached_kib = Some(16.0);
+            level.per_watcher_peak_kib = Some(kib);
+            super::fanout_memory(&report, Some(20 * 1024)).met
+        };
+        assert_eq!(at(false, None, 64.0), Some(true), "the daemon alone, at the goal");
+        assert_eq!(at(false, None, 64.1), Some(false), "the daemon alone, over it");
+        assert_eq!(at(true, None, 64.0), Some(true), "in-process: an upper bound under the goal");
+        assert_eq!(at(true, None, 70.0), None, "in-process over it: the clients may be the difference");
+        assert_eq!(at(false, Some(1000), 10.0), None, "a paced level is not the goal's level");
+        let mut grown = fanout(false, None, &[(1000, 1.0, 1.0, 1000)]);
+        grown.levels[0].events = 100_000;
+        grown.levels[0].rss_before_kib = Some(40 * 1024);
+        grown.levels[0].per_watcher_peak_kib = Some(10.0);
+        let check = super::fanout_memory(&grown, Some(20 * 1024));
+        assert_eq!(check.met, None, "a daemon that had grown before the level");
+        assert!(check.measured.ends_with("not judged: run --watchers 1000 alone"), "{}", check.measured);
     }
 
     fn judged(report: &super::super::fanout::FanoutReport) -> Vec<(String, Option<bool>)> {
