@@ -10,33 +10,25 @@ pub(super) enum Stored {
     Intent(crate::store::StoreError),
 }
 
-/// The intent row of sandbox `sandbox_id` and its own host uid in `range`:
+/// The intent row of sandbox `new` and its own host uid in `range`:
 /// in one commit, with the first uid the kernel knows no task of (one
 /// system call each), the common case. When there is none: the row, then
 /// a uid whose tasks are all zombies (a /proc scan each: an init that reaps
 /// slowly leaves the sandboxes' orphaned zombies around for a while).
 /// `Ok(None)` (the row stored) when no uid is free.
-#[allow(clippy::too_many_arguments)]
 pub(super) async fn insert_with_own_uid(
     store: &crate::store::Store,
     range: crate::sandbox::UidRange,
-    sandbox_id: &str,
-    subject: &str,
-    backend: &str,
-    root: &std::path::Path,
-    epoch: &str,
+    new: crate::store::NewSandbox<'_>,
 ) -> Result<Option<u32>, Stored> {
     use crate::sandbox::host::{processes_of_uid, uid_may_have_processes};
     let bounds = (range.first, range.last);
-    match store
-        .insert_sandbox_with_uid(sandbox_id, subject, backend, root, epoch, bounds, |uid| !uid_may_have_processes(uid))
-        .await
-    {
+    match store.insert_sandbox_with_uid(new, bounds, |uid| !uid_may_have_processes(uid)).await {
         Ok(Some(uid)) => return Ok(Some(uid)),
         Ok(None) => {}
         Err(e) => return Err(Stored::Nothing(e)),
     }
-    store.insert_sandbox(sandbox_id, subject, backend, root, epoch).await.map_err(Stored::Nothing)?;
+    store.insert_sandbox(new).await.map_err(Stored::Nothing)?;
     let no_live_task = |uid| processes_of_uid(uid).is_empty();
-    store.allocate_uid(range.first, range.last, sandbox_id, no_live_task).await.map_err(Stored::Intent)
+    store.allocate_uid(range.first, range.last, new.sandbox_id, no_live_task).await.map_err(Stored::Intent)
 }

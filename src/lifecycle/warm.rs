@@ -87,25 +87,19 @@ pub(super) async fn make_sandbox(
         engine.store_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
         Err(error)
     };
+    let new = crate::store::NewSandbox {
+        sandbox_id: &sandbox_id,
+        subject_id: subject,
+        backend: backend_name,
+        root: &root,
+        epoch: &engine.epoch,
+    };
     let user = match engine.uid_range {
         None => {
-            store
-                .insert_sandbox(&sandbox_id, subject, backend_name, &root, &engine.epoch)
-                .await
-                .map_err(|e| e.to_string())?;
+            store.insert_sandbox(new).await.map_err(|e| e.to_string())?;
             None
         }
-        Some(range) => match super::uids::insert_with_own_uid(
-            store,
-            range,
-            &sandbox_id,
-            subject,
-            backend_name,
-            &root,
-            &engine.epoch,
-        )
-        .await
-        {
+        Some(range) => match super::uids::insert_with_own_uid(store, range, new).await {
             Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
             Ok(None) => return gone(format!("no free sandbox uid in {}-{}", range.first, range.last)).await,
             Err(super::uids::Stored::Nothing(e)) => return Err(e.to_string()),

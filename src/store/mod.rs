@@ -27,6 +27,7 @@ mod stored;
 
 pub use nodes::{NodeRequest, NodeRow, NodeState};
 pub use queue::{Admit, Claimed, Enqueued, QueuedWork, SessionInsert};
+pub use sandboxes::NewSandbox;
 
 /// Why a store operation failed. Every variant means the record could not be
 /// read or written as asked; the operation did not take effect.
@@ -442,7 +443,8 @@ mod tests {
         let root = Path::new("/var/lib/corral/sandboxes/s1");
         let insert = |id: &'static str, usable: fn(u32) -> bool| {
             let store = &store;
-            async move { store.insert_sandbox_with_uid(id, "e1", "linux_bwrap", root, "ep", (10, 11), usable).await }
+            let new = NewSandbox { sandbox_id: id, subject_id: "e1", backend: "linux_bwrap", root, epoch: "ep" };
+            async move { store.insert_sandbox_with_uid(new, (10, 11), usable).await }
         };
         assert_eq!(insert("s1", |_| true).await.unwrap(), Some(10));
         assert_eq!(store.sandbox_uid("s1").await.unwrap(), Some(10));

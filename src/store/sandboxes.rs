@@ -2,28 +2,28 @@
 
 use super::*;
 
+/// A sandbox about to be made: what its intent row records.
+#[derive(Clone, Copy, Debug)]
+pub struct NewSandbox<'a> {
+    /// The sandbox's id.
+    pub sandbox_id: &'a str,
+    /// The run it is made for; empty for a warm sandbox.
+    pub subject_id: &'a str,
+    /// The backend that makes it (`linux_bwrap`, ...).
+    pub backend: &'a str,
+    /// The sandbox's directory on the host.
+    pub root: &'a Path,
+    /// The daemon instance that makes it.
+    pub epoch: &'a str,
+}
+
 impl Store {
     /// Records the intent to create a sandbox, before the backend acts.
-    pub async fn insert_sandbox(
-        &self,
-        sandbox_id: &str,
-        subject_id: &str,
-        backend: &str,
-        root: &Path,
-        epoch: &str,
-    ) -> Result<(), StoreError> {
-        self.insert_sandbox_on(&self.pool, sandbox_id, subject_id, backend, root, epoch).await
+    pub async fn insert_sandbox(&self, new: NewSandbox<'_>) -> Result<(), StoreError> {
+        self.insert_sandbox_on(&self.pool, new).await
     }
 
-    async fn insert_sandbox_on<'c, E>(
-        &self,
-        conn: E,
-        sandbox_id: &str,
-        subject_id: &str,
-        backend: &str,
-        root: &Path,
-        epoch: &str,
-    ) -> Result<(), StoreError>
+    async fn insert_sandbox_on<'c, E>(&self, conn: E, new: NewSandbox<'_>) -> Result<(), StoreError>
     where
         E: sqlx::Executor<'c, Database = sqlx::Any>,
     {
@@ -32,12 +32,12 @@ impl Store {
             "INSERT INTO sandboxes (sandbox_id, subject_id, backend, state, root_path, instance_epoch, created_at_ms, updated_at_ms, node)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         )
-        .bind(sandbox_id)
-        .bind(subject_id)
-        .bind(backend)
+        .bind(new.sandbox_id)
+        .bind(new.subject_id)
+        .bind(new.backend)
         .bind(SandboxState::Creating.as_str())
-        .bind(root.to_string_lossy().as_ref())
-        .bind(epoch)
+        .bind(new.root.to_string_lossy().as_ref())
+        .bind(new.epoch)
         .bind(now)
         .bind(now)
         .bind(&self.node)
@@ -112,20 +112,15 @@ impl Store {
     /// [`Store::insert_sandbox`] and [`Store::allocate_uid`] in one commit:
     /// the intent row and its uid, for a sandbox about to be made. `None`
     /// when no uid is `usable`: then nothing is stored.
-    #[allow(clippy::too_many_arguments)]
     pub async fn insert_sandbox_with_uid(
         &self,
-        sandbox_id: &str,
-        subject_id: &str,
-        backend: &str,
-        root: &Path,
-        epoch: &str,
+        new: NewSandbox<'_>,
         (first, last): (u32, u32),
         usable: impl Fn(u32) -> bool,
     ) -> Result<Option<u32>, StoreError> {
         let mut tx = self.pool.begin().await?;
-        self.insert_sandbox_on(&mut *tx, sandbox_id, subject_id, backend, root, epoch).await?;
-        match allocate_uid_on(&mut tx, &self.node, first, last, sandbox_id, usable).await? {
+        self.insert_sandbox_on(&mut *tx, new).await?;
+        match allocate_uid_on(&mut tx, &self.node, first, last, new.sandbox_id, usable).await? {
             Some(uid) => {
                 tx.commit().await?;
                 Ok(Some(uid))
