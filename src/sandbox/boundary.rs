@@ -243,12 +243,20 @@ impl Boundary {
     /// is left), what a `none` sandbox left on the host, its cgroup, its
     /// files. Succeeds only if all of that did.
     ///
-    /// The sandbox's own uid is swept until no task of it is alive at all,
-    /// not even one past `cgroup_exit` that has yet to finish exiting
-    /// (under the sandbox's CPU quota that tail can be long; one
-    /// getpriority(2) call when none is). Its uid goes to no other sandbox
-    /// while any task of it is alive, nor while only its zombies are left
-    /// unless no uid in the range is free of tasks: see `allocate_uid`.
+    /// Nothing of the sandbox's own uid may still be running when this
+    /// succeeds, not even a killed task that has left `cgroup.procs` but
+    /// not yet released its memory and files (under the sandbox's CPU
+    /// quota that tail can be long). A sandbox that [`exits_in_its_cgroup`]
+    /// waits for its cgroup's `populated 0`. Any other (a `none` one, one
+    /// left by a crashed daemon, one without a v2 cgroup, one that binds
+    /// host paths) has its uid swept: one
+    /// getpriority(2) call when no task of it is left, else a walk of
+    /// `/proc`. The walk is what a bubblewrap sandbox avoids: bwrap exits
+    /// before it reaps its pid-1 child, so the uid keeps a zombie until the
+    /// host's init reaps it, and getpriority counts zombies. Its uid goes
+    /// to no other sandbox while any task of it is alive, nor while only
+    /// its zombies are left unless no uid in the range is free of tasks:
+    /// see `allocate_uid`.
     pub async fn reclaim(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
         let mut errors = Vec::new();
         // Only a uid that is the sandbox's alone: never one shared with
@@ -259,8 +267,12 @@ impl Boundary {
         let own = own_uid(sandbox);
         let mut uid_gone = false;
         if let Some(user) = own {
-            match kill_uid(user.uid, KILL_TIMEOUT).await {
-                Ok(_) => uid_gone = true,
+            let gone = match exits_in_its_cgroup(sandbox) {
+                Some(cgroup) => cgroup.wait_exited(KILL_TIMEOUT).await.map_err(|e| e.to_string()),
+                None => kill_uid(user.uid, KILL_TIMEOUT).await.map(drop),
+            };
+            match gone {
+                Ok(()) => uid_gone = true,
                 Err(e) => errors.push(e),
             }
         }
@@ -300,6 +312,22 @@ impl Boundary {
         let stopped = self.stop(sandbox).await;
         super::both(stopped, self.reclaim(sandbox).await)
     }
+}
+
+/// The cgroup that every process of a sandbox's own uid is in, when its
+/// `populated 0` (see [`SandboxCgroup::wait_exited`]) proves that none of
+/// them is left: a bubblewrap sandbox's with a cgroup v2 directory, that
+/// binds no host path beyond the system's directories. Every process of
+/// the uid started in that cgroup (`spawn_group` joins it before taking
+/// the uid, and nothing else runs as it); none can leave it (no
+/// capability, no cgroupfs inside); and with its own network namespace and
+/// no host path that could hold a host service's socket, none can ask a
+/// service on the host to start one outside it.
+fn exits_in_its_cgroup(sandbox: &Sandbox) -> Option<&super::cgroup::SandboxCgroup> {
+    let spec = &sandbox.spec;
+    let binds_host = !spec.read_paths.is_empty() || spec.write_paths.iter().any(|p| Path::new(p).is_absolute());
+    let bwrap = sandbox.backend == super::SandboxType::LinuxBwrap;
+    sandbox.cgroup.as_deref().filter(|c| bwrap && !binds_host && c.tracks_exit())
 }
 
 /// The sandbox's uid when it is its own (not the daemon's, nor shared).
@@ -343,5 +371,55 @@ pub(super) async fn remove_root(root: &Path) -> Result<(), SandboxError> {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(SandboxError::Destroy(format!("remove {}: {e}", root.display()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::cgroup::tests::fixture::Tree;
+    use super::super::cgroup::{CgroupHost, CgroupLimits};
+    use super::*;
+
+    fn sandbox(backend: super::super::SandboxType, cgroup: Option<&CgroupHost>) -> Sandbox {
+        Sandbox {
+            id: "sb1".into(),
+            backend,
+            state: super::super::SandboxState::Ready,
+            consumer: Default::default(),
+            spec: Default::default(),
+            root: "/nonexistent".into(),
+            workspace: "/nonexistent/workspace".into(),
+            home: "/nonexistent/home".into(),
+            user: Some(super::super::HostUser { uid: 200_000, gid: 200_000 }),
+            limits: SandboxLimits::default(),
+            cgroup: cgroup.map(|host| Arc::new(host.create("sb1", &CgroupLimits::default()).unwrap())),
+            egress: None,
+            gate: Default::default(),
+            receipt: super::super::EnforcementReceipt { own_uid: true, ..Default::default() },
+        }
+    }
+
+    /// Only a bubblewrap sandbox in a cgroup v2 directory, binding no host
+    /// path, is trusted to have all of its uid's processes in its cgroup;
+    /// every other one has its uid swept.
+    #[test]
+    fn which_sandboxes_skip_the_uid_sweep() {
+        use super::super::SandboxType::{LinuxBwrap, None as NoneType};
+        let (v2, v1) = (Tree::v2(&["memory", "pids", "cpu"], true), Tree::v1(&["memory", "pids", "cpu"]));
+        let (v2, v1) = (CgroupHost::detect(v2.path(), "corral"), CgroupHost::detect(v1.path(), "corral"));
+        let trusted = |s: &Sandbox| exits_in_its_cgroup(s).is_some();
+        assert!(trusted(&sandbox(LinuxBwrap, Some(&v2))));
+        let mut relative = sandbox(LinuxBwrap, Some(&v2));
+        relative.spec.write_paths = vec![".".into(), "build".into()];
+        assert!(trusted(&relative), "paths inside the workspace bind nothing of the host");
+        let mut reads = sandbox(LinuxBwrap, Some(&v2));
+        reads.spec.read_paths = vec!["/opt/tools".into()];
+        assert!(!trusted(&reads), "a host path may hold a host service's socket");
+        let mut writes = sandbox(LinuxBwrap, Some(&v2));
+        writes.spec.write_paths = vec!["/var/cache/x".into()];
+        assert!(!trusted(&writes));
+        assert!(!trusted(&sandbox(NoneType, Some(&v2))), "a none sandbox reaches the host's services");
+        assert!(!trusted(&sandbox(LinuxBwrap, Some(&v1))), "no cgroup.events to read");
+        assert!(!trusted(&sandbox(LinuxBwrap, None)));
     }
 }

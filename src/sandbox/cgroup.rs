@@ -460,6 +460,48 @@ impl SandboxCgroup {
         }
     }
 
+    /// The v2 directory's `cgroup.events`, if the sandbox has one: its
+    /// `populated` key is 0 only once every task of the cgroup has passed
+    /// the kernel's `cgroup_exit`, which comes after the task released its
+    /// memory and its files (`exit_mm`, `exit_files`, the final `fput`s) and
+    /// just before it becomes a zombie. `cgroup.procs` is not that: it drops
+    /// a process at the very start of its exit.
+    fn events_file(&self) -> Option<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.events")).find(|f| f.is_file())
+    }
+
+    /// Whether [`Self::wait_exited`] can tell when every task has exited.
+    pub fn tracks_exit(&self) -> bool {
+        self.events_file().is_some()
+    }
+
+    /// Kills what is left and waits until every task of the cgroup has
+    /// finished exiting (`populated 0` in `cgroup.events`: nothing left but
+    /// zombies), up to `timeout`. Without a v2 directory there is nothing to
+    /// read: an error, so the caller sweeps by uid instead.
+    pub async fn wait_exited(&self, timeout: Duration) -> Result<(), CgroupError> {
+        let Some(events) = self.events_file() else {
+            let reason = "the sandbox has no cgroup v2 directory".to_string();
+            return Err(CgroupError::Unsupported { what: "waiting for its tasks to exit", reason });
+        };
+        let deadline = Instant::now() + timeout;
+        loop {
+            // An unreadable file counts as populated: this never reports an
+            // exit it did not see.
+            if read_key(&events, "populated") == Some(0) {
+                return Ok(());
+            }
+            let pids = self.pids();
+            if Instant::now() >= deadline {
+                return Err(CgroupError::NotEmpty { path: events, pids, timeout });
+            }
+            if !pids.is_empty() {
+                self.kill_pass(&pids);
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     /// Which limits were hit so far. The v1 `memory.failcnt` fallback (old
     /// kernels without `oom_kill` in `memory.oom_control`) only tells that
     /// the limit was reached, so it counts as one.
@@ -623,7 +665,7 @@ fn probe(root: &Path, parent: &str, check: impl FnOnce(&Path) -> Result<(), Stri
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::io::{BufRead, BufReader};
     use std::os::fd::AsRawFd;
@@ -1092,6 +1134,60 @@ mod tests {
         }
         cg.remove().expect("remove is idempotent");
         assert!(host.open(&name).is_none());
+    }
+
+    /// `wait_exited` returns once `cgroup.events` says `populated 0`, not
+    /// before, and not at all while it says 1; a cgroup without a v2
+    /// directory cannot say, so the caller is told to sweep by uid.
+    #[tokio::test]
+    async fn fixture_wait_exited_reads_populated_and_nothing_else() {
+        let tree = Tree::v2(&ALL, true);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        let cg = host.create("sb1", &LIMITS).unwrap();
+        let events = tree.path().join("corral/sb1/cgroup.events");
+        assert!(cg.tracks_exit());
+        fs::write(&events, "populated 1\nfrozen 0\n").unwrap();
+        let stuck = cg.wait_exited(Duration::from_millis(50)).await;
+        assert!(matches!(stuck, Err(CgroupError::NotEmpty { .. })), "{stuck:?}");
+        let flip = events.clone();
+        let flipper = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(60)).await;
+            fs::write(&flip, "populated 0\nfrozen 0\n").unwrap();
+        });
+        let started = Instant::now();
+        cg.wait_exited(Duration::from_secs(5)).await.expect("populated 0 seen");
+        assert!(started.elapsed() >= Duration::from_millis(60), "returned before the flip");
+        flipper.await.unwrap();
+        // The key, not the line: "frozen 0" alone is not an exit.
+        fs::write(&events, "frozen 0\n").unwrap();
+        assert!(cg.wait_exited(Duration::from_millis(20)).await.is_err());
+        cg.remove().unwrap();
+
+        let v1 = Tree::v1(&ALL);
+        let cg = CgroupHost::detect(v1.path(), "corral").create("sb1", &LIMITS).unwrap();
+        assert!(!cg.tracks_exit());
+        assert!(matches!(cg.wait_exited(Duration::from_secs(1)).await, Err(CgroupError::Unsupported { .. })));
+        cg.remove().unwrap();
+    }
+
+    /// On this kernel: `wait_exited` kills what is in the cgroup, and once
+    /// it returns the process is a zombie (its memory and files released),
+    /// not a task still exiting.
+    #[tokio::test]
+    async fn wait_exited_leaves_only_a_zombie() {
+        let cg = create(CgroupLimits::default());
+        if !cg.tracks_exit() {
+            panic!("this host's sandbox cgroups have no v2 directory: cgroup.events cannot be read");
+        }
+        let files = cg.procs_files().unwrap();
+        let mut child = spawn_in(&files, Command::new("sleep").arg("600"));
+        let pid = child.id();
+        wait_until("sleep to join the cgroup", || cg.pids().contains(&(pid as i32)));
+        cg.wait_exited(Duration::from_secs(5)).await.expect("exited");
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start().chars().next());
+        assert_eq!(state, Some(Some('Z')), "{stat}");
+        assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGKILL));
     }
 
     /// The v1 path: no cgroup.kill, so SIGKILL every pid and re-read, while
