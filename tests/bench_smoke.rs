@@ -45,6 +45,9 @@ async fn latency_with_a_warm_pool_measures_warm_runs_against_the_same_floor() {
     assert!(warm.errors.is_empty() && warm.floor_errors == 0, "{:?}", warm.errors);
     // The pool refills between sequential runs (a floor spawn apart).
     assert!(warm.warm_runs >= 1, "no timed run took a warm sandbox");
+    // Every sample began with each warm sandbox's waiter blocked on its
+    // request, seen in /proc (not merely the pool full).
+    assert!(warm.settled, "a timed sample began before the warm sandboxes' waiters were ready");
     assert_eq!(warm.accepted_to_dispatched.count, 4);
     assert!(warm.floor_matches_receipt, "a warm sandbox's receipt is the floor's command line too");
     for name in ["latency, warm pool: corral Execute p50", "latency, warm pool: accepted -> dispatched"] {

@@ -250,6 +250,15 @@ impl Engine {
         self.warm.pools().levels()
     }
 
+    /// The host pids in each waiting warm sandbox's cgroup (an empty list
+    /// for one without a cgroup). A waiting sandbox is put in its pool once
+    /// bwrap is spawned, and is still setting up its namespaces and
+    /// starting its waiter for a while after.
+    pub fn warm_processes(&self) -> Vec<Vec<i32>> {
+        let pools = self.warm.pools();
+        pools.waiting().map(|w| w.sandbox.cgroup.as_ref().map(|c| c.pids()).unwrap_or_default()).collect()
+    }
+
     /// Starts the fillers of the warm pools, if any is configured: they
     /// keep each full, [`fillers`] sandboxes at a time, until the daemon
     /// drains.

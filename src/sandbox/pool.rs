@@ -128,6 +128,11 @@ impl<T> Pools<T> {
     pub fn levels(&self) -> Vec<(String, usize, usize)> {
         self.pools.iter().map(|p| (p.profile_ref.clone(), p.warm.len(), p.size)).collect()
     }
+
+    /// Every waiting item, in every pool.
+    pub fn waiting(&self) -> impl Iterator<Item = &T> {
+        self.pools.iter().flat_map(|p| p.warm.iter())
+    }
 }
 
 #[cfg(test)]

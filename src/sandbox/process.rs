@@ -182,7 +182,8 @@ pub fn spawn_group(
                 // or file-capability binary, in a `none` sandbox too; bwrap sets
                 // it again inside): its effective uid stays its real one, the
                 // sandbox's own, which is what teardown's sweep of that uid
-                // reads (`host::processes_of_uid`).
+                // reads (`host::processes_of_uid`) where it cannot wait on the
+                // cgroup instead (`boundary::exits_in_its_cgroup`).
                 check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1 as libc::c_ulong, 0, 0, 0).into())?;
                 // Park every passed descriptor high first, then put them at 3,
                 // 4, … (dup2 clears close-on-exec on the copy). All parked

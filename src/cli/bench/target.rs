@@ -60,6 +60,15 @@ pub struct Target {
     engine: Option<std::sync::Arc<crate::lifecycle::Engine>>,
 }
 
+/// Whether `pid` runs `waiter` (the corral binary the daemon starts as a
+/// warm sandbox's first process) and sleeps reading a pipe (its request,
+/// on stdin).
+fn blocked_waiter(pid: i32, waiter: Option<&Path>) -> bool {
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+    let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
+    exe.is_some() && exe.as_deref() == waiter && wchan.ends_with("pipe_read")
+}
+
 impl Target {
     pub fn in_process_mode(&self) -> bool {
         matches!(self.mode, Mode::InProcess { .. })
@@ -132,9 +141,13 @@ impl Target {
     }
 
     /// Waits (up to 10 s) until the in-process daemon is quiet: every
-    /// sandbox a run stopped given back, every warm pool full. A timed
-    /// sample then pays for no earlier run's background work. `false` when
-    /// it cannot know (a `--server` daemon) or did not get quiet in time.
+    /// sandbox a run stopped given back, every warm pool full, and every
+    /// warm sandbox's waiter started and blocked on its request (not still
+    /// being started: bwrap sets up and the waiter starts after the
+    /// sandbox is in its pool). A timed sample then pays for no earlier
+    /// run's background work. `false` when it cannot know (a `--server`
+    /// daemon, a warm sandbox without a cgroup) or did not get quiet in
+    /// time.
     pub async fn settle(&self) -> bool {
         let Some(engine) = &self.engine else { return false };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -147,7 +160,20 @@ impl Target {
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        true
+        let waiter = engine.hook_program.as_deref();
+        loop {
+            let sandboxes = engine.warm_processes();
+            if sandboxes.iter().any(Vec::is_empty) {
+                return false;
+            }
+            if sandboxes.iter().all(|pids| pids.iter().any(|pid| blocked_waiter(*pid, waiter))) {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
 
     /// A daemon that runs already, called with `remote`'s token and TLS
