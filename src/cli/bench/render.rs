@@ -225,8 +225,11 @@ fn latency_section(out: &mut String, title: &str, l: &super::LatencyReport) {
     let _ = writeln!(
         out,
         "{}",
-        if l.settled {
-            "each timed sample, either side, began on a quiet daemon: earlier sandboxes given back, the pool full"
+        if l.settled && l.warm_pool > 0 {
+            "each timed sample, either side, began on a quiet daemon: earlier sandboxes given back, the pool \
+             full, every warm sandbox's waiter blocked on its request"
+        } else if l.settled {
+            "each timed sample, either side, began on a quiet daemon: earlier sandboxes given back"
         } else {
             "samples not settled: the bench cannot see this daemon's background work (teardown, refills)"
         }
