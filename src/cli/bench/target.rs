@@ -328,6 +328,28 @@ mod tests {
         assert_eq!(loopback_port("http://example.com:50051"), None);
     }
 
+    /// The predicate a settled warm sample waits for, on real processes:
+    /// the program reading its stdin pipe is a blocked waiter; the same
+    /// program under another path, or a process asleep elsewhere, is not.
+    #[test]
+    fn a_blocked_waiter_is_its_program_asleep_in_a_pipe_read() {
+        use std::process::{Command, Stdio};
+        let (cat, sleep) = (Path::new("/usr/bin/cat"), Path::new("/usr/bin/sleep"));
+        let mut reader = Command::new(cat).stdin(Stdio::piped()).stdout(Stdio::null()).spawn().expect("cat");
+        let mut sleeper = Command::new(sleep).arg("30").stdin(Stdio::piped()).spawn().expect("sleep");
+        let (r, z) = (reader.id() as i32, sleeper.id() as i32);
+        let blocked = (0..500).any(|_| {
+            std::thread::sleep(Duration::from_millis(10));
+            blocked_waiter(r, Some(cat))
+        });
+        assert!(blocked, "cat never seen blocked on its stdin");
+        assert!(!blocked_waiter(r, Some(sleep)), "another program");
+        assert!(!blocked_waiter(r, None), "no waiter program known");
+        assert!(!blocked_waiter(z, Some(sleep)), "asleep, but not in a pipe read");
+        let _ = (reader.kill(), sleeper.kill(), reader.wait(), sleeper.wait());
+        assert!(!blocked_waiter(r, Some(cat)), "reaped: no such process");
+    }
+
     #[test]
     fn the_fake_agent_profile_parses() {
         let text = fake_agent_profile(Path::new("/x/harness"), Path::new("/x/harness/fake_agent.py"));
