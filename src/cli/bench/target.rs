@@ -58,6 +58,11 @@ pub struct Target {
     remove: Option<PathBuf>,
     /// The daemon's engine, when it runs in this process.
     engine: Option<std::sync::Arc<crate::lifecycle::Engine>>,
+    /// Set once [`Target::settle`] waited in vain for a warm sandbox's
+    /// waiter (a host whose `/proc/<pid>/wchan` names no function): later
+    /// samples are reported unsettled at once instead of each waiting out
+    /// the deadline.
+    waiters_unseen: std::sync::atomic::AtomicBool,
 }
 
 /// Whether `pid` runs `waiter` (the corral binary the daemon starts as a
@@ -137,6 +142,7 @@ impl Target {
             fake_agent,
             remove,
             engine,
+            waiters_unseen: Default::default(),
         })
     }
 
@@ -161,6 +167,7 @@ impl Target {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let waiter = engine.hook_program.as_deref();
+        let unseen = &self.waiters_unseen;
         loop {
             let sandboxes = engine.warm_processes();
             if sandboxes.iter().any(Vec::is_empty) {
@@ -169,7 +176,11 @@ impl Target {
             if sandboxes.iter().all(|pids| pids.iter().any(|pid| blocked_waiter(*pid, waiter))) {
                 return true;
             }
+            if unseen.load(std::sync::atomic::Ordering::Relaxed) {
+                return false;
+            }
             if tokio::time::Instant::now() >= deadline {
+                unseen.store(true, std::sync::atomic::Ordering::Relaxed);
                 return false;
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -200,6 +211,7 @@ impl Target {
             fake_agent,
             remove: Some(root),
             engine: None,
+            waiters_unseen: Default::default(),
         })
     }
 
