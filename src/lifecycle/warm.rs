@@ -255,8 +255,10 @@ impl Engine {
     /// bwrap is spawned, and is still setting up its namespaces and
     /// starting its waiter for a while after.
     pub fn warm_processes(&self) -> Vec<Vec<i32>> {
-        let pools = self.warm.pools();
-        pools.waiting().map(|w| w.sandbox.cgroup.as_ref().map(|c| c.pids()).unwrap_or_default()).collect()
+        // The cgroups' files are read after the lock is let go: a run taking
+        // a warm sandbox waits on that lock.
+        let cgroups: Vec<_> = self.warm.pools().waiting().map(|w| w.sandbox.cgroup.clone()).collect();
+        cgroups.iter().map(|c| c.as_ref().map(|c| c.pids()).unwrap_or_default()).collect()
     }
 
     /// Starts the fillers of the warm pools, if any is configured: they
