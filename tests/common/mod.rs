@@ -343,9 +343,21 @@ pub fn postgres_admin_url() -> String {
     )
 }
 
+/// A new database, `corral_test_<run>_<uuid v7>` under scripts/test (which
+/// sets `CORRAL_TEST_RUN` and drops the run's databases when it ends, and
+/// leftovers by the uuid's time), `corral_test_<uuid v7>` otherwise.
 pub async fn create_postgres_database(admin: &str) -> String {
     use sqlx::Connection;
-    let name = format!("corral_test_{}", uuid::Uuid::now_v7().simple());
+    let uuid = uuid::Uuid::now_v7().simple();
+    let run = std::env::var("CORRAL_TEST_RUN").ok();
+    // Lower-case hex, as PostgreSQL folds the unquoted name; short enough
+    // for its 63-byte identifiers.
+    let lower_hex =
+        |r: &String| (1..=16).contains(&r.len()) && r.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    let name = match run.filter(lower_hex) {
+        Some(run) => format!("corral_test_{run}_{uuid}"),
+        None => format!("corral_test_{uuid}"),
+    };
     let mut conn = sqlx::PgConnection::connect(admin).await.expect("CORRAL_TEST_POSTGRES answers");
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await.expect("create test database");
     let base = admin.rsplit_once('/').map(|(base, _)| base).unwrap_or(admin);
