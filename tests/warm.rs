@@ -142,10 +142,11 @@ async fn a_pool_refills_more_than_one_sandbox_at_once_and_each_serves_one_run() 
 }
 
 /// Making a sandbox keeps a core busy: the pool a run took its sandbox
-/// from refills once the run's harness has its task, not while the harness
-/// is being started (a start held 300 ms sees no second create).
+/// from refills once the run is over (or has run a while, next test), not
+/// while the harness is being started (a start held 300 ms sees no second
+/// create).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pool_refills_once_the_run_that_took_from_it_has_dispatched() {
+async fn a_pool_does_not_refill_while_the_harness_of_the_run_that_took_from_it_starts() {
     require_bwrap();
     let (backends, log) = faults::bwrap_with(faults::BackendFaults { slow_spawn: true, ..Default::default() });
     let daemon = TestDaemon::start(Options { backends: Some(backends), ..pooled(1) }).await;
@@ -364,6 +365,25 @@ async fn start_hanging(channel: tonic::transport::Channel, repo: &str) -> (Strin
         }
     }
     panic!("the execution ended before its harness reported progress");
+}
+
+/// A run that goes on does not keep its pool short: the refill begins a
+/// short while after the harness has its task, the run still going.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_refills_while_the_run_that_took_from_it_goes_on() {
+    require_bwrap();
+    let (backends, log) = faults::bwrap_with(faults::BackendFaults::default());
+    let daemon = TestDaemon::start(Options { backends: Some(backends), ..pooled(1) }).await;
+    full(&daemon).await;
+    let (run, sandbox) = start_hanging(daemon.channel().await, "").await;
+    full(&daemon).await;
+    assert_eq!(log.lock().unwrap().creates, 2, "the pool refilled while the run went on");
+    let mut client = daemon.executions().await;
+    let get = pb::GetExecutionRequest { execution_id: run.clone(), ..Default::default() };
+    let running = client.get_execution(get).await.unwrap().into_inner();
+    assert_eq!(running.state, pb::ExecutionState::Running as i32, "the run {run} in {sandbox} ended");
+    client.cancel_execution(pb::CancelExecutionRequest { execution_id: run }).await.unwrap();
+    daemon.stop().await;
 }
 
 /// A sandbox made for a run (no pool here) reads `ready` in the store

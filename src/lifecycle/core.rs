@@ -85,7 +85,8 @@ pub struct Core {
     /// The stopped sandbox, given back once `finished` is sent.
     reclaim: Option<super::warm::PendingReclaim>,
     /// The refill of the warm pool this run's sandbox came from, begun
-    /// once the harness has its task (see [`Core::begin_refill`]).
+    /// once `finished` is sent, or a while after the harness has its task
+    /// (see [`super::warm::Refill`]).
     refill: Option<super::warm::Refill>,
 }
 
@@ -127,11 +128,12 @@ impl Core {
     /// core does the same).
     pub fn reclaim_sandbox(&mut self) {
         drop(self.reclaim.take());
+        self.begin_refill();
     }
 
     /// Begins the refill of the warm pool this run's sandbox came from, if
-    /// it came from one: called once the harness is started and has its
-    /// first task (a turn's dispatch, a session's open), and by `close`.
+    /// it came from one: called once a session's harness is started, and
+    /// when the sandbox is given back.
     pub fn begin_refill(&mut self) {
         drop(self.refill.take());
     }
@@ -478,7 +480,9 @@ impl Core {
         // The decision and the dispatch it allows: one write.
         let dispatched = EventKind::Dispatched { tool: call.tool.clone() };
         self.recorder.emit_batch(vec![(gated, None), (dispatched, None)]).await;
-        self.begin_refill();
+        if let Some(refill) = &self.refill {
+            refill.begin_after(super::warm::REFILL_AFTER_DISPATCH);
+        }
         let Some(mut harness) = self.phase.ready_mut().and_then(|r| r.harness.take_here()) else {
             return TurnOutcome::Failed(ReinError::Dispatch("no harness".into()));
         };
@@ -752,7 +756,6 @@ impl Core {
         if self.phase.kind() == PhaseKind::Closed {
             return;
         }
-        self.begin_refill();
         let t = Instant::now();
         let started = self.phase.harness_started();
         if let Some(mut harness) = self.phase.ready_mut().and_then(|r| r.harness.take_here()) {

@@ -14,7 +14,8 @@
 //! what a crash leaves of them, recovery sweeps (their rows are like any
 //! sandbox's, with no subject until a run takes them).
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
@@ -198,15 +199,48 @@ pub fn unpoolable(profile: &Profile) -> Option<String> {
 }
 
 /// The refill of the pool a run took its sandbox from, begun when this is
-/// dropped: once the run has handed its harness the task (a session: once
-/// its harness started), or has given up before. Making a sandbox keeps a
-/// core busy for a few milliseconds; begun at the take, it competed with
-/// the very start the warm sandbox was there to speed up.
-pub(super) struct Refill(Arc<Engine>);
+/// dropped (a run: once its `finished` is sent; a session: once its harness
+/// started), or [`Refill::begin_after`] a while, whichever comes first.
+/// Making a sandbox keeps a core busy for a few milliseconds: begun at the
+/// take, or at the dispatch, it competed with the harness's start, the very
+/// part of the run the warm sandbox was there to speed up.
+pub(super) struct Refill(Arc<RefillSignal>);
+
+pub(super) struct RefillSignal {
+    engine: Weak<Engine>,
+    sent: AtomicBool,
+}
+
+impl RefillSignal {
+    /// Wakes a filler, once.
+    fn send(&self) {
+        if !self.sent.swap(true, Ordering::AcqRel) {
+            if let Some(engine) = self.engine.upgrade() {
+                engine.warm.wake.notify_one();
+            }
+        }
+    }
+}
+
+/// How long a run's harness has had its task before its pool refills
+/// anyway: a short run has finished by then, and refills after; a long one
+/// leaves its pool short by no more than this.
+pub(super) const REFILL_AFTER_DISPATCH: Duration = Duration::from_millis(100);
+
+impl Refill {
+    /// Begins the refill `delay` from now unless it has begun before.
+    pub(super) fn begin_after(&self, delay: Duration) {
+        let signal = self.0.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            signal.send();
+        });
+    }
+}
 
 impl Drop for Refill {
     fn drop(&mut self) {
-        self.0.warm.wake.notify_one();
+        self.0.send();
     }
 }
 
@@ -235,7 +269,8 @@ impl Engine {
         drop(pools);
         let taken = taken?;
         self.report_warm_levels();
-        Some((taken, Refill(self.clone())))
+        let signal = RefillSignal { engine: Arc::downgrade(self), sent: AtomicBool::new(false) };
+        Some((taken, Refill(Arc::new(signal))))
     }
 
     /// Sets `corral_warm_sandboxes` of every pool to how many wait in it.
