@@ -90,19 +90,39 @@ fn host_processes(marker: &str) -> Vec<(i32, u32)> {
     out
 }
 
-/// Live host processes running as `uid`.
+/// Host processes running as `uid` that can still run its code: neither a
+/// zombie nor a task in the kernel's exit path (`PF_EXITING` in the flags
+/// of `/proc/PID/stat`: set at the start of `do_exit`, which never returns
+/// to user space). A killed task is in that path until it becomes a
+/// zombie, after it left its cgroup: on a busy host, or under the
+/// sandbox's CPU quota, for a while.
 fn processes_of_uid(uid: u32) -> Vec<i32> {
+    const PF_EXITING: u64 = 0x4;
     let mut out = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
         let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        // After `(comm)`: state, ppid, pgrp, session, tty_nr, tpgid, flags.
+        let flags = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(6)?.parse::<u64>().ok());
+        let exiting = flags.is_some_and(|f| f & PF_EXITING != 0);
         let zombie = status.lines().any(|l| l.starts_with("State:") && l.contains('Z'));
         let real = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next());
-        if !zombie && real == Some(uid.to_string().as_str()) {
+        if !zombie && !exiting && real == Some(uid.to_string().as_str()) {
             out.push(pid);
         }
     }
     out
+}
+
+/// `pid (name) state, in <cgroup>` of a host process, for a failure's message.
+fn describe(pid: i32) -> String {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    let unified = cgroup.lines().find_map(|l| l.strip_prefix("0::")).unwrap_or("?");
+    let (name, rest) = stat.split_once(" (").and_then(|(_, rest)| rest.rsplit_once(") ")).unwrap_or(("?", "?"));
+    let state = rest.split(' ').next().unwrap_or("?");
+    format!("{pid} ({name}) {state}, in {unified}")
 }
 
 async fn wait_for<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
@@ -522,7 +542,8 @@ async fn cancel_after(daemon: &TestDaemon, delay: Duration, marker: &str, on_dis
     assert_eq!(record.state, pb::ExecutionState::Cancelled as i32, "{record:?}");
     assert_ne!(host_uid, 0);
     let left = processes_of_uid(host_uid);
-    assert!(left.is_empty(), "after CANCELLED, processes of the sandbox's uid {host_uid} live: {left:?}");
+    let described: Vec<String> = left.iter().map(|pid| describe(*pid)).collect();
+    assert!(left.is_empty(), "after CANCELLED, processes of the sandbox's uid {host_uid} live: {described:?}");
     let marked = host_processes(marker);
     assert!(marked.is_empty(), "after CANCELLED, the task lives: {marked:?}");
 }
