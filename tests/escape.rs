@@ -102,9 +102,7 @@ fn processes_of_uid(uid: u32) -> Vec<i32> {
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
         let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
-        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        // After `(comm)`: state, ppid, pgrp, session, tty_nr, tpgid, flags.
-        let flags = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(6)?.parse::<u64>().ok());
+        let flags = stat_field(pid, 6).and_then(|f| f.parse::<u64>().ok());
         let exiting = flags.is_some_and(|f| f & PF_EXITING != 0);
         let zombie = status.lines().any(|l| l.starts_with("State:") && l.contains('Z'));
         let real = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next());
@@ -117,12 +115,18 @@ fn processes_of_uid(uid: u32) -> Vec<i32> {
 
 /// `pid (name) state, in <cgroup>` of a host process, for a failure's message.
 fn describe(pid: i32) -> String {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    let state = stat_field(pid, 0).unwrap_or_default();
     let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
     let unified = cgroup.lines().find_map(|l| l.strip_prefix("0::")).unwrap_or("?");
-    let (name, rest) = stat.split_once(" (").and_then(|(_, rest)| rest.rsplit_once(") ")).unwrap_or(("?", "?"));
-    let state = rest.split(' ').next().unwrap_or("?");
-    format!("{pid} ({name}) {state}, in {unified}")
+    format!("{pid} ({}) {state}, in {unified}", name.trim_end())
+}
+
+/// Field `n` of `/proc/PID/stat` after `(comm)`, which may hold spaces and
+/// parentheses: 0 the state, 3 the session, 6 the flags.
+fn stat_field(pid: i32, n: usize) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(stat.rsplit_once(')')?.1.split_whitespace().nth(n)?.to_string())
 }
 
 async fn wait_for<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
@@ -572,9 +576,7 @@ async fn a_caller_that_leaves_at_once_leaves_nothing_alive() {
 
 /// The session a host process leads or belongs to (`/proc/PID/stat`).
 fn session_of(pid: i32) -> Option<i32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // After `(comm)`: state, ppid, pgrp, session.
-    stat.rsplit_once(')')?.1.split_whitespace().nth(3)?.parse().ok()
+    stat_field(pid, 3)?.parse().ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

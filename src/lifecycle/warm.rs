@@ -206,7 +206,7 @@ pub fn unpoolable(profile: &Profile) -> Option<String> {
 /// part of the run the warm sandbox was there to speed up.
 pub(super) struct Refill(Arc<RefillSignal>);
 
-pub(super) struct RefillSignal {
+struct RefillSignal {
     engine: Weak<Engine>,
     sent: AtomicBool,
 }

@@ -485,18 +485,16 @@ impl SandboxCgroup {
             return Err(CgroupError::Unsupported { what: "waiting for its tasks to exit", reason });
         };
         let deadline = Instant::now() + timeout;
+        self.kill_all(timeout).await?;
+        // Out of `cgroup.procs`, a killed task may still be exiting.
         loop {
             // An unreadable file counts as populated: this never reports an
             // exit it did not see.
             if read_key(&events, "populated") == Some(0) {
                 return Ok(());
             }
-            let pids = self.pids();
             if Instant::now() >= deadline {
-                return Err(CgroupError::NotEmpty { path: events, pids, timeout });
-            }
-            if !pids.is_empty() {
-                self.kill_pass(&pids);
+                return Err(CgroupError::NotEmpty { path: events, pids: self.pids(), timeout });
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
@@ -739,15 +737,20 @@ pub(crate) mod tests {
         }
     }
 
-    fn ppid(pid: i32) -> Option<i32> {
+    /// Field `n` of `/proc/PID/stat` after `(comm)` (0: the state, 1: the
+    /// ppid), `None` once the process is gone.
+    fn stat_field(pid: i32, n: usize) -> Option<String> {
         let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+        Some(stat.rsplit_once(')')?.1.split_whitespace().nth(n)?.to_string())
+    }
+
+    fn ppid(pid: i32) -> Option<i32> {
+        stat_field(pid, 1)?.parse().ok()
     }
 
     /// Running (not gone and not a zombie awaiting its reaper).
     fn alive(pid: i32) -> bool {
-        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|s| s != "Z")
+        stat_field(pid, 0).is_some_and(|s| s != "Z")
     }
 
     /// Fixture trees: temporary directories laid out like a cgroup mount
@@ -1184,9 +1187,7 @@ pub(crate) mod tests {
         let pid = child.id();
         wait_until("sleep to join the cgroup", || cg.pids().contains(&(pid as i32)));
         cg.wait_exited(Duration::from_secs(5)).await.expect("exited");
-        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-        let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start().chars().next());
-        assert_eq!(state, Some(Some('Z')), "{stat}");
+        assert_eq!(stat_field(pid as i32, 0).as_deref(), Some("Z"), "the state of {pid}");
         assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGKILL));
     }
 
