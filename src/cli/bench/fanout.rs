@@ -307,11 +307,16 @@ async fn watch(channel: Channel, execution_id: String, shared: Arc<Shared>) -> W
     let mut out = Watched::default();
     let mut after = 0;
     let mut seen = false;
+    // Made once: a fresh `cancelled()` per message would register and drop
+    // a waiter on the shared token for every delivery to every watcher,
+    // the bench's own cost on the cores the daemon is measured on.
+    let stopped = shared.stop.cancelled();
+    tokio::pin!(stopped);
     'streams: loop {
         let req = pb::WatchRequest { execution_id: execution_id.clone(), after_sequence: after };
         let reply = tokio::select! {
             reply = client.watch_execution(req) => reply,
-            _ = shared.stop.cancelled() => break,
+            _ = &mut stopped => break,
         };
         let mut stream = match reply {
             Ok(reply) => reply.into_inner(),
@@ -323,7 +328,7 @@ async fn watch(channel: Channel, execution_id: String, shared: Arc<Shared>) -> W
         loop {
             let message = tokio::select! {
                 message = stream.message() => message,
-                _ = shared.stop.cancelled() => break 'streams,
+                _ = &mut stopped => break 'streams,
             };
             match message {
                 Ok(Some(event)) => {
