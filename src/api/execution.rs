@@ -85,10 +85,11 @@ pub fn event_stream_with(
         cancelled: Box::pin(shutdown.child_token().cancelled_owned()),
         expired,
         unchecked: 0,
-        yielded_at: Instant::now(),
+        asked_at: Instant::now(),
         end: End::new(on_disconnect),
     };
-    Box::pin(futures_util::stream::unfold(pump, Pump::next))
+    // Boxed: each item moves the state into the next call and back out.
+    Box::pin(futures_util::stream::unfold(Box::new(pump), Pump::next))
 }
 
 /// The state of one event stream between two items.
@@ -100,8 +101,8 @@ struct Pump {
     sent: u64,
     /// Events since the stream's own ends were last looked at.
     unchecked: u32,
-    /// When the last item was handed to the encoder.
-    yielded_at: Instant,
+    /// When the encoder last asked for an item.
+    asked_at: Instant,
     end: End,
 }
 
@@ -109,12 +110,14 @@ type Item = Result<super::wire::WireEvent, Status>;
 
 impl Pump {
     /// The next item, and the state for the one after; `None` once ended.
-    async fn next(mut self) -> Option<(Item, Pump)> {
+    async fn next(mut self: Box<Self>) -> Option<(Item, Box<Pump>)> {
         if self.end.ended {
             return None;
         }
-        // Not polled for STALL: HTTP/2 had no room, the client read nothing.
-        if self.yielded_at.elapsed() >= STALL && self.subscription.overrun() {
+        // Not asked for STALL (HTTP/2 had no room: the client read nothing),
+        // or an event was that long in coming (then it is not behind).
+        let asked_at = std::mem::replace(&mut self.asked_at, Instant::now());
+        if self.asked_at - asked_at >= STALL && self.subscription.overrun() {
             let lag = Lagged { last_sequence: self.sent };
             return Some(self.last(Err(status::lagged(lag))));
         }
@@ -147,7 +150,6 @@ impl Pump {
                 }
                 Some(Some(Ok(item))) => {
                     self.sent = item.event.sequence;
-                    self.yielded_at = Instant::now();
                     return Some((Ok(super::wire::WireEvent::of(item)), self));
                 }
                 Some(Some(Err(lag))) => return Some(self.last(Err(status::lagged(lag)))),
@@ -156,7 +158,7 @@ impl Pump {
     }
 
     /// `item` as the stream's last.
-    fn last(mut self, item: Item) -> (Item, Pump) {
+    fn last(mut self: Box<Self>, item: Item) -> (Item, Box<Pump>) {
         self.end.ended = true;
         (item, self)
     }

@@ -304,12 +304,13 @@ impl Subscription {
     }
 
     /// Whether this subscriber is further behind than the live buffer holds
-    /// (it will have to catch up from the store).
+    /// (it has to catch up from the store, or is doing so): what the live
+    /// channel holds for it, and the gap it is reading back before the live
+    /// event it holds.
     pub fn overrun(&self) -> bool {
-        match (&self.live, &self.catch_up) {
-            (Some(rx), Some((_, _, capacity))) => rx.len() > capacity.next_power_of_two(),
-            _ => false,
-        }
+        let (Some(rx), Some((_, _, capacity))) = (&self.live, &self.catch_up) else { return false };
+        let gap = self.held.as_ref().map_or(0, |held| held.event.sequence.saturating_sub(self.last));
+        (rx.len() as u64).saturating_add(gap) > capacity.next_power_of_two() as u64
     }
 
     /// Counts this subscription as a watcher until it is dropped.
