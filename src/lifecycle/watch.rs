@@ -581,6 +581,40 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_subscriber_reading_back_a_gap_counts_it_as_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let (tx, rx) = broadcast::channel(16);
+        let pages = EventPages::new(store.clone());
+        let mut sub = Subscription::live(rx, false).catching_up(pages, "e".into(), 16);
+        let send = |from: u64, to: u64| {
+            let events: Vec<Event> = (from..=to).map(|s| event("e", s)).collect();
+            let (store, tx) = (&store, &tx);
+            async move {
+                store.append_events(&events).await.unwrap();
+                for e in events {
+                    tx.send(BusItem::new(Arc::new(e), None)).unwrap();
+                }
+            }
+        };
+        send(1, 1).await;
+        assert_eq!(sub.next().await.unwrap().unwrap().event.sequence, 1);
+        assert!(!sub.overrun(), "caught up");
+        // 40 more: the live buffer keeps the last 16 (25..=40), so this
+        // subscriber holds 25 and reads 2..=24 back from the store.
+        send(2, 40).await;
+        assert_eq!(sub.next().await.unwrap().unwrap().event.sequence, 2);
+        assert!(sub.held.is_some());
+        // Behind: 15 left in the live buffer and the gap 2 -> 25 (23).
+        assert_eq!(sub.live.as_ref().unwrap().len(), 15);
+        assert!(sub.overrun(), "15 in the live buffer and 23 to read back: behind more than 16");
+        for expected in 3..=40 {
+            assert_eq!(sub.next().await.unwrap().unwrap().event.sequence, expected);
+        }
+        assert!(!sub.overrun(), "caught up again");
+    }
+
+    #[tokio::test]
     async fn watchers_behind_on_the_same_stretch_share_one_read_and_each_event_s_encoding() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path(), None, "n").await.unwrap();
