@@ -174,6 +174,8 @@ async fn only_the_owner_adm_and_the_projects_approvers_decide_a_waiting_call() {
     // The harness was told each verdict, the owner's reason with the deny.
     assert!(rest.contains("verdict deploy: allow"), "{rest}");
     assert!(rest.contains("verdict deploy: deny (denied by owner: not today)"), "{rest}");
+    // Its session's sandbox (and cgroup) go with the daemon's drain.
+    daemon.stop().await;
 }
 
 /// A turn cancelled while its call waits: the call is not run, the wait
@@ -203,4 +205,5 @@ async fn cancelling_a_turn_while_a_call_waits_withdraws_the_call() {
     let (mut decided, mut rest) = (Vec::new(), String::new());
     assert_eq!(next_ask(&mut next, &mut decided, &mut rest).await, None);
     assert!(rest.contains("echo again"), "the session takes its next turn: {rest}");
+    daemon.stop().await;
 }

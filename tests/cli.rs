@@ -31,6 +31,23 @@ struct Served {
     drain: tokio::task::JoinHandle<String>,
 }
 
+impl Served {
+    /// SIGTERM, then its exit status (`None`: still running 30 s later).
+    async fn terminate(&mut self) -> Option<std::process::ExitStatus> {
+        let pid = self.child.id().expect("serve is running") as libc::pid_t;
+        // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
+        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+        assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
+        for _ in 0..300 {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        None
+    }
+}
+
 async fn serve(data_dir: &Path, stderr_log: &Path) -> Served {
     let log = std::fs::File::create(stderr_log).expect("stderr log file");
     // A uid range of its own: every root daemon claims its range host-wide,
@@ -253,18 +270,7 @@ async fn the_binary_serves_runs_lists_and_stops_on_sigterm() {
     }
 
     // SIGTERM: a graceful exit with code 0.
-    let pid = served.child.id().expect("serve is running") as libc::pid_t;
-    // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
-    let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
-    assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
-    let mut status = None;
-    for _ in 0..300 {
-        if let Some(s) = served.child.try_wait().expect("try_wait") {
-            status = Some(s);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let status = served.terminate().await;
     let log = std::fs::read_to_string(&stderr_log).unwrap_or_default();
     let status = status.unwrap_or_else(|| panic!("corral serve did not exit within 30 s of SIGTERM; stderr:\n{log}"));
     assert_eq!(status.code(), Some(0), "corral serve exited with {status:?}; stderr:\n{log}");
@@ -297,7 +303,10 @@ async fn a_closed_pipe_ends_quietly_and_version_works_without_a_daemon() {
     assert_eq!(stdout.lines().count(), 1, "{stdout}");
     assert!(stderr.is_empty(), "error text on a closed pipe: {stderr}");
     assert!(out.status.success(), "exit {:?}: {stderr}", out.status.code());
-    drop(served);
+    // Gracefully: killed, it would leave its run's sandbox (cgroup included).
+    let mut served = served;
+    let status = served.terminate().await;
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "corral serve after SIGTERM: {status:?}");
 
     let gone = format!("unix://{}", tmp.path().join("no-such.sock").display());
     let out = corral(&gone, &["version"]).await;
@@ -331,4 +340,5 @@ async fn bench_against_a_server_sends_the_clients_token() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("(server daemon at http://"), "{stdout}");
+    daemon.stop().await;
 }

@@ -35,6 +35,15 @@ struct Node {
     process: ServeProcess,
 }
 
+/// Stops the nodes gracefully, so that what they still run (sessions,
+/// sandboxes, their cgroups) is destroyed rather than left behind.
+async fn stop_all<const N: usize>(nodes: [Node; N]) {
+    for node in nodes {
+        let name = node.name.clone();
+        assert!(node.process.stop().await.is_some_and(|s| s.success()), "{name} did not stop on SIGTERM");
+    }
+}
+
 impl Node {
     async fn start(dir: &Path, name: &str, url: &str) -> Node {
         Node::start_with(dir, name, url, "").await
@@ -475,6 +484,7 @@ async fn a_drained_node_finishes_what_it_runs_and_takes_nothing_new() {
     assert_eq!(missing.code(), tonic::Code::NotFound);
     let empty = a.catalog().await.drain_node(pb::DrainNodeRequest::default()).await.unwrap_err();
     assert_eq!(empty.code(), tonic::Code::InvalidArgument);
+    stop_all([a, b]).await;
 }
 
 /// A cancel sent to a node that does not run the execution reaches the
@@ -879,6 +889,7 @@ async fn a_tool_call_waiting_on_one_node_is_decided_through_another() {
         rest.iter().any(|e| matches!(&e.kind, Some(pb::lifecycle_event::Kind::ApprovalDecided(d)) if d.allow && d.reason == "through node-a")),
         "{rest:?}"
     );
+    stop_all([a, b]).await;
 }
 
 /// A profile's `[placement] labels` keep its runs on nodes with those
@@ -1007,4 +1018,5 @@ async fn sessions_sent_to_a_front_end_start_on_nodes_with_room_within_a_fleet_wi
         assert!(over.message().contains("max_running quota of 1"), "sent to {}: {over:?}", node.name);
     }
     assert_eq!(sandboxes(&b) + sandboxes(&c), 1, "nothing started past the quota");
+    stop_all([front, b, c]).await;
 }

@@ -569,6 +569,18 @@ impl ServeProcess {
     pub fn pid(&self) -> i32 {
         self.child.id().expect("running") as i32
     }
+
+    /// SIGTERM, and its exit awaited (up to 30 s; then SIGKILL, as a drop
+    /// does). A graceful stop destroys what the daemon still runs, each
+    /// sandbox's cgroup with it; a killed daemon leaves them to the next
+    /// start's recovery, which a test's temporary data directory never has.
+    pub async fn stop(mut self) -> Option<std::process::ExitStatus> {
+        // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
+        if unsafe { libc::kill(self.pid(), libc::SIGTERM) } != 0 {
+            return None;
+        }
+        tokio::time::timeout(std::time::Duration::from_secs(30), self.child.wait()).await.ok()?.ok()
+    }
 }
 
 /// Host processes whose command line contains `marker`. Panics when /proc
