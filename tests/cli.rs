@@ -6,7 +6,6 @@ mod common;
 
 use std::path::Path;
 use std::process::{Output, Stdio};
-use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -29,23 +28,6 @@ struct Served {
     url: String,
     /// Drains stdout after the banner line, so the pipe never fills.
     drain: tokio::task::JoinHandle<String>,
-}
-
-impl Served {
-    /// SIGTERM, then its exit status (`None`: still running 30 s later).
-    async fn terminate(&mut self) -> Option<std::process::ExitStatus> {
-        let pid = self.child.id().expect("serve is running") as libc::pid_t;
-        // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
-        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
-        assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
-        for _ in 0..300 {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return Some(status);
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        None
-    }
 }
 
 async fn serve(data_dir: &Path, stderr_log: &Path) -> Served {
@@ -270,7 +252,7 @@ async fn the_binary_serves_runs_lists_and_stops_on_sigterm() {
     }
 
     // SIGTERM: a graceful exit with code 0.
-    let status = served.terminate().await;
+    let status = common::terminate(&mut served.child).await;
     let log = std::fs::read_to_string(&stderr_log).unwrap_or_default();
     let status = status.unwrap_or_else(|| panic!("corral serve did not exit within 30 s of SIGTERM; stderr:\n{log}"));
     assert_eq!(status.code(), Some(0), "corral serve exited with {status:?}; stderr:\n{log}");
@@ -305,7 +287,7 @@ async fn a_closed_pipe_ends_quietly_and_version_works_without_a_daemon() {
     assert!(out.status.success(), "exit {:?}: {stderr}", out.status.code());
     // Gracefully: killed, it would leave its run's sandbox (cgroup included).
     let mut served = served;
-    let status = served.terminate().await;
+    let status = common::terminate(&mut served.child).await;
     assert_eq!(status.and_then(|s| s.code()), Some(0), "corral serve after SIGTERM: {status:?}");
 
     let gone = format!("unix://{}", tmp.path().join("no-such.sock").display());

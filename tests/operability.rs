@@ -324,10 +324,8 @@ async fn traced_daemon(profiles: &[(&str, String)]) -> (Collector, tempfile::Tem
 }
 
 /// Stops the daemon: it flushes its spans on the way out.
-async fn stop(mut daemon: ServeProcess) {
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
-    daemon.child.wait().await.unwrap();
+async fn stop(daemon: ServeProcess) {
+    assert!(daemon.stop().await.is_some(), "corral serve did not exit within 30 s of SIGTERM");
 }
 
 /// The names of the collected spans of `trace_id`, with their parents' ids.

@@ -14,10 +14,8 @@ use common::ServeProcess;
 
 const NODE: &str = "node-recovery-test";
 
-async fn stop(mut daemon: ServeProcess) {
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(daemon.pid(), libc::SIGTERM) };
-    daemon.child.wait().await.unwrap();
+async fn stop(daemon: ServeProcess) {
+    assert!(daemon.stop().await.is_some(), "corral serve did not exit within 30 s of SIGTERM");
 }
 
 /// A `sleep` running as `uid` that carries `CORRAL_SANDBOX_ID=<id>`.

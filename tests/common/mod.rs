@@ -570,17 +570,23 @@ impl ServeProcess {
         self.child.id().expect("running") as i32
     }
 
-    /// SIGTERM, and its exit awaited (up to 30 s; then SIGKILL, as a drop
-    /// does). A graceful stop destroys what the daemon still runs, each
+    /// SIGTERM, and its exit awaited (see [`terminate`]; then SIGKILL, as a
+    /// drop does). A graceful stop destroys what the daemon still runs, each
     /// sandbox's cgroup with it; a killed daemon leaves them to the next
     /// start's recovery, which a test's temporary data directory never has.
     pub async fn stop(mut self) -> Option<std::process::ExitStatus> {
-        // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
-        if unsafe { libc::kill(self.pid(), libc::SIGTERM) } != 0 {
-            return None;
-        }
-        tokio::time::timeout(std::time::Duration::from_secs(30), self.child.wait()).await.ok()?.ok()
+        terminate(&mut self.child).await
     }
+}
+
+/// Sends a `corral serve` child SIGTERM and awaits its exit: its status,
+/// `None` if it still runs 30 s later.
+pub async fn terminate(child: &mut tokio::process::Child) -> Option<std::process::ExitStatus> {
+    let pid = child.id().expect("serve is running") as libc::pid_t;
+    // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
+    let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
+    tokio::time::timeout(std::time::Duration::from_secs(30), child.wait()).await.ok().map(|s| s.expect("wait"))
 }
 
 /// Host processes whose command line contains `marker`. Panics when /proc
