@@ -876,24 +876,49 @@ fn arbitrary_requests_never_panic_and_rejected_ones_store_nothing() {
     runtime.block_on(daemon.stop());
 }
 
+/// A caller whose deadline passes while its session starts leaves a whole
+/// session: the start goes on, on the engine's own task, and its admission
+/// slot comes back exactly once. Creating the sandbox takes 300 ms here, so
+/// a 100 ms deadline passes in the middle of the start. A deadline can also
+/// pass before the request reaches the engine (a busy machine, still in
+/// validation); such an attempt must have left nothing, and is tried again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unary_deadline_never_leaves_a_half_made_session() {
     common::require_bwrap();
-    let daemon =
-        TestDaemon::start(Options { config: Box::new(|c| c.max_running_sessions = 1), ..Options::default() }).await;
+    let (backends, log) =
+        common::faults::bwrap_with(common::faults::BackendFaults { slow_create: true, ..Default::default() });
+    let daemon = TestDaemon::start(Options {
+        backends: Some(backends),
+        config: Box::new(|c| c.max_running_sessions = 1),
+        ..Options::default()
+    })
+    .await;
     let c = Clients::new(&daemon).await;
-    let mut req = tonic::Request::new(pb::CreateSessionRequest { session_id: "hurried".into(), ..session_request() });
-    req.set_timeout(Duration::from_millis(1));
-    let status = c.sessions.clone().create_session(req).await.expect_err("past its deadline");
-    assert!(matches!(status.code(), Code::Cancelled | Code::DeadlineExceeded), "{status:?}");
-    // The start goes on without the caller, to a whole session.
-    let get = || {
+    let get = |id: String| {
         let mut s = c.sessions.clone();
-        async move { s.get_session(pb::GetSessionRequest { session_id: "hurried".into() }).await }
+        async move { s.get_session(pb::GetSessionRequest { session_id: id }).await }
     };
+    let mut hurried = None;
+    for attempt in 0..5 {
+        let id = format!("hurried-{attempt}");
+        let creates = log.lock().unwrap().creates;
+        let mut req = tonic::Request::new(pb::CreateSessionRequest { session_id: id.clone(), ..session_request() });
+        req.set_timeout(Duration::from_millis(100));
+        let status = c.sessions.clone().create_session(req).await.expect_err("past its deadline");
+        assert!(matches!(status.code(), Code::Cancelled | Code::DeadlineExceeded), "{status:?}");
+        // A start that reached the engine is in its sandbox's create by now.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if log.lock().unwrap().creates > creates {
+            hurried = Some(id);
+            break;
+        }
+        let none = get(id.clone()).await.expect_err("the deadline passed before the engine had the request");
+        assert_eq!(none.code(), Code::NotFound, "attempt {attempt}: {none:?}");
+    }
+    let hurried = hurried.expect("in 5 attempts, no 100 ms deadline passed after the engine had the request");
     let until = Instant::now() + Duration::from_secs(30);
     let state = loop {
-        match get().await {
+        match get(hurried.clone()).await {
             Ok(session) if session.get_ref().state != pb::SessionState::Starting as i32 => {
                 break session.into_inner().state
             }
@@ -904,10 +929,10 @@ async fn a_unary_deadline_never_leaves_a_half_made_session() {
     assert_eq!(state, pb::SessionState::Active as i32);
     let busy = c.sessions.clone().create_session(session_request()).await.expect_err("its slot is held");
     assert_eq!(busy.code(), Code::ResourceExhausted, "{busy:?}");
-    let ended = c.sessions.clone().end_session(pb::EndSessionRequest { session_id: "hurried".into() }).await.unwrap();
+    let ended = c.sessions.clone().end_session(pb::EndSessionRequest { session_id: hurried }).await.unwrap();
     assert_eq!(ended.into_inner().state, pb::SessionState::Ended as i32);
     // Its admission slot came back exactly once.
-    let req = pb::CreateSessionRequest { session_id: "hurried-2".into(), ..session_request() };
+    let req = pb::CreateSessionRequest { session_id: "after".into(), ..session_request() };
     let again = c.sessions.clone().create_session(req).await.expect("room again").into_inner();
     c.sessions.clone().end_session(pb::EndSessionRequest { session_id: again.session_id }).await.unwrap();
     assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
