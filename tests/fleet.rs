@@ -519,6 +519,52 @@ async fn a_cancel_sent_to_another_node_reaches_the_owner() {
     assert_eq!(record.state, pb::ExecutionState::Cancelled as i32);
 }
 
+/// A watcher following, through one node, a run that goes on elsewhere is
+/// ended when that node shuts down: its stream does not end by itself (the
+/// run goes on), so the drain ends it with UNAVAILABLE and the last
+/// sequence it was sent, and the watch resumes on the owner from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_through_a_node_that_shuts_down_ends_with_where_to_resume() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let a = Node::start(dir.path(), "node-a", &url).await;
+    let b = Node::start(dir.path(), "node-b", &url).await;
+    let marker = format!("fleet-watch-end-{}", uuid::Uuid::now_v7().simple());
+    let id = start_long_run(&b, &marker).await;
+    let watch = pb::WatchRequest { execution_id: id.clone(), after_sequence: 0 };
+    let mut stream = a.executions().await.watch_execution(watch).await.unwrap().into_inner();
+    // Up to its dispatch: the run is under way on node-b.
+    let mut last = loop {
+        let event = tokio::time::timeout(Duration::from_secs(30), stream.message()).await.expect("events").unwrap();
+        let event = event.expect("the run goes on");
+        if matches!(&event.kind, Some(pb::lifecycle_event::Kind::Dispatched(_))) {
+            break event.sequence;
+        }
+    };
+    let stopping = tokio::spawn(a.process.stop());
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(30), stream.message()).await.expect("ended within 30 s") {
+            Ok(Some(event)) => last = event.sequence,
+            Ok(None) => panic!("the stream ended as if the run had (after {last})"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(ended.code(), tonic::Code::Unavailable, "{ended:?}");
+    let resume = format!("daemon shutting down; resume with after_sequence = {last}");
+    assert_eq!(ended.message(), resume);
+    assert!(stopping.await.unwrap().is_some_and(|s| s.success()), "node-a did not stop on SIGTERM");
+    // On the owner, from there: the next event is the one after `last`.
+    let cancel = pb::CancelExecutionRequest { execution_id: id.clone() };
+    b.executions().await.cancel_execution(cancel).await.unwrap();
+    let watch = pb::WatchRequest { execution_id: id.clone(), after_sequence: last };
+    let mut stream = b.executions().await.watch_execution(watch).await.unwrap().into_inner();
+    let next = tokio::time::timeout(Duration::from_secs(30), stream.message()).await.expect("resumed").unwrap();
+    assert_eq!(next.expect("an event after the resume point").sequence, last + 1);
+    assert!(b.process.stop().await.is_some_and(|s| s.success()), "node-b did not stop on SIGTERM");
+}
+
 /// SendTurn, EndSession and CancelTurn sent to a node that does not run
 /// the session reach the node that does, and their callers get what the
 /// owner's callers get (the turn's events, its raw output, the owner's

@@ -12,6 +12,7 @@ pub mod page;
 mod serve;
 mod session;
 pub mod status;
+mod streams_end;
 mod unix;
 mod validate;
 pub mod wire;
@@ -37,6 +38,7 @@ use crate::pb_wire::catalog_service_server::CatalogServiceServer;
 use crate::pb_wire::execution_service_server::ExecutionServiceServer;
 use crate::pb_wire::session_service_server::SessionServiceServer;
 use crate::policy::Gate;
+use streams_end::StreamsEnd;
 
 /// Everything [`serve`] needs besides its listener.
 pub struct ApiParts {
@@ -90,7 +92,7 @@ pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: Cancellatio
         crate::net::protect(addr);
     }
     let (health, health_service) = health().await;
-    let streams_end = CancellationToken::new();
+    let streams_end = StreamsEnd::default();
     let drained = drain(shutdown, health, parts.engine.clone(), parts.shutdown_grace, streams_end.clone());
     let unix = match &parts.unix_socket {
         Some((path, group)) => Some(unix::bind(path, *group)?),
@@ -140,7 +142,7 @@ fn routes(
         + Send
         + Sync
         + 'static,
-    streams_end: CancellationToken,
+    streams_end: StreamsEnd,
 ) -> Result<tonic::service::Routes, ServeError> {
     let execution = ExecutionApi {
         engine: parts.engine.clone(),
@@ -179,7 +181,7 @@ async fn drain(
     health: tonic_health::server::HealthReporter,
     engine: Arc<Engine>,
     grace: Duration,
-    streams_end: CancellationToken,
+    streams_end: StreamsEnd,
 ) {
     shutdown.cancelled().await;
     tracing::info!(grace_seconds = grace.as_secs(), "shutting down: draining");
@@ -189,7 +191,7 @@ async fn drain(
     health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
     engine.start_draining();
     engine.shutdown(grace).await;
-    streams_end.cancel();
+    streams_end.end();
     tracing::info!("drained");
 }
 

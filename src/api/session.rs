@@ -3,13 +3,13 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use super::auth::{audit, caller, denied, not_visible};
 use super::execution::{event_stream, traceparent, EventStream};
 use super::page::PageTokens;
+use super::streams_end::StreamsEnd;
 use super::{convert, limits, status, validate};
 use crate::lifecycle::{CreateSessionCommand, EndReason, Engine};
 use crate::pb;
@@ -22,8 +22,8 @@ pub struct SessionApi {
     pub engine: Arc<Engine>,
     /// The daemon's `repo_roots`: a request's repository must be under one.
     pub repo_roots: Vec<PathBuf>,
-    /// Cancelled once the daemon has drained; every open event stream then ends.
-    pub shutdown: CancellationToken,
+    /// Ended once the daemon has drained; every open event stream then ends.
+    pub shutdown: StreamsEnd,
     /// Seals and opens the listings' page tokens.
     pub page_tokens: Arc<PageTokens>,
 }
@@ -118,7 +118,7 @@ impl SessionService for SessionApi {
         let (tool, arguments) = validate::tool_call(req.tool_call.as_ref())?;
         let id = self.visible(&principal, &req.session_id).await?.session_id;
         let subscription = self.engine.send_turn(&id, tool, arguments, trace_parent).await?;
-        Ok(Response::new(event_stream(subscription, self.shutdown.clone(), deadline)))
+        Ok(Response::new(event_stream(subscription, &self.shutdown, deadline)))
     }
 
     async fn watch_session(&self, request: Request<pb::WatchSessionRequest>) -> Result<Response<EventStream>, Status> {
@@ -128,7 +128,7 @@ impl SessionService for SessionApi {
         validate::session_ref("session_id", &req.session_id)?;
         let id = self.visible(&principal, &req.session_id).await?.session_id;
         let subscription = self.engine.watch(&id, req.after_sequence).await?;
-        Ok(Response::new(event_stream(subscription, self.shutdown.clone(), deadline)))
+        Ok(Response::new(event_stream(subscription, &self.shutdown, deadline)))
     }
 
     async fn get_session(&self, request: Request<pb::GetSessionRequest>) -> Result<Response<pb::Session>, Status> {
