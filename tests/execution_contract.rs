@@ -65,6 +65,40 @@ async fn assert_hidden_from_watchers(daemon: &TestDaemon, execution_id: &str, se
     assert!(!format!("{:?}", record.unwrap().into_inner()).contains(secret), "GetExecution shows {secret}");
 }
 
+/// A harness that wrote all it had to say and exited, on a host too busy
+/// to take its events as fast (each is handed on 20 ms after the last):
+/// every line it wrote is recorded, in order, its result line included.
+/// (The reads once the harness has exited, `lines::ExitDrain`, are tested
+/// in the lib: here the turn, preferring a ready line to the exit, notices
+/// the exit only once the lines are through, unless the reader task is
+/// starved, as under `corral bench fanout` at W = 10,000.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_line_a_harness_wrote_before_it_exited_is_read_however_slow_the_lifecycle() {
+    let pause = Duration::from_millis(20);
+    let faults = ReinFaults { slow_events: Some(pause), ..Default::default() };
+    let h = start(BackendFaults::default(), faults, vec![]).await;
+    // 300 progress lines (about 17 KiB) fit in the pipe: the harness exits
+    // at once, and its events take 6 s to be taken.
+    let started = std::time::Instant::now();
+    let events = h.daemon.execute(request("test.fake-agent@1.0.0", "NOWORK\nPROGRESS 300")).await;
+    assert!(started.elapsed() > 300 * pause, "the events were not slowed: {:?}", started.elapsed());
+    let execution = finished(&events);
+    assert_eq!(execution.state, ExecutionState::Succeeded as i32, "{}", execution.tool_error);
+    let progress: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::Progress(p)) if p.kind == pb::ProgressKind::Progress as i32 => Some(p.tokens_so_far),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(progress, (1..=300).collect::<Vec<u64>>(), "every progress line, in order");
+    // Its result line, the last it wrote, was read: its output and its
+    // token count, not the progress lines' (300).
+    assert_eq!(execution.tool_output, "done: test task");
+    assert_eq!(evidence(&execution).tokens_spent, 42);
+    h.daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn success_runs_the_rein_in_order_and_destroys_the_sandbox_once() {
     let h = start(BackendFaults::default(), ReinFaults::default(), vec![]).await;

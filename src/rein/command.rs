@@ -7,6 +7,8 @@
 //! and for `policy_verdict` answers. The other input modes are one-shot:
 //! the input is written, stdin closed, and the harness runs to its exit.
 
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,7 +19,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::cli_setup::{self, SandboxTrust};
 use super::home;
-use super::lines::{CappedBuffer, LineReader};
+use super::lines::{line_bytes, pipe_max_size, CappedBuffer, Counted, ExitDrain, LineReader, Wait};
 use super::protocol::{parse_line, Line, ParserState};
 use super::{Dispatch, HarnessEvent, HarnessSession, Rein, ReinError, StartContext, ToolCall, ToolResult};
 use crate::catalog::{Preset, TaskInput};
@@ -28,13 +30,13 @@ use crate::sandbox::{ExecSpec, SandboxProcess};
 const KILL_GRACE: Duration = Duration::from_secs(2);
 /// How long a harness gets to exit once its session is ended.
 const END_GRACE: Duration = Duration::from_secs(5);
-/// Once the harness has exited, how long its stdout may stay quiet before
-/// the rest is no longer waited for. A process it left in the background
-/// may hold the pipe open forever; the run does not wait for it (teardown
-/// kills it).
+/// Once the harness has exited and what it wrote has been read, how long
+/// its stdout may stay quiet before the rest is no longer waited for. A
+/// process it left in the background may hold the pipe open forever; the
+/// run does not wait for it (teardown kills it). See [`ExitDrain`].
 const EXIT_DRAIN: Duration = Duration::from_millis(500);
-/// And how long it is read at most once the harness has exited (something
-/// it left behind may write forever).
+/// And how long those reads may wait for a line in all (something it left
+/// behind may write now and then, forever).
 const EXIT_DRAIN_MAX: Duration = Duration::from_secs(10);
 /// Lines read ahead of the turn loop.
 const STDOUT_AHEAD: usize = 64;
@@ -42,28 +44,70 @@ const STDOUT_AHEAD: usize = 64;
 /// The harness's stdout, read line by line on a task of its own, so the
 /// turn can wait for a line and for the harness's exit at once (reading a
 /// line is not cancel-safe; receiving one is).
-type StdoutLines = tokio::sync::mpsc::Receiver<std::io::Result<(Vec<u8>, u64)>>;
+struct StdoutLines {
+    lines: tokio::sync::mpsc::Receiver<std::io::Result<(Vec<u8>, u64)>>,
+    /// Bytes the reader has taken from the pipe.
+    taken: Arc<AtomicU64>,
+    /// The pipe's read end, duplicated: what is still in it.
+    pipe: Option<OwnedFd>,
+    /// Bytes of the lines received (see [`line_bytes`]).
+    received: u64,
+}
 
-fn read_lines(pipe: ProcessStdout) -> StdoutLines {
-    let (tx, rx) = tokio::sync::mpsc::channel(STDOUT_AHEAD);
-    tokio::spawn(async move {
-        let mut reader = LineReader::new(pipe);
-        loop {
-            match reader.next_line().await {
-                Ok(None) => break,
-                Ok(Some(line)) => {
-                    if tx.send(Ok(line)).await.is_err() {
+impl StdoutLines {
+    fn read(pipe: ProcessStdout) -> StdoutLines {
+        let (tx, lines) = tokio::sync::mpsc::channel(STDOUT_AHEAD);
+        let taken = Arc::new(AtomicU64::new(0));
+        let dup = pipe.as_fd().try_clone_to_owned().ok();
+        let count = taken.clone();
+        tokio::spawn(async move {
+            let mut reader = LineReader::new(Counted::new(pipe, count));
+            loop {
+                match reader.next_line().await {
+                    Ok(None) => break,
+                    Ok(Some(line)) => {
+                        if tx.send(Ok(line)).await.is_err() {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
                         break;
                     }
                 }
-                Err(e) => {
-                    let _ = tx.send(Err(e)).await;
-                    break;
-                }
+            }
+        });
+        StdoutLines { lines, taken, pipe: dup, received: 0 }
+    }
+
+    /// The next line (cancel-safe).
+    async fn recv(&mut self) -> Option<std::io::Result<(Vec<u8>, u64)>> {
+        let next = self.lines.recv().await;
+        if let Some(Ok((line, dropped))) = &next {
+            self.received += line_bytes(line, *dropped);
+        }
+        next
+    }
+
+    /// Bytes written to stdout and not received as lines yet: still in the
+    /// pipe, or taken by the reader and not handed on. A read of the
+    /// reader's that ends between the two looks can be missed (what it took
+    /// is then read under the leftovers' bounds); 0 if the pipe cannot be
+    /// asked.
+    fn unreceived(&self) -> u64 {
+        let Some(pipe) = &self.pipe else { return 0 };
+        loop {
+            let taken = self.taken.load(Ordering::SeqCst);
+            let mut in_pipe: libc::c_int = 0;
+            // SAFETY: FIONREAD writes one int, the bytes the pipe holds.
+            if unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut in_pipe) } != 0 {
+                return 0;
+            }
+            if self.taken.load(Ordering::SeqCst) == taken {
+                return (taken + in_pipe.max(0) as u64).saturating_sub(self.received);
             }
         }
-    });
-    rx
+    }
 }
 
 /// The `command` rein (see the module doc): the profile's argv in the sandbox,
@@ -212,7 +256,7 @@ impl Run {
         }
         Ok(Run {
             stdin: process.stdin.take(),
-            stdout: process.stdout.take().map(read_lines),
+            stdout: process.stdout.take().map(StdoutLines::read),
             process,
             _endpoint: endpoint,
             hooks,
@@ -384,10 +428,10 @@ impl CommandSession {
 
         let mut plain = CappedBuffer::new(self.max_output);
         let mut result = None;
-        // Set when the harness has exited: its stdout is read until then.
-        let mut drain_until = None;
+        // Set when the harness has exited: what it wrote is read to the end.
+        let mut drain: Option<ExitDrain> = None;
         while let Some(lines) = self.run.stdout.as_mut() {
-            let next = match drain_until {
+            let next = match drain.as_mut() {
                 None => tokio::select! {
                     biased;
                     Some(request) = next_hook(&mut self.run.hooks) => {
@@ -397,18 +441,24 @@ impl CommandSession {
                     next = lines.recv() => next,
                     exited = self.run.process.wait() => {
                         exited.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?;
-                        let now = tokio::time::Instant::now();
-                        drain_until = Some((now + EXIT_DRAIN, now + EXIT_DRAIN_MAX));
+                        let owed = lines.unreceived();
+                        drain = Some(ExitDrain::new(owed, pipe_max_size(), EXIT_DRAIN, EXIT_DRAIN_MAX));
                         continue;
                     }
                 },
-                // Quiet past the deadline: something the harness started
-                // still holds its stdout; what it wrote itself has been read.
-                // Every line read moves the deadline, so a slow reader on a
-                // loaded host still gets all of it.
-                Some((quiet, cap)) => {
-                    let next = tokio::time::timeout_at(quiet.min(cap), lines.recv()).await.unwrap_or_default();
-                    drain_until = Some((tokio::time::Instant::now() + EXIT_DRAIN, cap));
+                // What the harness wrote itself is read to its end, however
+                // slowly; past the drain's bounds what is left of stdout is
+                // a process it started.
+                Some(drain) => {
+                    let asked = tokio::time::Instant::now();
+                    let next = match drain.next_wait() {
+                        Wait::Stop => None,
+                        Wait::Owed => lines.recv().await,
+                        Wait::AtMost(wait) => tokio::time::timeout(wait, lines.recv()).await.unwrap_or_default(),
+                    };
+                    if let Some(Ok((line, dropped))) = &next {
+                        drain.read(asked.elapsed(), line_bytes(line, *dropped));
+                    }
                     next
                 }
             };
@@ -577,6 +627,43 @@ mod tests {
     fn argv(words: &[&str]) -> Vec<String> {
         words.iter().map(|w| w.to_string()).collect()
     }
+
+    /// What a harness wrote and was not received is owed wherever it is:
+    /// in the reader's hands (its buffer, the lines read ahead) or still in
+    /// the pipe. 2,100 lines of 48 bytes: the reader takes 64 KiB and
+    /// stops with 64 lines read ahead; the rest waits in the pipe.
+    #[tokio::test]
+    async fn what_was_written_and_not_received_is_owed_wherever_it_is() {
+        use tokio::io::AsyncWriteExt;
+        let (mut tx, rx) = tokio::net::unix::pipe::pipe().unwrap();
+        let line = b"{\"type\":\"progress\",\"message\":\"step\",\"tokens\":1}\n";
+        assert_eq!(line.len(), 48);
+        let written = line.repeat(2_100);
+        let mut lines = StdoutLines::read(rx);
+        tx.write_all(&written).await.unwrap();
+        // The reader is blocked once it has read ahead all it may.
+        while lines.taken.load(Ordering::SeqCst) < READ_AHEAD_AT_LEAST {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let taken = lines.taken.load(Ordering::SeqCst);
+        assert!(taken < written.len() as u64, "some is still in the pipe: {taken} taken");
+        assert_eq!(lines.unreceived(), 100_800);
+        for _ in 0..100 {
+            lines.recv().await.unwrap().unwrap();
+        }
+        assert_eq!(lines.unreceived(), 100_800 - 4_800);
+        drop(tx);
+        let mut received = 100;
+        while let Some(next) = lines.recv().await {
+            next.unwrap();
+            received += 1;
+        }
+        assert_eq!((received, lines.unreceived()), (2_100, 0));
+    }
+
+    /// The least a blocked reader has taken: its 64 KiB buffer.
+    const READ_AHEAD_AT_LEAST: u64 = 64 * 1024;
 
     #[test]
     fn a_later_turn_resumes_the_conversation_or_refuses() {

@@ -165,6 +165,9 @@ pub struct ReinFaults {
     pub fail_dispatch: bool,
     pub fail_end: bool,
     pub fail_cleanup: bool,
+    /// The lifecycle takes each of the harness's events this long after
+    /// the last (a host too busy to store and publish them as they come).
+    pub slow_events: Option<std::time::Duration>,
 }
 
 /// The real command rein, with its calls recorded and faults injected.
@@ -215,7 +218,22 @@ impl HarnessSession for RecordingSession {
         if self.faults.fail_dispatch {
             return Err(ReinError::Dispatch("injected: dispatch raised SECRET-DISPATCH".into()));
         }
-        self.inner.dispatch_tool(call, dispatch).await
+        let Some(pause) = self.faults.slow_events else {
+            return self.inner.dispatch_tool(call, dispatch).await;
+        };
+        // One event at a time between the rein and the lifecycle, each
+        // handed on `pause` after the last; all of them before the result.
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+        let lifecycle = dispatch.events.clone();
+        let forward = tokio::spawn(async move {
+            while let Some(event) = rx.recv().await {
+                tokio::time::sleep(pause).await;
+                let _ = lifecycle.send(event).await;
+            }
+        });
+        let result = self.inner.dispatch_tool(call, Dispatch { events: tx, ..dispatch }).await;
+        forward.await.unwrap();
+        result
     }
 
     fn is_alive(&mut self) -> bool {
