@@ -90,23 +90,26 @@ impl StdoutLines {
     }
 
     /// Bytes written to stdout and not received as lines yet: still in the
-    /// pipe, or taken by the reader and not handed on. A read of the
-    /// reader's that ends between the two looks can be missed (what it took
-    /// is then read under the leftovers' bounds); 0 if the pipe cannot be
-    /// asked.
+    /// pipe, or taken by the reader and not handed on. Never more: a byte
+    /// the reader takes while this looks is counted in neither, and is
+    /// then read under the leftovers' bounds (looking again, up to three
+    /// times, makes that unlikely). 0 if the pipe cannot be asked.
     fn unreceived(&self) -> u64 {
         let Some(pipe) = &self.pipe else { return 0 };
-        loop {
+        let mut written = 0;
+        for _ in 0..3 {
             let taken = self.taken.load(Ordering::SeqCst);
             let mut in_pipe: libc::c_int = 0;
             // SAFETY: FIONREAD writes one int, the bytes the pipe holds.
             if unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut in_pipe) } != 0 {
                 return 0;
             }
+            written = taken + in_pipe.max(0) as u64;
             if self.taken.load(Ordering::SeqCst) == taken {
-                return (taken + in_pipe.max(0) as u64).saturating_sub(self.received);
+                break;
             }
         }
+        written.saturating_sub(self.received)
     }
 }
 
