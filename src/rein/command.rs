@@ -8,7 +8,7 @@
 //! the input is written, stdin closed, and the harness runs to its exit.
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::cli_setup::{self, SandboxTrust};
 use super::home;
-use super::lines::{line_bytes, pipe_max_size, CappedBuffer, Counted, ExitDrain, LineReader, Wait};
+use super::lines::{line_bytes, pipe_max_size, CappedBuffer, Counted, ExitDrain, LineReader, ReadCount, Wait};
 use super::protocol::{parse_line, Line, ParserState};
 use super::{Dispatch, HarnessEvent, HarnessSession, Rein, ReinError, StartContext, ToolCall, ToolResult};
 use crate::catalog::{Preset, TaskInput};
@@ -38,6 +38,9 @@ const EXIT_DRAIN: Duration = Duration::from_millis(500);
 /// And how long those reads may wait for a line in all (something it left
 /// behind may write now and then, forever).
 const EXIT_DRAIN_MAX: Duration = Duration::from_secs(10);
+/// How often what is owed is looked at again while an owed line is
+/// awaited (the reader may find that the last one was left unfinished).
+const OWED_LOOK: Duration = Duration::from_millis(50);
 /// Lines read ahead of the turn loop.
 const STDOUT_AHEAD: usize = 64;
 
@@ -46,22 +49,22 @@ const STDOUT_AHEAD: usize = 64;
 /// line is not cancel-safe; receiving one is).
 struct StdoutLines {
     lines: tokio::sync::mpsc::Receiver<std::io::Result<(Vec<u8>, u64)>>,
-    /// Bytes the reader has taken from the pipe.
-    taken: Arc<AtomicU64>,
+    /// What the reader has taken from the pipe.
+    count: Arc<ReadCount>,
     /// The pipe's read end, duplicated: what is still in it.
     pipe: Option<OwnedFd>,
-    /// Bytes of the lines received (see [`line_bytes`]).
+    /// Where the lines received end (see [`line_bytes`]).
     received: u64,
 }
 
 impl StdoutLines {
     fn read(pipe: ProcessStdout) -> StdoutLines {
         let (tx, lines) = tokio::sync::mpsc::channel(STDOUT_AHEAD);
-        let taken = Arc::new(AtomicU64::new(0));
+        let count = Arc::new(ReadCount::default());
         let dup = pipe.as_fd().try_clone_to_owned().ok();
-        let count = taken.clone();
+        let counted = Counted::new(pipe, count.clone());
         tokio::spawn(async move {
-            let mut reader = LineReader::new(Counted::new(pipe, count));
+            let mut reader = LineReader::new(counted);
             loop {
                 match reader.next_line().await {
                     Ok(None) => break,
@@ -77,7 +80,7 @@ impl StdoutLines {
                 }
             }
         });
-        StdoutLines { lines, taken, pipe: dup, received: 0 }
+        StdoutLines { lines, count, pipe: dup, received: 0 }
     }
 
     /// The next line (cancel-safe).
@@ -89,27 +92,40 @@ impl StdoutLines {
         next
     }
 
-    /// Bytes written to stdout and not received as lines yet: still in the
-    /// pipe, or taken by the reader and not handed on. Never more: a byte
-    /// the reader takes while this looks is counted in neither, and is
-    /// then read under the leftovers' bounds (looking again, up to three
-    /// times, makes that unlikely). 0 if the pipe cannot be asked.
-    fn unreceived(&self) -> u64 {
-        let Some(pipe) = &self.pipe else { return 0 };
-        let mut written = 0;
-        for _ in 0..3 {
-            let taken = self.taken.load(Ordering::SeqCst);
-            let mut in_pipe: libc::c_int = 0;
-            // SAFETY: FIONREAD writes one int, the bytes the pipe holds.
-            if unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut in_pipe) } != 0 {
-                return 0;
-            }
-            written = taken + in_pipe.max(0) as u64;
-            if self.taken.load(Ordering::SeqCst) == taken {
-                break;
+    /// At the harness's exit: where what it wrote ends (what the reader
+    /// took, and what the pipe holds), and lines ending past it are no
+    /// longer owed. Never past the end: a byte the reader takes while this
+    /// looks is counted in neither, and is then read under the leftovers'
+    /// bounds (looking again, up to three times, makes that unlikely).
+    fn mark_exit(&self) -> u64 {
+        let mut written = self.count.taken.load(Ordering::SeqCst);
+        if let Some(pipe) = &self.pipe {
+            for _ in 0..3 {
+                let taken = self.count.taken.load(Ordering::SeqCst);
+                let mut in_pipe: libc::c_int = 0;
+                // SAFETY: FIONREAD writes one int, the bytes the pipe holds.
+                if unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut in_pipe) } != 0 {
+                    break;
+                }
+                written = taken + in_pipe.max(0) as u64;
+                if self.count.taken.load(Ordering::SeqCst) == taken {
+                    break;
+                }
             }
         }
-        written.saturating_sub(self.received)
+        self.count.mark.store(written, Ordering::SeqCst);
+        written
+    }
+
+    /// Where the owed lines end, for a harness whose output ended at
+    /// `written`: all of it while the reader has not taken it all, then
+    /// the end of its last whole line (a line it left unfinished is not
+    /// waited for).
+    fn owed(&self, written: u64) -> u64 {
+        match self.count.taken.load(Ordering::SeqCst) >= written {
+            true => self.count.lines_end.load(Ordering::SeqCst),
+            false => written,
+        }
     }
 }
 
@@ -431,8 +447,9 @@ impl CommandSession {
 
         let mut plain = CappedBuffer::new(self.max_output);
         let mut result = None;
-        // Set when the harness has exited: what it wrote is read to the end.
-        let mut drain: Option<ExitDrain> = None;
+        // Set when the harness has exited (with where its output ended):
+        // what it wrote is read to the end.
+        let mut drain: Option<(ExitDrain, u64)> = None;
         while let Some(lines) = self.run.stdout.as_mut() {
             let next = match drain.as_mut() {
                 None => tokio::select! {
@@ -444,26 +461,27 @@ impl CommandSession {
                     next = lines.recv() => next,
                     exited = self.run.process.wait() => {
                         exited.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?;
-                        let owed = lines.unreceived();
-                        drain = Some(ExitDrain::new(owed, pipe_max_size(), EXIT_DRAIN, EXIT_DRAIN_MAX));
+                        let written = lines.mark_exit();
+                        drain = Some((ExitDrain::new(pipe_max_size(), EXIT_DRAIN, EXIT_DRAIN_MAX), written));
                         continue;
                     }
                 },
-                // What the harness wrote itself is read to its end, however
+                // The harness's own lines are read to the end, however
                 // slowly; past the drain's bounds what is left of stdout is
                 // a process it started.
-                Some(drain) => {
-                    let asked = tokio::time::Instant::now();
-                    let next = match drain.next_wait() {
-                        Wait::Stop => None,
-                        Wait::Owed => lines.recv().await,
-                        Wait::AtMost(wait) => tokio::time::timeout(wait, lines.recv()).await.unwrap_or_default(),
-                    };
-                    if let Some(Ok((line, dropped))) = &next {
-                        drain.read(asked.elapsed(), line_bytes(line, *dropped));
+                Some((drain, written)) => match drain.next_wait(lines.received, lines.owed(*written)) {
+                    Wait::Stop => None,
+                    Wait::Owed => match tokio::time::timeout(OWED_LOOK, lines.recv()).await {
+                        Ok(next) => next,
+                        Err(_) => continue,
+                    },
+                    Wait::AtMost(wait) => {
+                        let asked = tokio::time::Instant::now();
+                        let next = tokio::time::timeout(wait, lines.recv()).await.unwrap_or_default();
+                        drain.waited(asked.elapsed());
+                        next
                     }
-                    next
-                }
+                },
             };
             let Some(next) = next else {
                 self.run.stdout = None;
@@ -631,38 +649,62 @@ mod tests {
         words.iter().map(|w| w.to_string()).collect()
     }
 
-    /// What a harness wrote and was not received is owed wherever it is:
-    /// in the reader's hands (its buffer, the lines read ahead) or still in
-    /// the pipe. 2,100 lines of 48 bytes: the reader takes 64 KiB and
-    /// stops with 64 lines read ahead; the rest waits in the pipe.
+    /// What a harness wrote is owed wherever it is: in the reader's hands
+    /// (its buffer, the lines read ahead) or still in the pipe. 2,100 lines
+    /// of 48 bytes: the reader takes 64 KiB and stops with 64 lines read
+    /// ahead; the rest waits in the pipe.
     #[tokio::test]
-    async fn what_was_written_and_not_received_is_owed_wherever_it_is() {
+    async fn what_was_written_is_owed_wherever_it_is() {
         use tokio::io::AsyncWriteExt;
         let (mut tx, rx) = tokio::net::unix::pipe::pipe().unwrap();
         let line = b"{\"type\":\"progress\",\"message\":\"step\",\"tokens\":1}\n";
         assert_eq!(line.len(), 48);
-        let written = line.repeat(2_100);
         let mut lines = StdoutLines::read(rx);
-        tx.write_all(&written).await.unwrap();
+        tx.write_all(&line.repeat(2_100)).await.unwrap();
         // The reader is blocked once it has read ahead all it may.
-        while lines.taken.load(Ordering::SeqCst) < READ_AHEAD_AT_LEAST {
+        while lines.count.taken.load(Ordering::SeqCst) < READ_AHEAD_AT_LEAST {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let taken = lines.taken.load(Ordering::SeqCst);
-        assert!(taken < written.len() as u64, "some is still in the pipe: {taken} taken");
-        assert_eq!(lines.unreceived(), 100_800);
+        let taken = lines.count.taken.load(Ordering::SeqCst);
+        assert!(taken < 100_800, "some is still in the pipe: {taken} taken");
+        let written = lines.mark_exit();
+        assert_eq!(written, 100_800);
         for _ in 0..100 {
             lines.recv().await.unwrap().unwrap();
         }
-        assert_eq!(lines.unreceived(), 100_800 - 4_800);
+        assert_eq!((lines.received, lines.owed(written)), (4_800, 100_800));
         drop(tx);
         let mut received = 100;
         while let Some(next) = lines.recv().await {
             next.unwrap();
             received += 1;
         }
-        assert_eq!((received, lines.unreceived()), (2_100, 0));
+        assert_eq!((received, lines.received, lines.owed(written)), (2_100, 100_800, 100_800));
+    }
+
+    /// A last line left unfinished, with the pipe still open (a process
+    /// the harness left behind holds it), is not owed: only the whole
+    /// lines before it are.
+    #[tokio::test]
+    async fn an_unfinished_last_line_is_not_owed() {
+        use tokio::io::AsyncWriteExt;
+        let (mut tx, rx) = tokio::net::unix::pipe::pipe().unwrap();
+        let mut lines = StdoutLines::read(rx);
+        tx.write_all(b"one\ntw").await.unwrap();
+        while lines.count.taken.load(Ordering::SeqCst) < 6 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let written = lines.mark_exit();
+        assert_eq!((written, lines.owed(written)), (6, 4));
+        assert_eq!(lines.recv().await.unwrap().unwrap(), (b"one".to_vec(), 0));
+        let drain = ExitDrain::new(100, EXIT_DRAIN, EXIT_DRAIN_MAX);
+        assert_eq!(drain.next_wait(lines.received, lines.owed(written)), Wait::AtMost(EXIT_DRAIN));
+        // What a leftover writes after the exit is not owed either.
+        tx.write_all(b"o\nthree\n").await.unwrap();
+        assert_eq!(lines.recv().await.unwrap().unwrap(), (b"two".to_vec(), 0));
+        assert_eq!(lines.owed(written), 4);
+        drop(tx);
     }
 
     /// The least a blocked reader has taken: its 64 KiB buffer.

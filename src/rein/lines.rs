@@ -87,31 +87,31 @@ impl CappedBuffer {
 
 /// How a harness's stdout is read once the harness has exited.
 ///
-/// What it wrote before then and was not received yet is `owed`: the bytes
-/// still in the pipe and those the reader took but has not handed on as
-/// lines (see `command::StdoutLines::unreceived`). All of that is read,
-/// without a timeout, however long a busy host takes to schedule the
-/// reader or to store and publish what each line says. After it, what
-/// comes is from a process the harness left behind, and reading stops at
-/// the first of:
+/// What it wrote before then and was not received yet is owed: every line
+/// that ends within the bytes the reader had taken or the pipe held at the
+/// exit (see `command::StdoutLines`). Those lines are read without a time
+/// bound, however long a busy host takes to schedule the reader or to
+/// store and publish what each says. What comes after them is from a
+/// process the harness left behind, and reading stops at the first of:
 /// - no line came for `quiet` (it keeps the pipe open and writes nothing);
-/// - the reads after `owed` waited `max_wait` in all (it writes now and
-///   then);
-/// - more than `leftover_max` bytes came after `owed` (it writes fast).
+/// - the reads after the owed lines waited `max_wait` in all (it writes
+///   now and then);
+/// - more than `leftover_max` bytes came after them (it writes fast).
+///
+/// Offsets count the stream's bytes from its start.
 #[derive(Debug)]
 pub struct ExitDrain {
-    owed: u64,
     leftover_max: u64,
     quiet: Duration,
     max_wait: Duration,
-    got: u64,
     waited: Duration,
 }
 
 /// How the next read after the exit may wait.
 #[derive(Debug, PartialEq)]
 pub enum Wait {
-    /// The harness's own bytes: as long as the line takes.
+    /// For an owed line: as long as it takes (looking again now and then
+    /// at what is owed, which the reader's progress can lower).
     Owed,
     /// A leftover's: at most this long.
     AtMost(Duration),
@@ -120,15 +120,17 @@ pub enum Wait {
 }
 
 impl ExitDrain {
-    pub fn new(owed: u64, leftover_max: u64, quiet: Duration, max_wait: Duration) -> ExitDrain {
-        ExitDrain { owed, leftover_max, quiet, max_wait, got: 0, waited: Duration::ZERO }
+    pub fn new(leftover_max: u64, quiet: Duration, max_wait: Duration) -> ExitDrain {
+        ExitDrain { leftover_max, quiet, max_wait, waited: Duration::ZERO }
     }
 
-    pub fn next_wait(&self) -> Wait {
-        if self.got < self.owed {
+    /// With the lines received up to offset `received` and those owed up
+    /// to offset `owed`.
+    pub fn next_wait(&self, received: u64, owed: u64) -> Wait {
+        if received < owed {
             return Wait::Owed;
         }
-        if self.got - self.owed > self.leftover_max {
+        if received - owed > self.leftover_max {
             return Wait::Stop;
         }
         match self.max_wait.saturating_sub(self.waited) {
@@ -137,13 +139,9 @@ impl ExitDrain {
         }
     }
 
-    /// A read that waited `waited` for a line of `bytes` (see
-    /// [`line_bytes`]).
-    pub fn read(&mut self, waited: Duration, bytes: u64) {
-        if self.got >= self.owed {
-            self.waited += waited;
-        }
-        self.got = self.got.saturating_add(bytes);
+    /// A read for a leftover's line that waited `waited`.
+    pub fn waited(&mut self, waited: Duration) {
+        self.waited += waited;
     }
 }
 
@@ -153,14 +151,32 @@ pub fn line_bytes(line: &[u8], dropped: u64) -> u64 {
     line.len() as u64 + dropped + 1
 }
 
-/// A reader that counts the bytes read through it.
+/// What a [`Counted`] reader has read, as offsets from the stream's start.
+#[derive(Debug)]
+pub struct ReadCount {
+    /// Bytes read.
+    pub taken: AtomicU64,
+    /// Just past the last newline read, not counting newlines past `mark`.
+    pub lines_end: AtomicU64,
+    /// See `lines_end`; none until it is set.
+    pub mark: AtomicU64,
+}
+
+impl Default for ReadCount {
+    fn default() -> Self {
+        ReadCount { taken: AtomicU64::new(0), lines_end: AtomicU64::new(0), mark: AtomicU64::new(u64::MAX) }
+    }
+}
+
+/// A reader that counts the bytes read through it, and where its last
+/// line ends.
 pub struct Counted<R> {
     inner: R,
-    count: Arc<AtomicU64>,
+    count: Arc<ReadCount>,
 }
 
 impl<R> Counted<R> {
-    pub fn new(inner: R, count: Arc<AtomicU64>) -> Self {
+    pub fn new(inner: R, count: Arc<ReadCount>) -> Self {
         Counted { inner, count }
     }
 }
@@ -170,7 +186,13 @@ impl<R: AsyncRead + Unpin> AsyncRead for Counted<R> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = polled {
-            self.count.fetch_add((buf.filled().len() - before) as u64, Ordering::SeqCst);
+            let read = &buf.filled()[before..];
+            let start = self.count.taken.fetch_add(read.len() as u64, Ordering::SeqCst);
+            let mark = self.count.mark.load(Ordering::SeqCst);
+            let within = usize::try_from(mark.saturating_sub(start)).unwrap_or(usize::MAX).min(read.len());
+            if let Some(at) = read[..within].iter().rposition(|b| *b == b'\n') {
+                self.count.lines_end.fetch_max(start + at as u64 + 1, Ordering::SeqCst);
+            }
         }
         polled
     }
@@ -192,35 +214,52 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     #[test]
-    fn what_the_harness_left_is_read_without_a_timeout_then_a_leftover_is_bounded() {
-        let mut drain = ExitDrain::new(1000, 100, 500 * MS, 10_000 * MS);
-        assert_eq!(drain.next_wait(), Wait::Owed);
-        // Its own bytes, however long each read waited (a starved reader).
-        for _ in 0..9 {
-            drain.read(60_000 * MS, 100);
-        }
-        assert_eq!(drain.next_wait(), Wait::Owed, "900 of 1,000 owed bytes");
-        drain.read(60_000 * MS, 100);
-        assert_eq!(drain.next_wait(), Wait::AtMost(500 * MS), "what it owed was read; its waits do not count");
+    fn owed_lines_are_read_without_a_timeout_then_a_leftover_is_bounded() {
+        let mut drain = ExitDrain::new(100, 500 * MS, 10_000 * MS);
+        assert_eq!(drain.next_wait(0, 1000), Wait::Owed);
+        assert_eq!(drain.next_wait(999, 1000), Wait::Owed);
+        assert_eq!(drain.next_wait(1000, 1000), Wait::AtMost(500 * MS));
         // A leftover writing now and then: 10 s of waiting in all.
         for _ in 0..19 {
-            drain.read(490 * MS, 1);
+            drain.waited(490 * MS);
         }
-        assert_eq!(drain.next_wait(), Wait::AtMost(500 * MS), "9,310 ms waited");
-        drain.read(490 * MS, 1);
-        assert_eq!(drain.next_wait(), Wait::AtMost(200 * MS), "9,800 ms waited");
-        drain.read(200 * MS, 1);
-        assert_eq!(drain.next_wait(), Wait::Stop, "10 s waited in all");
+        assert_eq!(drain.next_wait(1019, 1000), Wait::AtMost(500 * MS), "9,310 ms waited");
+        drain.waited(490 * MS);
+        assert_eq!(drain.next_wait(1020, 1000), Wait::AtMost(200 * MS), "9,800 ms waited");
+        drain.waited(200 * MS);
+        assert_eq!(drain.next_wait(1021, 1000), Wait::Stop, "10 s waited in all");
     }
 
     #[test]
     fn a_leftover_writing_fast_is_read_up_to_its_bound() {
-        let mut drain = ExitDrain::new(10, 100, 500 * MS, 10_000 * MS);
-        drain.read(Duration::ZERO, 10);
-        drain.read(Duration::ZERO, 100);
-        assert_eq!(drain.next_wait(), Wait::AtMost(500 * MS), "exactly the bound");
-        drain.read(Duration::ZERO, 1);
-        assert_eq!(drain.next_wait(), Wait::Stop, "one byte more");
+        let drain = ExitDrain::new(100, 500 * MS, 10_000 * MS);
+        assert_eq!(drain.next_wait(1100, 1000), Wait::AtMost(500 * MS), "exactly the bound");
+        assert_eq!(drain.next_wait(1101, 1000), Wait::Stop, "one byte more");
+    }
+
+    /// Where the lines end, as read in chunks of 4 bytes: not past the
+    /// mark, once it is set, and never back.
+    #[tokio::test]
+    async fn a_counted_reader_knows_where_its_last_line_ends() {
+        use tokio::io::AsyncReadExt;
+        let count = Arc::new(ReadCount::default());
+        let data = b"ab\ncdefg\nhij\nk".to_vec();
+        let mut reader = Counted::new(&data[..], count.clone());
+        let mut chunk = [0u8; 4];
+        let mut ends = Vec::new();
+        loop {
+            let n = reader.read(&mut chunk).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            let taken = count.taken.load(Ordering::SeqCst);
+            if taken == 8 {
+                // Marked at 12: the line that ends at 13 is past it.
+                count.mark.store(12, Ordering::SeqCst);
+            }
+            ends.push((taken, count.lines_end.load(Ordering::SeqCst)));
+        }
+        assert_eq!(ends, [(4, 3), (8, 3), (12, 9), (14, 9)]);
     }
 
     #[test]
@@ -232,14 +271,15 @@ mod tests {
 
     #[tokio::test]
     async fn a_counted_reader_counts_every_byte_read_through_it() {
-        let count = Arc::new(AtomicU64::new(0));
+        let count = Arc::new(ReadCount::default());
         let data = b"one\ntwo\nthree".to_vec();
         let mut reader = LineReader::new(Counted::new(&data[..], count.clone()));
         let mut lines = 0;
         while let Some((line, dropped)) = reader.next_line().await.unwrap() {
             lines += line_bytes(&line, dropped);
         }
-        assert_eq!(count.load(Ordering::SeqCst), 13);
+        assert_eq!(count.taken.load(Ordering::SeqCst), 13);
+        assert_eq!(count.lines_end.load(Ordering::SeqCst), 8);
         assert_eq!(lines, 14, "the last line has no newline");
     }
 
