@@ -113,7 +113,7 @@ impl Pump {
         // Not asked for STALL (HTTP/2 had no room: the client read nothing),
         // or an event was that long in coming (then it is not behind).
         let asked_at = std::mem::replace(&mut self.asked_at, coarse_now());
-        if self.asked_at - asked_at >= STALL && self.subscription.overrun() {
+        if self.asked_at.saturating_sub(asked_at) >= STALL && self.subscription.overrun() {
             let lag = Lagged { last_sequence: self.sent };
             return Some(self.last(Err(status::lagged(lag))));
         }

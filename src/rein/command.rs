@@ -661,8 +661,9 @@ mod tests {
         assert_eq!(line.len(), 48);
         let mut lines = StdoutLines::read(rx);
         tx.write_all(&line.repeat(2_100)).await.unwrap();
-        // The reader is blocked once it has read ahead all it may.
-        while lines.count.taken.load(Ordering::SeqCst) < READ_AHEAD_AT_LEAST {
+        // The reader is blocked once it has read ahead all it may: at least
+        // its buffer.
+        while lines.count.taken.load(Ordering::SeqCst) < crate::rein::lines::READ_BUFFER as u64 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -706,9 +707,6 @@ mod tests {
         assert_eq!(lines.owed(written), 4);
         drop(tx);
     }
-
-    /// The least a blocked reader has taken: its 64 KiB buffer.
-    const READ_AHEAD_AT_LEAST: u64 = 64 * 1024;
 
     #[test]
     fn a_later_turn_resumes_the_conversation_or_refuses() {
