@@ -81,6 +81,11 @@ async fn throughput_counts_executions_errors_and_leaks() {
         assert!(level.errors.is_empty(), "{:?}", level.errors);
         assert!(level.per_second > 0.0);
         assert!(level.floor_per_second > 0.0 && level.floor_errors == 0, "{level:?}");
+        // What each side cost the host's CPUs, the daemon being in-process.
+        for cpu in [level.cpu, level.floor_cpu] {
+            let cpu = cpu.expect("the host's CPU per run is measured");
+            assert!(cpu.ms_per_run > 0.0 && cpu.busy_share > 0.0 && cpu.busy_share <= 1.0, "{level:?}");
+        }
     }
     assert_eq!(t.leaks.sandbox_dirs, 0);
     assert_eq!(t.leaks.data_sandboxes_entries, Some(0));

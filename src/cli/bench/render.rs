@@ -51,6 +51,24 @@ fn leak_check(leaks: &super::throughput::Leaks) -> TargetCheck {
     )
 }
 
+/// What a throughput level cost the host's CPUs, for its target's line:
+/// with the CPUs as busy on both sides, the rate can reach the floor's
+/// only as far as its CPU per execution allows. Empty when not measured.
+fn cpu_clause(l: &super::throughput::Level) -> String {
+    match (l.cpu, l.floor_cpu) {
+        (Some(c), Some(f)) if c.ms_per_run > 0.0 => format!(
+            "; host CPU {:.1} ms per execution vs {:.1} ms per floor spawn (CPUs {:.0}% and {:.0}% busy): \
+             at equally busy CPUs at most {:.0}%",
+            c.ms_per_run,
+            f.ms_per_run,
+            100.0 * c.busy_share,
+            100.0 * f.busy_share,
+            100.0 * f.ms_per_run / c.ms_per_run
+        ),
+        _ => String::new(),
+    }
+}
+
 /// Issue 16's goals (and issue 6's that still hold), judged on this run.
 pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
     let mut out = Vec::new();
@@ -97,12 +115,13 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
             Some(l) => check(
                 name,
                 format!(
-                    "{:.1}/s = {:.0}% of the floor's {:.1} spawns/s (pool of {}; {} errors)",
+                    "{:.1}/s = {:.0}% of the floor's {:.1} spawns/s (pool of {}; {} errors){}",
                     l.per_second,
                     if l.floor_per_second > 0.0 { 100.0 * l.per_second / l.floor_per_second } else { 0.0 },
                     l.floor_per_second,
                     t.leaks.warm_pool,
                     l.errors.values().sum::<usize>(),
+                    cpu_clause(l),
                 ),
                 Some(l.per_second >= l.floor_per_second),
             ),
@@ -117,11 +136,12 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
             Some(l) => check(
                 name,
                 format!(
-                    "{:.1}/s = {:.0}% of the floor's {:.1} spawns/s ({} errors)",
+                    "{:.1}/s = {:.0}% of the floor's {:.1} spawns/s ({} errors){}",
                     l.per_second,
                     if l.floor_per_second > 0.0 { 100.0 * l.per_second / l.floor_per_second } else { 0.0 },
                     l.floor_per_second,
                     l.errors.values().sum::<usize>(),
+                    cpu_clause(l),
                 ),
                 Some(l.per_second >= 0.8 * l.floor_per_second),
             ),
@@ -276,6 +296,12 @@ fn latency_section(out: &mut String, title: &str, l: &super::LatencyReport) {
     out.push('\n');
 }
 
+/// A [`CpuUse`](super::system::CpuUse) as a table cell: milliseconds, and
+/// the CPUs' busy share; `-` when not measured.
+fn cpu_cell(cpu: Option<super::system::CpuUse>) -> String {
+    cpu.map(|c| format!("{:.2} ({:.0}%)", c.ms_per_run, 100.0 * c.busy_share)).unwrap_or_else(|| "-".into())
+}
+
 /// The `throughput` table and leaks; `title` as in [`latency_section`].
 fn throughput_section(out: &mut String, title: &str, t: &super::ThroughputReport) {
     let _ = writeln!(out, "throughput{title}: {}", t.profile);
@@ -291,12 +317,24 @@ fn throughput_section(out: &mut String, title: &str, t: &super::ThroughputReport
                 ms(l.latency.p50_ms),
                 ms(l.latency.p99_ms),
                 format!("{:.1}", l.floor_per_second),
+                cpu_cell(l.cpu),
+                cpu_cell(l.floor_cpu),
                 errors(&l.errors),
             ]
         })
         .collect();
-    let headers =
-        ["concurrency", "executions", "seconds", "succeeded/s", "p50 ms", "p99 ms", "floor spawns/s", "errors"];
+    let headers = [
+        "concurrency",
+        "executions",
+        "seconds",
+        "succeeded/s",
+        "p50 ms",
+        "p99 ms",
+        "floor spawns/s",
+        "host cpu ms/exec",
+        "floor cpu ms/spawn",
+        "errors",
+    ];
     out.push_str(&table(&headers, &rows));
     let p = &t.leaks.processes;
     let _ = writeln!(
@@ -617,6 +655,34 @@ mod tests {
         assert_eq!(leak_check(&leaks(Some(0), 0)).met, Some(true));
         assert_eq!(leak_check(&leaks(Some(0), 1)).met, Some(false));
         assert_eq!(leak_check(&leaks(Some(2), 0)).met, Some(false));
+    }
+
+    #[test]
+    fn a_throughput_level_says_what_it_cost_the_cpus() {
+        use crate::cli::bench::system::CpuUse;
+        let mut level = crate::cli::bench::throughput::Level {
+            concurrency: 16,
+            executions: 400,
+            succeeded: 400,
+            seconds: 2.5,
+            per_second: 160.0,
+            latency: Default::default(),
+            floor_per_second: 210.0,
+            floor_errors: 0,
+            cpu: Some(CpuUse { ms_per_run: 12.0, busy_share: 0.97 }),
+            floor_cpu: Some(CpuUse { ms_per_run: 9.0, busy_share: 0.964 }),
+            errors: Default::default(),
+        };
+        assert_eq!(
+            cpu_clause(&level),
+            "; host CPU 12.0 ms per execution vs 9.0 ms per floor spawn (CPUs 97% and 96% busy): \
+             at equally busy CPUs at most 75%"
+        );
+        assert_eq!(cpu_cell(level.cpu), "12.00 (97%)");
+        // A daemon on another host: its CPU is not measured, nor judged.
+        level.cpu = None;
+        assert_eq!(cpu_clause(&level), "");
+        assert_eq!(cpu_cell(level.cpu), "-");
     }
 
     fn fanout(

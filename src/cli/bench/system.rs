@@ -183,6 +183,63 @@ pub fn leaked_processes(daemon_pid: Option<u32>, ids: &HashSet<String>) -> Leake
     leaks
 }
 
+/// The host's CPU time so far, from `/proc/stat`'s `cpu` line, in clock
+/// ticks: every process's and the kernel's, so a level's figure counts the
+/// daemon, bwrap, the harness, the bench and the kernel's own workers alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostCpu {
+    /// user + nice + system + irq + softirq + steal (guest time is inside user).
+    pub busy: u64,
+    /// idle + iowait.
+    pub idle: u64,
+}
+
+/// What the host's CPUs did over part of a run, per unit of work.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct CpuUse {
+    /// Busy CPU time on the whole host, in milliseconds, per execution (or
+    /// per floor spawn).
+    pub ms_per_run: f64,
+    /// Busy share of all the CPUs' time (1.0: every CPU busy throughout).
+    pub busy_share: f64,
+}
+
+impl HostCpu {
+    /// Now, or `None` where there is no `/proc/stat`.
+    pub fn now() -> Option<HostCpu> {
+        HostCpu::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+
+    /// The totals of the `cpu` line of a `/proc/stat` text.
+    pub fn parse(stat: &str) -> Option<HostCpu> {
+        let line = stat.lines().find(|l| l.split_whitespace().next() == Some("cpu"))?;
+        let v: Vec<u64> = line.split_whitespace().skip(1).map(|f| f.parse().ok()).collect::<Option<_>>()?;
+        let at = |i: usize| v.get(i).copied().unwrap_or(0);
+        // user nice system idle iowait irq softirq steal guest guest_nice
+        (v.len() >= 4).then(|| HostCpu { busy: at(0) + at(1) + at(2) + at(5) + at(6) + at(7), idle: at(3) + at(4) })
+    }
+
+    /// The CPU used from `self` to `later` for `runs` runs, with `tick_ms`
+    /// milliseconds in a tick; `None` without runs or ticks.
+    pub fn used_until(self, later: HostCpu, runs: usize, tick_ms: f64) -> Option<CpuUse> {
+        let busy = later.busy.checked_sub(self.busy)?;
+        let total = busy + later.idle.checked_sub(self.idle)?;
+        (runs > 0 && total > 0)
+            .then(|| CpuUse { ms_per_run: busy as f64 * tick_ms / runs as f64, busy_share: busy as f64 / total as f64 })
+    }
+}
+
+/// Milliseconds in one `/proc/stat` clock tick (`_SC_CLK_TCK`; 10 on Linux).
+pub fn tick_ms() -> f64 {
+    // SAFETY: sysconf reads a constant of the system; no memory is touched.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 {
+        1000.0 / hz as f64
+    } else {
+        10.0
+    }
+}
+
 /// Entries under a directory (0 when it does not exist).
 pub fn entries(dir: &Path) -> usize {
     std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
@@ -191,6 +248,23 @@ pub fn entries(dir: &Path) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_cpu_is_the_cpu_lines_busy_and_idle_ticks() {
+        let stat = "cpu  100 5 50 1000 20 3 7 2 40 0\ncpu0 50 2 25 500 10 1 3 1 20 0\nintr 12345\n";
+        // busy: user 100 + nice 5 + system 50 + irq 3 + softirq 7 + steal 2
+        // (guest 40 is inside user); idle: idle 1000 + iowait 20.
+        assert_eq!(HostCpu::parse(stat), Some(HostCpu { busy: 167, idle: 1020 }));
+        assert_eq!(HostCpu::parse("cpu0 1 2 3 4\n"), None, "only the host's total line counts");
+        assert_eq!(HostCpu::parse("cpu 1 x 3 4\n"), None);
+        let (before, after) = (HostCpu { busy: 167, idle: 1020 }, HostCpu { busy: 367, idle: 1070 });
+        // 200 busy ticks of 10 ms over 40 runs: 50 ms each; 200 of 250 ticks busy.
+        assert_eq!(before.used_until(after, 40, 10.0), Some(CpuUse { ms_per_run: 50.0, busy_share: 0.8 }));
+        assert_eq!(before.used_until(after, 0, 10.0), None);
+        assert_eq!(after.used_until(before, 40, 10.0), None, "a counter that went back measures nothing");
+        assert!(HostCpu::now().is_some_and(|c| c.busy > 0));
+        assert!(tick_ms() > 0.0);
+    }
 
     #[test]
     fn the_process_listening_on_a_unix_socket_is_found() {

@@ -14,7 +14,7 @@ use super::client::{code_name, execute, request};
 use super::floor::Floor;
 use super::latency;
 use super::stats::Percentiles;
-use super::system::{self, LeakedProcesses};
+use super::system::{self, CpuUse, HostCpu, LeakedProcesses};
 use super::target::Target;
 use super::BenchArgs;
 
@@ -42,6 +42,12 @@ pub struct Level {
     pub floor_per_second: f64,
     /// Direct spawns of the floor that failed.
     pub floor_errors: usize,
+    /// The host's busy CPU (every process and the kernel) per execution at
+    /// this level, and how busy the CPUs were: what an execution costs the
+    /// machine. `None` when the daemon is not on this host.
+    pub cpu: Option<CpuUse>,
+    /// The same for the floor's spawns at this level.
+    pub floor_cpu: Option<CpuUse>,
     /// What did not succeed: a status code (`RESOURCE_EXHAUSTED`, ...) or
     /// the final state of an execution that ran (`FAILED`, ...).
     pub errors: BTreeMap<String, usize>,
@@ -86,8 +92,15 @@ pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow:
     let mut levels = Vec::new();
     for &concurrency in &args.concurrency {
         let count = args.n.unwrap_or((10 * concurrency).max(50));
+        let before = HostCpu::now();
         let mut level = level(&channels, &args.noop_profile, concurrency, count, &sandboxes).await;
+        let between = HostCpu::now();
         (level.floor_per_second, level.floor_errors) = floor_level(&floor, concurrency, count).await;
+        let after = HostCpu::now();
+        let used = |from: Option<HostCpu>, to: Option<HostCpu>, runs| from?.used_until(to?, runs, system::tick_ms());
+        // A daemon elsewhere spends its CPU there: this host's is not its.
+        level.cpu = used(before, between, level.executions).filter(|_| target.daemon_pid.is_some());
+        level.floor_cpu = used(between, after, count);
         levels.push(level);
     }
     let sandboxes = std::mem::take(&mut *sandboxes.lock().unwrap_or_else(|e| e.into_inner()));
@@ -172,6 +185,8 @@ pub(super) async fn level(
         latency: Percentiles::of_ms(&latencies),
         floor_per_second: 0.0,
         floor_errors: 0,
+        cpu: None,
+        floor_cpu: None,
         errors,
     }
 }
