@@ -63,7 +63,7 @@ impl Store {
     pub async fn stored_event_sizes(&self, subject: &str) -> Result<Vec<(u64, String, usize)>, StoreError> {
         let rows = sqlx::query("SELECT sequence, kind, body FROM events WHERE subject_id = $1 ORDER BY sequence")
             .bind(subject)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.reader)
             .await?;
         Ok(rows.iter().map(|r| (r.get::<i64, _>(0) as u64, r.get::<String, _>(1), r.get::<&str, _>(2).len())).collect())
     }
@@ -72,7 +72,7 @@ impl Store {
     pub async fn oldest_sequence(&self, subject: &str) -> Result<Option<u64>, StoreError> {
         let row = sqlx::query("SELECT MIN(sequence) FROM events WHERE subject_id = $1")
             .bind(subject)
-            .fetch_one(&self.pool)
+            .fetch_one(&self.reader)
             .await?;
         Ok(row.get::<Option<i64>, _>(0).map(|s| s as u64))
     }
@@ -81,7 +81,7 @@ impl Store {
     pub async fn get_raw(&self, execution_id: &str) -> Result<Option<(String, String)>, StoreError> {
         let row = sqlx::query("SELECT output, error FROM execution_raw WHERE execution_id = $1")
             .bind(execution_id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.reader)
             .await?;
         Ok(row.map(|r| (r.get(0), r.get(1))))
     }
@@ -118,7 +118,7 @@ impl Store {
         .bind(subject)
         .bind(sequence(after))
         .bind(sequence(before))
-        .fetch_all(&self.pool)
+        .fetch_all(&self.reader)
         .await?;
         self.events_from_rows(subject, &rows).await
     }
@@ -130,7 +130,7 @@ impl Store {
         )
         .bind(subject)
         .bind(sequence(after))
-        .fetch_all(&self.pool)
+        .fetch_all(&self.reader)
         .await?;
         self.events_from_rows(subject, &rows).await
     }

@@ -114,7 +114,7 @@ impl Store {
     pub async fn get_execution(&self, id: &str) -> Result<Option<ExecutionRecord>, StoreError> {
         let row = sqlx::query(&format!("SELECT {EXECUTION} FROM executions WHERE execution_id = $1"))
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.reader)
             .await?;
         row.as_ref().map(execution_from_row).transpose()
     }
@@ -141,7 +141,7 @@ impl Store {
         for project in filter.projects.iter().flatten() {
             query = query.bind(project);
         }
-        let rows = query.fetch_all(&self.pool).await?;
+        let rows = query.fetch_all(&self.reader).await?;
         rows.iter().map(execution_from_row).collect()
     }
 
@@ -151,14 +151,14 @@ impl Store {
         let row = sqlx::query("SELECT MAX(finished_at_ms) FROM executions WHERE profile_ref = $1 AND state = $2")
             .bind(profile_ref)
             .bind(ExecutionState::Succeeded.as_str())
-            .fetch_one(&self.pool)
+            .fetch_one(&self.reader)
             .await?;
         Ok(row.get::<Option<i64>, _>(0))
     }
 
     /// How many executions the store holds, finished or not.
     pub async fn count_executions(&self) -> Result<i64, StoreError> {
-        Ok(sqlx::query("SELECT COUNT(*) FROM executions").fetch_one(&self.pool).await?.get(0))
+        Ok(sqlx::query("SELECT COUNT(*) FROM executions").fetch_one(&self.reader).await?.get(0))
     }
 
     /// This daemon's executions still pending or running (of this node, or of

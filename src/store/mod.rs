@@ -127,7 +127,17 @@ pub struct SandboxRow {
 /// Cheap to clone: clones share the pool.
 #[derive(Clone)]
 pub struct Store {
+    /// Every write, and the reads a write depends on. On SQLite one
+    /// connection: SQLite runs one write transaction at a time whatever
+    /// the number of connections, and with several a writer that finds the
+    /// lock taken sleeps in SQLite's busy handler (1, 2, 5 ms ...) and
+    /// re-reads the pages another connection changed. With one, writes wait
+    /// their turn in the pool's queue and its page cache stays warm.
     pool: AnyPool,
+    /// Reads that stand alone (a record, a page of events, a listing): on
+    /// SQLite connections of their own, which WAL lets read beside the
+    /// writer; on PostgreSQL the same pool.
+    reader: AnyPool,
     /// The connection the node's lease is renewed on (PostgreSQL: one of
     /// its own; SQLite: the pool).
     lease_pool: AnyPool,
@@ -157,6 +167,32 @@ fn migrator(sqlite: bool) -> Migrator {
     Migrator { migrations: migrations.into(), ..Migrator::DEFAULT }
 }
 
+/// SQLite connections for standalone reads, beside its one writer.
+const SQLITE_READERS: u32 = 3;
+
+/// A pool of up to `max` connections; SQLite's in WAL mode.
+fn pool_options(sqlite: bool, max: u32) -> AnyPoolOptions {
+    AnyPoolOptions::new()
+        .max_connections(max)
+        // A SQLite connection is a file in this process: pinging it
+        // before every use would be one more hand-off to its worker
+        // thread per query, for nothing. A PostgreSQL one may have died.
+        .test_before_acquire(!sqlite)
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                if sqlite {
+                    // Under WAL, NORMAL is durable across process crashes;
+                    // only an OS crash can lose the last commits.
+                    conn.execute(
+                        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA busy_timeout = 10000;",
+                    )
+                    .await?;
+                }
+                Ok(())
+            })
+        })
+}
+
 impl Store {
     /// Opens the store: `url` (a `postgres://` URL) or, without one,
     /// `corral.db` in `data_dir`; then runs the migrations. `node` names
@@ -168,28 +204,12 @@ impl Store {
             Some(url) => url.to_string(),
             None => format!("sqlite://{}?mode=rwc", data_dir.join("corral.db").display()),
         };
-        let pool = AnyPoolOptions::new()
-            .max_connections(if sqlite { 4 } else { 16 })
-            // A SQLite connection is a file in this process: pinging it
-            // before every use would be one more hand-off to its worker
-            // thread per query, for nothing. A PostgreSQL one may have died.
-            .test_before_acquire(!sqlite)
-            .after_connect(move |conn, _| {
-                Box::pin(async move {
-                    if sqlite {
-                        // Under WAL, NORMAL is durable across process crashes;
-                        // only an OS crash can lose the last commits.
-                        conn.execute(
-                            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA busy_timeout = 10000;",
-                        )
-                        .await?;
-                    }
-                    Ok(())
-                })
-            })
-            .connect(&url)
-            .await?;
+        let pool = pool_options(sqlite, if sqlite { 1 } else { 16 }).connect(&url).await?;
         migrator(sqlite).run(&pool).await?;
+        let reader = match sqlite {
+            true => pool_options(true, SQLITE_READERS).connect(&url).await?,
+            false => pool.clone(),
+        };
         // The lease's own connection: a pool busy with runs and watchers
         // must not make a healthy node miss its renewal and fence itself.
         let lease_pool = match sqlite {
@@ -199,6 +219,7 @@ impl Store {
         let listen_url = (!sqlite).then(|| url.clone());
         Ok(Store {
             pool,
+            reader,
             lease_pool,
             node: node.to_string(),
             epoch: uuid::Uuid::now_v7().to_string(),
@@ -226,6 +247,7 @@ impl Store {
     /// back.
     pub async fn close(&self) {
         self.pool.close().await;
+        self.reader.close().await;
         self.lease_pool.close().await;
     }
 
@@ -242,7 +264,7 @@ impl Store {
             ("hub_outbox", 0),
         ];
         for (table, count) in &mut counts {
-            *count = sqlx::query(&format!("SELECT COUNT(*) FROM {table}")).fetch_one(&self.pool).await?.get(0);
+            *count = sqlx::query(&format!("SELECT COUNT(*) FROM {table}")).fetch_one(&self.reader).await?.get(0);
         }
         Ok(counts)
     }
@@ -403,6 +425,42 @@ mod tests {
             events_rows_json(&events, true).unwrap(),
             r#"[["s1",1,7,"dispatched","{\"tool\":\"run_task\"}"],["s1",2,7,"reaped","{\"idle_seconds\":3}"]]"#
         );
+    }
+
+    /// On SQLite every write goes through one connection, so a writer waits
+    /// its turn in the pool, never sleeping in SQLite's busy handler; reads
+    /// run on connections beside it, see every write committed before they
+    /// start, and an open read does not hold the writer up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_writes_take_turns_on_one_connection_and_reads_run_beside_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        assert_eq!(store.pool.options().get_max_connections(), 1);
+        assert_eq!(store.reader.options().get_max_connections(), SQLITE_READERS);
+        // A read transaction held open the whole time (WAL: writers pass it).
+        let mut held = store.reader.begin().await.unwrap();
+        sqlx::query("SELECT COUNT(*) FROM events").fetch_one(&mut *held).await.unwrap();
+        let mut writers = tokio::task::JoinSet::new();
+        for w in 0..16 {
+            let store = store.clone();
+            writers.spawn(async move {
+                let subject = format!("s{w}");
+                for sequence in 1..=20u64 {
+                    let kind = EventKind::Dispatched { tool: format!("t{sequence}") };
+                    let event = Event { subject_id: subject.clone(), sequence, time_ms: 1, kind };
+                    store.append_events(&[event]).await.unwrap();
+                    // Read back on a reader connection, at once.
+                    let seen = store.events_after(&subject, 0).await.unwrap();
+                    assert_eq!(seen.len() as u64, sequence, "{subject} read back {} of {sequence}", seen.len());
+                }
+            });
+        }
+        while let Some(done) = writers.join_next().await {
+            done.unwrap();
+        }
+        held.rollback().await.unwrap();
+        let count: i64 = sqlx::query("SELECT COUNT(*) FROM events").fetch_one(&store.reader).await.unwrap().get(0);
+        assert_eq!(count, 16 * 20);
     }
 
     /// Host uids go around the range: never used first, in order, then the

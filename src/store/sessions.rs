@@ -36,7 +36,7 @@ impl Store {
     pub async fn get_session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
         let row = sqlx::query("SELECT record FROM sessions WHERE session_id = $1")
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.reader)
             .await?;
         row.map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).transpose()
     }
@@ -56,7 +56,7 @@ impl Store {
         for project in projects.into_iter().flatten() {
             query = query.bind(project);
         }
-        let rows = query.fetch_all(&self.pool).await?;
+        let rows = query.fetch_all(&self.reader).await?;
         rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
     }
 

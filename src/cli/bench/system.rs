@@ -188,7 +188,8 @@ pub fn leaked_processes(daemon_pid: Option<u32>, ids: &HashSet<String>) -> Leake
 /// daemon, bwrap, the harness, the bench and the kernel's own workers alike.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HostCpu {
-    /// user + nice + system + irq + softirq + steal (guest time is inside user).
+    /// user + nice + system + irq + softirq (guest time is inside user;
+    /// steal, the hypervisor running others, is no one's here).
     pub busy: u64,
     /// idle + iowait.
     pub idle: u64,
@@ -216,7 +217,7 @@ impl HostCpu {
         let v: Vec<u64> = line.split_whitespace().skip(1).map(|f| f.parse().ok()).collect::<Option<_>>()?;
         let at = |i: usize| v.get(i).copied().unwrap_or(0);
         // user nice system idle iowait irq softirq steal guest guest_nice
-        (v.len() >= 4).then(|| HostCpu { busy: at(0) + at(1) + at(2) + at(5) + at(6) + at(7), idle: at(3) + at(4) })
+        (v.len() >= 4).then(|| HostCpu { busy: at(0) + at(1) + at(2) + at(5) + at(6), idle: at(3) + at(4) })
     }
 
     /// The CPU used from `self` to `later` for `runs` runs, with `tick_ms`
@@ -252,9 +253,9 @@ mod tests {
     #[test]
     fn host_cpu_is_the_cpu_lines_busy_and_idle_ticks() {
         let stat = "cpu  100 5 50 1000 20 3 7 2 40 0\ncpu0 50 2 25 500 10 1 3 1 20 0\nintr 12345\n";
-        // busy: user 100 + nice 5 + system 50 + irq 3 + softirq 7 + steal 2
-        // (guest 40 is inside user); idle: idle 1000 + iowait 20.
-        assert_eq!(HostCpu::parse(stat), Some(HostCpu { busy: 167, idle: 1020 }));
+        // busy: user 100 + nice 5 + system 50 + irq 3 + softirq 7 (guest 40
+        // is inside user; steal 2 is not ours); idle: idle 1000 + iowait 20.
+        assert_eq!(HostCpu::parse(stat), Some(HostCpu { busy: 165, idle: 1020 }));
         assert_eq!(HostCpu::parse("cpu0 1 2 3 4\n"), None, "only the host's total line counts");
         assert_eq!(HostCpu::parse("cpu 1 x 3 4\n"), None);
         let (before, after) = (HostCpu { busy: 167, idle: 1020 }, HostCpu { busy: 367, idle: 1070 });
