@@ -2,6 +2,12 @@
 
 use super::*;
 
+/// [`Store::append_events_adopting`] on SQLite, over (`$1` the sandbox, `$2`
+/// the subject, `$3` now, `$4` the events' rows).
+static ADOPTING_SQLITE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    sqlite_transaction(&[super::sandboxes::ADOPT, &INSERT_EVENTS_SQLITE.replace("$1", "$4")])
+});
+
 impl Store {
     /// Stores several events in one statement; on a shared store the same
     /// statement checks this node is not fenced (see [`FENCED_APPEND`]) and
@@ -29,11 +35,8 @@ impl Store {
                 .bind(now_ms());
             return self.fenced_write(statement).await;
         }
-        let mut tx = self.pool.begin().await?;
-        super::sandboxes::adopt(&mut *tx, sandbox_id, subject).await?;
-        self.insert_events(&mut *tx, events, false).await?;
-        tx.commit().await?;
-        Ok(())
+        let batch = sqlx::query(&ADOPTING_SQLITE).bind(sandbox_id.to_string()).bind(subject.to_string());
+        self.run_sqlite_transaction(batch.bind(now_ms()).bind(events_rows_json(events, false)?)).await
     }
 
     /// Inserts `events` with one statement on `conn` (the pool, or a

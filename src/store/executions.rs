@@ -2,6 +2,16 @@
 
 use super::*;
 
+/// An execution's row as it ends, over (`$1` state, `$2` profile, `$3`
+/// finished at, `$4` the stored record, `$5` its id).
+const FINISH_UPDATE: &str =
+    "UPDATE executions SET state = $1, profile_ref = $2, finished_at_ms = $3, record = $4 WHERE execution_id = $5";
+
+/// [`Store::finish_execution`] on SQLite with no raw result and no report:
+/// [`FINISH_UPDATE`] and the events (`$6`: their rows, `[]` for none).
+static FINISH_SQLITE: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| sqlite_transaction(&[&INSERT_EVENTS_SQLITE.replace("$1", "$6"), FINISH_UPDATE]));
+
 impl Store {
     /// Inserts a new execution with its request digest. A request id its
     /// principal already used is not inserted again: the execution that holds
@@ -60,15 +70,25 @@ impl Store {
         raw: Option<(&str, &str)>,
         events: &[Event],
     ) -> Result<(), StoreError> {
+        // Nothing to keep for a run that said nothing: no row (reading it
+        // back gives the same empty output and error).
+        let raw = raw.filter(|(output, error)| !output.is_empty() || !error.is_empty());
+        if !self.shared && raw.is_none() && report.is_none() {
+            let batch = sqlx::query(&FINISH_SQLITE)
+                .bind(record.state.as_str())
+                .bind(profile_of(record).to_string())
+                .bind(record.finished_at_ms)
+                .bind(stored::execution_to_stored(record)?)
+                .bind(record.execution_id.clone());
+            return self.run_sqlite_transaction(batch.bind(events_rows_json(events, true)?)).await;
+        }
         let mut tx = self.pool.begin().await?;
         self.check_fence(&mut tx).await?;
         if !events.is_empty() {
             self.insert_events(&mut *tx, events, true).await?;
             self.notify_events(&mut tx, events).await?;
         }
-        // Nothing to keep for a run that said nothing: no row (reading it
-        // back gives the same empty output and error).
-        if let Some((output, error)) = raw.filter(|(output, error)| !output.is_empty() || !error.is_empty()) {
+        if let Some((output, error)) = raw {
             sqlx::query("INSERT INTO execution_raw (execution_id, output, error) VALUES ($1, $2, $3)")
                 .bind(&record.execution_id)
                 .bind(output)
@@ -76,16 +96,14 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
         }
-        sqlx::query(
-            "UPDATE executions SET state = $1, profile_ref = $2, finished_at_ms = $3, record = $4 WHERE execution_id = $5",
-        )
-        .bind(record.state.as_str())
-        .bind(profile_of(record))
-        .bind(record.finished_at_ms)
-        .bind(stored::execution_to_stored(record)?)
-        .bind(&record.execution_id)
-        .execute(&mut *tx)
-        .await?;
+        sqlx::query(FINISH_UPDATE)
+            .bind(record.state.as_str())
+            .bind(profile_of(record))
+            .bind(record.finished_at_ms)
+            .bind(stored::execution_to_stored(record)?)
+            .bind(&record.execution_id)
+            .execute(&mut *tx)
+            .await?;
         // A run that ends frees a place in its principal's quota (and
         // maybe its node's): every node looks at the queue again.
         if self.shared && record.state.is_terminal() {

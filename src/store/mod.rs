@@ -335,6 +335,42 @@ const FENCED_UPDATE_EXECUTION: &str = "WITH owner AS MATERIALIZED (
      )
      SELECT (SELECT count(*) FROM owner) AS owned, (SELECT count(*) FROM updated) AS updated";
 
+/// SQLite: `statements` as one transaction (`BEGIN IMMEDIATE; …; COMMIT;`)
+/// sent to the connection's thread in one command. A transaction held over
+/// one command per statement keeps the one writer for as many hand-offs
+/// between that thread and the runtime, each waiting for a CPU on a busy
+/// host: the writer was held about 6 ms per no-op execution for 1.2 ms of
+/// SQLite work, and busy 80-97% of a throughput run.
+fn sqlite_transaction(statements: &[&str]) -> String {
+    format!("BEGIN IMMEDIATE; {}; COMMIT;", statements.join("; "))
+}
+
+impl Store {
+    /// Runs `batch` (made by [`sqlite_transaction`]) on the SQLite writer
+    /// to its end, in a task of its own: a caller that stops waiting cannot
+    /// leave the writer inside the transaction. When a statement fails the
+    /// rest is not run and the transaction is rolled back; a connection
+    /// that cannot roll back is closed, never handed out again.
+    async fn run_sqlite_transaction(
+        &self,
+        batch: sqlx::query::Query<'static, sqlx::Any, sqlx::any::AnyArguments<'static>>,
+    ) -> Result<(), StoreError> {
+        let pool = self.pool.clone();
+        let task = tokio::spawn(async move {
+            let mut conn = pool.acquire().await?;
+            let Err(error) = batch.execute(&mut *conn).await else { return Ok(()) };
+            match sqlx::query("ROLLBACK").execute(&mut *conn).await {
+                Ok(_) => {}
+                Err(e) if e.to_string().contains("no transaction is active") => {}
+                Err(_) => drop(conn.detach()),
+            }
+            Err(StoreError::from(error))
+        });
+        // Only a panic or the runtime's shutdown ends the task early.
+        task.await.map_err(|_| StoreError::Database(sqlx::Error::WorkerCrashed))?
+    }
+}
+
 /// The rows of [`INSERT_EVENTS_SQLITE`] as its JSON parameter; with
 /// `stub_finished`, `finished` events as their stubs.
 fn events_rows_json(events: &[Event], stub_finished: bool) -> Result<String, StoreError> {
@@ -461,6 +497,37 @@ mod tests {
         held.rollback().await.unwrap();
         let count: i64 = sqlx::query("SELECT COUNT(*) FROM events").fetch_one(&store.reader).await.unwrap().get(0);
         assert_eq!(count, 16 * 20);
+    }
+
+    /// A SQLite transaction sent as one command is all or nothing: when a
+    /// statement in it fails, what ran before is rolled back and the one
+    /// writer is out of the transaction, so the next write commits alone.
+    #[tokio::test]
+    async fn a_sqlite_transaction_that_fails_midway_leaves_nothing_and_the_writer_free() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let root = std::path::PathBuf::from("/nowhere/sb");
+        let new =
+            |id| sandboxes::NewSandbox { sandbox_id: id, subject_id: "", backend: "none", root: &root, epoch: "e" };
+        store.insert_sandbox(new("sb")).await.unwrap();
+        let event = |sequence| Event {
+            subject_id: "run".into(),
+            sequence,
+            time_ms: 1,
+            kind: EventKind::Dispatched { tool: "t".into() },
+        };
+        store.append_events(&[event(1)]).await.unwrap();
+        // The adoption runs first, then the insert fails on sequence 1.
+        let failed = store.append_events_adopting(&[event(2), event(1)], "sb").await;
+        assert!(failed.is_err(), "a duplicate sequence is refused");
+        assert_eq!(store.sandboxes().await.unwrap(), vec![("sb".into(), "".into(), "creating".into())]);
+        assert_eq!(store.events_after("run", 0).await.unwrap().len(), 1);
+        // Next: a transaction of its own, committed.
+        store.append_events_adopting(&[event(2)], "sb").await.unwrap();
+        assert_eq!(store.sandboxes().await.unwrap(), vec![("sb".into(), "run".into(), "ready".into())]);
+        store.set_sandbox_state("sb", SandboxState::Destroyed).await.unwrap();
+        assert!(store.sandboxes().await.unwrap().is_empty());
+        assert_eq!(store.events_after("run", 0).await.unwrap().len(), 2);
     }
 
     /// Host uids go around the range: never used first, in order, then the

@@ -58,25 +58,17 @@ impl Store {
     /// row that the next start's recovery destroys again, which is a no-op.
     pub async fn set_sandbox_state(&self, sandbox_id: &str, state: SandboxState) -> Result<(), StoreError> {
         if state == SandboxState::Destroyed {
-            // One transaction (one commit, where these were three).
+            // One transaction (one commit, where these were three); on
+            // SQLite one command.
+            if !self.shared {
+                let batch = sqlx::query(&DESTROYED_SQLITE).bind(sandbox_id.to_string()).bind(self.node.clone());
+                return self.run_sqlite_transaction(batch.bind(now_ms())).await;
+            }
+            let [released, uid, row] = DESTROYED;
             let mut tx = self.pool.begin().await?;
-            // Remembered, so allocation hands it out again as late as it can.
-            sqlx::query(
-                "INSERT INTO sandbox_uid_released (node, uid, released_at_ms)
-                 SELECT node, uid, $3 FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2
-                 ON CONFLICT (node, uid) DO UPDATE SET released_at_ms = excluded.released_at_ms",
-            )
-            .bind(sandbox_id)
-            .bind(&self.node)
-            .bind(now_ms())
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query("DELETE FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2")
-                .bind(sandbox_id)
-                .bind(&self.node)
-                .execute(&mut *tx)
-                .await?;
-            sqlx::query("DELETE FROM sandboxes WHERE sandbox_id = $1").bind(sandbox_id).execute(&mut *tx).await?;
+            sqlx::query(released).bind(sandbox_id).bind(&self.node).bind(now_ms()).execute(&mut *tx).await?;
+            sqlx::query(uid).bind(sandbox_id).bind(&self.node).execute(&mut *tx).await?;
+            sqlx::query(row).bind(sandbox_id).execute(&mut *tx).await?;
             tx.commit().await?;
             return Ok(());
         }
@@ -266,6 +258,23 @@ async fn take_uid(conn: &mut sqlx::AnyConnection, node: &str, uid: i64, sandbox_
     Ok(inserted.rows_affected() == 1)
 }
 
+/// A destroyed sandbox's rows, over (`$1` its id, `$2` this node, `$3`
+/// now): its uid remembered as released (so allocation hands it out again
+/// as late as it can) and given back, and its row gone.
+const DESTROYED: [&str; 3] = [
+    "INSERT INTO sandbox_uid_released (node, uid, released_at_ms)
+     SELECT node, uid, $3 FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2
+     ON CONFLICT (node, uid) DO UPDATE SET released_at_ms = excluded.released_at_ms",
+    "DELETE FROM sandbox_uids WHERE sandbox_id = $1 AND node = $2",
+    "DELETE FROM sandboxes WHERE sandbox_id = $1",
+];
+static DESTROYED_SQLITE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| sqlite_transaction(&DESTROYED));
+
+/// [`adopt`]'s statement, over (`$1` the sandbox, `$2` the subject, `$3` now).
+pub(super) const ADOPT: &str = "UPDATE sandboxes SET subject_id = $2, updated_at_ms = $3,
+         state = CASE WHEN state = 'creating' THEN 'ready' ELSE state END
+     WHERE sandbox_id = $1";
+
 /// The row of sandbox `sandbox_id` names `subject_id` from now on (a warm
 /// one was made for no run), and one still `creating` is `ready`: a run's
 /// sandbox is marked ready by the write that stores its `sandbox_ready`.
@@ -273,15 +282,6 @@ pub(super) async fn adopt<'c, E>(conn: E, sandbox_id: &str, subject_id: &str) ->
 where
     E: sqlx::Executor<'c, Database = sqlx::Any>,
 {
-    sqlx::query(
-        "UPDATE sandboxes SET subject_id = $2, updated_at_ms = $3,
-             state = CASE WHEN state = 'creating' THEN 'ready' ELSE state END
-         WHERE sandbox_id = $1",
-    )
-    .bind(sandbox_id)
-    .bind(subject_id)
-    .bind(now_ms())
-    .execute(conn)
-    .await?;
+    sqlx::query(ADOPT).bind(sandbox_id).bind(subject_id).bind(now_ms()).execute(conn).await?;
     Ok(())
 }
