@@ -578,6 +578,20 @@ mod tests {
         assert_eq!(store.sandboxes().await.unwrap().len(), 1, "no row of s2");
         assert_eq!(store.sandbox_uid("s2").await.unwrap(), None);
         assert_eq!(insert("s3", |_| true).await.unwrap(), Some(11));
+        // Then the uids given back, the one released longest ago first,
+        // unless it is unusable; the row and its uid still go together.
+        store.set_sandbox_state("s1", SandboxState::Destroyed).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        store.set_sandbox_state("s3", SandboxState::Destroyed).await.unwrap();
+        assert_eq!(insert("s4", |uid| uid != 10).await.unwrap(), Some(11), "10 went back first, but is unusable");
+        assert_eq!(insert("s5", |_| true).await.unwrap(), Some(10));
+        assert_eq!(insert("s6", |_| true).await.unwrap(), None, "both held again");
+        let rows: Vec<String> = store.sandboxes().await.unwrap().into_iter().map(|(id, ..)| id).collect();
+        assert_eq!(rows, ["s4", "s5"]);
+        assert_eq!(
+            (store.sandbox_uid("s4").await.unwrap(), store.sandbox_uid("s5").await.unwrap()),
+            (Some(11), Some(10))
+        );
     }
 
     /// A record's own columns are not repeated in its stored JSON; one
