@@ -51,6 +51,19 @@ fn leak_check(leaks: &super::throughput::Leaks) -> TargetCheck {
     )
 }
 
+/// A throughput level's rate against the floor's, for its target's line:
+/// `{note}` opens the parenthesis before the error count.
+fn against_floor(l: &super::throughput::Level, note: &str) -> String {
+    format!(
+        "{:.1}/s = {:.0}% of the floor's {:.1} spawns/s ({note}{} errors){}",
+        l.per_second,
+        if l.floor_per_second > 0.0 { 100.0 * l.per_second / l.floor_per_second } else { 0.0 },
+        l.floor_per_second,
+        l.errors.values().sum::<usize>(),
+        cpu_clause(l),
+    )
+}
+
 /// What a throughput level cost the host's CPUs, for its target's line:
 /// with the CPUs as busy on both sides, the rate can reach the floor's
 /// only as far as its CPU per execution allows. Empty when not measured.
@@ -114,15 +127,7 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
         out.push(match t.levels.iter().find(|l| l.concurrency == 16) {
             Some(l) => check(
                 name,
-                format!(
-                    "{:.1}/s = {:.0}% of the floor's {:.1} spawns/s (pool of {}; {} errors){}",
-                    l.per_second,
-                    if l.floor_per_second > 0.0 { 100.0 * l.per_second / l.floor_per_second } else { 0.0 },
-                    l.floor_per_second,
-                    t.leaks.warm_pool,
-                    l.errors.values().sum::<usize>(),
-                    cpu_clause(l),
-                ),
+                against_floor(l, &format!("pool of {}; ", t.leaks.warm_pool)),
                 Some(l.per_second >= l.floor_per_second),
             ),
             None => check(name, "not run (no concurrency 16 level)".into(), None),
@@ -133,18 +138,7 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
         let at16 = t.levels.iter().find(|l| l.concurrency == 16);
         let name = "throughput at concurrency 16 >= 80% of the floor's parallel spawn rate";
         out.push(match at16 {
-            Some(l) => check(
-                name,
-                format!(
-                    "{:.1}/s = {:.0}% of the floor's {:.1} spawns/s ({} errors){}",
-                    l.per_second,
-                    if l.floor_per_second > 0.0 { 100.0 * l.per_second / l.floor_per_second } else { 0.0 },
-                    l.floor_per_second,
-                    l.errors.values().sum::<usize>(),
-                    cpu_clause(l),
-                ),
-                Some(l.per_second >= 0.8 * l.floor_per_second),
-            ),
+            Some(l) => check(name, against_floor(l, ""), Some(l.per_second >= 0.8 * l.floor_per_second)),
             None => check(name, "not run".into(), None),
         });
         out.push(leak_check(&t.leaks));
@@ -679,6 +673,11 @@ mod tests {
              at equally busy CPUs at most 75%"
         );
         assert_eq!(cpu_cell(level.cpu), "12.00 (97%)");
+        assert_eq!(
+            against_floor(&level, "pool of 16; "),
+            "160.0/s = 76% of the floor's 210.0 spawns/s (pool of 16; 0 errors); host CPU 12.0 ms per execution \
+             vs 9.0 ms per floor spawn (CPUs 97% and 96% busy): at equally busy CPUs at most 75%"
+        );
         // A daemon on another host: its CPU is not measured, nor judged.
         level.cpu = None;
         assert_eq!(cpu_clause(&level), "");
