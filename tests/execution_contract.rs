@@ -99,6 +99,22 @@ async fn every_line_a_harness_wrote_before_it_exited_is_read_however_slow_the_li
     h.daemon.stop().await;
 }
 
+/// A command that reads no input may end before its turn comes (the
+/// daemon was busy storing events): that exit is its run, read as its
+/// result. It used to be taken for a dead harness and started again, a
+/// second spawn and a `harness_restarted` in a run of `/usr/bin/true`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_shot_harness_that_ended_before_its_turn_is_its_result_not_a_restart() {
+    let h = start(BackendFaults { spawn_then_wait: true, ..Default::default() }, ReinFaults::default(), vec![]).await;
+    let events = h.daemon.execute(request("builtin.noop", "")).await;
+    let execution = finished(&events);
+    assert_eq!(execution.state, ExecutionState::Succeeded as i32, "{}", execution.tool_error);
+    let expected = ["accepted", "resolved", "gated", "sandbox_ready", "gated", "dispatched", "teardown", "finished"];
+    assert_eq!(kinds(&events), expected);
+    assert_eq!(h.backend.lock().unwrap().spawns.len(), 1, "the harness was spawned again");
+    h.daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn success_runs_the_rein_in_order_and_destroys_the_sandbox_once() {
     let h = start(BackendFaults::default(), ReinFaults::default(), vec![]).await;

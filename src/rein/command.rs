@@ -617,9 +617,13 @@ impl HarnessSession for CommandSession {
     }
 
     /// A harness that runs once per turn and resumes is alive between
-    /// turns too: the next turn starts its next run.
+    /// turns too: the next turn starts its next run. A one-shot run that
+    /// has not had its turn yet is too, ended or not: a command that reads
+    /// no input (`/usr/bin/true`) may be done before its turn comes, and
+    /// its exit and output are that turn's result, not a death to restart.
     fn is_alive(&mut self) -> bool {
-        self.resumes || !self.run.process.has_exited()
+        let pending = self.input != TaskInput::TaskJson && self.turns == 0;
+        self.resumes || pending || !self.run.process.has_exited()
     }
 
     /// Closes stdin (a harness waiting for its next task sees EOF) and gives

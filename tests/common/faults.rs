@@ -26,6 +26,9 @@ pub struct BackendFaults {
     /// `spawn` waits 300 ms first, so what happens while a harness starts
     /// can be seen.
     pub slow_spawn: bool,
+    /// `spawn` returns 300 ms after the process started: a harness that
+    /// ends at once has ended before its turn.
+    pub spawn_then_wait: bool,
 }
 
 #[derive(Default)]
@@ -126,6 +129,9 @@ impl SandboxBackend for FaultyBackend {
             tokio::time::sleep(std::time::Duration::from_millis(300)).await;
         }
         let spawned = self.inner.spawn(sandbox, spec).await;
+        if self.faults.spawn_then_wait {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
         let mut log = self.log.lock().unwrap();
         let creates = log.creates;
         log.creates_at_spawn.push(creates);
