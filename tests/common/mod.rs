@@ -603,6 +603,24 @@ impl ServeProcess {
     }
 }
 
+/// A daemon a test leaves running is stopped as [`ServeProcess::stop`]
+/// does, not killed: a run's sandbox is given back after its `finished`,
+/// and a test that ended right after that left it, cgroup and all, about
+/// once in four runs of `operability`. Blocking, at most 35 s (the
+/// default grace and a margin); after that `kill_on_drop` SIGKILLs it.
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        // Exited already: stopped, or killed by the test itself.
+        let (Ok(None), Some(pid)) = (self.child.try_wait(), self.child.id()) else { return };
+        // SAFETY: kill(2) of our own child, not yet reaped.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(35);
+        while matches!(self.child.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}
+
 /// Sends a `corral serve` child SIGTERM and awaits its exit: its status,
 /// `None` if it still runs 30 s later.
 pub async fn terminate(child: &mut tokio::process::Child) -> Option<std::process::ExitStatus> {
