@@ -444,9 +444,11 @@ impl SandboxBackend for BwrapBackend {
 
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
         self.probe().await?;
-        let (paths, cgroup) = self.boundary.prepare(req)?;
+        // Before the cgroup: a create that fails leaves only files under
+        // its root, which the caller removes (a cgroup would stay behind).
         let mut gate = place_gate_files(&req.root, &req.gate)
             .map_err(|e| SandboxError::Spawn(format!("cannot place the agent's hook files in the sandbox: {e}")))?;
+        let (paths, cgroup) = self.boundary.prepare(req)?;
         gate.gateway = req.gateway;
         let seccomp_digest = self.seccomp.as_ref().map(|f| f.digest().to_string()).unwrap_or_default();
         let receipt = EnforcementReceipt {
@@ -587,6 +589,36 @@ fn is_executable(path: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A create refused for its hook files leaves no cgroup: its caller
+    /// removes its directory and forgets it, so a cgroup made before the
+    /// refusal stayed on the host. On a fixture v2 tree, with real bwrap
+    /// (the probe runs it).
+    #[tokio::test]
+    async fn a_create_refused_for_its_hook_files_leaves_no_cgroup() {
+        use crate::sandbox::cgroup::tests::fixture::Tree;
+        use crate::sandbox::cgroup::CgroupHost;
+        let tree = Tree::v2(&["memory", "pids", "cpu"], true);
+        let backend = BwrapBackend::detect(Some(Arc::new(CgroupHost::detect(tree.path(), "corral"))));
+        assert!(backend.program().is_some(), "bwrap is not on PATH: install the Debian package bubblewrap");
+        let dir = tempfile::tempdir().unwrap();
+        let req = CreateSandbox {
+            sandbox_id: "sb-hook-files".into(),
+            consumer: Default::default(),
+            spec: SandboxSpec::default(),
+            root: dir.path().join("sb-hook-files"),
+            user: None,
+            limits: crate::sandbox::SandboxLimits { memory_bytes: 1 << 30, max_processes: 64, ..Default::default() },
+            gate: vec![GateFile { inside: "/usr/hook".into(), source: GateSource::Contents(b"{}".to_vec()) }],
+            gateway: false,
+        };
+        let error = backend.create(&req).await.expect_err("a hook file outside /etc").to_string();
+        assert!(error.contains("not a plain path under /etc"), "{error}");
+        let left: Vec<_> = std::fs::read_dir(tree.path().join("corral"))
+            .map(|d| d.flatten().filter(|e| e.path().is_dir()).map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert_eq!(left, Vec::<std::ffi::OsString>::new(), "a cgroup of the refused sandbox is left");
+    }
 
     fn strs(args: &[OsString]) -> Vec<String> {
         args.iter().map(|a| a.to_string_lossy().into_owned()).collect()
