@@ -78,7 +78,8 @@ pub struct BenchArgs {
     #[arg(value_enum)]
     pub scenario: Scenario,
     /// latency: Executes (and floor spawns) [default: 200]; throughput:
-    /// executions per level [default: 10 × concurrency, at least 50];
+    /// executions (and floor spawns) per round of a level [default: 10 ×
+    /// concurrency, at least 50];
     /// peer: runs of each side [default: 20]; gate, gateway: round trips
     /// of each side [default: 500].
     #[arg(long)]
@@ -96,6 +97,11 @@ pub struct BenchArgs {
     /// latency: untimed runs of each side first (at least one Execute).
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
+    /// throughput: corral and the floor take turns this many times at
+    /// each level (`--n` runs each, per turn); each side's rate is all its
+    /// runs over all its time.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     /// throughput: concurrency levels.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
     pub concurrency: Vec<usize>,

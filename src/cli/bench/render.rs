@@ -55,10 +55,11 @@ fn leak_check(leaks: &super::throughput::Leaks) -> TargetCheck {
 /// `{note}` opens the parenthesis before the error count.
 fn against_floor(l: &super::throughput::Level, note: &str) -> String {
     format!(
-        "{:.1}/s = {:.0}% of the floor's {:.1} spawns/s ({note}{} errors){}",
+        "{:.1}/s = {:.0}% of the floor's {:.1} spawns/s ({note}{} rounds each; {} errors){}",
         l.per_second,
         if l.floor_per_second > 0.0 { 100.0 * l.per_second / l.floor_per_second } else { 0.0 },
         l.floor_per_second,
+        l.rounds,
         l.errors.values().sum::<usize>(),
         cpu_clause(l),
     )
@@ -298,7 +299,8 @@ fn cpu_cell(cpu: Option<super::system::CpuUse>) -> String {
 
 /// The `throughput` table and leaks; `title` as in [`latency_section`].
 fn throughput_section(out: &mut String, title: &str, t: &super::ThroughputReport) {
-    let _ = writeln!(out, "throughput{title}: {}", t.profile);
+    let rounds = t.levels.first().map_or(0, |l| l.rounds);
+    let _ = writeln!(out, "throughput{title}: {} ({rounds} rounds of corral then the floor per level)", t.profile);
     let rows: Vec<Vec<String>> = t
         .levels
         .iter()
@@ -656,6 +658,7 @@ mod tests {
         use crate::cli::bench::system::CpuUse;
         let mut level = crate::cli::bench::throughput::Level {
             concurrency: 16,
+            rounds: 3,
             executions: 400,
             succeeded: 400,
             seconds: 2.5,
@@ -675,7 +678,7 @@ mod tests {
         assert_eq!(cpu_cell(level.cpu), "12.00 (97%)");
         assert_eq!(
             against_floor(&level, "pool of 16; "),
-            "160.0/s = 76% of the floor's 210.0 spawns/s (pool of 16; 0 errors); host CPU 12.0 ms per execution \
+            "160.0/s = 76% of the floor's 210.0 spawns/s (pool of 16; 3 rounds each; 0 errors); host CPU 12.0 ms per execution \
              vs 9.0 ms per floor spawn (CPUs 97% and 96% busy): at equally busy CPUs at most 75%"
         );
         // A daemon on another host: its CPU is not measured, nor judged.

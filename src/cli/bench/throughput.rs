@@ -1,6 +1,14 @@
 //! `throughput`: executions per second of the no-op profile at several
 //! concurrency levels, what failed and how, and what was left behind; and
 //! the floor's spawns per second at the same concurrency, the ceiling.
+//!
+//! At each level corral and the floor take turns, `--rounds` times: each
+//! side's rate is all its runs over all its time. The host's speed drifts
+//! (the floor alone moved between 130 and 212 spawns/s within one run
+//! here), and a single pair measured a second apart caught it on one side.
+//! An in-process daemon's round lasts until the daemon is quiet again, so
+//! the teardown after each run's `finished` and a warm pool's refills are
+//! counted on corral's side, never in the floor's time.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
@@ -27,11 +35,14 @@ const STREAMS_PER_CONNECTION: usize = 16;
 pub struct Level {
     /// Executions in flight at once.
     pub concurrency: usize,
+    /// Rounds of corral then the floor the figures add up.
+    pub rounds: usize,
     /// Executions run at the level, succeeded or not.
     pub executions: usize,
     /// Executions that succeeded.
     pub succeeded: usize,
-    /// Wall time of the level, in seconds.
+    /// Wall time of the level's executions (its rounds' corral parts, each
+    /// until an in-process daemon was quiet again), in seconds.
     pub seconds: f64,
     /// Executions that succeeded, per second of the level.
     pub per_second: f64,
@@ -92,15 +103,32 @@ pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow:
     let mut levels = Vec::new();
     for &concurrency in &args.concurrency {
         let count = args.n.unwrap_or((10 * concurrency).max(50));
-        let before = HostCpu::now();
-        let mut level = level(&channels, &args.noop_profile, concurrency, count, &sandboxes).await;
-        let between = HostCpu::now();
-        (level.floor_per_second, level.floor_errors) = floor_level(&floor, concurrency, count).await;
-        let after = HostCpu::now();
-        let used = |from: Option<HostCpu>, to: Option<HostCpu>, runs| from?.used_until(to?, runs, system::tick_ms());
+        let (mut corral, mut floors) = (Vec::new(), Vec::new());
+        // The CPU ticks each side used, summed over the rounds.
+        let (mut corral_cpu, mut floor_cpu) = (Some(HostCpu::default()), Some(HostCpu::default()));
+        for _ in 0..args.rounds.max(1) {
+            // Each round starts from a quiet daemon, its pool full, and
+            // ends when the daemon is quiet again: the sandboxes its runs
+            // stopped given back and the pool refilled behind them are
+            // its time and CPU, not the floor's (an in-process daemon; one
+            // elsewhere cannot be watched).
+            target.settle().await;
+            let (before, started) = (HostCpu::now(), Instant::now());
+            let mut executed = round(&channels, &args.noop_profile, concurrency, count, &sandboxes).await;
+            target.settle().await;
+            executed.seconds = started.elapsed().as_secs_f64();
+            corral.push(executed);
+            let between = HostCpu::now();
+            floors.push(floor_round(&floor, concurrency, count).await);
+            let after = HostCpu::now();
+            corral_cpu = add_span(corral_cpu, before, between);
+            floor_cpu = add_span(floor_cpu, between, after);
+        }
+        let mut level = Level::of(concurrency, &corral, &floors);
+        let used = |ticks: Option<HostCpu>, runs| HostCpu::default().used_until(ticks?, runs, system::tick_ms());
         // A daemon elsewhere spends its CPU there: this host's is not its.
-        level.cpu = used(before, between, level.executions).filter(|_| target.daemon_pid.is_some());
-        level.floor_cpu = used(between, after, count);
+        level.cpu = used(corral_cpu, level.executions).filter(|_| target.daemon_pid.is_some());
+        level.floor_cpu = used(floor_cpu, floors.iter().map(|f| f.ok + f.failed).sum());
         levels.push(level);
     }
     let sandboxes = std::mem::take(&mut *sandboxes.lock().unwrap_or_else(|e| e.into_inner()));
@@ -124,6 +152,63 @@ pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow:
     Ok(ThroughputReport { profile: args.noop_profile.clone(), levels, leaks })
 }
 
+/// `total` plus the CPU ticks from `from` to `to`; `None` once any reading
+/// is missing (no `/proc/stat`, or a counter that went back).
+fn add_span(total: Option<HostCpu>, from: Option<HostCpu>, to: Option<HostCpu>) -> Option<HostCpu> {
+    let (total, from, to) = (total?, from?, to?);
+    Some(HostCpu {
+        busy: total.busy + to.busy.checked_sub(from.busy)?,
+        idle: total.idle + to.idle.checked_sub(from.idle)?,
+    })
+}
+
+/// One round of executions at a level: what each that succeeded took, in
+/// ms, what did not succeed, and the round's wall time.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Round {
+    latencies_ms: Vec<f64>,
+    errors: BTreeMap<String, usize>,
+    seconds: f64,
+}
+
+/// One round of floor spawns at a level.
+#[derive(Clone, Copy, Debug, Default)]
+struct FloorRound {
+    ok: usize,
+    failed: usize,
+    seconds: f64,
+}
+
+impl Level {
+    /// A level's figures from its rounds: each side's rate is all its
+    /// successful runs over all its time; the CPU is left to the caller.
+    fn of(concurrency: usize, corral: &[Round], floor: &[FloorRound]) -> Level {
+        let latencies: Vec<f64> = corral.iter().flat_map(|r| r.latencies_ms.iter().copied()).collect();
+        let mut errors: BTreeMap<String, usize> = BTreeMap::new();
+        for (code, n) in corral.iter().flat_map(|r| &r.errors) {
+            *errors.entry(code.clone()).or_default() += n;
+        }
+        let rate = |runs: usize, seconds: f64| if seconds > 0.0 { runs as f64 / seconds } else { 0.0 };
+        let seconds = corral.iter().map(|r| r.seconds).sum();
+        let floor_seconds = floor.iter().map(|f| f.seconds).sum();
+        Level {
+            concurrency,
+            rounds: corral.len(),
+            executions: latencies.len() + errors.values().sum::<usize>(),
+            succeeded: latencies.len(),
+            seconds,
+            per_second: rate(latencies.len(), seconds),
+            latency: Percentiles::of_ms(&latencies),
+            floor_per_second: rate(floor.iter().map(|f| f.ok).sum(), floor_seconds),
+            floor_errors: floor.iter().map(|f| f.failed).sum(),
+            cpu: None,
+            floor_cpu: None,
+            errors,
+        }
+    }
+}
+
+/// `count` executions by `concurrency` clients, as one level of one round.
 pub(super) async fn level(
     channels: &[super::target::Channel],
     profile: &str,
@@ -131,6 +216,17 @@ pub(super) async fn level(
     count: usize,
     sandboxes: &Arc<Mutex<Vec<(String, PathBuf)>>>,
 ) -> Level {
+    Level::of(concurrency, &[round(channels, profile, concurrency, count, sandboxes).await], &[])
+}
+
+/// `count` executions by `concurrency` clients.
+async fn round(
+    channels: &[super::target::Channel],
+    profile: &str,
+    concurrency: usize,
+    count: usize,
+    sandboxes: &Arc<Mutex<Vec<(String, PathBuf)>>>,
+) -> Round {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
@@ -173,27 +269,11 @@ pub(super) async fn level(
             Err(_) => *errors.entry("BENCH_WORKER_PANICKED".into()).or_default() += 1,
         }
     }
-    let seconds = started.elapsed().as_secs_f64();
-    let failed: usize = errors.values().sum();
-    let executions = latencies.len() + failed;
-    Level {
-        concurrency,
-        executions,
-        succeeded: latencies.len(),
-        seconds,
-        per_second: if seconds > 0.0 { latencies.len() as f64 / seconds } else { 0.0 },
-        latency: Percentiles::of_ms(&latencies),
-        floor_per_second: 0.0,
-        floor_errors: 0,
-        cpu: None,
-        floor_cpu: None,
-        errors,
-    }
+    Round { latencies_ms: latencies, errors, seconds: started.elapsed().as_secs_f64() }
 }
 
-/// `count` floor spawns by `concurrency` tasks: (successful spawns per
-/// second, failed spawns).
-async fn floor_level(floor: &Arc<Floor>, concurrency: usize, count: usize) -> (f64, usize) {
+/// `count` floor spawns by `concurrency` tasks.
+async fn floor_round(floor: &Arc<Floor>, concurrency: usize, count: usize) -> FloorRound {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
@@ -216,6 +296,39 @@ async fn floor_level(floor: &Arc<Floor>, concurrency: usize, count: usize) -> (f
         ok += o;
         failed += f;
     }
-    let seconds = started.elapsed().as_secs_f64();
-    (if seconds > 0.0 { ok as f64 / seconds } else { 0.0 }, failed)
+    FloorRound { ok, failed, seconds: started.elapsed().as_secs_f64() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each side's rate is its runs over its time across the rounds, not a
+    /// mean of the rounds' rates; latencies and errors are all the rounds'.
+    #[test]
+    fn a_levels_rates_are_all_its_rounds_runs_over_all_their_time() {
+        let errors = |code: &str| BTreeMap::from([(code.to_string(), 1)]);
+        let corral = [
+            Round { latencies_ms: vec![10.0, 20.0, 30.0], errors: errors("FAILED"), seconds: 1.0 },
+            Round { latencies_ms: vec![40.0], errors: errors("FAILED"), seconds: 0.5 },
+        ];
+        let floor = [FloorRound { ok: 10, failed: 0, seconds: 1.0 }, FloorRound { ok: 5, failed: 1, seconds: 2.0 }];
+        let level = Level::of(16, &corral, &floor);
+        assert_eq!((level.rounds, level.executions, level.succeeded), (2, 6, 4));
+        assert_eq!(level.seconds, 1.5);
+        assert_eq!(level.per_second, 4.0 / 1.5);
+        assert_eq!((level.floor_per_second, level.floor_errors), (5.0, 1));
+        assert_eq!(level.errors, BTreeMap::from([("FAILED".to_string(), 2)]));
+        assert_eq!(level.latency.count, 4);
+    }
+
+    #[test]
+    fn the_cpu_of_the_rounds_adds_up_and_a_missing_reading_measures_nothing() {
+        let at = |busy, idle| Some(HostCpu { busy, idle });
+        let total = add_span(Some(HostCpu::default()), at(100, 50), at(130, 60));
+        let total = add_span(total, at(200, 90), at(210, 130));
+        assert_eq!(total, at(40, 50));
+        assert_eq!(add_span(total, None, at(1, 1)), None);
+        assert_eq!(add_span(total, at(5, 5), at(4, 6)), None, "a counter that went back");
+    }
 }
