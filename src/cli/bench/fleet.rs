@@ -111,8 +111,10 @@ async fn measure(args: &BenchArgs, front: &Target, runner: &Target) -> anyhow::R
         }
         anyhow::Ok(channels)
     };
-    let queued = super::throughput::level(&channels(front).await?, &profile, CONCURRENCY, count, &sandboxes).await;
-    let single = super::throughput::level(&channels(runner).await?, &profile, CONCURRENCY, count, &sandboxes).await;
+    use super::throughput::{round, Level};
+    let queued = round(&channels(front).await?, &profile, CONCURRENCY, count, &sandboxes).await;
+    let single = round(&channels(runner).await?, &profile, CONCURRENCY, count, &sandboxes).await;
+    let (queued, single) = (Level::of(CONCURRENCY, &[queued], &[]), Level::of(CONCURRENCY, &[single], &[]));
     let errors = (queued.executions - queued.succeeded) + (single.executions - single.succeeded);
     Ok(FleetReport {
         not_measured: None,

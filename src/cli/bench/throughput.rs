@@ -173,7 +173,7 @@ pub(super) struct Round {
 
 /// One round of floor spawns at a level.
 #[derive(Clone, Copy, Debug, Default)]
-struct FloorRound {
+pub(super) struct FloorRound {
     ok: usize,
     failed: usize,
     seconds: f64,
@@ -182,7 +182,7 @@ struct FloorRound {
 impl Level {
     /// A level's figures from its rounds: each side's rate is all its
     /// successful runs over all its time; the CPU is left to the caller.
-    fn of(concurrency: usize, corral: &[Round], floor: &[FloorRound]) -> Level {
+    pub(super) fn of(concurrency: usize, corral: &[Round], floor: &[FloorRound]) -> Level {
         let latencies: Vec<f64> = corral.iter().flat_map(|r| r.latencies_ms.iter().copied()).collect();
         let mut errors: BTreeMap<String, usize> = BTreeMap::new();
         for (code, n) in corral.iter().flat_map(|r| &r.errors) {
@@ -208,19 +208,8 @@ impl Level {
     }
 }
 
-/// `count` executions by `concurrency` clients, as one level of one round.
-pub(super) async fn level(
-    channels: &[super::target::Channel],
-    profile: &str,
-    concurrency: usize,
-    count: usize,
-    sandboxes: &Arc<Mutex<Vec<(String, PathBuf)>>>,
-) -> Level {
-    Level::of(concurrency, &[round(channels, profile, concurrency, count, sandboxes).await], &[])
-}
-
 /// `count` executions by `concurrency` clients.
-async fn round(
+pub(super) async fn round(
     channels: &[super::target::Channel],
     profile: &str,
     concurrency: usize,
