@@ -367,6 +367,12 @@ async fn answer_hook(request: HookRequest, dispatch: &Dispatch, parser: &mut Par
 }
 
 impl CommandSession {
+    /// Whether each turn is a run of its own that reads its input and
+    /// exits (every input but a protocol harness's task lines).
+    fn one_shot(&self) -> bool {
+        self.input != TaskInput::TaskJson
+    }
+
     fn input_bytes(&self, call: &ToolCall) -> Vec<u8> {
         match self.input {
             TaskInput::TaskJson => {
@@ -417,7 +423,7 @@ impl CommandSession {
     /// stdout), answering policy requests on the way.
     async fn turn(&mut self, call: ToolCall, dispatch: &Dispatch) -> Result<ToolResult, ReinError> {
         self.turns += 1;
-        let one_shot = self.input != TaskInput::TaskJson;
+        let one_shot = self.one_shot();
         if one_shot && self.turns > 1 {
             if !self.resumes {
                 return Err(ReinError::Dispatch(format!("input mode {:?} takes a single turn", self.input)));
@@ -622,7 +628,7 @@ impl HarnessSession for CommandSession {
     /// no input (`/usr/bin/true`) may be done before its turn comes, and
     /// its exit and output are that turn's result, not a death to restart.
     fn is_alive(&mut self) -> bool {
-        let pending = self.input != TaskInput::TaskJson && self.turns == 0;
+        let pending = self.one_shot() && self.turns == 0;
         self.resumes || pending || !self.run.process.has_exited()
     }
 
