@@ -594,12 +594,17 @@ impl ServeProcess {
         self.child.id().expect("running") as i32
     }
 
-    /// SIGTERM, and its exit awaited (see [`terminate`]; then SIGKILL, as a
-    /// drop does). A graceful stop destroys what the daemon still runs, each
-    /// sandbox's cgroup with it; a killed daemon leaves them to the next
-    /// start's recovery, which a test's temporary data directory never has.
+    /// SIGTERM, and its exit awaited (see [`terminate`]; then SIGKILL, not
+    /// a second wait in the drop). A graceful stop destroys what the daemon
+    /// still runs, each sandbox's cgroup with it; a killed daemon leaves
+    /// them to the next start's recovery, which a test's temporary data
+    /// directory never has.
     pub async fn stop(mut self) -> Option<std::process::ExitStatus> {
-        terminate(&mut self.child).await
+        let status = terminate(&mut self.child).await;
+        if status.is_none() {
+            let _ = self.child.kill().await;
+        }
+        status
     }
 }
 
