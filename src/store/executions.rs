@@ -49,7 +49,7 @@ impl Store {
         }
         let update = sqlx::query(FENCED_UPDATE_EXECUTION)
             .bind(record.state.as_str())
-            .bind(profile_of(record))
+            .bind(stored::profile_column(record))
             .bind(record.finished_at_ms)
             .bind(stored::execution_to_stored(record)?)
             .bind(&record.execution_id);
@@ -76,7 +76,7 @@ impl Store {
         if !self.shared && raw.is_none() && report.is_none() {
             let batch = sqlx::query(&FINISH_SQLITE)
                 .bind(record.state.as_str())
-                .bind(profile_of(record).to_string())
+                .bind(stored::profile_column(record).to_string())
                 .bind(record.finished_at_ms)
                 .bind(stored::execution_to_stored(record)?)
                 .bind(record.execution_id.clone());
@@ -98,7 +98,7 @@ impl Store {
         }
         sqlx::query(FINISH_UPDATE)
             .bind(record.state.as_str())
-            .bind(profile_of(record))
+            .bind(stored::profile_column(record))
             .bind(record.finished_at_ms)
             .bind(stored::execution_to_stored(record)?)
             .bind(&record.execution_id)
@@ -231,7 +231,7 @@ where
     // Only a repeated request id compares digests.
     .bind(if request_id.is_some() { digest } else { "" })
     .bind(state.as_str())
-    .bind(&record.harness_profile_ref)
+    .bind(stored::profile_column(record))
     .bind(&record.consumer.actor)
     .bind(&record.consumer.project)
     .bind(record.created_at_ms)
@@ -242,14 +242,4 @@ where
     .execute(conn)
     .await?;
     Ok(inserted.rows_affected() == 1)
-}
-
-/// The profile an execution's row is listed under: the resolved reference
-/// once there is one, else the one the request named.
-fn profile_of(record: &ExecutionRecord) -> &str {
-    if record.evidence.profile_ref.is_empty() {
-        &record.harness_profile_ref
-    } else {
-        &record.evidence.profile_ref
-    }
 }

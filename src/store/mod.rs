@@ -417,7 +417,8 @@ where
 /// The columns an execution is read from: its record, and the fields of
 /// the record that have columns of their own (see
 /// [`stored::execution_to_stored`]).
-const EXECUTION: &str = "execution_id, state, created_at_ms, finished_at_ms, record";
+const EXECUTION: &str =
+    "execution_id, state, created_at_ms, finished_at_ms, profile_ref, actor, project, principal, record";
 
 /// An execution read back from [`EXECUTION`]'s columns. A record stored
 /// by an older daemon repeats the columns (and from before
@@ -432,6 +433,17 @@ fn execution_from_row(row: &sqlx::any::AnyRow) -> Result<ExecutionRecord, StoreE
     record.created_at_ms = row.get("created_at_ms");
     if let Some(ms) = row.get::<Option<i64>, _>("finished_at_ms") {
         record.finished_at_ms = Some(ms);
+    }
+    let consumer = &mut record.consumer;
+    for (field, column) in [
+        (&mut consumer.actor, "actor"),
+        (&mut consumer.project, "project"),
+        (&mut consumer.principal, "principal"),
+        (&mut record.harness_profile_ref, "profile_ref"),
+    ] {
+        if field.is_empty() {
+            *field = row.get(column);
+        }
     }
     // An execution is its own run.
     if record.consumer.run_id.is_empty() {
@@ -601,24 +613,53 @@ mod tests {
     async fn a_record_is_read_from_its_columns_and_its_json_in_either_form() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let consumer = crate::sandbox::Consumer {
+            run_id: "e1".into(),
+            actor: "agt".into(),
+            project: "p".into(),
+            principal: "alice".into(),
+            ..Default::default()
+        };
         let mut record = ExecutionRecord {
             execution_id: "e1".into(),
-            consumer: crate::sandbox::Consumer { run_id: "e1".into(), ..Default::default() },
+            consumer,
             state: ExecutionState::Succeeded,
             title: "t".into(),
+            harness_profile_ref: "builtin.noop@1.0.0".into(),
             created_at_ms: 5,
             finished_at_ms: Some(9),
             ..Default::default()
         };
+        record.evidence.profile_ref = "builtin.noop@1.0.0".into();
         assert!(matches!(store.insert_execution(&record, "d").await.unwrap(), Inserted::Created));
         store.update_execution(&record).await.unwrap();
-        let json: String = sqlx::query("SELECT record FROM executions").fetch_one(&store.pool).await.unwrap().get(0);
+        let stored_json = async || -> String {
+            sqlx::query("SELECT record FROM executions WHERE execution_id = 'e1'")
+                .fetch_one(&store.pool)
+                .await
+                .unwrap()
+                .get(0)
+        };
+        let json = stored_json().await;
         let stored: serde_json::Value = serde_json::from_str(&json).unwrap();
         for column in stored::EXECUTION_COLUMNS {
             assert!(stored.get(column).is_none(), "{column} repeated in {json}");
         }
         assert_eq!(stored["title"], "t");
-        assert!(stored["consumer"].get("run_id").is_none(), "{json}");
+        // The consumer is all columns and its run id, the profile asked
+        // for is the resolved one: neither is stored twice.
+        assert!(stored.get("consumer").is_none(), "{json}");
+        assert!(stored.get("harness_profile_ref").is_none(), "{json}");
+        assert_eq!(stored["evidence"]["profile_ref"], "builtin.noop@1.0.0");
+        assert_eq!(store.get_execution("e1").await.unwrap().unwrap(), record);
+        let listed = store.list_executions(&ExecutionFilter { limit: 10, ..Default::default() }).await.unwrap();
+        assert_eq!(listed, [record.clone()]);
+
+        // Asked for without a version: what was asked is kept beside what
+        // it resolved to.
+        record.harness_profile_ref = "builtin.noop".into();
+        store.update_execution(&record).await.unwrap();
+        assert!(stored_json().await.contains(r#""harness_profile_ref":"builtin.noop""#));
         assert_eq!(store.get_execution("e1").await.unwrap().unwrap(), record);
 
         record.execution_id = "e2".into();
