@@ -29,7 +29,7 @@ pub const EXECUTION_COLUMNS: [&str; 4] = ["execution_id", "state", "created_at_m
 /// The fields of an execution's consumer that its row has columns for,
 /// written once with the row (a run's consumer does not change): its
 /// stored JSON leaves them out too.
-pub const CONSUMER_COLUMNS: [&str; 3] = ["actor", "project", "principal"];
+const CONSUMER_COLUMNS: [&str; 3] = ["actor", "project", "principal"];
 
 /// What an execution's `profile_ref` column holds, the profile its row is
 /// listed under: the resolved reference once there is one, else the one
@@ -46,15 +46,15 @@ pub fn profile_column(record: &ExecutionRecord) -> &str {
 /// row's columns hold ([`EXECUTION_COLUMNS`], [`CONSUMER_COLUMNS`], and
 /// the profile it asked for when that is [`profile_column`]'s), and
 /// without its consumer's `run_id` when that is its id (an execution's
-/// is): see `execution_from_row`. A no-op execution's record is ~130
+/// is): see `execution_from_row`. A no-op execution's record is 116
 /// bytes shorter for it (BENCHMARKS.md).
 pub fn execution_to_stored(record: &ExecutionRecord) -> Result<String, serde_json::Error> {
     let mut json = serde_json::to_value(record)?;
     prune(&mut json);
     if let Value::Object(fields) = &mut json {
         fields.retain(|name, _| !EXECUTION_COLUMNS.contains(&name.as_str()));
-        remove_run_id(fields, &record.execution_id);
         if let Some(Value::Object(consumer)) = fields.get_mut("consumer") {
+            remove_if(consumer, "run_id", &record.execution_id);
             consumer.retain(|name, _| !CONSUMER_COLUMNS.contains(&name.as_str()));
             if consumer.is_empty() {
                 fields.remove("consumer");
