@@ -383,6 +383,7 @@ pub async fn run_scenario(args: &BenchArgs, server: Option<&crate::cli::Remote>)
 /// `--json`, one JSON object). Exit code 0 once the run completed, whether
 /// or not the targets were met.
 pub async fn run(server: Option<&crate::cli::Remote>, args: BenchArgs, json: bool) -> anyhow::Result<i32> {
+    crate::telemetry::install_bench_subscriber();
     let report = run_scenario(&args, server).await?;
     if let Some(path) = &args.save {
         use anyhow::Context as _;
