@@ -78,6 +78,11 @@ pub struct FanoutLevel {
     pub per_watcher_attached_kib: Option<f64>,
     /// RSS growth per watcher at the peak, in KiB.
     pub per_watcher_peak_kib: Option<f64>,
+    /// CPU time (user + system) of the process the RSS figures are of, from
+    /// the barrier's release to the last watcher's end, per progress event
+    /// delivered, in microseconds: the daemon's alone against `--server`,
+    /// the daemon's and its watchers' together in-process.
+    pub cpu_us_per_delivery: Option<f64>,
     /// Whether the harness's barrier was released (false: it never started emitting).
     pub barrier_released: bool,
     /// Why the level stopped early, if it did.
@@ -206,6 +211,7 @@ async fn level(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let rss_attached = target.daemon_rss_kib();
+    let cpu_released = target.daemon_pid.and_then(super::system::process_cpu_ticks);
     let barrier_released = shared.workspace.get().map(|ws| release(ws).is_ok()).unwrap_or(false);
     let released = Instant::now();
     if aborted.is_some() {
@@ -240,6 +246,7 @@ async fn level(
             }
         }
     }
+    let cpu_ended = target.daemon_pid.and_then(super::system::process_cpu_ticks);
     let last_finished = outcomes.iter().filter_map(|w| w.finished).max();
     if aborted.is_some() {
         let _ = executions.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await;
@@ -295,6 +302,12 @@ async fn level(
         rss_after_kib: rss_after,
         per_watcher_attached_kib: per_watcher(rss_attached),
         per_watcher_peak_kib: per_watcher(rss_peak),
+        cpu_us_per_delivery: match (cpu_released, cpu_ended) {
+            (Some(from), Some(to)) if delivered > 0 && to >= from => {
+                Some(((to - from) as f64 * super::system::tick_ms() * 1e3) / delivered as f64)
+            }
+            _ => None,
+        },
         barrier_released,
         aborted,
     })

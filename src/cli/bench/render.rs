@@ -393,7 +393,7 @@ pub fn human(r: &BenchReport) -> String {
     }
     if let Some(f) = &r.fanout {
         let pace = f.pace.map(|p| format!(", paced at {p} events/s")).unwrap_or_default();
-        let _ = writeln!(out, "fanout: {} ({:?}{pace}); RSS is of {}", f.profile, f.emitter, f.rss_of);
+        let _ = writeln!(out, "fanout: {} ({:?}{pace}); RSS and CPU are of {}", f.profile, f.emitter, f.rss_of);
         let rows: Vec<Vec<String>> = f
             .levels
             .iter()
@@ -409,6 +409,7 @@ pub fn human(r: &BenchReport) -> String {
                     l.resumes.to_string(),
                     format!("{}/{}/{}", mib(l.rss_before_kib), mib(l.rss_attached_kib), mib(l.rss_peak_kib)),
                     l.per_watcher_peak_kib.map(|k| format!("{k:.1}")).unwrap_or_else(|| "?".into()),
+                    l.cpu_us_per_delivery.map(|us| format!("{us:.2}")).unwrap_or_else(|| "?".into()),
                     format!("{}{}", errors(&l.errors), aborted(l)),
                 ]
             })
@@ -425,6 +426,7 @@ pub fn human(r: &BenchReport) -> String {
                 "resumes",
                 "RSS MiB before/attached/peak",
                 "KiB/watcher",
+                "CPU us/delivery",
                 "errors",
             ],
             &rows,
@@ -715,6 +717,7 @@ mod tests {
             rss_after_kib: None,
             per_watcher_attached_kib: None,
             per_watcher_peak_kib: None,
+            cpu_us_per_delivery: None,
             barrier_released: true,
             aborted: None,
         };

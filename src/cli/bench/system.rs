@@ -71,6 +71,24 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// CPU time `pid` used so far (user + system, every thread), in clock
+/// ticks.
+pub fn process_cpu_ticks(pid: u32) -> Option<u64> {
+    parse_process_cpu(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// `utime + stime` of a `/proc/<pid>/stat` line: its 14th and 15th fields,
+/// counted after the `)` that ends the command name (which may itself
+/// hold spaces and parentheses).
+fn parse_process_cpu(stat: &str) -> Option<u64> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    // `rest` starts at field 3 (state): utime is field 14, stime 15.
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(utime + stime)
+}
+
 /// The process on this host that listens on TCP `port` (and whose file
 /// descriptors we may read: our own user's), found through the socket
 /// inode in `/proc/net/tcp{,6}`.
@@ -265,6 +283,22 @@ mod tests {
         assert_eq!(after.used_until(before, 40, 10.0), None, "a counter that went back measures nothing");
         assert!(HostCpu::now().is_some_and(|c| c.busy > 0));
         assert!(tick_ms() > 0.0);
+    }
+
+    #[test]
+    fn a_process_cpu_time_is_its_user_and_system_ticks() {
+        // pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt
+        // majflt cmajflt utime stime cutime ...
+        let stat = "4242 (a (b) c) S 1 4242 4242 0 -1 4194560 900 0 3 0 1234 56 7 8 20 0 3 0";
+        assert_eq!(parse_process_cpu(stat), Some(1290), "children's cutime/cstime are not the process's");
+        assert_eq!(parse_process_cpu("4242 (x) S 1 2 3"), None);
+        assert_eq!(parse_process_cpu("no parenthesis 1 2 3 4 5 6 7 8 9 10 11 12 13"), None);
+        let own = process_cpu_ticks(std::process::id()).expect("this process's own stat");
+        let spin = std::time::Instant::now();
+        while spin.elapsed() < std::time::Duration::from_millis(60) {
+            std::hint::black_box(0u64);
+        }
+        assert!(process_cpu_ticks(std::process::id()).unwrap() > own, "60 ms of spinning shows");
     }
 
     #[test]
