@@ -5,7 +5,8 @@
 //! test takes its veth link down) kills its sandboxes before its lease
 //! runs out and exits; a
 //! lost epoch can write nothing; a page token works on every node; a
-//! drained node takes no new work and finishes what it runs.
+//! drained node takes no new work and finishes what it runs; a node
+//! stopped with SIGTERM is listed stopped, never declared lost.
 
 mod common;
 
@@ -386,18 +387,90 @@ async fn a_node_cut_off_from_the_store_kills_its_sandboxes_before_its_lease_runs
     assert_eq!(events(&a, &id).await, seen);
 }
 
+/// Two starts on a new database: `name`, whose lease of 1 ms has run out
+/// by the time it is looked at, and `survivor`, holding one of a minute;
+/// with their data directory and the database's URL.
+async fn two_starts(name: &str) -> (tempfile::TempDir, String, corral::store::Store, corral::store::Store) {
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let first = corral::store::Store::open(dir.path(), Some(&url), name).await.unwrap();
+    let survivor = corral::store::Store::open(dir.path(), Some(&url), "survivor").await.unwrap();
+    first.join_fleet(1, &[], 1).await.unwrap();
+    survivor.join_fleet(1, &[], 60_000).await.unwrap();
+    (dir, url, first, survivor)
+}
+
+/// A start leaves the fleet as `stopped` only once the store holds no
+/// unfinished run of its node; a stopped node is never declared lost,
+/// however long ago its lease ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_leaves_the_fleet_only_with_every_run_finished_and_is_never_declared_lost() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    use corral::records::{ExecutionRecord, ExecutionState};
+    let (dir, url, leaver, survivor) = two_starts("leaver").await;
+    let mut record =
+        ExecutionRecord { execution_id: "e1".into(), state: ExecutionState::Running, ..Default::default() };
+    leaver.insert_execution(&record, "d").await.unwrap();
+    assert!(!leaver.leave_fleet().await.unwrap(), "a running execution of the node keeps it in the fleet");
+    record.state = ExecutionState::Succeeded;
+    record.finished_at_ms = Some(corral::records::now_ms());
+    leaver.update_execution(&record).await.unwrap();
+    assert!(leaver.leave_fleet().await.unwrap(), "nothing unfinished: it leaves");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(
+        survivor.claim_lost_nodes(corral::records::now_ms()).await.unwrap().is_empty(),
+        "a stopped node is not lost"
+    );
+    let states: Vec<(String, corral::store::NodeState)> =
+        survivor.list_nodes().await.unwrap().into_iter().map(|n| (n.name, n.state)).collect();
+    assert_eq!(
+        states,
+        vec![
+            ("leaver".into(), corral::store::NodeState::Stopped),
+            ("survivor".into(), corral::store::NodeState::Active)
+        ]
+    );
+    // A start of another epoch under the same name cannot mark it.
+    let other = corral::store::Store::open(dir.path(), Some(&url), "survivor").await.unwrap();
+    assert!(!other.leave_fleet().await.unwrap(), "the row is another start's");
+}
+
+/// A node stopped with SIGTERM, having run an execution to its end, is
+/// listed `stopped` once its lease has run out and rejoins active with a
+/// new epoch; a node killed instead is declared lost (the test above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_stopped_cleanly_is_listed_stopped_not_lost() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let a = Node::start(dir.path(), "node-a", &url).await;
+    let mut b = Node::start(dir.path(), "node-b", &url).await;
+    let run = b.executions().await.execute(request("builtin.shell", "echo done")).await.unwrap().into_inner();
+    assert_whole(&stream_to_end(run).await, "node-b's run");
+    let old_epoch = a.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap().epoch;
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(b.process.pid(), libc::SIGTERM) };
+    let status = b.process.child.wait().await.unwrap();
+    assert!(status.success(), "node-b stopped on SIGTERM: {status:?}");
+    // Past its lease, with node-a's sweep running after every renewal.
+    tokio::time::sleep(Duration::from_secs(LEASE_SECONDS + 2)).await;
+    let stopped = a.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
+    assert_eq!(stopped.state, pb::NodeState::Stopped as i32, "{stopped:?}");
+    b.restart().await;
+    let rejoined = a.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
+    assert_eq!(rejoined.state, pb::NodeState::Active as i32);
+    assert_ne!(rejoined.epoch, old_epoch);
+    stop_all([a, b]).await;
+}
+
 /// The store refuses every write of a run by a start that was declared
 /// lost, while the survivor's writes go through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_epoch_can_write_nothing() {
     let _serial = ONE_AT_A_TIME.lock().await;
     use corral::records::{Event, EventKind};
-    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
-    let dir = common::data_tempdir();
-    let lost = corral::store::Store::open(dir.path(), Some(&url), "lost").await.unwrap();
-    let survivor = corral::store::Store::open(dir.path(), Some(&url), "survivor").await.unwrap();
-    lost.join_fleet(1, &[], 1).await.unwrap();
-    survivor.join_fleet(1, &[], 60_000).await.unwrap();
+    let (_dir, _, lost, survivor) = two_starts("lost").await;
     let event = |sequence| Event {
         subject_id: "e1".into(),
         sequence,

@@ -540,6 +540,7 @@ pub fn node(n: &crate::store::NodeRow) -> pb::Node {
         crate::store::NodeState::Active => pb::NodeState::Active,
         crate::store::NodeState::Draining => pb::NodeState::Draining,
         crate::store::NodeState::Lost => pb::NodeState::Lost,
+        crate::store::NodeState::Stopped => pb::NodeState::Stopped,
     };
     pb::Node {
         name: n.name.clone(),

@@ -63,7 +63,7 @@ words!(ReinPreset {
 });
 words!(TaskInput { TaskJson => "task_json", Description => "description", Prompt => "prompt", Nothing => "nothing" });
 words!(ProfileStatus { Enabled => "enabled", Disabled => "disabled" });
-words!(NodeState { Active => "active", Draining => "draining", Lost => "lost" });
+words!(NodeState { Active => "active", Draining => "draining", Lost => "lost", Stopped => "stopped" });
 words!(PolicyKind {
     EnforceSandbox => "enforce_sandbox",
     DenyNetwork => "deny_network",

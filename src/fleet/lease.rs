@@ -52,6 +52,9 @@ pub fn after(renewal: &Renewal, since_renewed: Duration, lease: Duration) -> Ste
         Renewal::Renewed(NodeState::Lost) | Renewal::Fenced => {
             Step::Fence("the store says this node was declared lost".into())
         }
+        // Only a start that has shut down writes this; a start that still
+        // runs and reads it is not the one the row speaks for.
+        Renewal::Renewed(NodeState::Stopped) => Step::Fence("the store says this node stopped".into()),
         Renewal::Failed if since_renewed >= fence_after(lease) => Step::Fence(format!(
             "the lease could not be renewed for {} ms (lease {} ms)",
             since_renewed.as_millis(),
@@ -83,6 +86,11 @@ mod tests {
         let lost = Step::Fence("the store says this node was declared lost".into());
         assert_eq!(after(&Renewal::Fenced, ms(0), LEASE), lost);
         assert_eq!(after(&Renewal::Renewed(NodeState::Lost), ms(0), LEASE), lost);
+        assert_eq!(
+            after(&Renewal::Renewed(NodeState::Stopped), ms(0), LEASE),
+            Step::Fence("the store says this node stopped".into()),
+            "a row a stopped start left is not a running start's"
+        );
         // Fenced with a third of the lease to spare: a survivor can only
         // declare it lost after the whole lease.
         assert!(fence_after(LEASE) + renew_every(LEASE) <= LEASE);

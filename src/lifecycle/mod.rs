@@ -176,6 +176,9 @@ pub struct Engine {
     /// The sandboxes that exist now, so a fenced node can kill what runs in
     /// them without the store (see [`Engine::fence`]).
     live_sandboxes: Mutex<std::collections::HashSet<String>>,
+    /// Set by [`Engine::fence`]: a fenced start does not leave the fleet as
+    /// `stopped` at shutdown; its lease runs out.
+    fenced: std::sync::atomic::AtomicBool,
     /// Watchers of runs on other nodes, woken by the store's NOTIFY.
     wakeups: watch::Wakeups,
     /// This node's part in the fleet's queue (shared stores).
@@ -272,6 +275,7 @@ impl Engine {
             tasks: TaskTracker::new(),
             draining: CancellationToken::new(),
             live_sandboxes: Mutex::default(),
+            fenced: Default::default(),
             wakeups: watch::Wakeups::default(),
             fleet: queue::FleetRoom::new(parts.capacity.min(parts.max_running), parts.labels, parts.max_queued),
             warm: warm::Warm::new(&parts.warm),
@@ -309,6 +313,7 @@ impl Engine {
     /// out of reach). Returns how many processes were killed. What is left
     /// on disk and in the store, its next start recovers.
     pub async fn fence(&self) -> usize {
+        self.fenced.store(true, std::sync::atomic::Ordering::SeqCst);
         self.start_draining();
         self.draining.cancel();
         let ids: Vec<String> = self.live_sandboxes.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
@@ -708,7 +713,9 @@ impl Engine {
     }
 
     /// Stops accepting work, gives in-flight executions `grace` to finish,
-    /// then cancels them and waits for their teardown.
+    /// then cancels them and waits for their teardown; then, unless it
+    /// fenced, the node leaves the fleet as `stopped` (see
+    /// [`Store::leave_fleet`]), and the store closes.
     pub async fn shutdown(&self, grace: Duration) {
         self.tasks.close();
         // No run will take them now.
@@ -724,7 +731,24 @@ impl Engine {
         // What the last runs and sessions stopped is given back before the
         // store closes.
         self.tasks.wait().await;
+        if !self.fenced.load(std::sync::atomic::Ordering::SeqCst) {
+            self.leave_fleet().await;
+        }
         self.store.close().await;
+    }
+
+    /// Marks this node `stopped`, rather than have a survivor declare it
+    /// lost once its lease runs out; says so either way.
+    async fn leave_fleet(&self) {
+        let node = self.store.node();
+        match self.store.leave_fleet().await {
+            Ok(true) => tracing::info!(node, "fleet: stopped; this node left the fleet"),
+            Ok(false) => tracing::warn!(
+                node,
+                "fleet: a run of this node is unfinished in the store; its lease will run out and a survivor fail it"
+            ),
+            Err(e) => tracing::warn!(node, error = %e, "fleet: not marked stopped; its lease will run out"),
+        }
     }
 
     /// Compacts the events of executions finished more than `retention`

@@ -1,9 +1,10 @@
 //! The store's nodes: each daemon on a store is a row with its epoch, a
-//! lease it renews, its state (`active`, `draining`, `lost`) and what it
-//! runs; and the fleet's shared secrets. A node whose lease ran out is
-//! marked lost by exactly one survivor (a conditional update), and from
-//! then on [`Store::check_fence`] refuses every write of a run by that
-//! node's epoch.
+//! lease it renews, its state (`active`, `draining`, `lost`, `stopped`)
+//! and what it runs; and the fleet's shared secrets. A node whose lease ran
+//! out is marked lost by exactly one survivor (a conditional update), and
+//! from then on [`Store::check_fence`] refuses every write of a run by that
+//! node's epoch. A node that shut down cleanly, leaving no run unfinished,
+//! marks itself stopped: nobody declares it lost.
 
 use super::*;
 
@@ -16,6 +17,8 @@ pub enum NodeState {
     Draining,
     /// Its lease ran out: a survivor failed its runs; its epoch is fenced.
     Lost,
+    /// It shut down cleanly with no run left unfinished; nothing to fail.
+    Stopped,
 }
 
 impl NodeState {
@@ -25,6 +28,7 @@ impl NodeState {
             NodeState::Active => "active",
             NodeState::Draining => "draining",
             NodeState::Lost => "lost",
+            NodeState::Stopped => "stopped",
         }
     }
 
@@ -34,6 +38,7 @@ impl NodeState {
         match text {
             "active" => NodeState::Active,
             "draining" => NodeState::Draining,
+            "stopped" => NodeState::Stopped,
             _ => NodeState::Lost,
         }
     }
@@ -46,7 +51,7 @@ pub struct NodeRow {
     pub name: String,
     /// The node's current start.
     pub epoch: String,
-    /// Active, draining or lost.
+    /// Active, draining, lost or stopped.
     pub state: NodeState,
     /// Executions it may run at once (its admission limit).
     pub capacity: u64,
@@ -158,6 +163,25 @@ impl Store {
         StoreError::Fenced { node: self.node.clone(), epoch: self.epoch.clone() }
     }
 
+    /// Marks this start `stopped` after a clean shutdown, so that no
+    /// survivor declares it lost when its lease runs out; only while the
+    /// row is still this start's and the store holds no unfinished
+    /// execution or session of this node (a run whose last write did not
+    /// reach the store is left for a survivor to fail). Returns whether it
+    /// did.
+    pub async fn leave_fleet(&self) -> Result<bool, StoreError> {
+        let left = sqlx::query(
+            "UPDATE nodes SET state = 'stopped', running = 0 WHERE name = $1 AND epoch = $2 AND state <> 'lost'
+               AND NOT EXISTS (SELECT 1 FROM executions WHERE node = $1 AND state IN ('pending', 'running'))
+               AND NOT EXISTS (SELECT 1 FROM sessions WHERE node = $1 AND state IN ('starting', 'active'))",
+        )
+        .bind(&self.node)
+        .bind(&self.epoch)
+        .execute(&self.pool)
+        .await?;
+        Ok(left.rows_affected() == 1)
+    }
+
     /// Every node the store knows, by name.
     pub async fn list_nodes(&self) -> Result<Vec<NodeRow>, StoreError> {
         let rows = sqlx::query(&format!("SELECT {NODE} FROM nodes ORDER BY name")).fetch_all(&self.pool).await?;
@@ -187,7 +211,7 @@ impl Store {
     /// second.
     pub async fn claim_lost_nodes(&self, now_ms: i64) -> Result<Vec<NodeRow>, StoreError> {
         let candidates = sqlx::query(&format!(
-            "SELECT {NODE} FROM nodes WHERE lease_until_ms < $1 AND state <> 'lost' AND name <> $2 ORDER BY name"
+            "SELECT {NODE} FROM nodes WHERE lease_until_ms < $1 AND state NOT IN ('lost', 'stopped') AND name <> $2 ORDER BY name"
         ))
         .bind(now_ms)
         .bind(&self.node)
@@ -196,7 +220,7 @@ impl Store {
         let mut claimed = Vec::new();
         for candidate in candidates.iter().map(node_from_row) {
             let marked = sqlx::query(
-                "UPDATE nodes SET state = 'lost' WHERE name = $1 AND epoch = $2 AND state <> 'lost' AND lease_until_ms < $3",
+                "UPDATE nodes SET state = 'lost' WHERE name = $1 AND epoch = $2 AND state NOT IN ('lost', 'stopped') AND lease_until_ms < $3",
             )
             .bind(&candidate.name)
             .bind(&candidate.epoch)
