@@ -738,10 +738,13 @@ impl Engine {
     }
 
     /// Marks this node `stopped`, rather than have a survivor declare it
-    /// lost once its lease runs out; says so either way.
+    /// lost once its lease runs out; on a shared store, says how it went.
     async fn leave_fleet(&self) {
         let node = self.store.node();
         match self.store.leave_fleet().await {
+            // One store: no survivor to tell, and its next start recovers
+            // whatever is left.
+            _ if !self.store.is_shared() => {}
             Ok(true) => tracing::info!(node, "fleet: stopped; this node left the fleet"),
             Ok(false) => tracing::warn!(
                 node,
