@@ -199,7 +199,7 @@ impl Store {
         node: &str,
     ) -> Result<Vec<ExecutionRecord>, StoreError> {
         let rows = sqlx::query(&format!(
-            "SELECT {EXECUTION} FROM executions WHERE state IN ('pending', 'running') AND {owner} ORDER BY execution_id"
+            "SELECT {EXECUTION} FROM executions WHERE {UNFINISHED_EXECUTION} AND {owner} ORDER BY execution_id"
         ))
         .bind(node)
         .fetch_all(&self.pool)

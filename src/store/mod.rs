@@ -414,6 +414,15 @@ where
     Ok(())
 }
 
+/// The condition on an execution's row that it has not finished: what a
+/// restart recovers, a lost node's sweep fails, and keeps a node from
+/// leaving the fleet as stopped.
+const UNFINISHED_EXECUTION: &str = "state IN ('pending', 'running')";
+
+/// The condition on a session's row that it has not ended (the same uses,
+/// and a principal's count of what it runs).
+const UNFINISHED_SESSION: &str = "state IN ('starting', 'active')";
+
 /// The columns an execution is read from: its record, and the fields of
 /// the record that have columns of their own (see
 /// [`stored::execution_to_stored`]).

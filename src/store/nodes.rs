@@ -170,11 +170,11 @@ impl Store {
     /// reach the store is left for a survivor to fail). Returns whether it
     /// did.
     pub async fn leave_fleet(&self) -> Result<bool, StoreError> {
-        let left = sqlx::query(
+        let left = sqlx::query(&format!(
             "UPDATE nodes SET state = 'stopped', running = 0 WHERE name = $1 AND epoch = $2 AND state <> 'lost'
-               AND NOT EXISTS (SELECT 1 FROM executions WHERE node = $1 AND state IN ('pending', 'running'))
-               AND NOT EXISTS (SELECT 1 FROM sessions WHERE node = $1 AND state IN ('starting', 'active'))",
-        )
+               AND NOT EXISTS (SELECT 1 FROM executions WHERE node = $1 AND {UNFINISHED_EXECUTION})
+               AND NOT EXISTS (SELECT 1 FROM sessions WHERE node = $1 AND {UNFINISHED_SESSION})"
+        ))
         .bind(&self.node)
         .bind(&self.epoch)
         .execute(&self.pool)

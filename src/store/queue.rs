@@ -277,10 +277,10 @@ async fn lock_principals(conn: &mut sqlx::AnyConnection, principals: &[&str]) ->
 /// What `principal` runs across the fleet: executions taken by a node and
 /// not finished, and sessions not ended.
 async fn running_of(conn: &mut sqlx::AnyConnection, principal: &str) -> Result<i64, StoreError> {
-    let row = sqlx::query(
+    let row = sqlx::query(&format!(
         "SELECT (SELECT COUNT(*) FROM executions WHERE principal = $1 AND state = 'running')
-              + (SELECT COUNT(*) FROM sessions WHERE principal = $1 AND state IN ('starting', 'active'))",
-    )
+              + (SELECT COUNT(*) FROM sessions WHERE principal = $1 AND {UNFINISHED_SESSION})"
+    ))
     .bind(principal)
     .fetch_one(&mut *conn)
     .await?;

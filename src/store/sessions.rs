@@ -74,7 +74,7 @@ impl Store {
         node: &str,
     ) -> Result<Vec<SessionRecord>, StoreError> {
         let rows = sqlx::query(&format!(
-            "SELECT record FROM sessions WHERE state IN ('starting', 'active') AND {owner} ORDER BY session_id"
+            "SELECT record FROM sessions WHERE {UNFINISHED_SESSION} AND {owner} ORDER BY session_id"
         ))
         .bind(node)
         .fetch_all(&self.pool)
