@@ -169,7 +169,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Before anything slow (recovery): a SIGHUP during start must not end
     // the daemon, whose default action it is.
     let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let filter = corral::telemetry::daemon_filter();
     // Spans (an execution's id) go into every line of either format.
     let logs = match args.log_format {
         LogFormat::Json => tracing_subscriber::fmt::layer()
@@ -191,17 +191,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .with_writer(std::io::stderr)
             .boxed(),
     };
-    // Traces: only spans, never log events, go to the collector. Without
-    // one, spans still get trace ids (for the log lines) and go nowhere.
+    // Without a collector, spans still get trace ids (for the log lines)
+    // and go nowhere.
     let provider = match &config.telemetry.otlp_endpoint {
         Some(endpoint) => corral::telemetry::otlp_tracer_provider(endpoint, &config.telemetry.service_name)
             .map_err(anyhow::Error::msg)?,
         None => corral::telemetry::local_tracer_provider(),
     };
-    let traces = {
-        use opentelemetry::trace::TracerProvider as _;
-        tracing_opentelemetry::layer().with_tracer(provider.tracer("corral"))
-    };
+    let traces = corral::telemetry::traces_layer(&provider);
     tracing_subscriber::registry().with(filter).with(logs).with(traces).init();
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await

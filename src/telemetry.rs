@@ -289,24 +289,39 @@ pub fn local_tracer_provider() -> opentelemetry_sdk::trace::SdkTracerProvider {
     opentelemetry_sdk::trace::SdkTracerProvider::builder().build()
 }
 
-/// The subscriber `corral bench` runs its in-process daemon under: the one
-/// `corral serve` installs without a collector (spans at `RUST_LOG`, or
-/// info, each given trace ids), printing only warnings and errors, on
-/// stderr, so the report stays readable. Without any subscriber every span
-/// of every crate (h2 makes one per frame it buffers) falls back to the
-/// `log` crate, which sqlx turns on: the bench would measure a cost the
-/// daemon never pays. Does nothing if the process already has one.
-pub fn install_bench_subscriber() {
+/// The daemon's filter over every span and log line: `RUST_LOG`, or info.
+pub fn daemon_filter() -> tracing_subscriber::EnvFilter {
+    tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())
+}
+
+/// The daemon's spans, given to OpenTelemetry through `provider` (only
+/// spans, never log lines, reach a collector).
+pub fn traces_layer<S>(
+    provider: &opentelemetry_sdk::trace::SdkTracerProvider,
+) -> tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
     use opentelemetry::trace::TracerProvider as _;
+    tracing_opentelemetry::layer().with_tracer(provider.tracer("corral"))
+}
+
+/// The subscriber `corral bench` runs its in-process daemon under: the one
+/// `corral serve` installs without a collector ([`daemon_filter`],
+/// [`traces_layer`]), printing only warnings and errors, on stderr, so the
+/// report stays readable. Without any subscriber every span of every crate
+/// (h2 makes one per frame it buffers) falls back to the `log` crate, which
+/// sqlx turns on: the bench would measure a cost the daemon never pays.
+/// Does nothing if the process already has one.
+pub fn install_bench_subscriber() {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_filter(tracing_subscriber::filter::LevelFilter::WARN);
-    let traces = tracing_opentelemetry::layer().with_tracer(local_tracer_provider().tracer("corral"));
-    let _ = tracing_subscriber::registry().with(filter).with(logs).with(traces).try_init();
+    let traces = traces_layer(&local_tracer_provider());
+    let _ = tracing_subscriber::registry().with(daemon_filter()).with(logs).with(traces).try_init();
 }
 
 /// tracing-subscriber's flat JSON line with the current span's
