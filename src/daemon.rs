@@ -225,6 +225,7 @@ impl Daemon {
                 None => None,
             };
             crate::metrics_http::serve(addr, token, shutdown.clone()).await.map_err(StartError::Policies)?;
+            self.engine.list_warm_metrics();
         }
         let fenced = CancellationToken::new();
         crate::fleet::spawn(self.engine.clone(), self.config.fleet.lease(), shutdown.clone(), fenced.clone());

@@ -27,6 +27,11 @@ pub(crate) fn describe() {
     describe_gauge!("corral_sandboxes_alive", "Sandboxes created and not yet stopped.");
     describe_gauge!("corral_warm_sandboxes", "Warm sandboxes waiting for a run, by profile.");
     describe_counter!(
+        "corral_warm_requests_total",
+        "Runs of a warm pool's profile, by pool and what they found: a warm sandbox (warm), none waiting (empty), \
+         or a pool made for another profile version, sandbox or timeout (mismatch)."
+    );
+    describe_counter!(
         "corral_sandbox_reclaim_failures_total",
         "Stopped sandboxes whose uid, cgroup or files could not be given back (left to recovery)."
     );
@@ -192,6 +197,19 @@ pub fn running(kind: &'static str, count: usize) {
 /// (`corral_sandboxes_alive`).
 pub fn sandbox_alive(delta: f64) {
     gauge!("corral_sandboxes_alive").increment(delta);
+}
+
+/// Lists a warm pool's `corral_warm_requests_total` at 0.
+pub fn warm_pool_listed(pool: &str) {
+    for found in ["warm", "empty", "mismatch"] {
+        counter!("corral_warm_requests_total", "profile" => pool.to_string(), "found" => found).absolute(0);
+    }
+}
+
+/// Counts a run of the warm pool `pool`'s profile by what it found there:
+/// `warm`, `empty` or `mismatch` (`corral_warm_requests_total`).
+pub fn warm_request(pool: &str, found: &'static str) {
+    counter!("corral_warm_requests_total", "profile" => pool.to_string(), "found" => found).increment(1);
 }
 
 /// Sets how many warm sandboxes of `profile_ref` wait for a run

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{request, require_bwrap, ServeProcess};
+use common::{request, require_bwrap, sample, scrape, ServeProcess};
 use corral::pb;
 use corral::pb::execution_service_client::ExecutionServiceClient;
 
@@ -61,43 +61,6 @@ async fn json_logs_parse_and_carry_the_execution_id() {
         })
         .collect();
     assert_eq!(traces.into_iter().collect::<Vec<_>>(), vec![caller_trace], "one run, the caller's trace");
-}
-
-/// `GET /metrics` over plain HTTP/1.1.
-async fn scrape(port: u16) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("the metrics listener answers");
-    socket.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").await.unwrap();
-    let mut response = String::new();
-    socket.read_to_string(&mut response).await.unwrap();
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-    response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default()
-}
-
-/// The value of the sample `name{labels}` in a Prometheus exposition,
-/// checking every line is well-formed on the way.
-fn sample(exposition: &str, name: &str, labels: &str) -> Option<f64> {
-    let mut found = None;
-    for line in exposition.lines() {
-        if line.is_empty() || line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
-            continue;
-        }
-        let (key, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("malformed line {line:?}"));
-        let value: f64 = value.parse().unwrap_or_else(|_| panic!("malformed value in {line:?}"));
-        let metric = key.split('{').next().unwrap();
-        assert!(
-            metric.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
-            "malformed metric name in {line:?}"
-        );
-        if key.contains('{') {
-            assert!(key.ends_with('}'), "malformed labels in {line:?}");
-        }
-        let want = if labels.is_empty() { name.to_string() } else { format!("{name}{{{labels}}}") };
-        if key == want {
-            found = Some(value);
-        }
-    }
-    found
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

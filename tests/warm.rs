@@ -345,6 +345,67 @@ async fn sigterm_leaves_no_warm_sandbox_alive_and_recovery_sweeps_what_a_crash_l
     assert_eq!(processes_of(&uids), Vec::<String>::new());
 }
 
+/// `corral_warm_requests_total{profile,found}` says what the runs of a
+/// pool's profile found in it, so a pool that serves nothing is seen: a
+/// warm sandbox, none waiting (a burst of one pool's size and more), or a
+/// pool made for another version of the profile. A run of a profile with
+/// no pool is not counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_say_what_the_runs_of_a_pools_profile_found() {
+    require_bwrap();
+    let dir = data_tempdir();
+    let (data, profiles) = (dir.path().join("data"), dir.path().join("profiles"));
+    std::fs::create_dir_all(&profiles).unwrap();
+    for version in ["1.0.0", "1.1.0"] {
+        let profile = format!(
+            "id = \"test.pooled\"\nversion = \"{version}\"\n[rein]\nargv = [\"/usr/bin/true\"]\ninput = \"nothing\"\n"
+        );
+        std::fs::write(profiles.join(format!("pooled-{version}.toml")), profile).unwrap();
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let config = format!("metrics_listen = \"127.0.0.1:{port}\"\n[sandbox.warm]\n\"test.pooled@1.1.0\" = 1\n");
+    let serve = ServeProcess::start_with(&data, &profiles, &[], &config).await;
+    let found = |text: &str, found: &str| {
+        sample(text, "corral_warm_requests_total", &format!("profile=\"test.pooled@1.1.0\",found=\"{found}\""))
+    };
+    let text = scrape(port).await;
+    for what in ["warm", "empty", "mismatch"] {
+        assert_eq!(found(&text, what), Some(0.0), "listed at 0 before any run: {text}");
+    }
+    waiters(&serve.uids, 1).await;
+    let level = sample(&scrape(port).await, "corral_warm_sandboxes", "profile=\"test.pooled@1.1.0\"");
+    assert_eq!(level, Some(1.0), "the pool's level");
+
+    let run = |profile: &'static str| {
+        let channel = serve.channel();
+        async move {
+            let mut client = pb::execution_service_client::ExecutionServiceClient::new(channel.await);
+            let mut stream = client.execute(request(profile, "")).await.unwrap().into_inner();
+            let mut events = Vec::new();
+            while let Some(event) = stream.message().await.unwrap() {
+                events.push(event);
+            }
+            let execution = finished(&events);
+            assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
+            was_warm(&execution)
+        }
+    };
+    // Four at once: one takes the waiting sandbox, the others find none
+    // (its refill begins once that run has sent its `finished`).
+    let burst = futures_util::future::join_all((0..4).map(|_| run("test.pooled@1.1.0"))).await;
+    let warm_runs = burst.iter().filter(|warm| **warm).count();
+    assert!(warm_runs >= 1, "the waiting sandbox served none of the burst");
+    assert!(!run("test.pooled@1.0.0").await, "another version took the pool's sandbox");
+    assert!(!run("builtin.noop").await);
+
+    let text = scrape(port).await;
+    assert_eq!(found(&text, "warm"), Some(warm_runs as f64), "{text}");
+    assert_eq!(found(&text, "empty"), Some((4 - warm_runs) as f64), "{text}");
+    assert!(warm_runs < 4, "four runs at once, one sandbox waiting: none found the pool empty");
+    assert_eq!(found(&text, "mismatch"), Some(1.0), "the run of 1.0.0: {text}");
+    assert!(!text.contains("builtin.noop"), "a profile with no pool has no series: {text}");
+}
+
 /// Starts a hanging execution of the pool's profile and returns its id and
 /// its sandbox's once its harness runs.
 async fn start_hanging(channel: tonic::transport::Channel, repo: &str) -> (String, String) {

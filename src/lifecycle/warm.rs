@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use super::Engine;
 use crate::catalog::Profile;
 use crate::credentials::GatewayRoute;
-use crate::sandbox::pool::{PoolKey, Pools};
+use crate::sandbox::pool::{PoolKey, Pools, Take};
 use crate::sandbox::{CreateSandbox, GateFile, Sandbox, SandboxBackend, SandboxSpec, SandboxState, SandboxType};
 
 /// A sandbox the backend made, with its credential gateway routes.
@@ -265,12 +265,35 @@ impl Engine {
         if pools.is_empty() {
             return None;
         }
-        let taken = pools.take(&pool_key(profile, spec, timeout_seconds));
+        let taken = pools.take(&pool_key(profile, spec, timeout_seconds), profile.id());
         drop(pools);
-        let taken = taken?;
+        let taken = match taken {
+            Take::Warm(pool, taken) => {
+                crate::telemetry::warm_request(&pool, "warm");
+                taken
+            }
+            Take::Empty(pool) => {
+                crate::telemetry::warm_request(&pool, "empty");
+                return None;
+            }
+            Take::Mismatch(pool) => {
+                crate::telemetry::warm_request(&pool, "mismatch");
+                return None;
+            }
+            Take::NoPool => return None,
+        };
         self.report_warm_levels();
         let signal = RefillSignal { engine: Arc::downgrade(self), sent: AtomicBool::new(false) };
         Some((taken, Refill(Arc::new(signal))))
+    }
+
+    /// Lists every pool's metrics: its requests at 0, its level as it is
+    /// (for a recorder installed after the pools began to fill).
+    pub fn list_warm_metrics(&self) {
+        for pool in self.warm.pools().refs() {
+            crate::telemetry::warm_pool_listed(&pool);
+        }
+        self.report_warm_levels();
     }
 
     /// Sets `corral_warm_sandboxes` of every pool to how many wait in it.

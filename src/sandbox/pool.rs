@@ -4,8 +4,9 @@
 //! This is the bookkeeping only, generic over what a warm sandbox is so it
 //! can be checked with exact vectors: which pool is filled next, which
 //! waiting sandbox a request takes (never one made for another profile
-//! version, sandbox or timeout), and what a closed pool hands back to be
-//! destroyed. The daemon fills, takes and destroys (`lifecycle::warm`).
+//! version, sandbox or timeout) and, when it takes none, why, and what a
+//! closed pool hands back to be destroyed. The daemon fills, takes and
+//! destroys (`lifecycle::warm`).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -25,12 +26,37 @@ pub struct PoolKey {
 }
 
 struct Pool<T> {
+    /// As configured: a profile id, or `id@version`.
     profile_ref: String,
     size: usize,
     /// What its sandboxes are made for now (`None` before the first).
     key: Option<PoolKey>,
     warm: VecDeque<T>,
     filling: usize,
+}
+
+impl<T> Pool<T> {
+    /// Whether its sandboxes are of the profile `profile_id` (any version).
+    fn is_of(&self, profile_id: &str) -> bool {
+        self.profile_ref.split('@').next() == Some(profile_id)
+    }
+}
+
+/// What a request found in the pools; each but the last names the pool
+/// (its configured profile reference).
+#[derive(Debug, PartialEq)]
+pub enum Take<T> {
+    /// A sandbox made for exactly the request, taken out: it serves this
+    /// request and no other.
+    Warm(String, T),
+    /// The pool made for the request had none waiting (all taken, being
+    /// made, or none made yet).
+    Empty(String),
+    /// The pools of the request's profile are made for another version of
+    /// it, or for another sandbox or timeout (the gate tightened the run's).
+    Mismatch(String),
+    /// No pool keeps sandboxes of the request's profile.
+    NoPool,
 }
 
 /// Every configured pool, by profile reference.
@@ -61,11 +87,31 @@ impl<T> Pools<T> {
         self.pools.is_empty()
     }
 
-    /// The oldest waiting sandbox made for exactly `key`, taken out: it
-    /// serves this request and no other.
-    pub fn take(&mut self, key: &PoolKey) -> Option<T> {
-        let pool = self.pools.iter_mut().find(|p| p.key.as_ref() == Some(key))?;
-        pool.warm.pop_front()
+    /// The oldest waiting sandbox made for exactly `key` (a request for the
+    /// profile `profile_id`), taken out; else why there is none. The pool a
+    /// miss is counted against: the one made for `key`; else one of the
+    /// same profile version (made for another sandbox or timeout); else one
+    /// of the profile that has made nothing yet (it may be for `key`); else
+    /// any of the profile.
+    pub fn take(&mut self, key: &PoolKey, profile_id: &str) -> Take<T> {
+        if let Some(pool) = self.pools.iter_mut().find(|p| p.key.as_ref() == Some(key)) {
+            return match pool.warm.pop_front() {
+                Some(item) => Take::Warm(pool.profile_ref.clone(), item),
+                None => Take::Empty(pool.profile_ref.clone()),
+            };
+        }
+        let of_profile = || self.pools.iter().filter(|p| p.is_of(profile_id));
+        let same_version = |p: &&Pool<T>| p.key.as_ref().is_some_and(|k| k.profile_digest == key.profile_digest);
+        if let Some(pool) = of_profile().find(same_version) {
+            return Take::Mismatch(pool.profile_ref.clone());
+        }
+        if let Some(pool) = of_profile().find(|p| p.key.is_none()) {
+            return Take::Empty(pool.profile_ref.clone());
+        }
+        match of_profile().next() {
+            Some(pool) => Take::Mismatch(pool.profile_ref.clone()),
+            None => Take::NoPool,
+        }
     }
 
     /// The pool to make a sandbox for next, as `(index, profile reference)`:
@@ -124,6 +170,11 @@ impl<T> Pools<T> {
         self.closed
     }
 
+    /// The profile reference of each pool.
+    pub fn refs(&self) -> Vec<String> {
+        self.pools.iter().map(|p| p.profile_ref.clone()).collect()
+    }
+
     /// `(profile reference, waiting, size)` of each pool.
     pub fn levels(&self) -> Vec<(String, usize, usize)> {
         self.pools.iter().map(|p| (p.profile_ref.clone(), p.warm.len(), p.size)).collect()
@@ -167,17 +218,40 @@ mod tests {
             let (i, _) = p.next_fill().unwrap();
             assert!(p.filled(i, key("d1"), item).is_empty());
         }
-        assert_eq!(p.take(&key("d2")), None, "another profile version");
+        assert_eq!(p.take(&key("d2"), "a"), Take::Mismatch("a".into()), "another profile version");
         let mut tighter = key("d1");
         tighter.spec.allow_network = true;
-        assert_eq!(p.take(&tighter), None, "another sandbox");
+        assert_eq!(p.take(&tighter, "a"), Take::Mismatch("a".into()), "another sandbox");
         let mut shorter = key("d1");
         shorter.timeout_seconds = 30;
-        assert_eq!(p.take(&shorter), None, "another timeout");
-        assert_eq!(p.take(&key("d1")), Some(10));
-        assert_eq!(p.take(&key("d1")), Some(11));
-        assert_eq!(p.take(&key("d1")), None);
+        assert_eq!(p.take(&shorter, "a"), Take::Mismatch("a".into()), "another timeout");
+        assert_eq!(p.take(&key("d1"), "a"), Take::Warm("a".into(), 10));
+        assert_eq!(p.take(&key("d1"), "a"), Take::Warm("a".into(), 11));
+        assert_eq!(p.take(&key("d1"), "a"), Take::Empty("a".into()));
+        assert_eq!(p.take(&key("d1"), "b"), Take::Empty("a".into()), "the key decides, not the id");
+        assert_eq!(p.take(&key("d9"), "b"), Take::NoPool);
         assert_eq!(p.levels(), [("a".to_string(), 0, 3)]);
+    }
+
+    #[test]
+    fn a_miss_is_counted_against_the_pool_that_could_have_served_it() {
+        let mut p = pools(&[("x@1.0.0", 1), ("x@2.0.0", 1), ("y", 1)]);
+        assert_eq!(p.take(&key("d1"), "x"), Take::Empty("x@1.0.0".into()), "nothing made yet");
+        assert_eq!(p.take(&key("d1"), "z"), Take::NoPool, "no pool of that profile");
+        let filled = |p: &mut Pools<u32>, digest: &str, item| {
+            let (i, _) = p.next_fill().unwrap();
+            p.filled(i, key(digest), item);
+        };
+        filled(&mut p, "d1", 1);
+        assert_eq!(p.take(&key("d2"), "x"), Take::Empty("x@2.0.0".into()), "x@2.0.0 has made nothing yet");
+        filled(&mut p, "d2", 2);
+        let mut tighter = key("d2");
+        tighter.spec.allow_network = true;
+        assert_eq!(p.take(&tighter, "x"), Take::Mismatch("x@2.0.0".into()), "the pool of its version");
+        assert_eq!(p.take(&key("d3"), "x"), Take::Mismatch("x@1.0.0".into()), "a version no pool keeps");
+        assert_eq!(p.take(&key("d2"), "x"), Take::Warm("x@2.0.0".into(), 2));
+        assert_eq!(p.take(&key("d2"), "x"), Take::Empty("x@2.0.0".into()));
+        assert_eq!(p.refs(), ["x@1.0.0", "x@2.0.0", "y"]);
     }
 
     #[test]
@@ -189,8 +263,8 @@ mod tests {
         }
         let (i, _) = p.next_fill().unwrap();
         assert_eq!(p.filled(i, key("new"), 3), [1, 2]);
-        assert_eq!(p.take(&key("old")), None);
-        assert_eq!(p.take(&key("new")), Some(3));
+        assert_eq!(p.take(&key("old"), "a"), Take::Mismatch("a".into()));
+        assert_eq!(p.take(&key("new"), "a"), Take::Warm("a".into(), 3));
     }
 
     #[test]
@@ -208,6 +282,6 @@ mod tests {
         assert!(p.is_closed());
         assert_eq!(p.next_fill(), None);
         assert_eq!(p.filled(late, key("da"), 3), [3], "made while closing: destroyed at once");
-        assert_eq!(p.take(&key("da")), None);
+        assert_eq!(p.take(&key("da"), "a"), Take::Empty("a".into()));
     }
 }
