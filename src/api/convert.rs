@@ -212,7 +212,7 @@ pub fn execution(r: &ExecutionRecord, raw: Option<&RawResult>) -> pb::Execution 
 /// them (the direct caller's stream).
 pub fn event(item: &BusItem) -> pb::LifecycleEvent {
     use pb::lifecycle_event::Kind;
-    let e = &item.event;
+    let e = item.event();
     let raw = item.raw.as_deref();
     let kind = match &e.kind {
         EventKind::Accepted { execution_id, session_id, request_id, consumer: c } => {

@@ -145,7 +145,7 @@ impl Pump {
                     return None;
                 }
                 Some(Some(Ok(item))) => {
-                    self.sent = item.event.sequence;
+                    self.sent = item.event().sequence;
                     return Some((Ok(super::wire::WireEvent::of(item)), self));
                 }
                 Some(Some(Err(lag))) => return Some(self.last(Err(status::lagged(lag)))),

@@ -13,7 +13,7 @@
 //! encoding, and every client decodes them as a `pb::LifecycleEvent`.
 
 use std::marker::PhantomData;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use bytes::{BufMut, Bytes};
 use tonic::codec::{BufferSettings, Codec};
@@ -24,15 +24,22 @@ use crate::events::BusItem;
 use crate::pb;
 
 /// An encoded `pb::LifecycleEvent`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct WireEvent(Encoded);
 
-#[derive(Clone, Debug, PartialEq)]
+/// Two are equal when their encodings are.
+impl PartialEq for WireEvent {
+    fn eq(&self, other: &Self) -> bool {
+        self.bytes() == other.bytes()
+    }
+}
+
+#[derive(Clone, Debug)]
 enum Encoded {
     /// The item's shared encoding, always set: held through the item's own
-    /// reference, so handing it over takes no further count on the bytes
-    /// (a thousand watchers on two cores would bounce that count).
-    Shared(Arc<OnceLock<Bytes>>),
+    /// count, so handing it over takes no further count on the bytes (a
+    /// thousand watchers on two cores would bounce that count).
+    Shared(Arc<crate::events::SharedEvent>),
     /// An encoding of this stream's own.
     Own(Bytes),
 }
@@ -48,8 +55,8 @@ impl WireEvent {
     pub fn of(item: BusItem) -> WireEvent {
         match item.raw {
             None => {
-                item.wire.get_or_init(|| encode(&convert::event(&item)));
-                WireEvent(Encoded::Shared(item.wire))
+                item.wire().get_or_init(|| encode(&convert::event(&item)));
+                WireEvent(Encoded::Shared(item.into_shared()))
             }
             Some(_) => WireEvent(Encoded::Own(encode(&convert::event(&item)))),
         }
@@ -58,7 +65,7 @@ impl WireEvent {
     /// The encoded message.
     pub fn bytes(&self) -> &[u8] {
         match &self.0 {
-            Encoded::Shared(cell) => cell.get().map(|b| &b[..]).unwrap_or_default(),
+            Encoded::Shared(shared) => shared.wire().get().map(|b| &b[..]).unwrap_or_default(),
             Encoded::Own(bytes) => bytes,
         }
     }
@@ -168,7 +175,7 @@ mod tests {
         // A watcher catching up: every event is ready when the encoder asks.
         let events: Vec<Result<WireEvent, tonic::Status>> = (1..=400)
             .map(|sequence| {
-                let event = Event { sequence, ..(*item(None).event).clone() };
+                let event = Event { sequence, ..item(None).event().clone() };
                 Ok(WireEvent::of(BusItem::new(Arc::new(event), None)))
             })
             .collect();
@@ -199,10 +206,10 @@ mod tests {
         let copy = shared.clone();
         let (a, b) = (WireEvent::of(shared.clone()), WireEvent::of(copy));
         assert_eq!(a.bytes().as_ptr(), b.bytes().as_ptr(), "encoded once, the same bytes for both");
-        assert_eq!(shared.wire.get().map(|b| b.as_ptr()), Some(a.bytes().as_ptr()), "the item's own encoding");
+        assert_eq!(shared.wire().get().map(|b| b.as_ptr()), Some(a.bytes().as_ptr()), "the item's own encoding");
         let direct = item(Some(crate::events::RawPart::ProgressMessage("the harness's own words".into())));
         let raw = WireEvent::of(direct.clone());
-        assert!(direct.wire.get().is_none(), "a raw part is never put in the shared encoding");
+        assert!(direct.wire().get().is_none(), "a raw part is never put in the shared encoding");
         assert_ne!(raw.bytes(), WireEvent::of(item(None)).bytes());
     }
 }

@@ -21,20 +21,54 @@ pub enum RawPart {
 /// caller may see.
 #[derive(Clone, Debug)]
 pub struct BusItem {
-    /// The event, as stored.
-    pub event: Arc<Event>,
+    /// The event and its shared encoding, behind one count: every stream
+    /// that gets the item takes it and lets go of it once. (A thousand
+    /// streams of one event on two cores bounce the cache line of each
+    /// count they share; with the event and its encoding counted apart
+    /// there were two.)
+    shared: Arc<SharedEvent>,
     /// What only the direct caller sees; `None` on most events.
     pub raw: Option<Arc<RawPart>>,
+}
+
+/// What every stream that gets an item shares.
+#[derive(Debug)]
+pub struct SharedEvent {
+    /// The event, as stored.
+    event: Arc<Event>,
     /// The event as the API sends it without its raw part, encoded by the
     /// first stream that sends it and shared with every other stream that
     /// gets this item (opaque bytes here: the API fills them).
-    pub wire: Arc<std::sync::OnceLock<bytes::Bytes>>,
+    wire: std::sync::OnceLock<bytes::Bytes>,
+}
+
+impl SharedEvent {
+    /// The item's shared encoding (see [`BusItem::wire`]).
+    pub fn wire(&self) -> &std::sync::OnceLock<bytes::Bytes> {
+        &self.wire
+    }
 }
 
 impl BusItem {
     /// An item of `event`, encoded by nobody yet.
     pub fn new(event: Arc<Event>, raw: Option<Arc<RawPart>>) -> BusItem {
-        BusItem { event, raw, wire: Arc::default() }
+        BusItem { shared: Arc::new(SharedEvent { event, wire: Default::default() }), raw }
+    }
+
+    /// The event, as stored.
+    pub fn event(&self) -> &Event {
+        &self.shared.event
+    }
+
+    /// The event as the API sends it without its raw part (see [`SharedEvent`]).
+    pub fn wire(&self) -> &std::sync::OnceLock<bytes::Bytes> {
+        &self.shared.wire
+    }
+
+    /// What the item shares with every other stream that gets it, kept by
+    /// the item's own count.
+    pub fn into_shared(self) -> Arc<SharedEvent> {
+        self.shared
     }
 }
 
@@ -75,7 +109,7 @@ impl EventBus {
     /// subject with no open channel, or with no subscriber, is dropped: it is
     /// in the store already.
     pub fn publish(&self, item: BusItem) {
-        let tx = self.channels().get(&item.event.subject_id).cloned();
+        let tx = self.channels().get(&item.event().subject_id).cloned();
         if let Some(tx) = tx {
             // No receiver is fine: events are in the store already.
             let _ = tx.send(item);

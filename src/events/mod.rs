@@ -8,7 +8,7 @@
 mod bus;
 mod recorder;
 
-pub use bus::{BusItem, EventBus, RawPart};
+pub use bus::{BusItem, EventBus, RawPart, SharedEvent};
 pub use recorder::Recorder;
 
 pub use crate::records::{Event, EventKind};

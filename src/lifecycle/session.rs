@@ -294,7 +294,7 @@ impl Engine {
         let request = request.to_string();
         tokio::spawn(async move {
             while let Some(Ok(item)) = subscription.next().await {
-                if let (EventKind::TurnFinished { .. }, Some(raw)) = (&item.event.kind, &item.raw) {
+                if let (EventKind::TurnFinished { .. }, Some(raw)) = (&item.event().kind, &item.raw) {
                     if let RawPart::Finished(raw) = raw.as_ref() {
                         let raw = serde_json::to_string(raw).unwrap_or_default();
                         if let Err(e) = store.set_request_raw(&request, &raw).await {

@@ -158,8 +158,8 @@ pub struct Run {
 impl Run {
     /// The events of `page` with `after < sequence < before`.
     fn of(page: Page, after: u64, before: u64) -> Run {
-        let next = page.partition_point(|item| item.event.sequence <= after);
-        let end = page.partition_point(|item| item.event.sequence < before).max(next);
+        let next = page.partition_point(|item| item.event().sequence <= after);
+        let end = page.partition_point(|item| item.event().sequence < before).max(next);
         Run { items: Some(page), next, end }
     }
 
@@ -180,7 +180,7 @@ impl Run {
 
     /// The last event in it.
     pub fn last(&self) -> Option<&Event> {
-        self.items().last().map(|item| &*item.event)
+        self.items().last().map(|item| item.event())
     }
 
     fn pop_front(&mut self) -> Option<BusItem> {
@@ -219,7 +219,7 @@ impl EventPages {
     async fn page(&self, subject: &str, index: u64, through: u64) -> Result<Page, StoreError> {
         let key = (subject.to_string(), index);
         let enough =
-            |page: &Page| page.len() as u64 == PAGE || page.last().is_some_and(|item| item.event.sequence >= through);
+            |page: &Page| page.len() as u64 == PAGE || page.last().is_some_and(|item| item.event().sequence >= through);
         if let Some(page) = self.kept(&key).filter(enough) {
             return Ok(page);
         }
@@ -309,7 +309,7 @@ impl Subscription {
     /// event it holds.
     pub fn overrun(&self) -> bool {
         let (Some(rx), Some((_, _, capacity))) = (&self.live, &self.catch_up) else { return false };
-        let gap = self.held.as_ref().map_or(0, |held| held.event.sequence.saturating_sub(self.last));
+        let gap = self.held.as_ref().map_or(0, |held| held.event().sequence.saturating_sub(self.last));
         (rx.len() as u64).saturating_add(gap) > capacity.next_power_of_two() as u64
     }
 
@@ -368,7 +368,7 @@ impl Subscription {
         let mut next = self.next_event().await;
         if let (Some(Ok(item)), Some(from)) = (&mut next, &self.raw_from) {
             if item.raw.is_none() {
-                if let Some(raw) = from.raw_of(&item.event.kind).await {
+                if let Some(raw) = from.raw_of(&item.event().kind).await {
                     item.raw = Some(Arc::new(crate::events::RawPart::Finished(raw)));
                 }
             }
@@ -396,12 +396,12 @@ impl Subscription {
         let rx = self.live.as_mut()?;
         loop {
             match rx.recv().await {
-                Ok(item) if item.event.sequence <= self.last => continue,
+                Ok(item) if item.event().sequence <= self.last => continue,
                 Ok(mut item) => {
                     if !self.with_raw {
                         item.raw = None;
                     }
-                    if item.event.sequence > self.last.saturating_add(1) && self.catch_up.is_some() {
+                    if item.event().sequence > self.last.saturating_add(1) && self.catch_up.is_some() {
                         // Skipped in the live buffer: the gap comes from the
                         // store, a page at a time, then this event.
                         self.held = Some(item);
@@ -439,11 +439,11 @@ impl Subscription {
         let (pages, subject, _) = self.catch_up.clone()?;
         // A read gives at most the rest of one page (see EventPages).
         let before = match &self.held {
-            Some(held) if held.event.sequence <= self.last.saturating_add(1) => {
+            Some(held) if held.event().sequence <= self.last.saturating_add(1) => {
                 let held = self.held.take()?;
                 return Some(Some(Ok(self.deliver(held))));
             }
-            Some(held) => held.event.sequence,
+            Some(held) => held.event().sequence,
             None => u64::MAX,
         };
         match pages.between(&subject, self.last, before).await {
@@ -512,12 +512,12 @@ impl Subscription {
     }
 
     fn deliver(&mut self, item: BusItem) -> BusItem {
-        self.last = item.event.sequence;
+        self.last = item.event().sequence;
         let turn_done = matches!(
-            (&item.event.kind, self.until_turn),
+            (&item.event().kind, self.until_turn),
             (crate::events::EventKind::TurnFinished { turn, .. }, Some(until)) if *turn == until
         );
-        if item.event.kind.is_finished() || turn_done {
+        if item.event().kind.is_finished() || turn_done {
             self.done = true;
         }
         item
@@ -550,7 +550,7 @@ mod tests {
     }
 
     fn sequences(mut run: Run) -> Vec<u64> {
-        std::iter::from_fn(|| run.pop_front()).map(|item| item.event.sequence).collect()
+        std::iter::from_fn(|| run.pop_front()).map(|item| item.event().sequence).collect()
     }
 
     #[test]
@@ -598,18 +598,18 @@ mod tests {
             }
         };
         send(1, 1).await;
-        assert_eq!(sub.next().await.unwrap().unwrap().event.sequence, 1);
+        assert_eq!(sub.next().await.unwrap().unwrap().event().sequence, 1);
         assert!(!sub.overrun(), "caught up");
         // 40 more: the live buffer keeps the last 16 (25..=40), so this
         // subscriber holds 25 and reads 2..=24 back from the store.
         send(2, 40).await;
-        assert_eq!(sub.next().await.unwrap().unwrap().event.sequence, 2);
+        assert_eq!(sub.next().await.unwrap().unwrap().event().sequence, 2);
         assert!(sub.held.is_some());
         // Behind: 15 left in the live buffer and the gap 2 -> 25 (23).
         assert_eq!(sub.live.as_ref().unwrap().len(), 15);
         assert!(sub.overrun(), "15 in the live buffer and 23 to read back: behind more than 16");
         for expected in 3..=40 {
-            assert_eq!(sub.next().await.unwrap().unwrap().event.sequence, expected);
+            assert_eq!(sub.next().await.unwrap().unwrap().event().sequence, expected);
         }
         assert!(!sub.overrun(), "caught up again");
     }
@@ -624,9 +624,9 @@ mod tests {
 
         let (mut a, mut b) = (pages.between("e", 0, 500).await.unwrap(), pages.between("e", 0, 500).await.unwrap());
         let (first_a, first_b) = (a.pop_front().unwrap(), b.pop_front().unwrap());
-        assert_eq!(first_a.event.sequence, 1);
-        assert!(Arc::ptr_eq(&first_a.wire, &first_b.wire), "one encoding cell for both watchers");
-        assert!(Arc::ptr_eq(&first_a.event, &first_b.event));
+        assert_eq!(first_a.event().sequence, 1);
+        assert!(std::ptr::eq(first_a.wire(), first_b.wire()), "one encoding cell for both watchers");
+        assert!(std::ptr::eq(first_a.event(), first_b.event()));
         assert_eq!(sequences(a).len(), 498);
 
         // The second page is still filling: it is kept, and read again only
@@ -673,7 +673,7 @@ mod tests {
         later.clear();
         assert!(kept_last.strong_count() > 0, "the pages read last are kept");
         let reread = pages.between("e", PAGE, u64::MAX).await.unwrap();
-        assert_eq!(reread.items().first().map(|i| i.event.sequence), Some(PAGE + 1), "read again from the store");
+        assert_eq!(reread.items().first().map(|i| i.event().sequence), Some(PAGE + 1), "read again from the store");
         drop((holder, first, again, reread));
         let kept = pages.kept.lock().unwrap();
         assert!(
