@@ -267,21 +267,14 @@ impl Engine {
         }
         let taken = pools.take(&pool_key(profile, spec, timeout_seconds), profile.id());
         drop(pools);
-        let taken = match taken {
-            Take::Warm(pool, taken) => {
-                crate::telemetry::warm_request(&pool, "warm");
-                taken
-            }
-            Take::Empty(pool) => {
-                crate::telemetry::warm_request(&pool, "empty");
-                return None;
-            }
-            Take::Mismatch(pool) => {
-                crate::telemetry::warm_request(&pool, "mismatch");
-                return None;
-            }
+        let (pool, found, taken) = match taken {
+            Take::Warm(pool, taken) => (pool, "warm", Some(taken)),
+            Take::Empty(pool) => (pool, "empty", None),
+            Take::Mismatch(pool) => (pool, "mismatch", None),
             Take::NoPool => return None,
         };
+        crate::telemetry::warm_request(&pool, found);
+        let taken = taken?;
         self.report_warm_levels();
         let signal = RefillSignal { engine: Arc::downgrade(self), sent: AtomicBool::new(false) };
         Some((taken, Refill(Arc::new(signal))))
