@@ -283,10 +283,10 @@ impl Engine {
     /// Lists every pool's metrics: its requests at 0, its level as it is
     /// (for a recorder installed after the pools began to fill).
     pub fn list_warm_metrics(&self) {
-        for pool in self.warm.pools().refs() {
+        for (pool, waiting, _) in self.warm_levels() {
             crate::telemetry::warm_pool_listed(&pool);
+            crate::telemetry::warm_sandboxes(&pool, waiting);
         }
-        self.report_warm_levels();
     }
 
     /// Sets `corral_warm_sandboxes` of every pool to how many wait in it.

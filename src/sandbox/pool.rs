@@ -170,11 +170,6 @@ impl<T> Pools<T> {
         self.closed
     }
 
-    /// The profile reference of each pool.
-    pub fn refs(&self) -> Vec<String> {
-        self.pools.iter().map(|p| p.profile_ref.clone()).collect()
-    }
-
     /// `(profile reference, waiting, size)` of each pool.
     pub fn levels(&self) -> Vec<(String, usize, usize)> {
         self.pools.iter().map(|p| (p.profile_ref.clone(), p.warm.len(), p.size)).collect()
@@ -251,7 +246,6 @@ mod tests {
         assert_eq!(p.take(&key("d3"), "x"), Take::Mismatch("x@1.0.0".into()), "a version no pool keeps");
         assert_eq!(p.take(&key("d2"), "x"), Take::Warm("x@2.0.0".into(), 2));
         assert_eq!(p.take(&key("d2"), "x"), Take::Empty("x@2.0.0".into()));
-        assert_eq!(p.refs(), ["x@1.0.0", "x@2.0.0", "y"]);
     }
 
     #[test]
