@@ -376,10 +376,21 @@ fn check_warm_pools(
              fleet.capacity, else max_running_executions)"
         ));
     }
-    if total > 0 && config.gate.hook_program().is_none() {
-        return Err("sandbox.warm: a warm sandbox's first process is the corral binary, and this daemon is not \
-                    running as one: set gate.hook_program to its path"
-            .into());
+    if total > 0 {
+        let Some(corral) = config.gate.hook_program() else {
+            return Err("sandbox.warm: a warm sandbox's first process is the waiter installed beside the corral \
+                        binary, and this daemon is not running as one: set gate.hook_program to its path"
+                .into());
+        };
+        let waiter = crate::sandbox::waiter::beside(&corral);
+        if !waiter.is_file() {
+            return Err(format!(
+                "sandbox.warm: a warm sandbox's first process is {}, which is not there: install it beside {} \
+                 (`cargo build --release` builds both)",
+                waiter.display(),
+                corral.display()
+            ));
+        }
     }
     for (profile_ref, size) in warm.iter().filter(|(_, size)| **size > 0) {
         let key = format!("sandbox.warm.{profile_ref:?}");

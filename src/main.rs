@@ -95,10 +95,6 @@ fn main() -> anyhow::Result<()> {
     if argv0.as_deref().and_then(|p| p.file_name()).is_some_and(|n| n == corral::gate::HELPER_NAME) {
         std::process::exit(corral::gate::helper::run());
     }
-    // Run by a warm sandbox as its first process: it waits for its request.
-    if std::env::args_os().nth(1).is_some_and(|a| a == corral::sandbox::waiter::WAIT_ARG) {
-        corral::sandbox::waiter::run();
-    }
     let serve_only = std::env::args_os().nth(1).is_some_and(|a| a == "serve");
     let cli = if serve_only {
         let rest = std::env::args_os().skip(2);

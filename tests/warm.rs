@@ -208,16 +208,22 @@ memory_bytes = 0
 max_processes = 0
 cpu_millis = 0
 "#;
+    // A corral binary with no waiter beside it.
+    let alone = data_tempdir();
+    let lonely = alone.path().join("corral");
+    std::fs::copy(env!("CARGO_BIN_EXE_corral"), &lonely).unwrap();
+    let built = Some(std::path::PathBuf::from(env!("CARGO_BIN_EXE_corral")));
     for (size, profile, key, binary, capacity) in [
-        (1, "no.such-profile", "sandbox.warm.\"no.such-profile\"", true, None),
-        (100, PROFILE, "sandbox.warm", true, None),
+        (1, "no.such-profile", "sandbox.warm.\"no.such-profile\"", built.clone(), None),
+        (100, PROFILE, "sandbox.warm", built.clone(), None),
         // A front end runs nothing: no run would take its pool.
-        (1, PROFILE, "sandbox.warm", true, Some(0)),
-        (1, "test.none", "sandbox.warm.\"test.none\"", true, None),
+        (1, PROFILE, "sandbox.warm", built.clone(), Some(0)),
+        (1, "test.none", "sandbox.warm.\"test.none\"", built.clone(), None),
         // Its runs go to nodes labelled gpu, which this one is not.
-        (1, "test.placed", "sandbox.warm.\"test.placed\"", true, None),
+        (1, "test.placed", "sandbox.warm.\"test.placed\"", built.clone(), None),
         // The test binary is no corral binary: nothing to run as the waiter.
-        (1, PROFILE, "gate.hook_program", false, None),
+        (1, PROFILE, "gate.hook_program", None, None),
+        (1, PROFILE, "corral-sandbox-wait, which is not there", Some(lonely.clone()), None),
     ] {
         let data = data_tempdir();
         let profiles = data.path().join("profiles");
@@ -242,9 +248,7 @@ cpu_millis = 0
         );
         config.sandbox.warm.insert(profile.into(), size);
         config.fleet.capacity = capacity;
-        if binary {
-            config.gate.hook_program = Some(env!("CARGO_BIN_EXE_corral").into());
-        }
+        config.gate.hook_program = binary;
         let built = corral::daemon::Daemon::build(
             config,
             corral::sandbox::Backends::host_default(),
@@ -259,7 +263,8 @@ cpu_millis = 0
     }
 }
 
-/// Processes whose real uid is in `range` (`first-last`).
+/// Processes whose real uid is in `range` (`first-last`): the program each
+/// runs, then its command line.
 fn processes_of(range: &str) -> Vec<String> {
     let (first, last) = range.split_once('-').unwrap();
     let (first, last): (u32, u32) = (first.parse().unwrap(), last.parse().unwrap());
@@ -275,7 +280,8 @@ fn processes_of(range: &str) -> Vec<String> {
         if let Some(uid) = uid.and_then(|u| u.parse::<u32>().ok()) {
             if (first..=last).contains(&uid) {
                 let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-                found.push(String::from_utf8_lossy(&cmdline).replace('\0', " "));
+                let exe = std::fs::read_link(entry.path().join("exe")).unwrap_or_default();
+                found.push(format!("{}: {}", exe.display(), String::from_utf8_lossy(&cmdline).replace('\0', " ")));
             }
         }
     }
@@ -288,9 +294,13 @@ fn sandboxes(data: &Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// Waits for `n` warm sandboxes' waiters in `range`: processes of the
+/// small waiter program (not of the corral binary) under their bwrap.
 async fn waiters(range: &str, n: usize) {
     for _ in 0..400 {
-        if processes_of(range).iter().filter(|p| p.contains("corral-sandbox-wait")).count() >= n * 2 {
+        let processes = processes_of(range);
+        let waiting = processes.iter().filter(|p| p.contains("/corral-sandbox-wait: ")).count();
+        if waiting >= n && processes.iter().filter(|p| p.contains("corral-sandbox-wait")).count() >= n * 2 {
             return;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;

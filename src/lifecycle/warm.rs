@@ -14,6 +14,7 @@
 //! what a crash leaves of them, recovery sweeps (their rows are like any
 //! sandbox's, with no subject until a run takes them).
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -289,6 +290,12 @@ impl Engine {
         }
     }
 
+    /// The program a warm sandbox's first process runs: the waiter beside
+    /// the corral binary (`gate.hook_program`), if there is one.
+    pub fn waiter_program(&self) -> Option<PathBuf> {
+        self.hook_program.as_deref().map(crate::sandbox::waiter::beside)
+    }
+
     /// Sets `corral_warm_sandboxes` of every pool to how many wait in it.
     fn report_warm_levels(&self) {
         for (profile_ref, waiting, _) in self.warm_levels() {
@@ -377,9 +384,9 @@ impl Engine {
         let (spec, timeout) = (profile.file.sandbox.clone(), profile.file.limits.timeout_seconds);
         let made = make_sandbox(self, "", &spec, &profile, timeout).await?;
         let started = match made.sandbox.state {
-            SandboxState::Ready => match &self.hook_program {
-                Some(program) => made.backend.prestart(&made.sandbox, program).await.map_err(|e| e.to_string()),
-                None => Err("no corral binary to run as the sandbox's waiter (gate.hook_program)".into()),
+            SandboxState::Ready => match self.waiter_program() {
+                Some(waiter) => made.backend.prestart(&made.sandbox, &waiter).await.map_err(|e| e.to_string()),
+                None => Err("no corral binary beside which to find the sandbox's waiter (gate.hook_program)".into()),
             },
             state => Err(format!("sandbox is {}, not ready", state.as_str())),
         };

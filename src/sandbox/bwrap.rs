@@ -512,14 +512,14 @@ impl SandboxBackend for BwrapBackend {
     }
 
     async fn prestart(&self, sandbox: &Sandbox, program: &Path) -> Result<(), SandboxError> {
-        // The corral binary, by descriptor: nothing is bound for it, so the
+        // The waiter, by descriptor: nothing is bound for it, so the
         // command line (and its digest) is the cold one's.
         let exe = std::fs::File::open(program)
             .map_err(|e| SandboxError::Spawn(format!("cannot open {} for a warm sandbox: {e}", program.display())))?;
         let mut options = self.boundary.spawn_options(sandbox)?;
         options.pass_fds = vec![exe.into()];
         let fd = Self::passed_fd(&sandbox.spec, &sandbox.gate);
-        let argv = [format!("/proc/self/fd/{fd}"), super::waiter::WAIT_ARG.to_string()];
+        let argv = [format!("/proc/self/fd/{fd}"), super::waiter::PROGRAM.to_string()];
         let paths = SandboxPaths::under(&sandbox.root);
         let (tmp, egress) = (sandbox.limits.tmpfs(), sandbox.egress.clone());
         let (process, proxy) =

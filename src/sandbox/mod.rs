@@ -261,8 +261,8 @@ pub trait SandboxBackend: Send + Sync {
     /// (see [`waiter`]) blocked on its stdin, under the whole boundary a
     /// spawn would give it. The sandbox's next [`spawn`](Self::spawn) hands
     /// it its argv and environment instead of starting bwrap; every later
-    /// spawn starts its own. `program` is the corral binary the waiter
-    /// runs. `Unavailable` for a backend without.
+    /// spawn starts its own. `program` is the waiter's
+    /// ([`waiter::PROGRAM`]). `Unavailable` for a backend without.
     async fn prestart(&self, sandbox: &Sandbox, program: &Path) -> Result<(), SandboxError> {
         let _ = (sandbox, program);
         Err(SandboxError::Unavailable(format!("{} sandboxes cannot be started ahead", self.kind().as_str())))

@@ -3,9 +3,10 @@
 //!
 //! A warm sandbox is started with everything that does not depend on a
 //! request (uid, cgroup, namespaces, mounts, seccomp, proxy, HOME). Its
-//! command is the daemon's own binary, run through a descriptor bwrap
-//! inherits (`/proc/self/fd/N`: nothing is bound into the sandbox for it,
-//! so its command line is the cold one's to the byte). That program reads
+//! command is [`PROGRAM`], a program of its own built with the daemon
+//! (`src/bin/`, this module's code) and installed beside it, run through a
+//! descriptor bwrap inherits (`/proc/self/fd/N`: nothing is bound into the
+//! sandbox for it, so its command line is the cold one's to the byte). It reads
 //! one frame from stdin, a pipe only it holds, closes every descriptor
 //! above 2 and `exec`s the frame's argv with the frame's environment (and
 //! the `PWD` bwrap sets), searching the frame's `PATH` as bwrap's `execvp`
@@ -16,9 +17,16 @@
 //! then each argument and each `NAME=value` ending in a NUL. Little-endian.
 
 use std::ffi::CString;
+use std::path::{Path, PathBuf};
 
-/// The argument that makes the daemon's binary the waiter.
-pub const WAIT_ARG: &str = "corral-sandbox-wait";
+/// The waiter's file name, beside the corral binary; also its first
+/// argument, so that `ps` names it (its `argv[0]` is the descriptor).
+pub const PROGRAM: &str = "corral-sandbox-wait";
+
+/// Where the waiter is for the corral binary at `corral`: beside it.
+pub fn beside(corral: &Path) -> PathBuf {
+    corral.with_file_name(PROGRAM)
+}
 /// The largest payload a waiter reads: the kernel refuses an argv and
 /// environment this large long before.
 pub const MAX_FRAME: usize = 8 << 20;

@@ -89,9 +89,9 @@ pub struct BenchArgs {
     /// profile (`[sandbox] warm`), against the same floor.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub warm: usize,
-    /// The corral binary a warm sandbox's waiter runs (`gate.hook_program`)
-    /// in the in-process daemons; `None`: this process's own, when it is
-    /// corral. Not a flag: for a bench run inside another program (tests).
+    /// The corral binary beside which the in-process daemons find a warm
+    /// sandbox's waiter (`gate.hook_program`); `None`: this process's own,
+    /// when it is corral. Not a flag: for a bench run inside another program (tests).
     #[arg(skip)]
     pub corral_binary: Option<PathBuf>,
     /// latency: untimed runs of each side first (at least one Execute).

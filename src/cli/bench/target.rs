@@ -65,8 +65,8 @@ pub struct Target {
     waiters_unseen: std::sync::atomic::AtomicBool,
 }
 
-/// Whether `pid` runs `waiter` (the corral binary the daemon starts as a
-/// warm sandbox's first process) and sleeps reading a pipe (its request,
+/// Whether `pid` runs `waiter` (the program the daemon starts as a warm
+/// sandbox's first process) and sleeps reading a pipe (its request,
 /// on stdin).
 fn blocked_waiter(pid: i32, waiter: Option<&Path>) -> bool {
     let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
@@ -166,7 +166,8 @@ impl Target {
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let waiter = engine.hook_program.as_deref();
+        let waiter = engine.waiter_program();
+        let waiter = waiter.as_deref();
         let unseen = &self.waiters_unseen;
         loop {
             let sandboxes = engine.warm_processes();
