@@ -79,6 +79,7 @@ async fn throughput_counts_executions_errors_and_leaks() {
     for level in &t.levels {
         // Two rounds of 8 each side, added up.
         assert_eq!((level.rounds, level.executions, level.succeeded), (2, 16, 16), "{level:?}");
+        assert_eq!(level.warm_runs, 0, "no pool: every run is cold");
         assert!(level.errors.is_empty(), "{:?}", level.errors);
         assert!(level.per_second > 0.0);
         assert!(level.floor_per_second > 0.0 && level.floor_errors == 0, "{level:?}");
@@ -91,6 +92,25 @@ async fn throughput_counts_executions_errors_and_leaks() {
     assert_eq!(t.leaks.sandbox_dirs, 0);
     assert_eq!(t.leaks.data_sandboxes_entries, Some(0));
     assert_eq!(t.leaks.processes.with_sandbox_id, 0);
+}
+
+/// With `--warm`, the level says how many of its runs took a warm
+/// sandbox: at a concurrency the refills cannot follow, the others ran cold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throughput_with_a_warm_pool_counts_the_runs_that_took_one() {
+    common::require_bwrap();
+    let mut args =
+        BenchArgs::parse(&["throughput", "--concurrency", "16", "--n", "16", "--rounds", "1", "--warm", "2"]).unwrap();
+    args.corral_binary = Some(env!("CARGO_BIN_EXE_corral").into());
+    let report = run_scenario(&args, None).await.expect("the bench runs");
+    let warm = &report.throughput_warm.expect("a warm throughput report").levels[0];
+    assert_eq!(warm.succeeded, 16, "{warm:?}");
+    // The pool of 2 was full when the round began.
+    assert!((2..=16).contains(&warm.warm_runs), "{warm:?}");
+    assert_eq!(report.throughput.expect("the cold report").levels[0].warm_runs, 0);
+    let target = report.targets.iter().find(|t| t.target.contains("with a warm pool")).expect("the warm target");
+    let took = format!("{} of 16 runs took a warm sandbox", warm.warm_runs);
+    assert!(target.measured.contains(&took), "{}", target.measured);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -41,6 +41,9 @@ pub struct Level {
     pub executions: usize,
     /// Executions that succeeded.
     pub succeeded: usize,
+    /// Of those, the ones whose sandbox was made ahead, in a warm pool
+    /// (their evidence says so); the others found it empty and ran cold.
+    pub warm_runs: usize,
     /// Wall time of the level's executions (its rounds' corral parts, each
     /// until an in-process daemon was quiet again), in seconds.
     pub seconds: f64,
@@ -167,6 +170,8 @@ fn add_span(total: Option<HostCpu>, from: Option<HostCpu>, to: Option<HostCpu>) 
 #[derive(Clone, Debug, Default)]
 pub(super) struct Round {
     latencies_ms: Vec<f64>,
+    /// Successful executions that took a warm sandbox.
+    warm: usize,
     errors: BTreeMap<String, usize>,
     seconds: f64,
 }
@@ -196,6 +201,7 @@ impl Level {
             rounds: corral.len(),
             executions: latencies.len() + errors.values().sum::<usize>(),
             succeeded: latencies.len(),
+            warm_runs: corral.iter().map(|r| r.warm).sum(),
             seconds,
             per_second: rate(latencies.len(), seconds),
             latency: Percentiles::of_ms(&latencies),
@@ -223,7 +229,7 @@ pub(super) async fn round(
         let channel = channels[(worker / STREAMS_PER_CONNECTION) % channels.len()].clone();
         let (next, sandboxes, profile) = (next.clone(), sandboxes.clone(), profile.to_string());
         workers.spawn(async move {
-            let mut latencies = Vec::new();
+            let (mut latencies, mut warm) = (Vec::new(), 0);
             let mut errors: BTreeMap<String, usize> = BTreeMap::new();
             while next.fetch_add(1, Ordering::SeqCst) < count {
                 match execute(&channel, request(&profile, "corral bench", "")).await {
@@ -235,6 +241,7 @@ pub(super) async fn round(
                         }
                         if e.succeeded() {
                             latencies.push(e.client.as_secs_f64() * 1e3);
+                            warm += usize::from(e.warm);
                         } else {
                             *errors.entry(e.state_name()).or_default() += 1;
                         }
@@ -242,15 +249,16 @@ pub(super) async fn round(
                     Err(status) => *errors.entry(code_name(status.code())).or_default() += 1,
                 }
             }
-            (latencies, errors)
+            (latencies, warm, errors)
         });
     }
-    let mut latencies = Vec::new();
+    let (mut latencies, mut warm) = (Vec::new(), 0);
     let mut errors: BTreeMap<String, usize> = BTreeMap::new();
     while let Some(joined) = workers.join_next().await {
         match joined {
-            Ok((l, e)) => {
+            Ok((l, w, e)) => {
                 latencies.extend(l);
+                warm += w;
                 for (k, v) in e {
                     *errors.entry(k).or_default() += v;
                 }
@@ -258,7 +266,7 @@ pub(super) async fn round(
             Err(_) => *errors.entry("BENCH_WORKER_PANICKED".into()).or_default() += 1,
         }
     }
-    Round { latencies_ms: latencies, errors, seconds: started.elapsed().as_secs_f64() }
+    Round { latencies_ms: latencies, warm, errors, seconds: started.elapsed().as_secs_f64() }
 }
 
 /// `count` floor spawns by `concurrency` tasks.
@@ -298,12 +306,12 @@ mod tests {
     fn a_levels_rates_are_all_its_rounds_runs_over_all_their_time() {
         let errors = |code: &str| BTreeMap::from([(code.to_string(), 1)]);
         let corral = [
-            Round { latencies_ms: vec![10.0, 20.0, 30.0], errors: errors("FAILED"), seconds: 1.0 },
-            Round { latencies_ms: vec![40.0], errors: errors("FAILED"), seconds: 0.5 },
+            Round { latencies_ms: vec![10.0, 20.0, 30.0], warm: 2, errors: errors("FAILED"), seconds: 1.0 },
+            Round { latencies_ms: vec![40.0], warm: 1, errors: errors("FAILED"), seconds: 0.5 },
         ];
         let floor = [FloorRound { ok: 10, failed: 0, seconds: 1.0 }, FloorRound { ok: 5, failed: 1, seconds: 2.0 }];
         let level = Level::of(16, &corral, &floor);
-        assert_eq!((level.rounds, level.executions, level.succeeded), (2, 6, 4));
+        assert_eq!((level.rounds, level.executions, level.succeeded, level.warm_runs), (2, 6, 4, 3));
         assert_eq!(level.seconds, 1.5);
         assert_eq!(level.per_second, 4.0 / 1.5);
         assert_eq!((level.floor_per_second, level.floor_errors), (5.0, 1));
