@@ -404,28 +404,21 @@ mod tests {
                 self.0
             }
         }
+        /// What the macros make for a callsite with no fields.
+        const fn site(
+            name: &'static str,
+            target: &'static str,
+            level: Level,
+            kind: Kind,
+            at: &'static Site,
+        ) -> Metadata<'static> {
+            Metadata::new(name, target, level, None, None, None, FieldSet::new(&[], Identifier(at)), kind)
+        }
         static FRAME_SITE: Site = Site(&FRAME);
-        pub static FRAME: Metadata<'static> = Metadata::new(
-            "frame",
-            "h2::codec::framed_write",
-            Level::TRACE,
-            None,
-            None,
-            None,
-            FieldSet::new(&[], Identifier(&FRAME_SITE)),
-            Kind::EVENT,
-        );
+        pub static FRAME: Metadata<'static> =
+            site("frame", "h2::codec::framed_write", Level::TRACE, Kind::EVENT, &FRAME_SITE);
         static RPC_SITE: Site = Site(&RPC);
-        pub static RPC: Metadata<'static> = Metadata::new(
-            "rpc",
-            "corral::api",
-            Level::INFO,
-            None,
-            None,
-            None,
-            FieldSet::new(&[], Identifier(&RPC_SITE)),
-            Kind::SPAN,
-        );
+        pub static RPC: Metadata<'static> = site("rpc", "corral::api", Level::INFO, Kind::SPAN, &RPC_SITE);
     }
 
     /// The bench's daemon never asks the subscriber about a callsite the
