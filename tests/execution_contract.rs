@@ -475,3 +475,34 @@ async fn a_profile_placed_on_labels_this_node_lacks_is_refused() {
     let ev = execution.evidence.unwrap();
     assert!(ev.error.contains("runs only on nodes labelled gpu"), "{}", ev.error);
 }
+
+/// A run's first events travel with its sandbox's intent row. When no uid
+/// of the daemon's range is free (the only one has a live process), the
+/// row is stored and marked destroyed, the run fails at sandbox_create,
+/// and its events are in the store once each, 1..n with no gap: the ones
+/// the row carried are not written again with the final record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_with_no_free_uid_stores_its_first_events_once_with_the_sandbox_row() {
+    use std::os::unix::process::CommandExt;
+    require_bwrap();
+    let first: u32 = common::unique_uids().split('-').next().unwrap().parse().unwrap();
+    let mut squatter = std::process::Command::new("sleep").arg("60").uid(first).gid(first).spawn().unwrap();
+    let uids = format!("{first}-{first}");
+    let options = Options { config: Box::new(move |c| c.sandbox.uids = uids), ..Options::default() };
+    let daemon = TestDaemon::start(options).await;
+    let events = daemon.execute(request("test.fake-agent", "")).await;
+    squatter.kill().unwrap();
+    squatter.wait().unwrap();
+    let execution = finished(&events);
+    let ev = evidence(&execution);
+    assert_eq!((outcome(&ev), stage(&ev)), (Outcome::Failed, FailureStage::SandboxCreate));
+    assert!(execution.tool_error.contains("no free sandbox uid"), "{}", execution.tool_error);
+    assert_eq!(&kinds(&events)[..3], ["accepted", "resolved", "gated"]);
+    let stored = daemon.watch_all(&execution.execution_id, 0).await;
+    assert_eq!(kinds(&stored), kinds(&events), "the store holds what the caller saw");
+    let sequences: Vec<u64> = stored.iter().map(|e| e.sequence).collect();
+    assert_eq!(sequences, (1..=events.len() as u64).collect::<Vec<_>>(), "sequence 1..n without gaps");
+    let record = daemon.engine.get(&execution.execution_id).await.unwrap();
+    assert_eq!(record.state, corral::records::ExecutionState::Failed, "the final record is stored");
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "the row is marked destroyed");
+}

@@ -57,6 +57,28 @@ impl Recorder {
         self.held_adopt = Some(sandbox_id.to_string());
     }
 
+    /// The held events as the next write would store them, for a caller
+    /// that stores them in a write of its own (the intent row of a sandbox
+    /// made for this run: see `lifecycle::warm::make_sandbox`) and then
+    /// hands them to [`Recorder::publish_held`]; they stay held until then.
+    pub fn held_events(&self) -> Vec<Event> {
+        let time_ms = now_ms();
+        let subject = &self.subject;
+        let kinds = self.held.iter().cloned();
+        kinds
+            .enumerate()
+            .map(|(i, kind)| Event { subject_id: subject.clone(), sequence: self.next + i as u64, time_ms, kind })
+            .collect()
+    }
+
+    /// Publishes the events from [`Recorder::held_events`] that the caller
+    /// stored: they are held no more.
+    pub fn publish_held(&mut self, events: Vec<Event>) {
+        debug_assert_eq!(events.len(), self.held.len(), "the held events, all of them");
+        self.held.clear();
+        self.publish(events, None);
+    }
+
     /// Stores and publishes the held events, if any.
     pub async fn flush(&mut self) {
         if !self.held.is_empty() {

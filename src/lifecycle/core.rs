@@ -176,7 +176,7 @@ impl Core {
     pub async fn open(&mut self, profile_ref: &str, cancel: &CancellationToken) -> Result<(), OpenFailure> {
         // A span per stage: in a trace, each is a child of the run's span.
         let profile = self.resolve(profile_ref).instrument(tracing::info_span!("resolve")).await?;
-        let outcome = self.gate_agent_start(&profile).instrument(tracing::info_span!("gate")).await;
+        let outcome = self.gate_agent_start(&profile, true).instrument(tracing::info_span!("gate")).await;
         if let Some(denial) = outcome.denial() {
             let (policy, reason) = (denial.policy.clone(), denial.reason.clone());
             self.refused(FailureStage::Gate, &format!("denied by policy {policy}: {reason}"));
@@ -239,7 +239,8 @@ impl Core {
         }
         let event =
             EventKind::Resolved { profile_ref: profile.reference(), profile_digest: profile.digest.clone(), readiness };
-        // Stored with the gate's decision, which follows at once.
+        // Stored with the gate's decision, which follows at once (see
+        // `Core::gate_agent_start`).
         self.recorder.hold(event);
         if let Err(bug) = self.phase.resolve(profile.clone()) {
             self.failed(FailureStage::Resolution, &bug.to_string());
@@ -249,8 +250,11 @@ impl Core {
     }
 
     /// The agent_start gate, from the profile's sandbox. Run before the
-    /// first start and before every restart.
-    async fn gate_agent_start(&mut self, profile: &Profile) -> GateOutcome {
+    /// first start and before every restart. Before the first, its `gated`
+    /// event is held with `accepted` and `resolved`, to be stored with the
+    /// sandbox's intent row (or a warm sandbox's adoption) that follows at
+    /// once; before a restart it is stored at once.
+    async fn gate_agent_start(&mut self, profile: &Profile, first: bool) -> GateOutcome {
         let t = Instant::now();
         let facts = RunFacts {
             actor: &self.consumer.actor,
@@ -261,7 +265,12 @@ impl Core {
         };
         let outcome = profile.gate_agent_start(&self.engine.gate, facts);
         self.evidence.time("gate", t);
-        self.record_gate(&outcome).await;
+        if first {
+            let event = self.gate_event(&outcome);
+            self.recorder.hold(event);
+        } else {
+            self.record_gate(&outcome).await;
+        }
         if outcome.action == Action::Allow {
             if let Err(bug) = self.phase.allow(outcome.effective_sandbox.clone()) {
                 tracing::error!(error = %bug, "lifecycle phase");
@@ -310,10 +319,20 @@ impl Core {
                 (made, true)
             }
             None => {
-                match super::warm::make_sandbox(&self.engine, self.recorder.subject(), spec, &profile, timeout).await {
-                    Ok(made) => (made, false),
-                    Err(error) => {
-                        self.failed(FailureStage::SandboxCreate, &error);
+                // The held events (`accepted`, `resolved`, `gated`) go in the
+                // intent row's commit.
+                let carried = self.recorder.held_events();
+                let subject = self.recorder.subject().to_string();
+                match super::warm::make_sandbox(&self.engine, &subject, spec, &profile, timeout, &carried).await {
+                    Ok(made) => {
+                        self.recorder.publish_held(carried);
+                        (made, false)
+                    }
+                    Err(unmade) => {
+                        if unmade.carried {
+                            self.recorder.publish_held(carried);
+                        }
+                        self.failed(FailureStage::SandboxCreate, &unmade.error);
                         return Err(fail(FailureStage::SandboxCreate));
                     }
                 }
@@ -440,7 +459,7 @@ impl Core {
                 tracing::warn!(error = %e, "cleanup of a dead harness failed");
             }
         }
-        let outcome = self.gate_agent_start(&profile).await;
+        let outcome = self.gate_agent_start(&profile, false).await;
         if let Some(denial) = outcome.denial() {
             return Err(TurnOutcome::Denied { policy: denial.policy.clone(), reason: denial.reason.clone() });
         }

@@ -15,20 +15,22 @@ pub(super) enum Stored {
 /// system call each), the common case. When there is none: the row, then
 /// a uid whose tasks are all zombies (a /proc scan each: an init that reaps
 /// slowly leaves the sandboxes' orphaned zombies around for a while).
-/// `Ok(None)` (the row stored) when no uid is free.
+/// `Ok(None)` (the row stored) when no uid is free. `events` are stored
+/// in the row's commit: unless the answer is `Stored::Nothing`, they are.
 pub(super) async fn insert_with_own_uid(
     store: &crate::store::Store,
     range: crate::sandbox::UidRange,
     new: crate::store::NewSandbox<'_>,
+    events: &[crate::records::Event],
 ) -> Result<Option<u32>, Stored> {
     use crate::sandbox::host::{processes_of_uid, uid_may_have_processes};
     let bounds = (range.first, range.last);
-    match store.insert_sandbox_with_uid(new, bounds, |uid| !uid_may_have_processes(uid)).await {
+    match store.insert_sandbox_with_uid(new, bounds, |uid| !uid_may_have_processes(uid), events).await {
         Ok(Some(uid)) => return Ok(Some(uid)),
         Ok(None) => {}
         Err(e) => return Err(Stored::Nothing(e)),
     }
-    store.insert_sandbox(new).await.map_err(Stored::Nothing)?;
+    store.insert_sandbox_carrying(new, events).await.map_err(Stored::Nothing)?;
     let no_live_task = |uid| processes_of_uid(uid).is_empty();
     store.allocate_uid(range.first, range.last, new.sandbox_id, no_live_task).await.map_err(Stored::Intent)
 }

@@ -58,6 +58,16 @@ impl Warm {
     }
 }
 
+/// Why [`make_sandbox`] made no sandbox.
+#[derive(Debug)]
+pub(super) struct Unmade {
+    /// The sentence the run fails with.
+    pub error: String,
+    /// Whether the events it was handed were stored (with the intent row,
+    /// which it left marked destroyed).
+    pub carried: bool,
+}
+
 /// What a sandbox for `profile` with `spec` and `timeout_seconds` is made for.
 pub(super) fn pool_key(profile: &Profile, spec: &SandboxSpec, timeout_seconds: u64) -> PoolKey {
     PoolKey { profile_digest: profile.digest.clone(), spec: spec.clone(), timeout_seconds }
@@ -69,14 +79,17 @@ pub(super) fn pool_key(profile: &Profile, spec: &SandboxSpec, timeout_seconds: u
 /// (`Core::create_sandbox`), a failed one's now. An error is the sentence
 /// the run fails with; nothing of the sandbox is left then. A returned
 /// sandbox whose state is not `Ready` is a failed creation that the caller
-/// still destroys.
+/// still destroys. `carried`, a run's events not stored yet, are stored
+/// in the intent row's commit: once it returns, they are, unless
+/// [`Unmade::carried`] says not.
 pub(super) async fn make_sandbox(
     engine: &Engine,
     subject: &str,
     spec: &SandboxSpec,
     profile: &Profile,
     timeout_seconds: u64,
-) -> Result<Made, String> {
+    carried: &[crate::records::Event],
+) -> Result<Made, Unmade> {
     let backend = engine.backends.get(spec.sandbox_type).clone();
     let sandbox_id = uuid::Uuid::now_v7().to_string();
     let root = engine.sandboxes_dir.join(&sandbox_id);
@@ -87,8 +100,9 @@ pub(super) async fn make_sandbox(
     let backend_name = spec.sandbox_type.as_str();
     let gone = |error: String| async {
         engine.store_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
-        Err(error)
+        Err(Unmade { error, carried: true })
     };
+    let unstored = |error: crate::store::StoreError| Unmade { error: error.to_string(), carried: false };
     let new = crate::store::NewSandbox {
         sandbox_id: &sandbox_id,
         subject_id: subject,
@@ -98,13 +112,13 @@ pub(super) async fn make_sandbox(
     };
     let user = match engine.uid_range {
         None => {
-            store.insert_sandbox(new).await.map_err(|e| e.to_string())?;
+            store.insert_sandbox_carrying(new, carried).await.map_err(unstored)?;
             None
         }
-        Some(range) => match super::uids::insert_with_own_uid(store, range, new).await {
+        Some(range) => match super::uids::insert_with_own_uid(store, range, new, carried).await {
             Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
             Ok(None) => return gone(format!("no free sandbox uid in {}-{}", range.first, range.last)).await,
-            Err(super::uids::Stored::Nothing(e)) => return Err(e.to_string()),
+            Err(super::uids::Stored::Nothing(e)) => return Err(unstored(e)),
             Err(super::uids::Stored::Intent(e)) => return gone(e.to_string()).await,
         },
     };
@@ -382,7 +396,7 @@ impl Engine {
             return Err(format!("profile {} cannot have a warm pool: {why}", profile.reference()));
         }
         let (spec, timeout) = (profile.file.sandbox.clone(), profile.file.limits.timeout_seconds);
-        let made = make_sandbox(self, "", &spec, &profile, timeout).await?;
+        let made = make_sandbox(self, "", &spec, &profile, timeout, &[]).await.map_err(|unmade| unmade.error)?;
         let started = match made.sandbox.state {
             SandboxState::Ready => match self.waiter_program() {
                 Some(waiter) => made.backend.prestart(&made.sandbox, &waiter).await.map_err(|e| e.to_string()),

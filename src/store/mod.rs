@@ -359,15 +359,21 @@ impl Store {
         let task = tokio::spawn(async move {
             let mut conn = pool.acquire().await?;
             let Err(error) = batch.execute(&mut *conn).await else { return Ok(()) };
-            match sqlx::query("ROLLBACK").execute(&mut *conn).await {
-                Ok(_) => {}
-                Err(e) if e.to_string().contains("no transaction is active") => {}
-                Err(_) => drop(conn.detach()),
-            }
+            roll_back(conn).await;
             Err(StoreError::from(error))
         });
         // Only a panic or the runtime's shutdown ends the task early.
         task.await.map_err(|_| StoreError::Database(sqlx::Error::WorkerCrashed))?
+    }
+}
+
+/// Ends the SQLite writer's transaction after a failed statement; a
+/// connection that cannot roll back is closed, never handed out again.
+async fn roll_back(mut conn: sqlx::pool::PoolConnection<sqlx::Any>) {
+    match sqlx::query("ROLLBACK").execute(&mut *conn).await {
+        Ok(_) => {}
+        Err(e) if e.to_string().contains("no transaction is active") => {}
+        Err(_) => drop(conn.detach()),
     }
 }
 
@@ -590,7 +596,7 @@ mod tests {
         let insert = |id: &'static str, usable: fn(u32) -> bool| {
             let store = &store;
             let new = NewSandbox { sandbox_id: id, subject_id: "e1", backend: "linux_bwrap", root, epoch: "ep" };
-            async move { store.insert_sandbox_with_uid(new, (10, 11), usable).await }
+            async move { store.insert_sandbox_with_uid(new, (10, 11), usable, &[]).await }
         };
         assert_eq!(insert("s1", |_| true).await.unwrap(), Some(10));
         assert_eq!(store.sandbox_uid("s1").await.unwrap(), Some(10));
@@ -613,6 +619,46 @@ mod tests {
             (store.sandbox_uid("s4").await.unwrap(), store.sandbox_uid("s5").await.unwrap()),
             (Some(11), Some(10))
         );
+    }
+
+    /// The events a sandbox's intent row carries are stored in its commit,
+    /// with its uid, or not at all: none when no uid is usable, none when
+    /// one of them is refused (and the one writer is free afterwards); a
+    /// row with no uid range carries them the same way.
+    #[tokio::test]
+    async fn the_events_an_intent_row_carries_are_stored_with_it_or_not_at_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let root = Path::new("/var/lib/corral/sandboxes/s");
+        let new = |id| NewSandbox { sandbox_id: id, subject_id: "run", backend: "linux_bwrap", root, epoch: "ep" };
+        let event = |sequence| Event {
+            subject_id: "run".into(),
+            sequence,
+            time_ms: 1,
+            kind: EventKind::Dispatched { tool: "t".into() },
+        };
+        let sequences = |store: &Store| {
+            let store = store.clone();
+            async move { store.events_after("run", 0).await.unwrap().iter().map(|e| e.sequence).collect::<Vec<_>>() }
+        };
+        let no_uid = store.insert_sandbox_with_uid(new("s1"), (10, 10), |_| false, &[event(1), event(2)]).await;
+        assert_eq!(no_uid.unwrap(), None);
+        assert_eq!((sequences(&store).await, store.sandboxes().await.unwrap().len()), (vec![], 0), "nothing stored");
+        let uid = store.insert_sandbox_with_uid(new("s1"), (10, 11), |uid| uid == 11, &[event(1), event(2)]).await;
+        assert_eq!(uid.unwrap(), Some(11), "10 unusable: the search goes on in the same transaction");
+        assert_eq!((sequences(&store).await, store.sandbox_uid("s1").await.unwrap()), (vec![1, 2], Some(11)));
+        // Sequence 2 is taken: the row and its uid are rolled back too.
+        let refused = store.insert_sandbox_with_uid(new("s2"), (10, 12), |_| true, &[event(2), event(3)]).await;
+        assert!(refused.is_err(), "a duplicate sequence is refused");
+        assert_eq!((sequences(&store).await, store.sandbox_uid("s2").await.unwrap()), (vec![1, 2], None));
+        assert_eq!(store.sandboxes().await.unwrap().len(), 1, "no row of s2");
+        // The writer is out of that transaction: the next commits alone.
+        assert_eq!(store.insert_sandbox_with_uid(new("s2"), (10, 12), |_| true, &[event(3)]).await.unwrap(), Some(12));
+        store.insert_sandbox_carrying(new("s3"), &[event(4)]).await.unwrap();
+        assert!(store.insert_sandbox_carrying(new("s4"), &[event(4)]).await.is_err());
+        assert_eq!(sequences(&store).await, [1, 2, 3, 4]);
+        let rows: Vec<String> = store.sandboxes().await.unwrap().into_iter().map(|(id, ..)| id).collect();
+        assert_eq!(rows, ["s1", "s2", "s3"]);
     }
 
     /// A record's own columns are not repeated in its stored JSON; one

@@ -268,6 +268,28 @@ impl Store {
         }
     }
 
+    /// [`FENCED_APPEND`] of `events` inside the transaction `tx` (nothing
+    /// when there are none): `Fenced` when this start was declared lost.
+    pub(super) async fn fenced_append_on(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        events: &[Event],
+    ) -> Result<(), StoreError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let row = sqlx::query(FENCED_APPEND)
+            .bind(events_rows_json(events, false)?)
+            .bind(self.node.clone())
+            .bind(self.epoch.clone())
+            .fetch_one(&mut **tx)
+            .await?;
+        match row.get::<i64, _>(0) {
+            0 => Err(self.fenced()),
+            _ => Ok(()),
+        }
+    }
+
     /// The fleet's secret `name`: the one stored, or `make()`'s, stored now
     /// (the first node to ask decides it for every node).
     pub async fn fleet_secret(&self, name: &str, make: impl FnOnce() -> String) -> Result<String, StoreError> {

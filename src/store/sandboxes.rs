@@ -27,22 +27,27 @@ impl Store {
     where
         E: sqlx::Executor<'c, Database = sqlx::Any>,
     {
-        let now = now_ms();
-        sqlx::query(
-            "INSERT INTO sandboxes (sandbox_id, subject_id, backend, state, root_path, instance_epoch, created_at_ms, updated_at_ms, node)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-        )
-        .bind(new.sandbox_id)
-        .bind(new.subject_id)
-        .bind(new.backend)
-        .bind(SandboxState::Creating.as_str())
-        .bind(new.root.to_string_lossy().as_ref())
-        .bind(new.epoch)
-        .bind(now)
-        .bind(now)
-        .bind(&self.node)
-        .execute(conn)
-        .await?;
+        bind_sandbox(sqlx::query(INSERT_SANDBOX), new, now_ms(), &self.node).execute(conn).await?;
+        Ok(())
+    }
+
+    /// [`Store::insert_sandbox`], and `events` stored in the same commit:
+    /// a run's first events (`accepted`, `resolved`, `gated`) travel with
+    /// the intent row of the sandbox made for it. On SQLite one command; on
+    /// a shared store the events go behind the fence, in the same
+    /// transaction.
+    pub async fn insert_sandbox_carrying(&self, new: NewSandbox<'_>, events: &[Event]) -> Result<(), StoreError> {
+        if events.is_empty() {
+            return self.insert_sandbox(new).await;
+        }
+        if !self.shared {
+            let batch = bind_sandbox(sqlx::query(&INTENT_SQLITE), new, now_ms(), &self.node);
+            return self.run_sqlite_transaction(batch.bind(events_rows_json(events, false)?)).await;
+        }
+        let mut tx = self.pool.begin().await?;
+        self.fenced_append_on(&mut tx, events).await?;
+        self.insert_sandbox_on(&mut *tx, new).await?;
+        tx.commit().await?;
         Ok(())
     }
 
@@ -101,16 +106,34 @@ impl Store {
         allocate_uid_on(&mut conn, &self.node, first, last, sandbox_id, usable).await
     }
 
-    /// [`Store::insert_sandbox`] and [`Store::allocate_uid`] in one commit:
-    /// the intent row and its uid, for a sandbox about to be made. `None`
-    /// when no uid is `usable`: then nothing is stored.
+    /// [`Store::insert_sandbox_carrying`] and [`Store::allocate_uid`] in
+    /// one commit: the intent row, its uid and the events that travel with
+    /// it, for a sandbox about to be made. `None` when no uid is `usable`:
+    /// then nothing is stored, the events neither.
     pub async fn insert_sandbox_with_uid(
         &self,
         new: NewSandbox<'_>,
         (first, last): (u32, u32),
-        usable: impl Fn(u32) -> bool,
+        usable: impl Fn(u32) -> bool + Send + 'static,
+        events: &[Event],
     ) -> Result<Option<u32>, StoreError> {
+        if !self.shared {
+            let opening = bind_sandbox(sqlx::query(&OPEN_WITH_UID_SQLITE), new, now_ms(), &self.node)
+                .bind(events_rows_json(events, false)?)
+                .bind(first as i64)
+                .bind(last as i64);
+            let task = tokio::spawn(open_with_uid_sqlite(
+                self.pool.clone(),
+                opening,
+                (self.node.clone(), new.sandbox_id.to_string()),
+                (first, last),
+                usable,
+            ));
+            // Only a panic or the runtime's shutdown ends the task early.
+            return task.await.map_err(|_| StoreError::Database(sqlx::Error::WorkerCrashed))?;
+        }
         let mut tx = self.pool.begin().await?;
+        self.fenced_append_on(&mut tx, events).await?;
         self.insert_sandbox_on(&mut *tx, new).await?;
         match allocate_uid_on(&mut tx, &self.node, first, last, new.sandbox_id, usable).await? {
             Some(uid) => {
@@ -199,15 +222,7 @@ async fn allocate_uid_on(
     // they are the ones above every uid handed out so far.
     let (low, high) = (first as i64, last as i64);
     // Two index lookups (each table's primary key), not a scan.
-    let row = sqlx::query(
-        "SELECT (SELECT MAX(uid) FROM sandbox_uids WHERE node = $1 AND uid >= $2 AND uid <= $3),
-                (SELECT MAX(uid) FROM sandbox_uid_released WHERE node = $1 AND uid >= $2 AND uid <= $3)",
-    )
-    .bind(node)
-    .bind(low)
-    .bind(high)
-    .fetch_one(&mut *conn)
-    .await?;
+    let row = sqlx::query(&HANDED).bind(node).bind(low).bind(high).fetch_one(&mut *conn).await?;
     let handed = row.get::<Option<i64>, _>(0).max(row.get::<Option<i64>, _>(1));
     for uid in handed.map_or(low, |h| h + 1)..=high {
         if usable(uid as u32) && take_uid(&mut *conn, node, uid, sandbox_id).await? {
@@ -245,6 +260,49 @@ async fn allocate_uid_on(
     }
 }
 
+/// [`Store::insert_sandbox_with_uid`] on SQLite's one writer, run to its
+/// end in a task of its own (see [`Store::run_sqlite_transaction`]):
+/// `opening` ([`OPEN_WITH_UID_SQLITE`]) stores the events and the row and
+/// reads the highest uid handed out so far in one command; then, in the
+/// common case, that uid + 1 and the commit go in a second. When that uid
+/// is not `usable` (or the range's never-used uids are all out), the same
+/// transaction goes on with [`allocate_uid_on`]'s search.
+async fn open_with_uid_sqlite(
+    pool: sqlx::AnyPool,
+    opening: sqlx::query::Query<'static, sqlx::Any, sqlx::any::AnyArguments<'static>>,
+    (node, sandbox_id): (String, String),
+    (first, last): (u32, u32),
+    usable: impl Fn(u32) -> bool,
+) -> Result<Option<u32>, StoreError> {
+    let (low, high) = (first as i64, last as i64);
+    let mut conn = pool.acquire().await?;
+    let allocated = async {
+        let row = opening.fetch_all(&mut *conn).await?.into_iter().next().ok_or(sqlx::Error::RowNotFound)?;
+        let handed = row.get::<Option<i64>, _>(0).max(row.get::<Option<i64>, _>(1));
+        let next = handed.map_or(low, |h| h + 1);
+        if next <= high && usable(next as u32) {
+            // Above every uid handed out on this node: no row holds it, and
+            // a conflict would fail the command before its commit.
+            sqlx::query("INSERT INTO sandbox_uids (node, uid, sandbox_id) VALUES ($1, $2, $3); COMMIT;")
+                .bind(&node)
+                .bind(next)
+                .bind(&sandbox_id)
+                .execute(&mut *conn)
+                .await?;
+            return Ok(Some(next as u32));
+        }
+        let uid = allocate_uid_on(&mut conn, &node, first, last, &sandbox_id, usable).await?;
+        let end = if uid.is_some() { "COMMIT" } else { "ROLLBACK" };
+        sqlx::query(end).execute(&mut *conn).await?;
+        Ok(uid)
+    }
+    .await;
+    if allocated.is_err() {
+        roll_back(conn).await;
+    }
+    allocated
+}
+
 /// Reserves `uid` for `sandbox_id` on `node`; false when another sandbox
 /// took it first.
 async fn take_uid(conn: &mut sqlx::AnyConnection, node: &str, uid: i64, sandbox_id: &str) -> Result<bool, StoreError> {
@@ -256,6 +314,59 @@ async fn take_uid(conn: &mut sqlx::AnyConnection, node: &str, uid: i64, sandbox_
             .execute(conn)
             .await?;
     Ok(inserted.rows_affected() == 1)
+}
+
+/// A sandbox's intent row, over (`$1` its id, `$2` its subject, `$3` the
+/// backend, `$4` the state, `$5` its root, `$6` the epoch, `$7` now, `$8`
+/// the node): see [`bind_sandbox`].
+const INSERT_SANDBOX: &str = "INSERT INTO sandboxes
+         (sandbox_id, subject_id, backend, state, root_path, instance_epoch, created_at_ms, updated_at_ms, node)
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8)";
+
+/// The highest uid in a range handed out on a node (held, or given back),
+/// over (node, low, high) as the placeholders named: two index lookups
+/// (each table's primary key), not a scan.
+fn handed(node: &str, low: &str, high: &str) -> String {
+    format!(
+        "SELECT (SELECT MAX(uid) FROM sandbox_uids WHERE node = {node} AND uid >= {low} AND uid <= {high}),
+                (SELECT MAX(uid) FROM sandbox_uid_released WHERE node = {node} AND uid >= {low} AND uid <= {high})"
+    )
+}
+static HANDED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| handed("$1", "$2", "$3"));
+
+/// [`Store::insert_sandbox_carrying`] on SQLite: [`INSERT_SANDBOX`]'s
+/// parameters, then `$9` the events' rows.
+static INTENT_SQLITE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    sqlite_transaction(&[&super::INSERT_EVENTS_SQLITE.replace("$1", "$9"), INSERT_SANDBOX])
+});
+
+/// The opening command of [`Store::insert_sandbox_with_uid`] on SQLite,
+/// its transaction left open: [`INSERT_SANDBOX`]'s parameters, `$9` the
+/// events' rows, `$10` and `$11` the uid range; its one row is [`HANDED`]'s.
+static OPEN_WITH_UID_SQLITE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "BEGIN IMMEDIATE; {}; {INSERT_SANDBOX}; {}",
+        super::INSERT_EVENTS_SQLITE.replace("$1", "$9"),
+        handed("$8", "$10", "$11")
+    )
+});
+
+/// [`INSERT_SANDBOX`] bound for `new`, made `now` on `node`.
+fn bind_sandbox<'q>(
+    query: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
+    new: NewSandbox<'_>,
+    now: i64,
+    node: &str,
+) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
+    query
+        .bind(new.sandbox_id.to_string())
+        .bind(new.subject_id.to_string())
+        .bind(new.backend.to_string())
+        .bind(SandboxState::Creating.as_str())
+        .bind(new.root.to_string_lossy().into_owned())
+        .bind(new.epoch.to_string())
+        .bind(now)
+        .bind(node.to_string())
 }
 
 /// A destroyed sandbox's rows, over (`$1` its id, `$2` this node, `$3`
