@@ -251,9 +251,9 @@ impl Core {
 
     /// The agent_start gate, from the profile's sandbox. Run before the
     /// first start and before every restart. Before the first, its `gated`
-    /// event is held with `accepted` and `resolved`, to be stored with the
-    /// sandbox's intent row (or a warm sandbox's adoption) that follows at
-    /// once; before a restart it is stored at once.
+    /// event is held with `accepted` and `resolved`: stored with the intent
+    /// row of the sandbox made next, or alone once a warm one is taken.
+    /// Before a restart it is stored at once.
     async fn gate_agent_start(&mut self, profile: &Profile, first: bool) -> GateOutcome {
         let t = Instant::now();
         let facts = RunFacts {
@@ -316,23 +316,19 @@ impl Core {
         let (made, warm) = match self.engine.take_warm(&profile, spec, timeout) {
             Some((made, refill)) => {
                 self.refill = Some(refill);
+                // No intent row to carry the held events (`accepted`,
+                // `resolved`, `gated`): stored now, in a write of their own.
+                self.recorder.flush().await;
                 (made, true)
             }
             None => {
-                // The held events (`accepted`, `resolved`, `gated`) go in the
-                // intent row's commit.
-                let carried = self.recorder.held_events();
+                // The held events go in the intent row's commit.
                 let subject = self.recorder.subject().to_string();
-                match super::warm::make_sandbox(&self.engine, &subject, spec, &profile, timeout, &carried).await {
-                    Ok(made) => {
-                        self.recorder.publish_held(carried);
-                        (made, false)
-                    }
-                    Err(unmade) => {
-                        if unmade.carried {
-                            self.recorder.publish_held(carried);
-                        }
-                        self.failed(FailureStage::SandboxCreate, &unmade.error);
+                let recorder = Some(&mut self.recorder);
+                match super::warm::make_sandbox(&self.engine, &subject, spec, &profile, timeout, recorder).await {
+                    Ok(made) => (made, false),
+                    Err(error) => {
+                        self.failed(FailureStage::SandboxCreate, &error);
                         return Err(fail(FailureStage::SandboxCreate));
                     }
                 }

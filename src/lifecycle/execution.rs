@@ -31,9 +31,9 @@ pub(super) async fn run(
         request_id: record.request_id.clone(),
         consumer: record.consumer.clone(),
     };
-    // Stored with `resolved` and the gate's decision in one write: the
-    // intent row of the sandbox made for the run (or the adoption of a
-    // warm one, or the final record when none is made).
+    // Stored with `resolved` and the gate's decision in one write: with
+    // the intent row of the sandbox made for the run, alone when it takes
+    // a warm one, with the final record when none is made.
     core.recorder.hold(accepted);
 
     let mut cancelled = false;

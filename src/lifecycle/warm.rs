@@ -24,6 +24,7 @@ use tokio::sync::Notify;
 use super::Engine;
 use crate::catalog::Profile;
 use crate::credentials::GatewayRoute;
+use crate::events::Recorder;
 use crate::sandbox::pool::{PoolKey, Pools, Take};
 use crate::sandbox::{CreateSandbox, GateFile, Sandbox, SandboxBackend, SandboxSpec, SandboxState, SandboxType};
 
@@ -58,16 +59,6 @@ impl Warm {
     }
 }
 
-/// Why [`make_sandbox`] made no sandbox.
-#[derive(Debug)]
-pub(super) struct Unmade {
-    /// The sentence the run fails with.
-    pub error: String,
-    /// Whether the events it was handed were stored (with the intent row,
-    /// which it left marked destroyed).
-    pub carried: bool,
-}
-
 /// What a sandbox for `profile` with `spec` and `timeout_seconds` is made for.
 pub(super) fn pool_key(profile: &Profile, spec: &SandboxSpec, timeout_seconds: u64) -> PoolKey {
     PoolKey { profile_digest: profile.digest.clone(), spec: spec.clone(), timeout_seconds }
@@ -79,17 +70,17 @@ pub(super) fn pool_key(profile: &Profile, spec: &SandboxSpec, timeout_seconds: u
 /// (`Core::create_sandbox`), a failed one's now. An error is the sentence
 /// the run fails with; nothing of the sandbox is left then. A returned
 /// sandbox whose state is not `Ready` is a failed creation that the caller
-/// still destroys. `carried`, a run's events not stored yet, are stored
-/// in the intent row's commit: once it returns, they are, unless
-/// [`Unmade::carried`] says not.
+/// still destroys. A run's `recorder`'s held events (`accepted`,
+/// `resolved`, `gated`) are stored in the intent row's commit and
+/// published as soon as it is in, before the sandbox is made.
 pub(super) async fn make_sandbox(
     engine: &Engine,
     subject: &str,
     spec: &SandboxSpec,
     profile: &Profile,
     timeout_seconds: u64,
-    carried: &[crate::records::Event],
-) -> Result<Made, Unmade> {
+    recorder: Option<&mut Recorder>,
+) -> Result<Made, String> {
     let backend = engine.backends.get(spec.sandbox_type).clone();
     let sandbox_id = uuid::Uuid::now_v7().to_string();
     let root = engine.sandboxes_dir.join(&sandbox_id);
@@ -100,9 +91,9 @@ pub(super) async fn make_sandbox(
     let backend_name = spec.sandbox_type.as_str();
     let gone = |error: String| async {
         engine.store_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
-        Err(Unmade { error, carried: true })
+        Err(error)
     };
-    let unstored = |error: crate::store::StoreError| Unmade { error: error.to_string(), carried: false };
+    let carried = recorder.as_ref().map(|r| r.held_events()).unwrap_or_default();
     let new = crate::store::NewSandbox {
         sandbox_id: &sandbox_id,
         subject_id: subject,
@@ -112,15 +103,24 @@ pub(super) async fn make_sandbox(
     };
     let user = match engine.uid_range {
         None => {
-            store.insert_sandbox_carrying(new, carried).await.map_err(unstored)?;
+            store.insert_sandbox_carrying(new, &carried).await.map_err(|e| e.to_string())?;
+            published(recorder, carried);
             None
         }
-        Some(range) => match super::uids::insert_with_own_uid(store, range, new, carried).await {
-            Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
-            Ok(None) => return gone(format!("no free sandbox uid in {}-{}", range.first, range.last)).await,
-            Err(super::uids::Stored::Nothing(e)) => return Err(unstored(e)),
-            Err(super::uids::Stored::Intent(e)) => return gone(e.to_string()).await,
-        },
+        Some(range) => {
+            let reserved = match super::uids::insert_with_own_uid(store, range, new, &carried).await {
+                Err(super::uids::Stored::Nothing(e)) => return Err(e.to_string()),
+                Err(super::uids::Stored::Intent(e)) => Err(e),
+                Ok(uid) => Ok(uid),
+            };
+            // The row is in, and the events with it.
+            published(recorder, carried);
+            match reserved {
+                Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
+                Ok(None) => return gone(format!("no free sandbox uid in {}-{}", range.first, range.last)).await,
+                Err(e) => return gone(e.to_string()).await,
+            }
+        }
     };
     let planned = gate_files(engine, profile, spec, timeout_seconds)
         .and_then(|files| Ok((files, gateway_routes(engine, profile, spec)?)));
@@ -155,6 +155,14 @@ pub(super) async fn make_sandbox(
         _ => engine.store_sandbox_state(&sandbox.id, SandboxState::Failed).await,
     }
     Ok(Made { backend, sandbox, gateway })
+}
+
+/// Publishes the events a run's recorder held, once the intent row that
+/// carried them is stored.
+fn published(recorder: Option<&mut Recorder>, carried: Vec<crate::records::Event>) {
+    if let Some(recorder) = recorder {
+        recorder.publish_held(carried);
+    }
 }
 
 /// The files that install the agent's managed pre-tool hook, for a
@@ -396,7 +404,7 @@ impl Engine {
             return Err(format!("profile {} cannot have a warm pool: {why}", profile.reference()));
         }
         let (spec, timeout) = (profile.file.sandbox.clone(), profile.file.limits.timeout_seconds);
-        let made = make_sandbox(self, "", &spec, &profile, timeout, &[]).await.map_err(|unmade| unmade.error)?;
+        let made = make_sandbox(self, "", &spec, &profile, timeout, None).await?;
         let started = match made.sandbox.state {
             SandboxState::Ready => match self.waiter_program() {
                 Some(waiter) => made.backend.prestart(&made.sandbox, &waiter).await.map_err(|e| e.to_string()),
