@@ -104,7 +104,7 @@ pub(super) async fn make_sandbox(
     let user = match engine.uid_range {
         None => {
             store.insert_sandbox_carrying(new, &carried).await.map_err(|e| e.to_string())?;
-            published(recorder, carried);
+            published(recorder, carried).await;
             None
         }
         Some(range) => {
@@ -114,7 +114,7 @@ pub(super) async fn make_sandbox(
                 Ok(uid) => Ok(uid),
             };
             // The row is in, and the events with it.
-            published(recorder, carried);
+            published(recorder, carried).await;
             match reserved {
                 Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
                 Ok(None) => return gone(format!("no free sandbox uid in {}-{}", range.first, range.last)).await,
@@ -158,10 +158,13 @@ pub(super) async fn make_sandbox(
 }
 
 /// Publishes the events a run's recorder held, once the intent row that
-/// carried them is stored.
-fn published(recorder: Option<&mut Recorder>, carried: Vec<crate::records::Event>) {
+/// carried them is stored, and lets their streams send them: the stream a
+/// publish wakes waits in this thread's next-task slot, which no other
+/// thread takes, and making the sandbox holds the thread for milliseconds.
+async fn published(recorder: Option<&mut Recorder>, carried: Vec<crate::records::Event>) {
     if let Some(recorder) = recorder {
         recorder.publish_held(carried);
+        tokio::task::yield_now().await;
     }
 }
 

@@ -23,6 +23,9 @@ pub struct BackendFaults {
     pub slow_reclaim: bool,
     /// `create` waits 300 ms first, so creates that overlap can be seen.
     pub slow_create: bool,
+    /// `create` holds its thread for 300 ms first, as a backend's
+    /// synchronous work (directories, cgroups, the spawn) does.
+    pub busy_create: bool,
     /// `spawn` waits 300 ms first, so what happens while a harness starts
     /// can be seen.
     pub slow_spawn: bool,
@@ -36,6 +39,8 @@ pub struct BackendLog {
     pub creates: usize,
     /// Creates in flight now, and the most that ever were at once.
     pub creating: usize,
+    /// Creates that returned.
+    pub created: usize,
     pub most_creating: usize,
     /// Sandboxes stopped (a run's destroy), in order.
     pub destroys: Vec<String>,
@@ -56,6 +61,9 @@ impl FaultyBackend {
     async fn create_faulty(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
         if self.faults.slow_create {
             tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
+        if self.faults.busy_create {
+            std::thread::sleep(std::time::Duration::from_millis(300));
         }
         if self.faults.fail_init {
             return Err(SandboxError::Unavailable("injected: backend cannot initialise".into()));
@@ -119,7 +127,9 @@ impl SandboxBackend for FaultyBackend {
             log.most_creating = log.most_creating.max(log.creating);
         }
         let created = self.create_faulty(req).await;
-        self.log.lock().unwrap().creating -= 1;
+        let mut log = self.log.lock().unwrap();
+        log.creating -= 1;
+        log.created += 1;
         created
     }
 
