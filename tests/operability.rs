@@ -109,9 +109,10 @@ arguments = { expression = "false", reason = "never" }
 }
 
 /// A no-op execution's eight events take three writes: `accepted`,
-/// `resolved` and the first `gated` are one; `sandbox_ready` rides with
-/// the turn's `gated` and `dispatched`; `teardown` with `finished`, in the
-/// final record's transaction.
+/// `resolved` and the first `gated` go in the commit of the sandbox's
+/// intent row; `sandbox_ready` rides with the turn's `gated` and
+/// `dispatched`; `teardown` with `finished`, in the final record's
+/// transaction. Each is counted as a store write of events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_no_op_execution_stores_its_eight_events_in_three_writes() {
     require_bwrap();

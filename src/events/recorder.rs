@@ -72,9 +72,14 @@ impl Recorder {
     }
 
     /// Publishes the events from [`Recorder::held_events`] that the caller
-    /// stored: they are held no more.
-    pub fn publish_held(&mut self, events: Vec<Event>) {
+    /// stored, in a write of `write_seconds` (counted as the recorder's own
+    /// writes are): they are held no more.
+    pub fn publish_held(&mut self, events: Vec<Event>, write_seconds: f64) {
         debug_assert_eq!(events.len(), self.held.len(), "the held events, all of them");
+        if events.is_empty() {
+            return;
+        }
+        crate::telemetry::events_stored(events.len(), write_seconds);
         self.held.clear();
         self.publish(events, None);
     }

@@ -94,6 +94,7 @@ pub(super) async fn make_sandbox(
         Err(error)
     };
     let carried = recorder.as_ref().map(|r| r.held_events()).unwrap_or_default();
+    let writing = Instant::now();
     let new = crate::store::NewSandbox {
         sandbox_id: &sandbox_id,
         subject_id: subject,
@@ -104,7 +105,7 @@ pub(super) async fn make_sandbox(
     let user = match engine.uid_range {
         None => {
             store.insert_sandbox_carrying(new, &carried).await.map_err(|e| e.to_string())?;
-            published(recorder, carried).await;
+            published(recorder, carried, writing).await;
             None
         }
         Some(range) => {
@@ -114,7 +115,7 @@ pub(super) async fn make_sandbox(
                 Ok(uid) => Ok(uid),
             };
             // The row is in, and the events with it.
-            published(recorder, carried).await;
+            published(recorder, carried, writing).await;
             match reserved {
                 Ok(Some(uid)) => Some(crate::sandbox::host::own_user(uid)),
                 Ok(None) => return gone(format!("no free sandbox uid in {}-{}", range.first, range.last)).await,
@@ -161,9 +162,9 @@ pub(super) async fn make_sandbox(
 /// carried them is stored, and lets their streams send them: the stream a
 /// publish wakes waits in this thread's next-task slot, which no other
 /// thread takes, and making the sandbox holds the thread for milliseconds.
-async fn published(recorder: Option<&mut Recorder>, carried: Vec<crate::records::Event>) {
+async fn published(recorder: Option<&mut Recorder>, carried: Vec<crate::records::Event>, writing: Instant) {
     if let Some(recorder) = recorder {
-        recorder.publish_held(carried);
+        recorder.publish_held(carried, writing.elapsed().as_secs_f64());
         tokio::task::yield_now().await;
     }
 }
