@@ -489,6 +489,16 @@ async fn a_lost_epoch_can_write_nothing() {
     record.state = corral::records::ExecutionState::Running;
     let refused = lost.update_execution(&record).await.unwrap_err();
     assert!(matches!(refused, corral::store::StoreError::Fenced { .. }), "a record update too: {refused}");
+    // A sandbox's intent row carrying the run's first events: neither the
+    // events, nor the row, nor its uid.
+    let root = std::path::Path::new("/nowhere/sb");
+    let new = |id| corral::store::NewSandbox { sandbox_id: id, subject_id: "e1", backend: "none", root, epoch: "x" };
+    let refused = lost.insert_sandbox_with_uid(new("sb1"), (10, 11), |_| true, &[event(2)]).await.unwrap_err();
+    assert!(matches!(refused, corral::store::StoreError::Fenced { .. }), "an intent row's events too: {refused}");
+    let refused = lost.insert_sandbox_carrying(new("sb2"), &[event(2)]).await.unwrap_err();
+    assert!(matches!(refused, corral::store::StoreError::Fenced { .. }), "without a uid too: {refused}");
+    assert_eq!(survivor.sandboxes().await.unwrap(), vec![], "no row of either");
+    assert_eq!(lost.sandbox_uid("sb1").await.unwrap(), None, "no uid of the lost node's");
     survivor.append_events(&[event(2)]).await.expect("the survivor writes");
     let stored: Vec<u64> = survivor.events_after("e1", 0).await.unwrap().iter().map(|e| e.sequence).collect();
     assert_eq!(stored, vec![1, 2]);

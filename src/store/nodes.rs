@@ -261,7 +261,20 @@ impl Store {
         &self,
         statement: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
     ) -> Result<(), StoreError> {
-        let row = statement.bind(self.node.clone()).bind(self.epoch.clone()).fetch_one(&self.pool).await?;
+        self.fenced_write_on(&self.pool, statement).await
+    }
+
+    /// [`Store::fenced_write`] on `conn` (the pool, or a transaction's
+    /// connection).
+    async fn fenced_write_on<'c, 'q, E>(
+        &self,
+        conn: E,
+        statement: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
+    ) -> Result<(), StoreError>
+    where
+        E: sqlx::Executor<'c, Database = sqlx::Any>,
+    {
+        let row = statement.bind(self.node.clone()).bind(self.epoch.clone()).fetch_one(conn).await?;
         match row.get::<i64, _>(0) {
             0 => Err(self.fenced()),
             _ => Ok(()),
@@ -269,7 +282,7 @@ impl Store {
     }
 
     /// [`FENCED_APPEND`] of `events` inside the transaction `tx` (nothing
-    /// when there are none): `Fenced` when this start was declared lost.
+    /// when there are none).
     pub(super) async fn fenced_append_on(
         &self,
         tx: &mut sqlx::Transaction<'_, sqlx::Any>,
@@ -278,16 +291,8 @@ impl Store {
         if events.is_empty() {
             return Ok(());
         }
-        let row = sqlx::query(FENCED_APPEND)
-            .bind(events_rows_json(events, false)?)
-            .bind(self.node.clone())
-            .bind(self.epoch.clone())
-            .fetch_one(&mut **tx)
-            .await?;
-        match row.get::<i64, _>(0) {
-            0 => Err(self.fenced()),
-            _ => Ok(()),
-        }
+        let statement = sqlx::query(FENCED_APPEND).bind(events_rows_json(events, false)?);
+        self.fenced_write_on(&mut **tx, statement).await
     }
 
     /// The fleet's secret `name`: the one stored, or `make()`'s, stored now
