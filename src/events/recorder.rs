@@ -62,13 +62,7 @@ impl Recorder {
     /// made for this run: see `lifecycle::warm::make_sandbox`) and then
     /// hands them to [`Recorder::publish_held`]; they stay held until then.
     pub fn held_events(&self) -> Vec<Event> {
-        let time_ms = now_ms();
-        let subject = &self.subject;
-        let kinds = self.held.iter().cloned();
-        kinds
-            .enumerate()
-            .map(|(i, kind)| Event { subject_id: subject.clone(), sequence: self.next + i as u64, time_ms, kind })
-            .collect()
+        numbered(&self.subject, self.next, self.held.iter().cloned())
     }
 
     /// Publishes the events from [`Recorder::held_events`] that the caller
@@ -111,14 +105,8 @@ impl Recorder {
         if kinds.is_empty() {
             return None;
         }
-        let time_ms = now_ms();
-        let (events, raws): (Vec<Event>, Vec<Option<RawPart>>) = kinds
-            .into_iter()
-            .enumerate()
-            .map(|(i, (kind, raw))| {
-                (Event { subject_id: self.subject.clone(), sequence: self.next + i as u64, time_ms, kind }, raw)
-            })
-            .unzip();
+        let (kinds, raws): (Vec<EventKind>, Vec<Option<RawPart>>) = kinds.into_iter().unzip();
+        let events = numbered(&self.subject, self.next, kinds);
         let stored = match &adopt {
             None => self.persist_with(events.len(), || self.store.append_events(&events)).await,
             Some(sandbox) => {
@@ -150,13 +138,7 @@ impl Recorder {
             // write goes first.
             self.flush().await;
         }
-        let time_ms = now_ms();
-        let subject = &self.subject;
-        let kinds = self.held.drain(..).chain(std::iter::once(kind));
-        kinds
-            .enumerate()
-            .map(|(i, kind)| Event { subject_id: subject.clone(), sequence: self.next + i as u64, time_ms, kind })
-            .collect()
+        numbered(&self.subject, self.next, self.held.drain(..).chain(std::iter::once(kind)))
     }
 
     /// Publishes the events from [`Recorder::prepare`] that the caller
@@ -203,4 +185,15 @@ impl Recorder {
         }
         false
     }
+}
+
+/// `kinds` as events of `subject` numbered from `first`, stamped now (one
+/// time for a batch stored in one write).
+fn numbered(subject: &str, first: u64, kinds: impl IntoIterator<Item = EventKind>) -> Vec<Event> {
+    let time_ms = now_ms();
+    kinds
+        .into_iter()
+        .enumerate()
+        .map(|(i, kind)| Event { subject_id: subject.to_string(), sequence: first + i as u64, time_ms, kind })
+        .collect()
 }

@@ -323,9 +323,8 @@ impl Core {
             }
             None => {
                 // The held events go in the intent row's commit.
-                let subject = self.recorder.subject().to_string();
                 let recorder = Some(&mut self.recorder);
-                match super::warm::make_sandbox(&self.engine, &subject, spec, &profile, timeout, recorder).await {
+                match super::warm::make_sandbox(&self.engine, spec, &profile, timeout, recorder).await {
                     Ok(made) => (made, false),
                     Err(error) => {
                         self.failed(FailureStage::SandboxCreate, &error);

@@ -64,18 +64,18 @@ pub(super) fn pool_key(profile: &Profile, spec: &SandboxSpec, timeout_seconds: u
     PoolKey { profile_digest: profile.digest.clone(), spec: spec.clone(), timeout_seconds }
 }
 
-/// Makes a sandbox for `subject` ("" for a warm one): intent row, own uid,
+/// Makes a sandbox for the run whose `recorder` it is (none for a warm
+/// one, made for no run yet): intent row, own uid,
 /// hook files, the backend's create, its state stored: a warm sandbox's
 /// now, a run's `ready` with the write that stores its `sandbox_ready`
 /// (`Core::create_sandbox`), a failed one's now. An error is the sentence
 /// the run fails with; nothing of the sandbox is left then. A returned
 /// sandbox whose state is not `Ready` is a failed creation that the caller
-/// still destroys. A run's `recorder`'s held events (`accepted`,
-/// `resolved`, `gated`) are stored in the intent row's commit and
-/// published as soon as it is in, before the sandbox is made.
+/// still destroys. The run's held events (`accepted`, `resolved`,
+/// `gated`) are stored in the intent row's commit and published as soon
+/// as it is in, before the sandbox is made.
 pub(super) async fn make_sandbox(
     engine: &Engine,
-    subject: &str,
     spec: &SandboxSpec,
     profile: &Profile,
     timeout_seconds: u64,
@@ -93,11 +93,12 @@ pub(super) async fn make_sandbox(
         engine.store_sandbox_state(&sandbox_id, SandboxState::Destroyed).await;
         Err(error)
     };
+    let subject = recorder.as_ref().map_or(String::new(), |r| r.subject().to_string());
     let carried = recorder.as_ref().map(|r| r.held_events()).unwrap_or_default();
     let writing = Instant::now();
     let new = crate::store::NewSandbox {
         sandbox_id: &sandbox_id,
-        subject_id: subject,
+        subject_id: &subject,
         backend: backend_name,
         root: &root,
         epoch: &engine.epoch,
@@ -408,7 +409,7 @@ impl Engine {
             return Err(format!("profile {} cannot have a warm pool: {why}", profile.reference()));
         }
         let (spec, timeout) = (profile.file.sandbox.clone(), profile.file.limits.timeout_seconds);
-        let made = make_sandbox(self, "", &spec, &profile, timeout, None).await?;
+        let made = make_sandbox(self, &spec, &profile, timeout, None).await?;
         let started = match made.sandbox.state {
             SandboxState::Ready => match self.waiter_program() {
                 Some(waiter) => made.backend.prestart(&made.sandbox, &waiter).await.map_err(|e| e.to_string()),

@@ -356,15 +356,23 @@ impl Store {
         batch: sqlx::query::Query<'static, sqlx::Any, sqlx::any::AnyArguments<'static>>,
     ) -> Result<(), StoreError> {
         let pool = self.pool.clone();
-        let task = tokio::spawn(async move {
+        to_its_end(async move {
             let mut conn = pool.acquire().await?;
             let Err(error) = batch.execute(&mut *conn).await else { return Ok(()) };
             roll_back(conn).await;
             Err(StoreError::from(error))
-        });
-        // Only a panic or the runtime's shutdown ends the task early.
-        task.await.map_err(|_| StoreError::Database(sqlx::Error::WorkerCrashed))?
+        })
+        .await
     }
+}
+
+/// Runs `work` on the SQLite writer to its end, in a task of its own: a
+/// caller that stops waiting cannot leave the writer inside a transaction.
+async fn to_its_end<T: Send + 'static>(
+    work: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+) -> Result<T, StoreError> {
+    // Only a panic or the runtime's shutdown ends the task early.
+    tokio::spawn(work).await.map_err(|_| StoreError::Database(sqlx::Error::WorkerCrashed))?
 }
 
 /// Ends the SQLite writer's transaction after a failed statement; a

@@ -122,15 +122,9 @@ impl Store {
                 .bind(events_rows_json(events, false)?)
                 .bind(first as i64)
                 .bind(last as i64);
-            let task = tokio::spawn(open_with_uid_sqlite(
-                self.pool.clone(),
-                opening,
-                (self.node.clone(), new.sandbox_id.to_string()),
-                (first, last),
-                usable,
-            ));
-            // Only a panic or the runtime's shutdown ends the task early.
-            return task.await.map_err(|_| StoreError::Database(sqlx::Error::WorkerCrashed))?;
+            let (node, sandbox_id) = (self.node.clone(), new.sandbox_id.to_string());
+            let pool = self.pool.clone();
+            return to_its_end(open_with_uid_sqlite(pool, opening, (node, sandbox_id), (first, last), usable)).await;
         }
         let mut tx = self.pool.begin().await?;
         self.fenced_append_on(&mut tx, events).await?;
@@ -260,8 +254,8 @@ async fn allocate_uid_on(
     }
 }
 
-/// [`Store::insert_sandbox_with_uid`] on SQLite's one writer, run to its
-/// end in a task of its own (see [`Store::run_sqlite_transaction`]):
+/// [`Store::insert_sandbox_with_uid`] on SQLite's one writer (run to its
+/// end by [`to_its_end`]):
 /// `opening` ([`OPEN_WITH_UID_SQLITE`]) stores the events and the row and
 /// reads the highest uid handed out so far in one command; then, in the
 /// common case, that uid + 1 and the commit go in a second. When that uid
