@@ -400,18 +400,18 @@ async fn watch_call(
 /// and is parsed as the message it is; `watched_events_read_as_the_full_message`
 /// tests that the two decodings agree.
 #[derive(Clone, PartialEq, prost::Message)]
-pub struct WatchedEvent {
+struct WatchedEvent {
     #[prost(uint64, tag = "2")]
-    pub sequence: u64,
+    sequence: u64,
     #[prost(message, optional, tag = "3")]
-    pub time: Option<prost_types::Timestamp>,
+    time: Option<prost_types::Timestamp>,
     #[prost(oneof = "Seen", tags = "13, 15, 18")]
-    pub kind: Option<Seen>,
+    kind: Option<Seen>,
 }
 
 /// The kinds of event a fanout watcher acts on.
 #[derive(Clone, PartialEq, prost::Oneof)]
-pub enum Seen {
+enum Seen {
     #[prost(message, tag = "13")]
     SandboxReady(SeenReady),
     #[prost(message, tag = "15")]
@@ -422,21 +422,21 @@ pub enum Seen {
 
 /// `SandboxReady`: where the harness's barrier is.
 #[derive(Clone, PartialEq, prost::Message)]
-pub struct SeenReady {
+struct SeenReady {
     #[prost(string, tag = "3")]
-    pub workspace_path: String,
+    workspace_path: String,
 }
 
 /// `Progress`: which kind.
 #[derive(Clone, PartialEq, prost::Message)]
-pub struct SeenProgress {
+struct SeenProgress {
     #[prost(int32, tag = "5")]
-    pub kind: i32,
+    kind: i32,
 }
 
 /// `Finished`: that it came.
 #[derive(Clone, PartialEq, prost::Message)]
-pub struct SeenFinished {}
+struct SeenFinished {}
 
 /// Microseconds from an event's `time` to now (0 if the clock says the
 /// event is from the future).
