@@ -471,11 +471,16 @@ mod tests {
     use super::*;
     use prost::Message as _;
 
+    /// Every test event's `time`.
+    fn stamp() -> Option<prost_types::Timestamp> {
+        Some(prost_types::Timestamp { seconds: 1_780_000_000, nanos: 123_000_000 })
+    }
+
     fn event(sequence: u64, kind: pb::lifecycle_event::Kind) -> pb::LifecycleEvent {
         pb::LifecycleEvent {
             subject_id: "0190c0de-0000-7000-8000-000000000001".into(),
             sequence,
-            time: Some(prost_types::Timestamp { seconds: 1_780_000_000, nanos: 123_000_000 }),
+            time: stamp(),
             kind: Some(kind),
         }
     }
@@ -487,7 +492,7 @@ mod tests {
     #[test]
     fn watched_events_read_as_the_full_message() {
         use pb::lifecycle_event::Kind;
-        let time = Some(prost_types::Timestamp { seconds: 1_780_000_000, nanos: 123_000_000 });
+        let time = stamp();
         let progress = event(
             7,
             Kind::Progress(pb::Progress {
