@@ -103,11 +103,16 @@ async fn throughput_with_a_warm_pool_counts_the_runs_that_took_one() {
         BenchArgs::parse(&["throughput", "--concurrency", "16", "--n", "16", "--rounds", "1", "--warm", "2"]).unwrap();
     args.corral_binary = Some(env!("CARGO_BIN_EXE_corral").into());
     let report = run_scenario(&args, None).await.expect("the bench runs");
-    let warm = &report.throughput_warm.expect("a warm throughput report").levels[0];
+    let pooled = report.throughput_warm.as_ref().expect("a warm throughput report");
+    let warm = &pooled.levels[0];
     assert_eq!(warm.succeeded, 16, "{warm:?}");
+    assert!(pooled.floor_matches_receipt, "the floor runs corral's command line");
+    // The pool's two waiting sandboxes are under data/sandboxes, and are
+    // not leaks: the count is taken, and it is none.
+    assert_eq!(pooled.leaks.data_sandboxes_entries, Some(0), "{:?}", pooled.leaks);
     // The pool of 2 was full when the round began.
     assert!((2..=16).contains(&warm.warm_runs), "{warm:?}");
-    assert_eq!(report.throughput.expect("the cold report").levels[0].warm_runs, 0);
+    assert_eq!(report.throughput.as_ref().expect("the cold report").levels[0].warm_runs, 0);
     let target = report.targets.iter().find(|t| t.target.contains("with a warm pool")).expect("the warm target");
     let took = format!("{} of 16 runs took a warm sandbox", warm.warm_runs);
     assert!(target.measured.contains(&took), "{}", target.measured);
@@ -157,7 +162,10 @@ async fn fanout_reaches_ten_thousand_watchers() {
     assert_eq!(wide.complete_watchers, 10_000, "{wide:?}");
     assert_eq!(wide.delivered, 30_000);
     assert!(wide.errors.is_empty(), "{:?}", wide.errors);
-    assert!(report.targets.iter().any(|t| t.target.starts_with("fanout W=10000") && t.met.is_some()));
+    // Three events are too few for a p99 delay goal: reported, not judged.
+    let goal = report.targets.iter().find(|t| t.target.starts_with("fanout W=10000")).expect("the W=10000 goal");
+    assert_eq!(goal.met, None, "{goal:?}");
+    assert!(goal.measured.ends_with("not judged: fewer than 1000 events"), "{}", goal.measured);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,7 +55,8 @@ pub struct ClientOpts {
     /// https: the client certificate's key (PEM).
     #[arg(long, env = "CORRAL_KEY", global = true, requires = "cert")]
     pub key: Option<PathBuf>,
-    /// Machine output: one JSON object per line (canonical protobuf JSON).
+    /// Machine output: one JSON object per line (canonical protobuf JSON;
+    /// `bench`: its report, one object).
     #[arg(long, global = true)]
     pub json: bool,
 }

@@ -335,6 +335,11 @@ impl Engine {
         self.warm.pools().levels()
     }
 
+    /// The root directory of each waiting warm sandbox.
+    pub fn warm_roots(&self) -> Vec<PathBuf> {
+        self.warm.pools().waiting().map(|w| w.sandbox.root.clone()).collect()
+    }
+
     /// The host pids in each waiting warm sandbox's cgroup (an empty list
     /// for one without a cgroup). A waiting sandbox is put in its pool once
     /// bwrap is spawned, and is still setting up its namespaces and

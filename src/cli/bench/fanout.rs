@@ -274,7 +274,8 @@ async fn level(
         errors.insert("BENCH_WATCHER_PANICKED".into(), panicked);
     }
     let per_watcher = |rss: Option<u64>| match (rss, rss_before) {
-        (Some(after), Some(before)) => Some((after as f64 - before as f64) / watchers as f64),
+        // Less than before (the allocator gave memory back): not a cost.
+        (Some(after), Some(before)) if after >= before => Some((after - before) as f64 / watchers as f64),
         _ => None,
     };
     let ms = |us: u64| us as f64 / 1e3;

@@ -1,7 +1,8 @@
 //! `corral bench`: how much corral costs on top of the sandbox itself.
 //!
 //! Without an address (no `--server`, no `CORRAL_SERVER`) the bench starts
-//! a daemon in this process on 127.0.0.1:0 with a fresh data directory;
+//! a daemon in this process with a fresh data directory and talks to it on
+//! its unix socket;
 //! with one, it measures that daemon, called with the client's token
 //! (`CORRAL_TOKEN`, `--token-file`) and TLS material. Scenarios: `latency` (against the
 //! floor: the exact bwrap command line corral runs, spawned directly),
@@ -204,6 +205,10 @@ pub struct BenchReport {
     pub mode: String,
     /// The daemon's address.
     pub server: String,
+    /// Whether the daemon runs on this host (in-process, a unix socket, a
+    /// loopback address): only then are its ratios against the floor
+    /// spawned here, and its clock the bench's, judged.
+    pub daemon_on_this_host: bool,
     /// The machine the run was made on.
     pub host: HostInfo,
     /// The daemon's RSS when the bench started: idle for an in-process or
@@ -232,7 +237,7 @@ pub struct BenchReport {
     pub gateway: Option<GatewayReport>,
     /// The `fleet` scenario's figures, when it ran.
     pub fleet: Option<fleet::FleetReport>,
-    /// Issue 6's targets, judged on what this run measured.
+    /// Issues 6's, 16's and 27's targets, judged on what this run measured.
     pub targets: Vec<TargetCheck>,
     /// `/proc/loadavg` when the run ended.
     pub load_average_end: String,
@@ -315,6 +320,7 @@ pub async fn run_scenario(args: &BenchArgs, server: Option<&crate::cli::Remote>)
                 scenario: args.scenario,
                 mode: if target.in_process_mode() { "in-process" } else { "server" }.into(),
                 server: target.url.clone(),
+                daemon_on_this_host: target.on_this_host(),
                 host: HostInfo::detect(),
                 daemon_idle_rss_kib: target.daemon_rss_kib(),
                 daemon_fresh: target.is_fresh().await,

@@ -83,14 +83,55 @@ fn cpu_clause(l: &super::throughput::Level) -> String {
     }
 }
 
-/// Issue 16's goals (and issue 6's that still hold), judged on this run.
+/// Why this run's ratios against the floor cannot be judged, if they
+/// cannot: a ratio compares corral with *its own* sandbox spawned on the
+/// same host, so a daemon elsewhere, a floor that failed, or a floor whose
+/// command line is not the one corral's receipt names leaves it unjudged.
+fn floor_unusable(on_this_host: bool, floor_ran: bool, floor_errors: usize, matches: bool) -> Option<String> {
+    if !on_this_host {
+        Some("the daemon runs on another host, the floor on this one".into())
+    } else if !floor_ran {
+        Some("no floor spawn succeeded".into())
+    } else if floor_errors > 0 {
+        Some(format!("{floor_errors} floor spawns failed"))
+    } else if !matches {
+        Some("the floor's command line is not the one corral's receipt names".into())
+    } else {
+        None
+    }
+}
+
+/// A target judged against the floor: `met` when the floor is usable,
+/// otherwise not judged, with why.
+fn against(name: &str, measured: String, unusable: &Option<String>, met: bool) -> TargetCheck {
+    match unusable {
+        None => check(name, measured, Some(met)),
+        Some(why) => check(name, format!("{measured}; not judged: {why}"), None),
+    }
+}
+
+/// A latency run's floor, for [`floor_unusable`].
+fn latency_floor(r: &BenchReport, l: &super::LatencyReport) -> Option<String> {
+    floor_unusable(r.daemon_on_this_host, l.floor.count > 0, l.floor_errors, l.floor_matches_receipt)
+}
+
+/// Issues 16's and 27's goals (and issue 6's that still hold), judged on
+/// this run.
 pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
     let mut out = Vec::new();
     if let Some(l) = &r.latency {
-        out.push(check(
+        let floor = latency_floor(r, l);
+        out.push(against(
             "latency: corral Execute p50 <= 1.5x the hardened floor's p50",
             format!("{:.2}x ({:.2} ms vs {:.2} ms)", l.ratio_p50, l.corral.p50_ms, l.floor.p50_ms),
-            Some(l.corral.count > 0 && l.ratio_p50 <= 1.5),
+            &floor,
+            l.corral.count > 0 && l.ratio_p50 <= 1.5,
+        ));
+        out.push(against(
+            "latency: cold corral Execute p50 <= 1.3x the hardened floor's p50",
+            format!("{:.2}x ({:.2} ms vs {:.2} ms)", l.ratio_p50, l.corral.p50_ms, l.floor.p50_ms),
+            &floor,
+            l.corral.count > 0 && l.ratio_p50 <= 1.3,
         ));
         let name = "store: bytes on disk per no-op execution halved (<= 3,594)";
         out.push(match l.store_bytes_per_execution {
@@ -104,10 +145,11 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
     }
     if let (Some(cold), Some(w)) = (&r.latency, &r.latency_warm) {
         let share = format!("{} of {} runs took a warm sandbox", w.warm_runs, w.corral.count);
-        out.push(check(
+        out.push(against(
             "latency, warm pool: corral Execute p50 <= 0.5x the hardened floor's p50",
             format!("{:.2}x ({:.2} ms vs {:.2} ms; {share})", w.ratio_p50, w.corral.p50_ms, w.floor.p50_ms),
-            Some(w.warm_runs > 0 && w.ratio_p50 <= 0.5),
+            &latency_floor(r, w),
+            w.warm_runs > 0 && w.ratio_p50 <= 0.5,
         ));
         out.push(check(
             "latency, warm pool: accepted -> dispatched p50 <= 2 ms",
@@ -117,16 +159,11 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
             ),
             Some(w.warm_runs > 0 && w.accepted_to_dispatched.count > 0 && w.accepted_to_dispatched.p50_ms <= 2.0),
         ));
-        out.push(check(
-            "latency: cold corral Execute p50 <= 1.3x the hardened floor's p50",
-            format!("{:.2}x ({:.2} ms vs {:.2} ms)", cold.ratio_p50, cold.corral.p50_ms, cold.floor.p50_ms),
-            Some(cold.corral.count > 0 && cold.ratio_p50 <= 1.3),
-        ));
     }
     if let Some(t) = &r.throughput_warm {
         let name = "throughput at concurrency 16 with a warm pool >= 100% of the floor's parallel spawn rate";
         out.push(match t.levels.iter().find(|l| l.concurrency == 16) {
-            Some(l) => check(
+            Some(l) => against(
                 name,
                 against_floor(
                     l,
@@ -135,7 +172,8 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
                         t.leaks.warm_pool, l.warm_runs, l.succeeded
                     ),
                 ),
-                Some(l.per_second >= l.floor_per_second),
+                &throughput_floor(r.daemon_on_this_host, t, l),
+                l.per_second >= l.floor_per_second,
             ),
             None => check(name, "not run (no concurrency 16 level)".into(), None),
         });
@@ -145,7 +183,12 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
         let at16 = t.levels.iter().find(|l| l.concurrency == 16);
         let name = "throughput at concurrency 16 >= 80% of the floor's parallel spawn rate";
         out.push(match at16 {
-            Some(l) => check(name, against_floor(l, ""), Some(l.per_second >= 0.8 * l.floor_per_second)),
+            Some(l) => against(
+                name,
+                against_floor(l, ""),
+                &throughput_floor(r.daemon_on_this_host, t, l),
+                l.per_second >= 0.8 * l.floor_per_second,
+            ),
             None => check(name, "not run".into(), None),
         });
         out.push(leak_check(&t.leaks));
@@ -182,7 +225,7 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
         }
     }
     if let Some(f) = &r.fanout {
-        out.extend(fanout_delays(f));
+        out.extend(fanout_delays(f, r.daemon_on_this_host));
         out.push(fanout_rate(f));
         out.push(fanout_memory(f, r.daemon_idle_rss_kib));
     }
@@ -214,6 +257,15 @@ pub fn targets(r: &BenchReport) -> Vec<TargetCheck> {
         });
     }
     out
+}
+
+/// A throughput level's floor, for [`floor_unusable`].
+fn throughput_floor(
+    on_this_host: bool,
+    t: &super::throughput::ThroughputReport,
+    l: &super::throughput::Level,
+) -> Option<String> {
+    floor_unusable(on_this_host, l.floor_per_second > 0.0, l.floor_errors, t.floor_matches_receipt)
 }
 
 fn aborted(l: &super::FanoutLevel) -> String {
@@ -347,6 +399,8 @@ fn throughput_section(out: &mut String, title: &str, t: &super::ThroughputReport
         headers.insert(2, "took warm");
     }
     out.push_str(&table(&headers, &rows));
+    let matches = if t.floor_matches_receipt { "yes" } else { "NO" };
+    let _ = writeln!(out, "floor command line matches corral's receipt: {matches}");
     let p = &t.leaks.processes;
     let _ = writeln!(
         out,
@@ -553,9 +607,18 @@ fn stage_note(stage: &str) -> &'static str {
     }
 }
 
+/// Events a fanout level must carry for a delay goal that names no count
+/// to be judged on it: a p99 over a handful of events says nothing.
+const MIN_DELAY_EVENTS: u64 = 1_000;
+
+/// Events the sustained-rate goal is judged on (the default level's).
+const SUSTAINED_EVENTS: u64 = 100_000;
+
 /// The fanout delay goals, each judged only on a run at exactly its shape:
 /// issue 16's for a harness that emits as fast as it can, issue 27's paced.
-fn fanout_delays(f: &super::fanout::FanoutReport) -> Vec<TargetCheck> {
+/// A delay is the bench's clock at receipt less the daemon's stamp: judged
+/// only when both clocks are this host's.
+fn fanout_delays(f: &super::fanout::FanoutReport, on_this_host: bool) -> Vec<TargetCheck> {
     let goals = [
         (1000, 100_000, None, 50.0),
         (10_000, 0, None, 250.0),
@@ -566,17 +629,21 @@ fn fanout_delays(f: &super::fanout::FanoutReport) -> Vec<TargetCheck> {
     for (w, events, pace, p99) in goals {
         let level = f.levels.iter().find(|l| f.pace == pace && l.watchers == w && (events == 0 || l.events == events));
         let mut shape = format!("W={w}");
-        if events > 0 {
-            let _ = write!(shape, " x {events}");
+        match events {
+            0 => {
+                let _ = write!(shape, " (>= {MIN_DELAY_EVENTS} events)");
+            }
+            n => {
+                let _ = write!(shape, " x {n}");
+            }
         }
         if let Some(pace) = pace {
             let _ = write!(shape, " paced at {pace} events/s");
         }
         let name = format!("fanout {shape}: every watcher gets every event, p99 delay <= {p99} ms");
         out.push(match level {
-            Some(l) => check(
-                &name,
-                format!(
+            Some(l) => {
+                let measured = format!(
                     "{} of {w} complete, {} resumes, p99 {:.1} ms (p50 {:.1}), {} events{}",
                     l.complete_watchers,
                     l.resumes,
@@ -584,9 +651,15 @@ fn fanout_delays(f: &super::fanout::FanoutReport) -> Vec<TargetCheck> {
                     l.delay_p50_ms,
                     l.events,
                     aborted(l)
-                ),
-                Some(l.complete_watchers == w && l.delay_p99_ms <= p99),
-            ),
+                );
+                if l.events < MIN_DELAY_EVENTS {
+                    check(&name, format!("{measured}; not judged: fewer than {MIN_DELAY_EVENTS} events"), None)
+                } else if !on_this_host {
+                    check(&name, format!("{measured}; not judged: the daemon's clock is another host's"), None)
+                } else {
+                    check(&name, measured, Some(l.complete_watchers == w && l.delay_p99_ms <= p99))
+                }
+            }
             None => check(&name, format!("not run at {shape}"), None),
         });
     }
@@ -628,17 +701,18 @@ fn fanout_memory(f: &super::fanout::FanoutReport, daemon_idle_rss_kib: Option<u6
     }
 }
 
-/// Issue 27's sustained fanout goal: W = 1,000, unpaced, in-process.
+/// Issue 27's sustained fanout goal: W = 1,000, unpaced, in-process, over
+/// [`SUSTAINED_EVENTS`] events.
 fn fanout_rate(f: &super::fanout::FanoutReport) -> TargetCheck {
-    let rate = "fanout W=1000 in-process, unpaced: >= 2,000,000 deliveries/s";
-    match f.levels.iter().find(|l| f.pace.is_none() && l.watchers == 1000) {
+    let rate = "fanout W=1000 x 100000 in-process, unpaced: >= 2,000,000 deliveries/s";
+    match f.levels.iter().find(|l| f.pace.is_none() && l.watchers == 1000 && l.events >= SUSTAINED_EVENTS) {
         Some(l) if f.in_process => check(
             rate,
             format!("{:.0}/s ({} of 1000 complete{})", l.aggregate_per_second, l.complete_watchers, aborted(l)),
             Some(l.complete_watchers == 1000 && l.aggregate_per_second >= 2_000_000.0),
         ),
         Some(_) => check(rate, "not measured: the daemon is not in-process".into(), None),
-        None => check(rate, "not run: --watchers 1000 without --pace".into(), None),
+        None => check(rate, format!("not run: --watchers 1000:{SUSTAINED_EVENTS} without --pace"), None),
     }
 }
 
@@ -773,34 +847,42 @@ mod tests {
     }
 
     fn judged(report: &super::super::fanout::FanoutReport) -> Vec<(String, Option<bool>)> {
-        let mut checks = fanout_delays(report);
+        let mut checks = fanout_delays(report, true);
         checks.push(fanout_rate(report));
         checks.into_iter().map(|c| (c.measured, c.met)).collect()
+    }
+
+    /// `report` with every level carrying `events` events.
+    fn of_events(mut report: super::super::fanout::FanoutReport, events: u64) -> super::super::fanout::FanoutReport {
+        report.levels.iter_mut().for_each(|l| l.events = events);
+        report
     }
 
     #[test]
     fn fanout_goals_are_judged_only_at_their_shape() {
         // Index: 0 W=1000 x 100000, 1 W=10000, 2 W=1000 paced at 1000/s,
         // 3 W=10000 paced at 100/s, 4 the sustained rate.
-        let unpaced = fanout(true, None, &[(1000, 2_100_000.0, 900.0, 1000), (10_000, 1.0, 1.0, 10_000)]);
+        let mut unpaced = fanout(true, None, &[(1000, 2_100_000.0, 900.0, 1000), (10_000, 1.0, 1.0, 10_000)]);
+        unpaced.levels[0].events = 100_000;
         assert_eq!(
             judged(&unpaced),
             [
-                ("not run at W=1000 x 100000".to_string(), None),
+                ("1000 of 1000 complete, 0 resumes, p99 900.0 ms (p50 1.0), 100000 events".to_string(), Some(false)),
                 ("10000 of 10000 complete, 0 resumes, p99 1.0 ms (p50 1.0), 1000 events".to_string(), Some(true)),
-                ("not run at W=1000 paced at 1000 events/s".to_string(), None),
-                ("not run at W=10000 paced at 100 events/s".to_string(), None),
+                ("not run at W=1000 (>= 1000 events) paced at 1000 events/s".to_string(), None),
+                ("not run at W=10000 (>= 1000 events) paced at 100 events/s".to_string(), None),
                 ("2100000/s (1000 of 1000 complete)".to_string(), Some(true)),
             ]
         );
+        let sustained = |report| judged(&of_events(report, 100_000))[4].1;
         // A watcher short: not met, however fast.
-        assert_eq!(judged(&fanout(true, None, &[(1000, 3e6, 1.0, 999)]))[4].1, Some(false));
-        assert_eq!(judged(&fanout(true, None, &[(1000, 1_999_999.0, 1.0, 1000)]))[4].1, Some(false));
-        assert_eq!(judged(&fanout(false, None, &[(1000, 3e6, 1.0, 1000)]))[4].1, None, "not in-process");
+        assert_eq!(sustained(fanout(true, None, &[(1000, 3e6, 1.0, 999)])), Some(false));
+        assert_eq!(sustained(fanout(true, None, &[(1000, 1_999_999.0, 1.0, 1000)])), Some(false));
+        assert_eq!(sustained(fanout(false, None, &[(1000, 3e6, 1.0, 1000)])), None, "not in-process");
         // Paced at another rate: not judged.
         assert_eq!(judged(&fanout(true, Some(500), &[(1000, 1.0, 1.0, 1000)]))[2].1, None);
         let paced = fanout(true, Some(1000), &[(1000, 1.0, 50.0, 1000)]);
-        assert_eq!(judged(&paced)[4].1, None, "a paced level is not the sustained rate");
+        assert_eq!(sustained(paced.clone()), None, "a paced level is not the sustained rate");
         assert_eq!(judged(&paced)[1].1, None, "a paced level is not the unpaced goal");
         assert_eq!(
             judged(&paced)[2],
@@ -809,5 +891,104 @@ mod tests {
         assert_eq!(judged(&fanout(true, Some(1000), &[(1000, 1.0, 50.1, 1000)]))[2].1, Some(false));
         assert_eq!(judged(&fanout(true, Some(100), &[(10_000, 1.0, 250.0, 10_000)]))[3].1, Some(true));
         assert_eq!(judged(&fanout(true, Some(100), &[(10_000, 1.0, 251.0, 10_000)]))[3].1, Some(false));
+    }
+
+    /// A delay goal that names no event count is not judged on a level of
+    /// a few events, and none is judged on a daemon's clock elsewhere; the
+    /// sustained rate is not judged on a short level.
+    #[test]
+    fn fanout_goals_need_enough_events_and_one_clock() {
+        let short = of_events(fanout(true, Some(100), &[(10_000, 1.0, 1.0, 10_000)]), 999);
+        assert_eq!(
+            judged(&short)[3],
+            (
+                "10000 of 10000 complete, 0 resumes, p99 1.0 ms (p50 1.0), 999 events; not judged: fewer than 1000 events"
+                    .to_string(),
+                None
+            )
+        );
+        assert_eq!(judged(&of_events(short, 1000))[3].1, Some(true));
+        let paced = fanout(true, Some(1000), &[(1000, 1.0, 1.0, 1000)]);
+        let remote = fanout_delays(&paced, false);
+        assert_eq!(remote[2].met, None);
+        assert!(
+            remote[2].measured.ends_with("not judged: the daemon's clock is another host's"),
+            "{}",
+            remote[2].measured
+        );
+        let unpaced = fanout(true, None, &[(1000, 3e6, 1.0, 1000)]);
+        assert_eq!(judged(&of_events(unpaced.clone(), 99_999))[4].1, None, "short of the sustained level");
+        assert_eq!(judged(&of_events(unpaced, 100_000))[4].1, Some(true));
+    }
+
+    /// A ratio against the floor is judged only on a floor spawned here,
+    /// that ran, without failures, and whose command line is corral's.
+    #[test]
+    fn a_ratio_is_judged_only_against_a_usable_floor() {
+        assert_eq!(floor_unusable(true, true, 0, true), None);
+        assert_eq!(
+            floor_unusable(false, true, 0, true).as_deref(),
+            Some("the daemon runs on another host, the floor on this one")
+        );
+        assert_eq!(floor_unusable(true, false, 3, true).as_deref(), Some("no floor spawn succeeded"));
+        assert_eq!(floor_unusable(true, true, 2, true).as_deref(), Some("2 floor spawns failed"));
+        assert_eq!(
+            floor_unusable(true, true, 0, false).as_deref(),
+            Some("the floor's command line is not the one corral's receipt names")
+        );
+        let judged = against("t", "1.00x".into(), &None, true);
+        assert_eq!((judged.measured.as_str(), judged.met), ("1.00x", Some(true)));
+        let unjudged = against("t", "0.00x".into(), &Some("no floor spawn succeeded".into()), true);
+        assert_eq!((unjudged.measured.as_str(), unjudged.met), ("0.00x; not judged: no floor spawn succeeded", None));
+    }
+
+    /// Whatever failed on the floor's side, no throughput goal reads met.
+    #[test]
+    fn a_throughput_goal_is_not_met_against_a_floor_that_did_not_run() {
+        use crate::cli::bench::throughput::{Level, ThroughputReport};
+        let level = |floor_per_second: f64, floor_errors: usize| Level {
+            concurrency: 16,
+            rounds: 1,
+            executions: 160,
+            succeeded: 160,
+            warm_runs: 0,
+            seconds: 1.0,
+            per_second: 160.0,
+            latency: Default::default(),
+            floor_per_second,
+            floor_errors,
+            cpu: None,
+            floor_cpu: None,
+            errors: Default::default(),
+        };
+        let report = |l: Level, matches: bool| ThroughputReport {
+            profile: "p".into(),
+            levels: vec![l],
+            floor_matches_receipt: matches,
+            leaks: leaks(Some(0), 0),
+        };
+        let verdict = |t: &ThroughputReport, here: bool| {
+            let l = &t.levels[0];
+            against("", String::new(), &throughput_floor(here, t, l), l.per_second >= 0.8 * l.floor_per_second).met
+        };
+        assert_eq!(verdict(&report(level(190.0, 0), true), true), Some(true));
+        assert_eq!(verdict(&report(level(210.0, 0), true), true), Some(false));
+        assert_eq!(verdict(&report(level(0.0, 160), true), true), None, "every floor spawn failed");
+        assert_eq!(verdict(&report(level(190.0, 1), true), true), None, "a floor spawn failed");
+        assert_eq!(verdict(&report(level(190.0, 0), false), true), None, "another command line");
+        assert_eq!(verdict(&report(level(190.0, 0), true), false), None, "a daemon elsewhere");
+    }
+
+    #[test]
+    fn leftover_entries_are_those_of_no_waiting_warm_sandbox() {
+        let dir = std::env::temp_dir().join(format!("corral-entries-{}", uuid::Uuid::now_v7()));
+        for name in ["warm-a", "warm-b", "leaked"] {
+            std::fs::create_dir_all(dir.join(name)).unwrap();
+        }
+        let warm = [dir.join("warm-a"), dir.join("warm-b")];
+        assert_eq!(crate::cli::bench::system::entries_except(&dir, &warm), 1);
+        assert_eq!(crate::cli::bench::system::entries_except(&dir, &[]), 3);
+        assert_eq!(crate::cli::bench::system::entries_except(&dir.join("absent"), &[]), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

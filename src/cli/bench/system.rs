@@ -260,8 +260,10 @@ pub fn tick_ms() -> f64 {
 }
 
 /// Entries under a directory (0 when it does not exist).
-pub fn entries(dir: &Path) -> usize {
-    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
+/// Entries of `dir` whose path is not one of `except`.
+pub fn entries_except(dir: &Path, except: &[std::path::PathBuf]) -> usize {
+    let Ok(read) = std::fs::read_dir(dir) else { return 0 };
+    read.filter_map(Result::ok).filter(|e| !except.contains(&e.path())).count()
 }
 
 #[cfg(test)]

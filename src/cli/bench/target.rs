@@ -1,6 +1,6 @@
-//! The daemon a bench runs against: one started in this process on
-//! 127.0.0.1:0 with a fresh data directory (no address given), or a running
-//! one named by `--server` / `CORRAL_SERVER`.
+//! The daemon a bench runs against: one started in this process with a
+//! fresh data directory, called on its unix socket (no address given), or a
+//! running one named by `--server` / `CORRAL_SERVER`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -77,6 +77,18 @@ fn blocked_waiter(pid: i32, waiter: Option<&Path>) -> bool {
 impl Target {
     pub fn in_process_mode(&self) -> bool {
         matches!(self.mode, Mode::InProcess { .. })
+    }
+
+    /// Whether the daemon runs on this host: in this process, behind a
+    /// unix socket, or on a loopback address.
+    pub fn on_this_host(&self) -> bool {
+        self.in_process_mode() || self.url.starts_with("unix://") || loopback_port(&self.url).is_some()
+    }
+
+    /// The roots of the warm sandboxes waiting in the in-process daemon's
+    /// pools; `None` for a daemon elsewhere.
+    pub fn warm_roots(&self) -> Option<Vec<PathBuf>> {
+        self.engine.as_ref().map(|e| e.warm_roots())
     }
 
     /// Starts a daemon in this process: built-in profiles plus the bench's

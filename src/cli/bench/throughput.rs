@@ -72,9 +72,10 @@ pub struct Level {
 pub struct Leaks {
     /// Sandbox roots of this run's executions that still exist.
     pub sandbox_dirs: usize,
-    /// Entries under `<data>/sandboxes` (in-process daemon only), not
-    /// counting the warm pool's (`warm_pool` of them wait there, refilled,
-    /// when the bench looks).
+    /// Entries under `<data>/sandboxes` that are not a warm sandbox
+    /// waiting in a pool (in-process daemon only; with a pool, counted once
+    /// the daemon is quiet, its pool refilled: not measured when it did not
+    /// get quiet).
     pub data_sandboxes_entries: Option<usize>,
     /// The warm sandboxes the daemon keeps (`--warm`; 0: none).
     pub warm_pool: usize,
@@ -89,6 +90,8 @@ pub struct ThroughputReport {
     pub profile: String,
     /// One entry per concurrency level, in order.
     pub levels: Vec<Level>,
+    /// The floor's command line hashes to corral's enforcement receipt.
+    pub floor_matches_receipt: bool,
     /// Counted right after the last stream ended.
     pub leaks: Leaks,
 }
@@ -100,7 +103,7 @@ pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow:
     for _ in 0..max.div_ceil(STREAMS_PER_CONNECTION) {
         channels.push(target.connect().await?);
     }
-    let (floor, _) = latency::floor_for(target, &channels[0], &args.noop_profile).await?;
+    let (floor, floor_matches_receipt) = latency::floor_for(target, &channels[0], &args.noop_profile).await?;
     let floor = Arc::new(floor);
     let sandboxes: Arc<Mutex<Vec<(String, PathBuf)>>> = Arc::default();
     let mut levels = Vec::new();
@@ -136,23 +139,21 @@ pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow:
     }
     let sandboxes = std::mem::take(&mut *sandboxes.lock().unwrap_or_else(|e| e.into_inner()));
     let ids: HashSet<String> = sandboxes.iter().map(|(id, _)| id.clone()).collect();
-    // The pool refills after the last run: wait for it (up to 10 s), so
-    // that what is there beyond it is what leaked.
-    if let Some(dir) = target.sandboxes_dir().filter(|_| warm_pool > 0) {
-        for _ in 0..200 {
-            if system::entries(&dir) >= warm_pool {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-    }
+    // The pool refills after the last run: what is under data/sandboxes
+    // besides the sandboxes waiting in it is what leaked, counted once the
+    // daemon is quiet (a refill being made is no leak).
+    let quiet = warm_pool == 0 || target.settle().await;
+    let data_sandboxes_entries = match (target.sandboxes_dir(), target.warm_roots()) {
+        (Some(dir), Some(warm)) if quiet => Some(system::entries_except(&dir, &warm)),
+        _ => None,
+    };
     let leaks = Leaks {
         sandbox_dirs: sandboxes.iter().filter(|(_, root)| root.exists()).count(),
-        data_sandboxes_entries: target.sandboxes_dir().map(|d| system::entries(&d).saturating_sub(warm_pool)),
+        data_sandboxes_entries,
         warm_pool,
         processes: system::leaked_processes(target.daemon_pid, &ids),
     };
-    Ok(ThroughputReport { profile: args.noop_profile.clone(), levels, leaks })
+    Ok(ThroughputReport { profile: args.noop_profile.clone(), levels, floor_matches_receipt, leaks })
 }
 
 /// `total` plus the CPU ticks from `from` to `to`; `None` once any reading
