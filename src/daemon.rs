@@ -356,8 +356,10 @@ fn group_id(group: &str) -> Result<u32, String> {
 }
 
 /// Refuses a warm pool the daemon could not keep: a profile that does not
-/// resolve, cannot start ahead, or a host without bwrap. (A pool that was
-/// accepted and never filled would be a promise not kept.)
+/// resolve, cannot start ahead, runs on other nodes, or is pooled twice
+/// (two references to one version), or a host without bwrap. (A pool that
+/// was accepted and never filled, or never taken from, would be a promise
+/// not kept.)
 fn check_warm_pools(
     config: &Config,
     catalog: &Catalog,
@@ -365,9 +367,10 @@ fn check_warm_pools(
     labels: &[String],
 ) -> Result<(), String> {
     let warm = &config.sandbox.warm;
-    // Within admission: the pools never hold more sandboxes than this node
-    // may run (a front end, fleet.capacity = 0, runs none: its pool would
-    // never be taken).
+    // Within admission: the pools together are no bigger than what this
+    // node runs at once (a front end, fleet.capacity = 0, runs none: its
+    // pool would never be taken). While it runs, a filler keeps running
+    // executions and warm sandboxes within the same bound (`lifecycle::warm`).
     let total: usize = warm.values().sum();
     let room = config.fleet.capacity(config.max_running_executions).min(config.max_running_executions);
     if total > room {
@@ -392,9 +395,20 @@ fn check_warm_pools(
             ));
         }
     }
+    // The profile version each pool is made for, by digest: a run takes
+    // from the first pool of its version only.
+    let mut versions: Vec<(String, &String)> = Vec::new();
     for (profile_ref, size) in warm.iter().filter(|(_, size)| **size > 0) {
         let key = format!("sandbox.warm.{profile_ref:?}");
         let profile = catalog.resolve(profile_ref).map_err(|refusal| format!("{key}: {}", refusal.0))?;
+        if let Some((_, other)) = versions.iter().find(|(digest, _)| *digest == profile.digest) {
+            return Err(format!(
+                "{key}: sandbox.warm.{other:?} and sandbox.warm.{profile_ref:?} are both profile {}: a run would \
+                 take from one pool only; keep one entry",
+                profile.reference()
+            ));
+        }
+        versions.push((profile.digest.clone(), profile_ref));
         if let Some(why) = crate::lifecycle::unpoolable(&profile) {
             return Err(format!("{key}: profile {} cannot have a warm pool: {why}", profile.reference()));
         }

@@ -100,17 +100,28 @@ async fn a_warm_run_is_confined_and_receipted_exactly_as_a_cold_one() {
 async fn a_warm_sandbox_serves_one_execution_and_the_pool_refills() {
     require_bwrap();
     let daemon = TestDaemon::start(pooled(1)).await;
+    let origin = git_repo();
     let mut seen = std::collections::BTreeSet::new();
     for round in 0..3 {
         full(&daemon).await;
         let waiting = daemon.leftover_sandboxes().await;
         assert_eq!(waiting.len(), 1);
-        // A run that commits: its capture is a second process in the same
-        // sandbox, which must start a bwrap of its own (the waiter is spent).
-        let events = daemon.execute(request(PROFILE, "")).await;
+        // A run that commits in the workspace cloned into the warm
+        // sandbox: its capture is a second process in the same sandbox,
+        // which must start a bwrap of its own (the waiter is spent), and
+        // the commit comes back to the origin.
+        let mut req = request(PROFILE, "");
+        req.repo = origin.path().display().to_string();
+        let events = daemon.execute(req).await;
         let execution = finished(&events);
         assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "round {round}: {:?}", execution.tool_error);
         assert!(was_warm(&execution), "round {round}");
+        let evidence = evidence(&execution);
+        assert_eq!(evidence.agent_commits, 1, "round {round}: {:?}", evidence.notes);
+        let head = git(origin.path(), &["rev-parse", &format!("refs/corral/{}", execution.execution_id)]);
+        assert_eq!(evidence.commit_sha, head, "round {round}");
+        let notes = git(origin.path(), &["show", &format!("{head}:AGENT_NOTES.md")]);
+        assert!(notes.contains("edited by fake agent"), "round {round}: {notes}");
         let sandbox = ready(&events).sandbox_id;
         assert_eq!(waiting[0].file_name().unwrap().to_str(), Some(sandbox.as_str()));
         assert!(seen.insert(sandbox.clone()), "sandbox {sandbox} served a second execution");
@@ -213,17 +224,25 @@ cpu_millis = 0
     let lonely = alone.path().join("corral");
     std::fs::copy(env!("CARGO_BIN_EXE_corral"), &lonely).unwrap();
     let built = Some(std::path::PathBuf::from(env!("CARGO_BIN_EXE_corral")));
-    for (size, profile, key, binary, capacity) in [
-        (1, "no.such-profile", "sandbox.warm.\"no.such-profile\"", built.clone(), None),
-        (100, PROFILE, "sandbox.warm", built.clone(), None),
+    let one = |profile: &'static str, size: usize| vec![(profile, size)];
+    for (pools, key, binary, capacity) in [
+        (one("no.such-profile", 1), "sandbox.warm.\"no.such-profile\"", built.clone(), None),
+        (one(PROFILE, 100), "sandbox.warm", built.clone(), None),
         // A front end runs nothing: no run would take its pool.
-        (1, PROFILE, "sandbox.warm", built.clone(), Some(0)),
-        (1, "test.none", "sandbox.warm.\"test.none\"", built.clone(), None),
+        (one(PROFILE, 1), "sandbox.warm", built.clone(), Some(0)),
+        (one("test.none", 1), "sandbox.warm.\"test.none\"", built.clone(), None),
         // Its runs go to nodes labelled gpu, which this one is not.
-        (1, "test.placed", "sandbox.warm.\"test.placed\"", built.clone(), None),
+        (one("test.placed", 1), "sandbox.warm.\"test.placed\"", built.clone(), None),
         // The test binary is no corral binary: nothing to run as the waiter.
-        (1, PROFILE, "gate.hook_program", None, None),
-        (1, PROFILE, "corral-sandbox-wait, which is not there", Some(lonely.clone()), None),
+        (one(PROFILE, 1), "gate.hook_program", None, None),
+        (one(PROFILE, 1), "corral-sandbox-wait, which is not there", Some(lonely.clone()), None),
+        // One profile version twice: runs would take from one pool only.
+        (
+            vec![(PROFILE, 1), ("test.fake-agent@1.0.0", 1)],
+            "sandbox.warm.\"test.fake-agent\" and sandbox.warm.\"test.fake-agent@1.0.0\" are both",
+            built.clone(),
+            None,
+        ),
     ] {
         let data = data_tempdir();
         let profiles = data.path().join("profiles");
@@ -246,7 +265,9 @@ cpu_millis = 0
                 ..Default::default()
             },
         );
-        config.sandbox.warm.insert(profile.into(), size);
+        for (profile, size) in &pools {
+            config.sandbox.warm.insert(profile.to_string(), *size);
+        }
         config.fleet.capacity = capacity;
         config.gate.hook_program = binary;
         let built = corral::daemon::Daemon::build(
@@ -257,10 +278,106 @@ cpu_millis = 0
         .await;
         let error = match built {
             Err(e) => e.to_string(),
-            Ok(_) => panic!("a daemon started with an impossible pool of {size} for {profile}"),
+            Ok(_) => panic!("a daemon started with impossible pools {pools:?}"),
         };
         assert!(error.contains(key), "{error}");
     }
+}
+
+/// A node that drains (`start_draining`, as a fleet drain's lease loop
+/// calls it) destroys its waiting warm sandboxes, no run being left to
+/// take them, and makes none more, not even for a run that took one and
+/// ends during the drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_node_destroys_its_waiting_warm_sandboxes_and_makes_no_more() {
+    require_bwrap();
+    // A spawn held 300 ms: the drain begins while the run's harness starts.
+    let (backends, log) = faults::bwrap_with(faults::BackendFaults { slow_spawn: true, ..Default::default() });
+    let daemon = TestDaemon::start(Options { backends: Some(backends), ..pooled(2) }).await;
+    full(&daemon).await;
+    let drain = async {
+        while daemon.engine.warm_levels()[0].1 == 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(daemon.engine.start_draining());
+        // Let go of at once, not once the run ends: its harness is starting.
+        while daemon.engine.warm_levels()[0].1 > 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(log.lock().unwrap().creates_at_spawn.is_empty(), "the waiting sandbox was kept until the run went on");
+    };
+    let (events, ()) = tokio::join!(daemon.execute(request(PROFILE, "NOWORK")), drain);
+    let execution = finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
+    assert!(was_warm(&execution));
+    for _ in 0..400 {
+        if daemon.leftover_sandboxes().await.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(daemon.leftover_sandboxes().await, Vec::<std::path::PathBuf>::new(), "a warm sandbox still waits");
+    assert_eq!(daemon.engine.warm_levels()[0].1, 0);
+    // Time for a refill the run's end would have begun.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(log.lock().unwrap().creates, 2, "a warm sandbox was made while the node drained");
+    daemon.stop().await;
+}
+
+/// A pool whose sandboxes cannot be made tries again later and later (the
+/// sixth failure waits 6.4 s); a shutdown does not wait that out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_pool_does_not_hold_up_the_shutdown() {
+    require_bwrap();
+    let (backends, log) = faults::bwrap_with(faults::BackendFaults { fail_init: true, ..Default::default() });
+    let options = Options {
+        backends: Some(backends),
+        config: Box::new(|c| {
+            c.sandbox.warm.insert(PROFILE.into(), 1);
+            // Longer than the wait: its end would not cut the wait short.
+            c.shutdown_grace_seconds = 60;
+        }),
+        ..Options::default()
+    };
+    let daemon = TestDaemon::start(options).await;
+    let began = std::time::Instant::now();
+    while log.lock().unwrap().created < 6 {
+        assert!(began.elapsed() < Duration::from_secs(30), "the pool did not try six times");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stopping = std::time::Instant::now();
+    daemon.stop().await;
+    let took = stopping.elapsed();
+    assert!(took < Duration::from_secs(3), "the shutdown waited {took:?} for a failing pool's next try");
+}
+
+/// Refills stay within admission: a node that runs one execution at once,
+/// running one, makes no warm sandbox besides it, and refills once it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_refills_only_within_the_executions_the_node_admits() {
+    require_bwrap();
+    let (backends, log) = faults::bwrap_with(faults::BackendFaults::default());
+    let options = Options {
+        backends: Some(backends),
+        config: Box::new(|c| {
+            c.sandbox.warm.insert(PROFILE.into(), 1);
+            c.max_running_executions = 1;
+        }),
+        ..Options::default()
+    };
+    let daemon = TestDaemon::start(options).await;
+    full(&daemon).await;
+    let (run, _) = start_hanging(daemon.channel().await, "").await;
+    // Its refill would have begun 100 ms after the harness had its task.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(log.lock().unwrap().creates, 1, "a warm sandbox was made beside the one execution admitted");
+    assert_eq!(daemon.engine.warm_levels()[0].1, 0);
+    let mut client = daemon.executions().await;
+    client.cancel_execution(pb::CancelExecutionRequest { execution_id: run }).await.unwrap();
+    // Its end makes room.
+    full(&daemon).await;
+    assert_eq!(log.lock().unwrap().creates, 2);
+    daemon.stop().await;
 }
 
 /// Processes whose real uid is in `range` (`first-last`): the program each

@@ -116,6 +116,15 @@ impl Admission {
     pub fn running(&self, work: Work) -> usize {
         self.slots().values().filter(|s| s.work == work).count()
     }
+
+    /// How many more of `work` it admits now (quotas aside).
+    pub fn room(&self, work: Work) -> usize {
+        let max = match work {
+            Work::Execution => self.max_executions,
+            Work::Session => self.max_sessions,
+        };
+        max.saturating_sub(self.running(work))
+    }
 }
 
 #[cfg(test)]
@@ -132,8 +141,10 @@ mod tests {
         assert!(a.reserve("s2", Work::Session, "p", None).unwrap_err().0.contains("1 sessions"));
         a.release("e1");
         a.release("e1");
+        assert_eq!((a.room(Work::Execution), a.room(Work::Session)), (1, 0));
         assert!(a.reserve("e3", Work::Execution, "p", None).is_ok());
         assert_eq!(a.running(Work::Execution), 2);
+        assert_eq!(a.room(Work::Execution), 0);
     }
 
     #[test]

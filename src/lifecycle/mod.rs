@@ -330,8 +330,9 @@ impl Engine {
     /// Gives an execution's or a session's admission slot back.
     pub(crate) fn release(&self, id: &str) {
         self.admission.release(id);
-        // Room here: queued work may be claimed.
+        // Room here: queued work may be claimed, a warm pool refilled.
         self.fleet.wake.notify_one();
+        self.wake_held_back_fillers();
     }
 
     /// Accepts an execution and starts it on its own task. The same
@@ -776,10 +777,13 @@ impl Engine {
         });
     }
 
-    /// Refuses new work from now on.
+    /// Refuses new work from now on: the warm pools make no more
+    /// sandboxes, and their fillers destroy those waiting (no run will
+    /// take them).
     pub fn start_draining(&self) -> bool {
         let was = self.tasks.is_closed();
         self.tasks.close();
+        self.stop_filling();
         !was
     }
 

@@ -272,6 +272,10 @@ impl Engine {
             for placeholder in placeholders.iter().skip(used) {
                 self.admission.release(placeholder);
             }
+            if used < placeholders.len() {
+                // Room no claim took: a warm pool held back may refill.
+                self.wake_held_back_fillers();
+            }
             if !full {
                 return;
             }

@@ -7,12 +7,16 @@
 //! request and start the sandbox's waiting first process (see
 //! `sandbox::waiter`). A request takes a warm sandbox only when it was made
 //! for exactly the request's profile version, effective sandbox and
-//! timeout (`sandbox::pool`); it serves that one run and is destroyed like
-//! any other. The pools refill in the background, as many sandboxes at
-//! once as the host has cores (at least two, at most the pools' total
-//! size), never while the daemon drains, and are destroyed when it shuts down;
-//! what a crash leaves of them, recovery sweeps (their rows are like any
-//! sandbox's, with no subject until a run takes them).
+//! timeout (`sandbox::pool`); it serves that one run (an execution or a
+//! session) and is destroyed like any other. The pools refill in the
+//! background, as many sandboxes at once as the host has cores (at least
+//! two, at most the pools' total size), and only while the executions
+//! running and the warm sandboxes (waiting or being made) are fewer than
+//! the executions this node admits at once. Once the daemon drains (a
+//! SIGTERM or a fleet drain) they make nothing more and their waiting
+//! sandboxes are destroyed; what a crash leaves of them, recovery sweeps
+//! (their rows are like any sandbox's, with no subject until a run takes
+//! them).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,12 +24,14 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
+use super::admission::Work;
 use super::Engine;
 use crate::catalog::Profile;
 use crate::credentials::GatewayRoute;
 use crate::events::Recorder;
-use crate::sandbox::pool::{PoolKey, Pools, Take};
+use crate::sandbox::pool::{Fill, PoolKey, Pools, Take};
 use crate::sandbox::{CreateSandbox, GateFile, Sandbox, SandboxBackend, SandboxSpec, SandboxState, SandboxType};
 
 /// A sandbox the backend made, with its credential gateway routes.
@@ -38,10 +44,16 @@ pub(super) struct Made {
 /// A warm sandbox waiting in a pool.
 pub(super) type WarmSandbox = Made;
 
-/// The daemon's warm pools and what wakes their filler.
+/// The daemon's warm pools and what wakes their fillers.
 pub(super) struct Warm {
     pools: Mutex<Pools<WarmSandbox>>,
     wake: Notify,
+    /// Cancelled once nothing more is to be made: the daemon drains, or the
+    /// pools closed. A filler waiting out a retry stops waiting.
+    stop: CancellationToken,
+    /// A filler waits for admission's room ([`Fill::NoRoom`]): the next run
+    /// to end wakes the fillers.
+    held_back: AtomicBool,
 }
 
 /// How long the filler waits after a sandbox could not be made, at first
@@ -51,7 +63,12 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 
 impl Warm {
     pub fn new(sizes: &std::collections::BTreeMap<String, usize>) -> Warm {
-        Warm { pools: Mutex::new(Pools::new(sizes)), wake: Notify::new() }
+        Warm {
+            pools: Mutex::new(Pools::new(sizes)),
+            wake: Notify::new(),
+            stop: CancellationToken::new(),
+            held_back: AtomicBool::new(false),
+        }
     }
 
     fn pools(&self) -> std::sync::MutexGuard<'_, Pools<WarmSandbox>> {
@@ -352,8 +369,8 @@ impl Engine {
     }
 
     /// Starts the fillers of the warm pools, if any is configured: they
-    /// keep each full, [`fillers`] sandboxes at a time, until the daemon
-    /// drains.
+    /// keep each full, [`fillers`] sandboxes at a time, within admission's
+    /// room, until the daemon drains.
     pub fn start_warm_pools(self: &Arc<Self>) {
         let size = self.warm_levels().iter().map(|(_, _, size)| size).sum::<usize>();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -367,18 +384,39 @@ impl Engine {
     async fn fill_pools(self: Arc<Self>) {
         let mut retry = RETRY_FIRST;
         loop {
-            // Armed before the pools are read: a take or a close between
-            // the read and the wait wakes this filler all the same.
+            // Armed before the pools are read: a take, a close or a run's end
+            // between the read and the wait wakes this filler all the same.
             let wake = self.warm.wake.notified();
             let mut wake = std::pin::pin!(wake);
             wake.as_mut().enable();
-            let next = self.warm.pools().next_fill();
-            let Some((index, profile_ref)) = next else {
-                if self.warm.pools().is_closed() {
-                    return;
+            if self.is_draining() {
+                // No run will take them now. A fence abandons the pools
+                // itself: their processes are killed, not destroyed.
+                if !self.fenced.load(Ordering::SeqCst) {
+                    self.close_warm_pools().await;
                 }
-                wake.await;
-                continue;
+                return;
+            }
+            // Room for executions is room for sandboxes: a warm one becomes
+            // the sandbox of the run that takes it.
+            let room = self.admission.room(Work::Execution);
+            let next = self.warm.pools().next_fill(room);
+            let (index, profile_ref) = match next {
+                Fill::Make(index, profile_ref) => (index, profile_ref),
+                Fill::Closed => return,
+                Fill::Full => {
+                    wake.await;
+                    continue;
+                }
+                Fill::NoRoom => {
+                    self.warm.held_back.store(true, Ordering::SeqCst);
+                    // A run that ended before the flag was up woke no one:
+                    // look again if room was made meanwhile.
+                    if self.admission.room(Work::Execution) <= room {
+                        wake.await;
+                    }
+                    continue;
+                }
             };
             let t = Instant::now();
             match self.make_warm(&profile_ref).await {
@@ -396,15 +434,28 @@ impl Engine {
                     tracing::warn!(profile = %profile_ref, %error, retry_ms = retry.as_millis() as u64, "warm sandbox not made");
                     tokio::select! {
                         _ = tokio::time::sleep(retry) => {}
-                        _ = self.draining.cancelled() => {}
+                        _ = self.warm.stop.cancelled() => {}
                     }
                     retry = (retry * 2).min(RETRY_MAX);
                 }
             }
-            if self.is_draining() {
-                self.close_warm_pools().await;
-            }
         }
+    }
+
+    /// Wakes the fillers held back by admission ([`Fill::NoRoom`]): a run
+    /// ended, and its room may be theirs.
+    pub(super) fn wake_held_back_fillers(&self) {
+        if self.warm.held_back.swap(false, Ordering::SeqCst) {
+            self.warm.wake.notify_waiters();
+        }
+    }
+
+    /// Stops the fillers: none starts another sandbox, and those waiting
+    /// (for a take, for room, or out a retry) wake, to close the pools or
+    /// end.
+    pub(super) fn stop_filling(&self) {
+        self.warm.stop.cancel();
+        self.warm.wake.notify_waiters();
     }
 
     /// A sandbox for the pool of `profile_ref`, its waiter started.
@@ -498,10 +549,11 @@ impl Engine {
         }
     }
 
-    /// Closes the pools and destroys every waiting sandbox (a shutdown).
+    /// Closes the pools and destroys every waiting sandbox (a drain, a
+    /// shutdown).
     pub(super) async fn close_warm_pools(&self) {
         let waiting = self.warm.pools().close();
-        self.warm.wake.notify_waiters();
+        self.stop_filling();
         for made in waiting {
             self.destroy_warm(made).await;
         }
@@ -511,7 +563,7 @@ impl Engine {
     /// fence killed: their rows and files are recovery's.
     pub(super) fn abandon_warm_pools(&self) {
         drop(self.warm.pools().close());
-        self.warm.wake.notify_waiters();
+        self.stop_filling();
     }
 
     /// Stores a sandbox's state; a store error is logged.

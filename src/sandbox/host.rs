@@ -25,7 +25,8 @@ pub struct SandboxConfig {
     /// range overlaps a live one refuses to start.
     pub lock_dir: std::path::PathBuf,
     /// Warm sandboxes to keep ready, by profile reference (`"builtin.noop"
-    /// = 2`): made ahead of any request, each serves one execution.
+    /// = 2`, at most [`MAX_WARM`]): made ahead of any request, each serves
+    /// one execution or session.
     pub warm: std::collections::BTreeMap<String, usize>,
 }
 
@@ -269,6 +270,16 @@ mod tests {
             assert_eq!(config.validate().unwrap_err().0, "sandbox.cgroup_parent", "{bad:?}");
         }
         assert!(SandboxConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn a_warm_pool_holds_at_most_256() {
+        let mut config = SandboxConfig::default();
+        config.warm.insert("builtin.noop".into(), MAX_WARM);
+        assert_eq!(config.validate(), Ok(()));
+        config.warm.insert("builtin.noop".into(), MAX_WARM + 1);
+        let refused = ("sandbox.warm.\"builtin.noop\"".to_string(), "257 is above 256".to_string());
+        assert_eq!(config.validate(), Err(refused));
     }
 
     #[test]

@@ -1,12 +1,12 @@
 //! Warm pools: sandboxes made ahead of any request, each waiting for the
-//! one execution it will serve (see [`super::waiter`]).
+//! one execution or session it will serve (see [`super::waiter`]).
 //!
 //! This is the bookkeeping only, generic over what a warm sandbox is so it
-//! can be checked with exact vectors: which pool is filled next, which
-//! waiting sandbox a request takes (never one made for another profile
-//! version, sandbox or timeout) and, when it takes none, why, and what a
-//! closed pool hands back to be destroyed. The daemon fills, takes and
-//! destroys (`lifecycle::warm`).
+//! can be checked with exact vectors: which pool is filled next, and
+//! whether there is room for it, which waiting sandbox a request takes
+//! (never one made for another profile version, sandbox or timeout) and,
+//! when it takes none, why, and what a closed pool hands back to be
+//! destroyed. The daemon fills, takes and destroys (`lifecycle::warm`).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -59,6 +59,20 @@ pub enum Take<T> {
     NoPool,
 }
 
+/// What a filler does next ([`Pools::next_fill`]).
+#[derive(Debug, PartialEq)]
+pub enum Fill {
+    /// Make a sandbox for the pool at this index (its profile reference).
+    Make(usize, String),
+    /// Every pool holds its size, waiting and being made.
+    Full,
+    /// A pool is short, but the pools hold all the room there is: nothing
+    /// until a run ends.
+    NoRoom,
+    /// The pools are closed: nothing, ever.
+    Closed,
+}
+
 /// Every configured pool, by profile reference.
 pub struct Pools<T> {
     pools: Vec<Pool<T>>,
@@ -92,7 +106,9 @@ impl<T> Pools<T> {
     /// miss is counted against: the one made for `key`; else one of the
     /// same profile version (made for another sandbox or timeout); else one
     /// of the profile that has made nothing yet (it may be for `key`); else
-    /// any of the profile.
+    /// any of the profile. (The daemon refuses, at start, two pools whose
+    /// references resolve to one profile version: only the first would
+    /// ever be taken from.)
     pub fn take(&mut self, key: &PoolKey, profile_id: &str) -> Take<T> {
         if let Some(pool) = self.pools.iter_mut().find(|p| p.key.as_ref() == Some(key)) {
             return match pool.warm.pop_front() {
@@ -114,22 +130,30 @@ impl<T> Pools<T> {
         }
     }
 
-    /// The pool to make a sandbox for next, as `(index, profile reference)`:
-    /// the one furthest below its size, counting those being made; `None`
-    /// when all are full or the pools are closed. Counted as being made
+    /// What to make next, given `room`: how many sandboxes the pools may
+    /// hold now, waiting and being made together (what admission would
+    /// still let run). The pool to make one for is the one furthest below
+    /// its size, counting those being made; it is counted as being made
     /// until [`filled`](Self::filled) or [`failed`](Self::failed).
-    pub fn next_fill(&mut self) -> Option<(usize, String)> {
+    pub fn next_fill(&mut self, room: usize) -> Fill {
         if self.closed {
-            return None;
+            return Fill::Closed;
         }
-        let (index, pool) = self
+        let held: usize = self.pools.iter().map(|p| p.warm.len() + p.filling).sum();
+        let Some((index, pool)) = self
             .pools
             .iter_mut()
             .enumerate()
             .filter(|(_, p)| p.warm.len() + p.filling < p.size)
-            .max_by_key(|(i, p)| (p.size - p.warm.len() - p.filling, usize::MAX - i))?;
+            .max_by_key(|(i, p)| (p.size - p.warm.len() - p.filling, usize::MAX - i))
+        else {
+            return Fill::Full;
+        };
+        if held >= room {
+            return Fill::NoRoom;
+        }
         pool.filling += 1;
-        Some((index, pool.profile_ref.clone()))
+        Fill::Make(index, pool.profile_ref.clone())
     }
 
     /// A sandbox for pool `index` is ready, made for `key`. Returns what is
@@ -193,24 +217,48 @@ mod tests {
         Pools::new(&sizes.iter().map(|(r, n)| (r.to_string(), *n)).collect())
     }
 
+    /// The index of the pool to make a sandbox for, room aside.
+    fn make(p: &mut Pools<u32>) -> usize {
+        match p.next_fill(usize::MAX) {
+            Fill::Make(index, _) => index,
+            other => panic!("nothing to make: {other:?}"),
+        }
+    }
+
     #[test]
     fn the_pool_furthest_below_its_size_fills_first_and_none_past_its_size() {
         let mut p = pools(&[("a", 2), ("b", 1), ("z", 0)]);
         assert_eq!(p.levels(), [("a".to_string(), 0, 2), ("b".to_string(), 0, 1)]);
-        assert_eq!(p.next_fill(), Some((0, "a".into())));
+        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()));
         // a: 1 short (one being made), b: 1 short; the first wins a tie.
-        assert_eq!(p.next_fill(), Some((0, "a".into())));
-        assert_eq!(p.next_fill(), Some((1, "b".into())));
-        assert_eq!(p.next_fill(), None, "everything is being made");
+        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(9), Fill::Make(1, "b".into()));
+        assert_eq!(p.next_fill(9), Fill::Full, "everything is being made");
         p.failed(1);
-        assert_eq!(p.next_fill(), Some((1, "b".into())));
+        assert_eq!(p.next_fill(9), Fill::Make(1, "b".into()));
+    }
+
+    #[test]
+    fn the_pools_make_nothing_past_the_room_they_are_given() {
+        let mut p = pools(&[("a", 2), ("b", 1)]);
+        assert_eq!(p.next_fill(0), Fill::NoRoom, "a node running all it may");
+        assert_eq!(p.next_fill(2), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(2), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(2), Fill::NoRoom, "two being made: all the room");
+        assert!(p.filled(0, key("d"), 1).is_empty());
+        assert_eq!(p.next_fill(2), Fill::NoRoom, "one waiting, one being made");
+        assert_eq!(p.next_fill(3), Fill::Make(1, "b".into()));
+        assert_eq!(p.next_fill(0), Fill::Full, "full: nothing to wait for");
+        assert_eq!(p.take(&key("d"), "a"), Take::Warm("a".into(), 1));
+        assert_eq!(p.next_fill(2), Fill::NoRoom, "one being made for each pool");
+        assert_eq!(p.next_fill(3), Fill::Make(0, "a".into()));
     }
 
     #[test]
     fn a_warm_sandbox_is_taken_once_oldest_first_and_only_for_its_key() {
         let mut p = pools(&[("a", 3)]);
         for item in [10, 11] {
-            let (i, _) = p.next_fill().unwrap();
+            let i = make(&mut p);
             assert!(p.filled(i, key("d1"), item).is_empty());
         }
         assert_eq!(p.take(&key("d2"), "a"), Take::Mismatch("a".into()), "another profile version");
@@ -234,7 +282,7 @@ mod tests {
         assert_eq!(p.take(&key("d1"), "x"), Take::Empty("x@1.0.0".into()), "nothing made yet");
         assert_eq!(p.take(&key("d1"), "z"), Take::NoPool, "no pool of that profile");
         let filled = |p: &mut Pools<u32>, digest: &str, item| {
-            let (i, _) = p.next_fill().unwrap();
+            let i = make(p);
             p.filled(i, key(digest), item);
         };
         filled(&mut p, "d1", 1);
@@ -252,10 +300,10 @@ mod tests {
     fn a_new_profile_version_hands_back_the_sandboxes_made_for_the_old_one() {
         let mut p = pools(&[("a", 3)]);
         for item in [1, 2] {
-            let (i, _) = p.next_fill().unwrap();
+            let i = make(&mut p);
             p.filled(i, key("old"), item);
         }
-        let (i, _) = p.next_fill().unwrap();
+        let i = make(&mut p);
         assert_eq!(p.filled(i, key("new"), 3), [1, 2]);
         assert_eq!(p.take(&key("old"), "a"), Take::Mismatch("a".into()));
         assert_eq!(p.take(&key("new"), "a"), Take::Warm("a".into(), 3));
@@ -264,17 +312,17 @@ mod tests {
     #[test]
     fn closed_pools_fill_nothing_and_hand_back_everything() {
         let mut p = pools(&[("a", 2), ("b", 2)]);
-        let (a, _) = p.next_fill().unwrap();
+        let a = make(&mut p);
         p.filled(a, key("da"), 1);
-        let (b, _) = p.next_fill().unwrap();
+        let b = make(&mut p);
         assert_eq!(b, 1);
         p.filled(b, key("db"), 2);
-        let (late, _) = p.next_fill().unwrap();
+        let late = make(&mut p);
         let mut all = p.close();
         all.sort();
         assert_eq!(all, [1, 2]);
         assert!(p.is_closed());
-        assert_eq!(p.next_fill(), None);
+        assert_eq!(p.next_fill(9), Fill::Closed);
         assert_eq!(p.filled(late, key("da"), 3), [3], "made while closing: destroyed at once");
         assert_eq!(p.take(&key("da"), "a"), Take::Empty("a".into()));
     }
