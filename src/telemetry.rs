@@ -29,7 +29,8 @@ pub(crate) fn describe() {
     describe_counter!(
         "corral_warm_requests_total",
         "Runs of a warm pool's profile, by pool and what they found: a warm sandbox (warm), none waiting (empty), \
-         or a pool made for another profile version, sandbox or timeout (mismatch)."
+         only sandboxes whose waiter had exited (dead), or a pool made for another profile version, sandbox or \
+         timeout (mismatch)."
     );
     describe_counter!(
         "corral_sandbox_reclaim_failures_total",
@@ -201,13 +202,13 @@ pub fn sandbox_alive(delta: f64) {
 
 /// Lists a warm pool's `corral_warm_requests_total` at 0.
 pub fn warm_pool_listed(pool: &str) {
-    for found in ["warm", "empty", "mismatch"] {
+    for found in ["warm", "empty", "dead", "mismatch"] {
         counter!("corral_warm_requests_total", "profile" => pool.to_string(), "found" => found).absolute(0);
     }
 }
 
 /// Counts a run of the warm pool `pool`'s profile by what it found there:
-/// `warm`, `empty` or `mismatch` (`corral_warm_requests_total`).
+/// `warm`, `empty`, `dead` or `mismatch` (`corral_warm_requests_total`).
 pub fn warm_request(pool: &str, found: &'static str) {
     counter!("corral_warm_requests_total", "profile" => pool.to_string(), "found" => found).increment(1);
 }

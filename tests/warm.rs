@@ -131,6 +131,52 @@ async fn a_warm_sandbox_serves_one_execution_and_the_pool_refills() {
     daemon.stop().await;
 }
 
+/// Waits until `check` holds, for up to 10 s.
+async fn until(what: &str, mut check: impl FnMut() -> bool) {
+    for _ in 0..400 {
+        if check() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+/// A warm sandbox whose waiter died while it waited (killed, out of memory)
+/// serves no run: the run takes the cold path and succeeds, the dead
+/// sandbox is destroyed, and the pool refills.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_sandbox_whose_waiter_died_is_destroyed_and_the_run_goes_cold() {
+    require_bwrap();
+    let daemon = TestDaemon::start(pooled(1)).await;
+    full(&daemon).await;
+    let waiting = daemon.leftover_sandboxes().await;
+    assert_eq!(waiting.len(), 1);
+    let dead = waiting[0].clone();
+    let is_waiter = |pid: &i32| {
+        std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
+    };
+    until("the waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter)).await;
+    // Everything in its cgroup: bwrap, bwrap's pid 1 and the waiter.
+    for pid in daemon.engine.warm_processes().concat() {
+        // SAFETY: a plain kill(2).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    until("the waiting sandbox's processes are gone", || daemon.engine.warm_processes() == [Vec::<i32>::new()]).await;
+
+    let events = daemon.execute(request(PROFILE, "NOWORK")).await;
+    let execution = finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
+    assert!(!was_warm(&execution), "the run took the dead sandbox");
+    assert_ne!(dead.file_name().unwrap().to_str(), Some(ready(&events).sandbox_id.as_str()));
+    until("the dead sandbox is destroyed", || !dead.exists()).await;
+    full(&daemon).await;
+    let now = daemon.leftover_sandboxes().await;
+    assert_eq!(now.len(), 1, "the refilled sandbox only: {now:?}");
+    assert_ne!(now[0], dead);
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_refills_more_than_one_sandbox_at_once_and_each_serves_one_run() {
     require_bwrap();
@@ -496,7 +542,7 @@ async fn the_metrics_say_what_the_runs_of_a_pools_profile_found() {
         sample(text, "corral_warm_requests_total", &format!("profile=\"test.pooled@1.1.0\",found=\"{found}\""))
     };
     let text = scrape(port).await;
-    for what in ["warm", "empty", "mismatch"] {
+    for what in ["warm", "empty", "dead", "mismatch"] {
         assert_eq!(found(&text, what), Some(0.0), "listed at 0 before any run: {text}");
     }
     waiters(&serve.uids, 1).await;

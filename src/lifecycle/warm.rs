@@ -299,7 +299,9 @@ fn fillers(pool_size: usize, cores: usize) -> usize {
 impl Engine {
     /// A warm sandbox made for exactly `profile`, `spec` and
     /// `timeout_seconds`, taken out of its pool, with its pool's refill,
-    /// begun when the [`Refill`] is dropped.
+    /// begun when the [`Refill`] is dropped. One whose waiter has exited
+    /// is passed over, destroyed in the background, and its pool refills
+    /// at once.
     pub(super) fn take_warm(
         self: &Arc<Self>,
         profile: &Profile,
@@ -310,15 +312,29 @@ impl Engine {
         if pools.is_empty() {
             return None;
         }
-        let taken = pools.take(&pool_key(profile, spec, timeout_seconds), profile.id());
+        // One waitid per sandbox looked at. A waiter that dies after this,
+        // before the run's spawn hands it the harness, still fails that run.
+        let live = |w: &WarmSandbox| !w.backend.waiter_exited(&w.sandbox);
+        let (taken, dead) = pools.take_live(&pool_key(profile, spec, timeout_seconds), profile.id(), live);
         drop(pools);
         let (pool, found, taken) = match taken {
             Take::Warm(pool, taken) => (pool, "warm", Some(taken)),
             Take::Empty(pool) => (pool, "empty", None),
+            Take::Dead(pool) => (pool, "dead", None),
             Take::Mismatch(pool) => (pool, "mismatch", None),
             Take::NoPool => return None,
         };
         crate::telemetry::warm_request(&pool, found);
+        if !dead.is_empty() {
+            self.report_warm_levels();
+            self.warm.wake.notify_one();
+        }
+        for made in dead {
+            let id = &made.sandbox.id;
+            tracing::warn!(profile = %pool, sandbox_id = %id, "warm sandbox's waiter exited while it waited; destroyed");
+            let engine = self.clone();
+            self.tasks.spawn(async move { engine.destroy_warm(made).await });
+        }
         let taken = taken?;
         self.report_warm_levels();
         let signal = RefillSignal { engine: Arc::downgrade(self), sent: AtomicBool::new(false) };

@@ -212,6 +212,14 @@ impl Boundary {
         self.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&sandbox.id)
     }
 
+    /// Whether the sandbox's waiter, which no spawn took yet, has exited
+    /// (killed, out of memory), without reaping it. Its first process is
+    /// bwrap, which exits once the waiter inside it does.
+    pub fn waiter_exited(&self, sandbox: &Sandbox) -> bool {
+        let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        waiting.get(&sandbox.id).is_some_and(SandboxProcess::peek_exited)
+    }
+
     /// Kills everything of the sandbox and waits until nothing of it can
     /// run again: what a run reports as `sandbox_destroy`. [`reclaim`]
     /// gives back what it held.

@@ -529,6 +529,10 @@ impl SandboxBackend for BwrapBackend {
         Ok(())
     }
 
+    fn waiter_exited(&self, sandbox: &Sandbox) -> bool {
+        self.boundary.waiter_exited(sandbox)
+    }
+
     async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
         self.boundary.stop(sandbox).await
     }

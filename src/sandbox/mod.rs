@@ -267,6 +267,14 @@ pub trait SandboxBackend: Send + Sync {
         let _ = (sandbox, program);
         Err(SandboxError::Unavailable(format!("{} sandboxes cannot be started ahead", self.kind().as_str())))
     }
+    /// Whether the waiter [`prestart`](Self::prestart) started has exited
+    /// while it waited (killed, out of memory), without reaping it: the
+    /// sandbox's next spawn could not hand it anything. False for a
+    /// sandbox without one.
+    fn waiter_exited(&self, sandbox: &Sandbox) -> bool {
+        let _ = sandbox;
+        false
+    }
     /// Kills whatever still runs in the sandbox and waits until nothing of
     /// it can run again (its cgroup empty; without one, its uid swept).
     async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError>;

@@ -4,8 +4,9 @@
 //! This is the bookkeeping only, generic over what a warm sandbox is so it
 //! can be checked with exact vectors: which pool is filled next, and
 //! whether there is room for it, which waiting sandbox a request takes
-//! (never one made for another profile version, sandbox or timeout) and,
-//! when it takes none, why, and what a closed pool hands back to be
+//! (never one made for another profile version, sandbox or timeout, nor
+//! one whose first process died while it waited) and, when it takes none,
+//! why, and what a closed pool or a dead sandbox hands back to be
 //! destroyed. The daemon fills, takes and destroys (`lifecycle::warm`).
 
 use std::collections::{BTreeMap, VecDeque};
@@ -52,6 +53,9 @@ pub enum Take<T> {
     /// The pool made for the request had none waiting (all taken, being
     /// made, or none made yet).
     Empty(String),
+    /// The pool made for the request had only sandboxes whose first
+    /// process had exited while they waited ([`Pools::take_live`]).
+    Dead(String),
     /// The pools of the request's profile are made for another version of
     /// it, or for another sandbox or timeout (the gate tightened the run's).
     Mismatch(String),
@@ -127,6 +131,20 @@ impl<T> Pools<T> {
         match of_profile().next() {
             Some(pool) => Take::Mismatch(pool.profile_ref.clone()),
             None => Take::NoPool,
+        }
+    }
+
+    /// [`take`](Self::take), past every waiting sandbox that `live` says
+    /// is no longer usable (its first process exited while it waited):
+    /// those are taken out too, and handed back to be destroyed.
+    pub fn take_live(&mut self, key: &PoolKey, profile_id: &str, live: impl Fn(&T) -> bool) -> (Take<T>, Vec<T>) {
+        let mut dead = Vec::new();
+        loop {
+            match self.take(key, profile_id) {
+                Take::Warm(_, item) if !live(&item) => dead.push(item),
+                Take::Empty(pool) if !dead.is_empty() => return (Take::Dead(pool), dead),
+                taken => return (taken, dead),
+            }
         }
     }
 
@@ -274,6 +292,25 @@ mod tests {
         assert_eq!(p.take(&key("d1"), "b"), Take::Empty("a".into()), "the key decides, not the id");
         assert_eq!(p.take(&key("d9"), "b"), Take::NoPool);
         assert_eq!(p.levels(), [("a".to_string(), 0, 3)]);
+    }
+
+    #[test]
+    fn a_dead_sandbox_is_handed_back_and_the_next_one_taken() {
+        let mut p = pools(&[("a", 3)]);
+        for item in [1, 2, 3] {
+            let i = make(&mut p);
+            p.filled(i, key("d"), item);
+        }
+        assert_eq!(p.take_live(&key("d"), "a", |i| *i != 1), (Take::Warm("a".into(), 2), vec![1]));
+        assert_eq!(p.take_live(&key("d"), "a", |_| false), (Take::Dead("a".into()), vec![3]));
+        assert_eq!(p.take_live(&key("d"), "a", |_| false), (Take::Empty("a".into()), vec![]), "none was waiting");
+        assert_eq!(p.levels(), [("a".to_string(), 0, 3)]);
+        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()), "the dead ones' places are made again");
+        let i = make(&mut p);
+        p.filled(i, key("d"), 4);
+        let mismatch = p.take_live(&key("other"), "a", |_| panic!("a sandbox made for another key was looked at"));
+        assert_eq!(mismatch, (Take::Mismatch("a".into()), vec![]));
+        assert_eq!(p.levels(), [("a".to_string(), 1, 3)]);
     }
 
     #[test]

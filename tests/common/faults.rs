@@ -152,6 +152,10 @@ impl SandboxBackend for FaultyBackend {
         self.inner.prestart(sandbox, program).await
     }
 
+    fn waiter_exited(&self, sandbox: &Sandbox) -> bool {
+        self.inner.waiter_exited(sandbox)
+    }
+
     async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
         self.log.lock().unwrap().destroys.push(sandbox.id.clone());
         let result = self.inner.stop(sandbox).await;
