@@ -251,6 +251,134 @@ async fn a_run_the_gate_tightens_takes_the_cold_path_and_leaves_the_pool_alone()
     daemon.stop().await;
 }
 
+/// The same with the sandbox: a profile whose network is on, under an
+/// admin policy that turns it off. The run gets the sandbox the gate
+/// allowed, made for it, and the sandbox waiting for the profile's own
+/// (network on, behind its egress proxy) is left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_sandbox_the_gate_tightens_takes_the_cold_path_and_leaves_the_pool_alone() {
+    require_bwrap();
+    let netted = fake_agent_profile(PROFILE, "")
+        .replace("allow_network = false", "allow_network = true\nallow_hosts = [\"example.com\"]");
+    assert!(netted.contains("allow_network = true"), "{netted}");
+    let options = Options {
+        profiles: vec![("fake.toml".into(), netted)],
+        config: Box::new(|c| {
+            c.sandbox.warm.insert(PROFILE.into(), 1);
+            c.policies.push(corral::policy::PolicySpec {
+                name: "no-network".into(),
+                kind: "deny_network".into(),
+                arguments: serde_json::json!({}),
+                on: vec![],
+            });
+        }),
+        ..Options::default()
+    };
+    let daemon = TestDaemon::start(options).await;
+    full(&daemon).await;
+    let waiting = daemon.leftover_sandboxes().await;
+    assert_eq!(waiting.len(), 1);
+    let is_waiter = |pid: &i32| {
+        std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
+    };
+    until("the waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter)).await;
+    let processes = daemon.engine.warm_processes();
+    for _ in 0..2 {
+        let events = daemon.execute(request(PROFILE, "NOWORK")).await;
+        let execution = finished(&events);
+        assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
+        let effective = execution.effective_sandbox.clone().expect("an effective sandbox");
+        assert!(
+            !effective.allow_network && effective.allow_hosts.is_empty(),
+            "not the tightened sandbox: {effective:?}"
+        );
+        assert!(evidence(&execution).gate_decisions.iter().any(|d| d.policy == "no-network"));
+        assert!(!was_warm(&execution), "a tightened run took a sandbox made with the network on");
+        assert_ne!(waiting[0].file_name().unwrap().to_str(), Some(ready(&events).sandbox_id.as_str()));
+        assert_eq!(daemon.leftover_sandboxes().await, waiting, "the warm sandbox still waits, the only one left");
+        assert_eq!(daemon.engine.warm_levels()[0].1, 1);
+        assert_eq!(daemon.engine.warm_processes(), processes, "the waiting sandbox's processes changed");
+    }
+    daemon.stop().await;
+}
+
+/// A session takes a warm sandbox too: its harness starts in the waiting
+/// sandbox, its turns run there, its pool refills once the harness has
+/// started (the session still going), and the sandbox serves that one
+/// session: destroyed when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_sandbox_serves_one_session_and_the_pool_refills_once_its_harness_started() {
+    require_bwrap();
+    const SESSION_PROFILE: &str = "test.session-agent";
+    let options = Options {
+        profiles: vec![("session.toml".into(), session_agent_profile(SESSION_PROFILE, ""))],
+        config: Box::new(|c| {
+            c.sandbox.warm.insert(SESSION_PROFILE.into(), 1);
+        }),
+        ..Options::default()
+    };
+    let daemon = TestDaemon::start(options).await;
+    full(&daemon).await;
+    let waiting = daemon.leftover_sandboxes().await;
+    assert_eq!(waiting.len(), 1, "one sandbox waits before any request");
+    let taken = waiting[0].file_name().unwrap().to_str().unwrap().to_string();
+
+    let mut client = pb::session_service_client::SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest {
+        profile_ref: SESSION_PROFILE.into(),
+        project: "proj-s".into(),
+        ..Default::default()
+    };
+    let session = client.create_session(create).await.expect("the session starts").into_inner();
+    assert_eq!(session.state, pb::SessionState::Active as i32, "{session:?}");
+    let opened = session.evidence.clone().expect("evidence");
+    assert!(
+        opened.notes.iter().any(|n| n.contains("warm pool")),
+        "the session took no warm sandbox: {:?}",
+        opened.notes
+    );
+    assert_eq!(opened.sandbox_id, taken, "the session's sandbox is not the one that waited");
+
+    // Its pool refills while the session goes on, with another sandbox.
+    full(&daemon).await;
+    let refilled = daemon.engine.warm_roots();
+    assert_eq!(refilled.len(), 1);
+    assert_ne!(refilled[0], waiting[0], "the taken sandbox waits in the pool again");
+
+    // A turn runs in the taken sandbox, its harness started by the waiter:
+    // bwrap's pid 1 names the waiter, not the harness.
+    let turn = pb::SendTurnRequest {
+        session_id: session.session_id.clone(),
+        tool_call: Some(pb::ToolCall {
+            tool: "probe".into(),
+            arguments_json: serde_json::json!({"echo": "warm", "probe_pid": true}).to_string(),
+        }),
+    };
+    let mut stream = client.send_turn(turn).await.expect("turn accepted").into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.expect("stream ok") {
+        events.push(event);
+    }
+    let done = match events.last().and_then(|e| e.kind.clone()) {
+        Some(pb::lifecycle_event::Kind::TurnFinished(done)) => *done,
+        other => panic!("last event is not turn_finished: {other:?}"),
+    };
+    assert!(done.ok, "{done:?}");
+    assert!(done.output.lines().any(|l| l == "echo warm"), "{}", done.output);
+    let pid1 = done.output.lines().find_map(|l| l.strip_prefix("pid1: ")).expect("a pid1 line");
+    assert!(pid1.ends_with(corral::sandbox::waiter::PROGRAM), "pid 1 is not a warm sandbox's: {pid1}");
+
+    // Ended, the session's sandbox is destroyed; the refilled one waits.
+    let end = pb::EndSessionRequest { session_id: session.session_id.clone() };
+    let ended = client.end_session(end).await.expect("the session ends").into_inner();
+    let closed = ended.evidence.expect("evidence");
+    assert_eq!(closed.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{closed:?}");
+    let left = daemon.leftover_sandboxes().await;
+    assert!(!daemon.data_dir().join("sandboxes").join(&taken).exists(), "the session's sandbox outlived it");
+    assert_eq!(left, refilled, "only the refilled sandbox is left");
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_the_daemon_could_not_keep_is_refused_at_start() {
     require_bwrap();
