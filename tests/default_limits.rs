@@ -171,3 +171,33 @@ async fn the_workspace_budget_counts_inodes() {
     assert!(execution.tool_error.contains("max_workspace_inodes = 2000"), "{}", execution.tool_error);
     daemon.stop().await;
 }
+
+/// A small `max_open_files` is the sandbox's descriptor limit, not a spawn
+/// failure: the daemon's descriptors are moved into place before the limit
+/// is set (before, any value under the daemon's parking slot, 64, made
+/// every spawn fail with EINVAL). Inside, opening past it fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_open_files_limit_holds_inside_and_the_sandbox_starts() {
+    let daemon = daemon(vec![shell("test.few-files", "max_open_files = 32")]).await;
+    let script = r#"echo "nofile $(ulimit -n)"
+python3 - <<'EOF'
+fds = []
+try:
+    for _ in range(100):
+        fds.append(open("/dev/null"))
+except OSError as e:
+    print("opened", len(fds), "then", e.strerror)
+EOF"#;
+    let events = daemon.execute(request("test.few-files", script)).await;
+    let execution = finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{}", execution.tool_error);
+    assert!(execution.tool_output.contains("nofile 32"), "{}", execution.tool_output);
+    let opened: u32 = execution
+        .tool_output
+        .lines()
+        .find_map(|l| l.strip_prefix("opened ")?.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("never hit the limit: {}", execution.tool_output));
+    assert!(opened < 32, "{opened} files opened under a limit of 32");
+    assert_eq!(receipt_limit(&receipt(&events), "max_open_files").value, 32);
+    daemon.stop().await;
+}

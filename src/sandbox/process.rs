@@ -134,10 +134,11 @@ pub fn spawn_group(
     let limits = options.rlimits;
     let user = options.user;
     let failure = vfork::Failure::default();
+    let daemon = std::process::id() as libc::pid_t;
     let mut child = || {
         // SAFETY: runs in the vfork'd child (see `vfork::spawn`): system
         // calls only (dup2, setpgid, write, setrlimit, `vfork::become_user`,
-        // keyctl, prctl, fcntl, close_range, chdir, execve) on values built
+        // keyctl, prctl, getppid, fcntl, close_range, chdir, execve) on values built
         // before the clone; no allocation.
         unsafe {
             let run = || -> Result<(), ()> {
@@ -154,6 +155,22 @@ pub fn spawn_group(
                     if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
                         return Err(());
                     }
+                }
+                // The descriptors before the limits: parked at 64 and up, they
+                // would break a smaller RLIMIT_NOFILE (EINVAL, every spawn).
+                // Park every passed descriptor high first, then put them at 3,
+                // 4, … (dup2 clears close-on-exec on the copy). All parked
+                // before any is moved: a passed descriptor may itself be 3 or
+                // 4, and moving the first onto it would pass the wrong file in
+                // its place (bwrap then read its arguments as the seccomp
+                // program and refused to start, EINVAL).
+                let mut parked = [0 as libc::c_int; (FD_PARKING - 3) as usize];
+                for (i, fd) in pass_fds.iter().enumerate() {
+                    parked[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, FD_PARKING);
+                    check(parked[i].into())?;
+                }
+                for (i, fd) in parked.iter().take(pass_fds.len()).enumerate() {
+                    check(libc::dup2(*fd, 3 + i as libc::c_int).into())?;
                 }
                 check(set_rlimit(libc::RLIMIT_CORE, 0))?;
                 for (resource, value) in [
@@ -178,6 +195,11 @@ pub fn spawn_group(
                 // If the daemon dies, so does this process (and with bwrap, the
                 // whole sandbox: its --die-with-parent follows).
                 check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong).into())?;
+                // A daemon that died before that line set it sent no signal:
+                // then this process has another parent already, and stops.
+                if libc::getppid() != daemon {
+                    return Err(());
+                }
                 // No process of the sandbox gains privileges by exec (a setuid
                 // or file-capability binary, in a `none` sandbox too; bwrap sets
                 // it again inside): its effective uid stays its real one, the
@@ -185,20 +207,6 @@ pub fn spawn_group(
                 // reads (`host::processes_of_uid`) where it cannot wait on the
                 // cgroup instead (`boundary::exits_in_its_cgroup`).
                 check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1 as libc::c_ulong, 0, 0, 0).into())?;
-                // Park every passed descriptor high first, then put them at 3,
-                // 4, … (dup2 clears close-on-exec on the copy). All parked
-                // before any is moved: a passed descriptor may itself be 3 or
-                // 4, and moving the first onto it would pass the wrong file in
-                // its place (bwrap then read its arguments as the seccomp
-                // program and refused to start, EINVAL).
-                let mut parked = [0 as libc::c_int; (FD_PARKING - 3) as usize];
-                for (i, fd) in pass_fds.iter().enumerate() {
-                    parked[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, FD_PARKING);
-                    check(parked[i].into())?;
-                }
-                for (i, fd) in parked.iter().take(pass_fds.len()).enumerate() {
-                    check(libc::dup2(*fd, 3 + i as libc::c_int).into())?;
-                }
                 // Everything else the daemon has open closes at exec.
                 let first = 3 + pass_fds.len() as libc::c_uint;
                 check(libc::syscall(libc::SYS_close_range, first, libc::c_uint::MAX, libc::CLOSE_RANGE_CLOEXEC))?;
