@@ -139,8 +139,8 @@ pub struct Limits {
     pub timeout_seconds: u64,
     /// Per stream (stdout, stderr); bytes past it are dropped and reported.
     pub max_output_bytes: u64,
-    /// Tasks (processes and threads) alive at once: the cgroup's pids.max,
-    /// and RLIMIT_NPROC of the sandbox's own host uid.
+    /// Tasks (processes and threads) alive at once: the cgroup's pids.max
+    /// (RLIMIT_NPROC of its own host uid for a sandbox without a cgroup).
     pub max_processes: u64,
     /// Memory (RSS, page cache, /tmp and /dev/shm) of the whole sandbox: its cgroup.
     pub memory_bytes: u64,

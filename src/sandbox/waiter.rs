@@ -6,7 +6,9 @@
 //! command is [`PROGRAM`], a program of its own built with the daemon
 //! (`src/bin/`, this module's code) and installed beside it, run through a
 //! descriptor bwrap inherits (`/proc/self/fd/N`: nothing is bound into the
-//! sandbox for it, so its command line is the cold one's to the byte). It reads
+//! sandbox for it, so bwrap's options, which the receipt's digest covers,
+//! are the cold one's to the byte; only the argv after `--` names the
+//! waiter). It reads
 //! one frame from stdin, a pipe only it holds, closes every descriptor
 //! above 2 and `exec`s the frame's argv with the frame's environment (and
 //! the `PWD` bwrap sets), searching the frame's `PATH` as bwrap's `execvp`

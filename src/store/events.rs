@@ -11,7 +11,7 @@ static ADOPTING_SQLITE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|
 impl Store {
     /// Stores several events in one statement; on a shared store the same
     /// statement checks this node is not fenced (see [`FENCED_APPEND`]) and
-    /// notifies their subjects' watchers: one round trip.
+    /// notifies their subjects' watchers: one statement.
     pub async fn append_events(&self, events: &[Event]) -> Result<(), StoreError> {
         if !self.shared || events.is_empty() {
             return self.insert_events(&self.pool, events, false).await;

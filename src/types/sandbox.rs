@@ -135,7 +135,7 @@ pub struct LimitReceipt {
     /// The enforced value, in the limit's own unit; only limits above 0 get a
     /// receipt.
     pub value: u64,
-    /// e.g. `cgroup v1`, `cgroup v2 + rlimit NPROC`, `rlimit NOFILE`.
+    /// e.g. `cgroup v1`, `cgroup v2`, `rlimit NPROC`, `rlimit NOFILE`.
     pub mechanism: String,
 }
 
