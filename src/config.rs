@@ -22,7 +22,11 @@ pub struct Config {
     pub profile_dirs: Vec<PathBuf>,
     /// How long in-flight executions get on SIGTERM before they are cancelled.
     pub shutdown_grace_seconds: u64,
-    /// How many events a watcher may fall behind before it is ended.
+    /// How many events a watcher may fall behind before it is ended: one
+    /// that is more than this many behind and has read nothing for a second
+    /// is ended (a watcher that keeps reading is never ended; it catches up
+    /// from the store). At most [`MAX_WATCH_BUFFER`]: each live execution
+    /// and session holds a buffer of this many events.
     pub watch_buffer: usize,
     /// Sessions with no turn for this long are reaped (never mid-turn).
     pub session_idle_seconds: u64,
@@ -118,12 +122,16 @@ pub struct GrpcConfig {
     pub keepalive_timeout_seconds: u64,
     /// Bytes one stream may have waiting to be written to its connection;
     /// beyond it the stream stops producing until the client reads (a slow
-    /// watcher catches up from the store). h2's own default is 400 KiB.
+    /// watcher catches up from the store). h2's own default is 400 KiB. A
+    /// stream's memory is this plus its 4 KiB encode buffer.
     pub max_send_buffer_bytes: usize,
-    /// Watch streams on one execution or session at once; more are refused
-    /// with RESOURCE_EXHAUSTED.
+    /// Watcher streams on one execution or session at once; more are refused
+    /// with RESOURCE_EXHAUSTED. Counted: WatchExecution/WatchSession, an
+    /// `Execute` waiting in the fleet's queue, an `Execute` retried with a
+    /// taken request id, a `SendTurn` forwarded to another node; not the
+    /// direct caller of an `Execute` or `SendTurn` run on the node it called.
     pub max_watchers_per_subject: usize,
-    /// Watch streams in total.
+    /// The same streams in total.
     pub max_watchers: usize,
 }
 
@@ -170,11 +178,12 @@ impl GrpcConfig {
         if self.keepalive_interval_seconds > 0 && self.keepalive_timeout_seconds == 0 {
             return Err((key("keepalive_timeout_seconds"), "must be greater than 0 when keepalive is on".into()));
         }
-        if self.max_watchers == 0 || self.max_watchers_per_subject == 0 {
-            return Err((
-                key("max_watchers"),
-                "max_watchers and max_watchers_per_subject must be greater than 0".into(),
-            ));
+        for (name, value) in
+            [("max_watchers", self.max_watchers), ("max_watchers_per_subject", self.max_watchers_per_subject)]
+        {
+            if value == 0 {
+                return Err((key(name), "must be greater than 0".into()));
+            }
         }
         if self.max_watchers_per_subject > self.max_watchers {
             return Err((key("max_watchers_per_subject"), "must not be greater than max_watchers".into()));
@@ -500,8 +509,10 @@ impl Config {
                 "max_capture_refs and max_origin_bytes must be greater than 0".into(),
             ));
         }
-        if self.watch_buffer < 16 {
-            return Err(invalid("watch_buffer", "must be at least 16".into()));
+        // Every live execution and session allocates a live buffer of this
+        // many events: a huge value would fail at the first execution, not here.
+        if !(16..=MAX_WATCH_BUFFER).contains(&self.watch_buffer) {
+            return Err(invalid("watch_buffer", format!("must be between 16 and {MAX_WATCH_BUFFER}")));
         }
         if let Some(url) = &self.store.url {
             if !url.starts_with("postgres://") && !url.starts_with("postgresql://") {
@@ -546,9 +557,33 @@ impl Config {
     }
 }
 
+/// The largest `watch_buffer` accepted (1,048,576 events).
+pub const MAX_WATCH_BUFFER: usize = 1 << 20;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_watch_buffer_is_bounded() {
+        assert!(Config { watch_buffer: MAX_WATCH_BUFFER, ..Config::default() }.validate().is_ok());
+        for bad in [15, MAX_WATCH_BUFFER + 1, usize::MAX / 2 + 1] {
+            let err = Config { watch_buffer: bad, ..Config::default() }.validate().unwrap_err().to_string();
+            assert!(err.contains("watch_buffer"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_zero_watcher_limit_names_its_own_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("limits.toml");
+        std::fs::write(&file, "[grpc]\nmax_watchers_per_subject = 0\n").unwrap();
+        let err = Config::from_file(&file).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("grpc.max_watchers_per_subject:"), "{err}");
+        std::fs::write(&file, "[grpc]\nmax_watchers = 0\nmax_watchers_per_subject = 0\n").unwrap();
+        let err = Config::from_file(&file).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("grpc.max_watchers:"), "{err}");
+    }
 
     /// The README's configuration block is a file the daemon reads: every
     /// key in it exists, in the table it is written under.

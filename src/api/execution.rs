@@ -114,7 +114,7 @@ impl Pump {
         // or an event was that long in coming (then it is not behind).
         let asked_at = std::mem::replace(&mut self.asked_at, coarse_now());
         if self.asked_at.saturating_sub(asked_at) >= STALL && self.subscription.overrun() {
-            let lag = Lagged { last_sequence: self.sent };
+            let lag = Lagged { last_sequence: self.sent, store_failed: false };
             return Some(self.last(Err(status::lagged(lag))));
         }
         loop {

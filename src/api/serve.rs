@@ -1,8 +1,9 @@
 //! Serving the routes over HTTP/2 with hyper directly, for one setting
 //! tonic's server builder does not expose: h2's per-stream send buffer
 //! (`[grpc] max_send_buffer_bytes`). Without it a watcher that reads
-//! slowly holds as much of the daemon's memory as its client's stream
-//! window allows (64 KiB by default, more with a bigger window); with it,
+//! slowly holds up to h2's default send buffer, 400 KiB a stream, whatever
+//! its client's stream window (the window is no limit: see the test
+//! below); with it,
 //! the stream stops pulling events once that many bytes wait to be
 //! written, and the watcher catches up from the store when it reads again.
 //!

@@ -83,12 +83,38 @@ impl From<EngineError> for Status {
     }
 }
 
-/// A watcher that fell behind: it can resume after `last_sequence`.
+/// A watcher that fell behind (or whose read of the store failed): it can
+/// resume after `last_sequence`.
 pub fn lagged(lag: Lagged) -> Status {
+    if lag.store_failed {
+        return with_reason(
+            Code::Unavailable,
+            format!("reading stored events failed; resume with after_sequence = {}", lag.last_sequence),
+            "STORE_UNAVAILABLE",
+            vec![("last_sequence".into(), lag.last_sequence.to_string())],
+        );
+    }
     with_reason(
         Code::ResourceExhausted,
         format!("watcher fell behind; resume with after_sequence = {}", lag.last_sequence),
         "WATCHER_LAGGED",
         vec![("last_sequence".into(), lag.last_sequence.to_string())],
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_store_read_is_unavailable_with_the_last_sequence_not_lagged() {
+        let failed = lagged(Lagged { last_sequence: 7, store_failed: true });
+        assert_eq!(failed.code(), Code::Unavailable);
+        let info = failed.get_details_error_info().unwrap();
+        assert_eq!(info.reason, "STORE_UNAVAILABLE");
+        assert_eq!(info.metadata.get("last_sequence").map(String::as_str), Some("7"));
+        let behind = lagged(Lagged { last_sequence: 7, store_failed: false });
+        assert_eq!(behind.code(), Code::ResourceExhausted);
+        assert_eq!(behind.get_details_error_info().unwrap().reason, "WATCHER_LAGGED");
+    }
 }

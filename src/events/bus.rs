@@ -77,13 +77,16 @@ impl BusItem {
 /// store instead.
 pub struct EventBus {
     channels: Mutex<HashMap<String, broadcast::Sender<BusItem>>>,
-    /// How many events a subscriber may fall behind before it is ended.
+    /// How many events a subscriber may fall behind before it is ended (if
+    /// it also reads nothing for a second: one that keeps reading is never
+    /// ended, it catches up from the store). Tokio rounds the channel up to
+    /// a power of two; this is the limit, not the channel's size.
     capacity: usize,
 }
 
 impl EventBus {
     /// A bus whose subscribers may fall `capacity` events behind (at least 16)
-    /// before they are ended.
+    /// before they are ended, once they also read nothing for a second.
     pub fn new(capacity: usize) -> Self {
         EventBus { channels: Mutex::new(HashMap::new()), capacity: capacity.max(16) }
     }
@@ -121,7 +124,8 @@ impl EventBus {
         self.channels().remove(subject);
     }
 
-    /// How many events a subscriber may fall behind before it is ended.
+    /// How many events a subscriber may fall behind before it is ended
+    /// (once it also reads nothing for a second; see `capacity`).
     pub fn capacity(&self) -> usize {
         self.capacity
     }

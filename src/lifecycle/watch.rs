@@ -17,12 +17,15 @@ use tokio::sync::broadcast::{self, error::RecvError};
 use crate::events::{BusItem, Event};
 use crate::store::{Store, StoreError};
 
-/// The subscriber fell behind its bounded buffer and was ended; it can
-/// resume with `after_sequence = last_sequence`.
+/// The subscriber fell behind its bounded buffer, or could not read what it
+/// skipped back from the store, and was ended; it can resume with
+/// `after_sequence = last_sequence`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lagged {
     /// The sequence of the last event the subscriber received.
     pub last_sequence: u64,
+    /// Ended because reading the store failed, not because it fell behind.
+    pub store_failed: bool,
 }
 
 /// How many watch streams may be open, per subject and in total.
@@ -310,7 +313,9 @@ impl Subscription {
     pub fn overrun(&self) -> bool {
         let (Some(rx), Some((_, _, capacity))) = (&self.live, &self.catch_up) else { return false };
         let gap = self.held.as_ref().map_or(0, |held| held.event().sequence.saturating_sub(self.last));
-        (rx.len() as u64).saturating_add(gap) > capacity.next_power_of_two() as u64
+        // The configured capacity, not the channel's (tokio rounds it up to a
+        // power of two): `watch_buffer` is the documented limit.
+        (rx.len() as u64).saturating_add(gap) > *capacity as u64
     }
 
     /// Counts this subscription as a watcher until it is dropped.
@@ -412,7 +417,7 @@ impl Subscription {
                 Err(RecvError::Lagged(_)) if self.catch_up.is_some() => continue,
                 Err(RecvError::Lagged(_)) => {
                     self.done = true;
-                    return Some(Err(Lagged { last_sequence: self.last }));
+                    return Some(Err(Lagged { last_sequence: self.last, store_failed: false }));
                 }
                 Err(RecvError::Closed) => {
                     // The subject ended; whatever this subscriber has not
@@ -467,7 +472,7 @@ impl Subscription {
             Err(e) => {
                 tracing::warn!(error = %e, "reading skipped events failed; ending the watch");
                 self.done = true;
-                Some(Some(Err(Lagged { last_sequence: self.last })))
+                Some(Some(Err(Lagged { last_sequence: self.last, store_failed: true })))
             }
         }
     }
@@ -493,9 +498,12 @@ impl Subscription {
             }
             // The generation is taken before the read: an event stored
             // after the read began is announced after it, so it changes.
-            match store.events_after(&subject, self.last).await {
+            // A page at a time: a follower far behind never holds its whole
+            // backlog. A full page may have more after it, so the next read
+            // comes at once rather than waiting for an announcement.
+            match store.events_after_limited(&subject, self.last, PAGE).await {
                 Ok(events) if !events.is_empty() => {
-                    self.read_at = generation;
+                    self.read_at = if events.len() as u64 >= PAGE { None } else { generation };
                     self.replay = Run::owned(events);
                     let item = self.replay.pop_front()?;
                     return Some(Ok(self.deliver(item)));
@@ -578,6 +586,47 @@ mod tests {
         assert!(run.pop_front().is_none() && run.is_empty());
         assert_eq!(Arc::strong_count(&page), 1, "an exhausted run lets go of its page");
         assert!(Run::default().pop_front().is_none());
+    }
+
+    #[tokio::test]
+    async fn overrun_is_past_the_configured_capacity_not_the_channel_s() {
+        // 5000 is not a power of two: tokio's channel holds 8192, but a
+        // watcher is behind once more than 5000 events are waiting for it.
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let (tx, rx) = broadcast::channel(5000);
+        let pages = EventPages::new(store.clone());
+        let sub = Subscription::live(rx, false).catching_up(pages, "e".into(), 5000);
+        for s in 1..=5000 {
+            tx.send(BusItem::new(Arc::new(event("e", s)), None)).unwrap();
+        }
+        assert!(!sub.overrun(), "5000 behind with watch_buffer 5000 is not overrun");
+        tx.send(BusItem::new(Arc::new(event("e", 5001)), None)).unwrap();
+        assert!(sub.overrun(), "5001 behind with watch_buffer 5000 is overrun");
+    }
+
+    #[tokio::test]
+    async fn a_follower_of_a_run_elsewhere_reads_the_store_a_page_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let total = 2 * PAGE + 5;
+        let stored: Vec<Event> = (1..=total).map(|s| event("e", s)).collect();
+        store.append_events(&stored).await.unwrap();
+        assert_eq!(store.events_after_limited("e", 0, PAGE).await.unwrap().len() as u64, PAGE);
+        let tail = store.events_after_limited("e", 2 * PAGE, PAGE).await.unwrap();
+        assert_eq!(tail.iter().map(|e| e.sequence).collect::<Vec<_>>(), (2 * PAGE + 1..=total).collect::<Vec<_>>());
+        let wakeup = Arc::new(Wakeup::default());
+        let mut sub = Subscription::replay_then_live(Run::default(), None, 0).polling(store, "e".into(), wakeup);
+        for expected in 1..=total {
+            assert_eq!(sub.next().await.unwrap().unwrap().event().sequence, expected, "in order, no gap");
+            assert!(sub.replay.items().len() < PAGE as usize, "never more than a page held");
+            if expected <= 2 * PAGE {
+                // A full page was read: the next one is read at once, not
+                // after waiting for an announcement.
+                assert!(sub.read_at.is_none(), "at {expected}");
+            }
+        }
+        assert_eq!(sub.read_at, Some(0), "caught up: waits for the next announcement");
     }
 
     #[tokio::test]

@@ -138,6 +138,21 @@ impl Store {
         self.events_from_rows(subject, &rows).await
     }
 
+    /// At most `limit` stored events of a subject after `after`, in order:
+    /// a follower reads a subject's backlog a page at a time.
+    pub async fn events_after_limited(&self, subject: &str, after: u64, limit: u64) -> Result<Vec<Event>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT sequence, time_ms, kind, body FROM events WHERE subject_id = $1 AND sequence > $2
+             ORDER BY sequence LIMIT $3",
+        )
+        .bind(subject)
+        .bind(sequence(after))
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .fetch_all(&self.reader)
+        .await?;
+        self.events_from_rows(subject, &rows).await
+    }
+
     /// Decodes stored events; a `finished` stored as its stub gets its
     /// subject's record back.
     async fn events_from_rows(&self, subject: &str, rows: &[sqlx::any::AnyRow]) -> Result<Vec<Event>, StoreError> {
