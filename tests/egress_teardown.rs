@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{finished, request, require_bwrap, Options, TestDaemon};
+use common::{finished, request, require_bwrap, wait_until, Options, TestDaemon};
 use corral::pb;
 use corral::pb::lifecycle_event::Kind;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -48,17 +48,6 @@ fn own_socket_ports() -> Vec<u16> {
         }
     }
     ports
-}
-
-/// Polls `probe` (every 20 ms, up to 10 s) until it holds.
-async fn wait_until(what: &str, mut probe: impl FnMut() -> bool) {
-    for _ in 0..500 {
-        if probe() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("timed out waiting until {what}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

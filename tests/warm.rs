@@ -131,17 +131,6 @@ async fn a_warm_sandbox_serves_one_execution_and_the_pool_refills() {
     daemon.stop().await;
 }
 
-/// Waits until `check` holds, for up to 10 s.
-async fn until(what: &str, mut check: impl FnMut() -> bool) {
-    for _ in 0..400 {
-        if check() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("timed out waiting until {what}");
-}
-
 /// A warm sandbox whose waiter died while it waited (killed, out of memory)
 /// serves no run: the run takes the cold path and succeeds, the dead
 /// sandbox is destroyed, and the pool refills.
@@ -156,20 +145,21 @@ async fn a_warm_sandbox_whose_waiter_died_is_destroyed_and_the_run_goes_cold() {
     let is_waiter = |pid: &i32| {
         std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
     };
-    until("the waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter)).await;
+    wait_until("the waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter)).await;
     // Everything in its cgroup: bwrap, bwrap's pid 1 and the waiter.
     for pid in daemon.engine.warm_processes().concat() {
         // SAFETY: a plain kill(2).
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
-    until("the waiting sandbox's processes are gone", || daemon.engine.warm_processes() == [Vec::<i32>::new()]).await;
+    wait_until("the waiting sandbox's processes are gone", || daemon.engine.warm_processes() == [Vec::<i32>::new()])
+        .await;
 
     let events = daemon.execute(request(PROFILE, "NOWORK")).await;
     let execution = finished(&events);
     assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
     assert!(!was_warm(&execution), "the run took the dead sandbox");
     assert_ne!(dead.file_name().unwrap().to_str(), Some(ready(&events).sandbox_id.as_str()));
-    until("the dead sandbox is destroyed", || !dead.exists()).await;
+    wait_until("the dead sandbox is destroyed", || !dead.exists()).await;
     full(&daemon).await;
     let now = daemon.leftover_sandboxes().await;
     assert_eq!(now.len(), 1, "the refilled sandbox only: {now:?}");
@@ -281,7 +271,7 @@ async fn a_run_whose_sandbox_the_gate_tightens_takes_the_cold_path_and_leaves_th
     let is_waiter = |pid: &i32| {
         std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
     };
-    until("the waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter)).await;
+    wait_until("the waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter)).await;
     let processes = daemon.engine.warm_processes();
     for _ in 0..2 {
         let events = daemon.execute(request(PROFILE, "NOWORK")).await;

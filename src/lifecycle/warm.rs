@@ -312,7 +312,7 @@ impl Engine {
         if pools.is_empty() {
             return None;
         }
-        // One waitid per sandbox looked at. A waiter that dies after this,
+        // One non-blocking wait per sandbox looked at. A waiter that dies after this,
         // before the run's spawn hands it the harness, still fails that run.
         let live = |w: &WarmSandbox| !w.backend.waiter_exited(&w.sandbox);
         let (taken, dead) = pools.take_live(&pool_key(profile, spec, timeout_seconds), profile.id(), live);
@@ -325,8 +325,10 @@ impl Engine {
             Take::NoPool => return None,
         };
         crate::telemetry::warm_request(&pool, found);
-        if !dead.is_empty() {
+        if taken.is_some() || !dead.is_empty() {
             self.report_warm_levels();
+        }
+        if !dead.is_empty() {
             self.warm.wake.notify_one();
         }
         for made in dead {
@@ -336,7 +338,6 @@ impl Engine {
             self.tasks.spawn(async move { engine.destroy_warm(made).await });
         }
         let taken = taken?;
-        self.report_warm_levels();
         let signal = RefillSignal { engine: Arc::downgrade(self), sent: AtomicBool::new(false) };
         Some((taken, Refill(Arc::new(signal))))
     }

@@ -213,11 +213,12 @@ impl Boundary {
     }
 
     /// Whether the sandbox's waiter, which no spawn took yet, has exited
-    /// (killed, out of memory), without reaping it. Its first process is
-    /// bwrap, which exits once the waiter inside it does.
+    /// (killed, out of memory). Its first process is bwrap, which exits
+    /// once the waiter inside it does; one that has is reaped here, as
+    /// [`SandboxProcess::has_exited`] does.
     pub fn waiter_exited(&self, sandbox: &Sandbox) -> bool {
-        let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        waiting.get(&sandbox.id).is_some_and(SandboxProcess::peek_exited)
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        waiting.get_mut(&sandbox.id).is_some_and(SandboxProcess::has_exited)
     }
 
     /// Kills everything of the sandbox and waits until nothing of it can

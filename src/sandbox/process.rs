@@ -352,22 +352,6 @@ impl SandboxProcess {
         }
     }
 
-    /// Whether the first process has exited, without reaping it (so its
-    /// pid stays ours to signal and wait on): one `waitid`, which does
-    /// not block.
-    pub fn peek_exited(&self) -> bool {
-        if self.exit.is_some() {
-            return true;
-        }
-        // SAFETY: waitid on our own unreaped child with a zeroed siginfo_t,
-        // which it fills only if the child has exited.
-        unsafe {
-            let mut info: libc::siginfo_t = std::mem::zeroed();
-            let flags = libc::WEXITED | libc::WNOHANG | libc::WNOWAIT;
-            libc::waitid(libc::P_PID, self.pgid as libc::id_t, &mut info, flags) == 0 && info.si_pid() != 0
-        }
-    }
-
     fn mark_reaped(&mut self, status: ExitStatus) {
         self.exit = Some(status);
         self.exited = None;

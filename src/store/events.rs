@@ -128,14 +128,7 @@ impl Store {
 
     /// The stored events of a subject after `after`, in order.
     pub async fn events_after(&self, subject: &str, after: u64) -> Result<Vec<Event>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT sequence, time_ms, kind, body FROM events WHERE subject_id = $1 AND sequence > $2 ORDER BY sequence",
-        )
-        .bind(subject)
-        .bind(sequence(after))
-        .fetch_all(&self.reader)
-        .await?;
-        self.events_from_rows(subject, &rows).await
+        self.events_after_limited(subject, after, u64::MAX).await
     }
 
     /// At most `limit` stored events of a subject after `after`, in order:

@@ -638,6 +638,17 @@ pub async fn terminate(child: &mut tokio::process::Child) -> Option<std::process
 
 /// Host processes whose command line contains `marker`. Panics when /proc
 /// cannot be read: a count of 0 must mean none, never "could not look".
+/// Polls `probe` (every 20 ms, up to 10 s) until it holds.
+pub async fn wait_until(what: &str, mut probe: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if probe() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
 pub fn processes_with(marker: &str) -> usize {
     let dir = std::fs::read_dir("/proc").unwrap_or_else(|e| panic!("cannot list /proc to count {marker:?}: {e}"));
     let own = std::fs::read("/proc/self/cmdline").unwrap_or_default();
