@@ -170,6 +170,67 @@ async fn a_repository_outside_the_roots_or_the_principals_repos_is_refused_with_
     daemon.stop().await;
 }
 
+/// Every ref of `repo`, with what it points at.
+fn refs(repo: &Path) -> String {
+    git(repo, &["for-each-ref", "--format=%(objectname) %(refname)"])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dot_git_leading_into_another_tenants_repository_is_refused() {
+    require_bwrap();
+    let roots = Roots::new();
+    let root = roots.root();
+    let b_repo = roots.repo(&root.join("pb/repo"));
+    let b_head = git(&b_repo, &["rev-parse", "HEAD"]);
+    // Directories under tenant-a's own prefix whose `.git` is tenant-b's:
+    // host git, which runs as the daemon, would clone it and fetch the
+    // agent's work back into it.
+    let links = [
+        ("an absolute symlink .git", root.join("pa/abs")),
+        ("a relative symlink .git", root.join("pa/rel")),
+        ("a gitfile", root.join("pa/gitfile")),
+        ("a symlinked objects directory", root.join("pa/objects")),
+        ("a commondir", root.join("pa/commondir")),
+    ];
+    for (_, dir) in &links[..3] {
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    std::os::unix::fs::symlink(b_repo.join(".git"), root.join("pa/abs/.git")).unwrap();
+    std::os::unix::fs::symlink("../../pb/repo/.git", root.join("pa/rel/.git")).unwrap();
+    std::fs::write(root.join("pa/gitfile/.git"), format!("gitdir: {}/.git\n", b_repo.display())).unwrap();
+    roots.repo(&root.join("pa/objects"));
+    std::fs::remove_dir_all(root.join("pa/objects/.git/objects")).unwrap();
+    std::os::unix::fs::symlink(b_repo.join(".git/objects"), root.join("pa/objects/.git/objects")).unwrap();
+    roots.repo(&root.join("pa/commondir"));
+    std::fs::write(root.join("pa/commondir/.git/commondir"), format!("{}/.git\n", b_repo.display())).unwrap();
+    let b_refs = refs(&b_repo);
+    let daemon = daemon(&roots, vec![root.join("pb")]).await;
+    let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
+    let before = daemon.engine.store.row_counts().await.unwrap();
+
+    // The agent would commit, so a fetch back would write into the origin.
+    let work = "echo a > a.txt && git add a.txt && git -c user.name=a -c user.email=a@a.invalid commit -qm a; \
+                git log --format=%H";
+    for (what, dir) in &links {
+        let status = client
+            .execute(as_tenant(TOKEN_A, shell("pa", dir, work)))
+            .await
+            .expect_err(&format!("{what} was accepted"));
+        assert_eq!(status.code(), Code::InvalidArgument, "{what}: {status:?}");
+        assert_eq!(status.message(), "repo: is not an allowed repository", "{what}");
+    }
+    assert_eq!(daemon.engine.store.row_counts().await.unwrap(), before, "a refused request stores nothing");
+    assert_eq!(refs(&b_repo), b_refs, "tenant-b's repository got a ref");
+    assert!(!b_refs.contains("refs/corral/"));
+
+    // Control: tenant-b's repository is tenant-b's, and its HEAD reached no
+    // one else.
+    let ok = execute(&mut client, TOKEN_B, shell("pb", &b_repo, "git log --format=%H")).await;
+    assert_eq!(ok.state, pb::ExecutionState::Succeeded as i32, "{}", ok.tool_error);
+    assert_eq!(ok.tool_output.trim(), b_head);
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_tenants_workspace_holds_no_object_of_an_earlier_agents_commits() {
     require_bwrap();

@@ -166,6 +166,82 @@ echo uncommitted >> README.md"#
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_origins_own_config_runs_nothing_on_the_host_during_the_fetch_back() {
+    let daemon = daemon(30).await;
+    let host = tempfile::tempdir().unwrap();
+    let m = host.path().display();
+    let set = |origin: &Path, key: &str, value: &str| git(origin, &["config", key, value]);
+    // What the origin's owner may put in its config and hooks: each would
+    // run as the daemon when host git works in the origin (the clone, the
+    // checks of the room, the fetch back).
+    let other = git_repo();
+    let hooked = git_repo();
+    let origin = hooked.path();
+    std::fs::write(origin.join(".git/objects/info/alternates"), format!("{}/.git/objects\n", other.path().display()))
+        .unwrap();
+    set(origin, "core.alternateRefsCommand", &format!("touch {m}/alternate-refs; true"));
+    set(origin, "core.fsmonitor", &format!("touch {m}/fsmonitor; false"));
+    // A bundle to download first: a connection to this listener.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    set(origin, "fetch.bundleURI", &format!("http://{}/x.bundle", listener.local_addr().unwrap()));
+    set(origin, "protocol.http.allow", "always");
+    set(origin, "fetch.recurseSubmodules", "true");
+    set(origin, "gc.auto", "1");
+    for hook in ["reference-transaction", "pre-auto-gc", "post-checkout", "post-merge"] {
+        let path = origin.join(".git/hooks").join(hook);
+        std::fs::write(&path, format!("#!/bin/sh\ntouch {m}/hook-{hook}\n")).unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    // A rewrite of every absolute path (the bundle's among them) into a
+    // command, with that transport allowed.
+    let rewriting = git_repo();
+    set(rewriting.path(), "protocol.ext.allow", "always");
+    set(rewriting.path(), &format!("url.ext::sh -c touch% {m}/rewritten.insteadOf"), "/");
+
+    let work = "echo work > work.txt && git add work.txt && git commit -qm work && echo committed";
+    for origin in [hooked.path(), rewriting.path()] {
+        let execution = run_on(&daemon, origin, work).await;
+        let markers: Vec<_> = std::fs::read_dir(host.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert!(markers.is_empty(), "the origin's config ran code on the host: {markers:?}");
+        assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+        let evidence = execution.evidence.unwrap();
+        assert_eq!(evidence.agent_commits, 1);
+        let head = corral_ref(origin, &execution.execution_id).expect("the fetch back still brings refs/corral/<id>");
+        assert_eq!(evidence.commit_sha, head);
+        assert_eq!(git(origin, &["show", &format!("{head}:work.txt")]), "work");
+    }
+    assert!(listener.accept().is_err(), "host git reached the network for the origin's fetch.bundleURI");
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_inside_a_repository_is_not_a_repository() {
+    let daemon = daemon(30).await;
+    let origin = git_repo();
+    std::fs::create_dir(origin.path().join("src")).unwrap();
+    std::fs::write(origin.path().join("src/lib.rs"), "").unwrap();
+    let mut client = daemon.executions().await;
+    let mut req = request("builtin.shell", "true");
+    req.repo = origin.path().join("src").display().to_string();
+    let status = client.execute(req).await.expect_err("a subdirectory of a repository was accepted");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert_eq!(status.message(), "repo: is not an allowed repository");
+    let listed = client.list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
+    assert!(listed.executions.is_empty(), "a refused request was stored");
+    // Its top level is one, and a bare repository is one.
+    let bare = tempfile::tempdir().unwrap();
+    git(bare.path(), &["clone", "-q", "--bare", &origin.path().display().to_string(), "."]);
+    for repo in [origin.path(), bare.path()] {
+        let execution = run_on(&daemon, repo, "echo new > new.txt").await;
+        assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{}: {execution:?}", repo.display());
+        let head = corral_ref(repo, &execution.execution_id).expect("refs/corral/<id>");
+        assert_eq!(git(repo, &["show", &format!("{head}:new.txt")]), "new");
+    }
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uncommitted_edits_come_back_as_a_snapshot() {
     let daemon = daemon(30).await;
     let origin = git_repo();

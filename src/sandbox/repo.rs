@@ -15,6 +15,16 @@
 //! path again with `RESOLVE_NO_SYMLINKS` and hand git the open directory
 //! (`/proc/<pid>/fd/<n>`), so a symlink swapped in between the check and
 //! the use makes the use fail instead of reaching another directory.
+//!
+//! The git directory is opened the same way, beneath the repository:
+//! `<repo>/.git` must be a real directory (a symlink or a gitfile could
+//! lead host git, which runs as the daemon, into any repository on the
+//! host), or, with no `.git` at all, the named directory must itself be a
+//! bare repository. Inside it nothing that git would follow elsewhere is
+//! accepted: no `commondir`, no symlink among `HEAD`, `packed-refs`,
+//! `config` or the directories of `objects/` and `refs/`. Host git is then
+//! pointed at that open directory (`--git-dir=/proc/<pid>/fd/<n>`) and never
+//! looks for a repository by itself.
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -37,24 +47,56 @@ pub enum Refused {
     /// The directory is not a git repository.
     #[error("not a git repository")]
     NotGit,
+    /// Its git directory leads elsewhere, so host git cannot be kept to it.
+    #[error("{0}")]
+    GitDir(String),
 }
 
 /// The one sentence every refusal of `repo` gets.
 pub const NOT_ALLOWED: &str = "is not an allowed repository";
 
-/// A repository directory held open: what git is pointed at.
+/// A repository directory held open, with its git directory: what git is
+/// pointed at.
 #[derive(Debug)]
 pub struct OpenRepo {
     fd: OwnedFd,
     canonical: PathBuf,
+    git_dir: OwnedFd,
+    canonical_git_dir: PathBuf,
 }
 
 impl OpenRepo {
     /// Opens `canonical` (a path [`resolve`] returned) again, refusing any
-    /// symlink on the way: what was checked is what is used.
-    pub fn reopen(canonical: &Path) -> std::io::Result<OpenRepo> {
-        let fd = openat2(libc::AT_FDCWD, canonical, libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS)?;
-        Ok(OpenRepo { fd, canonical: canonical.to_path_buf() })
+    /// symlink on the way, and its git directory as [`resolve`] did: what
+    /// was checked is what is used.
+    pub fn reopen(canonical: &Path) -> Result<OpenRepo, Refused> {
+        let fd = openat2(libc::AT_FDCWD, canonical, libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS)
+            .map_err(Refused::Open)?;
+        OpenRepo::with_git_dir(fd, canonical.to_path_buf())
+    }
+
+    /// Opens the git directory of the repository open at `fd`: `.git`
+    /// beneath it, a real directory, or else `fd` itself (a bare
+    /// repository; [`super::workspace::is_git_repo`] tells whether it is
+    /// one). Refuses what would lead git out of it.
+    fn with_git_dir(fd: OwnedFd, canonical: PathBuf) -> Result<OpenRepo, Refused> {
+        let beneath = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+        let git_dir = match openat2(fd.as_raw_fd(), Path::new(".git"), beneath) {
+            Ok(git_dir) => git_dir,
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                return Err(Refused::GitDir("its .git is a symlink".into()));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => {
+                return Err(Refused::GitDir(
+                    "its .git is a gitfile (a worktree or a submodule), not a directory".into(),
+                ));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => fd.try_clone().map_err(Refused::Open)?,
+            Err(e) => return Err(Refused::Open(e)),
+        };
+        kept_inside(&git_dir)?;
+        let canonical_git_dir = fd_path(&git_dir).map_err(Refused::Open)?;
+        Ok(OpenRepo { fd, canonical, git_dir, canonical_git_dir })
     }
 
     /// The path that reaches exactly the opened directory, for a child
@@ -67,6 +109,89 @@ impl OpenRepo {
     pub fn canonical(&self) -> &Path {
         &self.canonical
     }
+
+    /// The path that reaches exactly the opened git directory (`.git`, or
+    /// the repository itself if bare), for a child process: what host git
+    /// gets as `--git-dir`.
+    pub fn git_dir_proc_path(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), self.git_dir.as_raw_fd()))
+    }
+
+    /// The canonical path of the git directory.
+    pub fn canonical_git_dir(&self) -> &Path {
+        &self.canonical_git_dir
+    }
+}
+
+/// At most this many directories under `objects/` and `refs/` are looked
+/// at; a git directory with more is refused rather than half checked.
+const MAX_GIT_DIRS: usize = 100_000;
+
+/// Refuses a git directory (open at `git_dir`) that would lead git
+/// elsewhere: a `commondir` (refs and objects in another repository), a
+/// symlinked `HEAD`, `packed-refs` or `config`, or a symlink among the
+/// directories of `objects/` and `refs/` (where a fetch writes). A missing
+/// entry is no refusal here: whether it is a repository at all is git's to
+/// say.
+fn kept_inside(git_dir: &OwnedFd) -> Result<(), Refused> {
+    let refuse = |what: &str| Err(Refused::GitDir(format!("its git directory has {what}")));
+    for name in ["commondir", "HEAD", "packed-refs", "config"] {
+        match lstat_at(git_dir, name) {
+            Ok(_) if name == "commondir" => return refuse("a commondir (it shares another repository's refs)"),
+            Ok(mode) if mode & libc::S_IFMT == libc::S_IFLNK => return refuse(&format!("a symlink {name}")),
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(Refused::Open(e)),
+        }
+    }
+    let beneath = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+    let mut seen = 0usize;
+    for top in ["objects", "refs"] {
+        let dir = match openat2(git_dir.as_raw_fd(), Path::new(top), beneath) {
+            Ok(dir) => dir,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::ENOTDIR)) => {
+                return refuse(&format!("{top} that is no directory (a symlink?)"));
+            }
+            Err(e) => return Err(Refused::Open(e)),
+        };
+        let mut stack = vec![(dir, PathBuf::from(top))];
+        while let Some((dir, path)) = stack.pop() {
+            seen += 1;
+            if seen > MAX_GIT_DIRS {
+                return refuse(&format!("more than {MAX_GIT_DIRS} directories under objects/ and refs/"));
+            }
+            let listing = std::fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd())).map_err(Refused::Open)?;
+            for entry in listing {
+                let entry = entry.map_err(Refused::Open)?;
+                let kind = entry.file_type().map_err(Refused::Open)?;
+                if kind.is_symlink() {
+                    return refuse(&format!("a symlink {}", path.join(entry.file_name()).display()));
+                }
+                if kind.is_dir() {
+                    let sub =
+                        openat2(dir.as_raw_fd(), Path::new(&entry.file_name()), beneath).map_err(Refused::Open)?;
+                    stack.push((sub, path.join(entry.file_name())));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The `st_mode` of `name` in the directory open at `dir`, not following a
+/// symlink.
+fn lstat_at(dir: &OwnedFd, name: &str) -> std::io::Result<libc::mode_t> {
+    let c_name = CString::new(name).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: `stat` is plain data; zeroed is a valid value.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid descriptor, a valid C string and a properly sized
+    // `stat` the kernel writes into.
+    let rc = unsafe { libc::fstatat(dir.as_raw_fd(), c_name.as_ptr(), &mut stat, libc::AT_SYMLINK_NOFOLLOW) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(stat.st_mode)
 }
 
 /// `path` lexically normal: absolute, `.` and repeated slashes dropped; a
@@ -170,7 +295,7 @@ pub fn resolve(value: &Path, roots: &[PathBuf], prefixes: &[PathBuf]) -> Result<
         if !lexically_allowed(&canonical) {
             return Err(Refused::OutsidePrincipal);
         }
-        return Ok(OpenRepo { fd, canonical });
+        return OpenRepo::with_git_dir(fd, canonical);
     }
     Err(last)
 }

@@ -34,8 +34,58 @@ pub const GIT_TIMEOUT: Duration = Duration::from_secs(120);
 /// The ref the capture bundle carries.
 const CAPTURE_REF: &str = "refs/corral/capture";
 
+/// Settings that override whatever the repository's own configuration
+/// says (command-line configuration comes last, so it wins over the
+/// repository's `config` and anything it includes), for every host git
+/// call that runs in the origin. The origin belongs to a tenant, and host
+/// git runs as the daemon: nothing in it may run a program or reach a
+/// remote. Each one, from `git-config(1)`:
+const OVERRIDES: &[&str] = &[
+    // Hooks (`reference-transaction`, run when fetch updates a ref;
+    // `pre-auto-gc`): the repository's `core.hooksPath` or `.git/hooks`.
+    "core.hooksPath=/dev/null",
+    // A program git would ask about changed files.
+    "core.fsmonitor=false",
+    // A shell command git runs (as `<cmd> <alternate path>`) to list the
+    // refs of an alternate object store, in the connectivity check of a
+    // fetch. `true` prints no refs: git then just walks a little further.
+    "core.alternateRefsCommand=true",
+    // Fetches into submodules, which would run git in their repositories
+    // (and those fetch from wherever their remotes say).
+    "fetch.recurseSubmodules=false",
+    "submodule.recurse=false",
+    // A bundle URI git would download (over http, or by a remote helper)
+    // before fetching.
+    "fetch.bundleURI=",
+    // `git maintenance run --auto` / `git gc --auto` after a fetch: more
+    // git processes, each reading the same configuration.
+    "gc.auto=0",
+    "maintenance.auto=false",
+    // A fetch with pruning would delete refs/corral refs the bundle does not
+    // carry.
+    "fetch.prune=false",
+    "fetch.pruneTags=false",
+    // A commit-graph written on the origin's behalf: not ours to do.
+    "fetch.writeCommitGraph=false",
+    // No transport but local paths and bundles (`file`), whatever the
+    // repository allows: `ext::` runs a command, `ssh` runs a program,
+    // the others reach the network. A per-protocol setting beats
+    // `protocol.allow`, so each one the repository could allow is named.
+    "protocol.allow=never",
+    "protocol.file.allow=always",
+    "protocol.ext.allow=never",
+    "protocol.ssh.allow=never",
+    "protocol.git.allow=never",
+    "protocol.http.allow=never",
+    "protocol.https.allow=never",
+    "protocol.ftp.allow=never",
+    "protocol.ftps.allow=never",
+];
+
 /// A git command that trusts nothing in the repositories it touches: no
-/// system or global config, no hooks, no fsmonitor, no prompts.
+/// system or global config, no hooks, no fsmonitor, no prompts, none of
+/// the repository's settings that run a program or reach a remote
+/// ([`OVERRIDES`]).
 fn git() -> Command {
     let mut cmd = Command::new("git");
     cmd.env_clear()
@@ -45,7 +95,7 @@ fn git() -> Command {
         .env("GIT_TERMINAL_PROMPT", "0")
         .env("GIT_NO_LAZY_FETCH", "1")
         .env("LANG", "C")
-        .args(["-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "-c", "protocol.file.allow=always"])
+        .args(OVERRIDES.iter().flat_map(|o| ["-c", o]))
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true);
     cmd
@@ -71,11 +121,16 @@ fn git_in_fresh_clone(workspace: &Path) -> Command {
     cmd
 }
 
-/// A host git command run in `repo` (the open directory itself), which git
-/// sees through the open directory and at its canonical path.
+/// A host git command run on `repo`'s git directory, the one opened
+/// beneath it (see [`OpenRepo`]): git is handed that open directory as
+/// `--git-dir` and never looks for a repository itself, so neither a
+/// `.git` that leads elsewhere nor a parent repository is ever reached. It
+/// runs in `/`: these commands need no work tree.
 fn git_in(repo: &OpenRepo) -> Command {
     let mut cmd = git();
-    cmd.args(safe_directories(&[&repo.proc_path(), repo.canonical()])).arg("-C").arg(repo.proc_path());
+    cmd.args(safe_directories(&[&repo.git_dir_proc_path(), repo.canonical_git_dir()]))
+        .arg(format!("--git-dir={}", repo.git_dir_proc_path().display()))
+        .current_dir("/");
     cmd
 }
 
@@ -93,7 +148,9 @@ async fn run(mut cmd: Command, what: &str) -> Result<String, WorkspaceError> {
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
 }
 
-/// Whether `repo` is a git repository (work tree or bare).
+/// Whether `repo` is a git repository: the top of a work tree (its `.git`
+/// a repository) or a bare repository. A directory inside a repository is
+/// not one: git is told where the repository is and does not look above.
 pub async fn is_git_repo(repo: &OpenRepo) -> bool {
     let mut cmd = git_in(repo);
     cmd.args(["rev-parse", "--git-dir"]);
@@ -115,14 +172,22 @@ pub async fn clone_into(repo: &Path, workspace: &Path) -> Result<String, Workspa
     let origin =
         OpenRepo::reopen(repo).map_err(|e| WorkspaceError(format!("clone: the repository cannot be opened: {e}")))?;
     // upload-pack runs with the environment a local transport gives it,
-    // which drops command-line config: it gets its own safe.directory. The
-    // `/proc/<pid>/fd/<n>` path has no character a shell would read.
-    let upload_pack = format!("git {} upload-pack", safe_directories(&[&origin.proc_path()]).join(" "));
+    // which drops command-line config: it gets its own safe.directory and
+    // overrides. It is given the open git directory, `--strict`, so it
+    // takes that directory as it is instead of trying `<dir>/.git` and
+    // `<dir>.git` first. The `/proc/<pid>/fd/<n>` path and the overrides
+    // (asserted by a test) have no character a shell would read; the
+    // canonical path might, so it is left out.
+    let upload_pack = format!(
+        "git {} {} upload-pack --strict",
+        OVERRIDES.iter().map(|o| format!("-c {o}")).collect::<Vec<_>>().join(" "),
+        safe_directories(&[&origin.git_dir_proc_path()]).join(" ")
+    );
     let mut cmd = git();
     cmd.args(["clone", "--quiet", "--no-local", "--single-branch", "--no-tags", "--upload-pack"])
         .arg(&upload_pack)
         .arg("--")
-        .arg(origin.proc_path())
+        .arg(origin.git_dir_proc_path())
         .arg(workspace);
     run(cmd, "clone").await?;
     // The origin as the agent would know it (it cannot reach it).
@@ -325,13 +390,41 @@ pub async fn fetch_bundle(
         .find_map(|l| l.strip_suffix(CAPTURE_REF).map(str::trim).filter(|id| is_hex_id(id)))
         .ok_or_else(|| WorkspaceError("capture bundle names no commit".into()))?
         .to_string();
+    // The origin's `url.<base>.insteadOf` would rewrite the bundle's path
+    // into any URL (`ext::<command>`, another repository); the longest
+    // match wins, so the path pinned to itself wins over every prefix of
+    // it. A name no one can predict (a hard link beside the bundle) means
+    // no rule of the origin's can match it exactly.
+    let pinned = bundle.with_file_name(format!(
+        "{}.{}",
+        bundle.file_name().and_then(|n| n.to_str()).unwrap_or("bundle"),
+        uuid::Uuid::now_v7().simple()
+    ));
+    std::fs::hard_link(bundle, &pinned).map_err(|e| WorkspaceError(format!("fetch back: {e}")))?;
+    let _unlink = RemoveOnDrop(&pinned);
     let mut cmd = git_in(&origin);
-    cmd.args(["-c", "fetch.fsckObjects=true", "-c", "transfer.fsckObjects=true", "-c", "fetch.writeCommitGraph=false"])
-        .args(["fetch", "--quiet", "--no-tags", "--no-write-fetch-head"])
-        .arg(bundle)
+    // The key holds a path: given by the environment, which takes it as
+    // it is (`-c` would split it at a `=`).
+    cmd.env("GIT_CONFIG_COUNT", "1")
+        .env("GIT_CONFIG_KEY_0", format!("url.{}.insteadOf", pinned.display()))
+        .env("GIT_CONFIG_VALUE_0", &pinned)
+        .args(["-c", "fetch.fsckObjects=true", "-c", "transfer.fsckObjects=true"])
+        .args(["fetch", "--quiet", "--no-tags", "--no-write-fetch-head", "--no-recurse-submodules"])
+        .args(["--no-auto-maintenance", "--no-prune"])
+        .arg(&pinned)
         .arg(format!("+{CAPTURE_REF}:refs/corral/{name}"));
     run(cmd, "fetch back").await?;
     Ok(commit)
+}
+
+/// Removes a file when dropped: the fetch back's link to the bundle goes
+/// whether the fetch ends, fails or is abandoned.
+struct RemoveOnDrop<'a>(&'a Path);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
 }
 
 /// Where the capture bundle goes: inside the sandbox's HOME (`home` on the
@@ -345,6 +438,15 @@ pub fn bundle_paths(home: &Path, inside_home: &str) -> (PathBuf, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_overrides_are_safe_in_the_upload_pack_command_line() {
+        // `--upload-pack` is run by a shell: no override may hold a
+        // character the shell would read.
+        for o in OVERRIDES {
+            assert!(o.bytes().all(|b| b.is_ascii_alphanumeric() || b"._=/-".contains(&b)), "{o}");
+        }
+    }
 
     #[test]
     fn capture_output_parses_and_refuses_what_it_must() {
