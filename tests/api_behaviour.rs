@@ -502,3 +502,52 @@ fn convert_time(ts: prost_types::Timestamp) -> String {
         .unwrap();
     format!("{}.{:03}Z", String::from_utf8_lossy(&out.stdout).trim(), ms.rem_euclid(1000))
 }
+
+/// A policy whose `on` names a phase its kind never applies at would be
+/// accepted and never applied: CreateSession and EvaluateGate refuse it,
+/// naming `policies[0]`, and nothing is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_selected_for_a_phase_its_kind_never_applies_at_is_invalid_argument() {
+    use pb::PolicyKind::{DenyNetwork, EgressAllowlist, EnforceSandbox, MaxTimeout, MaxToolCalls, RequireApproval};
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut sessions = pb::session_service_client::SessionServiceClient::new(daemon.channel().await);
+    let mut catalog = daemon.catalog().await;
+    let stored = || async { daemon.engine.store.list_sessions("", 1000, None).await.expect("list sessions").len() };
+    let cases = [
+        (DenyNetwork, "{}", "tool_call:Bash"),
+        (EnforceSandbox, r#"{"allow_network": false}"#, "tool_call"),
+        (EgressAllowlist, r#"{"hosts": ["example.com"]}"#, "tool_call:run_task"),
+        (MaxTimeout, r#"{"seconds": 5}"#, "tool_call"),
+        (MaxToolCalls, r#"{"limit": 1}"#, "agent_start"),
+        (RequireApproval, r#"{"timeout_seconds": 2}"#, "agent_start"),
+    ];
+    for (kind, arguments_json, on) in cases {
+        let policy = pb::PolicySpec {
+            name: "p".into(),
+            kind: kind as i32,
+            arguments_json: arguments_json.into(),
+            on: vec![on.into()],
+        };
+        let before = stored().await;
+        let create = pb::CreateSessionRequest {
+            profile_ref: FAKE.into(),
+            project: "proj-a".into(),
+            policies: vec![policy.clone()],
+            ..Default::default()
+        };
+        let status = sessions.create_session(create).await.expect_err("a policy that would never apply");
+        assert_invalid(&status, "policies[0]");
+        assert!(status.message().contains("it would never apply"), "{kind:?} on {on}: {:?}", status.message());
+        assert_eq!(stored().await, before, "{kind:?} on {on}: a refused session was stored");
+        let gate = pb::EvaluateGateRequest {
+            profile_ref: FAKE.into(),
+            actor: String::new(),
+            project: "proj-a".into(),
+            repo: String::new(),
+            policies: vec![policy],
+        };
+        let status = catalog.evaluate_gate(gate).await.expect_err("a policy that would never apply");
+        assert_invalid(&status, "policies[0]");
+    }
+    daemon.stop().await;
+}

@@ -207,3 +207,178 @@ async fn cancelling_a_turn_while_a_call_waits_withdraws_the_call() {
     assert!(rest.contains("echo again"), "the session takes its next turn: {rest}");
     daemon.stop().await;
 }
+
+/// A daemon whose admin policy makes corral's own `run_task` dispatch wait
+/// up to 2 s for a person.
+async fn daemon_asking_for_run_task() -> TestDaemon {
+    TestDaemon::start(Options {
+        config: Box::new(|c| {
+            c.policies.push(corral::policy::PolicySpec {
+                name: "ask-run".into(),
+                kind: "require_approval".into(),
+                arguments: serde_json::json!({"timeout_seconds": 2}),
+                on: vec!["tool_call:run_task".into()],
+            });
+        }),
+        ..Options::default()
+    })
+    .await
+}
+
+/// `refs/corral/<id>` in `repo`, if the run brought anything back.
+fn corral_ref(repo: &std::path::Path, id: &str) -> Option<String> {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(["rev-parse", "--verify", "-q", &format!("refs/corral/{id}")])
+        .output()
+        .unwrap();
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// An execution of `builtin.shell` in `repo` that would create `made.txt`.
+fn make_a_file(repo: &std::path::Path) -> pb::ExecuteRequest {
+    pb::ExecuteRequest {
+        repo: repo.display().to_string(),
+        ..common::request("builtin.shell", "echo made > made.txt; echo ran")
+    }
+}
+
+/// Reads `stream` to its end, deciding the first `approval_requested`
+/// with `decide` (when given); every event, in order.
+async fn run_deciding(
+    stream: &mut tonic::Streaming<pb::LifecycleEvent>,
+    decide: Option<(pb::ToolCallDecision, &mut corral::pb::execution_service_client::ExecutionServiceClient<Channel>)>,
+) -> Vec<pb::LifecycleEvent> {
+    let mut decide = decide;
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.expect("stream ok") {
+        if let Some(pb::lifecycle_event::Kind::ApprovalRequested(asked)) = &event.kind {
+            if let Some((decision, client)) = decide.take() {
+                let request = pb::DecideToolCallRequest {
+                    execution_id: event.subject_id.clone(),
+                    call_id: asked.call_id.clone(),
+                    decision: decision as i32,
+                    reason: String::new(),
+                };
+                client.decide_tool_call(request).await.expect("adm decides");
+            }
+        }
+        events.push(event);
+    }
+    events
+}
+
+/// corral's own dispatch under `require_approval` waits for a person like
+/// any other call: nobody decides within 2 s, so the task never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ask_on_the_dispatched_run_task_waits_and_nobody_deciding_denies_it() {
+    require_bwrap();
+    let daemon = daemon_asking_for_run_task().await;
+    let origin = common::git_repo();
+    let events = daemon.execute(make_a_file(origin.path())).await;
+    let execution = common::finished(&events);
+    let kinds = common::kinds(&events);
+    assert!(!kinds.contains(&"dispatched"), "{kinds:?}");
+    let asked = events.iter().find_map(|e| match &e.kind {
+        Some(pb::lifecycle_event::Kind::ApprovalRequested(a)) => Some(a.clone()),
+        _ => None,
+    });
+    let asked = asked.expect("approval_requested");
+    assert_eq!(asked.tool, "run_task");
+    assert!(asked.summary.contains("made.txt"), "a person sees the task: {}", asked.summary);
+    let decided: Vec<_> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(pb::lifecycle_event::Kind::ApprovalDecided(d)) => {
+                Some((d.allow, d.decided_by.clone(), d.reason.clone()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(decided, [(false, "corral".to_string(), "no decision within 2 s".to_string())]);
+    assert_eq!(execution.state, pb::ExecutionState::Refused as i32, "{execution:?}");
+    assert!(execution.tool_error.contains("no decision within 2 s"), "{}", execution.tool_error);
+    assert!(!execution.tool_output.contains("ran"), "{}", execution.tool_output);
+    assert_eq!(common::evidence(&execution).commit_sha, "");
+    assert_eq!(corral_ref(origin.path(), &execution.execution_id), None, "no file was made");
+    assert_eq!(daemon.engine.approvals.pending(), 0);
+    daemon.stop().await;
+}
+
+/// The same ask, allowed by `DecideToolCall`: then, and only then, it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ask_on_the_dispatched_run_task_runs_once_a_person_allows_it() {
+    require_bwrap();
+    let daemon = daemon_asking_for_run_task().await;
+    let origin = common::git_repo();
+    let mut client = daemon.executions().await;
+    let mut decider = daemon.executions().await;
+    let mut stream = client.execute(make_a_file(origin.path())).await.expect("accepted").into_inner();
+    let events = run_deciding(&mut stream, Some((pb::ToolCallDecision::Allow, &mut decider))).await;
+    let kinds = common::kinds(&events);
+    let at = |kind: &str| kinds.iter().position(|k| *k == kind).unwrap_or_else(|| panic!("{kind}: {kinds:?}"));
+    assert!(
+        at("approval_requested") < at("approval_decided") && at("approval_decided") < at("dispatched"),
+        "{kinds:?}"
+    );
+    let execution = common::finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+    assert!(execution.tool_output.contains("ran"), "{}", execution.tool_output);
+    let head = corral_ref(origin.path(), &execution.execution_id).expect("the file came back");
+    assert_eq!(common::git(origin.path(), &["show", &format!("{head}:made.txt")]), "made");
+    daemon.stop().await;
+}
+
+/// A credential across the summary's 512-character cut: the summary is
+/// scrubbed whole before it is cut, so not even the value's prefix is
+/// recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credential_across_the_summarys_cut_leaves_no_prefix_behind() {
+    require_bwrap();
+    const SECRET: &str = common::ROUTE_TEST_VALUE;
+    let profile = session_profile().replace("[rein]", "credential_route_refs = [\"route.test\"]\n[rein]");
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("session.toml".into(), profile)],
+        config: Box::new(|c| {
+            c.policies.push(corral::policy::PolicySpec {
+                name: "ask-deploy".into(),
+                kind: "require_approval".into(),
+                arguments: serde_json::json!({"timeout_seconds": 1}),
+                on: vec!["tool_call:deploy".into()],
+            });
+        }),
+        ..Options::default()
+    })
+    .await;
+    let mut client = SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest {
+        session_id: "s1".into(),
+        profile_ref: "test.session".into(),
+        project: "pa".into(),
+        ..Default::default()
+    };
+    let session_id = client.create_session(create).await.expect("session created").into_inner().session_id;
+    // The value starts 12 characters before the cut.
+    let before = r#"{"a_pad":""#.len() + r#"","b_key":""#.len();
+    let arguments = serde_json::json!({"a_pad": "x".repeat(500 - before), "b_key": SECRET});
+    assert_eq!(arguments.to_string().find(SECRET), Some(500), "the value straddles character 512");
+    let ask = serde_json::json!({"ask": {"tool": "deploy", "arguments": arguments}});
+    let turn = pb::SendTurnRequest {
+        session_id,
+        tool_call: Some(pb::ToolCall { tool: "run".into(), arguments_json: ask.to_string() }),
+    };
+    let mut stream = client.send_turn(turn).await.expect("turn accepted").into_inner();
+    let mut summaries = Vec::new();
+    while let Some(event) = stream.message().await.expect("stream ok") {
+        if let Some(pb::lifecycle_event::Kind::ApprovalRequested(asked)) = event.kind {
+            summaries.push(asked.summary);
+        }
+    }
+    assert_eq!(summaries.len(), 1, "{summaries:?}");
+    let summary = &summaries[0];
+    assert!(summary.starts_with(r#"{"a_pad":"xxx"#), "{summary}");
+    assert!(summary.chars().count() <= 512, "{summary}");
+    assert!(!summary.contains(&SECRET[..8]), "a prefix of the credential was recorded: {summary}");
+    daemon.stop().await;
+}

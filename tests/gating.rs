@@ -186,3 +186,85 @@ async fn a_missing_credential_refuses_the_run_before_a_sandbox_and_doctor_says_s
         text.lines().find(|l| l.trim_start().starts_with("test.fake-agent@")).unwrap_or_else(|| panic!("{text}"));
     assert!(line.contains("NO") && line.contains("$CORRAL_TEST_NEVER_SET_7781 is not set"), "{line}");
 }
+
+/// A Claude Code or Codex profile with `paths` (TOML lines of its
+/// `[sandbox]`) and an admin `tool_call:Bash` deny.
+fn agent_profile(id: &str, preset: &str, paths: &str) -> String {
+    format!(
+        "id = \"{id}\"\nversion = \"1.0.0\"\n[rein]\npreset = \"{preset}\"\ninput = \"prompt\"\nargv = [\"/bin/true\"]\n\
+         [sandbox]\ntype = \"linux_bwrap\"\n{paths}\n"
+    )
+}
+
+/// Why the daemon would not start with `profiles`; panics when it starts.
+async fn load_error(profiles: &[(&str, String)]) -> String {
+    let data = common::data_tempdir();
+    let dir = data.path().join("profiles");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, text) in profiles {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    let config = corral::config::Config {
+        data_dir: data.path().join("data"),
+        profile_dirs: vec![dir],
+        shutdown_grace_seconds: 5,
+        policies: vec![no_bash()],
+        ..corral::config::Config::default()
+    };
+    let built = corral::daemon::Daemon::build(
+        config,
+        corral::sandbox::Backends::host_default(),
+        corral::daemon::default_reins(),
+    )
+    .await;
+    match built {
+        Ok(_) => panic!("the daemon started with {profiles:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The managed hook that carries Claude Code's and Codex's tool calls to
+/// the gate is bound at a fixed path under /etc; a read or write path over
+/// it (or in its directory) would hide it or let the agent change it, and
+/// the run would count as gated with no hook at all: an admin
+/// `tool_call:Bash` deny accepted and ignored. Such a profile does not
+/// load, naming the key and the hook; a path beside the hook does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_or_write_path_over_the_managed_hook_refuses_the_profile() {
+    let cases = [
+        ("claude_stream_json", "read_paths = [\"/opt\", \"/etc\"]", "sandbox.read_paths[1]", "/etc/claude-code"),
+        ("claude_stream_json", "read_paths = [\"/\"]", "sandbox.read_paths[0]", "/etc/claude-code"),
+        ("claude_stream_json", "read_paths = [\"/etc/claude-code/\"]", "sandbox.read_paths[0]", "/etc/claude-code"),
+        ("claude_stream_json", "read_paths = [\"/etc//./claude-code\"]", "sandbox.read_paths[0]", "/etc/claude-code"),
+        ("codex_exec_json", "write_paths = [\".\", \"/etc/codex\"]", "sandbox.write_paths[1]", "/etc/codex"),
+        (
+            "codex_exec_json",
+            "write_paths = [\"/etc/codex/managed_config.toml\"]",
+            "sandbox.write_paths[0]",
+            "/etc/codex",
+        ),
+        ("codex_exec_json", "read_paths = [\"/etc/corral\"]", "sandbox.read_paths[0]", "/etc/corral"),
+    ];
+    for (preset, paths, key, dir) in cases {
+        let error = load_error(&[("agent.toml", agent_profile("test.hidden-hook", preset, paths))]).await;
+        assert!(error.contains("agent.toml") && error.contains(key), "{preset} {paths}: {error}");
+        assert!(error.contains(dir) && error.contains("managed hook"), "{preset} {paths}: says why: {error}");
+    }
+
+    // Control: paths beside the hook load, and the profile is gated.
+    let beside = "read_paths = [\"/etc/ssl/certs\", \"/etc/claude-codex\"]\nwrite_paths = [\".\", \"etc/codex\"]";
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("agent.toml".into(), agent_profile("test.beside-hook", "claude_stream_json", beside))],
+        ..Options::default()
+    })
+    .await;
+    let resolved = daemon
+        .catalog()
+        .await
+        .resolve_profile(pb::ResolveProfileRequest { profile_ref: "test.beside-hook".into(), actor: String::new() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(resolved.profile.unwrap().rein.unwrap().tool_calls_gated);
+    daemon.stop().await;
+}

@@ -149,3 +149,106 @@ async fn a_hanging_harness_is_killed_at_its_timeout_with_its_whole_group() {
     assert_eq!(processes_with(&marker), 0, "a harness process survived its timeout ({running} were running)");
     assert!(daemon.leftover_sandboxes().await.is_empty());
 }
+
+/// A Claude Code profile whose "CLI" is a probe of the managed hook from
+/// inside: what the settings file says, and whether the agent can write,
+/// remove, move it or add a file beside it. It answers with Claude Code's
+/// `result` line. `sandbox` is more of its `[sandbox]`.
+fn hook_probe_profile(id: &str, sandbox: &str) -> String {
+    format!(
+        r#"id = "{id}"
+version = "1.0.0"
+[rein]
+preset = "claude_stream_json"
+input = "prompt"
+argv = ["/usr/bin/python3", "-c", '''
+import json, os
+f = "/etc/claude-code/managed-settings.json"
+out = []
+try:
+    s = json.load(open(f))
+    hook = s["hooks"]["PreToolUse"][0]["hooks"][0]
+    out.append("settings: managed-only=%s url=%s" % (s.get("allowManagedHooksOnly"), hook.get("url")))
+except Exception as e:
+    out.append("settings: missing (%s)" % type(e).__name__)
+probes = [
+    ("write", lambda: open(f, "a").write("{{}}")),
+    ("remove", lambda: os.remove(f)),
+    ("rename", lambda: os.rename(f, f + ".old")),
+    ("create", lambda: open("/etc/claude-code/managed-settings.d", "w")),
+]
+for name, probe in probes:
+    try:
+        probe()
+        out.append(name + ": ok")
+    except OSError:
+        out.append(name + ": denied")
+print(json.dumps({{"type": "result", "subtype": "success", "is_error": False, "result": "\n".join(out)}}))
+''']
+[sandbox]
+type = "linux_bwrap"
+write_paths = ["."]
+{sandbox}
+[limits]
+timeout_seconds = 30
+"#
+    )
+}
+
+/// Inside a real sandbox of a gated Claude Code profile, under an admin
+/// `tool_call:Bash` deny, the managed settings are corral's and the agent
+/// can neither change, remove nor move them, nor add a file beside them.
+/// And no read path can hide them: validation refuses one over /etc
+/// (`gating`), and one that reaches /etc through a symlink (which
+/// validation cannot see) is mounted before the hook, so bwrap cannot put
+/// the hook there and the harness does not start: it never runs without
+/// its hook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_managed_hook_is_corrals_read_only_and_no_read_path_hides_it() {
+    use std::os::unix::fs::PermissionsExt;
+    require_bwrap();
+    // `<dir>/etc` -> /etc, through a relative link: bwrap resolves it on
+    // the host for the source (the host's /etc) and in the new root for
+    // the destination (the sandbox's /etc, holding the hook).
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let up = "../".repeat(dir.path().components().count() - 1);
+    std::os::unix::fs::symlink(format!("{up}etc"), dir.path().join("etc")).unwrap();
+    assert!(dir.path().join("etc/passwd").exists(), "the link reaches the host's /etc");
+    let linked = format!("read_paths = [{:?}, {:?}]", dir.path().display(), dir.path().join("etc").display());
+    let deny = corral::policy::PolicySpec {
+        name: "no-bash".into(),
+        kind: "expr".into(),
+        arguments: serde_json::json!({"expression": "false", "reason": "Bash is not allowed here"}),
+        on: vec!["tool_call:Bash".into()],
+    };
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![
+            ("probe.toml".into(), hook_probe_profile("test.hook-probe", "")),
+            ("linked.toml".into(), hook_probe_profile("test.hook-linked", &linked)),
+        ],
+        config: Box::new(move |c| c.policies.push(deny)),
+        ..Options::default()
+    })
+    .await;
+
+    let execution = finished(&daemon.execute(request("test.hook-probe", "probe")).await);
+    let out = &execution.tool_output;
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+    assert!(out.contains("settings: managed-only=True url=http://127.0.0.1:3129/v1/pre-tool-use"), "{out}");
+    for probe in ["write", "remove", "rename", "create"] {
+        assert!(out.contains(&format!("{probe}: denied")), "{probe}: {out}");
+    }
+
+    let events = daemon.execute(request("test.hook-linked", "probe")).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(!out.contains("settings: missing"), "the harness ran with its hook hidden: {out}");
+    assert_ne!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}: {out}", kinds(&events));
+    assert!(
+        execution.tool_error.contains("/etc/claude-code/managed-settings.json"),
+        "bwrap could not put the hook there: {}",
+        execution.tool_error
+    );
+    daemon.stop().await;
+}

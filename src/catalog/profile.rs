@@ -1,5 +1,7 @@
 //! The harness profile: its TOML format and its validated, in-memory form.
 
+use std::path::Path;
+
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -29,6 +31,29 @@ pub enum Preset {
     ClaudeStreamJson,
     /// Codex `exec --json`.
     CodexExecJson,
+}
+
+/// Claude Code's managed (administrator) settings file, where corral puts
+/// its pre-tool hook.
+pub const CLAUDE_MANAGED_SETTINGS: &str = "/etc/claude-code/managed-settings.json";
+/// Codex's administrator requirements file, where corral puts its pre-tool
+/// hook.
+pub const CODEX_REQUIREMENTS: &str = "/etc/codex/requirements.toml";
+/// Where the hook helper is bound inside the sandbox (read-only; the corral
+/// binary, which runs as the helper when started under this name).
+pub const HELPER_PATH: &str = "/etc/corral/corral-gate-hook";
+
+impl Preset {
+    /// The files inside the sandbox that make up corral's managed pre-tool
+    /// hook for this preset (`gate::hook::managed_files` binds them); none
+    /// for corral's own protocol, whose harness asks the gate itself.
+    pub fn managed_hook_paths(self) -> &'static [&'static str] {
+        match self {
+            Preset::Protocol => &[],
+            Preset::ClaudeStreamJson => &[CLAUDE_MANAGED_SETTINGS],
+            Preset::CodexExecJson => &[CODEX_REQUIREMENTS, HELPER_PATH],
+        }
+    }
 }
 
 /// What the harness gets on stdin. Never on the command line: `/proc`
@@ -471,6 +496,46 @@ fn check_endpoint(
     Ok(())
 }
 
+/// A profile whose harness gets corral's managed pre-tool hook (Claude
+/// Code, Codex) must not bind a host path over it: its read and write
+/// paths are mounted into the same tree, and one that covers a hook file
+/// (`/`, `/etc`, `/etc/codex`) or lies in a hook file's directory
+/// (`/etc/codex/...`) would hide the hook or let the agent change what the
+/// CLI reads there, while the profile still counts as gated. Refused for
+/// every sandbox type: an `enforce_sandbox` policy can upgrade `none` to
+/// `linux_bwrap`, which carries the hook. Relative write paths are inside
+/// the workspace.
+fn check_hook_paths(rein: &ReinSpec, sandbox: &SandboxSpec) -> Result<(), String> {
+    let files = rein.preset.managed_hook_paths();
+    for (key, paths) in [("sandbox.read_paths", &sandbox.read_paths), ("sandbox.write_paths", &sandbox.write_paths)] {
+        for (i, path) in paths.iter().enumerate() {
+            let bound = Path::new(path);
+            if !bound.is_absolute() {
+                continue;
+            }
+            for file in files {
+                let inside = Path::new(file);
+                let dir = inside.parent().unwrap_or(inside);
+                let how = if inside.starts_with(bound) {
+                    "covers"
+                } else if bound.starts_with(dir) {
+                    "lies inside"
+                } else {
+                    continue;
+                };
+                return Err(format!(
+                    "{key}[{i}]: {path:?} {how} {}, where corral binds the managed hook that sends every tool \
+                     call of this harness to the gate ({}): a bind there would hide the hook or let the agent \
+                     change it, and the tool_call gate would be bypassed",
+                    dir.display(),
+                    file
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Who and what a run is for, as the agent_start gate sees it.
 pub struct RunFacts<'a> {
     /// The caller's consumer type (`adm`, `agt` or `atm`).
@@ -583,6 +648,7 @@ impl Profile {
                 return Err(format!("sandbox.read_paths: {path:?} must be absolute"));
             }
         }
+        check_hook_paths(&file.rein, &file.sandbox)?;
         for label in &file.placement.labels {
             check_label(label).map_err(|e| format!("placement.labels: {e}"))?;
         }

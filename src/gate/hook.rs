@@ -15,12 +15,9 @@ use serde_json::{json, Value};
 
 use super::{GATE_PORT, HELPER_PATH, HOOK_PATH};
 use crate::catalog::Preset;
+pub use crate::catalog::{CLAUDE_MANAGED_SETTINGS, CODEX_REQUIREMENTS};
 use crate::sandbox::{GateFile, GateSource};
 
-/// Claude Code's managed (administrator) settings file.
-pub const CLAUDE_MANAGED_SETTINGS: &str = "/etc/claude-code/managed-settings.json";
-/// Codex's administrator requirements file.
-pub const CODEX_REQUIREMENTS: &str = "/etc/codex/requirements.toml";
 /// The longest tool name kept; a longer one is refused.
 pub const MAX_TOOL_NAME: usize = 200;
 /// The longest call id kept; a longer one is refused.
@@ -188,6 +185,26 @@ impl Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_files_bound_are_the_ones_the_profile_check_keeps_clear() {
+        // The catalog refuses read and write paths over
+        // `Preset::managed_hook_paths`; these are what is bound.
+        let helper = Path::new("/usr/bin/corral");
+        for preset in [Preset::Protocol, Preset::ClaudeStreamJson, Preset::CodexExecJson] {
+            let bound: Vec<String> = managed_files(preset, 1, Some(helper))
+                .unwrap()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|f| f.inside)
+                .collect();
+            assert_eq!(bound, preset.managed_hook_paths(), "{preset:?}");
+        }
+        assert_eq!(
+            Preset::CodexExecJson.managed_hook_paths(),
+            ["/etc/codex/requirements.toml", "/etc/corral/corral-gate-hook"]
+        );
+    }
 
     #[test]
     fn claude_gets_one_blocking_http_hook_and_managed_hooks_only() {

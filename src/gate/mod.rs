@@ -29,9 +29,7 @@ pub use hook::{HookCall, Verdict};
 pub use crate::sandbox::GATE_PORT;
 /// The path both hooks call.
 pub const HOOK_PATH: &str = "/v1/pre-tool-use";
-/// Where the hook helper is bound inside the sandbox (read-only; the corral
-/// binary, which runs as the helper when started under this name).
-pub const HELPER_PATH: &str = "/etc/corral/corral-gate-hook";
+pub use crate::catalog::HELPER_PATH;
 /// The file name that makes the corral binary the hook helper.
 pub const HELPER_NAME: &str = "corral-gate-hook";
 

@@ -469,7 +469,57 @@ impl Core {
         self.start_harness().await.map_err(TurnOutcome::Failed)
     }
 
-    /// tool_call gate → dispatch. Progress is recorded as it comes.
+    /// The turn's own call, which the gate answered with *ask*: it waits
+    /// for a person's decision exactly as a harness's policy request does
+    /// (`approval_requested`, `DecideToolCall`, none in time denies), each
+    /// step recorded as it comes. `Err` is the turn's end: denied, or
+    /// cancelled while it waited (the call is withdrawn). An allowed call
+    /// is counted when `counted`.
+    async fn ask_person(
+        &mut self,
+        call: &ToolCall,
+        outcome: &GateOutcome,
+        gate: &dyn ToolGate,
+        counted: bool,
+        cancel: &CancellationToken,
+    ) -> Result<(), TurnOutcome> {
+        // What a person decides on: the call's arguments, or for an
+        // execution's `run_task` (which has none) the task itself.
+        let summary = match &call.task.arguments {
+            Value::Null => serde_json::json!({"title": call.task.title, "description": call.task.description}),
+            arguments => arguments.clone(),
+        };
+        let wait = Duration::from_secs(outcome.approval_timeout_seconds);
+        let (tx, mut rx) = mpsc::channel::<HarnessEvent>(8);
+        let verdict = {
+            let asking = crate::rein::ask_person(gate, &tx, &call.tool, summary.to_string(), wait);
+            tokio::pin!(asking);
+            loop {
+                tokio::select! {
+                    biased;
+                    Some(event) = rx.recv() => self.harness_events(event, &mut rx).await,
+                    verdict = &mut asking => break Some(verdict),
+                    _ = cancel.cancelled() => break None,
+                }
+            }
+        };
+        while let Ok(event) = rx.try_recv() {
+            self.harness_events(event, &mut rx).await;
+        }
+        let Some(verdict) = verdict else { return Err(TurnOutcome::Cancelled) };
+        if !verdict.allow {
+            let asking = outcome.decisions.iter().find(|d| d.action == Action::Ask);
+            let policy = asking.map(|d| d.policy.clone()).unwrap_or_else(|| "require_approval".into());
+            return Err(TurnOutcome::Denied { policy, reason: verdict.reason });
+        }
+        if counted {
+            gate.count_approved();
+        }
+        Ok(())
+    }
+
+    /// tool_call gate (a person's decision when it asks) → dispatch.
+    /// Progress is recorded as it comes.
     pub async fn turn(&mut self, call: ToolCall, cancel: CancellationToken) -> TurnOutcome {
         let alive = match self.phase.ready_mut().map(|r| &mut r.harness) {
             Some(Harness::Here(harness)) => harness.is_alive(),
@@ -491,9 +541,17 @@ impl Core {
             self.recorder.emit(gated, None).await;
             return TurnOutcome::Denied { policy: denial.policy.clone(), reason: denial.reason.clone() };
         }
-        // The decision and the dispatch it allows: one write.
         let dispatched = EventKind::Dispatched { tool: call.tool.clone() };
-        self.recorder.emit_batch(vec![(gated, None), (dispatched, None)]).await;
+        if outcome.action == Action::Ask {
+            self.recorder.emit(gated, None).await;
+            if let Err(refused) = self.ask_person(&call, &outcome, gate.as_ref(), !hooked, &cancel).await {
+                return refused;
+            }
+            self.recorder.emit(dispatched, None).await;
+        } else {
+            // The decision and the dispatch it allows: one write.
+            self.recorder.emit_batch(vec![(gated, None), (dispatched, None)]).await;
+        }
         if let Some(refill) = &self.refill {
             refill.begin_after(super::warm::REFILL_AFTER_DISPATCH);
         }
@@ -704,6 +762,15 @@ impl Core {
         let mut batch = Vec::new();
         let mut next = Some(first);
         while let Some(event) = next.take() {
+            // Scrubbed whole, then cut: cut first, a credential across the
+            // cut would keep its prefix, which no scrub pattern matches.
+            let event = match event {
+                HarnessEvent::ApprovalRequested { call_id, tool, summary, expires_at_ms } => {
+                    let summary = self.scrubber.scrub(&summary).chars().take(crate::rein::SUMMARY_CHARS).collect();
+                    HarnessEvent::ApprovalRequested { call_id, tool, summary, expires_at_ms }
+                }
+                other => other,
+            };
             let bytes = match &event {
                 HarnessEvent::Progress { message, .. } => message.len(),
                 HarnessEvent::Output { line } => line.len(),
@@ -745,7 +812,6 @@ impl Core {
                 }
                 HarnessEvent::ApprovalRequested { call_id, tool, summary, expires_at_ms } => {
                     let tool = crate::records::bounded::tool_name(&self.scrubber.scrub(&tool));
-                    let summary = self.scrubber.scrub(&summary).chars().take(512).collect();
                     let event = EventKind::ApprovalRequested { call_id, tool, summary, expires_at_ms };
                     // At once: a person is waiting to see it.
                     self.recorder.emit_batch(std::mem::take(&mut batch)).await;

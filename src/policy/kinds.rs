@@ -5,7 +5,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::expr::Expr;
-use super::{PolicySpec, Selector};
+use super::{Phase, PolicySpec, Selector};
 use crate::sandbox::SandboxType;
 
 /// `enforce_sandbox`: fields it does not name are kept; unknown fields are
@@ -111,6 +111,22 @@ pub enum Kind {
     Expr(Expr),
 }
 
+impl Kind {
+    /// The phases this kind has anything to say at; a selector may only
+    /// name these.
+    pub fn phases(&self) -> &'static [Phase] {
+        match self {
+            Kind::EnforceSandbox(_) | Kind::DenyNetwork | Kind::EgressAllowlist { .. } | Kind::MaxTimeout { .. } => {
+                &[Phase::AgentStart]
+            }
+            Kind::MaxToolCalls { .. } | Kind::RequireApproval { .. } => &[Phase::ToolCall],
+            Kind::AllowedActors { .. } | Kind::AllowedRepos { .. } | Kind::Expr(_) => {
+                &[Phase::AgentStart, Phase::ToolCall]
+            }
+        }
+    }
+}
+
 /// How long an approval waits when a `require_approval` names no timeout.
 pub const DEFAULT_APPROVAL_SECONDS: u64 = 300;
 
@@ -201,6 +217,17 @@ impl Policy {
             }
             other => return Err(format!("kind: unknown policy kind {other:?} (known: {KNOWN_KINDS})")),
         };
+        // A selector for a phase the kind never applies at would be
+        // accepted and then never applied: refused instead.
+        if let Some((i, selector)) = on.iter().enumerate().find(|(_, s)| !kind.phases().contains(&s.phase)) {
+            let at = kind.phases().iter().map(|p| p.as_str()).collect::<Vec<_>>().join(", ");
+            return Err(format!(
+                "on[{i}]: {:?} names {}, but {} applies only at {at}: it would never apply",
+                spec.on[i],
+                selector.phase.as_str(),
+                spec.kind
+            ));
+        }
         Ok(Policy { name: spec.name.clone(), kind, on, source })
     }
 }

@@ -204,16 +204,7 @@ impl Policy {
 
     /// Whether this policy has anything to say at `phase` for `tool`.
     fn applies(&self, phase: Phase, tool: &str) -> bool {
-        let kind_phases: &[Phase] = match self.kind {
-            Kind::EnforceSandbox(_) | Kind::DenyNetwork | Kind::EgressAllowlist { .. } | Kind::MaxTimeout { .. } => {
-                &[Phase::AgentStart]
-            }
-            Kind::MaxToolCalls { .. } | Kind::RequireApproval { .. } => &[Phase::ToolCall],
-            Kind::AllowedActors { .. } | Kind::AllowedRepos { .. } | Kind::Expr(_) => {
-                &[Phase::AgentStart, Phase::ToolCall]
-            }
-        };
-        if !kind_phases.contains(&phase) {
+        if !self.kind.phases().contains(&phase) {
             return false;
         }
         self.on.is_empty() || self.on.iter().any(|s| s.phase == phase && s.tool.as_deref().is_none_or(|t| t == tool))

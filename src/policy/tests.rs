@@ -295,3 +295,58 @@ fn require_approval_asks_waits_the_shortest_time_within_the_run_and_a_later_deny
     let refused = gate().evaluate(&GateInput { ungated_tool_calls: Some("no hook"), ..input(&spec, &profile, &[]) });
     assert_eq!(refused.action, Action::Deny);
 }
+
+#[test]
+fn a_selector_for_a_phase_the_kind_never_applies_at_is_refused_at_load() {
+    let spec = |kind: &str, arguments: Value, on: &[&str]| PolicySpec {
+        name: "p".into(),
+        kind: kind.into(),
+        arguments,
+        on: on.iter().map(|s| s.to_string()).collect(),
+    };
+    let hosts = json!({"hosts": ["example.com"]});
+    let seconds = json!({"seconds": 5});
+    let start_only: [(&str, Value); 4] = [
+        ("enforce_sandbox", json!({})),
+        ("deny_network", json!({})),
+        ("egress_allowlist", hosts),
+        ("max_timeout", seconds),
+    ];
+    let call_only: [(&str, Value); 2] =
+        [("max_tool_calls", json!({"limit": 1})), ("require_approval", json!({"timeout_seconds": 2}))];
+    let both: [(&str, Value); 3] = [
+        ("allowed_actors", json!({"types": ["adm"]})),
+        ("allowed_repos", json!({"prefixes": ["/"]})),
+        ("expr", json!({"expression": "true", "reason": "r"})),
+    ];
+    for (kind, arguments) in &start_only {
+        for on in ["tool_call", "tool_call:Bash", "tool_call:run_task"] {
+            let error = Policy::compile(&spec(kind, arguments.clone(), &["agent_start", on]), "admin").unwrap_err();
+            assert_eq!(
+                error,
+                format!("on[1]: {on:?} names tool_call, but {kind} applies only at agent_start: it would never apply")
+            );
+        }
+        Policy::compile(&spec(kind, arguments.clone(), &["agent_start"]), "admin").unwrap();
+    }
+    for (kind, arguments) in &call_only {
+        let error = Policy::compile(&spec(kind, arguments.clone(), &["agent_start"]), "admin").unwrap_err();
+        assert_eq!(
+            error,
+            format!(
+                "on[0]: \"agent_start\" names agent_start, but {kind} applies only at tool_call: it would never apply"
+            )
+        );
+        for on in ["tool_call", "tool_call:Bash"] {
+            Policy::compile(&spec(kind, arguments.clone(), &[on]), "admin").unwrap();
+        }
+    }
+    for (kind, arguments) in &both {
+        Policy::compile(&spec(kind, arguments.clone(), &["agent_start", "tool_call", "tool_call:Bash"]), "admin")
+            .unwrap();
+    }
+    // The list names the key, the index and the policy.
+    let listed = [spec("deny_network", json!({}), &[]), spec("deny_network", json!({}), &["tool_call:Bash"])];
+    let error = compile_all(&listed, "session", "policies").unwrap_err();
+    assert!(error.starts_with("policies[1] (p): on[0]: \"tool_call:Bash\" names tool_call"), "{error}");
+}

@@ -116,8 +116,10 @@ pub enum HarnessEvent {
         call_id: String,
         /// The tool the call is for.
         tool: String,
-        /// The call's arguments as JSON, cut to 512 characters; not scrubbed
-        /// yet.
+        /// The call's arguments as JSON, whole (bounded by what the harness
+        /// could send: one protocol line, one hook body). Not scrubbed yet:
+        /// the recorder scrubs it, then cuts it to [`SUMMARY_CHARS`], so no
+        /// credential is cut in two before the scrub could see it.
         summary: String,
         /// When the call is denied if nobody decided, in Unix milliseconds.
         expires_at_ms: i64,
@@ -146,8 +148,8 @@ pub trait ToolGate: Send + Sync {
     fn count_approved(&self);
 }
 
-/// The longest argument summary an approval request carries.
-const SUMMARY_CHARS: usize = 512;
+/// The longest argument summary an approval request records, in characters.
+pub const SUMMARY_CHARS: usize = 512;
 
 /// One tool call through the gate, every step reported on `events`: the
 /// decision, and for an *ask* the request and a person's decision within
@@ -171,12 +173,32 @@ pub async fn decide_call(
         (Action::Deny, None) => return Verdict::deny("denied"),
         (Action::Ask, None) => {}
     }
+    let verdict = ask_person(gate, events, tool, arguments.to_string(), wait).await;
+    if verdict.allow {
+        gate.count_approved();
+    }
+    verdict
+}
+
+/// A call the gate answered with *ask*: registers it, reports
+/// `ApprovalRequested` (with `summary`, the whole call as JSON: the
+/// recorder scrubs it, then cuts it to [`SUMMARY_CHARS`]) and waits up to
+/// `wait` for a person's decision, then reports `ApprovalDecided`. None in
+/// time denies; dropping the future withdraws the call. The caller counts
+/// an allowed call.
+pub async fn ask_person(
+    gate: &dyn ToolGate,
+    events: &mpsc::Sender<HarnessEvent>,
+    tool: &str,
+    summary: String,
+    wait: Duration,
+) -> crate::gate::Verdict {
+    use crate::gate::Verdict;
     let Some(mut waiter) = gate.open_approval() else {
         return Verdict::deny("a person must approve this call, and nobody can here");
     };
     let call_id = waiter.call_id.clone();
     let expires_at_ms = crate::records::now_ms() + wait.as_millis() as i64;
-    let summary: String = arguments.to_string().chars().take(SUMMARY_CHARS).collect();
     let requested =
         HarnessEvent::ApprovalRequested { call_id: call_id.clone(), tool: tool.to_string(), summary, expires_at_ms };
     let _ = events.send(requested).await;
@@ -186,9 +208,6 @@ pub async fn decide_call(
         Some(d) => (d.allow, d.by, d.reason),
         None => (false, "corral".to_string(), format!("no decision within {} s", wait.as_secs())),
     };
-    if allow {
-        gate.count_approved();
-    }
     let decided = HarnessEvent::ApprovalDecided { call_id, allow, by: by.clone(), reason: reason.clone() };
     let _ = events.send(decided).await;
     match allow {

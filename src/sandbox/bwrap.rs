@@ -136,9 +136,6 @@ pub fn bwrap_args(
     }
     let (passwd, group) = (paths.passwd.to_string_lossy(), paths.group.to_string_lossy());
     push(&["--ro-bind", &passwd, "/etc/passwd", "--ro-bind", &group, "/etc/group"]);
-    for (host, inside) in &gate.binds {
-        push(&["--ro-bind", &host.to_string_lossy(), inside]);
-    }
     let (tmp, shm) = (tmpfs.tmp_bytes.to_string(), tmpfs.shm_bytes.to_string());
     // bwrap covers /proc/sys only where the caller could write it; sysctls
     // of the sandbox's own namespaces (IPC, UTS) can be, so bind it
@@ -166,6 +163,14 @@ pub fn bwrap_args(
         }
     }
     push(&["--bind", &paths.home.to_string_lossy(), HOME_MOUNT]);
+    // The agent's managed hook last, so no mount above can hide it or make
+    // its directory writable: profile validation refuses read and write
+    // paths over it, but a path can still reach it through a symlink (one
+    // in the repository, under a relative write path). Over a read-only
+    // bind its mount point cannot be made, and bwrap fails: closed.
+    for (host, inside) in &gate.binds {
+        push(&["--ro-bind", &host.to_string_lossy(), inside]);
+    }
     // bwrap's root is a writable tmpfs; remounting it read-only leaves only
     // the binds above (workspace, HOME, write paths) and /tmp writable.
     push(&["--remount-ro", "/", "--chdir", WORKSPACE_MOUNT, "--seccomp", SECCOMP_FD, "--"]);
