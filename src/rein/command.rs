@@ -253,8 +253,13 @@ impl Run {
         let (endpoint, hooks) = hooks.unzip();
         let gateway = match (process.gateway_listener.take(), ctx.gateway.is_empty()) {
             (Some(listener), _) => {
-                let refusals = ctx.sandbox.egress.clone().unwrap_or_default();
-                Some(crate::credentials::gateway::serve(listener, ctx.gateway.clone(), refusals))
+                // Every request it forwards or refuses is an `egress` event:
+                // without the sandbox's log to record them in, it does not run.
+                let Some(log) = ctx.sandbox.egress.clone() else {
+                    let _ = process.kill().await;
+                    return Err(ReinError::Start("the sandbox has a credential gateway but no egress log".into()));
+                };
+                Some(crate::credentials::gateway::serve(listener, ctx.gateway.clone(), log))
             }
             (None, false) => {
                 let _ = process.kill().await;

@@ -459,9 +459,12 @@ impl SandboxBackend for BwrapBackend {
         let receipt = EnforcementReceipt {
             command_digest: self.command_digest(&req.spec, &paths, req.limits.tmpfs(), &gate),
             // Its own network namespace, always; with network, egress only
-            // through the daemon's proxy to the allowlist.
+            // through the daemon's proxy to the allowlist; with gatewayed
+            // credentials, through the daemon's credential gateway to its
+            // routes' upstreams (even without network). Either is egress
+            // the daemon forwards and records: never "none".
             network_isolated: true,
-            egress: if req.spec.allow_network { "proxy".into() } else { "none".into() },
+            egress: if req.spec.allow_network || req.gateway { "proxy".into() } else { "none".into() },
             allow_hosts: if req.spec.allow_network { req.spec.allow_hosts.clone() } else { Vec::new() },
             write_roots: write_roots(&req.spec),
             host_uid: req.user.map(|u| u.uid).unwrap_or_else(effective_uid),
@@ -484,7 +487,8 @@ impl SandboxBackend for BwrapBackend {
             user: req.user,
             limits: req.limits,
             cgroup,
-            egress: req.spec.allow_network.then(Arc::default),
+            // What the proxy and the gateway forward is recorded here.
+            egress: (req.spec.allow_network || req.gateway).then(Arc::default),
             gate,
             receipt,
         })
