@@ -206,3 +206,81 @@ async fn a_burst_of_sessions_never_runs_more_than_the_bound() {
     assert!(daemon.leftover_sandboxes().await.is_empty());
     daemon.stop().await;
 }
+
+/// An EndSession while the session is still starting ends it: the start is
+/// cancelled, tears down what it made and gives back its own slot once. It
+/// never goes active afterwards, and the one slot never holds two sessions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ending_a_starting_session_ends_it_and_frees_its_one_slot_once() {
+    use common::faults::{bwrap_with, BackendFaults};
+    use corral::pb::session_service_client::SessionServiceClient;
+    require_bwrap();
+    let witness = Witness::new();
+    let script = format!(
+        r#"{} while read -r line; do echo '{{"type":"result","ok":true,"output":"ok"}}'; done; {}"#,
+        witness.enter(),
+        witness.leave()
+    );
+    let profile = witness.profile("test.slow-session", &script, "task_json");
+    // Each sandbox takes 300 ms to make: the session is STARTING that long.
+    let (backends, _log) = bwrap_with(BackendFaults { slow_create: true, ..Default::default() });
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("slow.toml".into(), profile)],
+        backends: Some(backends),
+        config: Box::new(|c| c.max_running_sessions = 1),
+        ..Options::default()
+    })
+    .await;
+    let client = SessionServiceClient::new(daemon.channel().await);
+    let create = |id: &str| {
+        let mut client = client.clone();
+        let req = pb::CreateSessionRequest {
+            session_id: id.into(),
+            profile_ref: "test.slow-session".into(),
+            project: "proj-a".into(),
+            ..Default::default()
+        };
+        tokio::spawn(async move { client.create_session(req).await.map(|r| r.into_inner()) })
+    };
+    let get = |id: &str| {
+        let mut client = client.clone();
+        let req = pb::GetSessionRequest { session_id: id.into() };
+        async move { client.get_session(req).await.map(|r| r.into_inner()) }
+    };
+
+    let creating_a = create("a");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        match get("a").await {
+            Ok(s) if s.state == pb::SessionState::Starting as i32 => break,
+            Ok(s) => panic!("a was never seen starting: {s:?}"),
+            Err(status) => assert_eq!(status.code(), Code::NotFound, "{status:?}"),
+        }
+        assert!(std::time::Instant::now() < deadline, "a was never stored");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let ended = client
+        .clone()
+        .end_session(pb::EndSessionRequest { session_id: "a".into() })
+        .await
+        .expect("a ends")
+        .into_inner();
+    assert_eq!(ended.state, pb::SessionState::Ended as i32, "EndSession returns the ended record: {ended:?}");
+    let status = creating_a.await.unwrap().expect_err("a start that was ended is no session");
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    let a = get("a").await.unwrap();
+    assert_eq!(a.state, pb::SessionState::Ended as i32, "a never goes active once ended: {a:?}");
+
+    // The one slot is free again, exactly once: b takes it, c is refused.
+    let b = create("b").await.unwrap().expect("b is admitted");
+    assert_eq!(b.state, pb::SessionState::Active as i32, "{b:?}");
+    let status = create("c").await.unwrap().expect_err("one slot, held by b");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let (_, most) = witness.counts();
+    assert!(most <= 1, "{most} session harnesses were alive at once with one slot");
+    assert_eq!(get("a").await.unwrap().state, pb::SessionState::Ended as i32);
+    client.clone().end_session(pb::EndSessionRequest { session_id: "b".into() }).await.unwrap();
+    assert!(daemon.leftover_sandboxes().await.is_empty());
+    daemon.stop().await;
+}

@@ -342,3 +342,45 @@ async fn cancel_on_disconnect_cancels_only_when_asked() {
     assert_eq!(pb::ExecutionState::try_from(execution.state).unwrap(), pb::ExecutionState::Cancelled);
     assert!(daemon.leftover_sandboxes().await.is_empty());
 }
+
+/// A session that had started and sat idle (its last event `sandbox_ready`)
+/// was past its start when the daemon died: recovery says so, not
+/// "during session_start".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_active_session_is_recovered_as_past_its_start() {
+    use corral::pb::session_service_client::SessionServiceClient;
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("s.toml"), common::session_agent_profile("test.session", "")).unwrap();
+    let data = dir.path().join("data");
+
+    let mut daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut client = SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest {
+        session_id: "idle".into(),
+        profile_ref: "test.session".into(),
+        ..Default::default()
+    };
+    let session = client.create_session(create).await.expect("created").into_inner();
+    assert_eq!(session.state, pb::SessionState::Active as i32, "{session:?}");
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGKILL) };
+    daemon.child.wait().await.unwrap();
+
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut client = SessionServiceClient::new(daemon.channel().await);
+    let record = client
+        .get_session(pb::GetSessionRequest { session_id: "idle".into() })
+        .await
+        .expect("the session is still stored")
+        .into_inner();
+    assert_eq!(record.state, pb::SessionState::Failed as i32, "{record:?}");
+    let evidence = record.evidence.expect("evidence");
+    let stage = pb::FailureStage::try_from(evidence.failure_stage).unwrap();
+    assert_ne!(stage, pb::FailureStage::SessionStart, "it had started: {evidence:?}");
+    assert_eq!(stage, pb::FailureStage::Execution, "{evidence:?}");
+    assert!(evidence.notes.iter().any(|n| n == "daemon restarted during execution"), "{:?}", evidence.notes);
+    assert_eq!(sandbox_dirs(&data), 0, "the sandbox is gone");
+}

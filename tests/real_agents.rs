@@ -847,10 +847,19 @@ async fn turn(
     id: &str,
     prompt: &str,
 ) -> corral::pb::TurnFinished {
+    turn_with(client, id, &json!({"prompt": prompt}).to_string()).await
+}
+
+/// One turn of session `id` with `arguments_json` as it is sent.
+async fn turn_with(
+    client: &mut corral::pb::session_service_client::SessionServiceClient<tonic::transport::Channel>,
+    id: &str,
+    arguments_json: &str,
+) -> corral::pb::TurnFinished {
     use corral::pb;
     let request = pb::SendTurnRequest {
         session_id: id.into(),
-        tool_call: Some(pb::ToolCall { tool: "prompt".into(), arguments_json: json!({"prompt": prompt}).to_string() }),
+        tool_call: Some(pb::ToolCall { tool: "prompt".into(), arguments_json: arguments_json.into() }),
     };
     let mut stream = client.send_turn(request).await.expect("turn accepted").into_inner();
     let mut last = None;
@@ -902,6 +911,39 @@ async fn a_session_with_a_real_agent_continues_its_conversation_across_turns() {
         }
         assert!(second_request.contains("Which word did I ask you to remember?"), "{profile}");
         let ended = client.end_session(pb::EndSessionRequest { session_id: "talk".into() }).await.unwrap();
+        assert_eq!(ended.into_inner().state, pb::SessionState::Ended as i32, "{profile}");
+    }
+}
+
+/// A first turn without a prompt fails saying so, and runs nothing: the
+/// session stays usable, and the next turn with a prompt is the agent's
+/// first run (not a resume of a conversation that never began).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_agent_session_whose_first_turn_has_no_prompt_takes_the_next_one() {
+    require_claude();
+    require_codex();
+    use corral::pb;
+    for profile in ["builtin.claude-code", "builtin.codex"] {
+        let mock = ModelMock::start(vec![Step::text("Hello after all.")]).await;
+        let (_dir, serve) = serve(&mock, true).await;
+        let origin = git_repo();
+        let mut client =
+            pb::session_service_client::SessionServiceClient::new(common::unix_channel(&serve.socket).await);
+        let create = pb::CreateSessionRequest {
+            session_id: "quiet".into(),
+            profile_ref: profile.into(),
+            repo: origin.path().display().to_string(),
+            ..Default::default()
+        };
+        client.create_session(create).await.unwrap_or_else(|e| panic!("{profile}: {e:?}"));
+        let first = turn_with(&mut client, "quiet", "{}").await;
+        assert!(!first.ok, "{profile}: {first:?}");
+        assert!(first.raw_error.contains("no prompt"), "{profile}: {first:?}");
+        let second = turn(&mut client, "quiet", "Say hello.").await;
+        assert!(second.ok, "{profile}: the session takes a turn after a failed one: {second:?}");
+        assert_eq!(second.output, "Hello after all.", "{profile}");
+        assert_eq!(mock.model_requests().len(), 1, "{profile}: only the turn with a prompt reached the model");
+        let ended = client.end_session(pb::EndSessionRequest { session_id: "quiet".into() }).await.unwrap();
         assert_eq!(ended.into_inner().state, pb::SessionState::Ended as i32, "{profile}");
     }
 }

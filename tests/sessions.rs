@@ -835,6 +835,160 @@ async fn a_session_with_a_turn_in_flight_is_not_reaped() {
     daemon.stop().await;
 }
 
+/// A shutdown gives a turn in flight the grace an execution gets, then
+/// cancels it and ends the session: it never waits for the turn's own
+/// timeout (systemd would SIGKILL the daemon first and leave the sandbox).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_cancels_a_turn_in_flight_after_the_grace_and_ends_the_session() {
+    require_bwrap();
+    let mut options = daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))]);
+    options.config = Box::new(|config| config.shutdown_grace_seconds = 1);
+    let daemon = TestDaemon::start(options).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.session", "agt", "")).await.expect("created");
+    let id = session.session_id.clone();
+    let history = {
+        let request = pb::WatchSessionRequest { session_id: id.clone(), after_sequence: 0 };
+        let stream = client.watch_session(request).await.expect("watch accepted").into_inner();
+        tokio::spawn(collect(stream))
+    };
+    let mut stream =
+        client.send_turn(turn_request(&id, "slow", json!({"sleep": 30}))).await.expect("turn accepted").into_inner();
+    let mut events = Vec::new();
+    let dispatched = async {
+        while let Some(event) = stream.message().await.expect("stream ok") {
+            let is_dispatched = matches!(event.kind, Some(Kind::Dispatched(_)));
+            events.push(event);
+            if is_dispatched {
+                return;
+            }
+        }
+        panic!("the stream ended before dispatch: {:?}", kinds(&events));
+    };
+    tokio::time::timeout(STREAM_LIMIT, dispatched).await.expect("dispatched in time");
+    let turn = tokio::spawn(collect(stream));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let started = Instant::now();
+    daemon.stop().await;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(10), "the shutdown waited {took:?} for a 30 s turn (grace 1 s)");
+    events.extend(turn.await.unwrap());
+    let done = turn_finished(&events);
+    assert!(!done.ok, "the turn was cancelled, not finished: {done:?}");
+    assert_eq!(done.error, "turn cancelled", "{done:?}");
+    let history = history.await.unwrap();
+    let ended = session_of(&history);
+    assert_eq!(ended.state, pb::SessionState::Ended as i32, "{ended:?}");
+    let evidence = ended.evidence.expect("evidence");
+    assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{evidence:?}");
+    assert!(session_processes(&id).is_empty(), "the session's harness outlived the shutdown");
+}
+
+/// A session's work comes back as `refs/corral/<principal>/<id>`: an id
+/// that is no valid ref component is INVALID_ARGUMENT naming `session_id`,
+/// and nothing is stored; an id that is one brings its work back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_id_that_cannot_name_a_git_ref_is_invalid_and_a_valid_one_brings_the_work_back() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))])).await;
+    let mut client = sessions(&daemon).await;
+    let repo = git_repo();
+    let bad = [
+        "fix:1",
+        "a..b",
+        "v1.lock",
+        "x~1",
+        "q?",
+        "a*",
+        "a[1]",
+        "a^",
+        "back\\slash",
+        "a/b",
+        "a@{1}",
+        "@",
+        ".hidden",
+        "-x",
+        "trailing.",
+    ];
+    for id in bad {
+        let request = pb::CreateSessionRequest {
+            session_id: id.into(),
+            ..create_request("test.session", "agt", &repo_path(&repo))
+        };
+        let status = create(&mut client, request).await.expect_err(id);
+        assert_eq!(status.code(), Code::InvalidArgument, "{id}: {status:?}");
+        let violations = status.get_details_bad_request().unwrap_or_else(|| panic!("{id}: no BadRequest: {status:?}"));
+        assert_eq!(violations.field_violations[0].field, "session_id", "{id}: {violations:?}");
+    }
+    let rows = daemon.engine.store.row_counts().await.unwrap();
+    let sessions_stored = rows.iter().find(|(t, _)| *t == "sessions").map(|(_, n)| *n).unwrap();
+    assert_eq!(sessions_stored, 0, "a refused id stores nothing");
+
+    // Dots, dashes and underscores inside an id are fine refs.
+    let id = "fix-1_v1.2";
+    let request =
+        pb::CreateSessionRequest { session_id: id.into(), ..create_request("test.session", "agt", &repo_path(&repo)) };
+    let session = create(&mut client, request).await.expect("a valid ref component is a valid id");
+    let done =
+        turn_finished(&send_turn(&mut client, &session.session_id, "write", json!({"probe_write": "work.txt"})).await);
+    assert!(done.ok && done.output.contains("write work.txt: ok"), "{done:?}");
+    let ended = end(&mut client, &session.session_id).await;
+    assert_eq!(ended.state, pb::SessionState::Ended as i32, "{ended:?}");
+    let commit = ended.evidence.expect("evidence").commit_sha;
+    assert!(!commit.is_empty(), "the work came back");
+    let refs = git(repo.path(), &["for-each-ref", "--format=%(refname) %(objectname)", "refs/corral/"]);
+    assert!(refs.contains(&format!("refs/corral/{} {commit}", stored_id("agt", id))), "{refs}");
+    daemon.stop().await;
+}
+
+/// A session id is taken from the moment its session is stored: a second
+/// CreateSession of it, while the first still starts or once it runs, is
+/// ALREADY_EXISTS naming `session_id` (not "overloaded", not a request id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_create_of_a_starting_session_id_is_already_exists_naming_session_id() {
+    require_bwrap();
+    // Each sandbox takes 300 ms to make: the first create is STARTING that long.
+    let (backends, _log) = bwrap_with(BackendFaults { slow_create: true, ..Default::default() });
+    let mut options = daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))]);
+    options.backends = Some(backends);
+    let daemon = TestDaemon::start(options).await;
+    let client = sessions(&daemon).await;
+    let id = unique_id("twice");
+    let request = pb::CreateSessionRequest { session_id: id.clone(), ..create_request("test.session", "agt", "") };
+    let first = {
+        let (mut client, request) = (client.clone(), request.clone());
+        tokio::spawn(async move { create(&mut client, request).await })
+    };
+    let stored = stored_id("agt", &id);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let get = pb::GetSessionRequest { session_id: stored.clone() };
+        match client.clone().get_session(get).await {
+            Ok(s) if s.get_ref().state == pb::SessionState::Starting as i32 => break,
+            Ok(s) => panic!("the first create was never seen starting: {:?}", s.into_inner()),
+            Err(status) => assert_eq!(status.code(), Code::NotFound, "{status:?}"),
+        }
+        assert!(Instant::now() < deadline, "the first create was never stored");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let assert_taken = |status: tonic::Status, when: &str| {
+        assert_eq!(status.code(), Code::AlreadyExists, "{when}: {status:?}");
+        let info = status.get_details_error_info().unwrap_or_else(|| panic!("{when}: no ErrorInfo: {status:?}"));
+        assert_eq!(info.reason, "SESSION_ID_TAKEN", "{when}: {info:?}");
+        assert_eq!(info.metadata.get("session_id"), Some(&stored), "{when}: {info:?}");
+        assert!(status.message().contains("session_id"), "{when}: {status:?}");
+    };
+    let second = create(&mut client.clone(), request.clone()).await.expect_err("the id is taken while it starts");
+    assert_taken(second, "while starting");
+    let first = first.await.unwrap().expect("the first create is unaffected");
+    assert_eq!(first.state, pb::SessionState::Active as i32, "{first:?}");
+    let third = create(&mut client.clone(), request).await.expect_err("the id is taken while it runs");
+    assert_taken(third, "while active");
+    end(&mut client.clone(), &first.session_id).await;
+    daemon.stop().await;
+}
+
 // ---------------------------------------------------------------------------
 // 9. EvaluateGate is a faithful dry run
 

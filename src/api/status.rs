@@ -38,6 +38,9 @@ impl From<EngineError> for Status {
             EngineError::AlreadyExists(request_id) => {
                 with_reason(Code::AlreadyExists, message, "REQUEST_ID_REUSED", vec![("request_id".into(), request_id)])
             }
+            EngineError::SessionExists(session_id) => {
+                with_reason(Code::AlreadyExists, message, "SESSION_ID_TAKEN", vec![("session_id".into(), session_id)])
+            }
             EngineError::Unavailable(_) => with_reason(Code::Unavailable, message, "DRAINING", vec![]),
             EngineError::NoNodeCanRun(_) => with_reason(Code::Unavailable, message, "NO_NODE_CAN_RUN", vec![]),
             EngineError::NodeUnreachable { node, .. } => {

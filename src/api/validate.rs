@@ -56,6 +56,35 @@ pub fn id(field: &str, value: &str) -> Result<(), Status> {
     token(field, value)
 }
 
+/// The id a caller chooses for a new session: empty (the daemon picks a
+/// UUID), or a token that is also always one component of a git ref name
+/// (the session's work comes back as `refs/corral/<principal>/<id>`, see
+/// `git check-ref-format`): none of `/ : ? * [ \\ ~ ^`, no `..` or `@{`,
+/// not `@`, not starting with `.` or `-`, not ending with `.` or `.lock`.
+pub fn session_id(field: &str, value: &str) -> Result<(), Status> {
+    token(field, value)?;
+    if value.is_empty() {
+        return Ok(());
+    }
+    if let Some(c) = value.chars().find(|c| "/:?*[\\~^".contains(*c)) {
+        return Err(invalid_argument(field, format!("must not contain {c:?} (it names a git ref)")));
+    }
+    let why = if value.contains("..") {
+        "must not contain \"..\""
+    } else if value.contains("@{") {
+        "must not contain \"@{\""
+    } else if value == "@" {
+        "must not be \"@\""
+    } else if value.starts_with(['.', '-']) {
+        "must not start with '.' or '-'"
+    } else if value.ends_with('.') || value.ends_with(".lock") {
+        "must not end with '.' or \".lock\""
+    } else {
+        return Ok(());
+    };
+    Err(invalid_argument(field, format!("{why} (it names a git ref)")))
+}
+
 /// A session a call names: an id as its creator chose it, or in full as
 /// stored (`<principal>/<id>`, see `scoped_session_id`), so up to a
 /// principal name (64 bytes) and a `/` longer than an id.
@@ -220,7 +249,7 @@ pub async fn create_session(
     roots: &[PathBuf],
     prefixes: &[PathBuf],
 ) -> Result<(String, Vec<PolicySpec>), Status> {
-    token("session_id", &req.session_id)?;
+    session_id("session_id", &req.session_id)?;
     profile_ref("profile_ref", &req.profile_ref)?;
     token("actor", &req.actor)?;
     token("project", &req.project)?;

@@ -47,7 +47,36 @@ impl Admission {
         principal: &str,
         quota: Option<usize>,
     ) -> Result<CancellationToken, Refused> {
+        self.take(id, work, principal, quota, CancellationToken::new())
+    }
+
+    /// [`Admission::reserve`], with a slot token that `parent` cancels too
+    /// (a shutdown past its grace).
+    pub fn reserve_under(
+        &self,
+        id: &str,
+        work: Work,
+        principal: &str,
+        quota: Option<usize>,
+        parent: &CancellationToken,
+    ) -> Result<CancellationToken, Refused> {
+        self.take(id, work, principal, quota, parent.child_token())
+    }
+
+    fn take(
+        &self,
+        id: &str,
+        work: Work,
+        principal: &str,
+        quota: Option<usize>,
+        cancel: CancellationToken,
+    ) -> Result<CancellationToken, Refused> {
         let mut slots = self.slots();
+        // A taken id is said so whatever else is full: the caller then
+        // learns the id is in use, not that it should retry.
+        if slots.contains_key(id) {
+            return Err(Refused(format!("{id} is already running")));
+        }
         let of_kind = slots.values().filter(|s| s.work == work).count();
         let (max, what) = match work {
             Work::Execution => (self.max_executions, "executions"),
@@ -66,10 +95,6 @@ impl Admission {
                 )));
             }
         }
-        if slots.contains_key(id) {
-            return Err(Refused(format!("{id} is already running")));
-        }
-        let cancel = CancellationToken::new();
         slots.insert(id.to_string(), Slot { work, principal: principal.to_string(), cancel: cancel.clone() });
         crate::telemetry::running(what, of_kind + 1);
         Ok(cancel)
@@ -100,6 +125,16 @@ impl Admission {
             };
             crate::telemetry::running(what, slots.values().filter(|s| s.work == work).count());
         }
+    }
+
+    /// The cancel token of the slot `id` holds as `work`, if it holds one.
+    pub fn token(&self, id: &str, work: Work) -> Option<CancellationToken> {
+        self.slots().get(id).filter(|slot| slot.work == work).map(|slot| slot.cancel.clone())
+    }
+
+    /// Whether `id` holds a slot as `work`.
+    pub fn holds(&self, id: &str, work: Work) -> bool {
+        self.slots().get(id).is_some_and(|slot| slot.work == work)
     }
 
     /// Cancels the work holding `id`'s slot, if it runs here.

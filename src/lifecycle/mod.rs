@@ -54,9 +54,15 @@ pub enum EngineError {
     /// for).
     #[error("{0} not found")]
     NotFound(String),
-    /// The request id (or session id) is already taken by a different request.
+    /// The request id is already taken by a different request (inside the
+    /// engine, a session id too; `create_session` answers that as
+    /// [`EngineError::SessionExists`]).
     #[error("request_id {0} is already used by a different request")]
     AlreadyExists(String),
+    /// The session id is taken: a session with it is starting, running or
+    /// has ended (the stored id).
+    #[error("session_id {0} is already taken by another session")]
+    SessionExists(String),
     /// The daemon is shutting down and accepts no new work, or the work could
     /// not be started.
     #[error("{0}")]
@@ -631,7 +637,7 @@ impl Engine {
                     Err(e) => Err(e.to_string()),
                 },
                 "cancel" => Err(format!("execution {subject} is not running on node {}", self.store.node())),
-                "end_session" if self.live_session(&subject).is_some() => {
+                "end_session" if self.live_session(&subject).is_some() || self.starting_here(&subject) => {
                     match self.end_session(&subject, session::EndReason::Requested).await {
                         Ok(record) => serde_json::to_string(&record).map_err(|e| e.to_string()),
                         Err(e) => Err(e.to_string()),
@@ -713,8 +719,9 @@ impl Engine {
         Ok(true)
     }
 
-    /// Stops accepting work, gives in-flight executions `grace` to finish,
-    /// then cancels them and waits for their teardown; then, unless it
+    /// Stops accepting work, gives in-flight executions and session turns
+    /// `grace` to finish, then cancels them and waits for their teardown;
+    /// then ends every session; then, unless it
     /// fenced, the node leaves the fleet as `stopped` (see
     /// [`Store::leave_fleet`]), and the store closes.
     pub async fn shutdown(&self, grace: Duration) {
@@ -723,7 +730,7 @@ impl Engine {
         self.close_warm_pools().await;
         if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
             let running = self.admission.running(admission::Work::Execution);
-            tracing::warn!(running, "grace period over; cancelling in-flight executions");
+            tracing::warn!(running, "grace period over; cancelling in-flight executions and turns");
             self.draining.cancel();
             self.tasks.wait().await;
         }

@@ -29,15 +29,25 @@ pub struct RecoveryReport {
     pub sessions_failed: usize,
 }
 
-/// Where a subject was, judging by its last stored event.
-fn stage_of(last: Option<&Event>) -> FailureStage {
-    match last.map(|e| &e.kind) {
+/// Where a subject was, judging by its last stored event. A session that
+/// had `started` (stored `active`) was past its start whatever its last
+/// event: idle after `sandbox_ready`, or restarting its harness in a turn.
+fn stage_of(last: Option<&Event>, started: bool) -> FailureStage {
+    let stage = match last.map(|e| &e.kind) {
         None | Some(EventKind::Accepted { .. }) => FailureStage::Resolution,
         Some(EventKind::Resolved { .. }) => FailureStage::Gate,
         Some(EventKind::Gated { phase, .. }) if phase == "agent_start" => FailureStage::SandboxCreate,
         Some(EventKind::SandboxReady { .. }) => FailureStage::SessionStart,
         Some(EventKind::Teardown { .. } | EventKind::Reaped { .. }) => FailureStage::Teardown,
         Some(_) => FailureStage::Execution,
+    };
+    match stage {
+        FailureStage::Resolution | FailureStage::Gate | FailureStage::SandboxCreate | FailureStage::SessionStart
+            if started =>
+        {
+            FailureStage::Execution
+        }
+        stage => stage,
     }
 }
 
@@ -84,7 +94,7 @@ impl Engine {
         }
         for mut record in self.store.unfinished_executions().await? {
             let destroy = destroyed_for.get(&record.execution_id).copied().unwrap_or(TeardownResult::NotAttempted);
-            let finished = self.recover_subject(&record.execution_id, &mut record.evidence, destroy).await?;
+            let finished = self.recover_subject(&record.execution_id, &mut record.evidence, destroy, false).await?;
             record.state = ExecutionState::Failed;
             record.finished_at_ms = Some(now_ms());
             finished.execution(self, record).await?;
@@ -92,7 +102,8 @@ impl Engine {
         }
         for mut record in self.store.unfinished_sessions().await? {
             let destroy = destroyed_for.get(&record.session_id).copied().unwrap_or(TeardownResult::NotAttempted);
-            let finished = self.recover_subject(&record.session_id, &mut record.evidence, destroy).await?;
+            let started = record.state == SessionState::Active;
+            let finished = self.recover_subject(&record.session_id, &mut record.evidence, destroy, started).await?;
             record.state = SessionState::Failed;
             record.ended_at_ms = Some(now_ms());
             finished.session(self, record).await?;
@@ -114,16 +125,18 @@ impl Engine {
         let lost = format!("node {node} lost");
         let mut failed = (0, 0);
         for mut record in self.store.unfinished_executions_of(node).await? {
+            let unknown = TeardownResult::Unknown;
             let finished =
-                self.finish_subject(&record.execution_id, &mut record.evidence, TeardownResult::Unknown, &lost).await?;
+                self.finish_subject(&record.execution_id, &mut record.evidence, unknown, &lost, false).await?;
             record.state = ExecutionState::Failed;
             record.finished_at_ms = Some(now_ms());
             finished.execution(self, record).await?;
             failed.0 += 1;
         }
         for mut record in self.store.unfinished_sessions_of(node).await? {
+            let (unknown, started) = (TeardownResult::Unknown, record.state == SessionState::Active);
             let finished =
-                self.finish_subject(&record.session_id, &mut record.evidence, TeardownResult::Unknown, &lost).await?;
+                self.finish_subject(&record.session_id, &mut record.evidence, unknown, &lost, started).await?;
             record.state = SessionState::Failed;
             record.ended_at_ms = Some(now_ms());
             finished.session(self, record).await?;
@@ -139,21 +152,24 @@ impl Engine {
         subject: &str,
         evidence: &mut Evidence,
         destroy: TeardownResult,
+        started: bool,
     ) -> Result<Finisher, EngineError> {
-        self.finish_subject(subject, evidence, destroy, "daemon restarted").await
+        self.finish_subject(subject, evidence, destroy, "daemon restarted", started).await
     }
 
     /// `recovered` with "`why` during <stage>", `teardown`, the evidence
-    /// failed at that stage; returns the recorder for `finished`.
+    /// failed at that stage (`started`: a session that was active, see
+    /// `stage_of`); returns the recorder for `finished`.
     async fn finish_subject(
         &self,
         subject: &str,
         evidence: &mut Evidence,
         destroy: TeardownResult,
         why: &str,
+        started: bool,
     ) -> Result<Finisher, EngineError> {
         let events = self.store.events_after(subject, 0).await?;
-        let stage = stage_of(events.last());
+        let stage = stage_of(events.last(), started);
         let note = format!("{why} during {}", stage.as_str());
         let last = events.last().map(|e| e.sequence).unwrap_or(0);
         let mut recorder = Recorder::new(subject.to_string(), last, self.store.clone(), self.bus.clone());

@@ -97,9 +97,23 @@ impl Engine {
             return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
         }
         let id = if cmd.session_id.is_empty() { uuid::Uuid::now_v7().to_string() } else { cmd.session_id.clone() };
+        // Here, on another node or in the store: taken is taken, said with
+        // the session's id.
+        self.create_session_as(cmd, id.clone()).await.map_err(|e| match e {
+            EngineError::AlreadyExists(_) => EngineError::SessionExists(id),
+            e => e,
+        })
+    }
+
+    async fn create_session_as(
+        self: &Arc<Self>,
+        cmd: CreateSessionCommand,
+        id: String,
+    ) -> Result<SessionRecord, EngineError> {
         // The caller's own id (ids are scoped to their principal): taken is
-        // taken, whether the session still runs or has ended.
-        if self.live_session(&id).is_some() {
+        // taken, whether the session is starting, runs or has ended.
+        let taken = || self.live_session(&id).is_some() || self.admission.holds(&id, admission::Work::Session);
+        if taken() {
             return Err(EngineError::AlreadyExists(format!("session {id}")));
         }
         if !self.takes_sessions_of(&cmd.profile_ref) {
@@ -107,6 +121,8 @@ impl Engine {
         }
         match self.reserve_session(&id, &cmd) {
             Ok(()) => self.start_session(cmd, id).await,
+            // A start of this id got here first.
+            Err(_) if taken() => Err(EngineError::AlreadyExists(format!("session {id}"))),
             Err(full) if self.store.is_shared() => self.create_elsewhere(cmd, id, Some(full)).await,
             Err(full) => Err(EngineError::Overloaded(full)),
         }
@@ -117,10 +133,18 @@ impl Engine {
     /// store); the refusal says why not.
     pub(super) fn reserve_session(&self, id: &str, cmd: &CreateSessionCommand) -> Result<(), String> {
         let local_quota = if self.store.is_shared() { None } else { cmd.quota };
+        // The slot's token cancels the start: an EndSession while it starts,
+        // or a shutdown past its grace.
         self.admission
-            .reserve(id, admission::Work::Session, &cmd.principal, local_quota)
+            .reserve_under(id, admission::Work::Session, &cmd.principal, local_quota, &self.draining)
             .map(|_| ())
             .map_err(|refused| refused.0)
+    }
+
+    /// Whether session `id` is starting here: it holds a slot, and is not
+    /// live yet.
+    pub(super) fn starting_here(&self, id: &str) -> bool {
+        self.live_session(id).is_none() && self.admission.holds(id, admission::Work::Session)
     }
 
     /// Starts a session that holds its slot here.
@@ -133,13 +157,14 @@ impl Engine {
         // disconnect, its deadline) leaves a session that is whole, or none,
         // and its slot is given back exactly when it should be.
         let engine = self.clone();
+        let cancel = self.admission.token(&id, admission::Work::Session).unwrap_or_else(|| self.draining.child_token());
         // One trace for the start (resolve, gate, sandbox, harness start),
         // joined to the caller's; every log line carries the session's id.
         let span = tracing::info_span!("session", session_id = %id);
         crate::telemetry::set_parent(&span, cmd.traceparent.as_deref());
         let start = self.tasks.spawn(
             async move {
-                let created = engine.create_admitted(cmd, id.clone()).await;
+                let created = engine.create_admitted(cmd, id.clone(), cancel).await;
                 if created.is_err() {
                     engine.release(&id);
                 }
@@ -154,6 +179,7 @@ impl Engine {
         self: &Arc<Self>,
         cmd: CreateSessionCommand,
         id: String,
+        cancel: CancellationToken,
     ) -> Result<SessionRecord, EngineError> {
         let consumer = Consumer {
             actor: cmd.actor.clone(),
@@ -193,7 +219,7 @@ impl Engine {
             consumer,
         };
         core.recorder.emit(accepted, None).await;
-        let opened = core.open(&cmd.profile_ref, &self.draining.child_token()).await;
+        let opened = core.open(&cmd.profile_ref, &cancel).await;
         // A session's harness is started now; its first task may be far off.
         core.begin_refill();
         record.effective_sandbox = core.effective();
@@ -202,6 +228,9 @@ impl Engine {
             core.close(false).await;
             record.state = match failure {
                 OpenFailure::Refused { .. } | OpenFailure::Denied { .. } => SessionState::Refused,
+                OpenFailure::Cancelled if !self.draining.is_cancelled() => {
+                    return Err(self.end_starting(&mut core, &mut record).await);
+                }
                 OpenFailure::Failed { .. } | OpenFailure::Cancelled => SessionState::Failed,
             };
             self.finish_session(&mut core, &mut record).await;
@@ -221,16 +250,48 @@ impl Engine {
         if let Err(e) = self.store.update_session(&record).await {
             tracing::error!(session_id = %id, error = %e, "session record not stored");
         }
-        let live = Arc::new(LiveSession {
-            core: tokio::sync::Mutex::new(core),
-            record: Mutex::new(record.clone()),
-            turn_cancel: Mutex::new(None),
-            last_active: Mutex::new(Instant::now()),
-            busy: AtomicBool::new(false),
-            turns: AtomicU64::new(0),
-        });
-        lock(&self.sessions).insert(id, live);
-        Ok(record)
+        // Checked and made live under the lock `end_session` cancels under:
+        // an EndSession either finds it live, or its cancel is seen here.
+        let ended = {
+            let mut sessions = lock(&self.sessions);
+            match cancel.is_cancelled() {
+                true => Some(core),
+                false => {
+                    let live = Arc::new(LiveSession {
+                        core: tokio::sync::Mutex::new(core),
+                        record: Mutex::new(record.clone()),
+                        turn_cancel: Mutex::new(None),
+                        last_active: Mutex::new(Instant::now()),
+                        busy: AtomicBool::new(false),
+                        turns: AtomicU64::new(0),
+                    });
+                    sessions.insert(id, live);
+                    None
+                }
+            }
+        };
+        let Some(mut core) = ended else { return Ok(record) };
+        // Ended (or the daemon's grace ran out) while it started: torn
+        // down here, by the start, which gives its own slot back.
+        core.close(false).instrument(tracing::info_span!("teardown")).await;
+        Err(self.end_starting(&mut core, &mut record).await)
+    }
+
+    /// Finishes a session whose start was cancelled (its sandbox, if any,
+    /// already closed): `ended`, with a cancelled outcome, by EndSession or
+    /// by a shutdown. Returns what its creator is told.
+    async fn end_starting(&self, core: &mut Core, record: &mut SessionRecord) -> EngineError {
+        let shutdown = self.draining.is_cancelled();
+        record.state = SessionState::Ended;
+        core.evidence.outcome = Outcome::Cancelled;
+        self.finish_session(core, record).await;
+        match shutdown {
+            true => EngineError::Unavailable("the daemon is shutting down".into()),
+            false => EngineError::FailedPrecondition(format!(
+                "session {} was ended while it was starting",
+                record.session_id
+            )),
+        }
     }
 
     /// Starts one turn; the subscription ends with its `turn_finished`.
@@ -317,11 +378,17 @@ impl Engine {
         traceparent: Option<String>,
     ) -> Result<(Subscription, u64), EngineError> {
         let live = self.live_or_ended(session_id).await?;
+        // A shutdown's grace is for the turns in flight, not for new ones.
+        if self.is_draining() {
+            return Err(EngineError::Unavailable("the daemon is shutting down; no new turn is accepted".into()));
+        }
         if live.busy.swap(true, Ordering::SeqCst) {
             return Err(EngineError::FailedPrecondition("a turn is already in flight in this session".into()));
         }
         let turn = live.turns.fetch_add(1, Ordering::SeqCst) + 1;
-        let cancel = CancellationToken::new();
+        // A shutdown gives a turn the grace an execution gets, then cancels
+        // it with the rest: the sessions end after that.
+        let cancel = self.draining.child_token();
         *lock(&live.turn_cancel) = Some(cancel.clone());
         let engine = self.clone();
         let id = session_id.to_string();
@@ -507,8 +574,24 @@ impl Engine {
             let answer = self.forward(&node, "end_session", session_id).await?;
             return Ok(serde_json::from_str(&answer).map_err(crate::store::StoreError::from)?);
         }
-        let Some(live) = lock(&self.sessions).remove(session_id) else {
-            self.release(session_id);
+        // Cancelled under the lock its start goes live under: a start that
+        // sees no cancel is live, and is found here.
+        let (live, starting) = {
+            let mut sessions = lock(&self.sessions);
+            let live = sessions.remove(session_id);
+            let starting = live.is_none()
+                && self.admission.token(session_id, admission::Work::Session).inspect(|t| t.cancel()).is_some();
+            (live, starting)
+        };
+        let Some(live) = live else {
+            // Still starting here: its start tears down what it made and
+            // gives back its own slot (never this call: the slot is the
+            // start's); the record is the ended one once it has.
+            if starting {
+                while self.admission.holds(session_id, admission::Work::Session) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
             return match self.store.get_session(session_id).await? {
                 Some(record) => Ok(record),
                 None => Err(EngineError::NotFound(format!("session {session_id}"))),
@@ -536,6 +619,8 @@ impl Engine {
         crate::telemetry::session_finished(record.state.as_str());
         let mut evidence = core.evidence.clone();
         evidence.outcome = match (record.state, evidence.failure_stage) {
+            // Ended while it was starting (see `end_starting`).
+            (SessionState::Ended, None) if evidence.outcome == Outcome::Cancelled => Outcome::Cancelled,
             (SessionState::Refused, _) => Outcome::Refused,
             (_, Some(FailureStage::Resolution | FailureStage::Gate)) => Outcome::Refused,
             (_, Some(_)) => Outcome::Failed,

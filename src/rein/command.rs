@@ -427,6 +427,15 @@ impl CommandSession {
     /// One turn: write the input, read until a `result` line (or the end of
     /// stdout), answering policy requests on the way.
     async fn turn(&mut self, call: ToolCall, dispatch: &Dispatch) -> Result<ToolResult, ReinError> {
+        // Checked before the turn counts: a turn refused here ran nothing,
+        // so the next one is still the first run, not a resume of a
+        // conversation that never began.
+        let input = self.input_bytes(&call);
+        if self.input == TaskInput::Prompt && input.trim_ascii().is_empty() {
+            return Err(ReinError::Dispatch(
+                "the turn has no prompt: give it arguments_json {\"prompt\": \"...\"} (or a description)".into(),
+            ));
+        }
         self.turns += 1;
         let one_shot = self.one_shot();
         if one_shot && self.turns > 1 {
@@ -434,12 +443,6 @@ impl CommandSession {
                 return Err(ReinError::Dispatch(format!("input mode {:?} takes a single turn", self.input)));
             }
             self.resume().await?;
-        }
-        let input = self.input_bytes(&call);
-        if self.input == TaskInput::Prompt && input.trim_ascii().is_empty() {
-            return Err(ReinError::Dispatch(
-                "the turn has no prompt: give it arguments_json {\"prompt\": \"...\"} (or a description)".into(),
-            ));
         }
         if one_shot {
             // Written concurrently with reading: a harness that prints
