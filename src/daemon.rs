@@ -104,6 +104,7 @@ impl Daemon {
         let routes: Vec<&str> = config.credentials.names().collect();
         let catalog =
             Arc::new(Catalog::load_with(&config.profile_dirs, &routes, &config.harness, &config.default_limits)?);
+        check_env_passthrough(&config, &catalog)?;
         // Probed once: a host that cannot run bwrap refuses bwrap profiles
         // at the gate, with the reason, instead of running them unsandboxed.
         let uid_mode = UidMode::detect(UidRange::parse(&config.sandbox.uids).map_err(StartError::Policies)?);
@@ -270,6 +271,20 @@ impl Daemon {
 
 /// How long a fenced node's shutdown may take before it exits regardless.
 const FENCE_EXIT_GRACE: Duration = Duration::from_secs(2);
+
+/// A profile whose `sandbox.env_passthrough` names a credential route's
+/// variable would put the daemon's value of it (a key) in the sandbox's
+/// environment: refused at start, naming the profile's file
+/// ([`crate::credentials::CredentialsConfig::check_env_passthrough`]).
+pub fn check_env_passthrough(config: &Config, catalog: &Catalog) -> Result<(), CatalogError> {
+    for profile in catalog.list() {
+        config
+            .credentials
+            .check_env_passthrough(&profile.file.sandbox.env_passthrough)
+            .map_err(|message| CatalogError::Invalid { file: profile.source.clone(), message })?;
+    }
+    Ok(())
+}
 
 /// Reads the principals of `config` again (its `principals` and
 /// `principals_dir`, the local admin token) and makes them current: calls

@@ -477,3 +477,126 @@ async fn evaluate_gate_admits_the_actor_and_project_as_an_execution_does() {
         .is_empty());
     daemon.stop().await;
 }
+
+/// The daemon's start with `principals` (and `admin_token` in its data
+/// directory beforehand): the error it refuses to start with.
+async fn start_error(principals: Vec<PrincipalConfig>, admin_token: Option<&str>) -> String {
+    let dir = common::data_tempdir();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    if let Some(token) = admin_token {
+        std::fs::write(data.join("admin.token"), token).unwrap();
+    }
+    let mut config = corral::config::Config { data_dir: data, profile_dirs: Vec::new(), ..Default::default() };
+    config.sandbox.uids = common::unique_uids();
+    config.principals = principals;
+    config.store.url = common::fresh_postgres_database().await;
+    let backends = corral::sandbox::Backends::host_default();
+    match corral::daemon::Daemon::build(config, backends, corral::daemon::default_reins()).await {
+        Ok(_) => panic!("the daemon started"),
+        Err(error) => error.to_string(),
+    }
+}
+
+/// Principals that would make who is calling ambiguous, or a name no
+/// session ref can hold, or an admin token anyone could guess: the daemon
+/// does not start, and says which key and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ambiguous_principals_and_a_short_admin_token_refuse_the_start() {
+    require_bwrap();
+    let mut admin = principal("local-admin", "adm", &[], TOKEN_Q);
+    admin.unix_uids = vec![4242];
+    let err = start_error(vec![admin], None).await;
+    assert!(err.contains("principals[0].name: \"local-admin\" is the built-in administrator"), "{err}");
+
+    let twice = vec![principal("agt-a", "agt", &["proj-a"], TOKEN_A), principal("agt-b", "agt", &["proj-b"], TOKEN_A)];
+    let err = start_error(twice, None).await;
+    assert!(err.contains("the same bearer token is claimed by both \"agt-a\" and \"agt-b\""), "{err}");
+    let (mut a, mut b) =
+        (principal("agt-a", "agt", &["proj-a"], TOKEN_A), principal("agt-b", "agt", &["proj-b"], TOKEN_B));
+    (a.unix_uids, b.unix_uids) = (vec![4242], vec![4242]);
+    let err = start_error(vec![a.clone(), b.clone()], None).await;
+    assert!(err.contains("unix uid 4242 is claimed by both \"agt-a\" and \"agt-b\""), "{err}");
+    (a.unix_uids, b.unix_uids) = (vec![], vec![]);
+    (a.tls_names, b.tls_names) = (vec!["ci-bot".into()], vec!["ci-bot".into()]);
+    let err = start_error(vec![a, b], None).await;
+    assert!(err.contains("the TLS name \"ci-bot\" is claimed by both \"agt-a\" and \"agt-b\""), "{err}");
+
+    for name in ["a..b", ".hidden", "-flag", "x.lock", "x."] {
+        let err = start_error(vec![principal(name, "agt", &["proj-a"], TOKEN_A)], None).await;
+        assert!(err.contains("principals[0].name") && err.contains("git ref component"), "{name}: {err}");
+    }
+
+    for token in ["", "\n", "0123456789abcdef"] {
+        let err = start_error(Vec::new(), Some(token)).await;
+        assert!(err.contains("admin.token: the local admin token has"), "{token:?}: {err}");
+    }
+}
+
+/// Waits until the daemon's log holds `needle` `times` times.
+async fn log_until(log: &Path, needle: &str, times: usize) -> String {
+    let start = std::time::Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.matches(needle).count() >= times {
+            return text;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "the log never said {needle:?} {times}×:\n{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The same checks on SIGHUP: a reload that fails one keeps the principals
+/// in force (the old tokens work, the new file's does not) and logs why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_fails_the_checks_keeps_the_principals_in_force() {
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let principals = dir.path().join("principals.d");
+    std::fs::create_dir_all(&principals).unwrap();
+    let file = |name: &str, token: &str, extra: &str| {
+        format!("name = {name:?}\ntype = \"agt\"\nprojects = [\"proj-a\"]\ntoken_sha256 = {:?}\n{extra}", digest(token))
+    };
+    std::fs::write(principals.join("agt-a.toml"), file("agt-a", TOKEN_A, "unix_uids = [4242]\n")).unwrap();
+    let data = dir.path().join("data");
+    let log = data.with_extension("log");
+    let extra = format!("principals_dir = {:?}", principals.display().to_string());
+    let daemon = common::ServeProcess::start_with(&data, &profiles, &[], &extra).await;
+    let admin = std::fs::read_to_string(data.join("admin.token")).unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(daemon.url.clone()).unwrap().connect().await.unwrap();
+    let catalog = CatalogServiceClient::new(channel);
+    let known = |token: &str| {
+        let (mut catalog, request) = (catalog.clone(), common::with_token(token, pb::ListProfilesRequest {}));
+        async move { catalog.list_profiles(request).await.map(drop).map_err(|s| s.code()) }
+    };
+    assert_eq!(known(TOKEN_A).await, Ok(()));
+
+    let cases = [
+        ("local-admin.toml", file("local-admin", TOKEN_B, ""), "is the built-in administrator"),
+        ("agt-b.toml", file("agt-b", TOKEN_B, "unix_uids = [4242]\n"), "unix uid 4242 is claimed by both"),
+        ("agt-q.toml", file("agt-q", TOKEN_A, ""), "the same bearer token is claimed by both"),
+        ("dots.toml", file("a..b", TOKEN_B, ""), "git ref component"),
+    ];
+    for (i, (name, text, why)) in cases.iter().enumerate() {
+        std::fs::write(principals.join(name), text).unwrap();
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(daemon.pid(), libc::SIGHUP) };
+        let text = log_until(&log, "SIGHUP: principals not reloaded", i + 1).await;
+        let line = text.lines().rfind(|l| l.contains("principals not reloaded")).unwrap();
+        assert!(line.contains(why), "{name}: {line}");
+        assert_eq!(known(TOKEN_A).await, Ok(()), "{name}: the set in force stays");
+        assert_eq!(known(TOKEN_B).await, Err(Code::Unauthenticated), "{name}: the new file is not in force");
+        std::fs::remove_file(principals.join(name)).unwrap();
+    }
+
+    std::fs::write(data.join("admin.token"), "").unwrap();
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGHUP) };
+    let text = log_until(&log, "SIGHUP: principals not reloaded", cases.len() + 1).await;
+    let line = text.lines().rfind(|l| l.contains("principals not reloaded")).unwrap();
+    assert!(line.contains("admin.token: the local admin token has 0 characters"), "{line}");
+    assert_eq!(known(admin.trim()).await, Ok(()), "the admin token in force stays");
+    daemon.stop().await;
+}

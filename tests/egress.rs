@@ -537,3 +537,116 @@ timeout_seconds = 60
     assert_eq!(receipt.gateway_routes, ["mock"]);
     daemon.stop().await;
 }
+
+/// The egress proxy lowercases a host name it was asked for: a credential
+/// of mixed case asked as a CONNECT host is recorded lowercased, and must
+/// still be scrubbed from every egress record and the evidence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mixed_case_credential_asked_as_a_host_is_scrubbed_once_lowercased() {
+    require_bwrap();
+    let value = "MixedCase-Route-Value-7Qx";
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("mixed.secret");
+    std::fs::write(&secret, value).unwrap();
+    let (id, text) = net_profile("test.mixed-host", &["127.0.0.1:9".into()], "");
+    let text = text.replacen("[rein]", "credential_route_refs = [\"mixed\"]\n[rein]", 1);
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![(id, text)],
+        config: Box::new(move |c| {
+            let route = corral::credentials::RouteConfig {
+                file: Some(secret),
+                inject_as: "MIXED_TOKEN".into(),
+                ..Default::default()
+            };
+            c.credentials.routes.insert("mixed".into(), route);
+        }),
+        ..Options::default()
+    })
+    .await;
+    let script = r#"echo "token ${#MIXED_TOKEN}"
+python3 - <<'PY'
+import os, socket
+s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+s.sendall(b"CONNECT %s.example:443 HTTP/1.1\r\nHost: x\r\n\r\n" % os.environ["MIXED_TOKEN"].encode())
+print("asked", s.recv(4096).split(b"\r\n")[0].decode())
+PY"#;
+    let events = daemon.execute(request("test.mixed-host", script)).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(out.contains(&format!("token {}", value.len())), "the route is not exposed: {out}");
+    assert!(out.contains("asked HTTP/1.1 403"), "{out}\n{}", execution.tool_error);
+    let lower = value.to_ascii_lowercase();
+    let decisions = egress_events(&events);
+    assert_eq!(decisions.len(), 1, "{decisions:?}");
+    assert_eq!(decisions[0].host, "[REDACTED:mixed].example", "{decisions:?}");
+    assert!(!decisions[0].rule_or_reason.contains(&lower), "the value in an egress reason: {decisions:?}");
+    let egress = execution.evidence.clone().unwrap().egress.unwrap();
+    assert_eq!(egress.denied, 1, "{egress:?}");
+    for host in &egress.denied_hosts {
+        assert!(!host.contains(&lower), "the value in the evidence's denied hosts: {egress:?}");
+    }
+    let everything = format!("{events:?}").to_ascii_lowercase();
+    assert!(!everything.contains(&lower), "the value, in some case, is somewhere in the run's events");
+    daemon.stop().await;
+}
+
+/// The credential gateway records what it could not forward too: a route
+/// the run does not have (404) and an upstream that is down (502) are each
+/// a denied `gateway` egress event with the reason, counted in the
+/// evidence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_request_refused_or_failed_is_recorded_as_egress() {
+    require_bwrap();
+    let key = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(key.path(), "down-upstream-secret-3c9e").unwrap();
+    // A loopback port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let file = key.path().to_path_buf();
+    let profile = r#"id = "test.gateway-down"
+version = "1.0.0"
+credential_route_refs = ["down"]
+[rein]
+argv = ["/bin/sh", "-s"]
+input = "description"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+[limits]
+timeout_seconds = 60
+"#;
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("gateway-down.toml".into(), profile.into())],
+        config: Box::new(move |c| {
+            let route = corral::credentials::RouteConfig {
+                file: Some(file),
+                inject_as: "DOWN_TOKEN".into(),
+                upstream: Some(format!("http://127.0.0.1:{port}")),
+                ..Default::default()
+            };
+            c.credentials.routes.insert("down".into(), route);
+        }),
+        ..Options::default()
+    })
+    .await;
+    let script = r#"curl -sS --max-time 20 -o /dev/null -w 'down %{http_code}\n' -H "authorization: Bearer $DOWN_TOKEN" \
+  http://127.0.0.1:3130/down/v1/messages
+curl -sS --max-time 20 -o /dev/null -w 'unknown %{http_code}\n' http://127.0.0.1:3130/nosuch/v1/messages"#;
+    let events = daemon.execute(request("test.gateway-down", script)).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(out.contains("down 502") && out.contains("unknown 404"), "{out}\n{}", execution.tool_error);
+    let decisions = egress_events(&events);
+    assert_eq!(decisions.len(), 2, "{decisions:?}");
+    assert!(decisions.iter().all(|d| !d.allowed && d.method() == pb::EgressMethod::Gateway), "{decisions:?}");
+    let down = decisions.iter().find(|d| d.port == u32::from(port)).expect("the failed forward");
+    assert_eq!(down.host, "127.0.0.1");
+    assert!(down.rule_or_reason.starts_with("credential gateway down: the upstream failed"), "{down:?}");
+    let unknown = decisions.iter().find(|d| d.port == 0).expect("the unknown route");
+    assert!(unknown.rule_or_reason.contains("no credential route \"nosuch\""), "{unknown:?}");
+    let egress = execution.evidence.clone().unwrap().egress.unwrap();
+    assert_eq!((egress.allowed, egress.denied), (0, 2), "{egress:?}");
+    daemon.stop().await;
+}

@@ -597,3 +597,93 @@ async fn a_run_failed_by_recovery_is_reported_when_it_asked() {
     assert_eq!(bodies.len(), 1, "{bodies:?}");
     assert!(bodies[0].contains(&id) && bodies[0].contains("failed"), "{}", bodies[0]);
 }
+
+/// `env_passthrough` is how a daemon variable enters a sandbox: a profile
+/// passing through a credential route's source variable (the real key, of a
+/// gatewayed route too) or the variable its placeholder is set under (the
+/// daemon's own value would come first, and the first entry is the one a
+/// program reads) is refused at load, naming the field. Otherwise the
+/// harness's environment, as it was exec'd, holds the placeholder once and
+/// the key nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profile_passing_a_credential_through_is_refused_and_the_key_never_enters() {
+    require_bwrap();
+    let key = "gatewayed-REAL-key-4e1f9a7c";
+    let route =
+        "[credentials.routes.gw]\nenv = \"GW_REAL_KEY\"\ninject_as = \"GW_TOKEN\"\nupstream = \"http://127.0.0.1:9\"\n";
+    let profile = |passed: &str| {
+        format!(
+            r#"id = "test.env-printer"
+version = "1.0.0"
+credential_route_refs = ["gw"]
+[rein]
+argv = ["/bin/sh", "-s"]
+input = "description"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+env_passthrough = ["INNOCENT", {passed:?}]
+[limits]
+timeout_seconds = 60
+"#
+        )
+    };
+    let env = [("GW_REAL_KEY", key), ("GW_TOKEN", key), ("INNOCENT", "innocent-value")];
+    for passed in ["GW_REAL_KEY", "GW_TOKEN"] {
+        let dir = common::data_tempdir();
+        let profiles = dir.path().join("profiles");
+        std::fs::create_dir_all(&profiles).unwrap();
+        std::fs::write(profiles.join("printer.toml"), profile(passed)).unwrap();
+        let config = dir.path().join("corral.toml");
+        std::fs::write(&config, format!("{route}[sandbox]\nuids = {:?}\n", common::unique_uids())).unwrap();
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .arg("--config")
+            .arg(&config)
+            .arg("--profiles")
+            .arg(&profiles)
+            .envs(env)
+            .env_remove("CORRAL_CONFIG")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("the daemon started with {passed} passed through"))
+            .unwrap();
+        assert!(!out.status.success(), "the daemon started with {passed} passed through");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(&format!("sandbox.env_passthrough: {passed} ")), "{stderr}");
+        assert!(stderr.contains("printer.toml") && stderr.contains("credential route gw"), "{stderr}");
+        assert!(!stderr.contains(key), "{stderr}");
+    }
+
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("printer.toml"), profile("LANG")).unwrap();
+    let data = dir.path().join("data");
+    let daemon = ServeProcess::start_with(&data, &profiles, &env, route).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    // The environment the harness was exec'd with, every entry, each line
+    // reversed so that the scrubber of its output cannot hide a key.
+    let req = request("test.env-printer", "tr '\\0' '\\n' < /proc/$$/environ | rev");
+    let mut stream = client.execute(req).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    while let Some(e) = stream.message().await.unwrap() {
+        events.push(e);
+    }
+    let execution = finished(&events);
+    let entries: Vec<String> = execution.tool_output.lines().map(|l| l.chars().rev().collect()).collect();
+    assert!(entries.iter().any(|e| e == "INNOCENT=innocent-value"), "passthrough works: {entries:?}");
+    assert!(entries.iter().all(|e| !e.contains(key)), "the key is in the sandbox: {entries:?}");
+    let tokens: Vec<&String> = entries.iter().filter(|e| e.starts_with("GW_TOKEN=")).collect();
+    assert_eq!(tokens.len(), 1, "{entries:?}");
+    assert!(tokens[0].starts_with("GW_TOKEN=corral-gw-"), "{tokens:?}");
+    assert!(!entries.iter().any(|e| e.starts_with("GW_REAL_KEY=")), "{entries:?}");
+    daemon.stop().await;
+}

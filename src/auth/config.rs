@@ -4,7 +4,7 @@
 //! sha256 (`token_sha256`) or where to read it at start (`token_file`,
 //! `token_env`), and only the digest is kept.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -16,8 +16,9 @@ use super::{ConsumerType, Principal, Projects};
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PrincipalConfig {
-    /// Its name, 1-64 letters, digits, '.', '_' or '-': what records and
-    /// quotas know it by.
+    /// Its name, 1-64 letters, digits, '.', '_' or '-' that make a git ref
+    /// component (see [`is_principal_name`]), never `local-admin`: what
+    /// records and quotas know it by.
     pub name: String,
     /// `adm`, `agt` or `atm`.
     #[serde(rename = "type")]
@@ -65,9 +66,16 @@ fn hex32(text: &str) -> Option<[u8; 32]> {
 }
 
 /// A principal's name: 1-64 letters, digits, `.`, `_` or `-` (so never a
-/// `/`: scoped session ids rely on it).
+/// `/`: scoped session ids rely on it), and a valid git ref component, as
+/// session refs are `refs/corral/<principal>/<id>`: no `..`, not starting
+/// with `.` or `-`, not ending with `.` or `.lock`.
 pub fn is_principal_name(name: &str) -> bool {
-    (1..=64).contains(&name.len()) && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+    (1..=64).contains(&name.len())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        && !name.contains("..")
+        && !name.starts_with(['.', '-'])
+        && !name.ends_with('.')
+        && !name.ends_with(".lock")
 }
 
 impl PrincipalConfig {
@@ -75,7 +83,16 @@ impl PrincipalConfig {
     pub fn load(&self, key: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Loaded, String> {
         let name = &self.name;
         if !is_principal_name(name) {
-            return Err(format!("{key}.name: {name:?} must be 1-64 letters, digits, '.', '_' or '-'"));
+            return Err(format!(
+                "{key}.name: {name:?} must be 1-64 letters, digits, '.', '_' or '-' that make a git ref component \
+                 (no \"..\", not starting with '.' or '-', not ending with '.' or \".lock\")"
+            ));
+        }
+        if name == super::LOCAL_ADMIN {
+            return Err(format!(
+                "{key}.name: {name:?} is the built-in administrator (root and the daemon's uid on the unix socket, \
+                 the admin token); a principal of that name would share its raw output, sessions and approvals"
+            ));
         }
         let kind = ConsumerType::parse(&self.kind)
             .ok_or_else(|| format!("{key}.type: {:?} is not adm, agt or atm", self.kind))?;
@@ -183,12 +200,37 @@ pub fn load_principals(
             return Err(format!("principals: the name {:?} is used twice", l.principal.name));
         }
     }
+    unique_credentials(&loaded)?;
     Ok(loaded)
+}
+
+/// A credential ties a call to one principal: in two, which one a call is
+/// would depend on the order they were read in.
+fn unique_credentials(loaded: &[Loaded]) -> Result<(), String> {
+    let mut claimed: BTreeMap<String, &str> = BTreeMap::new();
+    for l in loaded {
+        let name = l.principal.name.as_str();
+        let credentials = l
+            .token_digests
+            .iter()
+            .map(|d| (format!("token {}", hex::encode(d)), "the same bearer token".to_string()))
+            .chain(l.unix_uids.iter().map(|u| (format!("uid {u}"), format!("unix uid {u}"))))
+            .chain(l.tls_names.iter().map(|n| (format!("tls {n}"), format!("the TLS name {n:?}"))));
+        for (credential, shown) in credentials {
+            if let Some(other) = claimed.insert(credential, name).filter(|other| *other != name) {
+                return Err(format!(
+                    "principals: {shown} is claimed by both {other:?} and {name:?}; a credential names one principal"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::LOCAL_ADMIN;
 
     fn no_env(_: &str) -> Option<String> {
         None
@@ -258,5 +300,83 @@ mod tests {
         assert!(err.contains("at least 32"), "{err}");
         let dup = load_principals(&[base.clone(), base], None, &no_env).unwrap_err();
         assert!(dup.contains("used twice"), "{dup}");
+    }
+
+    #[test]
+    fn names_are_git_ref_components_and_never_the_local_admin() {
+        for good in ["ci", "tenant-a", "a.b", "a_b", "A9", "x-", "lock", "a.locks", &"n".repeat(64)] {
+            assert!(is_principal_name(good), "{good}");
+        }
+        for bad in [
+            "",
+            "a..b",
+            ".a",
+            "-a",
+            "a.",
+            "a.lock",
+            "a/b",
+            "a b",
+            "a:b",
+            "a?b",
+            "a*b",
+            "a[b",
+            "a\\b",
+            "a~b",
+            "a^b",
+            "a@{b",
+            "@",
+            "é",
+            &"n".repeat(65),
+        ] {
+            assert!(!is_principal_name(bad), "{bad}");
+        }
+        let admin =
+            PrincipalConfig { name: LOCAL_ADMIN.into(), kind: "adm".into(), unix_uids: vec![5], ..Default::default() };
+        let err = admin.load("principals[0]", &no_env).unwrap_err();
+        assert!(err.starts_with("principals[0].name: \"local-admin\" is the built-in administrator"), "{err}");
+    }
+
+    #[test]
+    fn a_credential_in_two_principals_is_refused_naming_both() {
+        let token = "t".repeat(40);
+        let p = |name: &str| PrincipalConfig {
+            name: name.into(),
+            kind: "agt".into(),
+            projects: vec!["a".into()],
+            ..Default::default()
+        };
+        let digest = Some(hex::encode(token_digest(&token)));
+        let env = |v: &str| (v == "TOKEN").then(|| format!("{}\n", "t".repeat(40)));
+        for (first, second, shown) in [
+            (
+                PrincipalConfig { token_sha256: digest.clone(), ..p("one") },
+                PrincipalConfig { token_env: Some("TOKEN".into()), ..p("two") },
+                "the same bearer token",
+            ),
+            (
+                PrincipalConfig { unix_uids: vec![7, 1000], ..p("one") },
+                PrincipalConfig { unix_uids: vec![1000], ..p("two") },
+                "unix uid 1000",
+            ),
+            (
+                PrincipalConfig { tls_names: vec!["ci.example".into()], ..p("one") },
+                PrincipalConfig { tls_names: vec!["ci.example".into()], unix_uids: vec![9], ..p("two") },
+                "the TLS name \"ci.example\"",
+            ),
+        ] {
+            let err = load_principals(&[first, second], None, &env).unwrap_err();
+            assert_eq!(
+                err,
+                format!("principals: {shown} is claimed by both \"one\" and \"two\"; a credential names one principal")
+            );
+        }
+        // One principal naming a credential twice is no ambiguity.
+        let twice = PrincipalConfig {
+            unix_uids: vec![3, 3],
+            token_sha256: digest,
+            token_env: Some("TOKEN".into()),
+            ..p("one")
+        };
+        assert!(load_principals(&[twice], None, &env).is_ok());
     }
 }

@@ -110,12 +110,29 @@ impl Authenticator {
     }
 }
 
+/// The length of the local admin token the daemon writes: 32 random bytes, hex.
+const ADMIN_TOKEN_LEN: usize = 64;
+
 /// The local admin token in `data_dir/admin.token`: read, or created (32
-/// random bytes, hex, mode 0600) on first start. Returns its digest.
+/// random bytes, hex, mode 0600) on first start. Returns its digest. One
+/// that is there but shorter than the daemon writes (an empty file is one)
+/// is refused: whoever presents it would be the administrator, and a short
+/// token can be guessed.
 pub fn local_admin_token(path: &std::path::Path) -> std::io::Result<[u8; 32]> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     match std::fs::read_to_string(path) {
+        Ok(token) if token.trim().len() < ADMIN_TOKEN_LEN => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "{}: the local admin token has {} characters, fewer than the {ADMIN_TOKEN_LEN} the daemon \
+                     writes, and would be easy to guess; remove the file and a new one is made at start",
+                    path.display(),
+                    token.trim().len()
+                ),
+            ))
+        }
         Ok(token) => return Ok(token_digest(&token)),
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
         Err(_) => {}
@@ -170,5 +187,22 @@ mod tests {
         assert_eq!(local_admin_token(&path).unwrap(), first);
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
         assert_eq!(std::fs::read_to_string(&path).unwrap().len(), 64);
+    }
+
+    #[test]
+    fn an_empty_or_short_admin_token_is_refused_with_the_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("admin.token");
+        for (text, count) in [("", 0), ("\n", 0), (&"a".repeat(63) as &str, 63), (" short \n", 5)] {
+            std::fs::write(&path, text).unwrap();
+            let err = local_admin_token(&path).unwrap_err();
+            assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+            let expected = format!("the local admin token has {count} characters, fewer than the 64");
+            assert!(err.to_string().contains(&expected), "{err}");
+            assert_eq!(std::fs::read_to_string(&path).unwrap(), text, "left as it was");
+        }
+        let token = format!("{}\n", "b".repeat(64));
+        std::fs::write(&path, &token).unwrap();
+        assert_eq!(local_admin_token(&path).unwrap(), token_digest(&token));
     }
 }

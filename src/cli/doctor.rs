@@ -55,6 +55,7 @@ pub async fn run(config: &Config) -> anyhow::Result<i32> {
                 let verdict = refusal(&profile.file.sandbox, &profile.file.limits.sandbox(), &probe, &backends)
                     .or(profile.unusable.clone())
                     .or_else(|| config.credentials.check(&profile.file.credential_route_refs).err())
+                    .or_else(|| config.credentials.check_env_passthrough(&profile.file.sandbox.env_passthrough).err())
                     .or_else(|| {
                         let readiness = &profile.file.readiness;
                         (readiness.state == crate::catalog::ReadinessState::Blocked)

@@ -166,21 +166,42 @@ pub fn serve(listener: tokio::net::TcpListener, routes: Arc<Vec<GatewayRoute>>, 
     })
 }
 
-fn refused(log: &crate::net::EgressLog, route: &GatewayRoute, reason: &str) -> Response<Body> {
+/// Records one request in the run's `egress` events: where it was going
+/// (nothing for a route the run does not have) and, unless it was
+/// forwarded, why not.
+fn record(log: &crate::net::EgressLog, route: Option<&GatewayRoute>, outcome: Result<(), &str>) {
+    let (host, port) = route.map(|r| (r.upstream.host.clone(), r.upstream.port)).unwrap_or_default();
+    let name = route.map(|r| format!(" {}", r.name)).unwrap_or_default();
     log.record(crate::net::EgressDecision {
-        host: route.upstream.host.clone(),
-        port: route.upstream.port,
-        allowed: false,
-        rule_or_reason: format!("credential gateway {}: {reason}", route.name),
+        host,
+        port,
+        allowed: outcome.is_ok(),
+        rule_or_reason: match outcome {
+            Ok(()) => format!("credential gateway{name}"),
+            Err(reason) => format!("credential gateway{name}: {reason}"),
+        },
         method: "gateway",
     });
+}
+
+fn refused(log: &crate::net::EgressLog, route: &GatewayRoute, reason: &str) -> Response<Body> {
+    record(log, Some(route), Err(reason));
     answer(StatusCode::FORBIDDEN, format!("corral's credential gateway refused the request: {reason}"))
 }
 
+/// A route name as the harness asked for it, bounded for a record.
+fn shown(name: &str) -> String {
+    name.chars().take(64).map(|c| if c.is_control() { '?' } else { c }).collect()
+}
+
+/// Every request is recorded: forwarded (allowed), or refused or failed
+/// (denied, with the reason), so the evidence counts what the gateway
+/// could not do as well as what it did.
 async fn forward(req: Request<Incoming>, routes: &[GatewayRoute], log: &crate::net::EgressLog) -> Response<Body> {
     let path = req.uri().path().to_string();
     let name = path.trim_start_matches('/').split('/').next().unwrap_or_default();
     let Some(route) = routes.iter().find(|r| r.name == name) else {
+        record(log, None, Err(&format!("no credential route {:?} in this run", shown(name))));
         return answer(StatusCode::NOT_FOUND, format!("no credential route {name:?} here"));
     };
     let rest = &path[1 + name.len()..];
@@ -188,7 +209,10 @@ async fn forward(req: Request<Incoming>, routes: &[GatewayRoute], log: &crate::n
     let target = format!("{}{rest}{query}", route.upstream.path);
     let secret = match (route.secret)() {
         Ok(secret) => secret,
-        Err(why) => return answer(StatusCode::BAD_GATEWAY, why),
+        Err(why) => {
+            record(log, Some(route), Err(&why));
+            return answer(StatusCode::BAD_GATEWAY, why);
+        }
     };
     let (mut parts, body) = req.into_parts();
     let authority = route.upstream.authority();
@@ -204,22 +228,23 @@ async fn forward(req: Request<Incoming>, routes: &[GatewayRoute], log: &crate::n
     }
     parts.uri = match target.parse() {
         Ok(uri) => uri,
-        Err(_) => return answer(StatusCode::BAD_REQUEST, "a path the upstream cannot take".into()),
+        Err(_) => {
+            let reason = "a path the upstream cannot take";
+            record(log, Some(route), Err(reason));
+            return answer(StatusCode::BAD_REQUEST, reason.into());
+        }
     };
     parts.version = hyper::Version::HTTP_11;
     let request = Request::from_parts(parts, body);
     match send(route, request).await {
         Ok(response) => {
-            log.record(crate::net::EgressDecision {
-                host: route.upstream.host.clone(),
-                port: route.upstream.port,
-                allowed: true,
-                rule_or_reason: format!("credential gateway {}", route.name),
-                method: "gateway",
-            });
+            record(log, Some(route), Ok(()));
             response.map(|b| b.boxed())
         }
-        Err(why) => answer(StatusCode::BAD_GATEWAY, format!("corral's credential gateway: {why}")),
+        Err(why) => {
+            record(log, Some(route), Err(&format!("the upstream failed: {why}")));
+            answer(StatusCode::BAD_GATEWAY, format!("corral's credential gateway: {why}"))
+        }
     }
 }
 
@@ -295,6 +320,68 @@ mod tests {
             assert!(n > 0);
             seen.extend_from_slice(&buf[..n]);
         }
+    }
+
+    /// What the gateway cannot forward is an egress event too: a route the
+    /// run does not have, a secret that cannot be read, an upstream that is
+    /// down; each denied, with the reason, and counted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_or_failed_request_is_recorded() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let down = closed.local_addr().unwrap();
+        drop(closed);
+        let route = |name: &str, secret: Result<String, String>| GatewayRoute {
+            name: name.into(),
+            placeholder: format!("corral-{name}-00"),
+            presented: Presented::Bearer,
+            upstream: super::upstream(&format!("http://{down}")).unwrap(),
+            secret: Box::new(move || secret.clone()),
+            tls: None,
+        };
+        let routes = vec![
+            route("down", Ok("sk-real".into())),
+            route("unreadable", Err("credential route unreadable: its file cannot be read".into())),
+        ];
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let log: Refusals = Arc::default();
+        let _gateway = serve(listener, Arc::new(routes), log.clone());
+        let mut statuses = Vec::new();
+        for (path, token) in
+            [("/down/v1", "corral-down-00"), ("/unreadable/v1", "corral-unreadable-00"), ("/nosuch/v1", "x")]
+        {
+            let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let request = format!(
+                "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n"
+            );
+            client.write_all(request.as_bytes()).await.unwrap();
+            let mut answer = String::new();
+            tokio::time::timeout(Duration::from_secs(20), client.read_to_string(&mut answer)).await.unwrap().unwrap();
+            statuses.push(answer.split(' ').nth(1).unwrap_or_default().to_string());
+        }
+        assert_eq!(statuses, ["502", "502", "404"]);
+        let decisions = log.drain();
+        let seen: Vec<(&str, u16, bool, &str)> =
+            decisions.iter().map(|d| (d.host.as_str(), d.port, d.allowed, d.method)).collect();
+        assert_eq!(
+            seen,
+            [
+                ("127.0.0.1", down.port(), false, "gateway"),
+                ("127.0.0.1", down.port(), false, "gateway"),
+                ("", 0, false, "gateway")
+            ]
+        );
+        assert!(
+            decisions[0].rule_or_reason.starts_with("credential gateway down: the upstream failed: "),
+            "{decisions:?}"
+        );
+        assert_eq!(
+            decisions[1].rule_or_reason,
+            "credential gateway unreadable: credential route unreadable: its file cannot be read"
+        );
+        assert_eq!(decisions[2].rule_or_reason, "credential gateway: no credential route \"nosuch\" in this run");
+        assert_eq!(log.counts(), (0, 3));
     }
 
     #[test]

@@ -158,6 +158,34 @@ impl CredentialsConfig {
         Ok(())
     }
 
+    /// Refuses a profile's `sandbox.env_passthrough` that names a variable
+    /// of a configured route: its `env` (the daemon variable holding the
+    /// real value: passed through, the key of even a gatewayed route would
+    /// be in the sandbox) or its `inject_as` (the daemon's own value of that
+    /// name would sit in the sandbox's environment before the route's value
+    /// or placeholder, and the first entry is the one a program reads).
+    /// Every route counts, not only the profile's: no key enters a sandbox
+    /// this way. The error names the field, the variable and the route.
+    pub fn check_env_passthrough(&self, env_passthrough: &[String]) -> Result<(), String> {
+        for var in env_passthrough {
+            for (name, route) in &self.routes {
+                if route.env.as_deref() == Some(var.as_str()) {
+                    return Err(format!(
+                        "sandbox.env_passthrough: {var} holds the value of credential route {name} \
+                         ([credentials.routes.{name}] env); passed through, the key would enter the sandbox"
+                    ));
+                }
+                if route.inject_as == *var {
+                    return Err(format!(
+                        "sandbox.env_passthrough: {var} is where credential route {name} puts its value or \
+                         placeholder (inject_as); the daemon's own {var} would enter the sandbox before it"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The names of every configured route.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.routes.keys().map(String::as_str)
@@ -252,5 +280,47 @@ impl CredentialsConfig {
             env.push((route.inject_as.clone(), value));
         }
         Ok((env, scrubber))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_passthrough_never_names_a_routes_variable() {
+        let mut config = CredentialsConfig::default();
+        let gatewayed = RouteConfig {
+            env: Some("GW_REAL_KEY".into()),
+            inject_as: "GW_TOKEN".into(),
+            upstream: Some("https://api.example.com".into()),
+            ..Default::default()
+        };
+        config.routes.insert("gw".into(), gatewayed);
+        let exposed = RouteConfig {
+            file: Some("/k".into()),
+            inject_as: "GITHUB_TOKEN".into(),
+            expose: true,
+            ..Default::default()
+        };
+        config.routes.insert("github".into(), exposed);
+        let check =
+            |vars: &[&str]| config.check_env_passthrough(&vars.iter().map(|v| v.to_string()).collect::<Vec<_>>());
+        assert_eq!(check(&[]), Ok(()));
+        assert_eq!(check(&["LANG", "TERM", "gw_real_key"]), Ok(()));
+        assert_eq!(
+            check(&["LANG", "GW_REAL_KEY"]).unwrap_err(),
+            "sandbox.env_passthrough: GW_REAL_KEY holds the value of credential route gw ([credentials.routes.gw] \
+             env); passed through, the key would enter the sandbox"
+        );
+        assert_eq!(
+            check(&["GW_TOKEN"]).unwrap_err(),
+            "sandbox.env_passthrough: GW_TOKEN is where credential route gw puts its value or placeholder \
+             (inject_as); the daemon's own GW_TOKEN would enter the sandbox before it"
+        );
+        assert!(
+            check(&["GITHUB_TOKEN"]).unwrap_err().contains("credential route github"),
+            "any route, not only the profile's"
+        );
     }
 }

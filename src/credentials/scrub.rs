@@ -4,8 +4,15 @@
 //! across a flush arrives whole within its line. Besides the value itself,
 //! the encodings an agent most easily produces are caught: base64 (standard
 //! and URL-safe alphabets) at each of the three byte alignments a value can
-//! have inside a longer encoded string, hex (lower and upper case) and
-//! percent-encoding (as in a URL).
+//! have inside a longer encoded string, hex and percent-encoding (as in a
+//! URL).
+//!
+//! The value, its hex and its percent-encoded forms are matched whatever
+//! their ASCII case: what the daemon records may have been case-folded on
+//! the way (the egress proxy lowercases a host name, so a value asked as a
+//! host comes back in lower case), and upper case is as easy for an agent
+//! to produce. Base64 is matched exactly: its case carries the value, and a
+//! case-folded fragment encodes other bytes.
 
 use std::sync::Arc;
 
@@ -16,8 +23,37 @@ use base64::Engine as _;
 /// `[REDACTED:<route>]`. Cheap to clone (the patterns are shared).
 #[derive(Clone, Debug, Default)]
 pub struct Scrubber {
-    /// (pattern, replacement), longest pattern first.
-    patterns: Arc<Vec<(String, String)>>,
+    /// Longest pattern first.
+    patterns: Arc<Vec<Pattern>>,
+}
+
+/// One form of a value and what replaces it.
+#[derive(Clone, Debug)]
+struct Pattern {
+    /// The form; in ASCII lower case when `any_case`.
+    text: String,
+    replacement: String,
+    /// Matched whatever the ASCII case of the text it is found in.
+    any_case: bool,
+}
+
+/// `text` with every occurrence of `lower` (ASCII lower case), in any
+/// ASCII case, replaced; `None` when there is none. Lowering ASCII keeps
+/// every byte where it was and every other byte as it was, so the offsets
+/// found in the lowered text are char boundaries of `text` too.
+fn replace_any_case(text: &str, lower: &str, replacement: &str) -> Option<String> {
+    let lowered = text.to_ascii_lowercase();
+    let mut matches = lowered.match_indices(lower).peekable();
+    matches.peek()?;
+    let mut out = String::with_capacity(text.len());
+    let mut last = 0;
+    for (at, found) in matches {
+        out.push_str(&text[last..at]);
+        out.push_str(replacement);
+        last = at + found.len();
+    }
+    out.push_str(&text[last..]);
+    Some(out)
 }
 
 /// The base64 text (standard and URL-safe alphabets) a value produces at
@@ -73,14 +109,16 @@ impl Scrubber {
         }
         let replacement = format!("[REDACTED:{route}]");
         let patterns = Arc::make_mut(&mut self.patterns);
-        let mut forms = vec![value.to_string()];
-        forms.extend(base64_forms(value.as_bytes()));
-        forms.extend(hex_forms(value.as_bytes()));
-        forms.extend(percent_forms(value.as_bytes()));
-        forms.sort();
-        forms.dedup();
-        patterns.extend(forms.into_iter().map(|form| (form, replacement.clone())));
-        patterns.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+        let mut any_case = vec![value.to_ascii_lowercase()];
+        any_case.extend(hex_forms(value.as_bytes()).iter().map(|f| f.to_ascii_lowercase()));
+        any_case.extend(percent_forms(value.as_bytes()).iter().map(|f| f.to_ascii_lowercase()));
+        let mut exact = base64_forms(value.as_bytes());
+        for (forms, any_case) in [(&mut any_case, true), (&mut exact, false)] {
+            forms.sort();
+            forms.dedup();
+            patterns.extend(forms.drain(..).map(|text| Pattern { text, replacement: replacement.clone(), any_case }));
+        }
+        patterns.sort_by_key(|p| std::cmp::Reverse(p.text.len()));
     }
 
     /// Whether there is nothing to replace.
@@ -91,9 +129,13 @@ impl Scrubber {
     /// `text` with every known value replaced, longest pattern first.
     pub fn scrub(&self, text: &str) -> String {
         let mut text = text.to_string();
-        for (pattern, replacement) in self.patterns.iter() {
-            if text.contains(pattern.as_str()) {
-                text = text.replace(pattern.as_str(), replacement);
+        for pattern in self.patterns.iter() {
+            if pattern.any_case {
+                if let Some(replaced) = replace_any_case(&text, &pattern.text, &pattern.replacement) {
+                    text = replaced;
+                }
+            } else if text.contains(pattern.text.as_str()) {
+                text = text.replace(pattern.text.as_str(), &pattern.replacement);
             }
         }
         text
@@ -162,6 +204,34 @@ mod tests {
             ]
         );
         assert!(base64_forms(b"short").is_empty(), "fragments under 8 characters would match innocent text");
+    }
+
+    /// The egress proxy lowercases a host name: a value asked as a host
+    /// comes back in lower case, and an agent can as easily upper-case it.
+    #[test]
+    fn the_value_hex_and_percent_forms_are_redacted_in_any_ascii_case() {
+        let mut s = Scrubber::default();
+        s.add("mixed", "MixedCase-Value-9Zq");
+        for (text, scrubbed) in [
+            ("mixedcase-value-9zq.example:443", "[REDACTED:mixed].example:443"),
+            ("MIXEDCASE-VALUE-9ZQ", "[REDACTED:mixed]"),
+            ("a mIxEdCaSe-vAlUe-9zQ b MixedCase-Value-9Zq", "a [REDACTED:mixed] b [REDACTED:mixed]"),
+            // Around multi-byte characters, whose bytes lowering leaves alone.
+            ("é«mixedcase-value-9zq»ü", "é«[REDACTED:mixed]»ü"),
+            // Hex of the value with mixed-case digits.
+            ("4D69786564436173652D56616c75652D395A71", "[REDACTED:mixed]"),
+            ("mixedcase-value-9z", "mixedcase-value-9z"),
+        ] {
+            assert_eq!(s.scrub(text), scrubbed, "{text}");
+        }
+        let mut p = Scrubber::default();
+        p.add("p", "Ab/Cd+Ef?Gh");
+        assert_eq!(p.scrub("q=aB%2fcD%2BeF%3fgH&"), "q=[REDACTED:p]&", "the minimal percent form, any case");
+        assert_eq!(p.scrub("ab/cd+ef?gh"), "[REDACTED:p]");
+        // Base64 stays exact: lowered, a fragment encodes other bytes.
+        let b64 = base64_forms(b"MixedCase-Value-9Zq").remove(0);
+        assert_eq!(s.scrub(&b64), "[REDACTED:mixed]");
+        assert_eq!(s.scrub(&b64.to_ascii_lowercase()), b64.to_ascii_lowercase());
     }
 
     #[test]
