@@ -44,6 +44,20 @@ enum Command {
     Client(ClientCommand),
 }
 
+impl Command {
+    /// Why `--json` (global, for the client commands) is refused with this
+    /// command: it has no JSON output, and accepting the flag to ignore it
+    /// would hand a script text it cannot parse.
+    fn json_refused(&self) -> Option<&'static str> {
+        match self {
+            Command::Serve(_) => Some("`corral serve` prints no JSON; its log lines are JSON with --log-format json"),
+            Command::Completions { .. } => Some("`corral completions` prints a shell script, not JSON"),
+            Command::Man { .. } => Some("`corral man` prints a man page (roff), not JSON"),
+            Command::Doctor(_) | Command::Client(_) => None,
+        }
+    }
+}
+
 #[derive(clap::Args, Debug)]
 struct ServeArgs {
     /// A TOML config file (layered: defaults, file, CORRAL_* env, flags).
@@ -107,6 +121,10 @@ fn main() -> anyhow::Result<()> {
     // bwrap's --die-with-parent is tied to the spawning thread.
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let code = runtime.block_on(async move {
+        if let Some(refused) = cli.command.json_refused().filter(|_| cli.client.json) {
+            eprintln!("error: --json: {refused}");
+            return Ok(2);
+        }
         match cli.command {
             Command::Serve(args) => serve(args).await.map(|()| 0),
             Command::Completions { shell } => {
@@ -134,7 +152,7 @@ fn main() -> anyhow::Result<()> {
             Command::Doctor(args) => {
                 let overrides = Overrides { profile_dirs: args.profiles, ..Overrides::default() };
                 let config = Config::load(args.config.as_deref(), overrides)?;
-                corral::cli::doctor::run(&config).await
+                corral::cli::doctor::run(&config, cli.client.json).await
             }
             Command::Client(cmd) => corral::cli::run(cli.client, cmd).await,
         }
@@ -172,12 +190,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .json()
             // One flat object a line: `trace_id` and `span_id`, then the
             // event's fields beside `level`, `target` and `timestamp`, the
-            // current span's under `span`.
+            // current span's under `span` with the run's id from the spans
+            // around it (`WithTraceIds` writes it).
             .event_format(corral::telemetry::WithTraceIds(
                 tracing_subscriber::fmt::format()
                     .json()
                     .flatten_event(true)
-                    .with_current_span(true)
+                    .with_current_span(false)
                     .with_span_list(false),
             ))
             .with_writer(std::io::stderr)
@@ -225,17 +244,25 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         signal.cancel();
     });
     let mut serving = tokio::spawn(daemon.serve(listener, shutdown));
-    // Printed on stdout, once every listener accepts (the unix socket is
-    // bound as the server starts), so scripts can find the port of :0.
-    if let Some(socket) = socket {
-        for _ in 0..500 {
-            if socket.exists() || serving.is_finished() {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    // Ready once every listener accepts. `serve` checks the rest of the
+    // config first (TLS files, the socket's group, the metrics token) and
+    // binds the metrics listener and the unix socket before it accepts on
+    // TCP: a serve that ends before that did not start, and its error is
+    // the start error; neither the ready line nor READY=1 is sent.
+    let started = tokio::select! {
+        served = &mut serving => Some(served),
+        () = listeners_accept(local, socket.as_deref()) => None,
+    };
+    if let Some(served) = started {
+        if let Err(e) = provider.shutdown() {
+            tracing::warn!(error = %e, "traces not flushed");
         }
+        served??;
+        // Stopped (SIGTERM) before it was ready.
+        return Ok(());
     }
-    // The readiness line on stdout, in the log's format.
+    // The readiness line on stdout, in the log's format, so scripts can
+    // find the port of :0.
     match args.log_format {
         LogFormat::Json => {
             println!("{}", serde_json::json!({"message": "corral listening", "listen": local.to_string()}))
@@ -251,6 +278,42 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     served??;
     Ok(())
+}
+
+/// Returns once the gRPC server accepts: its unix socket (if it has one)
+/// exists and its TCP listener answers (see [`answers`]).
+async fn listeners_accept(tcp: std::net::SocketAddr, socket: Option<&std::path::Path>) {
+    let mut target = tcp;
+    // Listening on every address: reached on the loopback one.
+    if target.ip().is_unspecified() {
+        target.set_ip(match target {
+            std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    loop {
+        if socket.is_none_or(|s| s.exists()) && answers(target).await {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// Whether the server behind `addr` accepts connections, not only the
+/// kernel's backlog (which takes them as soon as the socket listens). It
+/// is sent HTTP/2's client preface: a plaintext server answers with its
+/// SETTINGS, a TLS one with an alert; either is a byte back.
+async fn answers(addr: std::net::SocketAddr) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // The preface, then an empty SETTINGS frame.
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+    let probe = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+        stream.write_all(PREFACE).await.ok()?;
+        let mut byte = [0u8; 1];
+        (stream.read(&mut byte).await.ok()? > 0).then_some(())
+    };
+    matches!(tokio::time::timeout(std::time::Duration::from_secs(1), probe).await, Ok(Some(())))
 }
 
 /// On SIGHUP, reads the config again and replaces the principals (its

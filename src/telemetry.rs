@@ -14,6 +14,11 @@ use crate::types::evidence::Evidence;
 pub(crate) const BUCKETS: &[f64] =
     &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0, 600.0];
 
+/// The stages a run's evidence times (`Evidence::time`), each a label of
+/// `corral_stage_duration_seconds`.
+const STAGES: &[&str] =
+    &["resolve", "gate", "workspace", "sandbox_create", "session_start", "harness", "capture", "teardown"];
+
 /// Describes every metric to the installed recorder (see `metrics_http`).
 pub(crate) fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
@@ -114,9 +119,27 @@ pub(crate) fn sample_process() {
 pub(crate) fn initialise() {
     gauge!("corral_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     sample_process();
+    use crate::types::evidence::FailureStage;
+    let stages = [
+        FailureStage::Resolution,
+        FailureStage::Gate,
+        FailureStage::SandboxCreate,
+        FailureStage::SessionStart,
+        FailureStage::Execution,
+        FailureStage::Teardown,
+    ];
     for outcome in ["succeeded", "failed", "refused", "cancelled"] {
-        counter!("corral_executions_finished_total", "outcome" => outcome, "stage" => "none").absolute(0);
+        for stage in std::iter::once("none").chain(stages.map(FailureStage::as_str)) {
+            counter!("corral_executions_finished_total", "outcome" => outcome, "stage" => stage).absolute(0);
+        }
     }
+    // Histograms too, with no observation yet: each stage's, the whole
+    // run's and the store's writes.
+    for stage in STAGES {
+        let _ = histogram!("corral_stage_duration_seconds", "stage" => *stage);
+    }
+    let _ = histogram!("corral_run_duration_seconds");
+    let _ = histogram!("corral_store_write_seconds");
     for state in ["ended", "failed", "refused", "reaped"] {
         counter!("corral_sessions_finished_total", "state" => state).absolute(0);
     }
@@ -128,7 +151,7 @@ pub(crate) fn initialise() {
     for decision in ["allowed", "denied"] {
         counter!("corral_egress_total", "decision" => decision).absolute(0);
     }
-    for kind in ["executions", "sessions", "quota"] {
+    for kind in ["executions", "sessions", "quota", "fleet", "queue"] {
         counter!("corral_admission_refused_total", "kind" => kind).absolute(0);
     }
     for kind in ["executions", "sessions"] {
@@ -183,8 +206,8 @@ pub fn egress(allowed: bool) {
     counter!("corral_egress_total", "decision" => if allowed { "allowed" } else { "denied" }).increment(1);
 }
 
-/// Counts work admission refused: `executions`, `sessions` or `quota`
-/// (`corral_admission_refused_total`).
+/// Counts work admission refused: `executions`, `sessions`, `quota`,
+/// `fleet` or `queue` (`corral_admission_refused_total`).
 pub fn admission_refused(kind: &'static str) {
     counter!("corral_admission_refused_total", "kind" => kind).increment(1);
 }
@@ -353,8 +376,15 @@ pub fn install_bench_subscriber() {
 
 /// tracing-subscriber's flat JSON line with the current span's
 /// `trace_id` and `span_id` (W3C hex) first, as OpenTelemetry's log data
-/// model names them; a line outside any span is left as it is.
+/// model names them, and the current span under `span`: its name and
+/// fields, and the run's id (`execution_id`, `session_id`) from the span
+/// around it when it has none itself (a stage's span inside an
+/// execution's). A line outside any span is left as it is. The inner
+/// format prints no span of its own (`with_current_span(false)`).
 pub struct WithTraceIds<F>(pub F);
+
+/// The fields a span inherits from the spans around it on a log line.
+const RUN_IDS: &[&str] = &["execution_id", "session_id"];
 
 impl<S, N, F> tracing_subscriber::fmt::FormatEvent<S, N> for WithTraceIds<F>
 where
@@ -376,13 +406,41 @@ where
                 .map(|cx| cx.span().span_context().clone())
                 .filter(|ids| ids.is_valid())
         });
-        match (ids, line.strip_prefix('{')) {
-            (Some(ids), Some(rest)) => {
-                write!(writer, "{{\"trace_id\":\"{}\",\"span_id\":\"{}\",{rest}", ids.trace_id(), ids.span_id())
+        let body = line.trim_end().strip_prefix('{').and_then(|l| l.strip_suffix('}'));
+        let (Some(body), Some(span)) = (body, span_object(ctx)) else { return writer.write_str(&line) };
+        let ids = ids.map(|ids| format!("\"trace_id\":\"{}\",\"span_id\":\"{}\",", ids.trace_id(), ids.span_id()));
+        let comma = if body.is_empty() { "" } else { "," };
+        writeln!(writer, "{{{}{body}{comma}\"span\":{span}}}", ids.unwrap_or_default())
+    }
+}
+
+/// The event's span as a JSON object: its name, its fields, and the
+/// [`RUN_IDS`] of the spans around it that it does not carry itself.
+fn span_object<S, N>(ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>) -> Option<serde_json::Value>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    let mut object = serde_json::Map::new();
+    for (depth, span) in ctx.event_scope()?.enumerate() {
+        let extensions = span.extensions();
+        // The JSON layer keeps each span's fields as one JSON object.
+        let fields = extensions
+            .get::<tracing_subscriber::fmt::FormattedFields<N>>()
+            .and_then(|fields| serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(fields).ok())
+            .unwrap_or_default();
+        if depth == 0 {
+            object.extend(fields);
+            object.insert("name".into(), span.name().into());
+            continue;
+        }
+        for key in RUN_IDS {
+            if let (false, Some(id)) = (object.contains_key(*key), fields.get(*key)) {
+                object.insert(key.to_string(), id.clone());
             }
-            _ => writer.write_str(&line),
         }
     }
+    Some(serde_json::Value::Object(object))
 }
 
 #[cfg(test)]

@@ -130,3 +130,52 @@ async fn refusals_are_audited_and_a_sighup_revokes_a_token_without_dropping_work
         assert!(!text.contains(secret), "the log holds {secret:?}:\n{text}");
     }
 }
+
+/// A turn is audited as the calls that start, cancel or end a session are:
+/// one `corral::audit` line with the principal, `rpc="SendTurn"` and the
+/// session's id, never the turn's arguments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_is_audited() {
+    use corral::pb::session_service_client::SessionServiceClient;
+    common::require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("agent.toml"), common::session_agent_profile("test.session", "")).unwrap();
+    let data = dir.path().join("data");
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut sessions = SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest { profile_ref: "test.session".into(), ..Default::default() };
+    let session = sessions.create_session(create).await.expect("session created").into_inner();
+    let id = session.session_id;
+    let call = pb::ToolCall { tool: "prompt".into(), arguments_json: format!(r#"{{"echo": "{TITLE}"}}"#) };
+    let turn = pb::SendTurnRequest { session_id: id.clone(), tool_call: Some(call) };
+    let mut stream = sessions.send_turn(turn).await.expect("turn sent").into_inner();
+    while stream.message().await.expect("turn events").is_some() {}
+    let text = log_until(&data.with_extension("log"), "rpc=\"SendTurn\"", 1).await;
+    let line = text.lines().find(|l| l.contains("rpc=\"SendTurn\"")).unwrap();
+    assert!(line.contains("corral::audit") && line.contains(&format!("subject=\"{id}\"")), "{line}");
+    assert!(!text.contains(TITLE), "the turn's arguments are in the log:\n{text}");
+    sessions.end_session(pb::EndSessionRequest { session_id: id }).await.expect("session ended");
+    daemon.stop().await;
+}
+
+/// Draining a node changes what it takes: audited like the calls that
+/// start, cancel or end something (the node's name as the subject).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_is_audited() {
+    use corral::pb::catalog_service_client::CatalogServiceClient;
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let data = dir.path().join("data");
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut catalog = CatalogServiceClient::new(daemon.channel().await);
+    let nodes = catalog.list_nodes(pb::ListNodesRequest {}).await.expect("nodes").into_inner().nodes;
+    let name = nodes.first().expect("this daemon's node").name.clone();
+    catalog.drain_node(pb::DrainNodeRequest { name: name.clone() }).await.expect("drained");
+    let text = log_until(&data.with_extension("log"), "rpc=\"DrainNode\"", 1).await;
+    let line = text.lines().find(|l| l.contains("rpc=\"DrainNode\"")).unwrap();
+    assert!(line.contains("corral::audit") && line.contains(&format!("subject=\"{name}\"")), "{line}");
+    daemon.stop().await;
+}

@@ -31,13 +31,25 @@ struct Served {
 }
 
 async fn serve(data_dir: &Path, stderr_log: &Path) -> Served {
+    serve_with(data_dir, stderr_log, None).await
+}
+
+/// The same, with a directory of profiles.
+async fn serve_with(data_dir: &Path, stderr_log: &Path, profiles: Option<&Path>) -> Served {
     let log = std::fs::File::create(stderr_log).expect("stderr log file");
     // A uid range of its own: every root daemon claims its range host-wide,
     // and other suites may be running beside this one.
     let config = data_dir.with_extension("toml");
     std::fs::write(&config, format!("[sandbox]\nuids = {:?}\n", common::unique_uids())).unwrap();
-    let mut child = clean(&mut Command::new(CORRAL))
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+    let mut command = Command::new(CORRAL);
+    clean(&mut command);
+    if let Some(profiles) = profiles {
+        command.arg("serve").arg("--profiles").arg(profiles);
+    } else {
+        command.arg("serve");
+    }
+    let mut child = command
+        .args(["--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir)
         .arg("--config")
         .arg(&config)
@@ -268,8 +280,10 @@ async fn the_binary_serves_runs_lists_and_stops_on_sigterm() {
 }
 
 /// `corral --json exec ... | head -1`: the reader goes away after one line;
-/// the client exits 0 and says nothing. `corral version` without a daemon
-/// prints this client's version and one error line.
+/// the client says nothing and still exits with the run's outcome: 0 for a
+/// run that succeeded, 1 for one that failed after the reader left.
+/// `corral version` without a daemon prints this client's version and one
+/// error line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_pipe_ends_quietly_and_version_works_without_a_daemon() {
     common::require_bwrap();
@@ -285,6 +299,17 @@ async fn a_closed_pipe_ends_quietly_and_version_works_without_a_daemon() {
     assert_eq!(stdout.lines().count(), 1, "{stdout}");
     assert!(stderr.is_empty(), "error text on a closed pipe: {stderr}");
     assert!(out.status.success(), "exit {:?}: {stderr}", out.status.code());
+    // The first line is read, the reader is gone, then the run fails.
+    let pipeline = format!(
+        "{CORRAL} --server {} --json exec --profile builtin.shell --title t --description 'sleep 1; exit 3' | head -1; \
+         exit ${{PIPESTATUS[0]}}",
+        served.url
+    );
+    let out = clean(&mut Command::new("/bin/bash")).args(["-c", &pipeline]).output().await.unwrap();
+    let (stdout, stderr) = text(&out);
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(stderr.is_empty(), "error text on a closed pipe: {stderr}");
+    assert_eq!(out.status.code(), Some(1), "a failed run piped into head: {stdout}{stderr}");
     // Gracefully: killed, it would leave its run's sandbox (cgroup included).
     let mut served = served;
     let status = common::terminate(&mut served.child).await;
@@ -297,6 +322,86 @@ async fn a_closed_pipe_ends_quietly_and_version_works_without_a_daemon() {
     assert_eq!(stderr.lines().count(), 1, "one error: {stderr}");
     assert_eq!(stderr.matches("No such file or directory").count(), 1, "{stderr}");
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// `corral session watch` exits with the session's verdict, as `exec`
+/// does with the execution's: 1 for a session the gate refused and for one
+/// whose last turn failed, 0 for one whose turns and end went well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_watch_exits_with_the_sessions_outcome() {
+    common::require_bwrap();
+    let tmp = common::data_tempdir();
+    let profiles = tmp.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("agent.toml"), common::session_agent_profile("test.session", "")).unwrap();
+    let never = "[[guardrails.policies]]\nname = \"never\"\nkind = \"expr\"\n\
+                 arguments = { expression = \"false\", reason = \"never\" }\n";
+    std::fs::write(profiles.join("never.toml"), common::session_agent_profile("test.never", never)).unwrap();
+    let served = serve_with(&tmp.path().join("data"), &tmp.path().join("serve.stderr"), Some(&profiles)).await;
+    let url = served.url.clone();
+
+    // A session with one turn, ended, then watched from its start.
+    let watched = |arguments: &'static str, turn_code: i32| {
+        let url = url.clone();
+        async move {
+            let args = ["--json", "session", "create", "--profile", "test.session"];
+            let out = corral(&url, &args).await;
+            assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+            let id = json_lines(&args, &out)[0]["sessionId"].as_str().expect("sessionId").to_string();
+            let args = ["session", "turn", id.as_str(), "--arguments", arguments];
+            let out = corral(&url, &args).await;
+            assert_eq!(out.status.code(), Some(turn_code), "{}", describe(&args, &out));
+            let args = ["session", "end", id.as_str()];
+            let out = corral(&url, &args).await;
+            assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+            let args = ["session", "watch", id.as_str()];
+            let out = corral(&url, &args).await;
+            (out.status.code(), describe(&args, &out))
+        }
+    };
+    let (code, said) = watched(r#"{"echo": "fine"}"#, 0).await;
+    assert_eq!(code, Some(0), "a session that went well: {said}");
+    let (code, said) = watched(r#"{"fail": "on purpose"}"#, 1).await;
+    assert_eq!(code, Some(1), "a session whose last turn failed: {said}");
+
+    // Refused at agent_start: the session is stored, refused.
+    let args = ["session", "create", "--profile", "test.never", "--id", "never"];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&args, &out));
+    let args = ["session", "watch", "local-admin/never"];
+    let out = corral(&url, &args).await;
+    assert!(text(&out).0.contains("finished"), "{}", describe(&args, &out));
+    assert_eq!(out.status.code(), Some(1), "a refused session: {}", describe(&args, &out));
+
+    let mut served = served;
+    let status = common::terminate(&mut served.child).await;
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "corral serve after SIGTERM: {status:?}");
+}
+
+/// `--json` is one JSON object per line wherever it is accepted: `doctor`
+/// prints one per check and profile; the commands with no JSON output
+/// (`serve`, `completions`, `man`) refuse it instead of ignoring it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_is_printed_by_doctor_and_refused_where_there_is_none() {
+    async fn run(args: &[&str]) -> std::io::Result<Output> {
+        clean(&mut Command::new(CORRAL)).args(args).stdin(Stdio::null()).output().await
+    }
+    for args in [&["--json", "serve"][..], &["--json", "completions", "bash"], &["--json", "man"]] {
+        let out = run(args).await.unwrap();
+        let (stdout, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{}", describe(args, &out));
+        assert!(stdout.is_empty(), "{}", describe(args, &out));
+        assert!(stderr.contains("--json") && stderr.contains(args[1]), "{}", describe(args, &out));
+    }
+    let args = &["--json", "doctor"];
+    let out = run(args).await.unwrap();
+    let lines = json_lines(args, &out);
+    assert!(lines.iter().all(|l| l["ok"].is_boolean() && l["detail"].is_string()), "{}", describe(args, &out));
+    let checks: Vec<&str> = lines.iter().filter_map(|l| l["check"].as_str()).collect();
+    for check in ["bwrap", "sandbox", "seccomp", "cgroups", "egress"] {
+        assert!(checks.contains(&check), "no {check} check: {}", describe(args, &out));
+    }
+    assert!(lines.iter().any(|l| l["profile"] == "builtin.shell@1.0.0"), "{}", describe(args, &out));
 }
 
 /// `corral bench --server` calls the daemon with the client's token

@@ -63,6 +63,80 @@ async fn json_logs_parse_and_carry_the_execution_id() {
     assert_eq!(traces.into_iter().collect::<Vec<_>>(), vec![caller_trace], "one run, the caller's trace");
 }
 
+/// Every line inside a stage's span (`resolve`, `gate`, `sandbox_create`,
+/// `harness`, `teardown`, ...) carries the execution's id under `span`
+/// too, not only the lines of the `execution` span itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_lines_inside_a_stage_carry_the_execution_id() {
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let data = dir.path().join("data");
+    let env = [("CORRAL_LOG_FORMAT", "json"), ("RUST_LOG", "info,sqlx=debug")];
+    let daemon = ServeProcess::start(&data, &profiles, &env).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let mut stream = client.execute(request("builtin.shell", "echo hi")).await.unwrap().into_inner();
+    let mut id = String::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        if let Some(pb::lifecycle_event::Kind::Accepted(a)) = event.kind {
+            id = a.execution_id;
+        }
+    }
+    daemon.stop().await;
+    let log = std::fs::read_to_string(data.with_extension("log")).unwrap();
+    let stages = ["resolve", "gate", "workspace", "sandbox_create", "session_start", "harness", "capture", "teardown"];
+    let in_stages: Vec<serde_json::Value> = log
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .filter(|l| l["span"]["name"].as_str().is_some_and(|name| stages.contains(&name)))
+        .collect();
+    assert!(!in_stages.is_empty(), "no line inside a stage's span: {log}");
+    for line in &in_stages {
+        assert_eq!(line["span"]["execution_id"], id.as_str(), "a stage's line without its execution's id: {line}");
+        assert!(line["trace_id"].is_string(), "{line}");
+    }
+}
+
+/// A daemon whose serve fails before its listeners accept (a metrics token
+/// too short, a unix socket group that does not exist) never prints its
+/// ready line (nor sends READY=1): it exits non-zero with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_that_cannot_serve_never_says_it_listens() {
+    let dir = common::data_tempdir();
+    let token = dir.path().join("metrics.token");
+    std::fs::write(&token, "0123456789\n").unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let short_token =
+        format!("metrics_listen = \"127.0.0.1:{port}\"\nmetrics_token_file = {:?}\n", token.display().to_string());
+    let cases = [
+        (short_token.as_str(), "the token must have at least 32 characters"),
+        ("unix_socket_group = \"no-such-group-corral\"\n", "unix_socket_group: no group"),
+    ];
+    for (i, (config, reason)) in cases.into_iter().enumerate() {
+        let file = dir.path().join(format!("corral-{i}.toml"));
+        std::fs::write(&file, format!("{config}[sandbox]\nuids = {:?}\n", common::unique_uids())).unwrap();
+        let serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(dir.path().join(format!("data-{i}")))
+            .arg("--config")
+            .arg(&file)
+            .env_remove("CORRAL_CONFIG")
+            .env_remove("NOTIFY_SOCKET")
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(std::time::Duration::from_secs(30), serve).await.expect("it exits").unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            !stdout.contains("corral listening"),
+            "{config}: a ready line for a daemon that did not start: {stdout}"
+        );
+        assert_eq!(out.status.code(), Some(1), "{config}: {stderr}");
+        assert!(stderr.contains(reason), "{config}: the reason ({reason}) is not given: {stderr}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_outcomes_stages_and_gate_decisions() {
     require_bwrap();
@@ -434,6 +508,31 @@ async fn a_fresh_daemons_metrics_are_described_and_listed_at_zero() {
         "process_threads",
     ] {
         assert!(described.contains(family), "no HELP for {family}:\n{text}");
+    }
+    for family in ["corral_stage_duration_seconds", "corral_store_write_seconds", "corral_run_duration_seconds"] {
+        assert!(described.contains(family), "no HELP for {family}:\n{text}");
+    }
+    // Every known label set at 0: histograms with no observation, each
+    // outcome with each stage, each kind of admission refusal.
+    for stage in ["resolve", "gate", "sandbox_create", "harness", "teardown"] {
+        let labels = format!(r#"stage="{stage}""#);
+        assert_eq!(sample(&text, "corral_stage_duration_seconds_count", &labels), Some(0.0), "{stage}: {text}");
+    }
+    assert_eq!(sample(&text, "corral_store_write_seconds_count", ""), Some(0.0), "{text}");
+    assert_eq!(sample(&text, "corral_run_duration_seconds_count", ""), Some(0.0), "{text}");
+    for labels in [
+        r#"outcome="succeeded",stage="none""#,
+        r#"outcome="failed",stage="execution""#,
+        r#"outcome="failed",stage="sandbox_create""#,
+        r#"outcome="refused",stage="gate""#,
+        r#"outcome="refused",stage="resolution""#,
+        r#"outcome="cancelled",stage="none""#,
+    ] {
+        assert_eq!(sample(&text, "corral_executions_finished_total", labels), Some(0.0), "{labels}: {text}");
+    }
+    for kind in ["executions", "sessions", "quota", "fleet", "queue"] {
+        let labels = format!(r#"kind="{kind}""#);
+        assert_eq!(sample(&text, "corral_admission_refused_total", &labels), Some(0.0), "{kind}: {text}");
     }
     let version = format!(r#"version="{}""#, env!("CARGO_PKG_VERSION"));
     assert_eq!(sample(&text, "corral_build_info", &version), Some(1.0), "{text}");

@@ -1262,8 +1262,10 @@ async fn the_cli_creates_turns_watches_and_ends_a_session() {
     let (code, out, err) = corral(&["session", "end", "cli-1"]);
     assert_eq!(code, Some(0), "{err}");
     assert!(out.starts_with("session local-admin/cli-1 state=ended") && out.contains("turns=2"), "{out}");
+    // `watch` exits with how it ended: the session ended, but its last turn
+    // failed.
     let (code, out, _) = corral(&["--json", "session", "watch", "cli-1"]);
-    assert_eq!(code, Some(0));
+    assert_eq!(code, Some(1), "{out}");
     assert!(out.lines().last().is_some_and(|l| l.contains("\"finished\"")), "{out}");
     let (code, _, err) = corral(&["cancel", "no-such-execution"]);
     assert_eq!(code, Some(2), "{err}");

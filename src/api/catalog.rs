@@ -138,13 +138,17 @@ impl CatalogService for CatalogApi {
     }
 
     async fn drain_node(&self, request: Request<pb::DrainNodeRequest>) -> Result<Response<pb::Node>, Status> {
-        super::auth::caller(&request)?.may_manage_nodes().map_err(super::auth::denied)?;
+        let principal = super::auth::caller(&request)?;
+        principal.may_manage_nodes().map_err(super::auth::denied)?;
         let name = &request.get_ref().name;
         if name.is_empty() {
             return Err(status::invalid_argument("name", "name the node to drain (see ListNodes)"));
         }
         match self.store.drain_node(name).await.map_err(|e| Status::unavailable(e.to_string()))? {
-            Some(node) => Ok(Response::new(convert::node(&node))),
+            Some(node) => {
+                super::auth::audit(&principal, "DrainNode", name);
+                Ok(Response::new(convert::node(&node)))
+            }
             None => Err(Status::not_found(format!("no node named {name:?}"))),
         }
     }

@@ -118,6 +118,7 @@ impl SessionService for SessionApi {
         let (tool, arguments) = validate::tool_call(req.tool_call.as_ref())?;
         let id = self.visible(&principal, &req.session_id).await?.session_id;
         let subscription = self.engine.send_turn(&id, tool, arguments, trace_parent).await?;
+        audit(&principal, "SendTurn", &id);
         Ok(Response::new(event_stream(subscription, &self.shutdown, deadline)))
     }
 

@@ -6,13 +6,16 @@ use crate::catalog::Catalog;
 use crate::config::Config;
 use crate::sandbox::{seccomp, Backends, BwrapBackend, Capabilities, SandboxBackend, SandboxType, UidMode, UidRange};
 
-/// Prints the capability report; exit code 0 when linux_bwrap is usable.
-pub async fn run(config: &Config) -> anyhow::Result<i32> {
+/// Prints the capability report, as text or (`json`) one JSON object per
+/// line: `{"check": name, "ok": bool, "detail": text}` for each thing the
+/// host can or cannot enforce, then `{"profile": reference, "ok": bool,
+/// "detail": text}` for each profile (a catalog that does not load is the
+/// check `catalog`). Exit code 0 when linux_bwrap is usable.
+pub async fn run(config: &Config, json: bool) -> anyhow::Result<i32> {
     let backends = Backends::for_host(&config.sandbox);
     let bwrap = BwrapBackend::detect(Backends::cgroups_for(&config.sandbox));
     let probe = bwrap.probe().await.map_err(|e| e.to_string());
-    let mut out = Vec::new();
-    out.push("corral doctor: what this host can enforce".to_string());
+    let mut checks: Vec<Row> = Vec::new();
     let version = match bwrap.program() {
         Some(program) => std::process::Command::new(program)
             .arg("--version")
@@ -21,37 +24,38 @@ pub async fn run(config: &Config) -> anyhow::Result<i32> {
             .unwrap_or_else(|e| format!("{}: {e}", program.display())),
         None => "not found on PATH".into(),
     };
-    out.push(line("bwrap", &Ok(version)));
-    out.push(line(
-        "sandbox",
-        &probe.clone().map(|()| "a hardened sandbox starts (user namespace, seccomp, --disable-userns)".into()),
+    checks.push(("bwrap".into(), Ok(version)));
+    checks.push((
+        "sandbox".into(),
+        probe.clone().map(|()| "a hardened sandbox starts (user namespace, seccomp, --disable-userns)".into()),
     ));
     let filter = seccomp::sandbox_filter()
         .map(|f| format!("{} ({} syscalls denied)", f.digest(), seccomp::DENIED.len()))
         .map_err(|e| e.to_string());
-    out.push(line("seccomp", &filter));
+    checks.push(("seccomp".into(), filter));
     let uids = UidRange::parse(&config.sandbox.uids).map(UidMode::detect);
     let uid_line = match &uids {
         Ok(mode @ UidMode::PerSandbox(_)) => Ok(mode.describe()),
         Ok(mode) => Err(mode.describe()),
         Err(e) => Err(format!("sandbox.uids: {e}")),
     };
-    out.push(line("sandbox uids", &uid_line));
+    checks.push(("sandbox uids".into(), uid_line));
     let caps = backends.linux_bwrap.capabilities();
     let cgroups = Backends::cgroups_for(&config.sandbox)
         .map(|h| h.describe())
         .ok_or_else(|| format!("no usable cgroup hierarchy under {}", config.sandbox.cgroup_mount.display()));
-    out.push(line("cgroups", &cgroups));
+    checks.push(("cgroups".into(), cgroups));
     let rows = [("memory", &caps.memory), ("pids", &caps.pids), ("cpu", &caps.cpu), ("kill", &caps.kill)];
     for (name, support) in rows {
-        out.push(line(&format!("  {name}"), support));
+        checks.push((format!("  {name}"), support.clone()));
     }
-    out.push(line("egress", &caps.egress));
-    out.push("profiles".into());
+    checks.push(("egress".into(), caps.egress.clone()));
     let routes: Vec<&str> = config.credentials.names().collect();
-    match Catalog::load_with(&config.profile_dirs, &routes, &config.harness, &config.default_limits) {
-        Ok(catalog) => {
-            for profile in catalog.list() {
+    let profiles = match Catalog::load_with(&config.profile_dirs, &routes, &config.harness, &config.default_limits) {
+        Ok(catalog) => Ok(catalog
+            .list()
+            .into_iter()
+            .map(|profile| {
                 let verdict = refusal(&profile.file.sandbox, &profile.file.limits.sandbox(), &probe, &backends)
                     .or(profile.unusable.clone())
                     .or_else(|| config.credentials.check(&profile.file.credential_route_refs).err())
@@ -67,13 +71,44 @@ pub async fn run(config: &Config) -> anyhow::Result<i32> {
                 };
                 let gating = format!("{gating}; {}", keys(config, &profile));
                 let verdict = verdict.map_or(Ok(format!("can run here; {gating}")), |e| Err(format!("{e}; {gating}")));
-                out.push(line(&format!("  {}", profile.reference()), &verdict));
-            }
-        }
-        Err(e) => out.push(line("  catalog", &Err(e.to_string()))),
-    }
-    println!("{}", out.join("\n"));
+                (profile.reference(), verdict)
+            })
+            .collect::<Vec<_>>()),
+        Err(e) => Err(e.to_string()),
+    };
+    let text = if json { as_json(&checks, &profiles) } else { as_text(&checks, &profiles) };
+    println!("{text}");
     Ok(if probe.is_ok() { 0 } else { 1 })
+}
+
+/// A check or a profile: its name and what the host can do, or why not.
+type Row = (String, Result<String, String>);
+
+fn as_text(checks: &[Row], profiles: &Result<Vec<Row>, String>) -> String {
+    let mut out = vec!["corral doctor: what this host can enforce".to_string()];
+    out.extend(checks.iter().map(|(name, result)| line(name, result)));
+    out.push("profiles".into());
+    match profiles {
+        Ok(profiles) => out.extend(profiles.iter().map(|(name, verdict)| line(&format!("  {name}"), verdict))),
+        Err(e) => out.push(line("  catalog", &Err(e.clone()))),
+    }
+    out.join("\n")
+}
+
+fn as_json(checks: &[Row], profiles: &Result<Vec<Row>, String>) -> String {
+    let object = |key: &str, name: &str, result: &Result<String, String>| {
+        let (ok, detail) = match result {
+            Ok(detail) => (true, detail),
+            Err(detail) => (false, detail),
+        };
+        serde_json::json!({ key: name.trim(), "ok": ok, "detail": detail }).to_string()
+    };
+    let mut out: Vec<String> = checks.iter().map(|(name, result)| object("check", name, result)).collect();
+    match profiles {
+        Ok(profiles) => out.extend(profiles.iter().map(|(name, verdict)| object("profile", name, verdict))),
+        Err(e) => out.push(object("check", "catalog", &Err(e.clone()))),
+    }
+    out.join("\n")
 }
 
 fn refusal(

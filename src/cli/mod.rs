@@ -6,7 +6,8 @@
 //! Exit codes: 0 on success (for `exec`/`watch`: the execution finished in
 //! state SUCCEEDED), 1 when the execution did not succeed, 2 when the RPC
 //! itself failed (transport error or a `Status` from the daemon), 130 when
-//! the user interrupted a stream.
+//! the user interrupted a stream. A reader that closes stdout early ends
+//! the output, not the command: the exit code is still the outcome's.
 
 pub mod bench;
 pub mod doctor;
@@ -56,7 +57,8 @@ pub struct ClientOpts {
     #[arg(long, env = "CORRAL_KEY", global = true, requires = "cert")]
     pub key: Option<PathBuf>,
     /// Machine output: one JSON object per line (canonical protobuf JSON;
-    /// `bench`: its report, one object).
+    /// `bench`: its report, one object; `doctor`: one per check and
+    /// profile). Refused by serve, completions and man.
     #[arg(long, global = true)]
     pub json: bool,
 }
@@ -372,14 +374,12 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
     match result {
         Ok(code) => Ok(code),
         Err(err) => {
-            // The reader went away (`corral --json exec ... | head -1`):
-            // that is how a pipe ends, not an error.
-            let broken_pipe = is_broken_pipe(&err);
-            // Status first: a Status can itself carry a transport error as
-            // its source, and its code is the more useful thing to show.
-            if broken_pipe {
-                Ok(0)
-            } else if let Some(status) = err.downcast_ref::<tonic::Status>() {
+            // A reader that went away (`corral --json exec ... | head -1`)
+            // is no error here: printing stops and the command goes on to
+            // its own exit code (see `output`). Status first: a Status can
+            // itself carry a transport error as its source, and its code is
+            // the more useful thing to show.
+            if let Some(status) = err.downcast_ref::<tonic::Status>() {
                 report_status(status);
                 Ok(2)
             } else if err.downcast_ref::<tonic::transport::Error>().is_some() {

@@ -1,6 +1,7 @@
 //! Where a command's results go: human text or `--json` lines on stdout.
 
 use std::io::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::json::{JsonEncoder, WireMessage};
 use super::{record, render, table};
@@ -87,18 +88,27 @@ impl Printer {
     }
 }
 
+/// Set once stdout's reader has gone away (`| head -1`): from then on
+/// nothing is printed, and a command goes on quietly, so that `exec` and
+/// `watch` still exit with the run's outcome.
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+
 fn write_line(line: &str) -> anyhow::Result<()> {
-    let mut stdout = std::io::stdout().lock();
-    writeln!(stdout, "{line}")?;
-    // Streams are followed live and often piped (`| jq`): flush per
+    // Streams are followed live and often piped (`| jq`): flushed per
     // message so a reader sees each event when it happens.
-    stdout.flush()?;
-    Ok(())
+    write_text(&format!("{line}\n"))
 }
 
 fn write_text(text: &str) -> anyhow::Result<()> {
+    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+        return Ok(());
+    }
     let mut stdout = std::io::stdout().lock();
-    stdout.write_all(text.as_bytes())?;
-    stdout.flush()?;
-    Ok(())
+    match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            STDOUT_CLOSED.store(true, Ordering::Relaxed);
+            Ok(())
+        }
+        written => written.map_err(Into::into),
+    }
 }

@@ -60,16 +60,24 @@ pub(super) async fn run(server: &Remote, command: SessionCommand, printer: &Prin
     }
 }
 
-/// Prints every event; 0 when the last turn (or the session) ended well.
+/// Prints every event. The exit code: 0 when the last turn ended well and,
+/// if the session finished, its verdict is a success too (`exec`'s rule);
+/// 1 for a failed last turn, a session that failed, was refused or
+/// cancelled, and a stream that ended before either.
 async fn follow(mut stream: tonic::Streaming<pb::LifecycleEvent>, printer: &Printer) -> anyhow::Result<i32> {
-    let mut code = 1;
+    let mut turn_ok = None;
+    let mut session = None;
     while let Some(event) = stream.message().await? {
         printer.event(&event)?;
         match &event.kind {
-            Some(Kind::TurnFinished(turn)) => code = if turn.ok { 0 } else { 1 },
-            Some(Kind::Finished(_)) => code = 0,
+            Some(Kind::TurnFinished(turn)) => turn_ok = Some(turn.ok),
+            Some(Kind::Finished(finished)) => session = Some(super::exec::exit_code(finished)),
             _ => {}
         }
     }
-    Ok(code)
+    Ok(match (turn_ok, session) {
+        (Some(false), _) | (None, None) => 1,
+        (_, Some(code)) => code,
+        (Some(true), None) => 0,
+    })
 }
