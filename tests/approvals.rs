@@ -382,3 +382,64 @@ async fn a_credential_across_the_summarys_cut_leaves_no_prefix_behind() {
     assert!(!summary.contains(&SECRET[..8]), "a prefix of the credential was recorded: {summary}");
     daemon.stop().await;
 }
+
+/// Past the session's event budget nobody would see an `approval_requested`:
+/// a call that would wait for a person is denied at once, saying why, and
+/// the evidence still counts every tool_call decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_event_budget_a_call_that_would_ask_is_denied_at_once_and_counted() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("session.toml".into(), common::session_agent_profile("test.session", "max_events = 20"))],
+        config: Box::new(|c| {
+            c.principals.push(principal("owner", "pa", OWNER, false));
+            c.policies.push(corral::policy::PolicySpec {
+                name: "ask-deploy".into(),
+                kind: "require_approval".into(),
+                arguments: serde_json::json!({"timeout_seconds": 60}),
+                on: vec!["tool_call:deploy".into()],
+            });
+        }),
+        ..Options::default()
+    })
+    .await;
+    let mut client = SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest {
+        session_id: "s1".into(),
+        profile_ref: "test.session".into(),
+        project: "pa".into(),
+        ..Default::default()
+    };
+    client.create_session(as_token(OWNER, create)).await.expect("session created");
+    let turn = |arguments: serde_json::Value| {
+        as_token(
+            OWNER,
+            pb::SendTurnRequest {
+                session_id: "s1".into(),
+                tool_call: Some(pb::ToolCall { tool: "run".into(), arguments_json: arguments.to_string() }),
+            },
+        )
+    };
+    // The budget goes on the first turn's progress.
+    let mut stream = client.send_turn(turn(serde_json::json!({"progress": 40}))).await.unwrap().into_inner();
+    let (mut decided, mut rest) = (Vec::new(), String::new());
+    assert_eq!(next_ask(&mut stream, &mut decided, &mut rest).await, None);
+    assert!(rest.contains("Limit("), "the budget was spent: {rest}");
+
+    let asked = std::time::Instant::now();
+    let ask = serde_json::json!({"ask": {"tool": "deploy", "arguments": {"to": "prod"}}});
+    let mut stream = client.send_turn(turn(ask)).await.unwrap().into_inner();
+    let (mut decided, mut rest) = (Vec::new(), String::new());
+    assert_eq!(next_ask(&mut stream, &mut decided, &mut rest).await, None, "no request nobody would see");
+    assert!(asked.elapsed() < std::time::Duration::from_secs(30), "denied at once, not after the wait");
+    assert!(decided.is_empty(), "{decided:?}");
+    assert!(rest.contains("verdict deploy: deny"), "{rest}");
+    assert!(rest.contains("max_events"), "the verdict says why: {rest}");
+    assert_eq!(daemon.engine.approvals.pending(), 0);
+
+    let session = client.get_session(as_token(OWNER, pb::GetSessionRequest { session_id: "s1".into() })).await;
+    let evidence = session.expect("get").into_inner().evidence.expect("evidence");
+    let counts = evidence.tool_calls.expect("tool_calls");
+    assert_eq!((counts.allowed, counts.denied, counts.asked), (2, 1, 0), "both turns and the denied call");
+    daemon.stop().await;
+}

@@ -1271,3 +1271,172 @@ async fn the_cli_creates_turns_watches_and_ends_a_session() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("NotFound"), "{err}");
 }
+
+// ---------------------------------------------------------------------------
+// 11. a long session's record stays under the largest message
+
+/// A protocol harness that asks the gate about `arguments.n` tool calls
+/// per turn, a hundred at a time (each hundred's verdicts are read before
+/// the next: neither pipe fills), then answers how many were allowed.
+const ASKING_AGENT: &str = r#"
+import json, sys
+def out(o):
+    sys.stdout.write(json.dumps(o) + "\n")
+    sys.stdout.flush()
+asked = 0
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        break
+    task = json.loads(line)
+    if task.get("type") != "task":
+        continue
+    n = (task.get("arguments") or {}).get("n", 0)
+    allowed = 0
+    while n > 0:
+        k = min(n, 100)
+        for _ in range(k):
+            asked += 1
+            out({"type": "policy_request", "id": "r%d" % asked, "tool": "t", "arguments": {}})
+        got = 0
+        while got < k:
+            v = json.loads(sys.stdin.readline())
+            if v.get("type") == "policy_verdict":
+                got += 1
+                allowed += v.get("action") == "allow"
+        n -= k
+    out({"type": "result", "ok": True, "output": "allowed %d" % allowed})
+"#;
+
+/// A bwrap profile running [`ASKING_AGENT`], with four `max_tool_calls`
+/// policies of long names that never stop a call: every gate decision
+/// adds four verdicts to the evidence.
+fn asking_profile() -> String {
+    let mut policies = String::new();
+    for n in 1..=4 {
+        policies.push_str(&format!(
+            "[[guardrails.policies]]\nname = \"every-tool-call-is-counted-by-this-long-named-policy-{n}\"\nkind = \
+             \"max_tool_calls\"\narguments = {{ limit = 10000000 }}\n"
+        ));
+    }
+    format!(
+        r#"id = "test.asking"
+version = "1.0.0"
+[rein]
+argv = ["/usr/bin/python3", "-c", '''{ASKING_AGENT}''']
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+[limits]
+timeout_seconds = 300
+max_output_bytes = 65536
+{policies}"#
+    )
+}
+
+/// Thousands of gate decisions over a session's turns (more than 2 MiB of
+/// verdicts) and a server whose largest message is 2 MiB: GetSession,
+/// EndSession and the `finished` event still arrive, the record keeps the
+/// first and last verdicts and says how many more there were, and the
+/// counts are exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_of_thousands_of_gate_decisions_still_fits_one_message() {
+    require_bwrap();
+    const TURNS: u64 = 3;
+    const ASKS: u64 = 2000;
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("asking.toml".into(), asking_profile())],
+        config: Box::new(|c| c.grpc.max_send_message_bytes = 2 << 20),
+        ..Options::default()
+    })
+    .await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.asking", "agt", "")).await.expect("created");
+    for turn in 1..=TURNS {
+        let events = send_turn(&mut client, &session.session_id, "ask", json!({"n": ASKS})).await;
+        let done = turn_finished(&events);
+        assert!(done.ok, "turn {turn}: {done:?}");
+        assert_eq!(done.output, format!("allowed {ASKS}"), "turn {turn}");
+    }
+    // Every turn's own call and every call its harness asked about.
+    let calls = TURNS * (ASKS + 1);
+    let check = |session: &pb::Session, what: &str| {
+        let evidence = session.evidence.as_ref().expect("evidence");
+        let counts = evidence.tool_calls.as_ref().expect("tool_calls");
+        assert_eq!((counts.allowed, counts.denied, counts.asked), (calls, 0, 0), "{what}");
+        let kept = evidence.gate_decisions.len() as u64;
+        assert!(kept < 1000, "{what}: {kept} verdicts kept");
+        let agent_start = evidence.gate_decisions.iter().filter(|d| d.policy == "host_enforceability").count();
+        assert_eq!(agent_start, 1, "{what}: the first verdicts are kept");
+        let more = 4 * calls + 1 - kept;
+        let note = format!("{more} more gate decisions");
+        assert!(evidence.notes.iter().any(|n| n.contains(&note)), "{what}: no {note:?} in {:?}", evidence.notes);
+    };
+    let got = get(&mut client, &session.session_id).await;
+    check(&got, "GetSession");
+    let ended = end(&mut client, &session.session_id).await;
+    assert_eq!(ended.state, pb::SessionState::Ended as i32, "{ended:?}");
+    check(&ended, "EndSession");
+    let history = watch(&mut client, &session.session_id, 0).await;
+    check(&session_of(&history), "finished");
+    daemon.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 12. the raw cause of a failed end, for its principal only
+
+/// A task_json harness that ignores TERM and never exits by itself.
+fn stubborn_profile() -> String {
+    r#"id = "test.stubborn"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-c", "trap '' TERM; while :; do sleep 1; done"]
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+[limits]
+timeout_seconds = 60
+"#
+    .to_string()
+}
+
+/// A session whose harness will not exit ends `failed`: the evidence has
+/// the fixed sentence, and the raw cause comes back on EndSession to the
+/// session's own principal; another principal of the project, ending or
+/// reading such a session, never gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_raw_cause_of_a_failed_end_is_read_by_the_sessions_principal_only() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![("stubborn.toml", stubborn_profile())])).await;
+    let mut client = sessions(&daemon).await;
+    let mut ids = Vec::new();
+    for id in ["stubborn-1", "stubborn-2"] {
+        let request = pb::CreateSessionRequest { session_id: id.into(), ..create_request("test.stubborn", "agt", "") };
+        ids.push(create(&mut client, request).await.expect("created").session_id);
+    }
+    let end_as = |actor: &str, id: &str| common::as_actor(actor, pb::EndSessionRequest { session_id: id.into() });
+
+    // Its own principal ends it: the cause comes back.
+    let ended = client.end_session(end_as("agt", &ids[0])).await.expect("ends").into_inner();
+    assert_eq!(ended.state, pb::SessionState::Failed as i32, "{ended:?}");
+    assert!(ended.tool_error.contains("did not exit within"), "{ended:?}");
+    let evidence = ended.evidence.as_ref().expect("evidence");
+    assert!(!evidence.error.contains("did not exit"), "the evidence keeps a fixed sentence: {}", evidence.error);
+    // Another principal of the project reads it: no cause.
+    let read = pb::GetSessionRequest { session_id: ids[0].clone() };
+    let read = client.get_session(common::as_actor("atm", read)).await.expect("visible").into_inner();
+    assert_eq!(read.state, pb::SessionState::Failed as i32, "{read:?}");
+    assert_eq!(read.tool_error, "", "{read:?}");
+
+    // Another principal of the project ends one: it fails the same way,
+    // and its raw cause is not for that principal.
+    let ended = client.end_session(end_as("atm", &ids[1])).await.expect("ends").into_inner();
+    assert_eq!(ended.state, pb::SessionState::Failed as i32, "{ended:?}");
+    assert_eq!(ended.tool_error, "", "{ended:?}");
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
+    daemon.stop().await;
+}

@@ -11,7 +11,7 @@ use super::execution::{event_stream, traceparent, EventStream};
 use super::page::PageTokens;
 use super::streams_end::StreamsEnd;
 use super::{convert, limits, status, validate};
-use crate::lifecycle::{CreateSessionCommand, EndReason, Engine};
+use crate::lifecycle::{CreateSessionCommand, EndReason, Engine, RawResult};
 use crate::pb;
 use crate::pb_wire::session_service_server::SessionService;
 use crate::policy::{compile_all, Policy, PolicySpec};
@@ -201,10 +201,16 @@ impl SessionService for SessionApi {
         crate::telemetry::set_parent(&span, trace_parent.as_deref());
         let ending = {
             let id = id.clone();
-            tokio::spawn(async move { engine.end_session(&id, EndReason::Requested).await }.instrument(span))
+            tokio::spawn(async move { engine.end_session_with_cause(&id, EndReason::Requested).await }.instrument(span))
         };
-        let record = ending.await.map_err(|_| Status::internal("ending the session failed"))??;
+        let (record, cause) = ending.await.map_err(|_| Status::internal("ending the session failed"))??;
         audit(&principal, "EndSession", &id);
-        Ok(Response::new(convert::session(&record, None)))
+        // The raw cause of a failed end, for the caller that ended it when
+        // that is the session's own principal or adm (as GetExecution's
+        // FULL view): it is kept nowhere else.
+        let raw = cause
+            .filter(|_| principal.may_read_raw(&record.consumer.principal))
+            .map(|tool_error| RawResult { tool_output: String::new(), tool_error });
+        Ok(Response::new(convert::session(&record, raw.as_ref())))
     }
 }

@@ -154,4 +154,18 @@ mod tests {
         assert_eq!(approvals.decide("exec-1", "call-1", yes("p")), Err(Undecidable::Settled));
         assert_eq!(approvals.open("exec-1").call_id, "call-2", "ids are never reused");
     }
+
+    #[test]
+    fn a_settled_call_is_told_apart_for_the_last_remembered_calls_then_unknown() {
+        let approvals = Arc::new(Approvals::default());
+        let oldest = approvals.open("exec-1");
+        let call_id = oldest.call_id.clone();
+        drop(oldest);
+        for _ in 1..REMEMBERED {
+            drop(approvals.open("exec-2"));
+        }
+        assert_eq!(approvals.decide("exec-1", &call_id, yes("p")), Err(Undecidable::Settled), "the oldest remembered");
+        drop(approvals.open("exec-2"));
+        assert_eq!(approvals.decide("exec-1", &call_id, yes("p")), Err(Undecidable::Unknown), "as the README says");
+    }
 }

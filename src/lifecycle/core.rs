@@ -10,7 +10,7 @@
 //! succeeded; the first failure decides the stage; raw errors and output
 //! reach only the direct caller.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ use super::{Engine, RawResult};
 use crate::catalog::{check_actor, Profile, ReadinessState, RunFacts};
 use crate::credentials::Scrubber;
 use crate::events::{EventKind, RawPart, Recorder};
-use crate::policy::{Action, GateInput, GateOutcome, Phase, Policy};
+use crate::policy::{Action, GateInput, GateOutcome, Phase, Policy, PolicyDecision};
 use crate::rein::{Dispatch, HarnessEvent, ReinError, StartContext, ToolCall, ToolGate, ToolResult};
 use crate::sandbox::{workspace, Consumer, SandboxSpec, SandboxState};
 use crate::types::evidence::{Evidence, FailureStage, TeardownResult};
@@ -73,6 +73,13 @@ pub struct Core {
     pub sandbox_destroy: TeardownResult,
     /// How many events (and bytes of harness text) the run may still record.
     budget: EventBudget,
+    /// Set once the budget has cut an event: from then on the tool_call
+    /// gate denies at once a call that would wait for a person (see
+    /// `CoreGate::decide`).
+    budget_spent: Arc<AtomicBool>,
+    /// What the evidence's lists had cut, so that a record fits one
+    /// message however long the run.
+    omitted: crate::records::bounded::Omitted,
     /// What the sandbox's cgroup had cut when last read.
     hits_seen: crate::sandbox::cgroup::LimitHits,
     /// The workspace broke `max_workspace_bytes`: no fetch-back.
@@ -114,6 +121,8 @@ impl Core {
             session_cleanup: TeardownResult::NotAttempted,
             sandbox_destroy: TeardownResult::NotAttempted,
             budget: EventBudget::new(u64::MAX, u64::MAX),
+            budget_spent: Arc::default(),
+            omitted: Default::default(),
             hits_seen: Default::default(),
             workspace_over: false,
             egress_events: EgressEvents::default(),
@@ -287,13 +296,7 @@ impl Core {
 
     /// The `gated` event of a decision, counted and kept in the evidence.
     fn gate_event(&mut self, outcome: &GateOutcome) -> EventKind {
-        for decision in &outcome.decisions {
-            crate::telemetry::gate_decision(&decision.source, decision.action);
-        }
-        self.evidence.gate_decisions.extend(outcome.decisions.iter().cloned());
-        if outcome.phase == Phase::ToolCall {
-            self.evidence.tool_calls.count(outcome.action);
-        }
+        self.count_gate(outcome);
         EventKind::Gated {
             phase: outcome.phase.as_str().into(),
             tool: crate::records::bounded::tool_name(&self.scrubber.scrub(&outcome.tool)),
@@ -301,6 +304,25 @@ impl Core {
             decisions: outcome.decisions.clone(),
             effective_sandbox: outcome.effective_sandbox.clone(),
         }
+    }
+
+    /// A decision, counted and kept in the evidence (its first and last
+    /// verdicts), whether or not its event is recorded.
+    fn count_gate(&mut self, outcome: &GateOutcome) {
+        for decision in &outcome.decisions {
+            crate::telemetry::gate_decision(&decision.source, decision.action);
+        }
+        self.evidence.gate_decisions.extend(outcome.decisions.iter().cloned());
+        if outcome.phase == Phase::ToolCall {
+            self.evidence.tool_calls.count(outcome.action);
+        }
+        self.bound_evidence();
+    }
+
+    /// Holds the evidence's lists to what one record keeps (see
+    /// [`crate::records::bounded::bound_evidence`]).
+    fn bound_evidence(&mut self) {
+        crate::records::bounded::bound_evidence(&mut self.evidence, &mut self.omitted);
     }
 
     async fn create_sandbox(&mut self, spec: &SandboxSpec) -> Result<(), OpenFailure> {
@@ -436,7 +458,18 @@ impl Core {
             credentials,
             gateway: self.gateway.clone(),
         };
-        let harness = rein.start_session(ctx).await?;
+        // A start that lasts stores what is held meanwhile (the first
+        // start's `sandbox_ready`, see `create_sandbox`), so that a crash
+        // during it is recorded as during session_start; a quick one leaves
+        // it to the dispatch's write.
+        let mut starting = rein.start_session(ctx);
+        let harness = tokio::select! {
+            started = &mut starting => started?,
+            () = tokio::time::sleep(Self::STAGE_STORED_AFTER) => {
+                let (started, ()) = tokio::join!(&mut starting, self.recorder.flush());
+                started?
+            }
+        };
         self.evidence.harness = Some(harness.invocation());
         self.evidence.time("session_start", t);
         match self.phase.ready_mut() {
@@ -519,8 +552,15 @@ impl Core {
     }
 
     /// tool_call gate (a person's decision when it asks) → dispatch.
-    /// Progress is recorded as it comes.
+    /// Progress is recorded as it comes; the evidence's lists stay within
+    /// what one record keeps, however many turns there are.
     pub async fn turn(&mut self, call: ToolCall, cancel: CancellationToken) -> TurnOutcome {
+        let outcome = self.gate_and_dispatch(call, cancel).await;
+        self.bound_evidence();
+        outcome
+    }
+
+    async fn gate_and_dispatch(&mut self, call: ToolCall, cancel: CancellationToken) -> TurnOutcome {
         let alive = match self.phase.ready_mut().map(|r| &mut r.harness) {
             Some(Harness::Here(harness)) => harness.is_alive(),
             _ => false,
@@ -691,7 +731,10 @@ impl Core {
                     },
                     None,
                 )),
-                Err(cut) => batch.extend(cut.map(|limit| (limit, None))),
+                Err(cut) => {
+                    self.budget_spent.store(true, Ordering::SeqCst);
+                    batch.extend(cut.map(|limit| (limit, None)));
+                }
             }
         }
         self.recorder.emit_batch(batch).await;
@@ -758,6 +801,7 @@ impl Core {
             timeout_seconds: self.timeout.as_secs(),
             tool_calls: self.tool_calls.clone(),
             subject: self.recorder.subject().to_string(),
+            budget_spent: self.budget_spent.clone(),
         }
     }
 
@@ -789,8 +833,19 @@ impl Core {
                 | HarnessEvent::ApprovalDecided { .. } => 0,
             };
             // Past the budget nothing more is recorded (policy verdicts
-            // still reach the harness): one `limit` event says so.
-            if let Err(cut) = self.budget.admit(bytes) {
+            // still reach the harness, and are counted): one `limit` event
+            // says so. A call's approval is never cut: a person waits to
+            // see it. Once the budget is spent no call waits (the gate
+            // denies it at once, see `CoreGate::decide`): only calls that
+            // began waiting before it ran out get here past it.
+            let approval =
+                matches!(event, HarnessEvent::ApprovalRequested { .. } | HarnessEvent::ApprovalDecided { .. });
+            let admitted = if approval { Ok(()) } else { self.budget.admit(bytes) };
+            if let Err(cut) = admitted {
+                self.budget_spent.store(true, Ordering::SeqCst);
+                if let HarnessEvent::Gated(outcome) = &event {
+                    self.count_gate(outcome);
+                }
                 batch.extend(cut.map(|limit| (limit, None)));
                 if batch.len() < max_batch {
                     next = rx.try_recv().ok();
@@ -846,6 +901,7 @@ impl Core {
         }
         let t = Instant::now();
         let started = self.phase.harness_started();
+        let marking = self.mark_teardown();
         if let Some(mut harness) = self.phase.ready_mut().and_then(|r| r.harness.take_here()) {
             if !cancelled {
                 if let Err(e) = harness.end_session().await {
@@ -868,11 +924,44 @@ impl Core {
             self.collect_commit().await;
         }
         self.destroy().await;
+        if let Some((done, marker)) = marking {
+            done.cancel();
+            let _ = marker.await;
+        }
         if started {
             self.evidence.time("teardown", t);
         }
+        self.bound_evidence();
         self.phase.close();
         self.emit_teardown().await;
+    }
+
+    /// A stage shorter than this is not worth a commit of its own: a run
+    /// stores that it reached harness start or teardown (whose events are
+    /// held for a later write) only once the stage has lasted this long.
+    /// A crash within it is recorded as during the stage before.
+    const STAGE_STORED_AFTER: Duration = Duration::from_millis(250);
+
+    /// Stores, once teardown has lasted [`Self::STAGE_STORED_AFTER`] (a
+    /// capture, up to `[git] timeout_seconds`; a harness slow to end), that
+    /// the run reached it: its sandbox's row becomes `destroying`, which
+    /// recovery reads as "during teardown" (the `teardown` event is stored
+    /// only at the end, with `finished`). A quick teardown writes nothing.
+    /// Cancel the token and await the task when teardown is over: a write
+    /// under way then ends before the run's last ones.
+    fn mark_teardown(&self) -> Option<(CancellationToken, tokio::task::JoinHandle<()>)> {
+        let id = self.phase.ready()?.sandbox.id.clone();
+        let (engine, done) = (self.engine.clone(), CancellationToken::new());
+        let over = done.clone();
+        let marker = tokio::spawn(async move {
+            tokio::select! {
+                () = over.cancelled() => {}
+                () = tokio::time::sleep(Self::STAGE_STORED_AFTER) => {
+                    engine.store_sandbox_state(&id, SandboxState::Destroying).await;
+                }
+            }
+        });
+        Some((done, marker))
     }
 
     pub async fn emit_teardown(&mut self) {
@@ -964,6 +1053,8 @@ struct CoreGate {
     tool_calls: Arc<AtomicU64>,
     /// The execution or session its approvals are filed under.
     subject: String,
+    /// The run's event budget has cut an event (see `Core::budget_spent`).
+    budget_spent: Arc<AtomicBool>,
 }
 
 impl ToolGate for CoreGate {
@@ -986,7 +1077,7 @@ impl CoreGate {
     fn decide(&self, tool: &str, arguments: &Value, counted: bool) -> GateOutcome {
         let profile_ref = self.profile.as_ref().map(|p| p.reference()).unwrap_or_default();
         let no_policies: &[Policy] = &[];
-        let outcome = self.engine.gate.evaluate(&GateInput {
+        let mut outcome = self.engine.gate.evaluate(&GateInput {
             phase: Phase::ToolCall,
             profile_ref: &profile_ref,
             actor: &self.consumer.actor,
@@ -1002,6 +1093,20 @@ impl CoreGate {
             profile_policies: self.profile.as_ref().map(|p| p.policies.as_slice()).unwrap_or(no_policies),
             ungated_tool_calls: None,
         });
+        // Past the run's event budget its `approval_requested` would not be
+        // recorded: nobody could see the call, let alone decide it. It is
+        // denied now, saying why, rather than wait for nobody (fail closed).
+        if outcome.action == Action::Ask && self.budget_spent.load(Ordering::SeqCst) {
+            outcome.action = Action::Deny;
+            outcome.decisions.push(PolicyDecision {
+                policy: "event_budget".into(),
+                source: "builtin".into(),
+                action: Action::Deny,
+                reason: "a person must approve this call, but the run's event budget (limits.max_events, \
+                         limits.max_event_bytes) is spent: nobody would see the request"
+                    .into(),
+            });
+        }
         if counted && outcome.action == Action::Allow {
             self.tool_calls.fetch_add(1, Ordering::SeqCst);
         }

@@ -570,9 +570,22 @@ impl Engine {
 
     /// end → cleanup → destroy. An in-flight turn is cancelled first.
     pub async fn end_session(&self, session_id: &str, reason: EndReason) -> Result<SessionRecord, EngineError> {
+        self.end_session_with_cause(session_id, reason).await.map(|(record, _)| record)
+    }
+
+    /// [`Engine::end_session`], with the raw cause of its failure when the
+    /// end failed here (scrubbed, and cut with the record to one message),
+    /// for the caller that ended it to hand to the session's principal and
+    /// adm only: it is kept nowhere else.
+    pub async fn end_session_with_cause(
+        &self,
+        session_id: &str,
+        reason: EndReason,
+    ) -> Result<(SessionRecord, Option<String>), EngineError> {
         if let Some(node) = self.runs_elsewhere(session_id).await? {
             let answer = self.forward(&node, "end_session", session_id).await?;
-            return Ok(serde_json::from_str(&answer).map_err(crate::store::StoreError::from)?);
+            let record = serde_json::from_str(&answer).map_err(crate::store::StoreError::from)?;
+            return Ok((record, None));
         }
         // Cancelled under the lock its start goes live under: a start that
         // sees no cancel is live, and is found here.
@@ -593,7 +606,7 @@ impl Engine {
                 }
             }
             return match self.store.get_session(session_id).await? {
-                Some(record) => Ok(record),
+                Some(record) => Ok((record, None)),
                 None => Err(EngineError::NotFound(format!("session {session_id}"))),
             };
         };
@@ -610,12 +623,14 @@ impl Engine {
             EndReason::Idle(_) => SessionState::Reaped,
             EndReason::Requested | EndReason::Shutdown => SessionState::Ended,
         };
-        self.finish_session(&mut core, &mut record).await;
+        let cause = self.finish_session(&mut core, &mut record).await;
         self.release(session_id);
-        Ok(record)
+        Ok((record, Some(cause).filter(|c| !c.is_empty())))
     }
 
-    async fn finish_session(&self, core: &mut Core, record: &mut SessionRecord) {
+    /// Stores the final record with the `finished` event; returns the raw
+    /// error that goes with it (empty when nothing failed).
+    async fn finish_session(&self, core: &mut Core, record: &mut SessionRecord) -> String {
         crate::telemetry::session_finished(record.state.as_str());
         let mut evidence = core.evidence.clone();
         evidence.outcome = match (record.state, evidence.failure_stage) {
@@ -635,6 +650,7 @@ impl Engine {
         record.ended_at_ms = Some(now_ms());
         let cut = fit_raw(&mut core.raw, json_len(record), self.max_message_bytes);
         core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
+        let cause = core.raw.tool_error.clone();
         // The final record and the `finished` event in one transaction.
         let finished = core.recorder.prepare(EventKind::SessionFinished { session: Box::new(record.clone()) }).await;
         let store = &self.store;
@@ -646,6 +662,7 @@ impl Engine {
         self.bus.close(&record.session_id);
         core.reclaim_sandbox();
         tracing::info!(session_id = %record.session_id, state = record.state.as_str(), "session finished");
+        cause
     }
 
     /// Ends sessions idle for `idle`, never one with a turn in flight.

@@ -40,6 +40,12 @@ pub const DEADLINE: Duration = Duration::from_millis(100);
 /// Evaluations running at once; past it a policy denies at once rather
 /// than queue (only a run-away evaluation can hold a thread long).
 const MAX_IN_FLIGHT: usize = 16;
+/// The largest gate input an evaluation is given (see
+/// `input_within_bounds`): turning it into CEL values happens before the
+/// budget can stop anything, on one of the daemon's few slots.
+pub const MAX_INPUT_BYTES: usize = 1 << 20;
+/// How deeply the gate input may nest.
+pub const MAX_INPUT_DEPTH: usize = 64;
 
 /// The budget function wrapped around every loop condition.
 const BUDGET: &str = "__corral_budget";
@@ -129,33 +135,108 @@ impl Expr {
     /// `Ok(true)` allows, `Ok(false)` denies with the reason; `Err` carries a
     /// reason that names no input value (fail closed, leak nothing).
     pub fn evaluate(&self, input: &Value) -> Result<bool, String> {
-        if IN_FLIGHT.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
-            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
-            return Err("too many expressions are being evaluated at once".into());
-        }
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        // Before a slot is taken and before anything is copied: turning a
+        // tool call's arguments (up to a hook's 16 MiB) into CEL values is
+        // not under the budget, and would hold a slot all the while.
+        input_within_bounds(input)?;
         let program = self.program.clone();
-        let input = input.clone();
-        let spawned = std::thread::Builder::new().name("cel".into()).stack_size(8 << 20).spawn(move || {
-            let outcome = run(&program, &input);
-            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
-            let _ = tx.send(outcome);
-        });
-        if spawned.is_err() {
-            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
-            return Err("expression could not be evaluated".into());
-        }
-        // The budget stops the evaluation itself; this wait is the backstop
-        // for whatever the budget does not see.
-        let wait = || rx.recv_timeout(DEADLINE + Duration::from_millis(50));
-        let outcome = match tokio::runtime::Handle::try_current() {
-            Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(wait)
-            }
-            _ => wait(),
-        };
-        outcome.unwrap_or_else(|_| Err(exceeded()))
+        evaluate_on_thread(&IN_FLIGHT, input.clone(), move |input| run(&program, &input))
     }
+}
+
+/// One of the [`MAX_IN_FLIGHT`] evaluations running at once, given back
+/// when dropped: when the evaluation ends, however it ends (a panic in it
+/// too), or when its thread could not be started.
+struct Slot(&'static AtomicUsize);
+
+impl Slot {
+    fn take(in_flight: &'static AtomicUsize) -> Option<Slot> {
+        if in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(Slot(in_flight))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Runs `evaluation` over `input` on a thread of its own, holding one of
+/// `in_flight`'s slots until it ends; waits for it no longer than the
+/// deadline (and a little).
+fn evaluate_on_thread<F>(in_flight: &'static AtomicUsize, input: Value, evaluation: F) -> Result<bool, String>
+where
+    F: FnOnce(Value) -> Result<bool, String> + Send + 'static,
+{
+    let Some(slot) = Slot::take(in_flight) else {
+        return Err("too many expressions are being evaluated at once".into());
+    };
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let spawned = std::thread::Builder::new().name("cel".into()).stack_size(8 << 20).spawn(move || {
+        // Dropped in reverse: the slot is back before the caller hears.
+        let tx = tx;
+        let _slot = slot;
+        let _ = tx.send(evaluation(input));
+    });
+    if spawned.is_err() {
+        return Err("expression could not be evaluated".into());
+    }
+    // The budget stops the evaluation itself; this wait is the backstop
+    // for whatever the budget does not see.
+    let wait = || rx.recv_timeout(DEADLINE + Duration::from_millis(50));
+    let outcome = match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(wait)
+        }
+        _ => wait(),
+    };
+    match outcome {
+        Ok(verdict) => verdict,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(exceeded()),
+        // It ended without a verdict: it panicked.
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err("expression could not be evaluated".into()),
+    }
+}
+
+/// Whether the gate input is within what an expression is given: at most
+/// [`MAX_INPUT_BYTES`] (every string's and key's bytes, and 8 for each
+/// value) and [`MAX_INPUT_DEPTH`] levels. A value is charged when its
+/// parent is reached, so the walk stops at the first excess and holds no
+/// more than the bound allows; the refusal names no input value.
+fn input_within_bounds(input: &Value) -> Result<(), String> {
+    let refused = || {
+        format!(
+            "the gate input is larger than an expression is given (at most {} KiB and {MAX_INPUT_DEPTH} levels)",
+            MAX_INPUT_BYTES >> 10
+        )
+    };
+    let mut room = MAX_INPUT_BYTES;
+    let mut take = |bytes: usize| room.checked_sub(bytes).map(|left| room = left).ok_or_else(refused);
+    take(8)?;
+    let mut stack = vec![(input, 1usize)];
+    while let Some((value, depth)) = stack.pop() {
+        if depth > MAX_INPUT_DEPTH {
+            return Err(refused());
+        }
+        match value {
+            Value::String(s) => take(s.len())?,
+            Value::Array(items) => {
+                take(items.len().saturating_mul(8))?;
+                stack.extend(items.iter().map(|item| (item, depth + 1)));
+            }
+            Value::Object(fields) => {
+                let keys: usize = fields.keys().map(String::len).sum();
+                take(fields.len().saturating_mul(8).saturating_add(keys))?;
+                stack.extend(fields.values().map(|field| (field, depth + 1)));
+            }
+            Value::Null | Value::Bool(_) | Value::Number(_) => {}
+        }
+    }
+    Ok(())
 }
 
 fn exceeded() -> String {
@@ -333,5 +414,39 @@ mod tests {
         let verdict = expr.evaluate(&serde_json::json!({}));
         assert!(verdict.as_ref().unwrap_err().contains("evaluation budget"), "{verdict:?}");
         assert!(t.elapsed() < DEADLINE * 3, "took {:?}", t.elapsed());
+    }
+
+    #[test]
+    fn an_evaluation_that_panics_gives_its_slot_back() {
+        static SLOTS: AtomicUsize = AtomicUsize::new(0);
+        // Each is refused (fail closed), and its slot comes back once its
+        // thread has unwound (printing the panic may outlast the wait).
+        for _ in 0..2 * MAX_IN_FLIGHT {
+            let verdict = evaluate_on_thread(&SLOTS, serde_json::json!({}), |_| panic!("a bug in the evaluator"));
+            assert!(verdict.is_err(), "{verdict:?}");
+            let t = Instant::now();
+            while SLOTS.load(Ordering::SeqCst) > 0 {
+                assert!(t.elapsed() < Duration::from_secs(10), "the slot was never given back");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        assert_eq!(evaluate_on_thread(&SLOTS, serde_json::json!({}), |_| Ok(true)), Ok(true));
+    }
+
+    #[test]
+    fn an_input_too_large_or_too_deep_is_denied_before_it_is_converted() {
+        let expr = Expr::compile("true", "r".into()).unwrap();
+        let refused = |input: &Value| expr.evaluate(input).unwrap_err();
+        let big = serde_json::json!({"tool": "Write", "arguments": {"content": "x".repeat(MAX_INPUT_BYTES)}});
+        assert!(refused(&big).contains("at most 1024 KiB"), "{}", refused(&big));
+        let wide = serde_json::json!({"arguments": vec![0; MAX_INPUT_BYTES / 8]});
+        assert!(refused(&wide).contains("larger than"), "{}", refused(&wide));
+        let mut deep = serde_json::json!(1);
+        for _ in 0..MAX_INPUT_DEPTH {
+            deep = serde_json::json!([deep]);
+        }
+        assert!(refused(&serde_json::json!({"arguments": deep})).contains("levels"));
+        let fits = serde_json::json!({"tool": "Write", "arguments": {"content": "x".repeat(MAX_INPUT_BYTES / 2)}});
+        assert_eq!(expr.evaluate(&fits), Ok(true));
     }
 }
