@@ -348,6 +348,14 @@ pub struct Overrides {
     pub profile_dirs: Vec<PathBuf>,
 }
 
+/// `dir` with its symlinks, `.` and `..` resolved and no trailing slash;
+/// while it does not exist, made absolute (from the working directory) with
+/// its `.` and trailing slashes dropped.
+fn canonical_dir(dir: &Path) -> PathBuf {
+    std::fs::canonicalize(dir)
+        .unwrap_or_else(|_| std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf()).components().collect())
+}
+
 impl Config {
     /// Where the unix socket is, if there is one.
     pub fn unix_socket_path(&self) -> Option<PathBuf> {
@@ -359,11 +367,13 @@ impl Config {
     }
 
     /// This daemon's name in a shared store: `[fleet] node`, else
-    /// `node_id`, else the host name and data directory.
+    /// `node_id`, else the host name and the data directory, resolved (see
+    /// [`canonical_dir`]): the same directory spelled otherwise is the same
+    /// node, whose rows recovery finds again.
     pub fn node(&self) -> String {
         self.fleet.node.clone().or_else(|| self.node_id.clone()).unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-            format!("{}:{}", host.trim(), self.data_dir.display())
+            format!("{}:{}", host.trim(), canonical_dir(&self.data_dir).display())
         })
     }
 

@@ -76,6 +76,54 @@ pub struct Daemon {
     /// This daemon's host-wide claim on its sandbox uid range (root only),
     /// held until the daemon is dropped.
     pub uid_lock: Option<crate::sandbox::uid_lock::UidRangeLock>,
+    /// This daemon's claim on its data directory, held until it is dropped.
+    pub data_dir_lock: DataDirLock,
+}
+
+/// One daemon per data directory: an exclusive `flock(2)` on
+/// `<data_dir>/daemon.lock` (naming the daemon's pid), held for the daemon's
+/// life. The kernel drops it when the daemon dies, even by SIGKILL. So the
+/// directory's SQLite store, its sandboxes and what recovery finds there
+/// are one daemon's at a time.
+#[derive(Debug)]
+pub struct DataDirLock {
+    /// Holds the flock; never read.
+    _file: std::fs::File,
+}
+
+impl DataDirLock {
+    /// Claims `data_dir`, or says which running daemon holds it.
+    fn claim(data_dir: &std::path::Path) -> Result<DataDirLock, StartError> {
+        use std::io::{Read, Write};
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = data_dir.join("daemon.lock");
+        let failed = |source| StartError::DataDir { path: path.display().to_string(), source };
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)
+            .map_err(failed)?;
+        if !crate::sandbox::uid_lock::flock_exclusive(&file, false).map_err(failed)? {
+            let mut holder = String::new();
+            let _ = (&file).take(256).read_to_string(&mut holder);
+            let holder = holder.split_whitespace().collect::<Vec<_>>().join(" ");
+            let holder = if holder.is_empty() { "unknown pid".to_string() } else { holder };
+            return Err(StartError::DataDir {
+                path: data_dir.display().to_string(),
+                source: std::io::Error::other(format!(
+                    "in use by a running daemon ({holder}; lock {}): one daemon per data directory; give this one \
+                     its own --data-dir",
+                    path.display()
+                )),
+            });
+        }
+        file.set_len(0).map_err(failed)?;
+        file.write_all(format!("pid {}\n", std::process::id()).as_bytes()).map_err(failed)?;
+        Ok(DataDirLock { _file: file })
+    }
 }
 
 /// The reins a daemon ships with.
@@ -86,8 +134,9 @@ pub fn default_reins() -> HashMap<String, Arc<dyn Rein>> {
 }
 
 impl Daemon {
-    /// Builds the daemon: prepares the data directory, opens the store, loads
-    /// the profiles, probes the host, claims the uid range, recovers what a
+    /// Builds the daemon: prepares and claims the data directory, opens the
+    /// store, loads the profiles, probes the host, claims the uid range, joins
+    /// the fleet, recovers what a
     /// previous instance left, and starts the hub, the reaper and the
     /// compactor. Nothing is served yet.
     pub async fn build(
@@ -98,6 +147,9 @@ impl Daemon {
         let data_dir = &config.data_dir;
         prepare_data_dir(data_dir)
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
+        // Before its SQLite store is opened (and migrated): a second daemon
+        // on this data directory refuses to start having changed nothing.
+        let data_dir_lock = DataDirLock::claim(data_dir)?;
         let store = Store::open(data_dir, config.store.url.as_deref(), &config.node()).await?;
         restrict_store_files(data_dir)
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
@@ -105,17 +157,30 @@ impl Daemon {
         let catalog =
             Arc::new(Catalog::load_with(&config.profile_dirs, &routes, &config.harness, &config.default_limits)?);
         check_env_passthrough(&config, &catalog)?;
+        let uid_mode = UidMode::detect(UidRange::parse(&config.sandbox.uids).map_err(StartError::Policies)?);
         // Probed once: a host that cannot run bwrap refuses bwrap profiles
         // at the gate, with the reason, instead of running them unsandboxed.
-        let uid_mode = UidMode::detect(UidRange::parse(&config.sandbox.uids).map_err(StartError::Policies)?);
         let bwrap = backends.linux_bwrap.probe().await.map_err(|e| e.to_string());
-        // A node of the fleet from here on: every write of a run checks
-        // this start's epoch against the node's row.
         let mut labels = crate::fleet::labels(bwrap.is_ok());
         labels.extend(config.fleet.labels.iter().filter(|l| !labels.contains(l)).cloned().collect::<Vec<_>>());
         check_warm_pools(&config, &catalog, &bwrap, &labels).map_err(StartError::Policies)?;
+        // Before anything is written that a live neighbour uses (up to here
+        // only the schema's idempotent migrations): a daemon whose uid range
+        // overlaps a live one's refuses to start having changed nothing.
+        // Joining the fleet gives the node a new epoch, which fences the
+        // start that holds it (a daemon with the same node name); recovery
+        // kills what runs under the range's uids.
+        let uid_lock = match uid_mode {
+            UidMode::PerSandbox(range) => Some(
+                crate::sandbox::uid_lock::claim(&config.sandbox.lock_dir, range, data_dir)
+                    .map_err(StartError::UidRange)?,
+            ),
+            UidMode::Daemon { .. } => None,
+        };
         let lease_ms = config.fleet.lease().as_millis() as i64;
         let capacity = config.fleet.capacity(config.max_running_executions);
+        // A node of the fleet from here on: every write of a run checks
+        // this start's epoch against the node's row.
         store.join_fleet(capacity as u64, &labels, lease_ms).await?;
         let host = HostCapabilities {
             bwrap,
@@ -128,15 +193,6 @@ impl Daemon {
                 UidMode::PerSandbox(_) => Ok("one host uid per sandbox".to_string()),
                 UidMode::Daemon { uid, .. } => Err(format!("the daemon runs as uid {uid}: sandboxes share it")),
             },
-        };
-        // Before recovery, which kills what runs under uids of the range:
-        // they must be this daemon's, not a live neighbour's.
-        let uid_lock = match uid_mode {
-            UidMode::PerSandbox(range) => Some(
-                crate::sandbox::uid_lock::claim(&config.sandbox.lock_dir, range, data_dir)
-                    .map_err(StartError::UidRange)?,
-            ),
-            UidMode::Daemon { .. } => None,
         };
         if let UidMode::PerSandbox(_) = uid_mode {
             reachable_by_sandboxes(&data_dir.join("sandboxes")).map_err(|message| StartError::DataDir {
@@ -205,15 +261,26 @@ impl Daemon {
             crate::api::page::PageTokens::load_or_create(&data_dir.join("page-token.key"))
                 .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?
         };
-        Ok(Daemon { authenticator, page_tokens: Arc::new(page_tokens), config, engine, catalog, gate, uid_lock })
+        Ok(Daemon {
+            authenticator,
+            page_tokens: Arc::new(page_tokens),
+            config,
+            engine,
+            catalog,
+            gate,
+            uid_lock,
+            data_dir_lock,
+        })
     }
 
     /// Serves the gRPC API (and the metrics endpoint, if configured) on
     /// `listener` until `shutdown` is cancelled, then drains: in-flight
     /// executions get the shutdown grace, then are cancelled and torn down.
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<(), StartError> {
-        // The uid range stays claimed while the daemon serves.
+        // The uid range and the data directory stay claimed while the
+        // daemon serves.
         let _uid_lock = self.uid_lock;
+        let _data_dir_lock = self.data_dir_lock;
         let group = match &self.config.unix_socket_group {
             Some(group) => Some(group_id(group).map_err(StartError::Policies)?),
             None => None,

@@ -384,3 +384,139 @@ async fn an_idle_active_session_is_recovered_as_past_its_start() {
     assert!(evidence.notes.iter().any(|n| n == "daemon restarted during execution"), "{:?}", evidence.notes);
     assert_eq!(sandbox_dirs(&data), 0, "the sandbox is gone");
 }
+
+/// The record of execution `id`, read through `daemon`.
+async fn record_of(daemon: &ServeProcess, id: &str) -> pb::Execution {
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let get = pb::GetExecutionRequest { execution_id: id.into(), ..Default::default() };
+    client.get_execution(get).await.expect("the execution is stored").into_inner()
+}
+
+/// SIGKILL, and the daemon's harnesses (which carry `marker`) gone with it.
+async fn kill_9(mut daemon: ServeProcess, marker: &str) {
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGKILL) };
+    daemon.child.wait().await.unwrap();
+    wait_until("no process of the killed daemon's runs survives it", || processes_with(marker) == 0).await;
+}
+
+/// The default node name is the host and the data directory, resolved: a
+/// daemon started again on the same directory spelled otherwise (through a
+/// symlink, with a trailing slash) is the same node, and recovers what its
+/// predecessor left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_through_another_spelling_of_the_data_directory_recovers_the_execution() {
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let marker = format!("SPELLING-MARKER-{}", std::process::id());
+    let profiles = marked_profiles(dir.path(), &marker);
+    let data = dir.path().join("data");
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let id = start_hanging(&mut client, "").await;
+    assert_eq!(sandbox_dirs(&data), 1);
+    kill_9(daemon, &marker).await;
+
+    // The same directory through a symlink, with a trailing slash; its
+    // config (uids, store) is the first one's.
+    let alias = dir.path().join("alias");
+    std::os::unix::fs::symlink(&data, &alias).unwrap();
+    std::fs::copy(data.with_extension("toml"), alias.with_extension("toml")).unwrap();
+    let spelled = std::path::PathBuf::from(format!("{}/", alias.display()));
+    let daemon = ServeProcess::start(&spelled, &profiles, &[]).await;
+    let record = record_of(&daemon, &id).await;
+    let evidence = record.evidence.clone().unwrap();
+    assert_eq!(pb::ExecutionState::try_from(record.state).unwrap(), pb::ExecutionState::Failed, "{record:?}");
+    assert!(evidence.notes.iter().any(|n| n == "daemon restarted during execution"), "{:?}", evidence.notes);
+    assert_eq!(sandbox_dirs(&data), 0, "the workspace is gone");
+    let mut catalog = corral::pb::catalog_service_client::CatalogServiceClient::new(daemon.channel().await);
+    let nodes = catalog.list_nodes(pb::ListNodesRequest {}).await.unwrap().into_inner().nodes;
+    assert_eq!(nodes.len(), 1, "one node, whatever the spelling: {nodes:?}");
+    assert!(nodes[0].name.ends_with(&format!(":{}", data.canonicalize().unwrap().display())), "{nodes:?}");
+}
+
+/// A crash while the workspace is being captured (a clean filter the
+/// agent configured makes the capture's `git add` take minutes) is
+/// recorded as during teardown, not during the execution; and the capture
+/// bundles a crash leaves in `sandboxes/` go with the rest, while a file
+/// there that no run could have written is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_during_the_capture_is_recovered_as_during_teardown_and_leaves_no_bundle() {
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let data = dir.path().join("data");
+    let repo = common::git_repo();
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    // The marker is the filter's $0 once git runs it; the script names it
+    // in two halves, so the agent's own shell does not carry it.
+    let marker = format!("CAPTURE-SLOW-{}", std::process::id());
+    let (front, back) = marker.split_at(8);
+    let script = format!(
+        "git config filter.slow.clean \"sh -c 'sleep 600; cat' {front}\"'{back}'\n\
+         echo '* filter=slow' > .gitattributes\necho work > work.txt\necho done\n"
+    );
+    let mut req = request("builtin.shell", &script);
+    req.repo = repo.path().display().to_string();
+    let id = client.start_execution(req).await.expect("start").into_inner().execution_id;
+    wait_until("the capture runs the slow filter", || processes_with(&marker) > 0).await;
+    // Well past the moment a teardown that lasts is stored.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let sandbox_id = std::fs::read_dir(data.join("sandboxes"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .find(|name| uuid::Uuid::parse_str(name).is_ok())
+        .expect("the run's sandbox directory");
+    kill_9(daemon, &marker).await;
+    // What a crash between the bundle's copy and its fetch leaves, one of
+    // no run, and a file no run could have written.
+    let sandboxes = data.join("sandboxes");
+    let stray = uuid::Uuid::now_v7().to_string();
+    for name in [format!("{sandbox_id}.bundle"), format!("{stray}.bundle"), "keep.bundle".to_string()] {
+        std::fs::write(sandboxes.join(name), "bundle").unwrap();
+    }
+
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let record = record_of(&daemon, &id).await;
+    let evidence = record.evidence.clone().unwrap();
+    assert_eq!(pb::ExecutionState::try_from(record.state).unwrap(), pb::ExecutionState::Failed, "{record:?}");
+    assert_eq!(pb::FailureStage::try_from(evidence.failure_stage).unwrap(), pb::FailureStage::Teardown, "{evidence:?}");
+    assert!(evidence.notes.iter().any(|n| n == "daemon restarted during teardown"), "{:?}", evidence.notes);
+    let left: Vec<String> =
+        std::fs::read_dir(&sandboxes).unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
+    assert_eq!(left, ["keep.bundle"], "the sandbox and every bundle of a run are gone");
+    drop(daemon);
+}
+
+/// A harness that takes a while to start (here its spawn takes 300 ms)
+/// has its `sandbox_ready` stored while it starts, not only with the
+/// dispatch that follows: a crash then is recovered as during
+/// session_start, not sandbox_create (recovery reads the last stored event).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_harness_start_is_stored_as_reached_while_it_starts() {
+    use common::faults::{bwrap_with, BackendFaults};
+    use corral::records::EventKind;
+    require_bwrap();
+    let (backends, _log) = bwrap_with(BackendFaults { slow_spawn: true, ..Default::default() });
+    let daemon = TestDaemon::start(Options { backends: Some(backends), ..Options::default() }).await;
+    let mut client = daemon.executions().await;
+    let id = client.start_execution(request("test.fake-agent", "quick")).await.unwrap().into_inner().execution_id;
+    let store = &daemon.engine.store;
+    let started = Instant::now();
+    let mut seen_starting = false;
+    loop {
+        let kinds: Vec<EventKind> = store.events_after(&id, 0).await.unwrap().into_iter().map(|e| e.kind).collect();
+        let ready = kinds.iter().any(|k| matches!(k, EventKind::SandboxReady { .. }));
+        let dispatched = kinds.iter().any(|k| matches!(k, EventKind::Dispatched { .. }));
+        seen_starting |= ready && !dispatched;
+        if dispatched || started.elapsed() > Duration::from_secs(20) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(seen_starting, "sandbox_ready was stored while the harness started, before its dispatch");
+    let events = read_all(&mut client, &id, 0).await;
+    assert_eq!(pb::ExecutionState::try_from(finished(&events).state).unwrap(), pb::ExecutionState::Succeeded);
+}

@@ -1149,3 +1149,61 @@ async fn sessions_sent_to_a_front_end_start_on_nodes_with_room_within_a_fleet_wi
     assert_eq!(sandboxes(&b) + sandboxes(&c), 1, "nothing started past the quota");
     stop_all([front, b, c]).await;
 }
+
+/// Builds (in this process) a daemon that wants node `twin`'s place: its
+/// store, its node name, `uids`, in `data_dir`; the error text when it
+/// refuses.
+async fn build_twin(url: &str, data_dir: PathBuf, uids: &str) -> Result<(), String> {
+    let mut config = corral::config::Config { data_dir, ..corral::config::Config::default() };
+    config.store.url = Some(url.to_string());
+    config.fleet.node = Some("twin".into());
+    config.fleet.lease_seconds = LEASE_SECONDS;
+    config.sandbox.uids = uids.to_string();
+    let built = corral::daemon::Daemon::build(
+        config,
+        corral::sandbox::Backends::host_default(),
+        corral::daemon::default_reins(),
+    )
+    .await;
+    built.map(drop).map_err(|e| e.to_string())
+}
+
+/// A second daemon started as a live node (its node name, and its uid range
+/// or its data directory) refuses to start, and refusing takes nothing from
+/// the live one: it keeps its epoch (a start that joined the fleet first
+/// would have fenced it: killed its run and made it exit), its lease and
+/// its run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_refused_at_start_does_not_fence_the_live_node_it_collides_with() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let mut live = Node::start(dir.path(), "twin", &url).await;
+    let epoch = live.nodes().await.into_iter().find(|n| n.name == "twin").expect("listed").epoch;
+    let marker = format!("twin-run-{}", uuid::Uuid::now_v7().simple());
+    let id = start_long_run(&live, &marker).await;
+
+    // Another data directory, the same uids: the uid range is taken.
+    let other = common::data_tempdir();
+    let err = build_twin(&url, other.path().join("data"), &live.process.uids).await.expect_err("the same uids");
+    assert!(err.contains(&format!("overlap uids {}", live.process.uids)), "{err}");
+    // The same data directory, uids of its own: the data directory is taken.
+    let err = build_twin(&url, live.data.clone(), &common::unique_uids()).await.expect_err("the same data dir");
+    assert!(err.contains("in use by a running daemon"), "{err}");
+    assert!(err.contains(&format!("pid {}", live.process.pid())), "names the live daemon: {err}");
+
+    // Two leases: a node whose row was taken renews, finds itself fenced
+    // within a third of one, kills its run and exits.
+    tokio::time::sleep(Duration::from_secs(2 * LEASE_SECONDS)).await;
+    assert!(matches!(live.process.child.try_wait(), Ok(None)), "the live node still runs");
+    assert!(!processes_with(&marker).is_empty(), "its run's harness still runs");
+    assert_eq!(state_of(&live, &id).await, pb::ExecutionState::Running);
+    let row = live.nodes().await.into_iter().find(|n| n.name == "twin").expect("listed");
+    assert_eq!(row.state, pb::NodeState::Active as i32, "{row:?}");
+    assert_eq!(row.epoch, epoch, "the live start still owns its node row");
+    let cancel = pb::CancelExecutionRequest { execution_id: id.clone() };
+    live.executions().await.cancel_execution(cancel).await.unwrap();
+    until_finished(&live, &id, Duration::from_secs(30)).await;
+    stop_all([live]).await;
+}

@@ -1,8 +1,10 @@
 //! Recovery does not trust the store: rows forged into a stopped daemon's
 //! `sandboxes` table must not make the restarted (root) daemon delete a
 //! directory outside its own `sandboxes/`, signal a process of a uid
-//! outside its range, or act on another node's rows. A genuine leftover in
-//! the same store is still destroyed.
+//! outside its range. A genuine leftover in the same store is still
+//! destroyed, and so are rows of another node name or of none: a SQLite
+//! store is a fleet of one, whose other names are the daemon's own earlier
+//! ones.
 
 mod common;
 
@@ -106,7 +108,8 @@ async fn forged_sandbox_rows_delete_nothing_and_kill_nothing_and_a_genuine_one_i
     let d_dir = dir_with_file(&sandboxes.join(&d_id));
     insert(&pool, &d_id, &d_dir, Some(NODE), None).await;
     let mut d_process = sleeper(4344, &d_id);
-    // E, F: rows of another node and of no node.
+    // E, F: rows of another node name and of no node: on SQLite this
+    // daemon's own under an earlier name, recovered (still checked).
     let e_id = new_id();
     let e_dir = dir_with_file(&sandboxes.join(&e_id));
     insert(&pool, &e_id, &e_dir, Some("another-node"), None).await;
@@ -143,7 +146,7 @@ async fn forged_sandbox_rows_delete_nothing_and_kill_nothing_and_a_genuine_one_i
     assert!(c_alive, "a process of uid 4343 is never signalled");
     assert!(d_alive, "a process outside the range is not signalled even if it carries a sandbox id");
     assert!(!d_dir.exists(), "the proper row without a uid is destroyed");
-    assert!(e_dir.join("precious").exists() && f_dir.join("precious").exists(), "other nodes' rows are not ours");
+    assert!(!e_dir.exists() && !f_dir.exists(), "another name's rows in its own SQLite store are its own");
     assert!(!g_alive, "the genuine leftover's process is killed");
     assert!(!g_dir.exists(), "the genuine leftover's directory is removed");
 
@@ -152,7 +155,8 @@ async fn forged_sandbox_rows_delete_nothing_and_kill_nothing_and_a_genuine_one_i
         "sandbox id \"../escaped\" is not an id this daemon makes".to_string(),
         "recorded uid 4343 is outside this daemon's sandbox uid range".to_string(),
         "recovery does not signal a process whose uid is outside".to_string(),
-        "recovery ignores leftover sandbox rows of other nodes or of no node rows=2".to_string(),
+        "recovery takes over what other node names left in this data directory's SQLite store".to_string(),
+        "names=[\"\", \"another-node\"]".to_string(),
     ] {
         assert!(log.contains(&expected), "the log says {expected:?}:\n{log}");
     }

@@ -54,7 +54,7 @@ pub(super) fn refuse_reason(row: &SandboxRow, sandboxes_dir: &Path, scope: Signa
         return Some(format!("sandbox id {:?} is not an id this daemon makes", clip(&row.sandbox_id)));
     }
     let derived = derived_root(sandboxes_dir, &row.sandbox_id);
-    if row.root_path != derived {
+    if row.root_path != derived && !same_place(&row.root_path, sandboxes_dir, &row.sandbox_id) {
         return Some(format!(
             "recorded path {} is not {} (the path derived from its id)",
             row.root_path.display(),
@@ -72,9 +72,47 @@ pub(super) fn refuse_reason(row: &SandboxRow, sandboxes_dir: &Path, scope: Signa
     }
 }
 
+/// Whether `recorded` is `<id>` in `sandboxes_dir` spelled otherwise (the
+/// data directory given through a symlink, or relative, at another start):
+/// its last component is the id and its parent resolves to the same
+/// directory. What is removed is still the derived path.
+fn same_place(recorded: &Path, sandboxes_dir: &Path, id: &str) -> bool {
+    let (Some(name), Some(parent)) = (recorded.file_name(), recorded.parent()) else { return false };
+    name == id
+        && match (std::fs::canonicalize(parent), std::fs::canonicalize(sandboxes_dir)) {
+            (Ok(recorded), Ok(own)) => recorded == own,
+            _ => false,
+        }
+}
+
 /// `<sandboxes_dir>/<id>`: the only path recovery ever removes for a row.
 pub(super) fn derived_root(sandboxes_dir: &Path, id: &str) -> PathBuf {
     sandboxes_dir.join(id)
+}
+
+/// Removes every `<id>.bundle` in `sandboxes_dir` whose id is one this
+/// daemon makes: the private copy of a run's capture bundle, which the run
+/// removes once fetched (`lifecycle::capture`), so one found at start is a
+/// crashed run's. The name is read from the directory, not from the
+/// store; a directory is left, a link is removed (not followed). Returns
+/// how many went.
+pub(super) fn remove_bundles(sandboxes_dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(sandboxes_dir) else { return 0 };
+    let mut removed = 0;
+    for entry in entries.filter_map(|e| e.ok()) {
+        let name = entry.file_name();
+        let Some(id) = name.to_str().and_then(|n| n.strip_suffix(".bundle")) else { continue };
+        if !is_own_id(id) || entry.file_type().map_or(true, |t| t.is_dir()) {
+            continue;
+        }
+        match std::fs::remove_file(entry.path()) {
+            Ok(()) => removed += 1,
+            Err(error) => {
+                tracing::error!(path = %entry.path().display(), %error, "leftover capture bundle not removed")
+            }
+        }
+    }
+    removed
 }
 
 fn clip(text: &str) -> String {
@@ -166,6 +204,7 @@ mod tests {
             backend: "linux_bwrap".into(),
             root_path: root.into(),
             uid,
+            destroying: false,
         }
     }
 
@@ -193,6 +232,37 @@ mod tests {
             assert!(reason.contains(&format!("uid {uid}")), "{reason}");
         }
         assert!(refuse_reason(&row(ID, &good, Some(1500)), dir, SignalScope::Own(1500)).is_some());
+    }
+
+    #[test]
+    fn the_sandboxes_directory_spelled_otherwise_is_the_same_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let own = dir.path().join("data").join("sandboxes");
+        std::fs::create_dir_all(&own).unwrap();
+        std::fs::create_dir_all(dir.path().join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("data"), dir.path().join("alias")).unwrap();
+        let scope = SignalScope::Own(1000);
+        let via = dir.path().join("alias").join("sandboxes").join(ID);
+        assert_eq!(refuse_reason(&row(ID, via.to_str().unwrap(), None), &own, scope), None);
+        let elsewhere = dir.path().join("elsewhere").join(ID);
+        assert!(refuse_reason(&row(ID, elsewhere.to_str().unwrap(), None), &own, scope).is_some());
+        let other_id = own.join("0192f0c1-7b5e-7c3a-9d2e-3f4a5b6c7d8f");
+        assert!(refuse_reason(&row(ID, other_id.to_str().unwrap(), None), &own, scope).is_some());
+    }
+
+    #[test]
+    fn only_bundles_named_by_an_own_id_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in [format!("{ID}.bundle"), "keep.bundle".into(), ID.into(), format!("{ID}.bundle.tmp")] {
+            std::fs::write(dir.path().join(name), "x").unwrap();
+        }
+        std::fs::create_dir(dir.path().join("0192f0c1-7b5e-7c3a-9d2e-3f4a5b6c7d8f.bundle")).unwrap();
+        assert_eq!(remove_bundles(dir.path()), 1);
+        let mut left: Vec<String> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        assert_eq!(left.len(), 4, "{left:?}");
+        assert!(!left.contains(&format!("{ID}.bundle")), "{left:?}");
     }
 
     #[test]

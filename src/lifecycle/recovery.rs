@@ -3,7 +3,9 @@
 //! `failed` with a note saying where they were. Running it twice changes
 //! nothing more. What a row says is checked first (`leftover`): recovery
 //! removes only paths derived from a sandbox id under its own `sandboxes/`,
-//! signals only its own sandbox uids, and reads only its own node's rows.
+//! signals only its own sandbox uids, and reads only its own node's rows
+//! (on SQLite, a fleet of one, every row is its own: see
+//! `Store::take_over_other_names`).
 
 use std::sync::Arc;
 
@@ -27,6 +29,8 @@ pub struct RecoveryReport {
     pub executions_failed: usize,
     /// Unfinished sessions it finished as `failed`.
     pub sessions_failed: usize,
+    /// Capture bundles a crashed run left in `sandboxes/` that it removed.
+    pub bundles_removed: usize,
 }
 
 /// Where a subject was, judging by its last stored event. A session that
@@ -58,10 +62,27 @@ impl Engine {
     pub async fn recover(self: &Arc<Self>) -> Result<RecoveryReport, EngineError> {
         let mut report = RecoveryReport::default();
         let mut destroyed_for: std::collections::HashMap<String, TeardownResult> = Default::default();
+        // Runs whose sandbox was being torn down: they reached teardown.
+        let mut tearing_down = std::collections::HashSet::new();
         let scope = SignalScope::new(self.uid_range);
+        let taken = self.store.take_over_other_names().await?;
+        if taken != Default::default() {
+            tracing::warn!(
+                names = ?taken.names, executions = taken.executions, sessions = taken.sessions,
+                sandboxes = taken.sandboxes,
+                "recovery takes over what other node names left in this data directory's SQLite store: a fleet of \
+                 one, they are this daemon under an earlier name (host name, data directory spelling, [fleet] node)"
+            );
+        }
         let foreign = self.store.foreign_leftover_sandboxes(&self.epoch).await?;
         if foreign > 0 {
-            tracing::warn!(rows = foreign, "recovery ignores leftover sandbox rows of other nodes or of no node");
+            // A shared store: they may be a live node's. A node whose name
+            // changed gets its own back by starting once under its old one.
+            tracing::warn!(
+                rows = foreign,
+                "recovery ignores leftover sandbox rows of other nodes or of no node (this daemon's own from before \
+                 a change of node name are recovered by starting it once with [fleet] node set to that name)"
+            );
         }
         for row in self.store.leftover_sandboxes(&self.epoch).await? {
             if let Some(reason) = leftover::refuse_reason(&row, &self.sandboxes_dir, scope) {
@@ -90,11 +111,17 @@ impl Engine {
                 if result == TeardownResult::Succeeded { SandboxState::Destroyed } else { SandboxState::Failed };
             self.store.set_sandbox_state(&row.sandbox_id, state).await?;
             destroyed_for.insert(row.subject_id.clone(), result);
+            if row.destroying {
+                tearing_down.insert(row.subject_id.clone());
+            }
             report.sandboxes_destroyed += 1;
         }
+        // Nothing runs yet, so every capture bundle here is a crashed run's.
+        report.bundles_removed = leftover::remove_bundles(&self.sandboxes_dir);
         for mut record in self.store.unfinished_executions().await? {
             let destroy = destroyed_for.get(&record.execution_id).copied().unwrap_or(TeardownResult::NotAttempted);
-            let finished = self.recover_subject(&record.execution_id, &mut record.evidence, destroy, false).await?;
+            let reached = Reached { started: false, teardown: tearing_down.contains(&record.execution_id) };
+            let finished = self.recover_subject(&record.execution_id, &mut record.evidence, destroy, reached).await?;
             record.state = ExecutionState::Failed;
             record.finished_at_ms = Some(now_ms());
             finished.execution(self, record).await?;
@@ -103,7 +130,8 @@ impl Engine {
         for mut record in self.store.unfinished_sessions().await? {
             let destroy = destroyed_for.get(&record.session_id).copied().unwrap_or(TeardownResult::NotAttempted);
             let started = record.state == SessionState::Active;
-            let finished = self.recover_subject(&record.session_id, &mut record.evidence, destroy, started).await?;
+            let reached = Reached { started, teardown: tearing_down.contains(&record.session_id) };
+            let finished = self.recover_subject(&record.session_id, &mut record.evidence, destroy, reached).await?;
             record.state = SessionState::Failed;
             record.ended_at_ms = Some(now_ms());
             finished.session(self, record).await?;
@@ -126,17 +154,19 @@ impl Engine {
         let mut failed = (0, 0);
         for mut record in self.store.unfinished_executions_of(node).await? {
             let unknown = TeardownResult::Unknown;
+            let reached = Reached { started: false, teardown: false };
             let finished =
-                self.finish_subject(&record.execution_id, &mut record.evidence, unknown, &lost, false).await?;
+                self.finish_subject(&record.execution_id, &mut record.evidence, unknown, &lost, reached).await?;
             record.state = ExecutionState::Failed;
             record.finished_at_ms = Some(now_ms());
             finished.execution(self, record).await?;
             failed.0 += 1;
         }
         for mut record in self.store.unfinished_sessions_of(node).await? {
-            let (unknown, started) = (TeardownResult::Unknown, record.state == SessionState::Active);
+            let unknown = TeardownResult::Unknown;
+            let reached = Reached { started: record.state == SessionState::Active, teardown: false };
             let finished =
-                self.finish_subject(&record.session_id, &mut record.evidence, unknown, &lost, started).await?;
+                self.finish_subject(&record.session_id, &mut record.evidence, unknown, &lost, reached).await?;
             record.state = SessionState::Failed;
             record.ended_at_ms = Some(now_ms());
             finished.session(self, record).await?;
@@ -152,24 +182,29 @@ impl Engine {
         subject: &str,
         evidence: &mut Evidence,
         destroy: TeardownResult,
-        started: bool,
+        reached: Reached,
     ) -> Result<Finisher, EngineError> {
-        self.finish_subject(subject, evidence, destroy, "daemon restarted", started).await
+        self.finish_subject(subject, evidence, destroy, "daemon restarted", reached).await
     }
 
     /// `recovered` with "`why` during <stage>", `teardown`, the evidence
-    /// failed at that stage (`started`: a session that was active, see
-    /// `stage_of`); returns the recorder for `finished`.
+    /// failed at that stage (see [`Reached`]); returns the recorder for
+    /// `finished`.
     async fn finish_subject(
         &self,
         subject: &str,
         evidence: &mut Evidence,
         destroy: TeardownResult,
         why: &str,
-        started: bool,
+        reached: Reached,
     ) -> Result<Finisher, EngineError> {
         let events = self.store.events_after(subject, 0).await?;
-        let stage = stage_of(events.last(), started);
+        // The `teardown` event is stored only at the end, with `finished`:
+        // a teardown under way is told by its sandbox's row.
+        let stage = match reached.teardown {
+            true => FailureStage::Teardown,
+            false => stage_of(events.last(), reached.started),
+        };
         let note = format!("{why} during {}", stage.as_str());
         let last = events.last().map(|e| e.sequence).unwrap_or(0);
         let mut recorder = Recorder::new(subject.to_string(), last, self.store.clone(), self.bus.clone());
@@ -188,6 +223,15 @@ impl Engine {
         evidence.sandbox_destroy = destroy;
         Ok(Finisher(recorder))
     }
+}
+
+/// What is known of how far a run got besides its events.
+#[derive(Clone, Copy)]
+struct Reached {
+    /// A session that had started (stored `active`; see `stage_of`).
+    started: bool,
+    /// Its sandbox's row says its teardown had begun.
+    teardown: bool,
 }
 
 struct Finisher(Recorder);

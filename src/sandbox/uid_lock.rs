@@ -55,7 +55,7 @@ fn overlaps(a: UidRange, b: UidRange) -> bool {
 /// `flock(2)` exclusive on `file`: blocking, or `Ok(false)` if another
 /// open file description holds it (`LOCK_NB`). (std's `File::lock` is
 /// newer than this crate's minimum Rust.)
-fn flock_exclusive(file: &File, wait: bool) -> std::io::Result<bool> {
+pub(crate) fn flock_exclusive(file: &File, wait: bool) -> std::io::Result<bool> {
     let op = if wait { libc::LOCK_EX } else { libc::LOCK_EX | libc::LOCK_NB };
     loop {
         // SAFETY: flock(2) on a descriptor `file` owns for the call.

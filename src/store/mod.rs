@@ -25,7 +25,7 @@ mod sandboxes;
 mod sessions;
 mod stored;
 
-pub use nodes::{NodeRequest, NodeRow, NodeState};
+pub use nodes::{NodeRequest, NodeRow, NodeState, TakenOver};
 pub use queue::{Admit, Claimed, Enqueued, QueuedWork, SessionInsert};
 pub use sandboxes::NewSandbox;
 
@@ -121,6 +121,9 @@ pub struct SandboxRow {
     pub root_path: std::path::PathBuf,
     /// The host uid it held, if it had its own.
     pub uid: Option<u32>,
+    /// Its run had begun tearing it down (stored `destroying`, see
+    /// `lifecycle::core`): the run got as far as its teardown.
+    pub destroying: bool,
 }
 
 /// The daemon's record, behind one connection pool (SQLite or PostgreSQL).

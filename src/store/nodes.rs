@@ -111,7 +111,83 @@ pub struct NodeRequest {
     pub payload: String,
 }
 
+/// What [`Store::take_over_other_names`] made this node's.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TakenOver {
+    /// The other names whose runs or sandboxes it took (`""`: rows of no
+    /// node).
+    pub names: Vec<String>,
+    /// Unfinished executions.
+    pub executions: u64,
+    /// Unfinished sessions.
+    pub sessions: u64,
+    /// Sandbox rows.
+    pub sandboxes: u64,
+}
+
 impl Store {
+    /// On SQLite only, at start, before recovery: makes this node the owner
+    /// of what other node names left in the store (their unfinished
+    /// executions and sessions, their sandbox rows and host uids, the uids
+    /// they gave back, their pending hub reports) and marks their node rows
+    /// lost. A SQLite store is its data directory's, which one daemon holds
+    /// at a time (`daemon::DataDirLock`): a fleet of one, whose other names
+    /// are this daemon under an earlier name (the host renamed, the data
+    /// directory spelled otherwise, `[fleet] node` changed). On a shared
+    /// store another name may be a live node: nothing is taken.
+    pub async fn take_over_other_names(&self) -> Result<TakenOver, StoreError> {
+        if self.shared {
+            return Ok(TakenOver::default());
+        }
+        let mut tx = self.pool.begin().await?;
+        let names = sqlx::query(&format!(
+            "SELECT COALESCE(node, '') FROM sandboxes WHERE node IS NULL OR node <> $1
+             UNION SELECT node FROM executions WHERE node <> $1 AND {UNFINISHED_EXECUTION}
+             UNION SELECT node FROM sessions WHERE node <> $1 AND {UNFINISHED_SESSION}
+             ORDER BY 1"
+        ))
+        .bind(&self.node)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut taken = TakenOver { names: names.iter().map(|r| r.get(0)).collect(), ..TakenOver::default() };
+        taken.executions =
+            sqlx::query(&format!("UPDATE executions SET node = $1 WHERE node <> $1 AND {UNFINISHED_EXECUTION}"))
+                .bind(&self.node)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+        taken.sessions =
+            sqlx::query(&format!("UPDATE sessions SET node = $1 WHERE node <> $1 AND {UNFINISHED_SESSION}"))
+                .bind(&self.node)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+        taken.sandboxes = sqlx::query("UPDATE sandboxes SET node = $1 WHERE node IS NULL OR node <> $1")
+            .bind(&self.node)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        for statement in [
+            // A uid held under both names (two leftovers, one of each) stays
+            // this name's row: its sandbox is destroyed with that uid (every
+            // process of it killed); the other is found by its id.
+            "UPDATE OR IGNORE sandbox_uids SET node = $1 WHERE node <> $1",
+            "DELETE FROM sandbox_uids WHERE node <> $1",
+            // Given back under another name is given back: still handed out
+            // as late as can be.
+            "INSERT INTO sandbox_uid_released (node, uid, released_at_ms)
+             SELECT $1, uid, MAX(released_at_ms) FROM sandbox_uid_released WHERE node <> $1 GROUP BY uid
+             ON CONFLICT (node, uid) DO UPDATE SET released_at_ms = MAX(released_at_ms, excluded.released_at_ms)",
+            "DELETE FROM sandbox_uid_released WHERE node <> $1",
+            "UPDATE hub_outbox SET node = $1 WHERE node <> $1 AND state = 'pending'",
+            "UPDATE nodes SET state = 'lost' WHERE name <> $1 AND state <> 'stopped'",
+        ] {
+            sqlx::query(statement).bind(&self.node).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(taken)
+    }
+
     /// Joins the fleet as this start (a new epoch, `active`), replacing
     /// whatever an earlier start of this node left in the row.
     pub async fn join_fleet(&self, capacity: u64, labels: &[String], lease_ms: i64) -> Result<(), StoreError> {

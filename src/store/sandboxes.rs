@@ -153,10 +153,11 @@ impl Store {
 
     /// Sandboxes an earlier instance of this node did not finish
     /// destroying: rows of other nodes, or of no node, are never this
-    /// daemon's to destroy (see [`Store::foreign_leftover_sandboxes`]).
+    /// daemon's to destroy (see [`Store::foreign_leftover_sandboxes`]; on
+    /// SQLite [`Store::take_over_other_names`] made them this node's first).
     pub async fn leftover_sandboxes(&self, current_epoch: &str) -> Result<Vec<SandboxRow>, StoreError> {
         let rows = sqlx::query(
-            "SELECT s.sandbox_id, s.subject_id, s.backend, s.root_path, u.uid FROM sandboxes s
+            "SELECT s.sandbox_id, s.subject_id, s.backend, s.root_path, u.uid, s.state FROM sandboxes s
              LEFT JOIN sandbox_uids u ON u.sandbox_id = s.sandbox_id AND u.node = s.node
              WHERE s.state NOT IN ('destroyed') AND s.instance_epoch != $1 AND s.node = $2
              ORDER BY s.created_at_ms",
@@ -173,6 +174,7 @@ impl Store {
                 backend: r.get(2),
                 root_path: r.get::<String, _>(3).into(),
                 uid: r.get::<Option<i64>, _>(4).map(|u| u as u32),
+                destroying: r.get::<&str, _>(5) == SandboxState::Destroying.as_str(),
             })
             .collect())
     }
