@@ -43,6 +43,27 @@ fn as_token<T>(token: &str, message: T) -> tonic::Request<T> {
     common::with_token(token, message)
 }
 
+/// An admin policy named `name` making every call of `tool` ask a person,
+/// who has `timeout_seconds` to decide.
+fn asking(name: &str, tool: &str, timeout_seconds: u64) -> corral::policy::PolicySpec {
+    corral::policy::PolicySpec {
+        name: name.into(),
+        kind: "require_approval".into(),
+        arguments: serde_json::json!({ "timeout_seconds": timeout_seconds }),
+        on: vec![format!("tool_call:{tool}")],
+    }
+}
+
+/// The session `s1` of the session agent, in project `pa`.
+fn create_s1() -> pb::CreateSessionRequest {
+    pb::CreateSessionRequest {
+        session_id: "s1".into(),
+        profile_ref: "test.session".into(),
+        project: "pa".into(),
+        ..Default::default()
+    }
+}
+
 fn decide(call_id: &str, decision: pb::ToolCallDecision, reason: &str) -> pb::DecideSessionToolCallRequest {
     pb::DecideSessionToolCallRequest {
         session_id: "owner/s1".into(),
@@ -61,25 +82,14 @@ async fn daemon_with_session(others: Vec<PrincipalConfig>) -> (TestDaemon, Sessi
         config: Box::new(move |c| {
             c.principals.push(principal("owner", "pa", OWNER, false));
             c.principals.extend(others);
-            c.policies.push(corral::policy::PolicySpec {
-                name: "ask-deploy".into(),
-                kind: "require_approval".into(),
-                arguments: serde_json::json!({"timeout_seconds": 60}),
-                on: vec!["tool_call:deploy".into()],
-            });
+            c.policies.push(asking("ask-deploy", "deploy", 60));
         }),
         ..Options::default()
     })
     .await;
     let tcp = Channel::from_shared(daemon.url.clone()).unwrap().connect().await.unwrap();
     let mut client = SessionServiceClient::new(tcp);
-    let create = pb::CreateSessionRequest {
-        session_id: "s1".into(),
-        profile_ref: "test.session".into(),
-        project: "pa".into(),
-        ..Default::default()
-    };
-    client.create_session(as_token(OWNER, create)).await.expect("session created");
+    client.create_session(as_token(OWNER, create_s1())).await.expect("session created");
     (daemon, client)
 }
 
@@ -213,12 +223,7 @@ async fn cancelling_a_turn_while_a_call_waits_withdraws_the_call() {
 async fn daemon_asking_for_run_task() -> TestDaemon {
     TestDaemon::start(Options {
         config: Box::new(|c| {
-            c.policies.push(corral::policy::PolicySpec {
-                name: "ask-run".into(),
-                kind: "require_approval".into(),
-                arguments: serde_json::json!({"timeout_seconds": 2}),
-                on: vec!["tool_call:run_task".into()],
-            });
+            c.policies.push(asking("ask-run", "run_task", 2));
         }),
         ..Options::default()
     })
@@ -341,24 +346,13 @@ async fn a_credential_across_the_summarys_cut_leaves_no_prefix_behind() {
     let daemon = TestDaemon::start(Options {
         profiles: vec![("session.toml".into(), profile)],
         config: Box::new(|c| {
-            c.policies.push(corral::policy::PolicySpec {
-                name: "ask-deploy".into(),
-                kind: "require_approval".into(),
-                arguments: serde_json::json!({"timeout_seconds": 1}),
-                on: vec!["tool_call:deploy".into()],
-            });
+            c.policies.push(asking("ask-deploy", "deploy", 1));
         }),
         ..Options::default()
     })
     .await;
     let mut client = SessionServiceClient::new(daemon.channel().await);
-    let create = pb::CreateSessionRequest {
-        session_id: "s1".into(),
-        profile_ref: "test.session".into(),
-        project: "pa".into(),
-        ..Default::default()
-    };
-    let session_id = client.create_session(create).await.expect("session created").into_inner().session_id;
+    let session_id = client.create_session(create_s1()).await.expect("session created").into_inner().session_id;
     // The value starts 12 characters before the cut.
     let before = r#"{"a_pad":""#.len() + r#"","b_key":""#.len();
     let arguments = serde_json::json!({"a_pad": "x".repeat(500 - before), "b_key": SECRET});
@@ -393,24 +387,13 @@ async fn past_the_event_budget_a_call_that_would_ask_is_denied_at_once_and_count
         profiles: vec![("session.toml".into(), common::session_agent_profile("test.session", "max_events = 20"))],
         config: Box::new(|c| {
             c.principals.push(principal("owner", "pa", OWNER, false));
-            c.policies.push(corral::policy::PolicySpec {
-                name: "ask-deploy".into(),
-                kind: "require_approval".into(),
-                arguments: serde_json::json!({"timeout_seconds": 60}),
-                on: vec!["tool_call:deploy".into()],
-            });
+            c.policies.push(asking("ask-deploy", "deploy", 60));
         }),
         ..Options::default()
     })
     .await;
     let mut client = SessionServiceClient::new(daemon.channel().await);
-    let create = pb::CreateSessionRequest {
-        session_id: "s1".into(),
-        profile_ref: "test.session".into(),
-        project: "pa".into(),
-        ..Default::default()
-    };
-    client.create_session(as_token(OWNER, create)).await.expect("session created");
+    client.create_session(as_token(OWNER, create_s1())).await.expect("session created");
     let turn = |arguments: serde_json::Value| {
         as_token(
             OWNER,

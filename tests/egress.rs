@@ -478,36 +478,7 @@ PY"#;
 async fn the_gateway_of_a_sandbox_without_network_is_recorded_as_egress() {
     require_bwrap();
     let model = common::model_mock::ModelMock::start(vec![common::model_mock::Step::text("through the gateway")]).await;
-    let key = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(key.path(), "mock-upstream-secret-7d41").unwrap();
-    let (file, upstream) = (key.path().to_path_buf(), model.url());
-    let profile = r#"id = "test.gatewayed"
-version = "1.0.0"
-credential_route_refs = ["mock"]
-[rein]
-argv = ["/bin/sh", "-s"]
-input = "description"
-[sandbox]
-type = "linux_bwrap"
-allow_network = false
-write_paths = ["."]
-[limits]
-timeout_seconds = 60
-"#;
-    let daemon = TestDaemon::start(Options {
-        profiles: vec![("gatewayed.toml".into(), profile.into())],
-        config: Box::new(move |c| {
-            let route = corral::credentials::RouteConfig {
-                file: Some(file),
-                inject_as: "MOCK_TOKEN".into(),
-                upstream: Some(upstream),
-                ..Default::default()
-            };
-            c.credentials.routes.insert("mock".into(), route);
-        }),
-        ..Options::default()
-    })
-    .await;
+    let (daemon, _key) = gatewayed_daemon("test.gatewayed", "mock", "mock-upstream-secret-7d41", model.url()).await;
     let script = r#"curl -sS --max-time 20 -H "authorization: Bearer $MOCK_TOKEN" -H "content-type: application/json" \
   -d '{"model":"m","max_tokens":16,"stream":true,"messages":[{"role":"user","content":"hi"}]}' \
   http://127.0.0.1:3130/mock/v1/messages 2>&1 | head -c 4000"#;
@@ -590,23 +561,23 @@ PY"#;
     daemon.stop().await;
 }
 
-/// The credential gateway records what it could not forward too: a route
-/// the run does not have (404) and an upstream that is down (502) are each
-/// a denied `gateway` egress event with the reason, counted in the
-/// evidence.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gateway_request_refused_or_failed_is_recorded_as_egress() {
-    require_bwrap();
+/// A daemon whose one profile, `id`, runs its task with `sh -s` in a
+/// sandbox without network, with the credential route `route` going
+/// through the gateway to `upstream`: its key `secret` read from a file
+/// (kept alive by the second value), its placeholder in
+/// `<ROUTE>_TOKEN`.
+async fn gatewayed_daemon(
+    id: &str,
+    route: &str,
+    secret: &str,
+    upstream: String,
+) -> (TestDaemon, tempfile::NamedTempFile) {
     let key = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(key.path(), "down-upstream-secret-3c9e").unwrap();
-    // A loopback port nothing listens on.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = closed.local_addr().unwrap().port();
-    drop(closed);
-    let file = key.path().to_path_buf();
-    let profile = r#"id = "test.gateway-down"
+    std::fs::write(key.path(), secret).unwrap();
+    let profile = format!(
+        r#"id = "{id}"
 version = "1.0.0"
-credential_route_refs = ["down"]
+credential_route_refs = ["{route}"]
 [rein]
 argv = ["/bin/sh", "-s"]
 input = "description"
@@ -616,21 +587,39 @@ allow_network = false
 write_paths = ["."]
 [limits]
 timeout_seconds = 60
-"#;
+"#
+    );
+    let (file, name) = (key.path().to_path_buf(), route.to_string());
     let daemon = TestDaemon::start(Options {
-        profiles: vec![("gateway-down.toml".into(), profile.into())],
+        profiles: vec![(format!("{route}.toml"), profile)],
         config: Box::new(move |c| {
-            let route = corral::credentials::RouteConfig {
+            let config = corral::credentials::RouteConfig {
                 file: Some(file),
-                inject_as: "DOWN_TOKEN".into(),
-                upstream: Some(format!("http://127.0.0.1:{port}")),
+                inject_as: format!("{}_TOKEN", name.to_uppercase()),
+                upstream: Some(upstream),
                 ..Default::default()
             };
-            c.credentials.routes.insert("down".into(), route);
+            c.credentials.routes.insert(name, config);
         }),
         ..Options::default()
     })
     .await;
+    (daemon, key)
+}
+
+/// The credential gateway records what it could not forward too: a route
+/// the run does not have (404) and an upstream that is down (502) are each
+/// a denied `gateway` egress event with the reason, counted in the
+/// evidence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_request_refused_or_failed_is_recorded_as_egress() {
+    require_bwrap();
+    // A loopback port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let upstream = format!("http://127.0.0.1:{port}");
+    let (daemon, _key) = gatewayed_daemon("test.gateway-down", "down", "down-upstream-secret-3c9e", upstream).await;
     let script = r#"curl -sS --max-time 20 -o /dev/null -w 'down %{http_code}\n' -H "authorization: Bearer $DOWN_TOKEN" \
   http://127.0.0.1:3130/down/v1/messages
 curl -sS --max-time 20 -o /dev/null -w 'unknown %{http_code}\n' http://127.0.0.1:3130/nosuch/v1/messages"#;

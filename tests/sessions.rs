@@ -854,18 +854,7 @@ async fn shutdown_cancels_a_turn_in_flight_after_the_grace_and_ends_the_session(
     };
     let mut stream =
         client.send_turn(turn_request(&id, "slow", json!({"sleep": 30}))).await.expect("turn accepted").into_inner();
-    let mut events = Vec::new();
-    let dispatched = async {
-        while let Some(event) = stream.message().await.expect("stream ok") {
-            let is_dispatched = matches!(event.kind, Some(Kind::Dispatched(_)));
-            events.push(event);
-            if is_dispatched {
-                return;
-            }
-        }
-        panic!("the stream ended before dispatch: {:?}", kinds(&events));
-    };
-    tokio::time::timeout(STREAM_LIMIT, dispatched).await.expect("dispatched in time");
+    let mut events = until_dispatched(&mut stream).await;
     let turn = tokio::spawn(collect(stream));
     tokio::time::sleep(Duration::from_millis(300)).await;
 
@@ -1078,18 +1067,7 @@ async fn end_session_tears_down_and_cancel_turn_only_acts_on_a_turn_in_flight() 
     // A long turn, cancelled once it is dispatched.
     let mut stream =
         client.send_turn(turn_request(&id, "slow", json!({"sleep": 30}))).await.expect("turn accepted").into_inner();
-    let mut events = Vec::new();
-    let dispatched = async {
-        while let Some(event) = stream.message().await.expect("stream ok") {
-            let is_dispatched = matches!(event.kind, Some(Kind::Dispatched(_)));
-            events.push(event);
-            if is_dispatched {
-                return;
-            }
-        }
-        panic!("the stream ended before dispatch: {:?}", kinds(&events));
-    };
-    tokio::time::timeout(STREAM_LIMIT, dispatched).await.expect("dispatched in time");
+    let mut events = until_dispatched(&mut stream).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = Instant::now();
     client.cancel_turn(pb::CancelTurnRequest { session_id: id.clone() }).await.expect("cancel accepted");
@@ -1270,6 +1248,24 @@ async fn the_cli_creates_turns_watches_and_ends_a_session() {
     let (code, _, err) = corral(&["cancel", "no-such-execution"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("NotFound"), "{err}");
+}
+
+/// Reads a turn's stream up to its `dispatched` event (within
+/// STREAM_LIMIT), and returns what came.
+async fn until_dispatched(stream: &mut tonic::Streaming<pb::LifecycleEvent>) -> Vec<pb::LifecycleEvent> {
+    let mut events = Vec::new();
+    let dispatched = async {
+        while let Some(event) = stream.message().await.expect("stream ok") {
+            let is_dispatched = matches!(event.kind, Some(Kind::Dispatched(_)));
+            events.push(event);
+            if is_dispatched {
+                return;
+            }
+        }
+        panic!("the stream ended before dispatch: {:?}", kinds(&events));
+    };
+    tokio::time::timeout(STREAM_LIMIT, dispatched).await.expect("dispatched in time");
+    events
 }
 
 // ---------------------------------------------------------------------------
