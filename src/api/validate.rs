@@ -66,23 +66,10 @@ pub fn session_id(field: &str, value: &str) -> Result<(), Status> {
     if value.is_empty() {
         return Ok(());
     }
-    if let Some(c) = value.chars().find(|c| "/:?*[\\~^".contains(*c)) {
-        return Err(invalid_argument(field, format!("must not contain {c:?} (it names a git ref)")));
+    match crate::types::ref_component_problem(value) {
+        Some(why) => Err(invalid_argument(field, format!("{why} (it names a git ref)"))),
+        None => Ok(()),
     }
-    let why = if value.contains("..") {
-        "must not contain \"..\""
-    } else if value.contains("@{") {
-        "must not contain \"@{\""
-    } else if value == "@" {
-        "must not be \"@\""
-    } else if value.starts_with(['.', '-']) {
-        "must not start with '.' or '-'"
-    } else if value.ends_with('.') || value.ends_with(".lock") {
-        "must not end with '.' or \".lock\""
-    } else {
-        return Ok(());
-    };
-    Err(invalid_argument(field, format!("{why} (it names a git ref)")))
 }
 
 /// A session a call names: an id as its creator chose it, or in full as

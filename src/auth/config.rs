@@ -72,10 +72,7 @@ fn hex32(text: &str) -> Option<[u8; 32]> {
 pub fn is_principal_name(name: &str) -> bool {
     (1..=64).contains(&name.len())
         && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-        && !name.contains("..")
-        && !name.starts_with(['.', '-'])
-        && !name.ends_with('.')
-        && !name.ends_with(".lock")
+        && crate::types::ref_component_problem(name).is_none()
 }
 
 impl PrincipalConfig {

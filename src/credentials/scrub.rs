@@ -140,6 +140,13 @@ impl Scrubber {
         }
         text
     }
+
+    /// `text` scrubbed whole, then cut to `max_chars` characters. Never the
+    /// other way round: cut first, a value across the cut would keep its
+    /// prefix, which no pattern matches.
+    pub fn scrub_within(&self, text: &str, max_chars: usize) -> String {
+        self.scrub(text).chars().take(max_chars).collect()
+    }
 }
 
 #[cfg(test)]

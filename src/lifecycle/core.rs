@@ -712,7 +712,7 @@ impl Core {
         const MAX_HOST: usize = 256;
         const MAX_REASON: usize = 1024;
         let scrubber = self.scrubber.clone();
-        let scrub = |text: &str, max: usize| -> String { scrubber.scrub(text).chars().take(max).collect() };
+        let scrub = |text: &str, max: usize| scrubber.scrub_within(text, max);
         let mut batch = Vec::new();
         for d in log.drain() {
             crate::telemetry::egress(d.allowed);
@@ -814,11 +814,9 @@ impl Core {
         let mut batch = Vec::new();
         let mut next = Some(first);
         while let Some(event) = next.take() {
-            // Scrubbed whole, then cut: cut first, a credential across the
-            // cut would keep its prefix, which no scrub pattern matches.
             let event = match event {
                 HarnessEvent::ApprovalRequested { call_id, tool, summary, expires_at_ms } => {
-                    let summary = self.scrubber.scrub(&summary).chars().take(crate::rein::SUMMARY_CHARS).collect();
+                    let summary = self.scrubber.scrub_within(&summary, crate::rein::SUMMARY_CHARS);
                     HarnessEvent::ApprovalRequested { call_id, tool, summary, expires_at_ms }
                 }
                 other => other,
@@ -882,7 +880,7 @@ impl Core {
                 }
                 HarnessEvent::ApprovalDecided { call_id, allow, by, reason } => {
                     self.evidence.tool_calls.count(if allow { Action::Allow } else { Action::Deny });
-                    let reason = self.scrubber.scrub(&reason).chars().take(1024).collect();
+                    let reason = self.scrubber.scrub_within(&reason, 1024);
                     batch.push((EventKind::ApprovalDecided { call_id, allow, decided_by: by, reason }, None));
                 }
             }

@@ -55,9 +55,54 @@ pub fn rfc3339(nanos: i128, fraction: Fraction) -> String {
         .unwrap_or_else(|| format!("{nanos}ns after 1970-01-01T00:00:00Z"))
 }
 
+/// Why `name` cannot be one component of a git ref name (the rules of
+/// `git check-ref-format` for a component), or `None` if it can. Principal
+/// names and session ids both become one: the fetch-back's ref is
+/// `refs/corral/<principal>/<id>`.
+pub fn ref_component_problem(name: &str) -> Option<String> {
+    if let Some(c) = name.chars().find(|c| "/:?*[\\~^".contains(*c)) {
+        return Some(format!("must not contain {c:?}"));
+    }
+    let why = if name.contains("..") {
+        "must not contain \"..\""
+    } else if name.contains("@{") {
+        "must not contain \"@{\""
+    } else if name == "@" {
+        "must not be \"@\""
+    } else if name.starts_with(['.', '-']) {
+        "must not start with '.' or '-'"
+    } else if name.ends_with('.') || name.ends_with(".lock") {
+        "must not end with '.' or \".lock\""
+    } else {
+        return None;
+    };
+    Some(why.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ref_component_keeps_to_git_check_ref_format() {
+        for good in ["s1", "fix-1", "a.b", "v1.locks", "x@y", "lock"] {
+            assert_eq!(ref_component_problem(good), None, "{good}");
+        }
+        for (bad, why) in [
+            ("a/b", "must not contain '/'"),
+            ("fix:1", "must not contain ':'"),
+            ("x~1", "must not contain '~'"),
+            ("a..b", "must not contain \"..\""),
+            ("a@{1}", "must not contain \"@{\""),
+            ("@", "must not be \"@\""),
+            (".x", "must not start with '.' or '-'"),
+            ("-x", "must not start with '.' or '-'"),
+            ("x.", "must not end with '.' or \".lock\""),
+            ("v1.lock", "must not end with '.' or \".lock\""),
+        ] {
+            assert_eq!(ref_component_problem(bad).as_deref(), Some(why), "{bad}");
+        }
+    }
 
     #[test]
     fn rfc3339_writes_utc_with_the_fraction_asked_for() {
