@@ -296,7 +296,17 @@ impl Daemon {
             self.engine.list_warm_metrics();
         }
         let fenced = CancellationToken::new();
-        crate::fleet::spawn(self.engine.clone(), self.config.fleet.lease(), shutdown.clone(), fenced.clone());
+        // Not `shutdown`: the lease is renewed while the runs end in their
+        // grace, until the node has left the fleet (`Engine::shutdown`).
+        let left = CancellationToken::new();
+        let _stop_renewing = left.clone().drop_guard();
+        crate::fleet::spawn(
+            self.engine.clone(),
+            self.config.fleet.lease(),
+            shutdown.clone(),
+            left.clone(),
+            fenced.clone(),
+        );
         crate::fleet::serve_notifications(self.engine.clone(), shutdown.clone());
         if self.engine.store.is_shared() {
             crate::fleet::spawn_claimer(self.engine.clone(), shutdown.clone());

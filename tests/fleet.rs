@@ -464,6 +464,171 @@ async fn a_node_stopped_cleanly_is_listed_stopped_not_lost() {
     stop_all([a, b]).await;
 }
 
+/// A node stopped with SIGTERM while it runs an execution longer than its
+/// lease goes on renewing its lease through the shutdown grace: the run
+/// ends as it would have, nobody declares the node lost, and it leaves the
+/// fleet `stopped`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_stopping_renews_its_lease_until_its_runs_have_ended() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let a = Node::start(dir.path(), "node-a", &url).await;
+    let b = Node::start_topped(dir.path(), "node-b", &url, "shutdown_grace_seconds = 60", "").await;
+    // Longer than the lease and the survivor's sweep after it together.
+    let marker = format!("fleet-sigterm-{}", uuid::Uuid::now_v7().simple());
+    let script = format!("echo start; sh -c 'sleep {}' {marker}; echo done-ok", LEASE_SECONDS * 2);
+    let started = b.executions().await.start_execution(request("builtin.shell", &script)).await.unwrap();
+    let id = started.into_inner().execution_id;
+    wait_for("the run's harness", Duration::from_secs(30), || !processes_with(&marker).is_empty()).await;
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(b.process.pid(), libc::SIGTERM) };
+    let (state, _) = until_finished(&a, &id, Duration::from_secs(LEASE_SECONDS * 4)).await;
+    let seen = events(&a, &id).await;
+    assert_eq!(state, pb::ExecutionState::Succeeded, "{:?}", note_of(&seen));
+    assert_eq!(finished_count(&seen), 1, "{seen:?}");
+    let mut b = b;
+    let status = b.process.child.wait().await.unwrap();
+    assert!(status.success(), "node-b stopped on SIGTERM: {status:?}");
+    let node_b = a.nodes().await.into_iter().find(|n| n.name == "node-b").unwrap();
+    assert_eq!(node_b.state, pb::NodeState::Stopped as i32, "{node_b:?}");
+    stop_all([a]).await;
+}
+
+/// A survivor that declared a node lost and then died (or failed) before
+/// failing its runs does not leave them running for ever: another node
+/// fails them at its next sweep, once no live survivor holds the lost
+/// node; while one does, nobody else touches them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_nodes_runs_are_failed_even_when_its_first_claimer_died() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    use corral::records::{ExecutionRecord, ExecutionState};
+    let (dir, url, lost, survivor) = two_starts("lost").await;
+    let record = ExecutionRecord { execution_id: "e1".into(), state: ExecutionState::Running, ..Default::default() };
+    lost.insert_execution(&record, "d").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let claimed = survivor.claim_lost_nodes(corral::records::now_ms()).await.unwrap();
+    assert_eq!(claimed.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), vec!["lost"]);
+    // The survivor is failing them (it holds the node), when node-c comes.
+    let failing = survivor.claim_lost_node("lost").await.unwrap().expect("the survivor takes the lost node");
+    let c = Node::start(dir.path(), "node-c", &url).await;
+    let state = || async { survivor.get_execution("e1").await.unwrap().unwrap().state };
+    tokio::time::sleep(Duration::from_millis(LEASE_SECONDS * 1000 * 2 / 3)).await;
+    assert_eq!(state().await, ExecutionState::Running, "failed by node-c while the survivor held the node");
+    // The survivor dies before it failed them: its lock goes with it.
+    drop(failing);
+    let started = Instant::now();
+    while state().await == ExecutionState::Running {
+        assert!(started.elapsed() < Duration::from_secs(LEASE_SECONDS * 2), "e1 is still running");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(state().await, ExecutionState::Failed);
+    let events = survivor.events_after("e1", 0).await.unwrap();
+    let notes: Vec<String> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            corral::records::EventKind::Recovered { note } => Some(note.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(notes.len(), 1, "failed once: {notes:?}");
+    assert!(notes[0].starts_with("node lost lost during "), "{notes:?}");
+    assert!(survivor.lost_nodes_with_unfinished_runs().await.unwrap().is_empty());
+    stop_all([c]).await;
+}
+
+/// A hub on 127.0.0.1 that counts the reports POSTed to it and answers
+/// each with the status `status` holds then.
+async fn switchable_hub(
+    status: std::sync::Arc<std::sync::atomic::AtomicU16>,
+    posts: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> String {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let (status, posts) = (status.clone(), posts.clone());
+            tokio::spawn(async move {
+                let mut data = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let Ok(n) = stream.read(&mut buf).await else { return };
+                    if n == 0 {
+                        return;
+                    }
+                    data.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&data).to_ascii_lowercase();
+                    let Some(end) = text.find("\r\n\r\n") else { continue };
+                    let length: usize = text[..end]
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse().unwrap()))
+                        .unwrap_or(0);
+                    if data.len() >= end + 4 + length {
+                        break;
+                    }
+                }
+                let code = status.load(Ordering::SeqCst);
+                if code == 200 {
+                    posts.fetch_add(1, Ordering::SeqCst);
+                }
+                let reply = format!("HTTP/1.1 {code} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                let _ = stream.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    url
+}
+
+/// The hub report status of execution `id`, read on `node`.
+async fn hub_status(node: &Node, id: &str) -> pb::HubReportStatus {
+    let get = pb::GetExecutionRequest { execution_id: id.into(), ..Default::default() };
+    let record = node.executions().await.get_execution(get).await.unwrap().into_inner();
+    pb::HubReportStatus::try_from(record.evidence.unwrap().hub_report_status).unwrap()
+}
+
+/// A node that stops with a hub report still undelivered (the hub is
+/// down) leaves it to the fleet: once the hub is back, another node
+/// delivers it, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_nodes_pending_hub_report_is_delivered_by_another_node() {
+    use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let status = Arc::new(AtomicU16::new(503));
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let hub = switchable_hub(status.clone(), accepted.clone()).await;
+    let hub_toml =
+        format!("[hub]\nurl = \"{hub}\"\ntimeout_seconds = 1\ninitial_backoff_ms = 100\nmax_backoff_seconds = 1\n");
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let a = Node::start_with(dir.path(), "node-a", &url, &hub_toml).await;
+    let b = Node::start_with(dir.path(), "node-b", &url, &hub_toml).await;
+    let mut req = request("builtin.shell", "echo reported");
+    req.report_to_hub = true;
+    let run = a.executions().await.execute(req).await.unwrap().into_inner();
+    assert_whole(&stream_to_end(run).await, "node-a's run");
+    let id = a.executions().await.list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
+    let id = id.executions[0].execution_id.clone();
+    assert_eq!(hub_status(&a, &id).await, pb::HubReportStatus::Pending);
+    let stopped = a.process.stop().await;
+    assert!(stopped.is_some_and(|s| s.success()), "node-a stopped on SIGTERM");
+    assert_eq!(hub_status(&b, &id).await, pb::HubReportStatus::Pending, "the hub is still down");
+    status.store(200, Ordering::SeqCst);
+    let started = Instant::now();
+    while hub_status(&b, &id).await != pb::HubReportStatus::Accepted {
+        assert!(started.elapsed() < Duration::from_secs(LEASE_SECONDS * 2), "node-a's report never delivered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "delivered once");
+    let node_a = b.nodes().await.into_iter().find(|n| n.name == "node-a").unwrap();
+    assert_eq!(node_a.state, pb::NodeState::Stopped as i32, "{node_a:?}");
+    stop_all([b]).await;
+}
+
 /// The store refuses every write of a run by a start that was declared
 /// lost, while the survivor's writes go through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,23 +35,44 @@ pub fn labels(bwrap: bool) -> Vec<String> {
     labels
 }
 
-/// Runs the lease loop and the sweep for lost nodes until `shutdown`. On
+/// Runs the lease loop and the sweep for lost nodes. It goes on through a
+/// shutdown (`shutdown` cancelled: SIGTERM), while the node's runs end in
+/// their grace, until the node has left the fleet or `left` is cancelled
+/// (after [`Engine::shutdown`]): a lease that lapsed during the grace would
+/// have a survivor declare the node lost and fail the runs it finishes. On
 /// a fence it kills every sandbox, cancels `fenced` and `shutdown` (the
 /// daemon then exits with an error, to start again with a new epoch).
-pub fn spawn(engine: Arc<Engine>, lease: Duration, shutdown: CancellationToken, fenced: CancellationToken) {
+pub fn spawn(
+    engine: Arc<Engine>,
+    lease: Duration,
+    shutdown: CancellationToken,
+    left: CancellationToken,
+    fenced: CancellationToken,
+) {
     tokio::spawn(async move {
-        let every = lease::renew_every(lease);
         let lease_ms = lease.as_millis() as i64;
-        let mut renewed = Instant::now();
+        // The loop starts after recovery, some time after the join: it
+        // renews at once, and counts the lease from no later than that.
+        let start = Instant::now();
+        let mut clock = lease::Clock::new(lease, Duration::ZERO);
         loop {
             tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(every) => {}
+                _ = left.cancelled() => return,
+                _ = tokio::time::sleep(clock.wait(start.elapsed())) => {}
             }
-            // Bounded: a store out of reach must not stall the loop past
-            // the point where the node has to fence itself.
+            // The store closes at the end of a shutdown, after the node
+            // left the fleet (or could not: a survivor fails what is left).
+            if shutdown.is_cancelled() && engine.store.is_closed() {
+                return;
+            }
+            // Bounded, up to the moment to fence: a store out of reach must
+            // not stall the loop past it. The lease runs from the moment
+            // the renewal was sent: the store counts it from no earlier.
+            let sent = start.elapsed();
+            clock.sent(sent);
+            let limit = clock.limit(sent);
             let running = engine.running() as u64;
-            let renewal = match tokio::time::timeout(every, engine.store.renew_lease(lease_ms, running)).await {
+            let renewal = match tokio::time::timeout(limit, engine.store.renew_lease(lease_ms, running)).await {
                 Ok(Ok(state)) => Renewal::Renewed(state),
                 Ok(Err(StoreError::Fenced { .. })) => Renewal::Fenced,
                 Ok(Err(e)) => {
@@ -59,21 +80,22 @@ pub fn spawn(engine: Arc<Engine>, lease: Duration, shutdown: CancellationToken, 
                     Renewal::Failed
                 }
                 Err(_) => {
-                    tracing::warn!(timeout_ms = every.as_millis() as u64, "fleet: lease renewal timed out");
+                    tracing::warn!(timeout_ms = limit.as_millis() as u64, "fleet: lease renewal timed out");
                     Renewal::Failed
                 }
             };
-            if let Renewal::Renewed(_) = renewal {
-                renewed = Instant::now();
-            }
+            clock.answered(&renewal);
+            let since_renewed = clock.since_renewed(start.elapsed());
+            let stopping = shutdown.is_cancelled();
             // One store: nothing else can be lost, and its errors are the
             // node's own (a fence would only kill healthy work).
-            let step = match (engine.store.is_shared(), lease::after(&renewal, renewed.elapsed(), lease)) {
+            let step = match (engine.store.is_shared(), lease::after(&renewal, since_renewed, lease, stopping)) {
                 (false, Step::Fence(_)) => Step::Continue,
                 (_, step) => step,
             };
             match step {
                 Step::Continue => {}
+                Step::Left => return,
                 Step::Drain => {
                     if engine.start_draining() {
                         tracing::warn!(running, "fleet: draining as asked; no new work is taken");
@@ -158,20 +180,57 @@ pub fn spawn_claimer(engine: Arc<Engine>, shutdown: CancellationToken) {
     });
 }
 
-/// Fails the runs of every node whose lease ran out (each claimed by one
-/// sweeper only).
+/// Marks lost every node whose lease ran out (each claimed by one sweeper
+/// only), then fails the unfinished runs of every lost node, one survivor
+/// at a time per node: those just marked, and those a survivor marked but
+/// did not finish failing (it died, or a write failed), tried again at
+/// every sweep until none is left. A node with a hub also takes the
+/// pending hub reports of lost and stopped nodes, to deliver them.
 async fn sweep(engine: &Engine) {
-    let claimed = match engine.store.claim_lost_nodes(crate::records::now_ms()).await {
-        Ok(claimed) => claimed,
-        Err(e) => return tracing::warn!(error = %e, "fleet: cannot look for lost nodes"),
-    };
-    for node in claimed {
-        tracing::error!(node = %node.name, epoch = %node.epoch, "fleet: node lost (its lease ran out); failing its runs");
-        match engine.fail_lost_node(&node.name).await {
-            Ok((executions, sessions)) => {
-                tracing::warn!(node = %node.name, executions, sessions, "fleet: a lost node's runs failed")
+    match engine.store.claim_lost_nodes(crate::records::now_ms()).await {
+        Ok(claimed) => {
+            for node in claimed {
+                tracing::error!(node = %node.name, epoch = %node.epoch, "fleet: node lost (its lease ran out); failing its runs");
             }
-            Err(e) => tracing::error!(node = %node.name, error = %e, "fleet: a lost node's runs not failed"),
+        }
+        Err(e) => tracing::warn!(error = %e, "fleet: cannot look for lost nodes"),
+    }
+    let lost = match engine.store.lost_nodes_with_unfinished_runs().await {
+        Ok(lost) => lost,
+        Err(e) => return tracing::warn!(error = %e, "fleet: cannot look for the unfinished runs of lost nodes"),
+    };
+    for name in lost {
+        let claim = match engine.store.claim_lost_node(&name).await {
+            Ok(Some(claim)) => claim,
+            // Another survivor fails them now, or the node started again.
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::warn!(node = %name, error = %e, "fleet: cannot take a lost node's runs");
+                continue;
+            }
+        };
+        match engine.fail_lost_node(&name).await {
+            Ok((executions, sessions)) => {
+                tracing::warn!(node = %name, executions, sessions, "fleet: a lost node's runs failed")
+            }
+            Err(e) => {
+                tracing::error!(node = %name, error = %e, "fleet: a lost node's runs not failed; tried again at the next sweep")
+            }
+        }
+        if let Err(e) = claim.release().await {
+            tracing::warn!(node = %name, error = %e, "fleet: a lost node's lock not released; it goes with the connection");
+        }
+    }
+    // After the runs above were failed: their reports are this node's
+    // already. Only a node that reports to a hub takes them.
+    if let Some(hub) = &engine.hub {
+        match engine.store.adopt_reports().await {
+            Ok(0) => {}
+            Ok(reports) => {
+                tracing::warn!(reports, "fleet: delivering the pending hub reports of lost or stopped nodes");
+                hub.notify();
+            }
+            Err(e) => tracing::warn!(error = %e, "fleet: cannot take the hub reports of lost or stopped nodes"),
         }
     }
 }

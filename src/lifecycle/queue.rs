@@ -56,10 +56,17 @@ pub fn covers(labels: &[String], needs: &[String]) -> bool {
     needs.iter().all(|need| labels.contains(need))
 }
 
-/// Whether node `node` takes work that needs `needs`: active, with
-/// capacity, and every label.
-pub fn can_take(node: &crate::store::NodeRow, needs: &[String]) -> bool {
-    node.state == crate::store::NodeState::Active && node.capacity > 0 && covers(&node.labels, needs)
+/// Whether node `node` takes work that needs `needs` at `now_ms`: live
+/// (see [`is_live`]), with capacity, and every label.
+pub fn can_take(node: &crate::store::NodeRow, needs: &[String], now_ms: i64) -> bool {
+    is_live(node, now_ms) && node.capacity > 0 && covers(&node.labels, needs)
+}
+
+/// Whether node `node` is active and its lease still holds at `now_ms`: a
+/// node whose lease ran out is dead to the fleet even before a survivor
+/// sweeps it (marks it lost), and nothing is handed to it.
+pub fn is_live(node: &crate::store::NodeRow, now_ms: i64) -> bool {
+    node.state == crate::store::NodeState::Active && node.lease_until_ms >= now_ms
 }
 
 /// The labels of `profile`'s `[placement]` that a node labelled `labels`
@@ -145,7 +152,8 @@ impl Engine {
     /// than queueing it for nobody.
     async fn someone_can_run(&self, profile_ref: &str, needs: &[String]) -> Result<(), EngineError> {
         let nodes = self.fleet_nodes().await?;
-        match nodes.iter().any(|n| can_take(n, needs)) {
+        let now = now_ms();
+        match nodes.iter().any(|n| can_take(n, needs, now)) {
             true => Ok(()),
             false => Err(self.no_node_can_run(profile_ref, needs)),
         }
@@ -333,7 +341,30 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use super::covers;
+    use super::{can_take, covers};
+    use crate::store::{NodeRow, NodeState};
+
+    #[test]
+    fn a_node_whose_lease_ran_out_takes_nothing_before_it_is_swept() {
+        let node = NodeRow {
+            name: "b".into(),
+            epoch: "e".into(),
+            state: NodeState::Active,
+            capacity: 2,
+            labels: vec!["gpu".into()],
+            version: String::new(),
+            started_at_ms: 0,
+            renewed_at_ms: 0,
+            lease_until_ms: 10_000,
+            running: 0,
+            drain_requested_at_ms: 0,
+        };
+        assert!(can_take(&node, &["gpu".into()], 10_000));
+        assert!(!can_take(&node, &["gpu".into()], 10_001), "its lease ran out: dead, even if still listed active");
+        assert!(!can_take(&node, &["tpu".into()], 9_000));
+        assert!(!can_take(&NodeRow { capacity: 0, ..node.clone() }, &[], 9_000), "a front end");
+        assert!(!can_take(&NodeRow { state: NodeState::Draining, ..node }, &[], 9_000));
+    }
 
     #[test]
     fn a_node_covers_what_a_profile_needs_only_with_every_label() {

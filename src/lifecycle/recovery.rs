@@ -144,7 +144,10 @@ impl Engine {
     }
 
     /// Fails what node `node` left unfinished when it was declared lost
-    /// (this node won the claim, so it runs once per lost node): each run
+    /// (this node holds the lost node's claim, `Store::claim_lost_node`,
+    /// so one survivor at a time runs it; one that did not finish is
+    /// followed by another at a later sweep, which finds only what is
+    /// still unfinished): each run
     /// gets `recovered` ("node … lost during …"), `teardown` and
     /// `finished`, as a run recovered after a restart does. Its sandboxes
     /// are the lost node's to destroy when it starts again. Returns the

@@ -125,6 +125,22 @@ pub struct TakenOver {
     pub sandboxes: u64,
 }
 
+/// A lost node taken by this start for failing its runs (see
+/// [`Store::claim_lost_node`]); the lock is held until it is released or
+/// dropped.
+pub struct LostNodeClaim {
+    tx: sqlx::Transaction<'static, sqlx::Any>,
+}
+
+impl LostNodeClaim {
+    /// Lets another survivor take the node again (it finds nothing left
+    /// to fail once this one failed everything).
+    pub async fn release(self) -> Result<(), StoreError> {
+        self.tx.commit().await?;
+        Ok(())
+    }
+}
+
 impl Store {
     /// On SQLite only, at start, before recovery: makes this node the owner
     /// of what other node names left in the store (their unfinished
@@ -235,6 +251,12 @@ impl Store {
         Ok(NodeState::parse(row.get::<&str, _>(0)))
     }
 
+    /// Whether the store was closed ([`Store::close`], the end of a
+    /// shutdown): the lease loop then has nothing left to renew.
+    pub fn is_closed(&self) -> bool {
+        self.lease_pool.is_closed()
+    }
+
     pub(super) fn fenced(&self) -> StoreError {
         StoreError::Fenced { node: self.node.clone(), epoch: self.epoch.clone() }
     }
@@ -308,6 +330,41 @@ impl Store {
             }
         }
         Ok(claimed)
+    }
+
+    /// The other nodes declared lost that the store still holds unfinished
+    /// runs of: their runs are to be failed, whoever declared them lost
+    /// (that survivor may have died, or failed to, on the way).
+    pub async fn lost_nodes_with_unfinished_runs(&self) -> Result<Vec<String>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT name FROM nodes WHERE state = 'lost' AND name <> $1
+               AND (EXISTS (SELECT 1 FROM executions WHERE node = nodes.name AND {UNFINISHED_EXECUTION})
+                 OR EXISTS (SELECT 1 FROM sessions WHERE node = nodes.name AND {UNFINISHED_SESSION}))
+             ORDER BY name"
+        ))
+        .bind(&self.node)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    /// Takes lost node `name` for failing its unfinished runs (see
+    /// [`Store::lost_nodes_with_unfinished_runs`]): its row stays locked
+    /// until the [`LostNodeClaim`] is released or dropped, so one survivor
+    /// at a time fails them, and one that dies on the way lets the next
+    /// take over (its connection closes, and the lock goes with it).
+    /// `None` when another survivor holds it, or the node is no longer
+    /// lost (it started again, and recovers its runs itself).
+    pub async fn claim_lost_node(&self, name: &str) -> Result<Option<LostNodeClaim>, StoreError> {
+        if !self.shared || name == self.node {
+            return Ok(None);
+        }
+        let mut tx = self.pool.begin().await?;
+        let locked = sqlx::query("SELECT 1 FROM nodes WHERE name = $1 AND state = 'lost' FOR UPDATE SKIP LOCKED")
+            .bind(name)
+            .fetch_optional(&mut *tx)
+            .await?;
+        Ok(locked.map(|_| LostNodeClaim { tx }))
     }
 
     /// On a shared store: fails unless this start still owns its node row

@@ -28,6 +28,26 @@ impl Store {
             .collect())
     }
 
+    /// On a shared store: makes this node the one to deliver the pending
+    /// reports of nodes that never will (declared lost, or stopped with
+    /// reports left undelivered), keeping their attempts and when each is
+    /// due. A report goes to one node however many adopt at once (the
+    /// update's condition no longer holds for the second). Returns how
+    /// many it took.
+    pub async fn adopt_reports(&self) -> Result<u64, StoreError> {
+        if !self.shared {
+            return Ok(0);
+        }
+        let adopted = sqlx::query(
+            "UPDATE hub_outbox SET node = $1 WHERE state = 'pending'
+               AND node IN (SELECT name FROM nodes WHERE state IN ('lost', 'stopped') AND name <> $1)",
+        )
+        .bind(&self.node)
+        .execute(&self.pool)
+        .await?;
+        Ok(adopted.rows_affected())
+    }
+
     /// Records a failed delivery: the attempts so far and when to try again
     /// (Unix milliseconds).
     pub async fn retry_report(&self, id: &str, attempts: u32, next_attempt_ms: i64) -> Result<(), StoreError> {

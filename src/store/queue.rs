@@ -133,24 +133,36 @@ impl Store {
             return Ok(Vec::new());
         }
         let mut tx = self.pool.begin().await?;
-        // A window larger than the room: rows this node cannot run, or
-        // whose principal is at its quota, are passed over.
+        // Only rows this node can run and whose principal has room (as
+        // counted before its lock, checked again under it below) are read:
+        // a queue headed by work this node may not run hides nothing from
+        // it. A window larger than the room: rows another claimer holds are
+        // skipped, and a count may have changed by the lock.
         let window = (room * 4).clamp(16, 256) as i64;
-        let rows = sqlx::query(
-            "SELECT execution_id, principal, quota, needs FROM queue ORDER BY queued_at_ms, execution_id
-             LIMIT $1 FOR UPDATE SKIP LOCKED",
-        )
+        let rows = sqlx::query(&format!(
+            "WITH busy AS (
+                 SELECT p.principal,
+                     (SELECT COUNT(*) FROM executions e WHERE e.principal = p.principal AND e.state = 'running')
+                   + (SELECT COUNT(*) FROM sessions s WHERE s.principal = p.principal AND s.{UNFINISHED_SESSION}) AS running
+                 FROM (SELECT DISTINCT principal FROM queue WHERE quota IS NOT NULL) p
+             ), ranked AS (
+                 SELECT q.execution_id, q.queued_at_ms, q.quota, COALESCE(b.running, 0) AS running,
+                     ROW_NUMBER() OVER (PARTITION BY q.principal ORDER BY q.queued_at_ms, q.execution_id) AS nth
+                 FROM queue q LEFT JOIN busy b ON b.principal = q.principal
+                 WHERE q.needs::jsonb <@ $2::jsonb
+             ), wanted AS (
+                 SELECT execution_id FROM ranked WHERE quota IS NULL OR running + nth <= quota
+                 ORDER BY queued_at_ms, execution_id LIMIT $1
+             )
+             SELECT execution_id, principal, quota FROM queue WHERE execution_id IN (SELECT execution_id FROM wanted)
+             ORDER BY queued_at_ms, execution_id FOR UPDATE SKIP LOCKED"
+        ))
         .bind(window)
+        .bind(serde_json::to_string(labels)?)
         .fetch_all(&mut *tx)
         .await?;
-        let candidates: Vec<(String, String, Option<i64>)> = rows
-            .iter()
-            .filter(|row| {
-                let needs: Vec<String> = serde_json::from_str(row.get::<&str, _>("needs")).unwrap_or_default();
-                needs.iter().all(|need| labels.contains(need))
-            })
-            .map(|row| (row.get("execution_id"), row.get("principal"), row.get("quota")))
-            .collect();
+        let candidates: Vec<(String, String, Option<i64>)> =
+            rows.iter().map(|row| (row.get("execution_id"), row.get("principal"), row.get("quota"))).collect();
         if candidates.is_empty() {
             return Ok(Vec::new());
         }
@@ -243,8 +255,13 @@ impl Store {
         if running >= quota as i64 {
             return Ok(SessionInsert::AtQuota(running as u64));
         }
+        // After the principal's lock (see `enqueue_execution`): a lost
+        // epoch stores no session.
+        self.check_fence(&mut tx).await?;
         let inserted = super::sessions::insert_session_on(&mut *tx, record, &self.node).await?;
-        tx.commit().await?;
+        if inserted {
+            tx.commit().await?;
+        }
         Ok(if inserted { SessionInsert::Created } else { SessionInsert::Taken })
     }
 }

@@ -3,9 +3,33 @@
 use super::*;
 
 impl Store {
-    /// Inserts a new session; `false` when the id is taken.
+    /// Inserts a new session; `false` when the id is taken. On a shared
+    /// store only while this start holds its node (`Fenced` otherwise): a
+    /// lost epoch's session would be failed by no sweep.
     pub async fn insert_session(&self, record: &SessionRecord) -> Result<bool, StoreError> {
-        insert_session_on(&self.pool, record, &self.node).await
+        if !self.shared {
+            return insert_session_on(&self.pool, record, &self.node).await;
+        }
+        let mut tx = self.pool.begin().await?;
+        self.check_fence(&mut tx).await?;
+        let inserted = insert_session_on(&mut *tx, record, &self.node).await?;
+        if inserted {
+            tx.commit().await?;
+        }
+        Ok(inserted)
+    }
+
+    /// Withdraws request `id` (a session create handed to another node)
+    /// while no node has taken it: `true` when it was still pending, so no
+    /// node will ever act on it; `false` when a node took or answered it.
+    pub async fn withdraw_request(&self, id: &str) -> Result<bool, StoreError> {
+        let withdrawn = sqlx::query(
+            "UPDATE node_requests SET state = 'done', error = 'withdrawn by its sender' WHERE id = $1 AND state = 'pending'",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(withdrawn.rows_affected() == 1)
     }
 
     /// Stores the session's record as it now is.
