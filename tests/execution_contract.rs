@@ -527,3 +527,181 @@ async fn the_first_events_reach_the_caller_before_the_sandbox_is_made() {
     while stream.message().await.unwrap().is_some() {}
     assert_eq!((h.creates(), h.destroys()), (1, 1));
 }
+
+/// A retry of request `id`: the fake agent's long run (it hangs after its
+/// first progress line), as the local admin.
+fn hanging(id: &str) -> pb::ExecuteRequest {
+    pb::ExecuteRequest { request_id: id.into(), ..request("test.fake-agent", "NOWORK\nHANG") }
+}
+
+/// Cancels `id` and waits for its `finished`.
+async fn cancel_and_wait(daemon: &TestDaemon, id: &str) {
+    let mut client = daemon.executions().await;
+    client.cancel_execution(pb::CancelExecutionRequest { execution_id: id.into() }).await.expect("cancelled");
+    assert!(matches!(daemon.watch_all(id, 0).await.last().and_then(|e| e.kind.as_ref()), Some(Kind::Finished(_))));
+}
+
+/// Idempotency outlives event retention: once a finished run's events are
+/// compacted to its `finished`, a retry of its request id still returns
+/// it (StartExecution the record, Execute the `finished` kept), where it
+/// used to be OUT_OF_RANGE (`SEQUENCE_COMPACTED`). Before compaction a
+/// retried Execute's `finished` carries the raw output, as the first
+/// caller's did: the one retrying is the owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_returns_the_execution_with_its_raw_output_and_after_compaction() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let req = pb::ExecuteRequest { request_id: "retry-compacted".into(), ..request("test.fake-agent", "NOWORK") };
+    let first = finished(&daemon.execute(req.clone()).await);
+    assert_eq!(first.tool_output, "done: test task");
+
+    let again = finished(&daemon.execute(req.clone()).await);
+    assert_eq!(again.execution_id, first.execution_id);
+    assert_eq!(again.tool_output, first.tool_output, "a retried Execute's finished has the raw output");
+
+    // What event retention leaves of it (what the compactor does once
+    // `event_retention_seconds` have passed).
+    let removed = daemon.engine.store.compact_events(corral::lifecycle::now_ms() + 1).await.unwrap();
+    assert!(removed > 0, "nothing compacted");
+    let mut client = daemon.executions().await;
+    let started = client.start_execution(req.clone()).await.expect("StartExecution retried").into_inner();
+    assert_eq!(started.execution_id, first.execution_id);
+    let replayed = daemon.execute(req).await;
+    assert_eq!(kinds(&replayed), ["finished"]);
+    assert_eq!(finished(&replayed).execution_id, first.execution_id);
+    assert_eq!(daemon.engine.store.count_executions().await.unwrap(), 1);
+}
+
+/// A StartExecution retry watches nothing: with the one watcher slot of its
+/// execution taken, it still returns the execution. An Execute retry,
+/// whose stream follows a run it did not start, counts as a watcher.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_execution_retry_takes_no_watcher_slot() {
+    require_bwrap();
+    let options = Options { config: Box::new(|c| c.grpc.max_watchers_per_subject = 1), ..Options::default() };
+    let daemon = TestDaemon::start(options).await;
+    let mut client = daemon.executions().await;
+    let first = client.start_execution(hanging("retry-watched")).await.expect("started").into_inner();
+    let watch = pb::WatchRequest { execution_id: first.execution_id.clone(), after_sequence: 0 };
+    let mut watcher = client.watch_execution(watch).await.expect("the one watcher").into_inner();
+    watcher.message().await.unwrap().expect("an event");
+
+    let again = client.start_execution(hanging("retry-watched")).await.expect("StartExecution retried").into_inner();
+    assert_eq!(again.execution_id, first.execution_id);
+    let Err(status) = client.execute(hanging("retry-watched")).await else { panic!("an Execute retry is a watcher") };
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    drop(watcher);
+    cancel_and_wait(&daemon, &first.execution_id).await;
+}
+
+/// A retry starts nothing, so a full quota does not refuse it: with its
+/// principal's `max_running = 1` taken by the run that holds the request
+/// id, the same request gets that run back, and a different one with the
+/// same id ALREADY_EXISTS (REQUEST_ID_REUSED), not RESOURCE_EXHAUSTED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_gets_its_execution_back_while_the_quota_is_full() {
+    use tonic_types::StatusExt;
+    require_bwrap();
+    let options = Options { config: Box::new(|c| c.principals[0].max_running = Some(1)), ..Options::default() };
+    let daemon = TestDaemon::start(options).await;
+    let mut client = daemon.executions().await;
+    let first = client.start_execution(common::as_actor("agt", hanging("retry-1"))).await.expect("started");
+    let first = first.into_inner();
+    assert_eq!(first.state, ExecutionState::Running as i32);
+
+    let again = client.start_execution(common::as_actor("agt", hanging("retry-1"))).await.expect("retried");
+    assert_eq!(again.into_inner().execution_id, first.execution_id);
+    let mut stream = client.execute(common::as_actor("agt", hanging("retry-1"))).await.expect("Execute retried");
+    let replayed = stream.get_mut().message().await.unwrap().expect("an event");
+    assert_eq!(replayed.subject_id, first.execution_id);
+    drop(stream);
+
+    let other = pb::ExecuteRequest { description: "NOWORK".into(), ..hanging("retry-1") };
+    let status = client.start_execution(common::as_actor("agt", other)).await.expect_err("a reused request id");
+    assert_eq!(status.code(), tonic::Code::AlreadyExists, "{status:?}");
+    assert_eq!(status.get_details_error_info().unwrap().reason, "REQUEST_ID_REUSED");
+    // The quota still holds for new work: refused on one node, queued on
+    // a fleet.
+    let next = client.start_execution(common::as_actor("agt", hanging("retry-2"))).await;
+    match daemon.engine.store.is_shared() {
+        false => assert_eq!(next.expect_err("over quota").code(), tonic::Code::ResourceExhausted),
+        true => {
+            let queued = next.expect("queued").into_inner();
+            assert_eq!(queued.state, ExecutionState::Pending as i32, "{queued:?}");
+            cancel_and_wait(&daemon, &queued.execution_id).await;
+        }
+    }
+    cancel_and_wait(&daemon, &first.execution_id).await;
+}
+
+/// A running execution started with a bare profile reference is listed
+/// under the pinned reference it resolved to, not only once it has ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_execution_is_listed_under_its_pinned_profile() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut client = daemon.executions().await;
+    let run = client.start_execution(hanging("")).await.expect("started").into_inner();
+    let list = |profile_ref: &str| pb::ListExecutionsRequest {
+        state: ExecutionState::Running as i32,
+        profile_ref: profile_ref.into(),
+        ..Default::default()
+    };
+    for profile_ref in ["test.fake-agent@1.0.0", "test.fake-agent"] {
+        let listed = client.list_executions(list(profile_ref)).await.unwrap().into_inner().executions;
+        let ids: Vec<&str> = listed.iter().map(|e| e.execution_id.as_str()).collect();
+        assert_eq!(ids, [run.execution_id.as_str()], "listed by {profile_ref}");
+    }
+    cancel_and_wait(&daemon, &run.execution_id).await;
+}
+
+/// The profile filter is an exact comparison: `_` is no wildcard and case
+/// counts (SQL `LIKE` took `test_fake-agent` for `test.fake-agent`, and on
+/// SQLite `Case.Probe` for `case.probe`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_profile_filter_matches_exactly() {
+    require_bwrap();
+    let extra = vec![("case.toml".to_string(), common::fake_agent_profile("Case.Probe", ""))];
+    let options = Options { profiles: [Options::default().profiles, extra].concat(), ..Options::default() };
+    let daemon = TestDaemon::start(options).await;
+    for profile in ["test.fake-agent", "Case.Probe"] {
+        finished(&daemon.execute(request(profile, "NOWORK")).await);
+    }
+    let mut client = daemon.executions().await;
+    for (profile_ref, expected) in [
+        ("test.fake-agent", 1),
+        ("Case.Probe", 1),
+        ("Case.Probe@1.0.0", 1),
+        ("test_fake-agent", 0),
+        ("test.fake_agent", 0),
+        ("case.probe", 0),
+        ("CASE.PROBE", 0),
+    ] {
+        let req = pb::ListExecutionsRequest { profile_ref: profile_ref.into(), ..Default::default() };
+        let listed = client.list_executions(req).await.unwrap().into_inner().executions;
+        assert_eq!(listed.len(), expected, "filter {profile_ref}");
+    }
+}
+
+/// `cancel_on_disconnect` is Execute's: StartExecution refuses it, naming
+/// it, and starts nothing. An Execute retry that asks for it has it: its
+/// caller going away cancels the run another call started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_on_disconnect_is_refused_on_start_and_armed_on_an_execute_retry() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let mut client = daemon.executions().await;
+    let asked = pb::ExecuteRequest { cancel_on_disconnect: true, ..hanging("retry-disconnect") };
+    let status = client.start_execution(asked.clone()).await.expect_err("not for StartExecution");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().starts_with("cancel_on_disconnect:"), "{}", status.message());
+    assert_eq!(daemon.engine.store.count_executions().await.unwrap(), 0, "nothing was started");
+
+    let first = client.start_execution(hanging("retry-disconnect")).await.expect("started").into_inner();
+    let mut stream = client.execute(asked).await.expect("Execute retried").into_inner();
+    let event = stream.message().await.unwrap().expect("an event");
+    assert_eq!(event.subject_id, first.execution_id);
+    drop(stream);
+    let events = daemon.watch_all(&first.execution_id, 0).await;
+    assert_eq!(finished(&events).state, ExecutionState::Cancelled as i32, "the retry's disconnect cancelled it");
+}

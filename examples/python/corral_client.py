@@ -49,9 +49,9 @@ def connect(server):
     options = []
     if server.startswith("unix:"):
         target = server
-        # h2 needs a host in :authority. grpcio sends the socket path, which
-        # the daemon's h2 server refuses (the call ends INTERNAL, "RST_STREAM
-        # with error code 1"): send "localhost", as grpcurl's -authority does.
+        # grpcio sends the socket path as :authority; the daemon drops one
+        # that is no host on its unix socket, so that works, but a host name
+        # is what h2 expects there: send "localhost".
         options.append(("grpc.default_authority", "localhost"))
     else:
         target = server.removeprefix("http://")

@@ -255,9 +255,18 @@ impl ExecutionService for ExecutionApi {
         cmd.traceparent = traceparent;
         let submitted = self.engine.submit(cmd).await?;
         audit(&principal, "Execute", &submitted.record.execution_id);
-        let on_disconnect: Option<Box<dyn FnOnce() + Send>> = if cancel_on_disconnect && !submitted.existing {
+        let id = submitted.record.execution_id.clone();
+        // A retry (same request id, same request) follows the execution it
+        // did not start: counted as a watcher, like any stream that does.
+        let subscription = match submitted.existing {
+            true => self.engine.counted(submitted.subscription, &id)?,
+            false => submitted.subscription,
+        };
+        // Armed for a retry too: the retrying caller asked for it, and its
+        // stream is the one it keeps (a finished execution is not changed
+        // by a cancel).
+        let on_disconnect: Option<Box<dyn FnOnce() + Send>> = if cancel_on_disconnect {
             let engine = self.engine.clone();
-            let id = submitted.record.execution_id.clone();
             Some(Box::new(move || {
                 tokio::spawn(async move {
                     tracing::info!(execution_id = %id, "caller disconnected; cancelling as asked");
@@ -267,13 +276,22 @@ impl ExecutionService for ExecutionApi {
         } else {
             None
         };
-        Ok(Response::new(event_stream_with(submitted.subscription, &self.shutdown, deadline, on_disconnect)))
+        Ok(Response::new(event_stream_with(subscription, &self.shutdown, deadline, on_disconnect)))
     }
 
     async fn start_execution(&self, request: Request<pb::ExecuteRequest>) -> Result<Response<pb::Execution>, Status> {
         let principal = caller(&request)?;
         let traceparent = traceparent(&request);
-        let mut cmd = self.command(&principal, request.into_inner()).await?;
+        let request = request.into_inner();
+        // StartExecution's caller has no stream to disconnect from: asked
+        // for, it could not be kept.
+        if request.cancel_on_disconnect {
+            return Err(status::invalid_argument(
+                "cancel_on_disconnect",
+                "is for Execute only: StartExecution returns at once, with no stream whose end could cancel it",
+            ));
+        }
+        let mut cmd = self.command(&principal, request).await?;
         cmd.traceparent = traceparent;
         let submitted = self.engine.submit(cmd).await?;
         audit(&principal, "StartExecution", &submitted.record.execution_id);

@@ -357,10 +357,20 @@ impl Engine {
         let execution_id = uuid::Uuid::now_v7().to_string();
         // Reserved before anything is stored; every path below that does not
         // start the execution gives the slot back.
-        let cancel = self
-            .admission
-            .reserve(&execution_id, admission::Work::Execution, &cmd.principal, cmd.quota)
-            .map_err(|refused| EngineError::Overloaded(refused.0))?;
+        let cancel = match self.admission.reserve(&execution_id, admission::Work::Execution, &cmd.principal, cmd.quota)
+        {
+            Ok(cancel) => cancel,
+            // A retry starts nothing: the slot its execution holds (or the
+            // quota it fills) is no reason to refuse it. Looked up only
+            // when admission refuses, so a submit pays no read for it.
+            Err(refused) if !cmd.request_id.is_empty() => {
+                return match self.store.execution_of_request(&cmd.principal, &cmd.request_id).await? {
+                    Some((record, digest)) => self.existing(*record, &digest, &cmd).await,
+                    None => Err(EngineError::Overloaded(refused.0)),
+                };
+            }
+            Err(refused) => return Err(EngineError::Overloaded(refused.0)),
+        };
         let (answer, submitted) = tokio::sync::oneshot::channel();
         let engine = self.clone();
         let span = execution_span(&execution_id, cmd.traceparent.as_deref());
@@ -394,6 +404,16 @@ impl Engine {
             created_at_ms: now_ms(),
             ..ExecutionRecord::default()
         };
+        // Listed under its pinned reference from the start (the row's
+        // `profile_ref` column, see `store::stored::profile_column`), not
+        // only once it has ended: resolved here from the catalog in memory,
+        // with no store write of its own. Resolution proper (rule 1) is the
+        // run's: `run_here` clears this, and the run sets it again.
+        if !cmd.harness_profile_ref.contains('@') && crate::catalog::check_actor(&cmd.actor).is_ok() {
+            if let Ok(profile) = self.catalog.resolve(&cmd.harness_profile_ref) {
+                record.evidence.profile_ref = profile.reference();
+            }
+        }
         record.evidence.request_id = cmd.request_id.clone();
         record.evidence.correlation_id = cmd.correlation_id.clone();
         record.evidence.assignment_ref = cmd.assignment_ref.clone();
@@ -444,8 +464,15 @@ impl Engine {
         self.run_here(record, cmd, cancel).await;
     }
 
-    /// What a request whose id is already taken gets: the execution that
-    /// holds it, replayed, when it is the same request.
+    /// What a request whose id is already taken gets, when it is the same
+    /// request: the execution that holds it, with its stream for an
+    /// `Execute` retry. The stream replays the stored events from the
+    /// oldest one kept (compaction keeps at least `finished`), then follows
+    /// live ones; its `finished` carries the raw result while the store
+    /// keeps it, as the first caller's did (request ids are per principal:
+    /// the one retrying is the owner). It counts against no watch bound
+    /// here: a `StartExecution` retry drops it unread, and `Execute` counts
+    /// it (see [`Engine::counted`]).
     async fn existing(
         &self,
         record: ExecutionRecord,
@@ -455,14 +482,29 @@ impl Engine {
         if digest != cmd.digest() {
             return Err(EngineError::AlreadyExists(cmd.request_id.clone()));
         }
-        let subscription = self.watch(&record.execution_id, 0).await?;
+        let id = record.execution_id.clone();
+        let live = self.bus.subscribe(&id);
+        let oldest = self.store.oldest_sequence(&id).await?;
+        let after = oldest.map_or(0, |oldest| oldest.saturating_sub(1));
+        let subscription = self.follow(&id, after, live).await?.for_direct_caller(self.store.clone(), id);
         Ok(Submitted { record, subscription, existing: true })
+    }
+
+    /// `subscription` of `subject`, counted against the watch bounds while
+    /// it lives: for a stream the caller keeps open that is not the direct
+    /// caller's of a new run (an `Execute` retry's).
+    pub fn counted(&self, subscription: Subscription, subject: &str) -> Result<Subscription, EngineError> {
+        let permit = self.watchers.admit(subject).map_err(EngineError::Overloaded)?;
+        Ok(subscription.holding(permit))
     }
 
     /// Runs a stored execution that holds an admission slot here (its bus
     /// open), then closes its bus and gives the slot back.
-    async fn run_here(self: &Arc<Self>, record: ExecutionRecord, cmd: ExecuteCommand, cancel: CancellationToken) {
+    async fn run_here(self: &Arc<Self>, mut record: ExecutionRecord, cmd: ExecuteCommand, cancel: CancellationToken) {
         let execution_id = record.execution_id.clone();
+        // What `new_record` looked up to list it by; the evidence says
+        // what the run's own resolution decides (nothing, when it refuses).
+        record.evidence.profile_ref.clear();
         // A shutdown past its grace cancels it too.
         let draining = self.draining.clone();
         let slot = cancel.clone();
@@ -670,6 +712,18 @@ impl Engine {
                 return Err(EngineError::OutOfRange { requested: after, oldest });
             }
         }
+        Ok(self.follow(execution_id, after, live).await?.holding(permit))
+    }
+
+    /// The stored events of `execution_id` after `after`, then the live
+    /// ones of `live` (subscribed before this reads the store), or of the
+    /// store when it runs on another node.
+    async fn follow(
+        &self,
+        execution_id: &str,
+        after: u64,
+        live: Option<tokio::sync::broadcast::Receiver<crate::events::BusItem>>,
+    ) -> Result<Subscription, EngineError> {
         // The first page; the subscription reads the rest as it goes.
         let replay = self.event_pages.between(execution_id, after, u64::MAX).await?;
         if replay.is_empty()
@@ -685,9 +739,11 @@ impl Engine {
             && self.store.is_shared()
             && !replay.last().is_some_and(|e| e.kind.is_finished())
             && !self.is_terminal(execution_id).await?;
-        let subscription = Subscription::replay_then_live(replay, live, after)
-            .catching_up(self.event_pages.clone(), execution_id.to_string(), self.bus.capacity())
-            .holding(permit);
+        let subscription = Subscription::replay_then_live(replay, live, after).catching_up(
+            self.event_pages.clone(),
+            execution_id.to_string(),
+            self.bus.capacity(),
+        );
         Ok(match remote {
             true => {
                 subscription.polling(self.store.clone(), execution_id.to_string(), self.wakeups.waiter(execution_id))

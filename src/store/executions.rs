@@ -31,14 +31,27 @@ impl Store {
         &self,
         record: &ExecutionRecord,
     ) -> Result<(Box<ExecutionRecord>, String), StoreError> {
+        self.execution_of_request(&record.consumer.principal, &record.request_id)
+            .await?
+            .ok_or_else(|| StoreError::Missing(format!("the execution that holds request_id {}", record.request_id)))
+    }
+
+    /// The execution of `principal` that holds `request_id`, if one does,
+    /// with the digest of the request that created it.
+    pub async fn execution_of_request(
+        &self,
+        principal: &str,
+        request_id: &str,
+    ) -> Result<Option<(Box<ExecutionRecord>, String)>, StoreError> {
         let row = sqlx::query(&format!(
             "SELECT {EXECUTION}, request_digest FROM executions WHERE principal = $1 AND request_id = $2"
         ))
-        .bind(&record.consumer.principal)
-        .bind(&record.request_id)
-        .fetch_one(&self.pool)
+        .bind(principal)
+        .bind(request_id)
+        .fetch_optional(&self.pool)
         .await?;
-        Ok((Box::new(execution_from_row(&row)?), row.get("request_digest")))
+        let Some(row) = row else { return Ok(None) };
+        Ok(Some((Box::new(execution_from_row(&row)?), row.get("request_digest"))))
     }
 
     /// Stores the record as it now is, with no report, raw result or event
@@ -137,13 +150,16 @@ impl Store {
         row.as_ref().map(execution_from_row).transpose()
     }
 
-    /// Newest first. Ids are UUIDv7, so id order is creation order.
+    /// Newest first. Ids are UUIDv7, so id order is creation order. A
+    /// profile filter is a pinned reference, or a bare id that matches
+    /// every version of it: compared exactly (not with `LIKE`, whose `_`
+    /// is a wildcard and which ignores ASCII case on SQLite).
     pub async fn list_executions(&self, filter: &ExecutionFilter) -> Result<Vec<ExecutionRecord>, StoreError> {
         let visible = visible_projects(filter.projects.as_deref(), 7);
         let sql = format!(
             "SELECT {EXECUTION} FROM executions
              WHERE ($1 = '' OR state = $1)
-               AND ($2 = '' OR profile_ref = $2 OR profile_ref LIKE $2 || '@%')
+               AND ($2 = '' OR profile_ref = $2 OR substr(profile_ref, 1, length($2) + 1) = $2 || '@')
                AND ($3 = '' OR actor = $3)
                AND ($4 = '' OR project = $4)
                AND ($5 = '' OR execution_id < $5){visible}

@@ -100,8 +100,9 @@ function connect(server: string): ExecutionServiceClient {
   const options: grpc.ChannelOptions = {};
   let target = server;
   if (server.startsWith("unix:")) {
-    // h2 needs a host in :authority, which a socket path is not. grpc-js
-    // sends "localhost" for unix targets (grpcio does not); say so anyway.
+    // A host name is what h2 expects in :authority (the daemon drops a
+    // socket path there). grpc-js sends "localhost" for unix targets
+    // (grpcio does not); say so anyway.
     options["grpc.default_authority"] = "localhost";
   } else if (server.startsWith("https://")) {
     fail("this example speaks plaintext only: use unix:///path or host:port (loopback)");
