@@ -36,11 +36,16 @@ async fn serve(data_dir: &Path, stderr_log: &Path) -> Served {
 
 /// The same, with a directory of profiles.
 async fn serve_with(data_dir: &Path, stderr_log: &Path, profiles: Option<&Path>) -> Served {
+    serve_configured(data_dir, stderr_log, profiles, "").await
+}
+
+/// The same, with more daemon config (TOML after the `[sandbox]` section).
+async fn serve_configured(data_dir: &Path, stderr_log: &Path, profiles: Option<&Path>, extra_config: &str) -> Served {
     let log = std::fs::File::create(stderr_log).expect("stderr log file");
     // A uid range of its own: every root daemon claims its range host-wide,
     // and other suites may be running beside this one.
     let config = data_dir.with_extension("toml");
-    std::fs::write(&config, format!("[sandbox]\nuids = {:?}\n", common::unique_uids())).unwrap();
+    std::fs::write(&config, format!("[sandbox]\nuids = {:?}\n{extra_config}", common::unique_uids())).unwrap();
     let mut command = Command::new(CORRAL);
     clean(&mut command);
     if let Some(profiles) = profiles {
@@ -372,6 +377,65 @@ async fn session_watch_exits_with_the_sessions_outcome() {
     let out = corral(&url, &args).await;
     assert!(text(&out).0.contains("finished"), "{}", describe(&args, &out));
     assert_eq!(out.status.code(), Some(1), "a refused session: {}", describe(&args, &out));
+
+    let mut served = served;
+    let status = common::terminate(&mut served.child).await;
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "corral serve after SIGTERM: {status:?}");
+}
+
+/// `corral gate` is the dry run of the agent_start gate: it prints the
+/// verdict and the policy that decided it, exits 1 when the gate denies
+/// and 0 when it allows, and runs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gate_prints_the_verdict_and_the_deciding_policy_and_exits_with_it() {
+    common::require_bwrap();
+    let tmp = common::data_tempdir();
+    let profiles = tmp.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("clean.toml"), common::session_agent_profile("test.clean", "")).unwrap();
+    std::fs::write(profiles.join("forbidden.toml"), common::session_agent_profile("test.forbidden", "")).unwrap();
+    let admin = "[[policies]]\nname = \"no-forbidden\"\nkind = \"expr\"\n\
+                 arguments = { expression = \"!profile.startsWith('test.forbidden')\", reason = \"not here\" }\n";
+    let data = tmp.path().join("data");
+    let served = serve_configured(&data, &tmp.path().join("serve.stderr"), Some(&profiles), admin).await;
+    let url = served.url.clone();
+
+    let args = ["gate", "--profile", "test.forbidden"];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&args, &out));
+    let (stdout, _) = text(&out);
+    assert!(stdout.starts_with("gate agent_start action=deny\n"), "{}", describe(&args, &out));
+    assert!(stdout.contains("  deny admin no-forbidden: \"not here\"\n"), "{}", describe(&args, &out));
+
+    let args = ["--json", "gate", "--profile", "test.forbidden"];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&args, &out));
+    let verdict = &json_lines(&args, &out)[0];
+    assert_eq!(verdict["action"], "GATE_ACTION_DENY", "{verdict}");
+    let decisions = verdict["decisions"].as_array().expect("decisions");
+    assert!(
+        decisions.iter().any(|d| d["policy"] == "no-forbidden"
+            && d["action"] == "GATE_ACTION_DENY"
+            && d["source"] == "POLICY_SOURCE_ADMIN"),
+        "{verdict}"
+    );
+
+    let args = ["gate", "--profile", "test.clean"];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+    let (stdout, _) = text(&out);
+    assert!(stdout.starts_with("gate agent_start action=allow\n"), "{}", describe(&args, &out));
+    assert!(stdout.contains("sandbox=linux_bwrap network=denied"), "{}", describe(&args, &out));
+
+    // A dry run: nothing was run or recorded.
+    let args = ["--json", "ls"];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+    assert!(
+        json_lines(&args, &out)[0]["executions"].as_array().is_none_or(|e| e.is_empty()),
+        "{}",
+        describe(&args, &out)
+    );
 
     let mut served = served;
     let status = common::terminate(&mut served.child).await;

@@ -598,6 +598,41 @@ async fn a_run_failed_by_recovery_is_reported_when_it_asked() {
     assert!(bodies[0].contains(&id) && bodies[0].contains("failed"), "{}", bodies[0]);
 }
 
+/// A run that asked for a report, accepted by a daemon with a hub (so
+/// `pending`) and finished by recovery on a start without one, is not left
+/// `pending` forever: no node will deliver it, so it is `failed`, and the
+/// record says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_finished_by_a_daemon_without_a_hub_fails_rather_than_stays_pending() {
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let (profiles, data, hub_toml) = reporting_daemon_files(dir.path(), "http://127.0.0.1:9");
+    let mut daemon = ServeProcess::start_with(&data, &profiles, &[], &hub_toml).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let id = start_reported(&mut client, "NOWORK\nHANG", |k| matches!(k, Kind::Progress(_))).await;
+    assert_eq!(hub_status(&mut client, &id).await, pb::HubReportStatus::Pending);
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.pid(), libc::SIGKILL) };
+    daemon.child.wait().await.unwrap();
+
+    let daemon = ServeProcess::start_with(&data, &profiles, &[], "").await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let start = Instant::now();
+    let record = loop {
+        let request = pb::GetExecutionRequest { execution_id: id.clone(), ..Default::default() };
+        let record = client.get_execution(request).await.unwrap().into_inner();
+        if record.state == pb::ExecutionState::Failed as i32 {
+            break record;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "not failed by recovery: {record:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let evidence = record.evidence.unwrap();
+    let status = pb::HubReportStatus::try_from(evidence.hub_report_status).unwrap();
+    assert_eq!(status, pb::HubReportStatus::Failed, "{evidence:?}");
+    assert!(evidence.notes.iter().any(|n| n.contains("no hub configured")), "{:?}", evidence.notes);
+}
+
 /// `env_passthrough` is how a daemon variable enters a sandbox: a profile
 /// passing through a credential route's source variable (the real key, of a
 /// gatewayed route too) or the variable its placeholder is set under (the

@@ -1436,3 +1436,37 @@ async fn the_raw_cause_of_a_failed_end_is_read_by_the_sessions_principal_only() 
     assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
     daemon.stop().await;
 }
+
+/// A watcher of a live session gets every stored event, past the first
+/// page the store is read in (1,024 events), without waiting for anything
+/// new to happen: the proto's "replays stored events, then follows live
+/// ones".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_of_a_live_session_replays_past_the_first_page_without_a_new_event() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![("s.toml", bwrap_profile("test.pages", ""))])).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.pages", "agt", "")).await.expect("created");
+    let events = send_turn(&mut client, &session.session_id, "run", json!({"progress": 3000})).await;
+    assert!(turn_finished(&events).ok, "{:?}", turn_finished(&events));
+    let last = events.last().expect("the turn's events").sequence;
+    assert!(last > 3000, "more than two pages stored: {last}");
+
+    // The session stays open and nothing more happens in it.
+    let request = pb::WatchSessionRequest { session_id: session.session_id.clone(), after_sequence: 0 };
+    let mut stream = client.watch_session(request).await.expect("watch accepted").into_inner();
+    let mut seen = Vec::new();
+    let to_turn_finished = async {
+        while let Some(event) = stream.message().await.expect("stream ok") {
+            seen.push(event.sequence);
+            if event.sequence == last {
+                break;
+            }
+        }
+    };
+    let reached = tokio::time::timeout(Duration::from_secs(5), to_turn_finished).await;
+    assert!(reached.is_ok(), "the watch stopped after {} events of {last}", seen.len());
+    assert_eq!(seen, (1..=last).collect::<Vec<_>>(), "every stored event, in order, once");
+    end(&mut client, &session.session_id).await;
+    daemon.stop().await;
+}

@@ -1,10 +1,11 @@
-//! The client side of the `corral` binary: `exec`, `watch`, `get`, `ls` and
-//! `profiles` talk to a running daemon over gRPC and print what it answers,
-//! either as human lines or (`--json`) as canonical protobuf JSON; `bench`
-//! measures a daemon (or one it starts in-process).
+//! The client side of the `corral` binary: `exec`, `watch`, `get`, `ls`,
+//! `profiles` and `gate` talk to a running daemon over gRPC and print what
+//! it answers, either as human lines or (`--json`) as canonical protobuf
+//! JSON; `bench` measures a daemon (or one it starts in-process).
 //!
 //! Exit codes: 0 on success (for `exec`/`watch`: the execution finished in
-//! state SUCCEEDED), 1 when the execution did not succeed, 2 when the RPC
+//! state SUCCEEDED; for `gate`: the gate allows), 1 when the execution did
+//! not succeed (or the gate does not allow), 2 when the RPC
 //! itself failed (transport error or a `Status` from the daemon), 130 when
 //! the user interrupted a stream. A reader that closes stdout early ends
 //! the output, not the command: the exit code is still the outcome's.
@@ -12,6 +13,7 @@
 pub mod bench;
 pub mod doctor;
 mod exec;
+mod gate;
 mod json;
 mod output;
 mod query;
@@ -165,6 +167,9 @@ pub enum ClientCommand {
     Ls(LsArgs),
     /// List the harness profiles the daemon knows.
     Profiles(ProfilesArgs),
+    /// Ask the daemon what its agent_start gate would decide for a run,
+    /// and why, without running anything; exit 0 only when it allows.
+    Gate(GateArgs),
     /// List the nodes of the fleet on the daemon's store (adm).
     Nodes,
     /// Ask a node to drain: it takes no new work and finishes what it
@@ -331,6 +336,25 @@ pub struct LsArgs {
     pub page_token: Option<String>,
 }
 
+/// Arguments of `corral gate`: what `corral exec` would send to the gate.
+#[derive(clap::Args, Debug)]
+pub struct GateArgs {
+    /// Harness profile: `id@version`, or a bare `id` when only one version exists.
+    #[arg(long)]
+    pub profile: String,
+    /// A local git repository for the workspace (relative paths are resolved
+    /// against the current directory).
+    #[arg(long)]
+    pub repo: Option<PathBuf>,
+    /// Governed consumer type [default: the calling principal's type].
+    #[arg(long, default_value = "", value_parser = ["", "adm", "agt", "atm"], hide_default_value = true)]
+    pub actor: String,
+    /// Project the run would be accounted to [default: the principal's only
+    /// project, or `default` for one that sees all].
+    #[arg(long, default_value = "", hide_default_value = true)]
+    pub project: String,
+}
+
 /// Arguments of `corral profiles` (none yet).
 #[derive(clap::Args, Debug)]
 pub struct ProfilesArgs {}
@@ -364,6 +388,7 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
         ClientCommand::Deny(args) => query::decide(server, args, false, &printer).await,
         ClientCommand::Ls(args) => query::ls(server, args, &printer).await,
         ClientCommand::Profiles(_) => query::profiles(server, &printer).await,
+        ClientCommand::Gate(args) => gate::gate(server, args, &printer).await,
         ClientCommand::Nodes => query::nodes(server, &printer).await,
         ClientCommand::Drain { node } => query::drain(server, node, &printer).await,
         ClientCommand::Version => query::version(server, &printer).await,

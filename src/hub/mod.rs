@@ -49,6 +49,10 @@ pub struct HubConfig {
     pub max_age_seconds: u64,
 }
 
+/// The longest `max_age_seconds` or `max_backoff_seconds` a hub section may
+/// set: ten years.
+pub const MAX_WAIT_SECONDS: u64 = 10 * 365 * 24 * 3600;
+
 mod defaults {
     pub fn timeout() -> u64 {
         5
@@ -67,8 +71,8 @@ mod defaults {
 impl HubConfig {
     /// Checks the section before the daemon starts: a usable URL, at most one
     /// token source, no token in clear beyond loopback, a CA file only for
-    /// `https://` (and one that loads), a timeout above 0. The error names the
-    /// offending key and says why.
+    /// `https://` (and one that loads), a timeout above 0, waits of at most
+    /// [`MAX_WAIT_SECONDS`]. The error names the offending key and says why.
     pub fn validate(&self) -> Result<(), (String, String)> {
         let url = crate::net::client::Origin::parse(&self.url).map_err(|e| ("hub.url".to_string(), e))?;
         if self.token_env.is_some() && self.token_file.is_some() {
@@ -89,6 +93,15 @@ impl HubConfig {
         }
         if self.timeout_seconds == 0 {
             return Err(("hub.timeout_seconds".into(), "must be greater than 0".into()));
+        }
+        // In milliseconds they are added to Unix times (i64): a larger value
+        // would wrap and give a report up at its first failure.
+        for (key, seconds) in
+            [("max_age_seconds", self.max_age_seconds), ("max_backoff_seconds", self.max_backoff_seconds)]
+        {
+            if seconds > MAX_WAIT_SECONDS {
+                return Err((format!("hub.{key}"), format!("{seconds} is more than {MAX_WAIT_SECONDS} (ten years)")));
+            }
         }
         Ok(())
     }
@@ -232,7 +245,8 @@ impl Hub {
                     Ok(code) => format!("status {code}"),
                     Err(e) => e.to_string(),
                 };
-                let expired = now_ms() - row.created_at_ms >= (self.config.max_age_seconds * 1000) as i64;
+                let max_age_ms = i64::try_from(self.config.max_age_seconds.saturating_mul(1000)).unwrap_or(i64::MAX);
+                let expired = now_ms().saturating_sub(row.created_at_ms) >= max_age_ms;
                 if expired {
                     tracing::warn!(execution_id = %row.subject_id, attempts, %why, "hub report given up");
                     crate::telemetry::hub_delivery(false);
@@ -246,7 +260,8 @@ impl Hub {
         match outcome {
             Some(status) => self.store.settle_report(&row.id, &row.subject_id, status, attempts).await,
             None => {
-                let next = now_ms() + self.config.backoff(attempts).as_millis() as i64;
+                let backoff_ms = i64::try_from(self.config.backoff(attempts).as_millis()).unwrap_or(i64::MAX);
+                let next = now_ms().saturating_add(backoff_ms);
                 self.store.retry_report(&row.id, attempts, next).await
             }
         }
@@ -278,5 +293,32 @@ mod tests {
         assert_eq!(config.backoff(0), Duration::from_millis(100));
         assert_eq!(config.backoff(3), Duration::from_millis(800));
         assert_eq!(config.backoff(9), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn waits_too_long_to_count_in_milliseconds_are_refused_naming_the_key() {
+        let config = |max_age_seconds: u64, max_backoff_seconds: u64| HubConfig {
+            url: "http://127.0.0.1:9".into(),
+            ca_file: None,
+            token_env: None,
+            token_file: None,
+            timeout_seconds: 1,
+            initial_backoff_ms: 100,
+            max_backoff_seconds,
+            max_age_seconds,
+        };
+        let refused =
+            |key: &str, value: u64| Err((key.to_string(), format!("{value} is more than 315360000 (ten years)")));
+        let cases = [
+            (config(18_446_744_073_709_551, 60), refused("hub.max_age_seconds", 18_446_744_073_709_551)),
+            (config(u64::MAX, 60), refused("hub.max_age_seconds", u64::MAX)),
+            (config(MAX_WAIT_SECONDS + 1, 60), refused("hub.max_age_seconds", MAX_WAIT_SECONDS + 1)),
+            (config(3600, u64::MAX / 1000), refused("hub.max_backoff_seconds", u64::MAX / 1000)),
+            (config(MAX_WAIT_SECONDS, MAX_WAIT_SECONDS), Ok(())),
+            (config(0, 0), Ok(())),
+        ];
+        for (config, expected) in cases {
+            assert_eq!(config.validate(), expected, "{config:?}");
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! An execution: a one-turn session. accepted → open → one `run_task` turn
 //! → close → finished, with evidence.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -13,7 +14,7 @@ use super::{now_ms, Engine, ExecuteCommand, ExecutionRecord, ExecutionState, Raw
 use crate::events::{EventKind, RawPart, Recorder};
 use crate::rein::{Task, ToolCall};
 use crate::sandbox::WORKSPACE_MOUNT;
-use crate::types::evidence::{FailureStage, Outcome};
+use crate::types::evidence::{FailureStage, HubReportStatus, Outcome};
 
 pub(super) async fn run(
     engine: &Arc<Engine>,
@@ -135,6 +136,8 @@ pub(super) async fn store_finished(
     record: &ExecutionRecord,
     raw: Option<RawResult>,
 ) -> bool {
+    let finishing = without_a_hub(engine, record);
+    let record: &ExecutionRecord = &finishing;
     // The report goes into the outbox with the final record, or not at all.
     let report = match (&engine.hub, record.report_to_hub) {
         (Some(_), true) => Some(crate::hub::report(record).to_string()),
@@ -153,4 +156,21 @@ pub(super) async fn store_finished(
         recorder.publish(finished, raw.map(RawPart::Finished));
     }
     stored
+}
+
+/// The record as this node can finish it: a report the accepting node
+/// left `pending` cannot be delivered by a node without a hub (an outbox
+/// row is delivered by the node that wrote it), so it is `failed` with the
+/// reason rather than `pending` forever.
+fn without_a_hub<'a>(engine: &Engine, record: &'a ExecutionRecord) -> Cow<'a, ExecutionRecord> {
+    if engine.hub.is_some() || !record.report_to_hub || record.evidence.hub_report_status != HubReportStatus::Pending {
+        return Cow::Borrowed(record);
+    }
+    let mut record = record.clone();
+    record.evidence.hub_report_status = HubReportStatus::Failed;
+    record.evidence.notes.push(format!(
+        "report_to_hub was asked but node {}, which finished the execution, has no hub configured",
+        engine.store.node()
+    ));
+    Cow::Owned(record)
 }

@@ -116,6 +116,11 @@ pub struct Subscription {
     /// The subject ended: what this subscriber has not seen is read back
     /// from the store, page by page.
     draining: bool,
+    /// The stored events delivered last filled their page to its end: more
+    /// may be stored after them, from before this subscriber joined the
+    /// live channel (which holds none of them), so the next page is read
+    /// before the live channel is waited on.
+    more_stored: bool,
 }
 
 /// Stored events read back in aligned pages (page k holds sequences
@@ -170,6 +175,12 @@ impl Run {
     fn owned(events: Vec<Event>) -> Run {
         let page: Page = events.into_iter().map(|e| BusItem::new(Arc::new(e), None)).collect();
         Run { end: page.len(), items: Some(page), next: 0 }
+    }
+
+    /// Whether it runs to the end of a full page: the events after it are
+    /// on the next page.
+    fn ends_a_full_page(&self) -> bool {
+        self.items.as_ref().is_some_and(|page| page.len() as u64 == PAGE && self.end == page.len())
     }
 
     fn items(&self) -> &[BusItem] {
@@ -273,6 +284,7 @@ impl Subscription {
             catch_up: None,
             held: None,
             draining: false,
+            more_stored: false,
         }
     }
 
@@ -281,6 +293,7 @@ impl Subscription {
     /// [`Subscription::catching_up`]) a page at a time.
     pub fn replay_then_live(replay: Run, live: Option<broadcast::Receiver<BusItem>>, after: u64) -> Self {
         let draining = live.is_none();
+        let more_stored = replay.ends_a_full_page();
         Subscription {
             _permit: None,
             replay,
@@ -296,6 +309,7 @@ impl Subscription {
             catch_up: None,
             held: None,
             draining,
+            more_stored,
         }
     }
 
@@ -329,6 +343,8 @@ impl Subscription {
         self.poll = Some((store, subject));
         self.wakeup = Some(wakeup);
         self.draining = false;
+        // Polling reads on a page at a time by itself.
+        self.more_stored = false;
         self
     }
 
@@ -435,10 +451,13 @@ impl Subscription {
     }
 
     /// The next event read back from the store: the next page of the gap
-    /// before a held live event (then that event), or of what is left
-    /// after the subject ended. `None` when there is nothing to read back.
+    /// before a held live event (then that event), of what is left after
+    /// the subject ended, or of what was stored after a full page before
+    /// this subscriber joined the live channel. `None` when there is
+    /// nothing to read back.
     async fn read_back(&mut self) -> Option<Option<Result<BusItem, Lagged>>> {
-        if self.held.is_none() && !self.draining {
+        let more_stored = std::mem::take(&mut self.more_stored);
+        if self.held.is_none() && !self.draining && !more_stored {
             return None;
         }
         let (pages, subject, _) = self.catch_up.clone()?;
@@ -451,7 +470,10 @@ impl Subscription {
             Some(held) => held.event().sequence,
             None => u64::MAX,
         };
+        let reading_on = self.held.is_none() && !self.draining;
         match pages.between(&subject, self.last, before).await {
+            // Nothing stored past the full page: the live channel has the rest.
+            Ok(run) if run.is_empty() && reading_on => None,
             Ok(run) if run.is_empty() => {
                 // Nothing stored where the gap is (compacted away): go on
                 // with the held event, or end.
@@ -465,6 +487,7 @@ impl Subscription {
                 }
             }
             Ok(run) => {
+                self.more_stored = before == u64::MAX && run.ends_a_full_page();
                 self.replay = run;
                 let item = self.replay.pop_front()?;
                 Some(Some(Ok(self.deliver(item))))
@@ -511,9 +534,11 @@ impl Subscription {
                 Ok(_) if self.wakeup.is_some() => self.read_at = generation,
                 Ok(_) => tokio::time::sleep(POLL_EVERY).await,
                 Err(e) => {
+                    // Not a clean end: the run goes on elsewhere, and this
+                    // watcher has not seen its `finished`; it may resume.
                     tracing::warn!(%subject, error = %e, "polling the store failed; ending the watch");
                     self.done = true;
-                    return None;
+                    return Some(Err(Lagged { last_sequence: self.last, store_failed: true }));
                 }
             }
         }
@@ -627,6 +652,24 @@ mod tests {
             }
         }
         assert_eq!(sub.read_at, Some(0), "caught up: waits for the next announcement");
+    }
+
+    #[tokio::test]
+    async fn a_follower_whose_store_read_fails_ends_with_the_store_failure_not_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        store.append_events(&[event("e", 1), event("e", 2)]).await.unwrap();
+        let wakeup = Arc::new(Wakeup::default());
+        let mut sub =
+            Subscription::replay_then_live(Run::default(), None, 0).polling(store.clone(), "e".into(), wakeup);
+        for expected in 1..=2 {
+            assert_eq!(sub.next().await.unwrap().unwrap().event().sequence, expected);
+        }
+        // The run goes on elsewhere, but this node can no longer read it.
+        store.close().await;
+        let ended = sub.next().await.expect("not a clean end: no `finished` was seen");
+        assert_eq!(ended.err(), Some(Lagged { last_sequence: 2, store_failed: true }));
+        assert!(sub.next().await.is_none(), "ended");
     }
 
     #[tokio::test]
