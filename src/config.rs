@@ -551,6 +551,7 @@ impl Config {
                 return Err(invalid(key, "must be greater than 0".into()));
             }
         }
+        crate::catalog::check_cpu_millis(limits.cpu_millis).map_err(|e| invalid("default_limits.cpu_millis", e))?;
         self.harness.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.gate.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {
@@ -704,6 +705,12 @@ mod tests {
         std::fs::write(&file, "[default_limits]\nshm_bytes = 0\n").unwrap();
         let err = Config::from_file(&file).unwrap().validate().unwrap_err().to_string();
         assert!(err.contains("default_limits.shm_bytes"), "{err}");
+        // A quota below what a cgroup takes would fail every run at sandbox_create.
+        std::fs::write(&file, "[default_limits]\ncpu_millis = 9\n").unwrap();
+        let err = Config::from_file(&file).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("default_limits.cpu_millis") && err.contains("9 is below"), "{err}");
+        std::fs::write(&file, "[default_limits]\ncpu_millis = 10\n").unwrap();
+        Config::from_file(&file).unwrap().validate().unwrap();
         std::fs::write(&file, "[default_limits]\nmax_procs = 1\n").unwrap();
         assert!(Config::from_file(&file).unwrap_err().to_string().contains("max_procs"));
     }

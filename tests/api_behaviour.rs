@@ -556,3 +556,61 @@ async fn a_policy_selected_for_a_phase_its_kind_never_applies_at_is_invalid_argu
     }
     daemon.stop().await;
 }
+
+/// An error's `google.rpc.ErrorInfo`: its code, reason and metadata.
+fn assert_reason(status: &tonic::Status, code: Code, reason: &str) -> std::collections::HashMap<String, String> {
+    assert_eq!(status.code(), code, "{status:?}");
+    let info = status.get_details_error_info().unwrap_or_else(|| panic!("no ErrorInfo: {status:?}"));
+    assert_eq!(info.reason, reason, "{info:?}");
+    assert_eq!(info.domain, "corral.dev", "{info:?}");
+    info.metadata
+}
+
+/// Every error carries `google.rpc.ErrorInfo`: a decision for a tool call
+/// that no one waits for and a drain of a node that does not exist are
+/// NOT_FOUND with a stable reason naming what was not found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decide_tool_call_and_drain_node_errors_carry_error_info() {
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let execution = finished(&daemon.execute(request(FAKE, "NOWORK")).await);
+    let decide = pb::DecideToolCallRequest {
+        execution_id: execution.execution_id.clone(),
+        call_id: "call-987".into(),
+        decision: pb::ToolCallDecision::Allow as i32,
+        reason: String::new(),
+    };
+    let status = daemon.executions().await.decide_tool_call(decide).await.expect_err("no call waits");
+    let metadata = assert_reason(&status, Code::NotFound, "NOT_FOUND");
+    assert_eq!(metadata.get("call_id").map(String::as_str), Some("call-987"), "{metadata:?}");
+
+    let mut catalog = daemon.catalog().await;
+    let status =
+        catalog.drain_node(pb::DrainNodeRequest { name: "no-such-node".into() }).await.expect_err("no such node");
+    let metadata = assert_reason(&status, Code::NotFound, "NOT_FOUND");
+    assert_eq!(metadata.get("name").map(String::as_str), Some("no-such-node"), "{metadata:?}");
+    daemon.stop().await;
+}
+
+/// A store error's own words (paths, SQL, the pool's state) are logged,
+/// never sent: the catalog's node and profile listings answer with the
+/// one store error every other RPC gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn catalog_store_errors_are_not_sent_to_the_caller() {
+    let mut options = Options::default();
+    let unverified = "[readiness]\nstate = \"unverified\"\nreason = \"new agent\"\n";
+    options.profiles.push(("unverified.toml".into(), common::fake_agent_profile("test.unverified", unverified)));
+    let daemon = TestDaemon::start(options).await;
+    let mut catalog = daemon.catalog().await;
+    daemon.engine.store.close().await;
+    let statuses = [
+        catalog.list_nodes(pb::ListNodesRequest::default()).await.expect_err("the store is closed"),
+        catalog.drain_node(pb::DrainNodeRequest { name: "n1".into() }).await.expect_err("the store is closed"),
+        catalog.list_profiles(pb::ListProfilesRequest {}).await.expect_err("the store is closed"),
+    ];
+    for status in statuses {
+        assert_reason(&status, Code::Internal, "STORE");
+        assert_eq!(status.message(), "internal store error", "{status:?}");
+    }
+    daemon.stop().await;
+}

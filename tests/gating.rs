@@ -268,3 +268,233 @@ async fn a_read_or_write_path_over_the_managed_hook_refuses_the_profile() {
     assert!(resolved.profile.unwrap().rein.unwrap().tool_calls_gated);
     daemon.stop().await;
 }
+
+/// A `none` profile running the shell with the task description as its
+/// script: the host network and the whole workspace, nothing isolated.
+fn none_shell_profile(id: &str, extra: &str) -> String {
+    format!(
+        "id = \"{id}\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/sh\", \"-s\"]\ninput = \"description\"\n\
+         [sandbox]\ntype = \"none\"\nallow_network = true\nwrite_paths = [\".\"]\n[limits]\ntimeout_seconds = 30\n{extra}"
+    )
+}
+
+/// Asserts the run was refused at the gate by `host_enforceability` with a
+/// reason containing each of `says`, before any sandbox existed.
+fn assert_refused_unenforceable(events: &[pb::LifecycleEvent], says: &[&str]) {
+    let execution = finished(events);
+    assert_eq!(execution.state, pb::ExecutionState::Refused as i32, "{execution:?}");
+    let evidence = execution.evidence.unwrap();
+    assert_eq!(evidence.failure_stage, pb::FailureStage::Gate as i32, "{evidence:?}");
+    let refusal =
+        evidence.gate_decisions.iter().find(|d| d.policy == "host_enforceability").expect("the host's refusal");
+    assert_eq!(refusal.action, pb::GateAction::Deny as i32, "{refusal:?}");
+    for word in says {
+        assert!(refusal.reason.contains(word), "{word:?} not in {:?}", refusal.reason);
+    }
+    assert!(evidence.sandbox_id.is_empty(), "a sandbox was made");
+    assert!(!common::kinds(events).contains(&"sandbox_ready"));
+}
+
+/// An admin `egress_allowlist` narrows `allow_hosts`; a `none` sandbox
+/// shares the host network, where an empty allowlist is the whole network.
+/// Accepting the run would ignore the policy (the harness reached a
+/// loopback port no list allows), so it is refused at the gate, naming the
+/// policy and linux_bwrap. The dry run says the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_egress_allowlist_on_a_none_sandbox_is_refused_not_ignored() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("none.toml".into(), none_shell_profile("test.none-net", ""))],
+        config: Box::new(|c| {
+            c.policies.push(PolicySpec {
+                name: "github-only".into(),
+                kind: "egress_allowlist".into(),
+                arguments: json!({"hosts": ["api.github.com"]}),
+                on: vec![],
+            })
+        }),
+        ..Options::default()
+    })
+    .await;
+    let dry = daemon
+        .catalog()
+        .await
+        .evaluate_gate(pb::EvaluateGateRequest {
+            profile_ref: "test.none-net".into(),
+            actor: "adm".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(dry.action, pb::GateAction::Deny as i32, "{dry:?}");
+
+    let script = format!("python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}))\"");
+    let events = daemon.execute(request("test.none-net", &script)).await;
+    assert_refused_unenforceable(&events, &["policy github-only narrows allow_hosts", "none", "linux_bwrap"]);
+    assert!(listener.accept().is_err(), "the harness reached the host network");
+    daemon.stop().await;
+}
+
+/// An `enforce_sandbox` that narrows write paths cannot be enforced by a
+/// `none` sandbox (the whole workspace is writable there): refused at the
+/// gate, and nothing was written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn narrowed_write_paths_on_a_none_sandbox_are_refused_not_ignored() {
+    let guardrail = "[[guardrails.policies]]\nname = \"src-only\"\nkind = \"enforce_sandbox\"\n\
+                     arguments = { write_paths = [\"src\"] }\n";
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("none.toml".into(), none_shell_profile("test.none-src", guardrail))],
+        ..Options::default()
+    })
+    .await;
+    // Writable by the sandbox's own uid, so that a run that goes ahead leaves it.
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(outside.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let marker = outside.path().join("outside-src-written");
+    let script = format!("touch ./outside-src && touch {}", marker.display());
+    let events = daemon.execute(request("test.none-src", &script)).await;
+    assert_refused_unenforceable(&events, &["policy src-only narrows write_paths to [src]", "none"]);
+    assert!(!marker.exists(), "the harness ran");
+    daemon.stop().await;
+}
+
+/// A protocol profile (`/bin/true`, no network) with `rein` and `extra`
+/// TOML lines added.
+fn protocol_profile(id: &str, rein: &str, extra: &str) -> String {
+    format!(
+        "id = \"{id}\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n{rein}\n[sandbox]\ntype = \"linux_bwrap\"\n\
+         write_paths = [\".\"]\n{extra}\n"
+    )
+}
+
+/// A value that loads but is never enforced (or makes every run fail) is
+/// refused at load, naming the key: a model a protocol harness is never
+/// told (it would be recorded as the run's model), a CPU quota below what
+/// a cgroup takes, egress hosts with the network off, a `max_timeout` of 0.
+/// On the wire, the same policy is INVALID_ARGUMENT naming `policies[0]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_that_would_be_accepted_and_not_enforced_refuse_the_profile() {
+    let zero_timeout =
+        "[[guardrails.policies]]\nname = \"instant\"\nkind = \"max_timeout\"\narguments = { seconds = 0 }";
+    let cases = [
+        (protocol_profile("test.model", "model = \"gpt-4o\"", ""), "rein.model", "claude_stream_json"),
+        (protocol_profile("test.cpu", "", "[limits]\ncpu_millis = 9"), "limits.cpu_millis", "9 is below"),
+        (
+            protocol_profile("test.hosts", "", "allow_hosts = [\"example.com\"]"),
+            "sandbox.allow_hosts",
+            "allow_network = false",
+        ),
+        (protocol_profile("test.instant", "", zero_timeout), "guardrails.policies[0] (instant)", "seconds"),
+        (protocol_profile("test.build", "", "").replace("1.0.0", "1.0.0+a"), "version", "build metadata"),
+    ];
+    for (text, key, says) in cases {
+        let error = load_error(&[("p.toml", text.clone())]).await;
+        assert!(error.contains("p.toml") && error.contains(key) && error.contains(says), "{text}: {error}");
+    }
+
+    // Control: the least quota a cgroup takes loads; a max_timeout of 1 too.
+    let one_second = zero_timeout.replace("seconds = 0", "seconds = 1");
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![
+            ("cpu.toml".into(), protocol_profile("test.cpu", "", "[limits]\ncpu_millis = 10")),
+            ("short.toml".into(), protocol_profile("test.short", "", &one_second)),
+            // A [sandbox] that names no type is linux_bwrap, as documented.
+            ("untyped.toml".into(), protocol_profile("test.untyped", "", "").replace("type = \"linux_bwrap\"\n", "")),
+        ],
+        ..Options::default()
+    })
+    .await;
+    let mut catalog = daemon.catalog().await;
+    let resolve =
+        |profile_ref: &str| pb::ResolveProfileRequest { profile_ref: profile_ref.into(), actor: String::new() };
+    let untyped = catalog.resolve_profile(resolve("test.untyped")).await.expect("untyped").into_inner();
+    assert_eq!(untyped.profile.unwrap().sandbox.unwrap().r#type, pb::SandboxType::LinuxBwrap as i32);
+    let status = catalog.resolve_profile(resolve("test.cpu@1.0.0+a")).await.expect_err("a build in a reference");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("build metadata"), "{status:?}");
+    let max_timeout = |seconds: u32| pb::PolicySpec {
+        name: "instant".into(),
+        kind: pb::PolicyKind::MaxTimeout as i32,
+        arguments_json: json!({ "seconds": seconds }).to_string(),
+        on: vec![],
+    };
+    let dry = |policy| pb::EvaluateGateRequest {
+        profile_ref: "test.cpu".into(),
+        actor: "adm".into(),
+        policies: vec![policy],
+        ..Default::default()
+    };
+    let status = catalog.evaluate_gate(dry(max_timeout(0))).await.expect_err("a max_timeout of 0");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("policies[0]") && status.message().contains("seconds"), "{status:?}");
+    let shortened = catalog.evaluate_gate(dry(max_timeout(1))).await.expect("a max_timeout of 1").into_inner();
+    assert_eq!(shortened.effective_timeout_seconds, 1);
+    daemon.stop().await;
+}
+
+/// Resolution for a dry run applies the rules an execution applies at its
+/// stage `resolution`, beyond the catalog's own: a profile whose
+/// `[placement]` names a label this daemon lacks is refused by both, with
+/// the same reason, and a readable profile resolves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resolution_for_a_dry_run_refuses_what_an_execution_refuses() {
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![
+            ("gpu.toml".into(), protocol_profile("test.gpu", "", "[placement]\nlabels = [\"gpu\"]")),
+            ("plain.toml".into(), protocol_profile("test.plain", "", "")),
+        ],
+        ..Options::default()
+    })
+    .await;
+    let refusal = daemon.engine.resolve_for_run(Some("adm"), "test.gpu").expect_err("no gpu label here");
+    assert!(refusal.0.contains("gpu"), "{}", refusal.0);
+    let execution = finished(&daemon.execute(request("test.gpu", "")).await);
+    assert_eq!(execution.state, pb::ExecutionState::Refused as i32, "{execution:?}");
+    let evidence = execution.evidence.unwrap();
+    assert_eq!(evidence.failure_stage, pb::FailureStage::Resolution as i32, "{evidence:?}");
+    assert!(evidence.error.contains(&refusal.0), "{:?} vs {:?}", evidence.error, refusal.0);
+
+    // Over the wire, both dry runs refuse it as the execution did.
+    let mut catalog = daemon.catalog().await;
+    let resolved = catalog
+        .resolve_profile(pb::ResolveProfileRequest { profile_ref: "test.gpu".into(), actor: String::new() })
+        .await
+        .expect_err("ResolveProfile refuses what Execute refuses");
+    assert_eq!(resolved.code(), tonic::Code::FailedPrecondition, "{resolved:?}");
+    assert!(resolved.message().contains(&refusal.0), "{resolved:?}");
+    let dry = catalog
+        .evaluate_gate(pb::EvaluateGateRequest { profile_ref: "test.gpu".into(), ..Default::default() })
+        .await
+        .expect_err("EvaluateGate refuses what Execute refuses");
+    assert_eq!(dry.code(), tonic::Code::FailedPrecondition, "{dry:?}");
+    assert!(dry.message().contains(&refusal.0), "{dry:?}");
+
+    let refusal = daemon.engine.resolve_for_run(Some("nobody"), "test.plain").expect_err("not a consumer type");
+    assert!(refusal.0.contains("adm"), "{}", refusal.0);
+    let plain = daemon.engine.resolve_for_run(None, "test.plain").expect("resolves");
+    assert_eq!(plain.reference(), "test.plain@1.0.0");
+    daemon.stop().await;
+}
+
+/// A DrainNode naming this daemon's own node takes effect at once (the
+/// proto: a drained node "takes no new work"), not at its next lease
+/// renewal — on SQLite, where there is no lease, not never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_this_node_refuses_new_work_at_once() {
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("plain.toml".into(), protocol_profile("test.plain", "", ""))],
+        ..Options::default()
+    })
+    .await;
+    let mut catalog = daemon.catalog().await;
+    let nodes = catalog.list_nodes(pb::ListNodesRequest {}).await.expect("nodes").into_inner().nodes;
+    let name = nodes.first().expect("this daemon's node").name.clone();
+    let drained = catalog.drain_node(pb::DrainNodeRequest { name }).await.expect("drained").into_inner();
+    assert!(daemon.engine.is_draining(), "the engine still takes work: {drained:?}");
+    let refused = daemon.executions().await.start_execution(request("test.plain", "")).await.expect_err("draining");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    daemon.stop().await;
+}

@@ -109,12 +109,20 @@ pub async fn decide_tool_call(
     match engine.decide_tool_call(subject, call_id, decision).await? {
         Ok(()) => {}
         Err(Undecidable::Unknown) => {
-            return Err(Status::not_found(format!("call_id: no tool call {call_id} waits for a decision in {subject}")))
+            return Err(status::with_reason(
+                Code::NotFound,
+                format!("call_id: no tool call {call_id} waits for a decision in {subject}"),
+                "NOT_FOUND",
+                vec![("call_id".into(), call_id.to_string())],
+            ))
         }
         Err(Undecidable::Settled) => {
-            return Err(Status::failed_precondition(format!(
-                "call_id: tool call {call_id} of {subject} was already decided (or no longer waits)"
-            )))
+            return Err(status::with_reason(
+                Code::FailedPrecondition,
+                format!("call_id: tool call {call_id} of {subject} was already decided (or no longer waits)"),
+                "ALREADY_DECIDED",
+                vec![("call_id".into(), call_id.to_string())],
+            ))
         }
     }
     tracing::info!(

@@ -8,7 +8,8 @@ use tonic::{Code, Request, Response, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
 use super::{convert, status, validate};
-use crate::catalog::{check_actor, Catalog, Profile, ReadinessState, Refusal, RunFacts};
+use crate::catalog::{Catalog, Profile, ReadinessState, Refusal, RunFacts};
+use crate::lifecycle::Engine;
 use crate::pb;
 use crate::pb_wire::catalog_service_server::CatalogService;
 use crate::policy::Gate;
@@ -24,6 +25,9 @@ pub struct CatalogApi {
     pub repo_roots: Vec<PathBuf>,
     /// Where the last end-to-end success of an unverified profile is read.
     pub store: Store,
+    /// The engine: the dry runs resolve as its executions do, and a
+    /// DrainNode naming this node drains it at once.
+    pub engine: Arc<Engine>,
 }
 
 impl CatalogApi {
@@ -35,7 +39,7 @@ impl CatalogApi {
         if profile.file.readiness.state != ReadinessState::Unverified {
             return Ok(shown);
         }
-        let last = self.store.last_success(&profile.reference()).await.map_err(|e| Status::internal(e.to_string()))?;
+        let last = self.store.last_success(&profile.reference()).await.map_err(store_error)?;
         let check = match last {
             Some(ms) => format!("last end-to-end success on this daemon: {}", crate::hub::rfc3339(ms)),
             None => "no end-to-end success on this daemon yet".to_string(),
@@ -46,6 +50,12 @@ impl CatalogApi {
         }
         Ok(shown)
     }
+}
+
+/// A store error as a status: its words may carry paths and SQL, so they
+/// are logged, never sent (the one mapping of `EngineError::Store`).
+fn store_error(error: crate::store::StoreError) -> Status {
+    Status::from(crate::lifecycle::EngineError::Store(error))
 }
 
 /// A resolution refusal as a status: FAILED_PRECONDITION with the reason.
@@ -88,10 +98,8 @@ impl CatalogService for CatalogApi {
         let req = request.into_inner();
         validate::profile_ref("profile_ref", &req.profile_ref)?;
         validate::token("actor", &req.actor)?;
-        if !req.actor.is_empty() {
-            check_actor(&req.actor).map_err(refused)?;
-        }
-        let profile = self.catalog.resolve(&req.profile_ref).map_err(refused)?;
+        let actor = (!req.actor.is_empty()).then_some(req.actor.as_str());
+        let profile = self.engine.resolve_for_run(actor, &req.profile_ref).map_err(refused)?;
         Ok(Response::new(pb::ResolveProfileResponse {
             pinned_ref: profile.reference(),
             profile: Some(convert::profile(&profile)),
@@ -109,8 +117,7 @@ impl CatalogService for CatalogApi {
         // empty actor is the principal's type, another type is refused, an
         // empty project is the principal's default, another tenant's is refused.
         let (actor, project) = principal.admit(&req.actor, &req.project).map_err(super::auth::denied)?;
-        check_actor(&actor).map_err(refused)?;
-        let profile = self.catalog.resolve(&req.profile_ref).map_err(refused)?;
+        let profile = self.engine.resolve_for_run(Some(&actor), &req.profile_ref).map_err(refused)?;
         let session_policies = super::session::session_policies(&principal, specs)?;
         let facts = RunFacts {
             actor: &actor,
@@ -133,7 +140,7 @@ impl CatalogService for CatalogApi {
         request: Request<pb::ListNodesRequest>,
     ) -> Result<Response<pb::ListNodesResponse>, Status> {
         super::auth::caller(&request)?.may_manage_nodes().map_err(super::auth::denied)?;
-        let nodes = self.store.list_nodes().await.map_err(|e| Status::unavailable(e.to_string()))?;
+        let nodes = self.store.list_nodes().await.map_err(store_error)?;
         Ok(Response::new(pb::ListNodesResponse { nodes: nodes.iter().map(convert::node).collect() }))
     }
 
@@ -144,12 +151,22 @@ impl CatalogService for CatalogApi {
         if name.is_empty() {
             return Err(status::invalid_argument("name", "name the node to drain (see ListNodes)"));
         }
-        match self.store.drain_node(name).await.map_err(|e| Status::unavailable(e.to_string()))? {
+        match self.store.drain_node(name).await.map_err(store_error)? {
             Some(node) => {
+                // This node learns of its own row at its next renewal: a
+                // drain of itself takes effect now, as the proto says.
+                if name == self.store.node() && self.engine.start_draining() {
+                    tracing::warn!("draining as asked; no new work is taken");
+                }
                 super::auth::audit(&principal, "DrainNode", name);
                 Ok(Response::new(convert::node(&node)))
             }
-            None => Err(Status::not_found(format!("no node named {name:?}"))),
+            None => Err(status::with_reason(
+                Code::NotFound,
+                format!("no node named {name:?}"),
+                "NOT_FOUND",
+                vec![("name".into(), name.clone())],
+            )),
         }
     }
 

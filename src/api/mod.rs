@@ -161,6 +161,7 @@ fn routes(
         gate: parts.gate,
         repo_roots: execution.repo_roots.clone(),
         store: parts.engine.store.clone(),
+        engine: parts.engine.clone(),
     };
     let grpc = &parts.grpc;
     let execution = limits::sized!(ExecutionServiceServer::new(execution), grpc);

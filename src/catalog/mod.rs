@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 pub use agents::{HarnessConfig, ANTHROPIC_ROUTE, CLAUDE_ALLOWED_TOOLS, CODEX_DEFAULT_MODEL, OPENAI_ROUTE};
 pub use profile::{
-    check_id, check_label, GitSettings, Limits, Placement, Preset, Profile, ProfileFile, ProfileRef, ProfileStatus,
-    Readiness, ReadinessState, ReinSpec, RunFacts, TaskInput, CLAUDE_MANAGED_SETTINGS, CODEX_REQUIREMENTS,
-    DEFAULT_SHM_BYTES, DEFAULT_WORKSPACE_INODES, HELPER_PATH,
+    check_cpu_millis, check_id, check_label, GitSettings, Limits, Placement, Preset, Profile, ProfileFile, ProfileRef,
+    ProfileStatus, Readiness, ReadinessState, ReinSpec, RunFacts, TaskInput, CLAUDE_MANAGED_SETTINGS,
+    CODEX_REQUIREMENTS, DEFAULT_SHM_BYTES, DEFAULT_WORKSPACE_INODES, HELPER_PATH,
 };
 
 /// A profile file's TOML, with `default_limits` under its `[limits]`.

@@ -183,7 +183,9 @@ pub struct Limits {
     /// RLIMIT_AS. Virtual address space, not memory: Node-based harnesses
     /// reserve far more than they use, so prefer `memory_bytes`.
     pub address_space_bytes: u64,
-    /// Size of the sandbox's private /tmp (tmpfs).
+    /// Size of the sandbox's private /tmp (tmpfs; `linux_bwrap`). A `none`
+    /// sandbox has no /tmp of its own: its TMPDIR lies under its directory,
+    /// which `max_workspace_bytes` bounds, and /tmp is the host's.
     pub tmp_bytes: u64,
     /// Size of the sandbox's private /dev/shm (tmpfs; `linux_bwrap`).
     pub shm_bytes: u64,
@@ -363,12 +365,28 @@ impl ProfileRef {
         check_id(id).map_err(|e| format!("use `id` or `id@version`: the id {e}"))?;
         let version = match version {
             None => None,
-            Some(v) => Some(
-                semver::Version::parse(v).map_err(|e| format!("use `id` or `id@version`: {v:?} is not semver: {e}"))?,
-            ),
+            Some(v) => {
+                let version = semver::Version::parse(v)
+                    .map_err(|e| format!("use `id` or `id@version`: {v:?} is not semver: {e}"))?;
+                check_no_build(&version).map_err(|e| format!("use `id` or `id@version`: {e}"))?;
+                Some(version)
+            }
         };
         Ok(ProfileRef { id: id.to_string(), version })
     }
+}
+
+/// A version with build metadata (`1.0.0+a`) is refused: semver gives it no
+/// precedence, so `1.0.0+a` and `1.0.0+b` would both load as different
+/// profiles that `id@1.0.0` names neither of.
+fn check_no_build(version: &semver::Version) -> Result<(), String> {
+    if version.build.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "\"{version}\" has build metadata (+{}), which semver ignores when it compares versions: drop it",
+        version.build
+    ))
 }
 
 /// A profile file exactly as written in TOML.
@@ -456,6 +474,22 @@ pub struct Profile {
     pub unusable: Option<String>,
 }
 
+/// The smallest `cpu_millis` a cgroup can enforce: CFS takes no quota
+/// below 1000 µs a period, which at the 100 ms period is 10 millicores.
+pub const MIN_CPU_MILLIS: u64 = 10;
+
+/// `cpu_millis` is 0 (not limited) or at least [`MIN_CPU_MILLIS`]: a smaller
+/// quota loads and then fails every run at `sandbox_create`. The caller
+/// names the key.
+pub fn check_cpu_millis(cpu_millis: u64) -> Result<(), String> {
+    if (1..MIN_CPU_MILLIS).contains(&cpu_millis) {
+        return Err(format!(
+            "{cpu_millis} is below the {MIN_CPU_MILLIS} millicores a cgroup can enforce (0 = not limited)"
+        ));
+    }
+    Ok(())
+}
+
 /// A model name is written into a CLI's config and environment: plain
 /// characters only.
 pub fn check_model(model: &str) -> Result<(), String> {
@@ -475,6 +509,11 @@ fn check_endpoint(
     hosts: Vec<crate::net::HostPattern>,
 ) -> Result<(), String> {
     check_model(&rein.model).map_err(|e| format!("rein.model: {e}"))?;
+    // A protocol harness is never told a model: accepted, it would be
+    // recorded as the run's model though the harness never got it.
+    if rein.preset == Preset::Protocol && !rein.model.is_empty() {
+        return Err("rein.model: only for the claude_stream_json and codex_exec_json presets".into());
+    }
     if rein.base_url.is_empty() {
         return Ok(());
     }
@@ -602,6 +641,7 @@ impl Profile {
         check_id(&file.id).map_err(|e| format!("id: {:?} {e}", file.id))?;
         let version = semver::Version::parse(&file.version)
             .map_err(|e| format!("version: {:?} is not semver: {e}", file.version))?;
+        check_no_build(&version).map_err(|e| format!("version: {e}"))?;
         if file.rein.kind != "command" {
             return Err(format!("rein.kind: unknown rein {:?} (known: command)", file.rein.kind));
         }
@@ -620,6 +660,12 @@ impl Profile {
             if value == 0 {
                 return Err(format!("{key}: must be greater than 0"));
             }
+        }
+        check_cpu_millis(file.limits.cpu_millis).map_err(|e| format!("limits.cpu_millis: {e}"))?;
+        if !file.sandbox.allow_network && !file.sandbox.allow_hosts.is_empty() {
+            return Err("sandbox.allow_hosts: set, but allow_network = false: no egress at all would reach them \
+                        (set allow_network = true, or leave allow_hosts out)"
+                .into());
         }
         for (key, paths) in
             [("sandbox.read_paths", &file.sandbox.read_paths), ("sandbox.write_paths", &file.sandbox.write_paths)]

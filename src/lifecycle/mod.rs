@@ -13,6 +13,7 @@ mod phase;
 mod place;
 mod queue;
 mod recovery;
+mod resolve;
 mod session;
 mod uids;
 mod warm;

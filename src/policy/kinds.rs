@@ -194,7 +194,14 @@ impl Policy {
                 crate::net::parse_hosts(&hosts).map_err(|e| format!("arguments.hosts: {e}"))?;
                 Kind::EgressAllowlist { hosts }
             }
-            "max_timeout" => Kind::MaxTimeout { seconds: args::<Seconds>(&spec.arguments)?.seconds },
+            "max_timeout" => {
+                let Seconds { seconds } = args(&spec.arguments)?;
+                // 0 would time every run out before it starts.
+                if seconds == 0 {
+                    return Err("arguments.seconds: must be at least 1".into());
+                }
+                Kind::MaxTimeout { seconds }
+            }
             "allowed_actors" => {
                 let Types { types } = args(&spec.arguments)?;
                 if let Some(bad) = types.iter().find(|t| !matches!(t.as_str(), "adm" | "agt" | "atm")) {

@@ -236,9 +236,14 @@ impl Gate {
             effective_timeout_seconds: input.timeout_seconds,
             approval_timeout_seconds: 0,
         };
+        // What a policy narrowed that a `none` sandbox could not enforce,
+        // should the sandbox still be `none` at the end.
+        let mut narrowed: Vec<String> = Vec::new();
         let policies = input.session_policies.iter().chain(input.profile_policies).chain(&self.admin_policies);
         for policy in policies.filter(|p| p.applies(input.phase, input.tool)) {
+            let before = outcome.effective_sandbox.clone();
             let (action, reason) = decide(policy, input, &mut outcome);
+            narrowed.extend(narrowing(policy, &before, &outcome.effective_sandbox));
             outcome.decisions.push(PolicyDecision {
                 policy: policy.name.clone(),
                 source: policy.source.into(),
@@ -276,7 +281,7 @@ impl Gate {
             }
         }
         if input.phase == Phase::AgentStart {
-            let host = self.enforceable(&outcome.effective_sandbox, input.limits);
+            let host = self.enforceable(&outcome.effective_sandbox, input.limits, &narrowed);
             outcome.action = host.action;
             outcome.decisions.push(host);
         }
@@ -285,7 +290,10 @@ impl Gate {
 
     /// The last word at agent_start: the host must be able to enforce the
     /// effective sandbox, or the run is refused with the reason.
-    fn enforceable(&self, sandbox: &SandboxSpec, limits: &SandboxLimits) -> PolicyDecision {
+    /// `narrowed` says what policies narrowed (see [`narrowing`]): a `none`
+    /// sandbox shares the host's network and file system, so none of it
+    /// could be enforced there.
+    fn enforceable(&self, sandbox: &SandboxSpec, limits: &SandboxLimits, narrowed: &[String]) -> PolicyDecision {
         let verdict = |action, reason: String| PolicyDecision {
             policy: "host_enforceability".into(),
             source: "builtin".into(),
@@ -327,10 +335,45 @@ impl Gate {
                 if !sandbox.read_paths.is_empty() {
                     return verdict(Action::Deny, "sandbox type none cannot restrict reads; use linux_bwrap".into());
                 }
+                if !narrowed.is_empty() {
+                    return verdict(
+                        Action::Deny,
+                        format!(
+                            "{}: sandbox type none shares the host network and file system and cannot enforce it; \
+                             use linux_bwrap",
+                            narrowed.join("; ")
+                        ),
+                    );
+                }
             }
         }
         verdict(Action::Allow, format!("{} can be enforced", sandbox.sandbox_type.as_str()))
     }
+}
+
+/// What `policy` narrowed between `before` and `after` that only an
+/// isolating sandbox can enforce: egress hosts (on `none` an empty
+/// `allow_hosts` is the whole host network, so narrowing it to nothing
+/// changes nothing there), write paths (`none` leaves the whole workspace
+/// writable) and read paths (`none` cannot restrict reads at all).
+fn narrowing(policy: &Policy, before: &SandboxSpec, after: &SandboxSpec) -> Vec<String> {
+    let name = &policy.name;
+    let mut out = Vec::new();
+    let hosts = match &policy.kind {
+        Kind::EgressAllowlist { .. } => true,
+        Kind::EnforceSandbox(enforce) => enforce.allow_hosts.is_some(),
+        _ => false,
+    };
+    if hosts && after.allow_network {
+        out.push(format!("policy {name} narrows allow_hosts to [{}]", after.allow_hosts.join(", ")));
+    }
+    if before.write_paths != after.write_paths {
+        out.push(format!("policy {name} narrows write_paths to [{}]", after.write_paths.join(", ")));
+    }
+    if let Kind::EnforceSandbox(EnforceSandbox { read_paths: Some(paths), .. }) = &policy.kind {
+        out.push(format!("policy {name} restricts read_paths to [{}]", paths.join(", ")));
+    }
+    out
 }
 
 /// The gate input as CEL sees it.

@@ -27,8 +27,8 @@ impl SandboxType {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SandboxSpec {
-    /// The isolation technology; `linux_bwrap` by default.
-    #[serde(rename = "type")]
+    /// The isolation technology; `linux_bwrap` when left out.
+    #[serde(rename = "type", default = "linux_bwrap")]
     pub sandbox_type: SandboxType,
     /// Egress through the daemon's proxy, to `allow_hosts` only. The host
     /// network is never shared with a `linux_bwrap` sandbox.
@@ -49,6 +49,11 @@ pub struct SandboxSpec {
     /// Daemon environment variables the harness may see.
     #[serde(default)]
     pub env_passthrough: Vec<String>,
+}
+
+/// A `[sandbox]` that names no type gets the isolating one.
+fn linux_bwrap() -> SandboxType {
+    SandboxType::LinuxBwrap
 }
 
 impl Default for SandboxSpec {

@@ -1,0 +1,29 @@
+//! Resolution as an execution does it, for the dry runs
+//! (`CatalogService.ResolveProfile` and `EvaluateGate`): a profile they
+//! call fine must not be refused at resolution when it is executed.
+
+use std::sync::Arc;
+
+use super::Engine;
+use crate::catalog::{check_actor, Profile, Refusal};
+
+impl Engine {
+    /// Resolves `profile_ref` with every rule an execution applies at its
+    /// stage `resolution`, before any sandbox exists: the actor (when one
+    /// is given), the catalog's rule 1, every credential route the profile
+    /// needs readable now, and this node's `[fleet] labels` covering its
+    /// `[placement]`. The refusal's text is the one the execution records.
+    pub fn resolve_for_run(&self, actor: Option<&str>, profile_ref: &str) -> Result<Arc<Profile>, Refusal> {
+        if let Some(actor) = actor {
+            check_actor(actor)?;
+        }
+        let profile = self.catalog.resolve(profile_ref)?;
+        if let Err(why) = self.credentials.check(&profile.file.credential_route_refs) {
+            return Err(Refusal(format!("profile {} cannot run: {why}", profile.reference())));
+        }
+        if let Some(why) = self.misplaced(&profile) {
+            return Err(Refusal(why));
+        }
+        Ok(profile)
+    }
+}
