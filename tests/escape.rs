@@ -470,6 +470,79 @@ async fn max_workspace_bytes_exceeded_fails_the_run() {
     daemon.stop().await;
 }
 
+/// The run of `script` under a 10 MiB workspace budget ends with that
+/// budget's failure, before it prints DONE.
+async fn fails_the_workspace_budget(id: &str, script: &str) {
+    let daemon = daemon_with(vec![bwrap_shell(id, "max_workspace_bytes = 10485760")]).await;
+    let (execution, events) = run(&daemon, id, script).await;
+    assert_eq!(execution.state, pb::ExecutionState::Failed as i32, "{execution:?}");
+    assert_eq!(execution.evidence.as_ref().unwrap().failure_stage, pb::FailureStage::Execution as i32);
+    assert!(limit_events(&events).iter().any(|l| l.limit() == pb::LimitKind::Workspace), "no workspace limit event");
+    assert!(!execution.tool_output.contains("DONE"), "the run went on past its workspace limit");
+    daemon.stop().await;
+}
+
+/// Blocks allocated past a file's end (`fallocate --keep-size`) show in no
+/// file size, and RLIMIT_FSIZE does not stop them: they count all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_allocated_past_a_files_end_count_against_the_workspace() {
+    fails_the_workspace_budget("test.fallocate", "touch pre; fallocate -n -l 100M pre; sleep 5; echo DONE").await;
+}
+
+/// Files deleted while held open are nowhere in the tree but on its disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_files_held_open_count_against_the_workspace() {
+    // One at a time: no moment has more than 9 MiB named in the tree.
+    let script = "exec 3>a; head -c 9437184 /dev/zero >&3; rm a; exec 4>b; head -c 9437184 /dev/zero >&4; rm b; \
+                  exec 5>c; head -c 9437184 /dev/zero >&5; rm c; sleep 5; echo DONE";
+    fails_the_workspace_budget("test.unlinked", script).await;
+}
+
+/// Under an unprivileged daemon the harness runs as the daemon's own uid
+/// and can close a directory to it (`chmod 300`): what is below still
+/// counts against the workspace, and teardown still removes it all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_closed_to_an_unprivileged_daemon_still_counts_and_goes() {
+    use corral::pb::execution_service_client::ExecutionServiceClient;
+    require_bwrap();
+    const UID: u32 = 64000;
+    let dir = common::data_tempdir();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::os::unix::fs::chown(&data, Some(UID), Some(UID)).unwrap();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir(&profiles).unwrap();
+    // No cgroup for an unprivileged daemon: its limits written off.
+    let limits = "max_workspace_bytes = 10485760\nmemory_bytes = 0\nmax_processes = 0\ncpu_millis = 0";
+    let (name, text) = bwrap_shell("test.closed", limits);
+    std::fs::write(profiles.join(name), text).unwrap();
+    let wrapper = ["setpriv", "--reuid", "64000", "--regid", "64000", "--clear-groups", "--"];
+    let daemon = common::ServeProcess::start_wrapped(&data, &profiles, &[("HOME", "/tmp")], "", &wrapper).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let script = "mkdir hide; chmod 300 hide; for i in 1 2 3 4; do head -c 9437184 /dev/zero > hide/$i; done; \
+                  sleep 5; echo DONE";
+    let mut stream = client.execute(request("test.closed", script)).await.expect("execute").into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        events.push(event);
+    }
+    let execution = finished(&events);
+    let sandboxes = data.join("sandboxes");
+    let empty = || std::fs::read_dir(&sandboxes).map(|d| d.count() == 0).unwrap_or(true);
+    for _ in 0..100 {
+        if empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let left = empty();
+    daemon.stop().await;
+    assert_eq!(execution.state, pb::ExecutionState::Failed as i32, "{execution:?}");
+    assert!(limit_events(&events).iter().any(|l| l.limit() == pb::LimitKind::Workspace), "no workspace limit event");
+    assert!(!execution.tool_output.contains("DONE"), "the run went on past its workspace limit");
+    assert!(left, "the sandbox's directory was not removed: {:?}", std::fs::read_dir(&sandboxes).unwrap().count());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_flood_is_cut_at_the_limit() {
     let daemon = daemon_with(vec![bwrap_shell("test.flood", "max_events = 100")]).await;

@@ -1,7 +1,8 @@
 //! A `none` sandbox runs on the host as its own uid: teardown must take
 //! back everything it left outside its directory (System V IPC, POSIX shm
-//! in /dev/shm, files in /tmp, its kernel keyring) before its uid can go
-//! to the next tenant, and its uid is not handed out again at once.
+//! in /dev/shm, files in /tmp and /run/lock, its kernel keyring) before
+//! its uid can go to the next tenant, and its uid is not handed out again
+//! at once.
 
 mod common;
 
@@ -34,6 +35,7 @@ msg = libc.msgget(IPC_PRIVATE, IPC_CREAT | 0o644)
 print("SYSV", shm, sem, msg, flush=True)
 open("/dev/shm/{marker}", "w").write("left in /dev/shm")
 open("/tmp/{marker}", "w").write("left in /tmp")
+open("/var/lock/{marker}", "w").write("left in /run/lock, through its link")
 os.mkdir("/tmp/{marker}.d")
 open("/tmp/{marker}.d/inner", "w").write("x")
 libc.syscall.restype = ctypes.c_long
@@ -103,9 +105,14 @@ async fn a_none_run_leaves_no_ipc_shm_tmp_file_or_key_of_its_uid() {
     // Proof they existed: seen from the host while the run sleeps.
     let shm = PathBuf::from(format!("/dev/shm/{marker}"));
     let tmp = PathBuf::from(format!("/tmp/{marker}"));
+    let lock = PathBuf::from(format!("/run/lock/{marker}"));
     let mut seen = false;
     for _ in 0..100 {
-        if ["shm", "sem", "msg"].iter().all(|k| !sysv_of(k, uid).is_empty()) && shm.exists() && tmp.exists() {
+        if ["shm", "sem", "msg"].iter().all(|k| !sysv_of(k, uid).is_empty())
+            && shm.exists()
+            && tmp.exists()
+            && lock.exists()
+        {
             seen = true;
             break;
         }
@@ -132,6 +139,7 @@ async fn a_none_run_leaves_no_ipc_shm_tmp_file_or_key_of_its_uid() {
     }
     assert!(!shm.exists(), "{} survived teardown", shm.display());
     assert!(!tmp.exists(), "{} survived teardown", tmp.display());
+    assert!(!lock.exists(), "{} survived teardown", lock.display());
     assert!(!Path::new(&format!("/tmp/{marker}.d")).exists(), "its /tmp directory survived");
     assert!(!key_visible_to(uid, &marker), "the next tenant of uid {uid} reads the key");
     daemon.stop().await;
@@ -274,4 +282,47 @@ async fn session_keyring_attack() {
     let second = finished(&daemon.execute(request("test.none", &search)).await);
     assert!(second.tool_output.contains("ABSENT"), "the next sandbox read the key: {}", second.tool_output);
     daemon.stop().await;
+}
+
+/// An unprivileged daemon on a host without a usable cgroup hierarchy has
+/// nothing that finds what a `none` sandbox starts with `setsid`: such a
+/// sandbox is refused with the reason, and nothing of the task is left
+/// running (nor is a destroy called a success that could not kill).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unprivileged_daemon_without_cgroups_refuses_a_none_sandbox() {
+    use corral::pb::execution_service_client::ExecutionServiceClient;
+    const UID: u32 = 64000;
+    let marker = format!("77{}", std::process::id());
+    let dir = common::data_tempdir();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::os::unix::fs::chown(&data, Some(UID), Some(UID)).unwrap();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir(&profiles).unwrap();
+    let (name, text) = none_profile();
+    let text = format!("{text}memory_bytes = 0\nmax_processes = 0\ncpu_millis = 0\n");
+    std::fs::write(profiles.join(name), text).unwrap();
+    let wrapper = ["setpriv", "--reuid", "64000", "--regid", "64000", "--clear-groups", "--"];
+    let daemon = common::ServeProcess::start_wrapped(&data, &profiles, &[("HOME", "/tmp")], "", &wrapper).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let script = format!("setsid sleep {marker} & echo started");
+    let mut stream = client.execute(request("test.none", &script)).await.expect("execute").into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        events.push(event);
+    }
+    let execution = finished(&events);
+    let alive = common::processes_with(&marker);
+    daemon.stop().await;
+    assert_eq!(alive, 0, "a setsid process of the none sandbox outlived its run: {execution:?}");
+    assert_ne!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+    assert!(
+        execution.tool_error.contains("setsid") && execution.tool_error.contains("not root"),
+        "the refusal names the reason: {}",
+        execution.tool_error
+    );
+    assert!(!events.iter().any(|e| matches!(e.kind, Some(Kind::Dispatched(_)))), "the task ran");
+    // Refused by the gate, before any sandbox exists: the host cannot enforce it.
+    let stage = execution.evidence.as_ref().map(|e| e.failure_stage);
+    assert_eq!(stage, Some(pb::FailureStage::Gate as i32), "{execution:?}");
 }

@@ -106,6 +106,48 @@ async fn flooded_output_is_capped_and_reported() {
     assert!(execution.tool_output.len() <= 65536 + 1024);
 }
 
+/// Output past the cap is reported even when the run is cut at its timeout
+/// (the harness never ends its turn itself): one event per stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_dropped_before_a_timeout_is_reported() {
+    require_bwrap();
+    let profile = r#"id = "test.flood-hang"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-s"]
+input = "description"
+[sandbox]
+type = "linux_bwrap"
+write_paths = ["."]
+[limits]
+timeout_seconds = 2
+max_output_bytes = 1000
+"#;
+    let options = Options { profiles: vec![("flood-hang.toml".into(), profile.into())], ..Options::default() };
+    let daemon = TestDaemon::start(options).await;
+    let line = "x".repeat(99);
+    let script = format!("i=0; while [ $i -lt 50 ]; do echo {line}; echo {line} >&2; i=$((i+1)); done; sleep 30");
+    let events = daemon.execute(request("test.flood-hang", &script)).await;
+    let execution = finished(&events);
+    assert!(execution.tool_error.contains("timed out"), "{}", execution.tool_error);
+    let mut truncated: Vec<(pb::OutputStream, u64)> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::OutputTruncated(t)) => Some((t.stream(), t.bytes_dropped)),
+            _ => None,
+        })
+        .collect();
+    truncated.sort();
+    assert_eq!(
+        truncated.iter().map(|t| t.0).collect::<Vec<_>>(),
+        vec![pb::OutputStream::Stdout, pb::OutputStream::Stderr],
+        "{:?}",
+        kinds(&events)
+    );
+    assert!(truncated.iter().all(|t| t.1 >= 5000 - 1000), "{truncated:?}");
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hanging_harness_is_killed_at_its_timeout_with_its_whole_group() {
     require_bwrap();

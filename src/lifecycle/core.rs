@@ -604,9 +604,12 @@ impl Core {
         let cancel = caller_cancel.child_token();
         let budget = self.profile().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
         let watch = match self.phase.ready() {
-            Some(ready) if budget.is_limited() => {
-                Some(WorkspaceWatch::start(ready.sandbox.root.clone(), budget, cancel.clone()))
-            }
+            Some(ready) if budget.is_limited() => Some(WorkspaceWatch::start(
+                ready.sandbox.root.clone(),
+                budget,
+                ready.sandbox.cgroup.clone(),
+                cancel.clone(),
+            )),
             _ => None,
         };
         let t = Instant::now();
@@ -777,8 +780,9 @@ impl Core {
         if !budget.is_limited() || self.workspace_over {
             return;
         }
-        let root = ready.sandbox.root.clone();
-        let usage = tokio::task::spawn_blocking(move || tree_usage(&root, budget)).await.unwrap_or_default();
+        let (root, cgroup) = (ready.sandbox.root.clone(), ready.sandbox.cgroup.clone());
+        let usage =
+            tokio::task::spawn_blocking(move || tree_usage(&root, budget, cgroup.as_deref())).await.unwrap_or_default();
         if budget.exceeded_by(usage) {
             let (event, raw) = workspace_hit(usage, budget);
             self.workspace_over = true;

@@ -4,6 +4,7 @@
 //! the reading of what the sandbox's cgroup cut (OOM kills, refused forks),
 //! each turned into one `limit` event.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,53 +13,76 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::events::EventKind;
-use crate::sandbox::cgroup::LimitHits;
+use crate::sandbox::cgroup::{LimitHits, SandboxCgroup};
+use crate::sandbox::open_to_owner;
 
 /// How often a running harness's workspace is measured.
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
-/// What a sandbox's own tree holds: bytes (apparent sizes) and inodes
-/// (every file, directory and link below the root).
+/// What a sandbox's own tree holds: bytes (the larger of each file's
+/// apparent size and its allocated blocks, plus the blocks of files its
+/// processes deleted but keep open) and inodes (every file, directory and
+/// link below the root).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TreeUsage {
+    /// Bytes the tree holds on disk or claims to (see above).
     pub bytes: u64,
+    /// Files, directories and links below the root.
     pub inodes: u64,
 }
 
 /// `max_workspace_bytes` and `max_workspace_inodes` of a run; 0 = not limited.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TreeBudget {
+    /// `max_workspace_bytes`.
     pub max_bytes: u64,
+    /// `max_workspace_inodes`.
     pub max_inodes: u64,
 }
 
 impl TreeBudget {
+    /// The budget a profile's `[limits]` set.
     pub fn from_limits(limits: &crate::catalog::Limits) -> TreeBudget {
         TreeBudget { max_bytes: limits.max_workspace_bytes, max_inodes: limits.max_workspace_inodes }
     }
 
+    /// Whether either limit is set.
     pub fn is_limited(&self) -> bool {
         self.max_bytes > 0 || self.max_inodes > 0
     }
 
+    /// Whether `usage` is over either limit.
     pub fn exceeded_by(&self, usage: TreeUsage) -> bool {
         (self.max_bytes > 0 && usage.bytes > self.max_bytes) || (self.max_inodes > 0 && usage.inodes > self.max_inodes)
     }
 }
 
+/// What one file costs the budget: its apparent size, or what it holds on
+/// disk when that is more (`fallocate --keep-size` allocates blocks past
+/// the end of a file, which no size shows and RLIMIT_FSIZE does not stop).
+fn file_bytes(meta: &std::fs::Metadata) -> u64 {
+    meta.len().max(meta.blocks().saturating_mul(512))
+}
+
 /// Bytes and inodes under `root` (symlinks not followed), stopping early
 /// once past `budget`. The root is the sandbox's own directory, so the
-/// workspace, HOME and any other writable place under it are all counted.
-pub fn tree_usage(root: &Path, budget: TreeBudget) -> TreeUsage {
+/// workspace, HOME and any other writable place under it are all counted,
+/// and so are the files on its filesystem that its uid's processes
+/// deleted but keep open (see [`unlinked_open_bytes`]).
+pub fn tree_usage(root: &Path, budget: TreeBudget, cgroup: Option<&SandboxCgroup>) -> TreeUsage {
     let mut usage = TreeUsage::default();
+    let Ok(top) = std::fs::symlink_metadata(root) else { return usage };
+    let euid = crate::sandbox::host::effective_uid();
+    open_to_owner(root, &top, euid);
     let mut stack: Vec<PathBuf> = vec![root.to_path_buf()];
     while let Some(dir) = stack.pop() {
         let Ok(entries) = std::fs::read_dir(&dir) else { continue };
         for entry in entries.flatten() {
             usage.inodes += 1;
             let Ok(meta) = entry.metadata() else { continue };
-            usage.bytes = usage.bytes.saturating_add(meta.len());
+            usage.bytes = usage.bytes.saturating_add(file_bytes(&meta));
             if meta.is_dir() {
+                open_to_owner(&entry.path(), &meta, euid);
                 stack.push(entry.path());
             }
             if budget.exceeded_by(usage) {
@@ -66,7 +90,60 @@ pub fn tree_usage(root: &Path, budget: TreeBudget) -> TreeUsage {
             }
         }
     }
+    // The sandbox's user owns its workspace (the daemon's own uid when the
+    // daemon is not root). Never root: a root daemon gives every sandbox a
+    // uid of its own, and root's deleted files are the host's.
+    if let Some(workspace) = std::fs::symlink_metadata(root.join("workspace")).ok().filter(|m| m.uid() != 0) {
+        let held = unlinked_open_bytes(workspace.uid(), top.dev(), cgroup);
+        usage.bytes = usage.bytes.saturating_add(held);
+    }
     usage
+}
+
+/// Blocks, on device `dev`, of the files that processes of host uid `uid`
+/// hold open (or mapped) after deleting them: they are nowhere in the tree
+/// but fill its disk all the same until the last holder exits. Each file
+/// counts once, whoever holds it how often; the daemon's own files never.
+/// The holders are the processes of the sandbox's cgroup when it has one
+/// (one read, whatever runs on the host), else every process in `/proc`
+/// whose real uid is `uid`.
+pub fn unlinked_open_bytes(uid: u32, dev: u64, cgroup: Option<&SandboxCgroup>) -> u64 {
+    let me = std::process::id().to_string();
+    let holders: Vec<String> = match cgroup {
+        Some(cgroup) => cgroup.pids().iter().map(|p| p.to_string()).filter(|p| *p != me).collect(),
+        None => {
+            let Ok(procs) = std::fs::read_dir("/proc") else { return 0 };
+            procs
+                .flatten()
+                .filter_map(|e| e.file_name().to_str().map(str::to_string))
+                .filter(|p| p.bytes().all(|b| b.is_ascii_digit()) && *p != me)
+                .filter(|p| real_uid(p) == Some(uid))
+                .collect()
+        }
+    };
+    let mut seen = std::collections::HashSet::new();
+    let mut bytes = 0u64;
+    for pid in &holders {
+        for table in ["fd", "map_files"] {
+            let Ok(held) = std::fs::read_dir(format!("/proc/{pid}/{table}")) else { continue };
+            for link in held.flatten() {
+                // stat(2) follows the link to the file itself, deleted or not.
+                let Ok(meta) = std::fs::metadata(link.path()) else { continue };
+                if meta.nlink() == 0 && meta.dev() == dev && meta.is_file() && seen.insert(meta.ino()) {
+                    bytes = bytes.saturating_add(file_bytes(&meta));
+                }
+            }
+        }
+    }
+    bytes
+}
+
+/// The real uid of process `pid` (from its status, which a process cannot
+/// hide by making itself undumpable as it can the owner of its `/proc` entry).
+fn real_uid(pid: &str) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    line.split_whitespace().next()?.parse().ok()
 }
 
 /// A watch over a sandbox's tree while a turn runs: past its budget it
@@ -77,14 +154,22 @@ pub struct WorkspaceWatch {
 }
 
 impl WorkspaceWatch {
-    pub fn start(root: PathBuf, budget: TreeBudget, cancel: CancellationToken) -> WorkspaceWatch {
+    pub fn start(
+        root: PathBuf,
+        budget: TreeBudget,
+        cgroup: Option<Arc<SandboxCgroup>>,
+        cancel: CancellationToken,
+    ) -> WorkspaceWatch {
         let seen = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
         let found = seen.clone();
         let task = tokio::spawn(async move {
             loop {
                 tokio::time::sleep(WATCH_EVERY).await;
-                let dir = root.clone();
-                let Ok(usage) = tokio::task::spawn_blocking(move || tree_usage(&dir, budget)).await else { return };
+                let (dir, cgroup) = (root.clone(), cgroup.clone());
+                let Ok(usage) = tokio::task::spawn_blocking(move || tree_usage(&dir, budget, cgroup.as_deref())).await
+                else {
+                    return;
+                };
                 if budget.exceeded_by(usage) {
                     found.0.store(usage.bytes, Ordering::SeqCst);
                     found.1.store(usage.inodes, Ordering::SeqCst);
@@ -240,13 +325,13 @@ mod tests {
         std::fs::write(dir.path().join("home/big"), vec![0u8; 5000]).unwrap();
         std::os::unix::fs::symlink("/usr", dir.path().join("workspace/link")).unwrap();
         let none = TreeBudget::default();
-        let usage = tree_usage(dir.path(), none);
+        let usage = tree_usage(dir.path(), none, None);
         assert!((6000..6000 + 5 * 8192).contains(&usage.bytes), "{usage:?}");
         assert_eq!(usage.inodes, 6, "workspace, d, a, home, big, link: {usage:?}");
         let bytes = TreeBudget { max_bytes: 5500, max_inodes: 0 };
-        assert!(bytes.exceeded_by(tree_usage(dir.path(), bytes)), "HOME counts");
+        assert!(bytes.exceeded_by(tree_usage(dir.path(), bytes, None)), "HOME counts");
         let inodes = TreeBudget { max_bytes: 0, max_inodes: 5 };
-        assert!(inodes.exceeded_by(tree_usage(dir.path(), inodes)));
+        assert!(inodes.exceeded_by(tree_usage(dir.path(), inodes, None)));
         assert!(!TreeBudget { max_bytes: 1 << 20, max_inodes: 6 }.exceeded_by(usage));
         let (_, raw) = workspace_hit(TreeUsage { bytes: 10, inodes: 9 }, inodes);
         assert!(raw.contains("9 files, over limits.max_workspace_inodes = 5"), "{raw}");

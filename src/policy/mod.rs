@@ -319,6 +319,14 @@ impl Gate {
                 }
             }
             SandboxType::None => {
+                // Teardown must find what the run started (setsid, double
+                // forks): without a cgroup and a uid of its own, nothing can.
+                if let Err(reason) = &capabilities.kill {
+                    return verdict(
+                        Action::Deny,
+                        format!("sandbox type none cannot be torn down on this host: {reason}"),
+                    );
+                }
                 if !sandbox.allow_network {
                     return verdict(
                         Action::Deny,

@@ -183,6 +183,7 @@ impl Rein for CommandRein {
             preset: profile.rein.preset,
             resumes: profile.rein.resumes(),
             max_output,
+            stdout_dropped: 0,
             parser: ParserState::new(prepared.model.clone()),
             model: prepared.model,
             turns: 0,
@@ -328,6 +329,9 @@ struct CommandSession {
     /// Each turn is a run of its own that resumes the conversation.
     resumes: bool,
     max_output: usize,
+    /// Bytes of stdout the current turn dropped past `max_output` so far:
+    /// reported even when the turn is cut (timeout, cancel).
+    stdout_dropped: u64,
     parser: ParserState,
     /// The model the parser starts each run from.
     model: String,
@@ -460,6 +464,7 @@ impl CommandSession {
         }
 
         let mut plain = CappedBuffer::new(self.max_output);
+        self.stdout_dropped = 0;
         let mut result = None;
         // Set when the harness has exited (with where its output ended):
         // what it wrote is read to the end.
@@ -512,6 +517,7 @@ impl CommandSession {
                         let _ = dispatch.events.send(HarnessEvent::Output { line: text }).await;
                     }
                     plain.push_line(&line, dropped);
+                    self.stdout_dropped = plain.dropped;
                 }
                 Line::Events(events) => {
                     for event in events {
@@ -542,11 +548,8 @@ impl CommandSession {
             }
         }
         let stderr = self.take_stderr();
-        for (stream, dropped) in [("stdout", plain.dropped), ("stderr", stderr.dropped)] {
-            if dropped > 0 {
-                let _ = dispatch.events.send(HarnessEvent::OutputTruncated { stream, bytes_dropped: dropped }).await;
-            }
-        }
+        self.stdout_dropped = 0;
+        report_truncated(dispatch, plain.dropped, stderr.dropped).await;
         let exit = if self.run.stdout.is_none() {
             Some(self.run.process.wait().await.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?)
         } else {
@@ -586,6 +589,15 @@ impl CommandSession {
     }
 }
 
+/// One `output_truncated` event for each stream that lost bytes past the cap.
+async fn report_truncated(dispatch: &Dispatch, stdout: u64, stderr: u64) {
+    for (stream, dropped) in [("stdout", stdout), ("stderr", stderr)] {
+        if dropped > 0 {
+            let _ = dispatch.events.send(HarnessEvent::OutputTruncated { stream, bytes_dropped: dropped }).await;
+        }
+    }
+}
+
 fn describe_exit(status: std::process::ExitStatus, stderr: &str) -> String {
     let mut text = match status.code() {
         Some(code) => format!("harness exited with status {code}"),
@@ -613,17 +625,16 @@ impl HarnessSession for CommandSession {
             _ = tokio::time::sleep(timeout) => Stop::TimedOut,
             _ = cancel.cancelled() => Stop::Cancelled,
         };
-        match stop {
-            Stop::Done(result) => result,
-            Stop::TimedOut => {
-                let _ = self.run.process.terminate(KILL_GRACE).await;
-                Err(ReinError::TimedOut(timeout))
-            }
-            Stop::Cancelled => {
-                let _ = self.run.process.terminate(KILL_GRACE).await;
-                Err(ReinError::Cancelled)
-            }
-        }
+        let error = match stop {
+            Stop::Done(result) => return result,
+            Stop::TimedOut => ReinError::TimedOut(timeout),
+            Stop::Cancelled => ReinError::Cancelled,
+        };
+        let _ = self.run.process.terminate(KILL_GRACE).await;
+        // The cut turn never reached its own report of what it dropped.
+        let stderr = self.take_stderr();
+        report_truncated(&dispatch, std::mem::take(&mut self.stdout_dropped), stderr.dropped).await;
+        Err(error)
     }
 
     fn invocation(&self) -> crate::types::evidence::HarnessInvocation {

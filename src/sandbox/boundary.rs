@@ -20,6 +20,11 @@ use crate::net::ProxyHandle;
 /// How long destroy waits for a sandbox's processes to be gone.
 const KILL_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Why a `none` sandbox needs a cgroup or a uid of its own.
+pub(super) const NONE_CANNOT_BE_KILLED: &str = "a none sandbox's teardown finds what it started (setsid, double \
+     forks) through its cgroup or its own host uid, and this daemon has neither (no usable cgroup hierarchy, and not \
+     root)";
+
 /// Host paths of one sandbox, all under its root.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SandboxPaths {
@@ -243,6 +248,15 @@ impl Boundary {
         let result = match (&sandbox.cgroup, own_uid(sandbox)) {
             (Some(cgroup), _) => cgroup.kill_all(KILL_TIMEOUT).await.map_err(|e| e.to_string()),
             (None, Some(user)) => kill_uid(user.uid, KILL_TIMEOUT).await.map(drop),
+            // A `none` sandbox without either has nothing that finds what
+            // it started (`setsid`, double forks): never call that a kill.
+            // (`create` refuses one; a crashed daemon's leftover, whose
+            // backend is not known, is `Destroying`.)
+            (None, None)
+                if sandbox.backend == super::SandboxType::None && sandbox.state != super::SandboxState::Destroying =>
+            {
+                Err(NONE_CANNOT_BE_KILLED.to_string())
+            }
             (None, None) => Ok(()),
         };
         result.map_err(SandboxError::Destroy)
@@ -286,13 +300,17 @@ impl Boundary {
             }
         }
         // What it left on the host outside its directory (IPC, /tmp,
-        // /dev/shm, keyrings), before its uid can go to another sandbox.
+        // /dev/shm, /run/lock, keyrings), before its uid can go to another
+        // sandbox.
         if let Some(user) = own.filter(|_| none) {
             if uid_gone {
-                let dirs: Vec<&Path> = uid_state::SHARED_DIRS.iter().map(Path::new).collect();
-                let purged = tokio::task::spawn_blocking(move || uid_state::purge(user.uid, user.gid, &dirs))
-                    .await
-                    .unwrap_or_else(|e| Err(format!("purge of uid {}: {e}", user.uid)));
+                let purged = tokio::task::spawn_blocking(move || {
+                    let dirs = uid_state::shared_dirs();
+                    let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).collect();
+                    uid_state::purge(user.uid, user.gid, &dirs)
+                })
+                .await
+                .unwrap_or_else(|e| Err(format!("purge of uid {}: {e}", user.uid)));
                 if let Err(e) = purged {
                     errors.push(e);
                 }
@@ -376,10 +394,59 @@ impl Boundary {
 }
 
 pub(super) async fn remove_root(root: &Path) -> Result<(), SandboxError> {
-    match tokio::fs::remove_dir_all(root).await {
+    let root = root.to_path_buf();
+    tokio::task::spawn_blocking(move || remove_tree(&root))
+        .await
+        .unwrap_or_else(|e| Err(SandboxError::Destroy(format!("remove: {e}"))))
+}
+
+fn remove_tree(root: &Path) -> Result<(), SandboxError> {
+    let mut removed = std::fs::remove_dir_all(root);
+    if matches!(&removed, Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied) {
+        // A directory the harness closed to its owner (the daemon's own
+        // uid, under an unprivileged daemon): opened again, then removed.
+        open_tree_to_owner(root);
+        removed = std::fs::remove_dir_all(root);
+    }
+    match removed {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(SandboxError::Destroy(format!("remove {}: {e}", root.display()))),
+    }
+}
+
+/// Gives the daemon back the use of a directory it owns that the harness
+/// (running as the daemon's uid, under an unprivileged daemon) closed to
+/// its owner (`chmod 300`), so that what is below it can be counted and
+/// removed. A root daemon reads and removes any directory as it is.
+pub fn open_to_owner(dir: &Path, meta: &std::fs::Metadata, euid: u32) {
+    use std::os::unix::fs::MetadataExt;
+    let mode = meta.mode() & 0o7777;
+    if euid != 0 && meta.is_dir() && meta.uid() == euid && mode & 0o700 != 0o700 {
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode | 0o700));
+    }
+}
+
+/// [`open_to_owner`] for every directory under `root`, parents first,
+/// links not followed.
+fn open_tree_to_owner(root: &Path) {
+    let euid = super::host::effective_uid();
+    if euid == 0 {
+        return;
+    }
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(meta) = std::fs::symlink_metadata(&dir) else { continue };
+        if !meta.is_dir() {
+            continue;
+        }
+        open_to_owner(&dir, &meta, euid);
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(entry.path());
+            }
+        }
     }
 }
 

@@ -29,7 +29,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-pub use boundary::{Boundary, SandboxPaths};
+pub use boundary::{open_to_owner, Boundary, SandboxPaths};
 pub use bwrap::find_on_path;
 
 /// Where the gate endpoint listens inside every sandbox whose agent has a

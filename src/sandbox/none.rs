@@ -5,8 +5,10 @@
 //! teardown that finds every process, `setsid` or not), rlimits, a private
 //! `TMPDIR` under its own directory, a session keyring of its own, and a
 //! teardown that purges what its uid left on the host (System V IPC, its
-//! entries in /tmp, /var/tmp, /dev/shm and /dev/mqueue, its keyrings; see
-//! `uid_state`) before the uid is released.
+//! entries in /tmp, /var/tmp, /dev/shm, /dev/mqueue, /run/lock, its
+//! keyrings; see `uid_state`) before the uid is released. Without a cgroup
+//! and a uid of its own (an unprivileged daemon on a host without cgroups)
+//! nothing would find what it starts: it is not created.
 
 use std::sync::Arc;
 
@@ -51,7 +53,17 @@ impl SandboxBackend for NoneBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::from_cgroups(self.boundary.cgroups.as_deref())
+        let mut capabilities = Capabilities::from_cgroups(self.boundary.cgroups.as_deref());
+        // Without a cgroup, a root daemon's sandbox still has a uid of its
+        // own to sweep; an unprivileged daemon's has nothing.
+        if capabilities.kill.is_err() {
+            capabilities.kill = if effective_uid() == 0 {
+                Ok("a sweep of the sandbox's own host uid".into())
+            } else {
+                Err(super::boundary::NONE_CANNOT_BE_KILLED.into())
+            };
+        }
+        capabilities
     }
 
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
@@ -63,6 +75,9 @@ impl SandboxBackend for NoneBackend {
                  namespace of its own)"
                     .into(),
             ));
+        }
+        if self.boundary.cgroups.is_none() && req.user.is_none() {
+            return Err(SandboxError::Unavailable(super::boundary::NONE_CANNOT_BE_KILLED.into()));
         }
         let (paths, cgroup) = self.boundary.prepare(req)?;
         let mut write_roots = vec![paths.workspace.to_string_lossy().into_owned()];

@@ -2,18 +2,20 @@
 //! and its removal at teardown.
 //!
 //! A `none` sandbox runs on the host as its own uid, with the host's IPC
-//! namespace, `/tmp`, `/dev/shm` and kernel keyrings. Whatever it leaves
-//! there under its uid would be readable by the next sandbox given that uid
-//! (or, for world-readable objects, by anyone). Teardown, once nothing of
-//! the uid is alive, removes:
+//! namespace, `/tmp`, `/dev/shm`, `/run/lock` and kernel keyrings.
+//! Whatever it leaves there under its uid would be readable by the next
+//! sandbox given that uid (or, for world-readable objects, by anyone).
+//! Teardown, once nothing of the uid is alive, removes:
 //!
 //! - its System V IPC objects (shared memory, semaphores, message queues):
 //!   found in `/proc/sysvipc/{shm,sem,msg}` by owner or creator uid,
 //!   removed with `IPC_RMID`;
 //! - its top-level entries in the world-writable directories `/tmp`,
-//!   `/var/tmp`, `/dev/shm` (POSIX shared memory) and `/dev/mqueue` (POSIX
-//!   message queues), unlinked without following symlinks (a directory goes
-//!   with everything in it, `remove_dir_all` does not follow links either).
+//!   `/var/tmp`, `/dev/shm` (POSIX shared memory), `/dev/mqueue` (POSIX
+//!   message queues), `/run/lock` (`/var/lock`) and `/var/crash`, where the
+//!   host has them ([`SHARED_DIRS`]), unlinked without following symlinks
+//!   (a directory goes with everything in it, `remove_dir_all` does not
+//!   follow links either).
 //!   Files of the uid deeper in other users' directories are not searched;
 //! - the keys of its user, user-session and persistent keyrings: a forked
 //!   helper takes the uid, joins a fresh session keyring so that it
@@ -26,8 +28,26 @@
 
 use std::path::Path;
 
-/// World-writable directories a process of any uid can leave entries in.
-pub const SHARED_DIRS: &[&str] = &["/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue"];
+/// World-writable directories a process of any uid can leave entries in,
+/// on some Linux host or other (`/var/lock` and `/run/shm` are links to
+/// others on most; `/run/lock` is 1777 on Debian and Ubuntu, `/var/crash`
+/// on Ubuntu). See [`shared_dirs`] for the ones this host has.
+pub const SHARED_DIRS: &[&str] =
+    &["/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run/lock", "/var/lock", "/run/shm", "/var/crash"];
+
+/// The [`SHARED_DIRS`] this host has, each once: links resolved (so
+/// `/var/lock` and `/run/lock` are one), the missing left out.
+pub fn shared_dirs() -> Vec<std::path::PathBuf> {
+    let mut dirs: Vec<std::path::PathBuf> = Vec::new();
+    for dir in SHARED_DIRS {
+        if let Ok(real) = std::fs::canonicalize(dir) {
+            if real.is_dir() && !dirs.contains(&real) {
+                dirs.push(real);
+            }
+        }
+    }
+    dirs
+}
 
 /// Removes everything of `uid` this module knows to look for. Err lists
 /// each thing that could not be removed. Call only once no process of
@@ -277,6 +297,18 @@ mod tests {
                    0 9 600 0 0 0 0 300001 300001 300001 300001 0 0 0\n";
         assert_eq!(ipc_ids_of(Ipc::Msg, msg, 300001), vec![9]);
         assert!(ipc_ids_of(Ipc::Msg, msg, 1).is_empty());
+    }
+
+    #[test]
+    fn shared_dirs_are_each_named_once_by_their_real_path() {
+        let dirs = shared_dirs();
+        for (i, dir) in dirs.iter().enumerate() {
+            assert_eq!(&std::fs::canonicalize(dir).unwrap(), dir);
+            assert!(!dirs[i + 1..].contains(dir), "{} twice: {dirs:?}", dir.display());
+        }
+        if let Ok(lock) = std::fs::canonicalize("/run/lock") {
+            assert!(dirs.contains(&lock), "{dirs:?}");
+        }
     }
 
     #[test]
