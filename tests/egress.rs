@@ -639,3 +639,255 @@ curl -sS --max-time 20 -o /dev/null -w 'unknown %{http_code}\n' http://127.0.0.1
     assert_eq!((egress.allowed, egress.denied), (0, 2), "{egress:?}");
     daemon.stop().await;
 }
+
+/// Sockets this process (the daemon runs in it) holds on a gateway's port
+/// 3130: its listeners and the connections they accepted, whatever else
+/// the tests running beside this one hold.
+fn gateway_sockets() -> usize {
+    let mut count = 0;
+    for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        let Some(fd) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let mut addr: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        // SAFETY: getsockname on a descriptor number of this process with a
+        // buffer of the advertised size; a non-socket (or a closed number) just fails.
+        if unsafe { libc::getsockname(fd, (&mut addr as *mut libc::sockaddr_storage).cast(), &mut len) } != 0 {
+            continue;
+        }
+        if addr.ss_family as i32 == libc::AF_INET {
+            // SAFETY: the family says this storage holds a sockaddr_in.
+            let sin: libc::sockaddr_in = unsafe { std::ptr::read((&addr as *const libc::sockaddr_storage).cast()) };
+            count += usize::from(u16::from_be(sin.sin_port) == 3130);
+        }
+    }
+    count
+}
+
+/// A sandbox without network cannot exhaust the daemon's descriptors
+/// through its credential gateway: of 1,500 connections held open at once,
+/// the daemon holds at most the sandbox's cap, answers one past it 503
+/// (an egress deny with the reason), and another run starts promptly
+/// meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_flood_is_capped_and_answered_503_while_another_run_goes_on() {
+    require_bwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = format!("http://127.0.0.1:{}", closed.local_addr().unwrap().port());
+    drop(closed);
+    let (daemon, _key) = gatewayed_daemon("test.gateway-flood", "flood", "flood-upstream-secret-91ae", upstream).await;
+    let script = r#"python3 - <<'EOF'
+import os, resource, socket, time
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+held = [socket.create_connection(("127.0.0.1", 3130), timeout=5) for _ in range(1500)]
+print("opened", len(held), flush=True)
+time.sleep(1.5)
+s = socket.create_connection(("127.0.0.1", 3130), timeout=5)
+s.sendall(b"GET /flood/v1 HTTP/1.1\r\nHost: x\r\n\r\n")
+print("one more", s.recv(4096).split(b"\r\n")[0].decode(), flush=True)
+open("opened", "w").close()
+for _ in range(600):
+    if os.path.exists("done"):
+        break
+    time.sleep(0.05)
+EOF"#;
+    let before = gateway_sockets();
+    let mut client = daemon.executions().await;
+    let mut stream = client.execute(request("test.gateway-flood", script)).await.unwrap().into_inner();
+    let (mut events, mut workspace) = (Vec::new(), String::new());
+    while let Some(event) = stream.message().await.unwrap() {
+        let dispatched = matches!(event.kind, Some(Kind::Dispatched(_)));
+        if let Some(Kind::SandboxReady(ready)) = &event.kind {
+            workspace = ready.workspace_path.clone();
+        }
+        events.push(event);
+        if dispatched {
+            break;
+        }
+    }
+    assert!(!workspace.is_empty(), "no sandbox_ready with a workspace: {events:?}");
+    let marker = std::path::Path::new(&workspace).join("opened");
+    let (start, mut held) = (std::time::Instant::now(), 0);
+    while !marker.exists() {
+        held = held.max(gateway_sockets().saturating_sub(before));
+        assert!(start.elapsed() < std::time::Duration::from_secs(60), "never held open; {held} more descriptors");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let held = held.max(gateway_sockets().saturating_sub(before));
+    assert!(held < 400, "the daemon held {held} gateway sockets for 1,500 connections");
+
+    let start = std::time::Instant::now();
+    let other = daemon.execute(request("test.gateway-flood", "echo other-run")).await;
+    assert!(finished(&other).tool_output.contains("other-run"), "{:?}", finished(&other));
+    assert!(start.elapsed() < std::time::Duration::from_secs(20), "another run took {:?}", start.elapsed());
+
+    std::fs::write(std::path::Path::new(&workspace).join("done"), "").unwrap();
+    while let Some(event) = stream.message().await.unwrap() {
+        events.push(event);
+    }
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(out.contains("opened 1500"), "{out}\n{}", execution.tool_error);
+    assert!(out.contains("one more HTTP/1.1 503"), "{out}\n{}", execution.tool_error);
+    let denied: Vec<_> = egress_events(&events).into_iter().filter(|d| !d.allowed).collect();
+    assert!(!denied.is_empty(), "no egress deny for a refused connection");
+    for d in &denied {
+        assert_eq!(d.method(), pb::EgressMethod::Gateway, "{d:?}");
+        assert!(d.rule_or_reason.contains("connection limit"), "{d:?}");
+    }
+    daemon.stop().await;
+}
+
+/// A placeholder split between the CONNECT head's packet and the tunnel's
+/// next one is still seen: the proxy closes the tunnel before its second
+/// half reaches the upstream, and records an egress deny that says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placeholder_split_across_the_connect_head_never_reaches_the_upstream() {
+    require_bwrap();
+    let server = TestServer::start().await;
+    let key = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(key.path(), "split-upstream-secret-5b0c").unwrap();
+    let (id, text) = net_profile("test.split", &[format!("127.0.0.1:{}", server.port)], "");
+    let text = text.replacen("[rein]", "credential_route_refs = [\"split\"]\n[rein]", 1);
+    let file = key.path().to_path_buf();
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![(id, text)],
+        config: Box::new(move |c| {
+            let route = corral::credentials::RouteConfig {
+                file: Some(file),
+                inject_as: "SPLIT_TOKEN".into(),
+                upstream: Some("http://127.0.0.1:9".into()),
+                ..Default::default()
+            };
+            c.credentials.routes.insert("split".into(), route);
+        }),
+        ..Options::default()
+    })
+    .await;
+    let script = format!(
+        r#"python3 - <<'PY'
+import os, socket, time
+token = os.environ["SPLIT_TOKEN"].encode()
+print("placeholder", token.startswith(b"corral-split-"))
+s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+s.sendall(b"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\n\r\nPOST / HTTP/1.1\r\nx-api-key: " + token[:10])
+print("tunnel", s.recv(4096).split(b"\r\n")[0].decode(), flush=True)
+time.sleep(0.2)
+try:
+    s.sendall(token[10:] + b"\r\n\r\n")
+    s.recv(4096)
+except OSError:
+    pass
+PY"#,
+        port = server.port
+    );
+    let events = daemon.execute(request("test.split", &script)).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(out.contains("placeholder True") && out.contains("tunnel HTTP/1.1 200"), "{out}\n{}", execution.tool_error);
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let seen = server.seen();
+    assert!(seen.contains("x-api-key: corral-spl"), "the first half went through: {seen:?}");
+    assert!(!seen.contains("corral-split-"), "the upstream saw the placeholder: {seen:?}");
+    let denied: Vec<_> = egress_events(&events).into_iter().filter(|d| !d.allowed).collect();
+    assert_eq!(denied.len(), 1, "{denied:?}");
+    assert!(denied[0].rule_or_reason.contains("credential placeholder"), "{denied:?}");
+    daemon.stop().await;
+}
+
+/// Past the 256 connections one sandbox's proxy serves at once, the next
+/// is answered 503 at once (never left waiting in the backlog) and is an
+/// egress deny naming the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_257th_connection_of_a_sandbox_is_answered_503_at_once() {
+    let server = TestServer::start().await;
+    let port = server.port;
+    let daemon = daemon_with(vec![net_profile("test.257", &[format!("127.0.0.1:{port}")], "")]).await;
+    let script = format!(
+        r#"python3 - <<'EOF'
+import socket, time
+held = []
+for i in range(256):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+    s.sendall(b"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\n\r\n")
+    if b" 200 " not in s.recv(4096):
+        print("tunnel", i, "not open")
+    held.append(s)
+start = time.monotonic()
+s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+s.sendall(b"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\n\r\n")
+try:
+    head = s.recv(4096).split(b"\r\n")[0].decode()
+except OSError as e:
+    head = str(e)
+print("257th", head, "fast" if time.monotonic() - start < 2 else "slow", flush=True)
+EOF"#
+    );
+    let events = daemon.execute(request("test.257", &script)).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(!out.contains("not open"), "{out}\n{}", execution.tool_error);
+    assert!(out.contains("257th HTTP/1.1 503 Service Unavailable fast"), "{out}\n{}", execution.tool_error);
+    let denied: Vec<_> = egress_events(&events).into_iter().filter(|d| !d.allowed).collect();
+    assert_eq!(denied.len(), 1, "{denied:?}");
+    assert_eq!(denied[0].rule_or_reason, "this sandbox's proxy connection limit (256) is reached");
+    assert_eq!((denied[0].host.as_str(), denied[0].port), ("127.0.0.1", u32::from(port)));
+    daemon.stop().await;
+}
+
+/// A custom (protocol) profile with network reaches its own gatewayed
+/// route at `http://127.0.0.1:3130/<route>/…`, as the README says: the
+/// request goes past the egress proxy (which would refuse it: loopback,
+/// carrying a placeholder) to the gateway, which forwards it to the
+/// upstream with the real key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protocol_profile_with_network_reaches_its_own_gateway() {
+    require_bwrap();
+    let upstream = TestServer::start().await;
+    let secret = "net-gateway-upstream-secret-5be2";
+    let key = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(key.path(), secret).unwrap();
+    let (id, text) = net_profile("test.net-gateway", &["127.0.0.1:9".into()], "");
+    let text = text.replacen("[rein]", "credential_route_refs = [\"api\"]\n[rein]", 1);
+    let (file, url) = (key.path().to_path_buf(), format!("http://127.0.0.1:{}", upstream.port));
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![(id, text)],
+        config: Box::new(move |c| {
+            let route = corral::credentials::RouteConfig {
+                file: Some(file),
+                inject_as: "API_TOKEN".into(),
+                upstream: Some(url),
+                ..Default::default()
+            };
+            c.credentials.routes.insert("api".into(), route);
+        }),
+        ..Options::default()
+    })
+    .await;
+    let script = r#"echo "proxy ${HTTP_PROXY:-none}"
+curl -sS --max-time 20 -H "authorization: Bearer $API_TOKEN" http://127.0.0.1:3130/api/v1/ping 2>&1 | head -c 4000
+echo
+echo "curl done""#;
+    let events = daemon.execute(request("test.net-gateway", script)).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    assert!(out.contains("proxy http://"), "the sandbox has no egress proxy: {out}");
+    assert!(
+        out.contains("hello") && out.contains("curl done"),
+        "the gateway was not reached: {out}\n{}",
+        execution.tool_error
+    );
+    assert_eq!(pb::ExecutionState::try_from(execution.state).unwrap(), pb::ExecutionState::Succeeded, "{out}");
+    let seen = upstream.seen().to_ascii_lowercase();
+    assert!(seen.starts_with("get /v1/ping "), "the upstream was not asked the route's path: {seen}");
+    assert!(seen.contains(&format!("authorization: bearer {secret}")), "the real key was not injected: {seen}");
+    assert!(!seen.contains("corral-"), "a placeholder reached the upstream: {seen}");
+
+    let decisions = egress_events(&events);
+    assert_eq!(decisions.len(), 1, "{decisions:?}");
+    assert!(decisions[0].allowed, "{decisions:?}");
+    assert_eq!(decisions[0].method(), pb::EgressMethod::Gateway, "{decisions:?}");
+    let egress = execution.evidence.clone().unwrap().egress.unwrap();
+    assert_eq!((egress.allowed, egress.denied), (1, 0), "{egress:?}");
+    daemon.stop().await;
+}

@@ -158,9 +158,29 @@ pub type Gateway = crate::net::server::Served;
 /// What the gateway refused, for the run's `egress` events.
 pub type Refusals = Arc<crate::net::EgressLog>;
 
-/// Serves `routes` from `listener` (inside the sandbox's namespace).
+/// Connections one sandbox's gateway serves at once (as its egress proxy).
+pub const MAX_CONNECTIONS: usize = 256;
+
+/// Serves `routes` from `listener` (inside the sandbox's namespace). Each
+/// connection (the sandbox's side and the upstream's: two descriptors) is
+/// charged to the daemon's proxy budget the log carries, for its principal;
+/// past that budget or [`MAX_CONNECTIONS`] of this sandbox, a connection is
+/// answered 503 at once and recorded as a denied `gateway` egress event.
 pub fn serve(listener: tokio::net::TcpListener, routes: Arc<Vec<GatewayRoute>>, log: Refusals) -> Gateway {
-    crate::net::server::serve_http1(listener, None, Duration::from_secs(30), move |req| {
+    let budget = log.clone();
+    let refusals = log.clone();
+    let admission = crate::net::server::Admission {
+        max_connections: MAX_CONNECTIONS,
+        full: format!("this sandbox's gateway connection limit ({MAX_CONNECTIONS}) is reached"),
+        // The daemon always attaches its budget before the harness starts;
+        // a log without one (a bench) is bound by the cap above alone.
+        charge: Box::new(move || match budget.budget() {
+            Some((budget, principal)) => budget.acquire(principal).map(|p| Box::new(p) as Box<dyn Send>),
+            None => Ok(Box::new(())),
+        }),
+        refused: Box::new(move |reason| record(&refusals, None, Err(reason))),
+    };
+    crate::net::server::serve_http1_admitted(listener, admission, Duration::from_secs(30), move |req| {
         let (routes, log) = (routes.clone(), log.clone());
         async move { forward(req, &routes, &log).await }
     })

@@ -57,12 +57,20 @@ struct Counts {
     per_principal: HashMap<String, usize>,
 }
 
+/// Name lookups in flight for all sandboxes' proxies at once. A lookup
+/// (getaddrinfo) runs on one of the runtime's blocking threads (512) and
+/// cannot be cancelled: a resolver that never answers holds it until the
+/// system's own timeout, so without this bound one tenant could take them
+/// all and stall every other tenant's file and process work.
+pub const MAX_LOOKUPS: usize = 128;
+
 /// The proxies' shared budget of connections.
 pub struct ProxyBudget {
     max_total: usize,
     max_per_principal: usize,
     idle_timeout: Duration,
     counts: Mutex<Counts>,
+    lookups: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for ProxyBudget {
@@ -108,6 +116,7 @@ impl ProxyBudget {
             max_per_principal: max_per_principal.min(max_total),
             idle_timeout,
             counts: Mutex::default(),
+            lookups: Arc::new(tokio::sync::Semaphore::new(MAX_LOOKUPS)),
         })
     }
 
@@ -140,6 +149,15 @@ impl ProxyBudget {
         *counts.per_principal.entry(principal.to_string()).or_default() += 1;
         drop(counts);
         Ok(ConnectionPermit { budget: self.clone(), principal: principal.to_string() })
+    }
+
+    /// One name lookup's share of [`MAX_LOOKUPS`], held until the lookup
+    /// returns; never waits: at the limit, says so.
+    pub fn lookup(&self) -> Result<tokio::sync::OwnedSemaphorePermit, String> {
+        self.lookups
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| format!("the daemon's limit of name lookups in flight ({MAX_LOOKUPS}) is reached"))
     }
 
     /// Connections held now: in total, and by `principal`.

@@ -12,6 +12,7 @@ mod ip;
 mod log;
 mod protect;
 pub mod proxy;
+mod scan;
 pub mod server;
 
 pub use allowlist::{host_addresses, intersect, parse_hosts, Allowlist, HostPattern, Verdict};

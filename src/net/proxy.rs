@@ -12,12 +12,15 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{timeout, timeout_at, Instant};
 
 use super::allowlist::{clip, Allowlist, Target, Verdict};
 use super::http::{self, BadRequest, Request};
 pub use super::log::{EgressDecision, EgressLog};
+pub use super::scan::Scanner;
+use super::scan::{carries_forbidden, PLACEHOLDER_REFUSAL};
 
 /// Resolved addresses considered per attempt.
 const MAX_ADDRESSES: usize = 16;
@@ -43,15 +46,25 @@ pub(crate) struct Limits {
     pub max_head: usize,
     /// The whole head must arrive within this.
     pub head_timeout: Duration,
-    /// Concurrent connections; past it the proxy stops accepting until one ends.
+    /// Concurrent connections; one past it is answered 503 (an egress deny).
     pub max_connections: usize,
+    /// Name lookups in flight for this sandbox; one past it is answered 503.
+    pub max_lookups: usize,
 }
 
 impl Default for Limits {
     fn default() -> Limits {
-        Limits { max_head: 16 * 1024, head_timeout: Duration::from_secs(30), max_connections: 256 }
+        Limits { max_head: 16 * 1024, head_timeout: Duration::from_secs(30), max_connections: 256, max_lookups: 16 }
     }
 }
+
+/// Refusals of connections past [`Limits::max_connections`] in progress at
+/// once (each reads the head briefly, to name the target in its deny); one
+/// past it too is recorded and closed at once, so refusing has a bound as well.
+const MAX_REFUSING: usize = 16;
+
+/// One sandbox's name lookups in flight, and how many may be.
+type Lookups = (Arc<Semaphore>, usize);
 
 /// Stops the proxy when dropped (or aborted): the accept loop, its listener
 /// and every connection task with their sockets.
@@ -75,9 +88,10 @@ impl Drop for ProxyHandle {
 /// Serves `listener` until the returned handle is dropped or aborted: every accepted
 /// connection is handled on its own task; dropping the handle ends the accept loop AND every
 /// connection task, so no socket of the sandbox outlives it. Must be called within a tokio
-/// runtime. At most 256 connections are served at once; past that the proxy stops accepting
-/// (clients wait in the listen backlog) until one ends. The whole request head must arrive
-/// within 30 s.
+/// runtime. At most 256 connections are served at once; one past that is answered 503 and
+/// recorded as an egress deny. At most 16 name lookups are in flight for it (and at most
+/// [`super::budget::MAX_LOOKUPS`] for all sandboxes); one past that is answered 503 as well.
+/// The whole request head must arrive within 30 s.
 pub fn serve(listener: TcpListener, config: ProxyConfig, log: Arc<EgressLog>) -> ProxyHandle {
     serve_with(listener, config, log, Limits::default())
 }
@@ -89,20 +103,37 @@ pub(crate) fn serve_with(
     limits: Limits,
 ) -> ProxyHandle {
     let config = Arc::new(config);
+    let lookups = Arc::new((Arc::new(Semaphore::new(limits.max_lookups)), limits.max_lookups));
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
+    let full = format!("this sandbox's proxy connection limit ({}) is reached", limits.max_connections);
     let task = tokio::spawn(async move {
         // Owned by this task: aborting it drops the set, which aborts every connection.
         let mut connections = JoinSet::new();
         loop {
-            if connections.len() >= limits.max_connections {
-                connections.join_next().await;
-                continue;
-            }
             tokio::select! {
                 Some(_) = connections.join_next(), if !connections.is_empty() => {}
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => {
-                        connections.spawn(handle(stream, config.clone(), log.clone(), limits));
-                    }
+                    // Never left waiting in the backlog: served, or refused at once.
+                    Ok((stream, _)) => match slots.clone().try_acquire_owned() {
+                        Ok(slot) => {
+                            let (config, log, lookups) = (config.clone(), log.clone(), lookups.clone());
+                            connections.spawn(async move {
+                                handle(stream, config, log, limits, lookups).await;
+                                drop(slot);
+                            });
+                        }
+                        Err(_) => match refusing.clone().try_acquire_owned() {
+                            Ok(refusal) => {
+                                let (log, full) = (log.clone(), full.clone());
+                                connections.spawn(async move {
+                                    over_budget(stream, &log, limits, &full).await;
+                                    drop(refusal);
+                                });
+                            }
+                            Err(_) => log.record(denied(String::new(), 0, "http", &full)),
+                        },
+                    },
                     Err(error) => {
                         // EMFILE and friends: back off instead of spinning.
                         tracing::debug!(%error, "proxy accept failed");
@@ -160,7 +191,13 @@ async fn read_head(client: &mut TcpStream, buf: &mut Vec<u8>, limits: Limits) ->
 /// One client connection: take its share of the daemon's connection
 /// budget, read the head, decide, connect, then copy until both sides are
 /// done or it has been idle for the budget's idle timeout.
-async fn handle(mut client: TcpStream, config: Arc<ProxyConfig>, log: Arc<EgressLog>, limits: Limits) {
+async fn handle(
+    mut client: TcpStream,
+    config: Arc<ProxyConfig>,
+    log: Arc<EgressLog>,
+    limits: Limits,
+    lookups: Arc<Lookups>,
+) {
     let _ = client.set_nodelay(true);
     let permit = match log.budget() {
         Some((budget, principal)) => budget.acquire(principal),
@@ -195,7 +232,7 @@ async fn handle(mut client: TcpStream, config: Arc<ProxyConfig>, log: Arc<Egress
         }
     };
     let shown = Target::parse(&host).map(|t| t.to_string()).unwrap_or_else(|_| clip(&host));
-    let (mut upstream, rule) = match open(&config, &host, port).await {
+    let (mut upstream, rule) = match open(&config, &host, port, &log, &lookups).await {
         Ok(opened) => opened,
         Err((status, reason)) => {
             log.record(denied(shown, port, method, &reason));
@@ -220,8 +257,12 @@ async fn handle(mut client: TcpStream, config: Arc<ProxyConfig>, log: Arc<Egress
         return;
     }
     log.add_bytes(&key, up as u64, 0);
+    // The tunnel's scan goes on from what came with the head: a
+    // placeholder split between the two is still one placeholder.
+    let mut scanner = Scanner::new(log.forbidden());
+    scanner.hit(&buf);
     drop(buf);
-    if !tunnel(client, upstream, &key, &log, permit.idle_timeout()).await {
+    if !tunnel(client, upstream, &key, &log, permit.idle_timeout(), scanner).await {
         tracing::debug!(target: "corral::net", port, host_len, "proxied connection closed: idle");
     }
     drop(permit);
@@ -249,7 +290,13 @@ async fn over_budget(mut client: TcpStream, log: &EgressLog, limits: Limits, rea
 /// Judges `host:port` and connects to it: name check, resolution, a check of
 /// every resolved address, then the first address that accepts. The error is
 /// the status to answer and why.
-async fn open(config: &ProxyConfig, host: &str, port: u16) -> Result<(TcpStream, String), (u16, String)> {
+async fn open(
+    config: &ProxyConfig,
+    host: &str,
+    port: u16,
+    log: &EgressLog,
+    lookups: &Lookups,
+) -> Result<(TcpStream, String), (u16, String)> {
     let rule = match config.allowlist.check_name(host, port) {
         Verdict::Allow { rule } => rule,
         Verdict::Deny { reason } => return Err((403, reason)),
@@ -257,11 +304,25 @@ async fn open(config: &ProxyConfig, host: &str, port: u16) -> Result<(TcpStream,
     let mut addresses: Vec<SocketAddr> = match Target::parse(host) {
         Ok(Target::Ip(ip)) => vec![SocketAddr::new(ip, port)],
         Ok(Target::Name(name)) => {
-            match timeout(config.connect_timeout, tokio::net::lookup_host((name.as_str(), port))).await {
-                Ok(Ok(found)) => {
-                    found.take(MAX_ADDRESSES).map(|a| SocketAddr::new(a.ip().to_canonical(), a.port())).collect()
+            let permits = lookup_permits(log, lookups).map_err(|reason| (503, reason))?;
+            let lookup = {
+                let name = name.clone();
+                // getaddrinfo cannot be cancelled: the permits stay with the
+                // blocking thread until it returns, timed out here or not,
+                // so a resolver that never answers holds a bounded number of
+                // the runtime's blocking threads.
+                tokio::task::spawn_blocking(move || {
+                    let found = std::net::ToSocketAddrs::to_socket_addrs(&(name.as_str(), port));
+                    drop(permits);
+                    found.map(|found| found.take(MAX_ADDRESSES).collect::<Vec<_>>())
+                })
+            };
+            match timeout(config.connect_timeout, lookup).await {
+                Ok(Ok(Ok(found))) => {
+                    found.into_iter().map(|a| SocketAddr::new(a.ip().to_canonical(), a.port())).collect()
                 }
-                Ok(Err(error)) => return Err((502, format!("cannot resolve {name}: {error}"))),
+                Ok(Ok(Err(error))) => return Err((502, format!("cannot resolve {name}: {error}"))),
+                Ok(Err(_)) => return Err((502, format!("resolving {name} failed"))),
                 Err(_) => return Err((502, format!("resolving {name} timed out"))),
             }
         }
@@ -298,6 +359,23 @@ async fn open(config: &ProxyConfig, host: &str, port: u16) -> Result<(TcpStream,
         }
     }
     Err((502, last_error))
+}
+
+/// One name lookup's share: of this sandbox's and of the daemon's, taken at
+/// once or refused with the reason (a lookup never waits for a share).
+fn lookup_permits(
+    log: &EgressLog,
+    lookups: &Lookups,
+) -> Result<(tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit), String> {
+    let Some((budget, _)) = log.budget() else {
+        return Err("no connection budget is attached to this proxy".to_string());
+    };
+    let mine = lookups
+        .0
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| format!("this sandbox's limit of name lookups in flight ({}) is reached", lookups.1))?;
+    Ok((mine, budget.lookup()?))
 }
 
 fn denied(host: String, port: u16, method: &'static str, reason: &str) -> EgressDecision {
@@ -342,7 +420,14 @@ async fn refuse(mut client: TcpStream, status: u16, reason: &str) {
 /// counted as they are read, so the log is current even if the proxy is
 /// aborted mid-transfer. A tunnel that moves no byte either way for `idle`
 /// is closed: false then.
-async fn tunnel(mut client: TcpStream, mut upstream: TcpStream, key: &str, log: &EgressLog, idle: Duration) -> bool {
+async fn tunnel(
+    mut client: TcpStream,
+    mut upstream: TcpStream,
+    key: &str,
+    log: &EgressLog,
+    idle: Duration,
+    mut scanner: Scanner,
+) -> bool {
     use std::sync::atomic::{AtomicU64, Ordering};
     let (mut client_read, mut client_write) = client.split();
     let (mut upstream_read, mut upstream_write) = upstream.split();
@@ -352,8 +437,8 @@ async fn tunnel(mut client: TcpStream, mut upstream: TcpStream, key: &str, log: 
     let touch = || last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
     // What the client sends is looked through for the run's credential
     // placeholders (only plain text can show one: a TLS tunnel is opaque,
-    // and its far end sees a placeholder, never the secret).
-    let mut scanner = Scanner::new(log.forbidden());
+    // and its far end sees a placeholder, never the secret), by `scanner`,
+    // which has seen what came before.
     let up = pump(&mut client_read, &mut upstream_write, |chunk: &[u8]| {
         touch();
         log.add_bytes(key, chunk.len() as u64, 0);
@@ -390,46 +475,6 @@ async fn tunnel(mut client: TcpStream, mut upstream: TcpStream, key: &str, log: 
         },
     }
     true
-}
-
-/// Why a request or tunnel carrying a placeholder is refused.
-const PLACEHOLDER_REFUSAL: &str =
-    "it carries a credential placeholder of this run, which only corral's credential gateway takes";
-
-/// The refusal of a request head (and what followed it) that carries one
-/// of `forbidden`.
-fn carries_forbidden(bytes: &[u8], forbidden: &[String]) -> Option<String> {
-    let mut scanner = Scanner::new(forbidden);
-    scanner.hit(bytes).then(|| PLACEHOLDER_REFUSAL.to_string())
-}
-
-/// Finds any of a few needles in a byte stream read in chunks, across
-/// chunk boundaries.
-pub struct Scanner {
-    needles: Vec<Vec<u8>>,
-    tail: Vec<u8>,
-    keep: usize,
-}
-
-impl Scanner {
-    /// A scanner for `needles` (empty ones are ignored).
-    pub fn new(needles: &[String]) -> Scanner {
-        let needles: Vec<Vec<u8>> = needles.iter().filter(|n| !n.is_empty()).map(|n| n.as_bytes().to_vec()).collect();
-        let keep = needles.iter().map(Vec::len).max().unwrap_or(1).saturating_sub(1);
-        Scanner { needles, tail: Vec::new(), keep }
-    }
-
-    /// Whether a needle ends in `chunk` (it may start in an earlier one).
-    pub fn hit(&mut self, chunk: &[u8]) -> bool {
-        if self.needles.is_empty() {
-            return false;
-        }
-        self.tail.extend_from_slice(chunk);
-        let found = self.needles.iter().any(|n| self.tail.windows(n.len()).any(|w| w == n.as_slice()));
-        let cut = self.tail.len().saturating_sub(self.keep);
-        self.tail.drain(..cut);
-        found
-    }
 }
 
 /// Copies until EOF; `pass` sees each chunk first and may stop the copy.

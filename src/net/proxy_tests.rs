@@ -367,20 +367,102 @@ async fn abort_stops_the_proxy_too() {
     assert!(refused.is_ok());
 }
 
+/// Past the sandbox's connection limit a client is not left waiting in the
+/// backlog: it is answered 503 at once, and the refusal is an egress deny
+/// naming the target and the limit.
 #[tokio::test]
-async fn past_the_connection_limit_clients_wait_for_a_free_slot() {
+async fn past_the_connection_limit_a_client_is_answered_503_at_once() {
     let (server, _seen) = echo_server().await;
     let limits = Limits { max_connections: 1, ..Limits::default() };
     let p = proxy_with(&[server.to_string()], vec![], limits).await;
     let first = tunnel(p.addr, server).await;
     let mut second = TcpStream::connect(p.addr).await.unwrap();
     second.write_all(format!("CONNECT {server} HTTP/1.1\r\n\r\n").as_bytes()).await.unwrap();
-    let mut answer = [0u8; 39];
-    assert!(timeout(Duration::from_millis(300), second.read_exact(&mut answer)).await.is_err(), "not served yet");
+    let mut answer = Vec::new();
+    timeout(Duration::from_secs(2), second.read_to_end(&mut answer)).await.expect("answered within 2 s").unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+    assert!(answer.contains("this sandbox's proxy connection limit (1) is reached"), "{answer}");
+    let decisions = p.log.drain();
+    let denied = decisions.iter().find(|d| !d.allowed).expect("a deny");
+    assert_eq!((denied.host.as_str(), denied.port, denied.method), ("127.0.0.1", server.port(), "connect"));
+    assert_eq!(p.log.counts(), (1, 1));
+    // The slot comes back when the first ends.
     drop(first);
-    timeout(WAIT, second.read_exact(&mut answer)).await.expect("served once the first ends").unwrap();
-    assert!(answer.starts_with(b"HTTP/1.1 200 "));
-    assert_eq!(p.log.counts(), (2, 0));
+    timeout(WAIT, async {
+        loop {
+            let mut again = TcpStream::connect(p.addr).await.unwrap();
+            again.write_all(format!("CONNECT {server} HTTP/1.1\r\n\r\n").as_bytes()).await.unwrap();
+            let mut head = [0u8; 12];
+            if again.read_exact(&mut head).await.is_ok() && head.starts_with(b"HTTP/1.1 200") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("served once the first ends");
+}
+
+/// A name lookup never waits for a share of the lookups in flight (a
+/// resolver that never answers would hold the runtime's blocking threads):
+/// past this sandbox's limit, or the daemon's, the request is answered 503
+/// at once and is an egress deny with the reason.
+#[tokio::test]
+async fn past_the_lookups_in_flight_a_name_is_answered_503_at_once() {
+    let allow = ["lookup.invalid:443".to_string()];
+    let mine = proxy_with(&allow, vec![], Limits { max_lookups: 0, ..Limits::default() }).await;
+    let answer = exchange(mine.addr, b"CONNECT lookup.invalid:443 HTTP/1.1\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+    let decision = one_decision(&mine.log);
+    assert!(!decision.allowed);
+    assert_eq!((decision.host.as_str(), decision.port), ("lookup.invalid", 443));
+    assert_eq!(decision.rule_or_reason, "this sandbox's limit of name lookups in flight (0) is reached");
+
+    let all = proxy(&allow).await;
+    let (budget, _) = all.log.budget().unwrap();
+    let held: Vec<_> = (0..super::budget::MAX_LOOKUPS).map(|_| budget.lookup().unwrap()).collect();
+    let answer = exchange(all.addr, b"CONNECT lookup.invalid:443 HTTP/1.1\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+    assert_eq!(
+        one_decision(&all.log).rule_or_reason,
+        format!("the daemon's limit of name lookups in flight ({}) is reached", super::budget::MAX_LOOKUPS)
+    );
+    drop(held);
+    let answer = exchange(all.addr, b"CONNECT lookup.invalid:443 HTTP/1.1\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 502 "), "resolved (and failed) once a share is free: {answer}");
+}
+
+/// A placeholder split between the CONNECT head's read and the tunnel's
+/// first bytes is still one placeholder: the tunnel is closed before it
+/// reaches the upstream, and it is an egress deny.
+#[tokio::test]
+async fn a_placeholder_split_between_the_connect_head_and_the_tunnel_is_refused() {
+    let placeholder = "corral-anthropic-0123456789abcdef".to_string();
+    let (echo, mut echoed) = echo_server().await;
+    let p = proxy(&[format!("127.0.0.1:{}", echo.port())]).await;
+    p.log.forbid(vec![placeholder.clone()]);
+    let mut client = TcpStream::connect(p.addr).await.unwrap();
+    let (start, rest) = placeholder.split_at(10);
+    let first = format!("CONNECT {echo} HTTP/1.1\r\nHost: {echo}\r\n\r\nGET / HTTP/1.1\r\nx-api-key: {start}");
+    client.write_all(first.as_bytes()).await.unwrap();
+    let mut buf = [0u8; 256];
+    let n = timeout(WAIT, client.read(&mut buf)).await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let _ = client.write_all(format!("{rest}\r\n\r\n").as_bytes()).await;
+    let mut end = Vec::new();
+    let _ = timeout(WAIT, client.read_to_end(&mut end)).await;
+    let mut upstream = Vec::new();
+    while let Ok(Some(chunk)) = timeout(Duration::from_millis(200), echoed.recv()).await {
+        upstream.extend_from_slice(&chunk);
+    }
+    let upstream = String::from_utf8_lossy(&upstream);
+    assert!(!upstream.contains(&placeholder), "the upstream saw it: {upstream}");
+    let decisions = p.log.drain();
+    assert!(
+        decisions.iter().any(|d| !d.allowed && d.rule_or_reason.contains("credential placeholder")),
+        "{decisions:?}"
+    );
 }
 
 /// RFC 9112 §6.1: a request whose body framing is ambiguous (both

@@ -113,18 +113,24 @@ pub fn prepare(
         Preset::CodexExecJson => codex(rein, trust, credential_vars, model_gateway, &mut prepared)?,
     }
     if model_gateway.is_some() {
-        // The gateway and the hook listen on the namespace's loopback,
-        // where nothing else does: past the proxy, which refuses loopback.
-        // (Codex's client matches NO_PROXY by host only.)
-        let mut entries = vec!["127.0.0.1".to_string(), format!("127.0.0.1:{}", crate::credentials::GATEWAY_PORT)];
-        if gated {
-            entries.push(crate::gate::hook::no_proxy_entry());
-        }
-        prepared.env.retain(|(k, _)| k != "NO_PROXY" && k != "no_proxy");
-        let joined = entries.join(",");
-        prepared.env.extend([("NO_PROXY".into(), joined.clone()), ("no_proxy".into(), joined)]);
+        bypass_gateway(&mut prepared, gated);
     }
     Ok(prepared)
+}
+
+/// Sends a run's requests to its credential gateway past the egress proxy
+/// (which refuses loopback, and anything carrying a placeholder): for
+/// every run with gatewayed routes, whatever its preset. The gateway and
+/// the hook listen on the namespace's loopback, where nothing else does.
+/// (Codex's client matches NO_PROXY by host only.)
+pub fn bypass_gateway(prepared: &mut Prepared, gated: bool) {
+    let mut entries = vec!["127.0.0.1".to_string(), format!("127.0.0.1:{}", crate::credentials::GATEWAY_PORT)];
+    if gated {
+        entries.push(crate::gate::hook::no_proxy_entry());
+    }
+    prepared.env.retain(|(k, _)| k != "NO_PROXY" && k != "no_proxy");
+    let joined = entries.join(",");
+    prepared.env.extend([("NO_PROXY".into(), joined.clone()), ("no_proxy".into(), joined)]);
 }
 
 /// Knobs that keep a CLI from phoning home (telemetry, update checks, error
@@ -316,6 +322,22 @@ mod tests {
         assert_eq!(parsed["model_providers"]["corral"]["base_url"].as_str(), Some("https://api.openai.com/v1"));
         assert_eq!(parsed["model_providers"]["corral"]["env_key"].as_str(), Some("OPENAI_API_KEY"));
         assert!(parsed.get("model").is_none());
+    }
+
+    /// A protocol command with gatewayed routes reaches its gateway past
+    /// the proxy as the CLI presets do, with the gate's entry when gated.
+    #[test]
+    fn a_run_with_gatewayed_routes_bypasses_the_proxy_for_its_gateway() {
+        let script = rein(Preset::Protocol, &["/bin/sh", "-s"], "", "");
+        let mut p = prepare(&script, &verified(), &["MOCK_TOKEN"], false, None).unwrap();
+        assert_eq!(env(&p, "NO_PROXY"), None, "nothing to bypass yet");
+        bypass_gateway(&mut p, false);
+        assert_eq!(env(&p, "NO_PROXY"), Some("127.0.0.1,127.0.0.1:3130"));
+        assert_eq!(env(&p, "no_proxy"), Some("127.0.0.1,127.0.0.1:3130"));
+        let mut gated = prepare(&script, &verified(), &["MOCK_TOKEN"], true, None).unwrap();
+        bypass_gateway(&mut gated, true);
+        assert_eq!(env(&gated, "NO_PROXY"), Some("127.0.0.1,127.0.0.1:3130,127.0.0.1:3129"));
+        assert_eq!(gated.env.iter().filter(|(k, _)| k == "NO_PROXY").count(), 1, "set once");
     }
 
     #[test]

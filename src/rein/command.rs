@@ -147,8 +147,14 @@ impl Rein for CommandRein {
         let vars: Vec<&str> = ctx.credentials.iter().map(|(name, _)| name.as_str()).collect();
         let gated = !ctx.sandbox.gate.is_empty();
         let model_gateway = model_gateway(&ctx);
-        let prepared = cli_setup::prepare(&profile.rein, &trust, &vars, gated, model_gateway.as_deref())
+        let mut prepared = cli_setup::prepare(&profile.rein, &trust, &vars, gated, model_gateway.as_deref())
             .map_err(ReinError::Start)?;
+        // Any gatewayed route, not only the model's: with network the
+        // harness has HTTP(S)_PROXY, and the proxy refuses a request to
+        // the gateway (loopback, carrying a placeholder).
+        if !ctx.gateway.is_empty() {
+            cli_setup::bypass_gateway(&mut prepared, gated);
+        }
         for (path, text) in &prepared.home_files {
             home::write_file(&ctx.sandbox.home, path, text.as_bytes(), ctx.sandbox.user)
                 .map_err(|e| ReinError::Start(format!("cannot write ~/{path} for the harness: {e}")))?;
