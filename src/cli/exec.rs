@@ -45,16 +45,7 @@ async fn execute_request(args: ExecArgs) -> anyhow::Result<pb::ExecuteRequest> {
         // clap's argument group makes one of the two mandatory.
         (None, None) => anyhow::bail!("one of --description or --description-file is required"),
     };
-    // The daemon resolves the repo on its own filesystem with its own cwd,
-    // so a relative path must be anchored to where the user typed it.
-    let repo = match args.repo {
-        Some(path) => {
-            let absolute = std::path::absolute(&path)
-                .with_context(|| format!("cannot make --repo {} absolute", path.display()))?;
-            absolute.to_str().with_context(|| format!("--repo {} is not valid UTF-8", absolute.display()))?.to_owned()
-        }
-        None => String::new(),
-    };
+    let repo = repo_arg(args.repo)?;
     Ok(pb::ExecuteRequest {
         harness_profile_ref: args.profile,
         repo,
@@ -183,6 +174,16 @@ pub(super) fn exit_code(finished: &pb::Finished) -> i32 {
     } else {
         1
     }
+}
+
+/// `--repo` as the daemon reads it: the daemon resolves the repo on its
+/// own filesystem with its own cwd, so a relative path is anchored to where
+/// the user typed it (empty: none).
+pub(super) fn repo_arg(repo: Option<std::path::PathBuf>) -> anyhow::Result<String> {
+    let Some(path) = repo else { return Ok(String::new()) };
+    let absolute =
+        std::path::absolute(&path).with_context(|| format!("cannot make --repo {} absolute", path.display()))?;
+    Ok(absolute.to_str().with_context(|| format!("--repo {} is not valid UTF-8", absolute.display()))?.to_owned())
 }
 
 #[cfg(test)]

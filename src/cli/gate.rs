@@ -8,8 +8,6 @@
 
 use std::io::Write as _;
 
-use anyhow::Context as _;
-
 use super::json::{JsonEncoder, WireMessage};
 use super::output::Printer;
 use super::render::{gate_action, quote, sandbox_type};
@@ -22,16 +20,7 @@ impl WireMessage for pb::EvaluateGateResponse {
 }
 
 pub(super) async fn gate(server: &Remote, args: GateArgs, printer: &Printer) -> anyhow::Result<i32> {
-    // The daemon reads the repo on its own filesystem with its own cwd, as
-    // `corral exec` sends it.
-    let repo = match args.repo {
-        Some(path) => {
-            let absolute = std::path::absolute(&path)
-                .with_context(|| format!("cannot make --repo {} absolute", path.display()))?;
-            absolute.to_str().with_context(|| format!("--repo {} is not valid UTF-8", absolute.display()))?.to_owned()
-        }
-        None => String::new(),
-    };
+    let repo = super::exec::repo_arg(args.repo)?;
     let request = pb::EvaluateGateRequest {
         profile_ref: args.profile,
         actor: args.actor,
