@@ -455,7 +455,7 @@ async fn every_sandbox_command_carries_identity_routes_and_timeout_and_never_the
 /// not have is refused at resolution, with the reason: never run anyway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_profile_placed_on_labels_this_node_lacks_is_refused() {
-    let profile = "id = \"test.placed\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n[sandbox]\ntype = \"none\"\n[limits]\ntimeout_seconds = 5\n[placement]\nlabels = [\"gpu\"]\n";
+    let profile = "id = \"test.placed\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n[sandbox]\ntype = \"none\"\nwrite_paths = [\".\"]\n[limits]\ntimeout_seconds = 5\n[placement]\nlabels = [\"gpu\"]\n";
     let daemon =
         TestDaemon::start(Options { profiles: vec![("placed.toml".into(), profile.into())], ..Options::default() })
             .await;

@@ -370,6 +370,13 @@ fn protocol_profile(id: &str, rein: &str, extra: &str) -> String {
     )
 }
 
+/// A `none` profile whose write paths are `paths` (a TOML list's inside).
+fn none_profile_writing(id: &str, paths: &str) -> String {
+    protocol_profile(id, "", "")
+        .replace("type = \"linux_bwrap\"", "type = \"none\"\nallow_network = true")
+        .replace("write_paths = [\".\"]", &format!("write_paths = [{paths}]"))
+}
+
 /// A value that loads but is never enforced (or makes every run fail) is
 /// refused at load, naming the key: a model a protocol harness is never
 /// told (it would be recorded as the run's model), a CPU quota below what
@@ -389,6 +396,8 @@ async fn values_that_would_be_accepted_and_not_enforced_refuse_the_profile() {
         ),
         (protocol_profile("test.instant", "", zero_timeout), "guardrails.policies[0] (instant)", "seconds"),
         (protocol_profile("test.build", "", "").replace("1.0.0", "1.0.0+a"), "version", "build metadata"),
+        (none_profile_writing("test.none-src", "\"src\""), "sandbox.write_paths", "cannot narrow"),
+        (none_profile_writing("test.none-nothing", ""), "sandbox.write_paths", "cannot narrow"),
     ];
     for (text, key, says) in cases {
         let error = load_error(&[("p.toml", text.clone())]).await;
@@ -449,28 +458,37 @@ async fn resolution_for_a_dry_run_refuses_what_an_execution_refuses() {
         ..Options::default()
     })
     .await;
-    let refusal = daemon.engine.resolve_for_run(Some("adm"), "test.gpu").expect_err("no gpu label here");
-    assert!(refusal.0.contains("gpu"), "{}", refusal.0);
-    let execution = finished(&daemon.execute(request("test.gpu", "")).await);
-    assert_eq!(execution.state, pb::ExecutionState::Refused as i32, "{execution:?}");
-    let evidence = execution.evidence.unwrap();
-    assert_eq!(evidence.failure_stage, pb::FailureStage::Resolution as i32, "{evidence:?}");
-    assert!(evidence.error.contains(&refusal.0), "{:?} vs {:?}", evidence.error, refusal.0);
+    if daemon.engine.store.is_shared() {
+        // On a fleet the placement is decided at Execute, against the live
+        // nodes: the profile resolves, and Execute answers that no node can
+        // run it now.
+        daemon.engine.resolve_for_run(Some("adm"), "test.gpu").expect("a fleet places at Execute");
+        let status = daemon.executions().await.execute(request("test.gpu", "")).await.expect_err("no node has gpu");
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    } else {
+        let refusal = daemon.engine.resolve_for_run(Some("adm"), "test.gpu").expect_err("no gpu label here");
+        assert!(refusal.0.contains("gpu"), "{}", refusal.0);
+        let execution = finished(&daemon.execute(request("test.gpu", "")).await);
+        assert_eq!(execution.state, pb::ExecutionState::Refused as i32, "{execution:?}");
+        let evidence = execution.evidence.unwrap();
+        assert_eq!(evidence.failure_stage, pb::FailureStage::Resolution as i32, "{evidence:?}");
+        assert!(evidence.error.contains(&refusal.0), "{:?} vs {:?}", evidence.error, refusal.0);
 
-    // Over the wire, both dry runs refuse it as the execution did.
-    let mut catalog = daemon.catalog().await;
-    let resolved = catalog
-        .resolve_profile(pb::ResolveProfileRequest { profile_ref: "test.gpu".into(), actor: String::new() })
-        .await
-        .expect_err("ResolveProfile refuses what Execute refuses");
-    assert_eq!(resolved.code(), tonic::Code::FailedPrecondition, "{resolved:?}");
-    assert!(resolved.message().contains(&refusal.0), "{resolved:?}");
-    let dry = catalog
-        .evaluate_gate(pb::EvaluateGateRequest { profile_ref: "test.gpu".into(), ..Default::default() })
-        .await
-        .expect_err("EvaluateGate refuses what Execute refuses");
-    assert_eq!(dry.code(), tonic::Code::FailedPrecondition, "{dry:?}");
-    assert!(dry.message().contains(&refusal.0), "{dry:?}");
+        // Over the wire, both dry runs refuse it as the execution did.
+        let mut catalog = daemon.catalog().await;
+        let resolved = catalog
+            .resolve_profile(pb::ResolveProfileRequest { profile_ref: "test.gpu".into(), actor: String::new() })
+            .await
+            .expect_err("ResolveProfile refuses what Execute refuses");
+        assert_eq!(resolved.code(), tonic::Code::FailedPrecondition, "{resolved:?}");
+        assert!(resolved.message().contains(&refusal.0), "{resolved:?}");
+        let dry = catalog
+            .evaluate_gate(pb::EvaluateGateRequest { profile_ref: "test.gpu".into(), ..Default::default() })
+            .await
+            .expect_err("EvaluateGate refuses what Execute refuses");
+        assert_eq!(dry.code(), tonic::Code::FailedPrecondition, "{dry:?}");
+        assert!(dry.message().contains(&refusal.0), "{dry:?}");
+    }
 
     let refusal = daemon.engine.resolve_for_run(Some("nobody"), "test.plain").expect_err("not a consumer type");
     assert!(refusal.0.contains("adm"), "{}", refusal.0);

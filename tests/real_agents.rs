@@ -442,7 +442,7 @@ async fn a_policy_on_the_agents_own_tool_calls_refuses_an_ungated_run_instead_of
     let profile = |cli: &str, preset: &str, route: &str| {
         let text = format!(
             "id = \"none.{cli}\"\nversion = \"1.0.0\"\ncredential_route_refs = [\"{route}\"]\n[rein]\n\
-             preset = \"{preset}\"\ninput = \"prompt\"\nargv = [\"{cli}\"]\n[sandbox]\ntype = \"none\"\n"
+             preset = \"{preset}\"\ninput = \"prompt\"\nargv = [\"{cli}\"]\n[sandbox]\ntype = \"none\"\nwrite_paths = [\".\"]\n"
         );
         (if cli == "claude" { "claude.toml" } else { "codex.toml" }, text)
     };

@@ -378,6 +378,7 @@ version = "1.0.0"
 argv = ["/bin/true"]
 [sandbox]
 type = "none"
+write_paths = ["."]
 [limits]
 memory_bytes = 0
 max_processes = 0

@@ -667,6 +667,18 @@ impl Profile {
                         (set allow_network = true, or leave allow_hosts out)"
                 .into());
         }
+        // A none sandbox leaves its whole workspace writable: a relative
+        // write path other than "." (or none at all) would narrow what it
+        // cannot narrow.
+        if file.sandbox.sandbox_type == SandboxType::None {
+            let mut relative = file.sandbox.write_paths.iter().filter(|p| !p.starts_with('/'));
+            if !relative.clone().any(|p| p == ".") || relative.any(|p| p != ".") {
+                return Err("sandbox.write_paths: a none sandbox leaves its whole workspace writable and cannot \
+                            narrow it: list \".\" (and host paths, if any) as its only relative write path, or use \
+                            linux_bwrap"
+                    .into());
+            }
+        }
         for (key, paths) in
             [("sandbox.read_paths", &file.sandbox.read_paths), ("sandbox.write_paths", &file.sandbox.write_paths)]
         {

@@ -12,7 +12,8 @@ impl Engine {
     /// stage `resolution`, before any sandbox exists: the actor (when one
     /// is given), the catalog's rule 1, every credential route the profile
     /// needs readable now, and this node's `[fleet] labels` covering its
-    /// `[placement]`. The refusal's text is the one the execution records.
+    /// `[placement]` (on a single node; a fleet places at Execute). The
+    /// refusal's text is the one the execution records.
     pub fn resolve_for_run(&self, actor: Option<&str>, profile_ref: &str) -> Result<Arc<Profile>, Refusal> {
         if let Some(actor) = actor {
             check_actor(actor)?;
@@ -21,8 +22,14 @@ impl Engine {
         if let Err(why) = self.credentials.check(&profile.file.credential_route_refs) {
             return Err(Refusal(format!("profile {} cannot run: {why}", profile.reference())));
         }
-        if let Some(why) = self.misplaced(&profile) {
-            return Err(Refusal(why));
+        // On a fleet the placement is the fleet's: Execute queues the run
+        // for a live node that has the labels (UNAVAILABLE NO_NODE_CAN_RUN,
+        // "retry later", while none has), so this node's own labels refuse
+        // nothing there.
+        if !self.store.is_shared() {
+            if let Some(why) = self.misplaced(&profile) {
+                return Err(Refusal(why));
+            }
         }
         Ok(profile)
     }
