@@ -456,7 +456,10 @@ impl Subscription {
     /// this subscriber joined the live channel. `None` when there is
     /// nothing to read back.
     async fn read_back(&mut self) -> Option<Option<Result<BusItem, Lagged>>> {
-        let more_stored = std::mem::take(&mut self.more_stored);
+        // While live events wait, the next one shows any gap by itself
+        // (then read back up to it): reading on unbounded would chase a fast
+        // harness while the live buffer fills. Only an idle channel needs it.
+        let more_stored = std::mem::take(&mut self.more_stored) && self.live.as_ref().is_none_or(|rx| rx.is_empty());
         if self.held.is_none() && !self.draining && !more_stored {
             return None;
         }
