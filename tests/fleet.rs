@@ -1635,3 +1635,46 @@ async fn a_lost_epoch_stores_no_session() {
     drop((lost, survivor));
     drop_database(&url).await;
 }
+
+/// Two nodes claim at once: the rows one holds in its claim's transaction
+/// are passed over by the other, which claims the rows behind them rather
+/// than nothing (its window counts only the rows it can lock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_takes_the_rows_behind_those_another_claimer_holds() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    use corral::records::{ExecuteCommand, ExecutionRecord};
+    use corral::store::{Admit, QueuedWork, Store};
+    use corral::types::Consumer;
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let front = Store::open(dir.path(), Some(&url), "front").await.unwrap();
+    let node = Store::open(dir.path(), Some(&url), "node").await.unwrap();
+    front.join_fleet(0, &[], 60_000).await.unwrap();
+    node.join_fleet(4, &[], 60_000).await.unwrap();
+    let work = QueuedWork { command: ExecuteCommand::default(), traceparent: None, quota: None };
+    for i in 0..40 {
+        let record = ExecutionRecord {
+            execution_id: format!("e{i:02}"),
+            consumer: Consumer { principal: "p".into(), ..Default::default() },
+            ..Default::default()
+        };
+        let admit = Admit { take_here: false, needs: &[], max_queued: 100 };
+        front.enqueue_execution(&record, &format!("digest-{i}"), &work, admit).await.unwrap();
+    }
+    // Another claimer holds the 16 oldest rows (as its claim does, in its
+    // transaction).
+    let db = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut other = db.begin().await.unwrap();
+    sqlx::query("SELECT execution_id FROM queue ORDER BY queued_at_ms, execution_id LIMIT 16 FOR UPDATE")
+        .fetch_all(&mut *other)
+        .await
+        .unwrap();
+    let claimed = node.claim_queued(4, &[]).await.unwrap();
+    let ids: Vec<String> = claimed.iter().map(|c| c.record.execution_id.clone()).collect();
+    assert_eq!(ids.len(), 4, "the node claims its room's worth behind the held rows: {ids:?}");
+    assert!(ids.iter().all(|id| id.as_str() >= "e16"), "none of the held rows: {ids:?}");
+    other.rollback().await.unwrap();
+    db.close().await;
+    drop((front, node));
+    drop_database(&url).await;
+}

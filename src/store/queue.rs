@@ -136,8 +136,9 @@ impl Store {
         // Only rows this node can run and whose principal has room (as
         // counted before its lock, checked again under it below) are read:
         // a queue headed by work this node may not run hides nothing from
-        // it. A window larger than the room: rows another claimer holds are
-        // skipped, and a count may have changed by the lock.
+        // it. The window (larger than the room: a count may have changed by
+        // the lock) is taken past the rows another claimer holds, as LIMIT
+        // counts only rows this one locks.
         let window = (room * 4).clamp(16, 256) as i64;
         let rows = sqlx::query(&format!(
             "WITH busy AS (
@@ -150,12 +151,10 @@ impl Store {
                      ROW_NUMBER() OVER (PARTITION BY q.principal ORDER BY q.queued_at_ms, q.execution_id) AS nth
                  FROM queue q LEFT JOIN busy b ON b.principal = q.principal
                  WHERE q.needs::jsonb <@ $2::jsonb
-             ), wanted AS (
-                 SELECT execution_id FROM ranked WHERE quota IS NULL OR running + nth <= quota
-                 ORDER BY queued_at_ms, execution_id LIMIT $1
              )
-             SELECT execution_id, principal, quota FROM queue WHERE execution_id IN (SELECT execution_id FROM wanted)
-             ORDER BY queued_at_ms, execution_id FOR UPDATE SKIP LOCKED"
+             SELECT execution_id, principal, quota FROM queue
+             WHERE execution_id IN (SELECT execution_id FROM ranked WHERE quota IS NULL OR running + nth <= quota)
+             ORDER BY queued_at_ms, execution_id LIMIT $1 FOR UPDATE SKIP LOCKED"
         ))
         .bind(window)
         .bind(serde_json::to_string(labels)?)
