@@ -1523,18 +1523,9 @@ async fn queued_work_an_idle_node_can_run_is_not_hidden_behind_work_it_cannot() 
         gpu_runs.push(started.execution_id);
     }
     let plain = on_front.start_execution(request("builtin.shell", "echo plain")).await.unwrap().into_inner();
-    let sent = Instant::now();
     let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
-    let state = async || {
-        let get = pb::GetExecutionRequest { execution_id: plain.execution_id.clone(), ..Default::default() };
-        let record = front.executions().await.get_execution(get).await.unwrap().into_inner();
-        pb::ExecutionState::try_from(record.state).unwrap()
-    };
-    wait_until("the plain run finished", Duration::from_secs(15), async || {
-        !matches!(state().await, pb::ExecutionState::Pending | pb::ExecutionState::Running)
-    })
-    .await;
-    assert_eq!(state().await, pb::ExecutionState::Succeeded, "after {:?}", sent.elapsed());
+    let (state, took) = until_finished(&front, &plain.execution_id, Duration::from_secs(15)).await;
+    assert_eq!(state, pb::ExecutionState::Succeeded, "after {took:?}");
     assert_eq!(store.node_of_execution(&plain.execution_id).await.unwrap().as_deref(), Some("node-n"));
     assert!(store.queued_count().await.unwrap() >= 16, "the gpu runs still queued");
     for id in gpu_runs {
@@ -1579,18 +1570,9 @@ async fn queued_work_is_not_hidden_behind_work_of_a_principal_at_its_quota() {
     }
     let run = common::with_token(&wide, request("builtin.shell", "echo wide"));
     let plain = on_front.start_execution(run).await.unwrap().into_inner();
-    let sent = Instant::now();
     let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
-    let state = async || {
-        let get = pb::GetExecutionRequest { execution_id: plain.execution_id.clone(), ..Default::default() };
-        let record = front.executions().await.get_execution(get).await.unwrap().into_inner();
-        pb::ExecutionState::try_from(record.state).unwrap()
-    };
-    wait_until("wide's run finished", Duration::from_secs(15), async || {
-        !matches!(state().await, pb::ExecutionState::Pending | pb::ExecutionState::Running)
-    })
-    .await;
-    assert_eq!(state().await, pb::ExecutionState::Succeeded, "after {:?}", sent.elapsed());
+    let (state, took) = until_finished(&front, &plain.execution_id, Duration::from_secs(15)).await;
+    assert_eq!(state, pb::ExecutionState::Succeeded, "after {took:?}");
     assert_eq!(store.queued_count().await.unwrap(), 18, "narrow's runs past its quota still queued");
     for id in narrow_runs {
         let cancel = pb::CancelExecutionRequest { execution_id: id };
