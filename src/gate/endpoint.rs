@@ -35,7 +35,7 @@ pub type Endpoint = crate::net::server::Served;
 
 /// Serves hook calls from `listener` into `calls`.
 pub fn serve(listener: tokio::net::TcpListener, calls: mpsc::Sender<HookRequest>) -> Endpoint {
-    crate::net::server::serve_http1(listener, Some(MAX_CONNECTIONS), Duration::from_secs(10), move |req| {
+    crate::net::server::serve_http1(listener, MAX_CONNECTIONS, Duration::from_secs(10), move |req| {
         let calls = calls.clone();
         async move { respond(req, &calls).await }
     })

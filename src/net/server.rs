@@ -51,11 +51,10 @@ pub struct Admission {
 }
 
 /// Serves `handle` on `listener`: at most `max_connections` at once (more
-/// wait to be accepted; `None`: no bound), each given `header_timeout` to
-/// send a request head.
+/// wait to be accepted), each given `header_timeout` to send a request head.
 pub fn serve_http1<H, F, B>(
     listener: tokio::net::TcpListener,
-    max_connections: Option<usize>,
+    max_connections: usize,
     header_timeout: Duration,
     handle: H,
 ) -> Served
@@ -66,17 +65,11 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let slots = max_connections.map(|max| Arc::new(Semaphore::new(max)));
+    let slots = Arc::new(Semaphore::new(max_connections));
     let task = tokio::spawn(async move {
         let mut connections = JoinSet::new();
         loop {
-            let permit = match &slots {
-                Some(slots) => match slots.clone().acquire_owned().await {
-                    Ok(permit) => Some(permit),
-                    Err(_) => return,
-                },
-                None => None,
-            };
+            let Ok(permit) = slots.clone().acquire_owned().await else { return };
             let Some(stream) = accept(&listener, &mut connections).await else { continue };
             connections.spawn(connection(stream, handle.clone(), header_timeout, permit));
         }
@@ -112,7 +105,7 @@ where
             };
             match admitted {
                 Ok(held) => {
-                    connections.spawn(connection(stream, handle.clone(), header_timeout, Some(held)));
+                    connections.spawn(connection(stream, handle.clone(), header_timeout, held));
                 }
                 Err(reason) => {
                     (admission.refused)(&reason);
@@ -151,7 +144,7 @@ async fn accept(listener: &tokio::net::TcpListener, connections: &mut JoinSet<()
 }
 
 /// One connection served by hyper; `held` is given back when it ends.
-async fn connection<H, F, B, P>(stream: TcpStream, handle: H, header_timeout: Duration, held: Option<P>)
+async fn connection<H, F, B, P>(stream: TcpStream, handle: H, header_timeout: Duration, held: P)
 where
     H: Fn(Request<Incoming>) -> F + Send + Sync + 'static,
     F: Future<Output = Response<B>> + Send + 'static,
