@@ -24,7 +24,7 @@ use super::capture::CaptureJob;
 use super::limits::{cgroup_hits, tree_usage, workspace_hit, EgressEvents, EventBudget, TreeBudget, WorkspaceWatch};
 use super::phase::{Harness, PhaseKind, Ready, RunPhase};
 use super::{Engine, RawResult};
-use crate::catalog::{check_actor, Profile, ReadinessState, RunFacts};
+use crate::catalog::{Profile, ReadinessState, RunFacts};
 use crate::credentials::Scrubber;
 use crate::events::{EventKind, RawPart, Recorder};
 use crate::policy::{Action, GateInput, GateOutcome, Phase, Policy, PolicyDecision};
@@ -206,24 +206,14 @@ impl Core {
     /// Rule 1: the actor, then the profile; nothing is created before this.
     async fn resolve(&mut self, profile_ref: &str) -> Result<Arc<Profile>, OpenFailure> {
         let t = Instant::now();
-        let resolved = check_actor(&self.consumer.actor).and_then(|()| self.engine.catalog.resolve(profile_ref));
+        // The actor, the catalog, every credential the profile needs there
+        // now (before any sandbox exists: a missing key found at session
+        // start is found too late), and this node's labels (a fleet places
+        // work by labels; a node never runs what [placement] keeps off it).
+        let resolved = self.engine.resolve_checked(Some(&self.consumer.actor), profile_ref, true);
         self.evidence.time("resolve", t);
         // A session's harness takes one task line per turn: a harness that
         // reads its whole task at once would take the first turn and no other.
-        // Every credential the profile needs must be there now, before any
-        // sandbox exists (a missing key found at session start is found
-        // too late).
-        let resolved =
-            resolved.and_then(|profile| match self.engine.credentials.check(&profile.file.credential_route_refs) {
-                Ok(()) => Ok(profile),
-                Err(why) => Err(crate::catalog::Refusal(format!("profile {} cannot run: {why}", profile.reference()))),
-            });
-        // A fleet places work by labels; a node never runs what its
-        // profile's [placement] keeps off it (on one node: never at all).
-        let resolved = resolved.and_then(|profile| match self.engine.misplaced(&profile) {
-            None => Ok(profile),
-            Some(why) => Err(crate::catalog::Refusal(why)),
-        });
         let resolved = resolved.and_then(|profile| match profile.file.rein.takes_turns() {
             true => Ok(profile),
             false if self.consumer.session_id.is_empty() => Ok(profile),
