@@ -382,6 +382,9 @@ async fn an_idle_active_session_is_recovered_as_past_its_start() {
     assert_ne!(stage, pb::FailureStage::SessionStart, "it had started: {evidence:?}");
     assert_eq!(stage, pb::FailureStage::Execution, "{evidence:?}");
     assert!(evidence.notes.iter().any(|n| n == "daemon restarted during execution"), "{:?}", evidence.notes);
+    // Its error is the daemon's own note: no call was told the cause, and
+    // `corral get --full` reads executions only.
+    assert_eq!(evidence.error, "daemon restarted during execution");
     assert_eq!(sandbox_dirs(&data), 0, "the sandbox is gone");
 }
 

@@ -1383,6 +1383,36 @@ async fn a_session_of_thousands_of_gate_decisions_still_fits_one_message() {
 // ---------------------------------------------------------------------------
 // 12. the raw cause of a failed end, for its principal only
 
+/// A session whose start fails says in its evidence where the cause went
+/// (the error of the call that started it), not `corral get --full`,
+/// which reads executions only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_start_names_where_its_cause_went() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))])).await;
+    let mut client = sessions(&daemon).await;
+    // A repository whose objects are gone: its clone fails.
+    let empty = git_repo();
+    for entry in std::fs::read_dir(empty.path().join(".git/objects")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().is_some_and(|n| n.len() == 2) {
+            std::fs::remove_dir_all(path).unwrap();
+        }
+    }
+    let request = pb::CreateSessionRequest {
+        session_id: "no-commit".into(),
+        ..create_request("test.session", "agt", &repo_path(&empty))
+    };
+    let status = create(&mut client, request).await.expect_err("nothing can be cloned");
+    assert_eq!(status.code(), Code::Internal, "{status:?}");
+    let sentence = "sandbox creation failed; the cause went to the call that started the session";
+    assert!(status.message().starts_with(&format!("{sentence}: ")), "{status:?}");
+    let read = pb::GetSessionRequest { session_id: "no-commit".into() };
+    let read = client.get_session(common::as_actor("agt", read)).await.expect("stored").into_inner();
+    assert_eq!(read.state, pb::SessionState::Failed as i32, "{read:?}");
+    assert_eq!(read.evidence.expect("evidence").error, sentence);
+}
+
 /// A task_json harness that ignores TERM and never exits by itself.
 fn stubborn_profile() -> String {
     r#"id = "test.stubborn"
@@ -1422,6 +1452,9 @@ async fn the_raw_cause_of_a_failed_end_is_read_by_the_sessions_principal_only() 
     assert!(ended.tool_error.contains("did not exit within"), "{ended:?}");
     let evidence = ended.evidence.as_ref().expect("evidence");
     assert!(!evidence.error.contains("did not exit"), "the evidence keeps a fixed sentence: {}", evidence.error);
+    // …which points at where the cause went, not at `corral get`, which
+    // reads executions only.
+    assert_eq!(evidence.error, "session failed; the cause went to the call that ended it");
     // Another principal of the project reads it: no cause.
     let read = pb::GetSessionRequest { session_id: ids[0].clone() };
     let read = client.get_session(common::as_actor("atm", read)).await.expect("visible").into_inner();

@@ -89,7 +89,7 @@ pub enum EngineError {
         reason: String,
     },
     /// A session could not be opened; `raw` is for the direct caller.
-    #[error("{}", stage.fixed_error())]
+    #[error("{}", stage.session_error())]
     StageFailed {
         /// The stage that failed.
         stage: crate::types::evidence::FailureStage,

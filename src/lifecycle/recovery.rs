@@ -132,6 +132,13 @@ impl Engine {
             let started = record.state == SessionState::Active;
             let reached = Reached { started, teardown: tearing_down.contains(&record.session_id) };
             let finished = self.recover_subject(&record.session_id, &mut record.evidence, destroy, reached).await?;
+            // No call was told a recovered session's cause (`corral get`
+            // reads executions): the daemon's own note is it.
+            if let (Some(stage), Some(note)) = (record.evidence.failure_stage, record.evidence.notes.last()) {
+                if record.evidence.error == stage.fixed_error() {
+                    record.evidence.error = note.clone();
+                }
+            }
             record.state = SessionState::Failed;
             record.ended_at_ms = Some(now_ms());
             finished.session(self, record).await?;

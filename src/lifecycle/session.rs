@@ -633,6 +633,7 @@ impl Engine {
     async fn finish_session(&self, core: &mut Core, record: &mut SessionRecord) -> String {
         crate::telemetry::session_finished(record.state.as_str());
         let mut evidence = core.evidence.clone();
+        evidence.of_session();
         evidence.outcome = match (record.state, evidence.failure_stage) {
             // Ended while it was starting (see `end_starting`).
             (SessionState::Ended, None) if evidence.outcome == Outcome::Cancelled => Outcome::Cancelled,

@@ -64,6 +64,22 @@ impl FailureStage {
         }
     }
 
+    /// The sentence a session's evidence carries for a failure at this
+    /// stage: `corral get --full` reads executions, and a session's raw
+    /// cause goes only to the call that started or ended it.
+    pub fn session_error(self) -> &'static str {
+        match self {
+            FailureStage::Resolution => "resolution refused; the cause went to the call that started the session",
+            FailureStage::Gate => "gate denied; the cause went to the call that started the session",
+            FailureStage::SandboxCreate => {
+                "sandbox creation failed; the cause went to the call that started the session"
+            }
+            FailureStage::SessionStart => "session start failed; the cause went to the call that started the session",
+            FailureStage::Execution => "session failed; the cause went to the call that ended it",
+            FailureStage::Teardown => "teardown failed; the cause went to the call that ended the session",
+        }
+    }
+
     /// The stage's snake_case word, as stored and reported.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -290,6 +306,14 @@ impl Evidence {
         if self.failure_stage.is_none() {
             self.failure_stage = Some(stage);
             self.error = stage.fixed_error().to_string();
+        }
+    }
+
+    /// A session's evidence: the stage's sentence (not a refusal's own
+    /// reason) becomes the session's, which says where its cause went.
+    pub fn of_session(&mut self) {
+        if let Some(stage) = self.failure_stage.filter(|stage| self.error == stage.fixed_error()) {
+            self.error = stage.session_error().into();
         }
     }
 
