@@ -78,6 +78,9 @@ pub struct Daemon {
     pub uid_lock: Option<crate::sandbox::uid_lock::UidRangeLock>,
     /// This daemon's claim on its data directory, held until it is dropped.
     pub data_dir_lock: DataDirLock,
+    /// Stops the metrics listener (`metrics_listen`) when dropped: it is
+    /// bound before recovery, and serves until [`Daemon::serve`] returns.
+    metrics: Option<tokio_util::sync::DropGuard>,
 }
 
 /// One daemon per data directory: an exclusive `flock(2)` on
@@ -136,9 +139,9 @@ pub fn default_reins() -> HashMap<String, Arc<dyn Rein>> {
 impl Daemon {
     /// Builds the daemon: prepares and claims the data directory, opens the
     /// store, loads the profiles, probes the host, claims the uid range, joins
-    /// the fleet, recovers what a
-    /// previous instance left, and starts the hub, the reaper and the
-    /// compactor. Nothing is served yet.
+    /// the fleet, starts the metrics listener (if configured), recovers what
+    /// a previous instance left, and starts the hub, the reaper and the
+    /// compactor. The API is not served yet.
     pub async fn build(
         config: Config,
         backends: Backends,
@@ -239,6 +242,16 @@ impl Daemon {
                 UidMode::Daemon { .. } => None,
             },
         });
+        // Before recovery, so the runs it finishes are counted: the
+        // recorder is installed with the listener.
+        let metrics = match &config.metrics_listen {
+            Some(addr) => {
+                let stop = serve_metrics(&config, addr).await?;
+                engine.list_warm_metrics();
+                Some(stop)
+            }
+            None => None,
+        };
         // Before serving: nothing a crashed predecessor left may linger.
         engine.recover().await.map_err(|e| StartError::Recovery(e.to_string()))?;
         if let Some(hub) = &hub {
@@ -262,6 +275,7 @@ impl Daemon {
                 .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?
         };
         Ok(Daemon {
+            metrics,
             authenticator,
             page_tokens: Arc::new(page_tokens),
             config,
@@ -273,9 +287,10 @@ impl Daemon {
         })
     }
 
-    /// Serves the gRPC API (and the metrics endpoint, if configured) on
-    /// `listener` until `shutdown` is cancelled, then drains: in-flight
-    /// executions get the shutdown grace, then are cancelled and torn down.
+    /// Serves the gRPC API on `listener` until `shutdown` is cancelled, then
+    /// drains: in-flight executions get the shutdown grace, then are
+    /// cancelled and torn down. The metrics endpoint, if configured, is
+    /// served until this returns.
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<(), StartError> {
         // The uid range and the data directory stay claimed while the
         // daemon serves.
@@ -286,15 +301,8 @@ impl Daemon {
             None => None,
         };
         let tls = tls_config(&self.config).map_err(|(key, source)| StartError::DataDir { path: key, source })?;
-        if let Some(addr) = &self.config.metrics_listen {
-            let addr = addr.parse().map_err(|e| StartError::Policies(format!("metrics_listen {addr:?}: {e}")))?;
-            let token = match &self.config.metrics_token_file {
-                Some(file) => Some(crate::metrics_http::load_token(file).map_err(StartError::Policies)?),
-                None => None,
-            };
-            crate::metrics_http::serve(addr, token, shutdown.clone()).await.map_err(StartError::Policies)?;
-            self.engine.list_warm_metrics();
-        }
+        // Scrapes are answered until the drain is over.
+        let _metrics = self.metrics;
         let fenced = CancellationToken::new();
         // Not `shutdown`: the lease is renewed while the runs end in their
         // grace, until the node has left the fleet (`Engine::shutdown`).
@@ -344,6 +352,19 @@ impl Daemon {
         }
         Ok(())
     }
+}
+
+/// Binds `metrics_listen` and serves scrapes (which installs the metrics
+/// recorder) until the returned guard is dropped.
+async fn serve_metrics(config: &Config, addr: &str) -> Result<tokio_util::sync::DropGuard, StartError> {
+    let addr = addr.parse().map_err(|e| StartError::Policies(format!("metrics_listen {addr:?}: {e}")))?;
+    let token = match &config.metrics_token_file {
+        Some(file) => Some(crate::metrics_http::load_token(file).map_err(StartError::Policies)?),
+        None => None,
+    };
+    let stop = CancellationToken::new();
+    crate::metrics_http::serve(addr, token, stop.clone()).await.map_err(StartError::Policies)?;
+    Ok(stop.drop_guard())
 }
 
 /// How long a fenced node's shutdown may take before it exits regardless.

@@ -523,3 +523,80 @@ async fn a_slow_harness_start_is_stored_as_reached_while_it_starts() {
     let events = read_all(&mut client, &id, 0).await;
     assert_eq!(pb::ExecutionState::try_from(finished(&events).state).unwrap(), pb::ExecutionState::Succeeded);
 }
+
+/// What recovery finishes is counted as any finished run is: after a
+/// SIGKILL during a running execution and an idle session, the next start
+/// (which installs its metrics recorder before it recovers) counts one
+/// execution failed during its execution and one session failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_finished_by_recovery_are_counted_in_the_metrics() {
+    use corral::pb::session_service_client::SessionServiceClient;
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let marker = format!("COUNTED-MARKER-{}", std::process::id());
+    let profiles = marked_profiles(dir.path(), &marker);
+    std::fs::write(profiles.join("s.toml"), common::session_agent_profile("test.session", "")).unwrap();
+    let data = dir.path().join("data");
+    let metrics = || {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        (port, format!("metrics_listen = \"127.0.0.1:{port}\"\n"))
+    };
+    let (_, extra) = metrics();
+    let daemon = ServeProcess::start_with(&data, &profiles, &[], &extra).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let id = start_hanging(&mut client, "").await;
+    let mut sessions = SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest { profile_ref: "test.session".into(), ..Default::default() };
+    sessions.create_session(create).await.expect("session created");
+    kill_9(daemon, &marker).await;
+
+    let (port, extra) = metrics();
+    let daemon = ServeProcess::start_with(&data, &profiles, &[], &extra).await;
+    let record = record_of(&daemon, &id).await;
+    assert_eq!(pb::ExecutionState::try_from(record.state).unwrap(), pb::ExecutionState::Failed, "{record:?}");
+    let text = common::scrape(port).await;
+    let executions = |labels| common::sample(&text, "corral_executions_finished_total", labels);
+    assert_eq!(executions(r#"outcome="failed",stage="execution""#), Some(1.0), "{text}");
+    let sessions = common::sample(&text, "corral_sessions_finished_total", r#"state="failed""#);
+    assert_eq!(sessions, Some(1.0), "{text}");
+    daemon.stop().await;
+}
+
+/// A session counted as it ends: one whose harness will not exit ends
+/// `failed` (its record says so), and is counted `failed`, not under the
+/// state it was asked to end in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_ends_failed_is_counted_failed() {
+    use corral::pb::session_service_client::SessionServiceClient;
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let stubborn = r#"id = "test.stubborn"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-c", "trap '' TERM; while :; do sleep 1; done"]
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+[limits]
+timeout_seconds = 60
+"#;
+    std::fs::write(profiles.join("s.toml"), stubborn).unwrap();
+    let data = dir.path().join("data");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
+    let daemon = ServeProcess::start_with(&data, &profiles, &[], &extra).await;
+    let mut sessions = SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest { profile_ref: "test.stubborn".into(), ..Default::default() };
+    let id = sessions.create_session(create).await.expect("session created").into_inner().session_id;
+    let ended = sessions.end_session(pb::EndSessionRequest { session_id: id }).await.expect("ends").into_inner();
+    assert_eq!(ended.state, pb::SessionState::Failed as i32, "{ended:?}");
+    let text = common::scrape(port).await;
+    let count = |state: &str| common::sample(&text, "corral_sessions_finished_total", &format!("state=\"{state}\""));
+    assert_eq!(count("failed"), Some(1.0), "{text}");
+    assert_eq!(count("ended").unwrap_or(0.0), 0.0, "{text}");
+    daemon.stop().await;
+}

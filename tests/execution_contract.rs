@@ -386,6 +386,28 @@ async fn nothing_of_a_sandbox_runs_once_finished_is_sent_though_its_reclaim_is_l
     daemon.stop().await;
 }
 
+/// A bug that panics a run's task (injected: `dispatch_tool` panics
+/// while the harness runs in its sandbox) ends the run as a crash of the
+/// daemon would, for that run alone: `failed` with its note, its caller
+/// told, its sandbox destroyed, its admission slot given back. Without
+/// the guard it stayed `running` with its sandbox alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_a_runs_task_fails_the_run_and_gives_back_what_it_held() {
+    let h = start(BackendFaults::default(), ReinFaults { panic_dispatch: true, ..Default::default() }, vec![]).await;
+    let events = tokio::time::timeout(Duration::from_secs(60), h.daemon.execute(request("test.fake-agent", "NOWORK")))
+        .await
+        .expect("the caller hears the end");
+    let execution = finished(&events);
+    let ev = evidence(&execution);
+    assert_eq!(outcome(&ev), Outcome::Failed, "{ev:?}");
+    assert!(ev.notes.iter().any(|n| n.starts_with("the daemon's task for it failed during ")), "{ev:?}");
+    assert_eq!(h.daemon.engine.running(), 0, "its slot is given back");
+    assert!(h.daemon.leftover_sandboxes().await.is_empty(), "its sandbox is destroyed");
+    let stored = h.daemon.engine.get(&execution.execution_id).await.unwrap();
+    assert_eq!(stored.state, corral::lifecycle::ExecutionState::Failed);
+    h.daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleanup_failure_after_success_fails_at_teardown_and_still_destroys() {
     let h = start(BackendFaults::default(), ReinFaults { fail_cleanup: true, ..Default::default() }, vec![]).await;

@@ -647,3 +647,150 @@ async fn each_call_is_a_server_span_with_the_rpc_attributes_and_its_code() {
 fn uuid_like() -> String {
     "01900000-0000-7000-8000-000000000000".to_string()
 }
+
+/// A Claude Code profile whose "CLI" is a script (named `claude`, so a
+/// session's later turn resumes it) that reports `u64::MAX` of every kind
+/// of token, on its messages and on its result.
+fn absurd_usage_profile(dir: &std::path::Path) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let max = u64::MAX;
+    let usage = format!(
+        r#""usage":{{"input_tokens":{max},"output_tokens":{max},"cache_read_input_tokens":{max},"cache_creation_input_tokens":{max}}}"#
+    );
+    let script = format!(
+        "#!/bin/sh\ncat >/dev/null\n\
+         echo '{{\"type\":\"system\",\"subtype\":\"init\",\"session_id\":\"conversation-1\",\"model\":\"m\"}}'\n\
+         echo '{{\"type\":\"assistant\",\"message\":{{\"id\":\"m1\",\"model\":\"m\",\"content\":[{{\"type\":\"text\",\"text\":\"hi\"}}],{usage}}}}}'\n\
+         echo '{{\"type\":\"assistant\",\"message\":{{\"id\":\"m2\",\"model\":\"m\",\"content\":[{{\"type\":\"text\",\"text\":\"hi\"}}],{usage}}}}}'\n\
+         echo '{{\"type\":\"result\",\"subtype\":\"success\",\"is_error\":false,\"result\":\"done\",{usage}}}'\n"
+    );
+    let claude = bin.join("claude");
+    std::fs::write(&claude, script).unwrap();
+    std::fs::set_permissions(&claude, std::fs::Permissions::from_mode(0o755)).unwrap();
+    format!(
+        "id = \"test.absurd-usage\"\nversion = \"1.0.0\"\n[rein]\npreset = \"claude_stream_json\"\ninput = \"prompt\"\n\
+         argv = [{:?}]\n[sandbox]\ntype = \"linux_bwrap\"\nwrite_paths = [\".\"]\nread_paths = [{:?}]\n[limits]\n\
+         timeout_seconds = 30\n",
+        claude.display().to_string(),
+        bin.display().to_string()
+    )
+}
+
+/// A harness reporting `u64::MAX` tokens of every kind neither panics nor
+/// wraps a count: each is bounded by `MAX_TOKENS`, so is their sum, the
+/// execution and both turns of a session finish, and nothing stays counted
+/// as running or alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn absurd_token_counts_are_bounded_and_every_run_finishes() {
+    use corral::pb::session_service_client::SessionServiceClient;
+    use corral::rein::MAX_TOKENS;
+    use std::time::Duration;
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("absurd.toml"), absurd_usage_profile(dir.path())).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
+    let daemon = ServeProcess::start_with(&dir.path().join("data"), &profiles, &[], &extra).await;
+
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let events = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut stream = client.execute(request("test.absurd-usage", "go")).await.unwrap().into_inner();
+        let mut events = Vec::new();
+        while let Some(event) = stream.message().await.unwrap() {
+            events.push(event);
+        }
+        events
+    })
+    .await
+    // A run whose task died would never finish.
+    .expect("the execution finishes");
+    let execution = common::finished(&events);
+    assert_eq!(pb::ExecutionState::try_from(execution.state).unwrap(), pb::ExecutionState::Succeeded, "{execution:?}");
+    assert_eq!(execution.evidence.as_ref().unwrap().tokens_spent, MAX_TOKENS);
+
+    let mut sessions = SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest { profile_ref: "test.absurd-usage".into(), ..Default::default() };
+    let id = sessions.create_session(create).await.expect("session created").into_inner().session_id;
+    for turn in 1..=2u64 {
+        let call = pb::ToolCall { tool: "prompt".into(), arguments_json: r#"{"prompt": "go"}"#.into() };
+        let send = pb::SendTurnRequest { session_id: id.clone(), tool_call: Some(call) };
+        let finished = tokio::time::timeout(Duration::from_secs(60), async {
+            let mut stream = sessions.send_turn(send).await.expect("turn sent").into_inner();
+            let mut finished = None;
+            while let Some(event) = stream.message().await.expect("turn events") {
+                if let Some(pb::lifecycle_event::Kind::TurnFinished(f)) = event.kind {
+                    finished = Some(f);
+                }
+            }
+            finished.expect("a turn_finished event")
+        })
+        .await
+        .expect("the turn finishes");
+        assert!(finished.ok, "turn {turn}: {finished:?}");
+        assert_eq!((finished.turn, finished.tokens_spent), (turn, MAX_TOKENS), "{finished:?}");
+    }
+    let ended = sessions.end_session(pb::EndSessionRequest { session_id: id }).await.expect("ended").into_inner();
+    // Two turns of MAX_TOKENS each; added saturating (or bounded again).
+    let spent = ended.evidence.expect("evidence").tokens_spent;
+    assert!((MAX_TOKENS..=2 * MAX_TOKENS).contains(&spent), "{spent}");
+
+    let gauges = [
+        ("corral_running", r#"kind="executions""#),
+        ("corral_running", r#"kind="sessions""#),
+        ("corral_sandboxes_alive", ""),
+    ];
+    let started = std::time::Instant::now();
+    loop {
+        let text = scrape(port).await;
+        let values: Vec<Option<f64>> = gauges.iter().map(|(name, labels)| sample(&text, name, labels)).collect();
+        if values.iter().all(|v| *v == Some(0.0)) {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "still counted: {gauges:?} = {values:?}\n{text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    daemon.stop().await;
+}
+
+/// A refused repository leaves one `corral::audit` line naming who asked,
+/// as every other refusal does (and why, which the caller is not told).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_repository_is_audited_with_its_principal() {
+    use corral::pb::session_service_client::SessionServiceClient;
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let data = dir.path().join("data");
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let mut req = request("builtin.shell", "true");
+    req.repo = "/etc".into();
+    let refused = client.execute(req).await.expect_err("a repository outside repo_roots is refused");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    let mut sessions = SessionServiceClient::new(daemon.channel().await);
+    let create =
+        pb::CreateSessionRequest { profile_ref: "builtin.shell".into(), repo: "/etc".into(), ..Default::default() };
+    let refused = sessions.create_session(create).await.expect_err("refused");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    let log = data.with_extension("log");
+    let started = std::time::Instant::now();
+    let lines = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<String> = text.lines().filter(|l| l.contains("repository refused")).map(String::from).collect();
+        if lines.len() >= 2 {
+            break lines;
+        }
+        assert!(started.elapsed() < std::time::Duration::from_secs(20), "no two audit lines:\n{text}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    for line in lines {
+        assert!(line.contains("corral::audit") && line.contains("principal=local-admin"), "{line}");
+        assert!(line.contains("field=\"repo\"") && line.contains("reason="), "{line}");
+    }
+    daemon.stop().await;
+}

@@ -112,7 +112,7 @@ impl CatalogService for CatalogApi {
     ) -> Result<Response<pb::EvaluateGateResponse>, Status> {
         let principal = super::auth::caller(&request)?;
         let req = request.into_inner();
-        let (repo, specs) = validate::evaluate_gate(&req, &self.repo_roots, &principal.repos).await?;
+        let (repo, specs) = validate::evaluate_gate(&req, &self.repo_roots, &principal).await?;
         // The actor and project exactly as an execution admits them: an
         // empty actor is the principal's type, another type is refused, an
         // empty project is the principal's default, another tenant's is refused.

@@ -216,7 +216,7 @@ impl ExecutionApi {
         principal: &crate::auth::Principal,
         request: pb::ExecuteRequest,
     ) -> Result<crate::lifecycle::ExecuteCommand, Status> {
-        let mut cmd = validate::execute_request(request, &self.repo_roots, &principal.repos).await?;
+        let mut cmd = validate::execute_request(request, &self.repo_roots, principal).await?;
         let (actor, project) = principal.admit(&cmd.actor, &cmd.project).map_err(denied)?;
         cmd.actor = actor;
         cmd.project = project;

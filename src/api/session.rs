@@ -89,7 +89,7 @@ impl SessionService for SessionApi {
         let principal = caller(&request)?;
         let trace_parent = traceparent(&request);
         let req = request.into_inner();
-        let (repo, specs) = validate::create_session(&req, &self.repo_roots, &principal.repos).await?;
+        let (repo, specs) = validate::create_session(&req, &self.repo_roots, &principal).await?;
         let (actor, project) = principal.admit(&req.actor, &req.project).map_err(denied)?;
         let policies = session_policies(&principal, specs.clone())?;
         let cmd = CreateSessionCommand {

@@ -14,6 +14,7 @@ use tonic::Status;
 use super::page::PageTokens;
 use super::status::invalid_argument;
 use super::words::Word;
+use crate::auth::Principal;
 use crate::catalog::ProfileRef;
 use crate::lifecycle::{ExecuteCommand, ExecutionState};
 use crate::pb;
@@ -105,13 +106,14 @@ pub fn text(field: &str, value: &str, max: usize) -> Result<(), Status> {
 }
 
 /// A repository path: absolute, no `..`, beneath one of the daemon's
-/// `roots` and the principal's `prefixes` (if it has any), opened there
+/// `roots` and the principal's `repos` (if it has any), opened there
 /// without leaving the root, and a git repository. Returns the canonical
 /// path, which is what the execution uses from then on; empty stays empty.
 ///
 /// Whatever the reason, a refused path gets one answer, so a caller learns
-/// nothing about what exists on the host; the reason goes to the log.
-pub async fn repo(field: &str, value: &str, roots: &[PathBuf], prefixes: &[PathBuf]) -> Result<String, Status> {
+/// nothing about what exists on the host; the reason goes to the audit
+/// log, with the principal who asked.
+pub async fn repo(field: &str, value: &str, roots: &[PathBuf], principal: &Principal) -> Result<String, Status> {
     use crate::sandbox::repo::{resolve, Refused, NOT_ALLOWED};
     if value.is_empty() {
         return Ok(String::new());
@@ -125,10 +127,13 @@ pub async fn repo(field: &str, value: &str, roots: &[PathBuf], prefixes: &[PathB
         return Err(invalid_argument(field, "must not contain '..'"));
     }
     let refuse = |why: Refused| {
-        tracing::info!(target: "corral::audit", field, reason = %why, "repository refused");
+        tracing::info!(
+            target: "corral::audit", principal = %principal.name, kind = principal.kind.as_str(), field,
+            reason = %why, "repository refused"
+        );
         invalid_argument(field, NOT_ALLOWED)
     };
-    let open = resolve(path, roots, prefixes).map_err(refuse)?;
+    let open = resolve(path, roots, &principal.repos).map_err(refuse)?;
     if !crate::sandbox::workspace::is_git_repo(&open).await {
         return Err(refuse(Refused::NotGit));
     }
@@ -200,7 +205,7 @@ pub fn page_size(value: u32) -> Result<u32, Status> {
 pub async fn execute_request(
     req: pb::ExecuteRequest,
     roots: &[PathBuf],
-    prefixes: &[PathBuf],
+    principal: &Principal,
 ) -> Result<ExecuteCommand, Status> {
     profile_ref("harness_profile_ref", &req.harness_profile_ref)?;
     text("title", &req.title, MAX_TITLE)?;
@@ -210,7 +215,7 @@ pub async fn execute_request(
     token("assignment_ref", &req.assignment_ref)?;
     token("actor", &req.actor)?;
     token("project", &req.project)?;
-    let repo = repo("repo", &req.repo, roots, prefixes).await?;
+    let repo = repo("repo", &req.repo, roots, principal).await?;
     Ok(ExecuteCommand {
         harness_profile_ref: req.harness_profile_ref,
         repo,
@@ -234,27 +239,27 @@ pub async fn execute_request(
 pub async fn create_session(
     req: &pb::CreateSessionRequest,
     roots: &[PathBuf],
-    prefixes: &[PathBuf],
+    principal: &Principal,
 ) -> Result<(String, Vec<PolicySpec>), Status> {
     session_id("session_id", &req.session_id)?;
     profile_ref("profile_ref", &req.profile_ref)?;
     token("actor", &req.actor)?;
     token("project", &req.project)?;
     let specs = policies(&req.policies)?;
-    Ok((repo("repo", &req.repo, roots, prefixes).await?, specs))
+    Ok((repo("repo", &req.repo, roots, principal).await?, specs))
 }
 
 /// `EvaluateGate`'s fields, the same way.
 pub async fn evaluate_gate(
     req: &pb::EvaluateGateRequest,
     roots: &[PathBuf],
-    prefixes: &[PathBuf],
+    principal: &Principal,
 ) -> Result<(String, Vec<PolicySpec>), Status> {
     profile_ref("profile_ref", &req.profile_ref)?;
     token("actor", &req.actor)?;
     token("project", &req.project)?;
     let specs = policies(&req.policies)?;
-    Ok((repo("repo", &req.repo, roots, prefixes).await?, specs))
+    Ok((repo("repo", &req.repo, roots, principal).await?, specs))
 }
 
 /// Policies from the wire, in shape: sizes, names, JSON arguments. Whether

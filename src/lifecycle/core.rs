@@ -671,7 +671,7 @@ impl Core {
             Ok(mut result) => {
                 result.output = self.scrubber.scrub(&result.output);
                 result.error = self.scrubber.scrub(&result.error);
-                self.evidence.tokens_spent += result.tokens_spent;
+                self.evidence.tokens_spent = self.evidence.tokens_spent.saturating_add(result.tokens_spent);
                 if let Some(usage) = &result.usage {
                     self.evidence.notes.push(usage.describe());
                 }

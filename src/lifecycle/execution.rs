@@ -17,14 +17,14 @@ use crate::sandbox::WORKSPACE_MOUNT;
 use crate::types::evidence::{FailureStage, HubReportStatus, Outcome};
 
 pub(super) async fn run(
-    engine: &Arc<Engine>,
+    engine: Arc<Engine>,
     mut record: ExecutionRecord,
     cmd: ExecuteCommand,
     cancel: CancellationToken,
 ) {
     let started = Instant::now();
     let recorder = Recorder::new(record.execution_id.clone(), 0, engine.store.clone(), engine.bus.clone());
-    let mut core = Core::new(engine.clone(), recorder, record.consumer.clone(), cmd.repo.clone(), Vec::new());
+    let mut core = Core::new(engine, recorder, record.consumer.clone(), cmd.repo.clone(), Vec::new());
     core.evidence = std::mem::take(&mut record.evidence);
     let accepted = EventKind::Accepted {
         execution_id: record.execution_id.clone(),

@@ -512,7 +512,17 @@ impl Engine {
         tokio::spawn(async move {
             tokio::select! { _ = draining.cancelled() => slot.cancel(), _ = slot.cancelled() => {} }
         });
-        execution::run(self, record, cmd, cancel).await;
+        // In a task of its own, so that a panic (a bug) ends the run as a
+        // crash would, not with it held `running` and its sandbox alive;
+        // in the run's span, as a task does not inherit its spawner's.
+        let run = execution::run(self.clone(), record, cmd, cancel);
+        let run = tokio::spawn(tracing::Instrument::instrument(run, tracing::Span::current()));
+        if let Err(e) = run.await {
+            tracing::error!(execution_id = %execution_id, error = %e, "an execution's task failed; recovering it");
+            if let Err(e) = self.recover_panicked(&execution_id).await {
+                tracing::error!(execution_id = %execution_id, error = %e, "a failed execution task not recovered");
+            }
+        }
         self.bus.close(&execution_id);
         self.release(&execution_id);
     }

@@ -85,31 +85,11 @@ impl Engine {
             );
         }
         for row in self.store.leftover_sandboxes(&self.epoch).await? {
-            if let Some(reason) = leftover::refuse_reason(&row, &self.sandboxes_dir, scope) {
-                tracing::error!(
-                    sandbox_id = %row.sandbox_id.escape_debug(), %reason,
-                    "recovery refuses a sandbox row: nothing deleted, nothing signalled"
-                );
+            let Some((result, killed)) = self.destroy_leftover_row(&row, scope).await? else {
                 report.sandboxes_refused += 1;
                 continue;
-            }
-            report.processes_killed += leftover::kill_sandbox_processes(&row.sandbox_id, scope).await;
-            let backend = match row.backend.as_str() {
-                "none" => &self.backends.none,
-                _ => &self.backends.linux_bwrap,
             };
-            let user = row.uid.map(crate::sandbox::host::own_user);
-            let root = leftover::derived_root(&self.sandboxes_dir, &row.sandbox_id);
-            let result = match backend.destroy_leftover(&row.sandbox_id, &root, user).await {
-                Ok(()) => TeardownResult::Succeeded,
-                Err(e) => {
-                    tracing::error!(sandbox_id = %row.sandbox_id, error = %e, "leftover sandbox not destroyed");
-                    TeardownResult::Failed
-                }
-            };
-            let state =
-                if result == TeardownResult::Succeeded { SandboxState::Destroyed } else { SandboxState::Failed };
-            self.store.set_sandbox_state(&row.sandbox_id, state).await?;
+            report.processes_killed += killed;
             destroyed_for.insert(row.subject_id.clone(), result);
             if row.destroying {
                 tearing_down.insert(row.subject_id.clone());
@@ -148,6 +128,70 @@ impl Engine {
             tracing::warn!(?report, "recovered what a previous instance left behind");
         }
         Ok(report)
+    }
+
+    /// Destroys the sandbox of a stored row no run holds any more (a
+    /// previous instance's, or a run's whose task panicked): its processes
+    /// killed, then its cgroup, files and uid given back, and its row
+    /// marked. `None` when the row is refused (nothing deleted, nothing
+    /// signalled); else how it went and how many processes were killed.
+    async fn destroy_leftover_row(
+        &self,
+        row: &crate::store::SandboxRow,
+        scope: SignalScope,
+    ) -> Result<Option<(TeardownResult, usize)>, EngineError> {
+        if let Some(reason) = leftover::refuse_reason(row, &self.sandboxes_dir, scope) {
+            tracing::error!(
+                sandbox_id = %row.sandbox_id.escape_debug(), %reason,
+                "recovery refuses a sandbox row: nothing deleted, nothing signalled"
+            );
+            return Ok(None);
+        }
+        let killed = leftover::kill_sandbox_processes(&row.sandbox_id, scope).await;
+        let backend = match row.backend.as_str() {
+            "none" => &self.backends.none,
+            _ => &self.backends.linux_bwrap,
+        };
+        let user = row.uid.map(crate::sandbox::host::own_user);
+        let root = leftover::derived_root(&self.sandboxes_dir, &row.sandbox_id);
+        let result = match backend.destroy_leftover(&row.sandbox_id, &root, user).await {
+            Ok(()) => TeardownResult::Succeeded,
+            Err(e) => {
+                tracing::error!(sandbox_id = %row.sandbox_id, error = %e, "leftover sandbox not destroyed");
+                TeardownResult::Failed
+            }
+        };
+        let state = if result == TeardownResult::Succeeded { SandboxState::Destroyed } else { SandboxState::Failed };
+        self.store.set_sandbox_state(&row.sandbox_id, state).await?;
+        Ok(Some((result, killed)))
+    }
+
+    /// After the task running execution `execution_id` here panicked (a
+    /// bug; nothing it held was given back): what recovery does after a
+    /// crash, for that run alone. Its sandboxes are destroyed and, unless
+    /// it had finished, it is finished `failed` with `recovered` ("the
+    /// daemon's task for it failed during …"), `teardown` and `finished`,
+    /// so its caller and watchers hear the end and its slot can go.
+    pub(super) async fn recover_panicked(&self, execution_id: &str) -> Result<(), EngineError> {
+        let scope = SignalScope::new(self.uid_range);
+        let (mut destroy, mut teardown) = (TeardownResult::NotAttempted, false);
+        for row in self.store.undestroyed_sandboxes_of(execution_id).await? {
+            teardown |= row.destroying;
+            destroy = match self.destroy_leftover_row(&row, scope).await? {
+                Some((result, _)) => result,
+                None => TeardownResult::Failed,
+            };
+        }
+        let Some(mut record) = self.store.get_execution(execution_id).await? else { return Ok(()) };
+        if record.state.is_terminal() {
+            return Ok(());
+        }
+        let why = "the daemon's task for it failed";
+        let reached = Reached { started: false, teardown };
+        let finished = self.finish_subject(execution_id, &mut record.evidence, destroy, why, reached).await?;
+        record.state = ExecutionState::Failed;
+        record.finished_at_ms = Some(now_ms());
+        finished.execution(self, record).await
     }
 
     /// Fails what node `node` left unfinished when it was declared lost
@@ -249,10 +293,14 @@ struct Finisher(Recorder);
 impl Finisher {
     /// The failed execution's final record, its hub report (when it asked
     /// for one) and its `finished` event, in one transaction: nobody sees
-    /// it ended without its `finished` event.
+    /// it ended without its `finished` event. Counted in the metrics as
+    /// any finished execution is, once stored.
     async fn execution(mut self, engine: &Engine, record: ExecutionRecord) -> Result<(), EngineError> {
         match super::execution::store_finished(engine, &mut self.0, &record, None).await {
-            true => Ok(()),
+            true => {
+                crate::telemetry::execution_finished(&record.evidence);
+                Ok(())
+            }
             false => {
                 Err(EngineError::Unavailable(format!("execution {} not finished in the store", record.execution_id)))
             }
@@ -260,13 +308,14 @@ impl Finisher {
     }
 
     /// The failed session's final record and its `finished` event, in one
-    /// transaction.
+    /// transaction; counted in the metrics once stored.
     async fn session(mut self, engine: &Engine, record: SessionRecord) -> Result<(), EngineError> {
         let finished = self.0.prepare(EventKind::SessionFinished { session: Box::new(record.clone()) }).await;
         let store = &engine.store;
         if !self.0.persist_with(finished.len(), || store.finish_session(&record, &finished)).await {
             return Err(EngineError::Unavailable(format!("session {} not finished in the store", record.session_id)));
         }
+        crate::telemetry::session_finished(record.state.as_str());
         self.0.publish(finished, None);
         Ok(())
     }

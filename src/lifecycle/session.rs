@@ -472,7 +472,7 @@ impl Engine {
                 tool,
                 ok,
                 error,
-                tokens_spent: core.evidence.tokens_spent - tokens_before,
+                tokens_spent: core.evidence.tokens_spent.saturating_sub(tokens_before),
             };
             let mut raw = raw;
             let cut = fit_raw(&mut raw, json_len(&event), engine.max_message_bytes);
@@ -631,7 +631,6 @@ impl Engine {
     /// Stores the final record with the `finished` event; returns the raw
     /// error that goes with it (empty when nothing failed).
     async fn finish_session(&self, core: &mut Core, record: &mut SessionRecord) -> String {
-        crate::telemetry::session_finished(record.state.as_str());
         let mut evidence = core.evidence.clone();
         evidence.of_session();
         evidence.outcome = match (record.state, evidence.failure_stage) {
@@ -646,6 +645,7 @@ impl Engine {
         if evidence.outcome == Outcome::Failed && record.state != SessionState::Reaped {
             record.state = SessionState::Failed;
         }
+        crate::telemetry::session_finished(record.state.as_str());
         record.evidence = evidence;
         record.restarts = core.restarts;
         record.ended_at_ms = Some(now_ms());

@@ -245,6 +245,17 @@ pub struct ToolResult {
     pub usage: Option<TokenUsage>,
 }
 
+/// The most tokens one count a harness reports may hold: 2^53, the
+/// largest integer a JSON reader that holds numbers as doubles (a
+/// JavaScript client, a Prometheus sample) still reads exactly, and far
+/// beyond any model's spend. A reported count above it is taken as this.
+pub const MAX_TOKENS: u64 = 1 << 53;
+
+/// A token count as a harness reported it, bounded by [`MAX_TOKENS`].
+pub fn bounded_tokens(reported: u64) -> u64 {
+    reported.min(MAX_TOKENS)
+}
+
 /// Tokens by kind. The four counts are disjoint: `input` is what was read
 /// from no cache, so the total is their sum.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -262,9 +273,12 @@ pub struct TokenUsage {
 }
 
 impl TokenUsage {
-    /// Every token of the four kinds, summed.
+    /// Every token of the four kinds, summed, at most [`MAX_TOKENS`]: the
+    /// counts are the harness's, so the sum must not overflow whatever
+    /// they are.
     pub fn total(&self) -> u64 {
-        self.input + self.output + self.cache_read + self.cache_creation
+        let sum = [self.output, self.cache_read, self.cache_creation].into_iter().fold(self.input, u64::saturating_add);
+        bounded_tokens(sum)
     }
 
     /// One line for the evidence's notes.

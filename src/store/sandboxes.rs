@@ -156,16 +156,24 @@ impl Store {
     /// daemon's to destroy (see [`Store::foreign_leftover_sandboxes`]; on
     /// SQLite [`Store::take_over_other_names`] made them this node's first).
     pub async fn leftover_sandboxes(&self, current_epoch: &str) -> Result<Vec<SandboxRow>, StoreError> {
-        let rows = sqlx::query(
+        self.undestroyed_sandboxes("s.instance_epoch != $1", current_epoch).await
+    }
+
+    /// This node's sandboxes of `subject` not yet destroyed.
+    pub async fn undestroyed_sandboxes_of(&self, subject: &str) -> Result<Vec<SandboxRow>, StoreError> {
+        self.undestroyed_sandboxes("s.subject_id = $1", subject).await
+    }
+
+    /// This node's sandboxes not yet destroyed for which `filter` (on `$1`,
+    /// bound to `value`) holds.
+    async fn undestroyed_sandboxes(&self, filter: &'static str, value: &str) -> Result<Vec<SandboxRow>, StoreError> {
+        let sql = format!(
             "SELECT s.sandbox_id, s.subject_id, s.backend, s.root_path, u.uid, s.state FROM sandboxes s
              LEFT JOIN sandbox_uids u ON u.sandbox_id = s.sandbox_id AND u.node = s.node
-             WHERE s.state NOT IN ('destroyed') AND s.instance_epoch != $1 AND s.node = $2
-             ORDER BY s.created_at_ms",
-        )
-        .bind(current_epoch)
-        .bind(&self.node)
-        .fetch_all(&self.pool)
-        .await?;
+             WHERE s.state NOT IN ('destroyed') AND {filter} AND s.node = $2
+             ORDER BY s.created_at_ms"
+        );
+        let rows = sqlx::query(&sql).bind(value).bind(&self.node).fetch_all(&self.pool).await?;
         Ok(rows
             .iter()
             .map(|r| SandboxRow {

@@ -183,6 +183,9 @@ pub struct ReinFaults {
     pub fail_start: bool,
     /// `dispatch_tool` raises (rather than the harness reporting failure).
     pub fail_dispatch: bool,
+    /// `dispatch_tool` panics (a bug in the daemon) while the harness
+    /// runs in its sandbox.
+    pub panic_dispatch: bool,
     pub fail_end: bool,
     pub fail_cleanup: bool,
     /// The lifecycle takes each of the harness's events this long after
@@ -237,6 +240,9 @@ impl HarnessSession for RecordingSession {
         self.calls.lock().unwrap().push("dispatch_tool");
         if self.faults.fail_dispatch {
             return Err(ReinError::Dispatch("injected: dispatch raised SECRET-DISPATCH".into()));
+        }
+        if self.faults.panic_dispatch {
+            panic!("injected: dispatch panicked");
         }
         let Some(pause) = self.faults.slow_events else {
             return self.inner.dispatch_tool(call, dispatch).await;

@@ -14,11 +14,13 @@
 //!   error), a non-`success` subtype, or any `permission_denials` fail the
 //!   run; its usage (input + output + cache read + cache creation) is the
 //!   run's tokens.
+//! - Every count is bounded by `MAX_TOKENS`, and so is every sum of them:
+//!   a harness reporting absurd usage gets a large count, not an overflow.
 
 use serde_json::Value;
 
 use super::{clip, progress, str_of, tool_use, u64_of, Line, ParserState};
-use crate::rein::{TokenUsage, ToolResult};
+use crate::rein::{bounded_tokens, TokenUsage, ToolResult};
 
 #[derive(Debug, Default)]
 pub(super) struct State {
@@ -76,12 +78,14 @@ fn system(v: &Value, state: &mut ParserState) -> Line {
     Line::Events(vec![progress(message, state)])
 }
 
+/// A usage object's four counts, each bounded ([`bounded_tokens`]).
 fn usage_of(usage: &Value) -> TokenUsage {
+    let count = |key| bounded_tokens(u64_of(usage, key).unwrap_or(0));
     TokenUsage {
-        input: u64_of(usage, "input_tokens").unwrap_or(0),
-        output: u64_of(usage, "output_tokens").unwrap_or(0),
-        cache_read: u64_of(usage, "cache_read_input_tokens").unwrap_or(0),
-        cache_creation: u64_of(usage, "cache_creation_input_tokens").unwrap_or(0),
+        input: count("input_tokens"),
+        output: count("output_tokens"),
+        cache_read: count("cache_read_input_tokens"),
+        cache_creation: count("cache_creation_input_tokens"),
         cost_usd: None,
     }
 }
@@ -100,7 +104,8 @@ fn assistant(v: &Value, state: &mut ParserState) -> Line {
             Some((_, counted)) => *counted = tokens,
             None => state.claude.messages.push((id, tokens)),
         }
-        state.tokens = state.claude.messages.iter().map(|(_, t)| t).sum();
+        let sum = state.claude.messages.iter().fold(0, |sum: u64, (_, t)| sum.saturating_add(*t));
+        state.tokens = bounded_tokens(sum);
     }
     let mut events = Vec::new();
     let mut text = Vec::new();
@@ -292,5 +297,25 @@ mod tests {
         assert_eq!(s.tokens, 101);
         parse_line(Preset::ClaudeStreamJson, line("b", r#"{"type":"text","text":"x"}"#).as_bytes(), &mut s);
         assert_eq!(s.tokens, 202);
+    }
+
+    #[test]
+    fn absurd_usage_is_bounded_not_overflowed() {
+        use crate::rein::MAX_TOKENS;
+        let max = u64::MAX;
+        let mut s = ParserState::default();
+        for id in ["a", "b"] {
+            let l = format!(
+                r#"{{"type":"assistant","message":{{"id":"{id}","content":[{{"type":"text","text":"hi"}}],"usage":{{"input_tokens":{max},"output_tokens":{max}}}}}}}"#
+            );
+            parse_line(Preset::ClaudeStreamJson, l.as_bytes(), &mut s);
+        }
+        assert_eq!(s.tokens, MAX_TOKENS);
+        let l = format!(
+            r#"{{"type":"result","subtype":"success","is_error":false,"result":"r","usage":{{"input_tokens":{max},"output_tokens":{max},"cache_read_input_tokens":{max},"cache_creation_input_tokens":{max}}}}}"#
+        );
+        let Line::Result(r) = parse_line(Preset::ClaudeStreamJson, l.as_bytes(), &mut s) else { panic!("a result") };
+        assert_eq!(r.tokens_spent, MAX_TOKENS);
+        assert_eq!(r.usage.unwrap().input, MAX_TOKENS, "each count is bounded too");
     }
 }

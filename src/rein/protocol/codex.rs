@@ -12,15 +12,16 @@
 //!   last one is kept for a run that ends without a turn result.
 //! - `turn.completed` carries the turn's usage: the result, with tokens =
 //!   input + output (cached and cache-write input are part of input, as in
-//!   the Responses API). `turn.failed` fails the run with the model API's
-//!   own message when the error is the API's JSON.
+//!   the Responses API), summed over the turns, each count and each sum
+//!   bounded by `MAX_TOKENS`. `turn.failed` fails the run with the model
+//!   API's own message when the error is the API's JSON.
 //! - The model is never in the stream: it is the one corral wrote into
 //!   Codex's config.
 
 use serde_json::Value;
 
 use super::{clip, progress, str_of, tool_use, u64_of, Line, ParserState};
-use crate::rein::{HarnessEvent, TokenUsage, ToolResult};
+use crate::rein::{bounded_tokens, HarnessEvent, TokenUsage, ToolResult};
 
 #[derive(Debug, Default)]
 pub(super) struct State {
@@ -128,14 +129,16 @@ fn item_events(item: &Value, completed: bool, state: &mut ParserState) -> Vec<Ha
 
 fn turn_completed(v: &Value, state: &mut ParserState) -> ToolResult {
     let usage = v.get("usage").cloned().unwrap_or_default();
-    let input = u64_of(&usage, "input_tokens").unwrap_or(0);
-    let cached = u64_of(&usage, "cached_input_tokens").unwrap_or(0);
-    let cache_write = u64_of(&usage, "cache_write_input_tokens").unwrap_or(0);
+    let count = |key| bounded_tokens(u64_of(&usage, key).unwrap_or(0));
+    let (input, cached, cache_write) =
+        (count("input_tokens"), count("cached_input_tokens"), count("cache_write_input_tokens"));
+    // Summed over the turns, each kind bounded as one count is.
+    let add = |total: &mut u64, turn: u64| *total = bounded_tokens(total.saturating_add(turn));
     let total = &mut state.codex.usage;
-    total.cache_read += cached;
-    total.cache_creation += cache_write;
-    total.input += input.saturating_sub(cached + cache_write);
-    total.output += u64_of(&usage, "output_tokens").unwrap_or(0);
+    add(&mut total.cache_read, cached);
+    add(&mut total.cache_creation, cache_write);
+    add(&mut total.input, input.saturating_sub(cached.saturating_add(cache_write)));
+    add(&mut total.output, count("output_tokens"));
     state.tokens = total.total();
     ToolResult {
         ok: true,
@@ -273,5 +276,21 @@ mod tests {
         }
         assert_eq!(s.tokens, 240);
         assert_eq!((s.codex.usage.input, s.codex.usage.cache_read, s.codex.usage.output), (40, 160, 40));
+    }
+
+    #[test]
+    fn absurd_usage_is_bounded_not_overflowed() {
+        use crate::rein::MAX_TOKENS;
+        let max = u64::MAX;
+        let mut s = ParserState::default();
+        let line = format!(
+            r#"{{"type":"turn.completed","usage":{{"input_tokens":{max},"cached_input_tokens":{max},"cache_write_input_tokens":{max},"output_tokens":{max}}}}}"#
+        );
+        for _ in 0..3 {
+            parse_line(Preset::CodexExecJson, line.as_bytes(), &mut s);
+        }
+        assert_eq!(s.tokens, MAX_TOKENS);
+        let usage = &s.codex.usage;
+        assert_eq!((usage.cache_read, usage.cache_creation, usage.output), (MAX_TOKENS, MAX_TOKENS, MAX_TOKENS));
     }
 }

@@ -124,7 +124,7 @@ fn protocol(kind: &str, v: &Value, state: &mut ParserState) -> Line {
     match kind {
         "progress" => {
             if let Some(tokens) = u64_of(v, "tokens") {
-                state.tokens = tokens;
+                state.tokens = crate::rein::bounded_tokens(tokens);
             }
             Line::Events(vec![progress(str_of(v, "message"), state)])
         }
@@ -133,7 +133,7 @@ fn protocol(kind: &str, v: &Value, state: &mut ParserState) -> Line {
             ok: v.get("ok").and_then(Value::as_bool).unwrap_or(false),
             output: str_of(v, "output"),
             error: str_of(v, "error"),
-            tokens_spent: u64_of(v, "tokens_spent").unwrap_or(state.tokens),
+            tokens_spent: u64_of(v, "tokens_spent").map_or(state.tokens, crate::rein::bounded_tokens),
             resolved_model: str_of(v, "resolved_model"),
             usage: None,
         }),
