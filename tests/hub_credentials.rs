@@ -722,3 +722,160 @@ timeout_seconds = 60
     assert!(!entries.iter().any(|e| e.starts_with("GW_REAL_KEY=")), "{entries:?}");
     daemon.stop().await;
 }
+
+/// A 108-character key, as the `leak` route's file holds it.
+const KEY_108: &str =
+    "sk-live-Zq7xK2mP9vR4tY8wB3nL6cH1jF5dS0aEuG7iO2pW9yT4rE6qA1sD3fG5hJ8kL0zX2cV4bN6mQ9wE1rT3yU5iO7pA0sD2fG4hJ6kL";
+
+/// What one `/bin/sh -s` run given `$LEAKY_TOKEN` (the `leak` route, a
+/// file) left, each as text: the events its caller saw, its record as
+/// `GetExecution` FULL gives it, the events a watcher reads back, and the
+/// store's bytes (its file and write-ahead log; on PostgreSQL every row).
+async fn leaky_shell_run(max_output_bytes: u64, script: &str) -> Vec<(&'static str, String)> {
+    require_bwrap();
+    assert_eq!(KEY_108.len(), 108);
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let profile = format!(
+        "id = \"test.leaky-sh\"\nversion = \"1.0.0\"\ncredential_route_refs = [\"leak\"]\n[rein]\n\
+         argv = [\"/bin/sh\", \"-s\"]\ninput = \"description\"\n[sandbox]\ntype = \"linux_bwrap\"\n\
+         allow_network = false\nwrite_paths = [\".\"]\n[limits]\ntimeout_seconds = 60\n\
+         max_output_bytes = {max_output_bytes}\n"
+    );
+    std::fs::write(profiles.join("leaky-sh.toml"), profile).unwrap();
+    let data = dir.path().join("data");
+    let secret_file = dir.path().join("leak.secret");
+    std::fs::write(&secret_file, format!("{KEY_108}\n")).unwrap();
+    let extra = format!(
+        "[credentials.routes.leak]\nfile = {:?}\ninject_as = \"LEAKY_TOKEN\"\n",
+        secret_file.display().to_string()
+    );
+    let daemon = ServeProcess::start_with(&data, &profiles, &[], &extra).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let mut stream = client.execute(request("test.leaky-sh", script)).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    while let Some(e) = stream.message().await.unwrap() {
+        events.push(e);
+    }
+    let id = finished(&events).execution_id;
+    let full = pb::GetExecutionRequest { execution_id: id.clone(), view: pb::ExecutionView::Full as i32 };
+    let record = client.get_execution(full).await.unwrap().into_inner();
+    let req = pb::WatchRequest { execution_id: id, after_sequence: 0 };
+    let mut stream = client.watch_execution(req).await.unwrap().into_inner();
+    let mut watched = Vec::new();
+    while let Some(e) = stream.message().await.unwrap() {
+        watched.push(e);
+    }
+    let config = std::fs::read_to_string(data.with_extension("toml")).unwrap();
+    let postgres = config.lines().skip_while(|l| *l != "[store]").nth(1).and_then(|l| l.strip_prefix("url = "));
+    let store = match postgres {
+        None => {
+            let mut db = std::fs::read(data.join("corral.db")).unwrap_or_default();
+            db.extend(std::fs::read(data.join("corral.db-wal")).unwrap_or_default());
+            String::from_utf8_lossy(&db).into_owned()
+        }
+        Some(url) => {
+            use sqlx::{Connection, Row};
+            let mut conn = sqlx::PgConnection::connect(url.trim_matches('"')).await.unwrap();
+            let tables: Vec<String> = sqlx::query_scalar(
+                "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public'",
+            )
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+            let mut text = String::new();
+            for table in tables {
+                for row in sqlx::query(&format!("SELECT CAST(t AS text) FROM \"{table}\" t"))
+                    .fetch_all(&mut conn)
+                    .await
+                    .unwrap()
+                {
+                    text.push_str(&row.get::<String, _>(0));
+                }
+            }
+            text
+        }
+    };
+    assert!(!store.is_empty());
+    vec![
+        ("the caller's events", format!("{events:?}")),
+        ("the FULL record", format!("{record:?}")),
+        ("a watched event", format!("{watched:?}")),
+        ("the store", store),
+    ]
+}
+
+/// coreutils' `base64` wraps at 76 columns, and output is scrubbed line by
+/// line: each line of the key's encoding is redacted on its own, wherever
+/// the key falls in what is encoded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_printed_through_a_wrapping_base64_is_redacted_line_by_line() {
+    let script = "printf %s \"$LEAKY_TOKEN\" | base64\n\
+                  printf 'key=%s\\n' \"$LEAKY_TOKEN\" | base64\n\
+                  printf %s \"$LEAKY_TOKEN\" | base64 >&2\n\
+                  exit 3\n";
+    let places = leaky_shell_run(65536, script).await;
+    let lines: Vec<String> = [KEY_108.to_string(), format!("key={KEY_108}\n")]
+        .iter()
+        .flat_map(|text| {
+            b64(text.as_bytes())
+                .as_bytes()
+                .chunks(76)
+                .map(|l| String::from_utf8(l.to_vec()).unwrap())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    // Every 8 digits of the key's encoding, at each of the three byte
+    // alignments (the pieces past the scrubber's window).
+    let pieces: Vec<String> = (0..3)
+        .flat_map(|offset| {
+            let mut bytes = vec![0u8; offset];
+            bytes.extend_from_slice(KEY_108.as_bytes());
+            let encoded = b64(&bytes);
+            let form = encoded[(8 * offset).div_ceil(6)..8 * (offset + KEY_108.len()) / 6].to_string();
+            (0..=form.len() - 8).map(move |at| form[at..at + 8].to_string()).collect::<Vec<_>>()
+        })
+        .collect();
+    for (place, text) in &places {
+        assert!(!text.contains(KEY_108), "the key is in {place}");
+        for line in &lines {
+            assert!(!text.contains(line.as_str()), "a line of its base64 is in {place}: {line}");
+        }
+        for piece in &pieces {
+            assert!(!text.contains(piece.as_str()), "8 digits of its base64 are in {place}: {piece}");
+        }
+    }
+    let record = &places[1].1;
+    assert!(record.contains("[REDACTED:leak]\\n[REDACTED:leak]"), "stdout, line by line: {record}");
+}
+
+/// Output past `max_output_bytes` and a line past 1 MiB are cut; what is
+/// kept is scrubbed later, so the cut keeps no part of a line, else a key
+/// across it would keep a prefix no pattern matches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_across_an_output_cut_leaves_no_piece_of_itself() {
+    let eight: Vec<&str> = (0..=KEY_108.len() - 8).map(|at| &KEY_108[at..at + 8]).collect();
+    let at_the_cap = "head -c 4035 /dev/zero | tr '\\0' x; echo\necho \"$LEAKY_TOKEN\"\n\
+                      head -c 4035 /dev/zero | tr '\\0' x >&2; echo >&2\necho \"$LEAKY_TOKEN\" >&2\nexit 3\n";
+    // 1 MiB less 50: the key's first 50 characters would be left of a line
+    // cut at 1 MiB.
+    let at_max_line = "head -c 1048526 /dev/zero | tr '\\0' x; echo \"$LEAKY_TOKEN\"\necho after\n\
+                       head -c 1048526 /dev/zero | tr '\\0' x >&2; echo \"$LEAKY_TOKEN\" >&2\nexit 3\n";
+    for (cap, script) in [(4096, at_the_cap), (4 << 20, at_max_line)] {
+        let places = leaky_shell_run(cap, script).await;
+        for (place, text) in &places {
+            for piece in &eight {
+                assert!(!text.contains(piece), "cap {cap}: 8 characters of the key are in {place}: {piece}");
+            }
+        }
+        let record = &places[1].1;
+        match cap {
+            4096 => assert!(record.contains("xxxxxxxx"), "the lines before the cut are kept: {record:.300}"),
+            _ => assert!(
+                record.contains("tool_output: \"after\\n\""),
+                "a line cut at 1 MiB is dropped alone: {record:.300}"
+            ),
+        }
+    }
+}

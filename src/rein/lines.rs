@@ -1,5 +1,5 @@
 //! Reading a harness stream line by line without trusting it: a line is
-//! capped in length, and bytes kept per stream are capped in total.
+//! capped in length, and the lines kept per stream are capped in bytes.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,36 +52,38 @@ impl<R: AsyncRead + Unpin> LineReader<R> {
     }
 }
 
-/// Bytes kept from one stream, up to a cap; the rest is counted.
+/// Whole lines kept from one stream, up to a cap; the rest is counted.
+///
+/// Never a part of a line: the text is scrubbed of credential values
+/// later, and a value cut in two would keep a piece no pattern matches.
 #[derive(Debug, Default)]
 pub struct CappedBuffer {
     pub text: String,
     pub cap: usize,
     pub dropped: u64,
+    /// A line did not fit: what follows it is dropped too, so the text is
+    /// the stream's start with no gap in it.
+    full: bool,
 }
 
 impl CappedBuffer {
     pub fn new(cap: usize) -> Self {
-        CappedBuffer { text: String::new(), cap, dropped: 0 }
+        CappedBuffer { text: String::new(), cap, dropped: 0, full: false }
     }
 
-    /// Appends a line (and its newline) as far as the cap allows.
+    /// Appends a line and its newline if the cap leaves room for them;
+    /// else counts them as dropped, with every later line. A line cut at
+    /// [`MAX_LINE`] (`already_dropped` bytes past it) is dropped whole too.
     pub fn push_line(&mut self, line: &[u8], already_dropped: u64) {
         let text = String::from_utf8_lossy(line);
         let needed = text.len() + 1;
-        let room = self.cap.saturating_sub(self.text.len());
-        if needed <= room {
+        self.full |= needed > self.cap.saturating_sub(self.text.len());
+        if self.full || already_dropped > 0 {
+            self.dropped += needed as u64 + already_dropped;
+        } else {
             self.text.push_str(&text);
             self.text.push('\n');
-        } else {
-            let mut cut = room.min(text.len());
-            while !text.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            self.text.push_str(&text[..cut]);
-            self.dropped += (needed - cut) as u64;
         }
-        self.dropped += already_dropped;
     }
 }
 
@@ -304,11 +306,21 @@ mod tests {
     }
 
     #[test]
-    fn capped_buffer_counts_what_it_drops() {
+    fn capped_buffer_keeps_whole_lines_and_counts_what_it_drops() {
         let mut buf = CappedBuffer::new(10);
         buf.push_line(b"12345", 0);
         buf.push_line(b"abcdefgh", 0);
-        assert_eq!(buf.text, "12345\nabcd");
-        assert_eq!(buf.dropped, 5);
+        // It would fit, but after a gap.
+        buf.push_line(b"z", 0);
+        assert_eq!(buf.text, "12345\n", "no part of a line");
+        assert_eq!(buf.dropped, 9 + 2);
+        let mut buf = CappedBuffer::new(100);
+        buf.push_line(b"cut at MAX_LINE", 7);
+        buf.push_line(b"next", 0);
+        assert_eq!(buf.text, "next\n", "a line the reader cut is dropped whole");
+        assert_eq!(buf.dropped, 16 + 7);
+        let mut buf = CappedBuffer::new(6);
+        buf.push_line(b"12345", 0);
+        assert_eq!((buf.text.as_str(), buf.dropped), ("12345\n", 0), "exactly the cap");
     }
 }
