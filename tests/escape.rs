@@ -810,3 +810,115 @@ fn corral_doctor_says_where_each_profiles_keys_go() {
     assert!(line("builtin.claude-code@").contains("keys stay in the daemon (credential gateway: anthropic)"), "{text}");
     assert!(line("builtin.codex@").contains("keys in the harness's environment: openai"), "exposed: {text}");
 }
+
+/// A bwrap shell profile whose workspace is read-only but for `write_paths`.
+fn read_only_workspace(id: &str, write_paths: &str) -> (String, String) {
+    let profile = format!(
+        r#"id = "{id}"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-s"]
+input = "description"
+[sandbox]
+type = "linux_bwrap"
+write_paths = {write_paths}
+[limits]
+timeout_seconds = 60
+"#
+    );
+    (format!("{id}.toml"), profile)
+}
+
+/// A repository with one commit holding `files` and the symlinks `links`
+/// (`name -> target`).
+fn repo_with(files: &[&str], links: &[(&str, &str)]) -> tempfile::TempDir {
+    let repo = common::git_repo();
+    for file in files {
+        let path = repo.path().join(file);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, "original\n").unwrap();
+    }
+    for (name, target) in links {
+        std::os::unix::fs::symlink(target, repo.path().join(name)).unwrap();
+    }
+    common::git(repo.path(), &["add", "-A"]);
+    common::git(repo.path(), &["-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "links"]);
+    repo
+}
+
+/// The run of `script` on `repo` with `profile`: refused before the
+/// harness starts, saying a write path is a symlink.
+async fn refused_for_a_symlink(daemon: &TestDaemon, profile: &str, repo: &std::path::Path, script: &str) {
+    let mut req = request(profile, script);
+    req.repo = repo.display().to_string();
+    let events = daemon.execute(req).await;
+    let execution = finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Failed as i32, "{execution:?}");
+    assert!(execution.tool_error.contains("is a symlink"), "{}", execution.tool_error);
+    assert!(!execution.tool_output.contains("WROTE"), "the harness ran: {}", execution.tool_output);
+}
+
+/// A symlink the repository commits at a relative write path (`out -> .`)
+/// would make bwrap bind the whole workspace writable, `.git` and all,
+/// while the receipt's write roots say `/workspace/out`: the run is
+/// refused, and nothing the harness could write reaches the origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_committed_symlink_at_a_write_path_cannot_widen_it() {
+    let daemon = daemon_with(vec![read_only_workspace("test.out-link", r#"["out"]"#)]).await;
+    let repo = repo_with(&["file.txt"], &[("out", ".")]);
+    let script = "echo pwned > /workspace/file.txt && echo pwned > /workspace/.git/pwned && echo WROTE";
+    refused_for_a_symlink(&daemon, "test.out-link", repo.path(), script).await;
+    for (name, id) in common::git(repo.path(), &["for-each-ref", "--format=%(refname) %(objectname)", "refs/corral"])
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+    {
+        let text = common::git(repo.path(), &["show", &format!("{id}:file.txt")]);
+        assert_eq!(text, "original", "{name} carries the harness's write");
+    }
+    daemon.stop().await;
+}
+
+/// A symlink higher up a nested write path (`a/tmp`, with `a` committed
+/// as `../../..` up to the root) points the bind's source, which bwrap
+/// resolves outside the sandbox, out of the workspace (the run went on
+/// and wrote before the fix): refused, and nothing lands in the host's
+/// /tmp.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_symlink_above_a_nested_write_path_cannot_reach_the_host() {
+    let daemon = daemon_with(vec![read_only_workspace("test.nested-link", r#"["a/tmp"]"#)]).await;
+    // bwrap resolves the source under its own root, where the host's is
+    // /oldroot: an absolute link would miss it, exactly enough `..` do not.
+    let workspace = daemon.data_dir().join("sandboxes/id/workspace");
+    let up = "../".repeat(workspace.components().count() - 1);
+    let repo = repo_with(&[], &[("a", &up)]);
+    let name = format!("corral-escape-{}", std::process::id());
+    let script = format!("echo pwned > /workspace/a/tmp/{name} && echo WROTE");
+    refused_for_a_symlink(&daemon, "test.nested-link", repo.path(), &script).await;
+    let escaped = std::path::Path::new("/tmp").join(&name);
+    let landed = escaped.exists();
+    let _ = std::fs::remove_file(&escaped);
+    assert!(!landed, "the harness wrote {} on the host", escaped.display());
+    daemon.stop().await;
+}
+
+/// /dev is bwrap's own tmpfs, without a size: writable, it would hold
+/// whatever the harness wrote there, past every tmpfs limit. It is
+/// read-only; its device nodes still work, and /dev/shm stays writable
+/// (and is among the receipt's write roots).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_is_read_only_but_its_devices_and_shm_work() {
+    let daemon = daemon_with(vec![]).await;
+    let script = "echo x > /dev/x 2>/dev/null && echo DEV-WRITABLE; \
+                  mkdir /dev/d 2>/dev/null && echo DEV-MKDIR; \
+                  echo x > /dev/null && echo NULL-OK; \
+                  head -c 8 /dev/urandom > /dev/null && echo x > /dev/urandom && echo URANDOM-OK; \
+                  echo x > /dev/shm/x && echo SHM-OK";
+    let (execution, events) = run(&daemon, "builtin.shell", script).await;
+    let out = &execution.tool_output;
+    assert!(!out.contains("DEV-WRITABLE") && !out.contains("DEV-MKDIR"), "/dev is writable: {out}");
+    for ok in ["NULL-OK", "URANDOM-OK", "SHM-OK"] {
+        assert!(out.contains(ok), "{ok}: {out}");
+    }
+    assert!(receipt(&events).write_roots.contains(&"/dev/shm".to_string()), "{:?}", receipt(&events));
+    daemon.stop().await;
+}

@@ -516,3 +516,61 @@ async fn draining_this_node_refuses_new_work_at_once() {
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
     daemon.stop().await;
 }
+
+/// A NUL in a read or write path would reach bwrap's NUL-separated
+/// arguments and start options of its own (`--share-net`, a `--ro-bind`
+/// of a host file, `--setenv` swallowing the `--seccomp` after it): the
+/// profile does not load, naming the key; a control character, or a NUL
+/// in a passed-through variable's name, is refused the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_or_control_character_in_a_sandbox_path_refuses_the_profile() {
+    let injected =
+        r#""file.txt\u0000/workspace/file.txt\u0000--ro-bind\u0000/etc/shadow\u0000/leak\u0000--setenv\u0000INJ""#;
+    let cases = [
+        (format!("write_paths = [\".\", {injected}]"), "sandbox.write_paths[1]"),
+        (format!("write_paths = [{injected}]"), "sandbox.write_paths[0]"),
+        ("write_paths = [\".\"]\nread_paths = [\"/opt\\u0000--share-net\"]".to_string(), "sandbox.read_paths[0]"),
+        ("write_paths = [\"out\\nx\"]".to_string(), "sandbox.write_paths[0]"),
+        ("write_paths = [\".\"]\nenv_passthrough = [\"HOME\\u0000X\"]".to_string(), "sandbox.env_passthrough[0]"),
+    ];
+    for (paths, key) in cases {
+        let text = protocol_profile("test.nul-path", "", "").replace("write_paths = [\".\"]", &paths);
+        let error = load_error(&[("p.toml", text)]).await;
+        assert!(error.contains("p.toml") && error.contains(key), "{paths}: {error}");
+        assert!(error.contains("control character") || error.contains("environment variable"), "{paths}: {error}");
+    }
+}
+
+/// The same through the API: an `enforce_sandbox` session policy whose
+/// write path holds a NUL is INVALID_ARGUMENT naming the field, and
+/// nothing is created (no session, no sandbox).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_policy_with_a_nul_in_a_path_is_invalid() {
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("s.toml".into(), common::session_agent_profile("test.session-nul", ""))],
+        ..Options::default()
+    })
+    .await;
+    let mut sessions = pb::session_service_client::SessionServiceClient::new(daemon.channel().await);
+    let arguments = json!({ "write_paths": ["file.txt\u{0}/workspace/file.txt\u{0}--share-net\u{0}--setenv\u{0}INJ"] });
+    let request = pb::CreateSessionRequest {
+        profile_ref: "test.session-nul".into(),
+        project: "proj-a".into(),
+        policies: vec![pb::PolicySpec {
+            name: "narrow".into(),
+            kind: pb::PolicyKind::EnforceSandbox as i32,
+            arguments_json: arguments.to_string(),
+            on: vec![],
+        }],
+        ..Default::default()
+    };
+    let status = sessions.create_session(request).await.expect_err("a NUL in a session policy's path");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    let message = status.message();
+    assert!(message.contains("policies[0]") && message.contains("arguments.write_paths[0]"), "{message}");
+    assert!(message.contains("control character"), "{message}");
+    let listed = sessions.list_sessions(pb::ListSessionsRequest::default()).await.unwrap().into_inner();
+    assert!(listed.sessions.is_empty(), "{listed:?}");
+    assert!(daemon.leftover_sandboxes().await.is_empty());
+    daemon.stop().await;
+}

@@ -81,7 +81,7 @@ async fn the_agent_cannot_reach_the_network_nor_write_outside_its_workspace() {
     let receipt = ready.receipt.unwrap();
     assert!(receipt.network_isolated);
     assert_eq!(receipt.command_digest.len(), 64);
-    assert_eq!(receipt.write_roots, ["/tmp", "/home/agent", "/workspace"]);
+    assert_eq!(receipt.write_roots, ["/tmp", "/dev/shm", "/home/agent", "/workspace"]);
     assert_eq!(pb::SandboxType::try_from(ready.backend).unwrap(), pb::SandboxType::LinuxBwrap);
 }
 

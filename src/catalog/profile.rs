@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::policy::{compile_all, Policy, PolicySpec};
+use crate::sandbox::workspace::{check_env_name, check_sandbox_path};
 use crate::sandbox::{SandboxSpec, SandboxType};
 pub use crate::types::{Readiness, ReadinessState};
 
@@ -682,11 +683,12 @@ impl Profile {
         for (key, paths) in
             [("sandbox.read_paths", &file.sandbox.read_paths), ("sandbox.write_paths", &file.sandbox.write_paths)]
         {
-            for path in paths {
-                if path.split('/').any(|c| c == "..") {
-                    return Err(format!("{key}: {path:?} must not contain '..'"));
-                }
+            for (i, path) in paths.iter().enumerate() {
+                check_sandbox_path(path).map_err(|e| format!("{key}[{i}]: {e}"))?;
             }
+        }
+        for (i, name) in file.sandbox.env_passthrough.iter().enumerate() {
+            check_env_name(name).map_err(|e| format!("sandbox.env_passthrough[{i}]: {e}"))?;
         }
         for (key, value) in [
             ("git.author_name", &file.git.author_name),

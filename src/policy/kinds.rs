@@ -6,6 +6,7 @@ use serde_json::Value;
 
 use super::expr::Expr;
 use super::{Phase, PolicySpec, Selector};
+use crate::sandbox::workspace::{check_env_name, check_sandbox_path};
 use crate::sandbox::SandboxType;
 
 /// `enforce_sandbox`: fields it does not name are kept; unknown fields are
@@ -175,10 +176,13 @@ impl Policy {
         let kind = match spec.kind.as_str() {
             "enforce_sandbox" => {
                 let e: EnforceSandbox = args(&spec.arguments)?;
-                for path in e.write_paths.iter().chain(e.read_paths.iter()).flatten() {
-                    if path.split('/').any(|c| c == "..") {
-                        return Err(format!("arguments: path {path:?} must not contain '..'"));
+                for (key, paths) in [("write_paths", &e.write_paths), ("read_paths", &e.read_paths)] {
+                    for (i, path) in paths.iter().flatten().enumerate() {
+                        check_sandbox_path(path).map_err(|e| format!("arguments.{key}[{i}]: {e}"))?;
                     }
+                }
+                for (i, name) in e.env_passthrough.iter().flatten().enumerate() {
+                    check_env_name(name).map_err(|e| format!("arguments.env_passthrough[{i}]: {e}"))?;
                 }
                 if let Some(hosts) = &e.allow_hosts {
                     crate::net::parse_hosts(hosts).map_err(|e| format!("arguments.allow_hosts: {e}"))?;

@@ -23,6 +23,7 @@ use super::host::{effective_uid, INSIDE_UID};
 use super::netns;
 use super::process::{data_fd, spawn_group, HostUser, SpawnOptions};
 use super::seccomp::{sandbox_filter, SeccompFilter};
+use super::workspace::open_beneath;
 use super::{
     base_env, Capabilities, CreateSandbox, EnforcementReceipt, ExecSpec, GateFile, GateMounts, GateSource, Sandbox,
     SandboxBackend, SandboxError, SandboxProcess, SandboxSpec, SandboxState, SandboxType, Tmpfs,
@@ -142,7 +143,8 @@ pub fn bwrap_args(
     // read-only always.
     push(&["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]);
     // --dev mounts an unsized tmpfs on /dev/shm (half the host's RAM):
-    // cover it with a sized one, like /tmp.
+    // cover it with a sized one, like /tmp. /dev itself is a tmpfs too,
+    // remounted read-only below.
     push(&["--dev", "/dev", "--size", &shm, "--tmpfs", "/dev/shm", "--size", &tmp, "--tmpfs", "/tmp"]);
     for path in &spec.read_paths {
         push(&["--ro-bind", path, path]);
@@ -150,31 +152,83 @@ pub fn bwrap_args(
     let ws = paths.workspace.to_string_lossy();
     let workspace_writable = spec.write_paths.iter().any(|p| p == ".");
     push(&[if workspace_writable { "--bind" } else { "--ro-bind" }, &ws, WORKSPACE_MOUNT]);
-    for path in &spec.write_paths {
-        if path == "." {
-            continue;
-        }
-        if Path::new(path).is_absolute() {
-            push(&["--bind", path, path]);
-        } else if !workspace_writable {
-            let host = format!("{ws}/{path}");
-            let inside = format!("{WORKSPACE_MOUNT}/{path}");
-            push(&["--bind", &host, &inside]);
-        }
+    for path in spec.write_paths.iter().filter(|p| Path::new(p).is_absolute()) {
+        push(&["--bind", path, path]);
+    }
+    // Relative write paths are bound from descriptors the daemon opened
+    // beneath the workspace without following symlinks (see
+    // [`open_write_paths`]): bwrap resolves a path source on the host, so
+    // a symlink the repository commits would pick what becomes writable.
+    let first = first_write_fd(spec, gate);
+    for (n, path) in (first..).zip(relative_write_paths(spec)) {
+        push(&["--bind-fd", &n.to_string(), &format!("{WORKSPACE_MOUNT}/{path}")]);
     }
     push(&["--bind", &paths.home.to_string_lossy(), HOME_MOUNT]);
     // The agent's managed hook last, so no mount above can hide it or make
     // its directory writable: profile validation refuses read and write
-    // paths over it, but a path can still reach it through a symlink (one
-    // in the repository, under a relative write path). Over a read-only
-    // bind its mount point cannot be made, and bwrap fails: closed.
+    // paths over it, but a host path can still reach it through a symlink
+    // on the host. Over a read-only bind its mount point cannot be made,
+    // and bwrap fails: closed.
     for (host, inside) in &gate.binds {
         push(&["--ro-bind", &host.to_string_lossy(), inside]);
     }
-    // bwrap's root is a writable tmpfs; remounting it read-only leaves only
-    // the binds above (workspace, HOME, write paths) and /tmp writable.
-    push(&["--remount-ro", "/", "--chdir", WORKSPACE_MOUNT, "--seccomp", SECCOMP_FD, "--"]);
+    // bwrap's root and /dev are writable tmpfs; remounting them read-only
+    // (each alone: the mounts on them keep their own flags) leaves only the
+    // binds above (workspace, HOME, write paths), /tmp and /dev/shm
+    // writable. Device nodes work on a read-only /dev. Last, so the binds
+    // can still make their mount points.
+    push(&["--remount-ro", "/dev", "--remount-ro", "/"]);
+    push(&["--chdir", WORKSPACE_MOUNT, "--seccomp", SECCOMP_FD, "--"]);
     args
+}
+
+/// The relative write paths bwrap binds, in order: those of a read-only
+/// workspace (a writable one holds them already).
+fn relative_write_paths(spec: &SandboxSpec) -> impl Iterator<Item = &str> {
+    let workspace_writable = spec.write_paths.iter().any(|p| p == ".");
+    spec.write_paths.iter().map(String::as_str).filter(move |p| !workspace_writable && !Path::new(p).is_absolute())
+}
+
+/// The descriptor number bwrap finds the first relative write path at:
+/// after its arguments and seccomp program, and its info and block pipes
+/// when it joins the network namespace.
+fn first_write_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
+    if joins_netns(spec, gate) {
+        7
+    } else {
+        5
+    }
+}
+
+/// Opens each relative write path beneath `workspace` (see
+/// [`super::workspace::open_beneath`]), in the order [`bwrap_args`]
+/// numbers them. A path that is missing, not a directory or regular file,
+/// or reached through a symlink refuses the launch.
+fn open_write_paths(spec: &SandboxSpec, workspace: &Path) -> Result<Vec<std::os::fd::OwnedFd>, SandboxError> {
+    relative_write_paths(spec)
+        .map(|path| {
+            open_beneath(workspace, path).map_err(|e| {
+                SandboxError::Spawn(format!("write path {path:?} cannot be bound from the workspace: {e}"))
+            })
+        })
+        .collect()
+}
+
+/// bwrap's arguments as `--args` reads them: each one ended by a NUL. An
+/// argument holding a NUL would split into several, each parsed as an
+/// option of its own, so one refuses the launch (validation refuses such
+/// paths earlier; this is the last line).
+fn pack_args(args: &[OsString]) -> Result<Vec<u8>, SandboxError> {
+    let mut packed = Vec::new();
+    for arg in args {
+        let bytes = arg.as_encoded_bytes();
+        if bytes.contains(&0) {
+            return Err(SandboxError::Spawn(format!("refusing a bwrap argument with a NUL byte: {arg:?}")));
+        }
+        packed.extend_from_slice(bytes);
+        packed.push(0);
+    }
+    Ok(packed)
 }
 
 /// Whether the daemon enters the sandbox's network namespace before the
@@ -186,7 +240,7 @@ fn joins_netns(spec: &SandboxSpec, gate: &GateMounts) -> bool {
 
 /// The write roots a spec yields, as the harness sees them.
 pub fn write_roots(spec: &SandboxSpec) -> Vec<String> {
-    let mut roots = vec!["/tmp".to_string(), HOME_MOUNT.to_string()];
+    let mut roots = vec!["/tmp".to_string(), "/dev/shm".to_string(), HOME_MOUNT.to_string()];
     for path in &spec.write_paths {
         roots.push(match path.as_str() {
             "." => WORKSPACE_MOUNT.to_string(),
@@ -272,11 +326,8 @@ impl BwrapBackend {
         // `--` goes on the real command line: bwrap ends option parsing
         // there, whatever the harness argv looks like.
         let (dashdash, packed_args) = args.split_last().expect("bwrap_args ends with --");
-        let mut packed = Vec::new();
-        for arg in packed_args {
-            packed.extend_from_slice(arg.as_encoded_bytes());
-            packed.push(0);
-        }
+        let packed = pack_args(packed_args)?;
+        let write_fds = open_write_paths(spec, &paths.workspace)?;
         let spawn = |e: std::io::Error| SandboxError::Spawn(format!("cannot pass bwrap its descriptors: {e}"));
         // The caller's own descriptors go after bwrap's (see `passed_fd`).
         let extra = std::mem::take(&mut options.pass_fds);
@@ -292,6 +343,7 @@ impl BwrapBackend {
         } else {
             None
         };
+        options.pass_fds.extend(write_fds);
         options.pass_fds.extend(extra);
         let mut argv_full: Vec<OsString> = vec!["--args".into(), ARGS_FD.into(), dashdash.clone()];
         argv_full.extend(argv.iter().map(OsString::from));
@@ -358,14 +410,10 @@ impl BwrapBackend {
     }
 
     /// The number the first of a launch's own `pass_fds` has inside: after
-    /// bwrap's arguments and seccomp program, and its info and block pipes
-    /// when it joins the network namespace.
+    /// bwrap's arguments and seccomp program, its info and block pipes when
+    /// it joins the network namespace, and the relative write paths.
     fn passed_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
-        if joins_netns(spec, gate) {
-            7
-        } else {
-            5
-        }
+        first_write_fd(spec, gate) + relative_write_paths(spec).count() as u32
     }
 
     /// The digest of the exact command line a sandbox with `spec` at
@@ -721,6 +769,8 @@ mod tests {
                 "/data/sb/home",
                 "/home/agent",
                 "--remount-ro",
+                "/dev",
+                "--remount-ro",
                 "/",
                 "--chdir",
                 "/workspace",
@@ -820,7 +870,7 @@ mod tests {
         let spec = SandboxSpec { write_paths: vec!["out".into(), "/var/cache/x".into()], ..SandboxSpec::default() };
         let args =
             strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, sizes(1), &GateMounts::default()));
-        let tail: Vec<&str> = args.iter().rev().take(19).rev().map(|s| s.as_str()).collect();
+        let tail: Vec<&str> = args.iter().rev().take(21).rev().map(|s| s.as_str()).collect();
         assert_eq!(
             tail,
             [
@@ -828,14 +878,16 @@ mod tests {
                 "/r/workspace",
                 "/workspace",
                 "--bind",
-                "/r/workspace/out",
+                "/var/cache/x",
+                "/var/cache/x",
+                "--bind-fd",
+                "5",
                 "/workspace/out",
-                "--bind",
-                "/var/cache/x",
-                "/var/cache/x",
                 "--bind",
                 "/r/home",
                 "/home/agent",
+                "--remount-ro",
+                "/dev",
                 "--remount-ro",
                 "/",
                 "--chdir",
@@ -845,7 +897,66 @@ mod tests {
                 "--"
             ][..]
         );
-        assert_eq!(write_roots(&spec), ["/tmp", "/home/agent", "/workspace/out", "/var/cache/x"]);
+        assert_eq!(write_roots(&spec), ["/tmp", "/dev/shm", "/home/agent", "/workspace/out", "/var/cache/x"]);
+    }
+
+    /// Relative write paths are numbered after bwrap's own descriptors,
+    /// and the caller's come after them.
+    #[test]
+    fn relative_write_paths_are_bound_by_descriptor_after_the_netns_pipes() {
+        let spec = SandboxSpec {
+            write_paths: vec!["a".into(), "/var/x".into(), "b/c".into()],
+            allow_network: true,
+            ..SandboxSpec::default()
+        };
+        let args =
+            strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, sizes(1), &GateMounts::default()));
+        let at = args.iter().position(|a| a == "--bind-fd").expect("--bind-fd");
+        assert_eq!(args[at..at + 6], ["--bind-fd", "7", "/workspace/a", "--bind-fd", "8", "/workspace/b/c"]);
+        assert!(!args.iter().any(|a| a.starts_with("/r/workspace/")), "no path source under the workspace: {args:?}");
+        assert_eq!(BwrapBackend::passed_fd(&spec, &GateMounts::default()), 9);
+        // A writable workspace holds them already: nothing is bound.
+        let spec = SandboxSpec { write_paths: vec![".".into(), "a".into()], ..SandboxSpec::default() };
+        let args =
+            strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, sizes(1), &GateMounts::default()));
+        assert!(!args.contains(&"--bind-fd".to_string()), "{args:?}");
+        assert_eq!(BwrapBackend::passed_fd(&spec, &GateMounts::default()), 5);
+    }
+
+    /// The last line against a NUL in an argument: bwrap would read the
+    /// rest as options of their own (`--share-net`, a `--ro-bind` of a host
+    /// file). Packing refuses it, and so the launch does, before it runs
+    /// anything.
+    #[tokio::test]
+    async fn an_argument_with_a_nul_fails_the_launch_closed() {
+        let injected = "/opt/x\0--share-net\0--setenv\0INJ".to_string();
+        let error = pack_args(&["--ro-bind".into(), injected.clone().into()]).unwrap_err().to_string();
+        assert!(error.contains("NUL"), "{error}");
+        assert_eq!(pack_args(&["--a".into(), "b".into()]).unwrap(), b"--a\0b\0");
+
+        let backend = BwrapBackend::detect(None);
+        assert!(backend.program().is_some(), "bwrap is not on PATH: install the Debian package bubblewrap");
+        let dir = tempfile::tempdir().unwrap();
+        let sandbox_paths = SandboxPaths::under(dir.path());
+        for spec in [
+            SandboxSpec { read_paths: vec![injected.clone()], ..SandboxSpec::default() },
+            SandboxSpec { write_paths: vec![injected.clone()], ..SandboxSpec::default() },
+        ] {
+            let launched = backend
+                .launch(
+                    &spec,
+                    &sandbox_paths,
+                    sizes(1 << 20),
+                    &GateMounts::default(),
+                    &["/usr/bin/true".into()],
+                    &[],
+                    SpawnOptions::default(),
+                    None,
+                )
+                .await;
+            let error = launched.err().expect("a launch with a NUL in an argument").to_string();
+            assert!(error.contains("NUL"), "{error}");
+        }
     }
 
     #[test]

@@ -435,9 +435,109 @@ pub fn bundle_paths(home: &Path, inside_home: &str) -> (PathBuf, String) {
     (home.join(&name), format!("{inside_home}/{name}"))
 }
 
+/// Checks a read or write path as a profile or a policy names it, before
+/// it is bound into a sandbox: no `..` component, and no NUL or other
+/// control character (bwrap reads its arguments NUL-separated, so a NUL
+/// would end the path and start an option of its own).
+pub fn check_sandbox_path(path: &str) -> Result<(), String> {
+    if path.chars().any(char::is_control) {
+        return Err(format!("{path:?} must not contain a NUL or other control character"));
+    }
+    if path.split('/').any(|c| c == "..") {
+        return Err(format!("{path:?} must not contain '..'"));
+    }
+    Ok(())
+}
+
+/// Checks the name of a daemon environment variable a profile or a policy
+/// passes through: not empty, no `=`, no NUL or other control character.
+pub fn check_env_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.contains('=') || name.chars().any(char::is_control) {
+        return Err(format!("{name:?} is not an environment variable name"));
+    }
+    Ok(())
+}
+
+/// Opens `relative` beneath `workspace` without following a symlink
+/// anywhere on the way: each component is opened `O_PATH | O_NOFOLLOW`
+/// from the directory before it, so a symlink the repository commits
+/// (`out -> .`, `out -> /etc`) is refused, not followed. The path must
+/// name a directory or a regular file; `..` is refused, empty and `.`
+/// components are skipped. The descriptor is for bwrap to bind
+/// (`--bind-fd`): what it binds is what was checked here.
+pub fn open_beneath(workspace: &Path, relative: &str) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let invalid = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
+    let components: Vec<&str> = relative.split('/').filter(|c| !c.is_empty() && *c != ".").collect();
+    if components.is_empty() || components.contains(&"..") {
+        return Err(invalid(format!("{relative:?} does not name a path beneath the workspace")));
+    }
+    let mut dir: OwnedFd =
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_PATH | libc::O_DIRECTORY).open(workspace)?.into();
+    for (i, component) in components.iter().enumerate() {
+        let name = std::ffi::CString::new(*component).map_err(|_| invalid(format!("{relative:?} holds a NUL byte")))?;
+        // SAFETY: `dir` is an open descriptor and `name` a NUL-terminated
+        // string, both alive for the call; the result is checked before use.
+        let raw =
+            unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a descriptor openat just returned, owned by no one else.
+        let next = unsafe { OwnedFd::from_raw_fd(raw) };
+        let kind = std::fs::File::from(next.try_clone()?).metadata()?.file_type();
+        let last = i + 1 == components.len();
+        let at = components[..=i].join("/");
+        if kind.is_symlink() {
+            return Err(invalid(format!("{at:?} is a symlink")));
+        }
+        let fits = kind.is_dir() || (last && kind.is_file());
+        if !fits {
+            let want = if last { "a directory or a regular file" } else { "a directory" };
+            return Err(invalid(format!("{at:?} is not {want}")));
+        }
+        dir = next;
+    }
+    Ok(dir)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn write_paths_open_beneath_the_workspace_and_never_through_a_symlink() {
+        let ws = tempfile::tempdir().unwrap();
+        let root = ws.path();
+        std::fs::create_dir_all(root.join("out/deep")).unwrap();
+        std::fs::write(root.join("file.txt"), "x").unwrap();
+        std::os::unix::fs::symlink(".", root.join("dot")).unwrap();
+        std::os::unix::fs::symlink("/etc", root.join("etc")).unwrap();
+        std::os::unix::fs::symlink("out", root.join("a")).unwrap();
+        std::os::unix::fs::symlink("/dev/null", root.join("null")).unwrap();
+        for ok in ["out", "out/deep", "./out//deep/", "file.txt"] {
+            assert!(open_beneath(root, ok).is_ok(), "{ok}");
+        }
+        for bad in ["dot", "etc", "etc/ssl", "a/deep", "out/../dot", "null", "missing", ".", "", "file.txt/x"] {
+            assert!(open_beneath(root, bad).is_err(), "{bad}");
+        }
+        let error = open_beneath(root, "a/deep").unwrap_err().to_string();
+        assert!(error.contains("\"a\" is a symlink"), "{error}");
+    }
+
+    #[test]
+    fn sandbox_paths_and_env_names_refuse_nul_and_control_characters() {
+        for bad in ["file.txt\0--share-net", "a\nb", "x/../y", "..", "\u{7f}"] {
+            assert!(check_sandbox_path(bad).is_err(), "{bad:?}");
+        }
+        for ok in [".", "out", "/var/cache/x", "a/b.c"] {
+            assert!(check_sandbox_path(ok).is_ok(), "{ok:?}");
+        }
+        for bad in ["", "A=B", "A\0B", "A\tB"] {
+            assert!(check_env_name(bad).is_err(), "{bad:?}");
+        }
+        assert!(check_env_name("ANTHROPIC_API_KEY").is_ok());
+    }
 
     #[test]
     fn the_overrides_are_safe_in_the_upload_pack_command_line() {
