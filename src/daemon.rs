@@ -166,7 +166,7 @@ impl Daemon {
         let bwrap = backends.linux_bwrap.probe().await.map_err(|e| e.to_string());
         let mut labels = crate::fleet::labels(bwrap.is_ok());
         labels.extend(config.fleet.labels.iter().filter(|l| !labels.contains(l)).cloned().collect::<Vec<_>>());
-        check_warm_pools(&config, &catalog, &bwrap, &labels).map_err(StartError::Policies)?;
+        check_warm_pools(&config, &catalog, &bwrap, &labels, &uid_mode).map_err(StartError::Policies)?;
         // Before anything is written that a live neighbour uses (up to here
         // only the schema's idempotent migrations): a daemon whose uid range
         // overlaps a live one's refuses to start having changed nothing.
@@ -470,14 +470,16 @@ fn group_id(group: &str) -> Result<u32, String> {
 
 /// Refuses a warm pool the daemon could not keep: a profile that does not
 /// resolve, cannot start ahead, runs on other nodes, or is pooled twice
-/// (two references to one version), or a host without bwrap. (A pool that
-/// was accepted and never filled, or never taken from, would be a promise
-/// not kept.)
+/// (two references to one version), a host without bwrap, or a root
+/// daemon whose `[sandbox] uids` are fewer than the sandboxes it may hold.
+/// (A pool that was accepted and never filled, or never taken from, would
+/// be a promise not kept.)
 fn check_warm_pools(
     config: &Config,
     catalog: &Catalog,
     bwrap: &Result<(), String>,
     labels: &[String],
+    uid_mode: &UidMode,
 ) -> Result<(), String> {
     let warm = &config.sandbox.warm;
     // Within admission: the pools together are no bigger than what this
@@ -491,6 +493,25 @@ fn check_warm_pools(
             "sandbox.warm: {total} warm sandboxes in all is more than this node runs at once ({room}: \
              fleet.capacity, else max_running_executions)"
         ));
+    }
+    // Each sandbox of a root daemon holds a uid of its own while it lives:
+    // the waiting ones too, and runs admitted while the pools are full
+    // (cold ones, of other profiles) find the rest. Fewer uids than that,
+    // and every run past them fails for want of one.
+    if let (UidMode::PerSandbox(range), true) = (uid_mode, total > 0) {
+        let uids = (range.last - range.first) as usize + 1;
+        let sessions = config.max_running_sessions;
+        let need = total + room + sessions;
+        if uids < need {
+            return Err(format!(
+                "sandbox.uids: {}-{} is {uids} uid{}, fewer than the {need} sandboxes this node may hold at \
+                 once, each with a uid of its own: {total} warm (sandbox.warm), {room} executions \
+                 (fleet.capacity, else max_running_executions) and {sessions} sessions (max_running_sessions)",
+                range.first,
+                range.last,
+                if uids == 1 { "" } else { "s" },
+            ));
+        }
     }
     if total > 0 {
         let Some(corral) = config.gate.hook_program() else {

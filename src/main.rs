@@ -117,8 +117,9 @@ fn main() -> anyhow::Result<()> {
     } else {
         Cli::parse()
     };
-    // One multi-threaded runtime whose workers live as long as the daemon:
-    // bwrap's --die-with-parent is tied to the spawning thread.
+    // One multi-threaded runtime. (bwrap's --die-with-parent is tied to the
+    // thread that spawned it: every sandbox is spawned by one thread that
+    // lives as long as the daemon, see `sandbox::process`.)
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let code = runtime.block_on(async move {
         if let Some(refused) = cli.command.json_refused().filter(|_| cli.client.json) {

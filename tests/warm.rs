@@ -789,3 +789,120 @@ async fn after_a_crash_recovery_destroys_a_taken_warm_sandbox_for_the_run_that_t
     unsafe { libc::kill(serve.pid(), libc::SIGTERM) };
     let _ = serve.child.wait().await;
 }
+
+/// Allows, after a thousand loop steps: an evaluation long enough that its
+/// worker's place always goes to another thread (one that ends at once
+/// hands it back).
+const SLOW_ALLOW: &str = "actor != 'zzz' && [1, 2, 3, 4, 5, 6, 7, 8, 9, 10].all(a, \
+     [1, 2, 3, 4, 5, 6, 7, 8, 9, 10].all(b, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10].all(c, a + b + c > 0)))";
+
+/// A warm sandbox outlives the runtime's threads. Its bwrap dies with the
+/// thread that spawned it (the parent-death signal is per thread), and
+/// evaluating an `expr` policy hands its worker's place to a new thread
+/// (`block_in_place`): the old one ends after 10 s idle. Spawned from a
+/// worker, the waiting bwrap was SIGKILLed then, and the pool kept (and
+/// counted) a dead sandbox until a run found it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_sandbox_outlives_the_worker_threads_an_expr_policy_retires() {
+    require_bwrap();
+    let policy = corral::policy::PolicySpec {
+        name: "not-zzz".into(),
+        kind: "expr".into(),
+        arguments: serde_json::json!({"expression": SLOW_ALLOW, "reason": "not zzz"}),
+        on: vec![],
+    };
+    let options = Options {
+        config: Box::new(move |c| {
+            c.sandbox.warm.insert(PROFILE.into(), 1);
+            c.policies.push(policy);
+        }),
+        ..Options::default()
+    };
+    let daemon = TestDaemon::start(options).await;
+    full(&daemon).await;
+    let is_waiter = |pid: &i32| {
+        std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
+    };
+    wait_until("the waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter)).await;
+    let waiting = daemon.engine.warm_processes();
+
+    let catalog = daemon.catalog().await;
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..80 {
+        let mut catalog = catalog.clone();
+        let gate = pb::EvaluateGateRequest { profile_ref: PROFILE.into(), ..Default::default() };
+        calls.spawn(async move { catalog.evaluate_gate(gate).await.map(|r| r.into_inner().action) });
+    }
+    let mut allowed = 0;
+    while let Some(call) = calls.join_next().await {
+        // Past the evaluations allowed at once, a policy denies.
+        allowed += usize::from(call.unwrap().unwrap() == pb::GateAction::Allow as i32);
+    }
+    assert!(allowed > 0, "no evaluation allowed");
+    // Past the blocking pool's 10 s keep-alive.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(daemon.engine.warm_processes(), waiting, "the waiting sandbox's processes died");
+    let execution = finished(&daemon.execute(request(PROFILE, "NOWORK")).await);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
+    assert!(was_warm(&execution), "the run went cold: {:?}", evidence(&execution).notes);
+    daemon.stop().await;
+}
+
+/// A root daemon's pools hold a uid each while they wait, and every run
+/// it admits needs one too: a `[sandbox] uids` range smaller than the
+/// pools and the executions and sessions it runs at once is refused at
+/// start, naming the numbers; one exactly that large starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_uid_range_too_small_for_the_pools_and_the_runs_is_refused_at_start() {
+    require_bwrap();
+    let first: u32 = unique_uids().split_once('-').unwrap().0.parse().unwrap();
+    let config = |uids: u32, pool: usize, executions: usize| {
+        move |c: &mut corral::config::Config| {
+            c.sandbox.uids = format!("{first}-{}", first + uids - 1);
+            c.sandbox.warm.insert(PROFILE.into(), pool);
+            c.max_running_executions = executions;
+            c.max_running_sessions = 1;
+        }
+    };
+    for (uids, pool, executions) in [(1, 2, 2), (4, 2, 2), (4, 1, 3)] {
+        let data = data_tempdir();
+        let profiles = data.path().join("profiles");
+        std::fs::create_dir_all(&profiles).unwrap();
+        std::fs::write(profiles.join("fake.toml"), fake_agent_profile(PROFILE, "")).unwrap();
+        let mut c = corral::config::Config {
+            data_dir: data.path().join("data"),
+            profile_dirs: vec![profiles],
+            ..Default::default()
+        };
+        c.gate.hook_program = Some(env!("CARGO_BIN_EXE_corral").into());
+        c.credentials.routes.insert(
+            "route.test".into(),
+            corral::credentials::RouteConfig {
+                env: Some("PATH".into()),
+                inject_as: "ROUTE_TEST_TOKEN".into(),
+                ..Default::default()
+            },
+        );
+        config(uids, pool, executions)(&mut c);
+        let built = corral::daemon::Daemon::build(
+            c,
+            corral::sandbox::Backends::host_default(),
+            corral::daemon::default_reins(),
+        )
+        .await;
+        let error = match built {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a daemon started with {uids} uids, a pool of {pool} and {executions} executions"),
+        };
+        let need = pool + executions + 1;
+        for part in [format!("{uids} uid"), format!("{need} sandboxes"), format!("{pool} warm")] {
+            assert!(error.contains(&part), "{part:?} not in: {error}");
+        }
+    }
+    // Exactly enough: 2 warm, 2 executions, 1 session.
+    let daemon = TestDaemon::start(Options { config: Box::new(config(5, 2, 2)), ..Options::default() }).await;
+    full(&daemon).await;
+    let execution = finished(&daemon.execute(request(PROFILE, "NOWORK")).await);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
+    daemon.stop().await;
+}

@@ -15,7 +15,11 @@
 //! The gate's `evaluate` stays synchronous (it runs in several places, some
 //! of them sync callbacks); the wait is wrapped in `block_in_place` on a
 //! multi-threaded runtime, so the worker's other tasks move to another
-//! thread while this one waits.
+//! thread while this one waits (a run-away expression on every worker
+//! would otherwise stall the daemon for its deadline). The waiting thread
+//! leaves the runtime's workers and ends once idle; nothing depends on
+//! which thread started it (sandbox processes are cloned from a thread of
+//! their own, see `sandbox::process::spawn_group`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -8,7 +8,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::process::ExitStatus;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
@@ -99,11 +99,13 @@ const FD_PARKING: libc::c_int = 64;
 /// Spawns `program args` with exactly `env` (the inherited environment is
 /// cleared first), in a new process group, with piped stdio, inside the
 /// given cgroups, under the given rlimits and host user, with no inherited
-/// descriptor but stdio and `pass_fds`.
+/// descriptor but stdio and `pass_fds`. The process gets SIGKILL if the
+/// daemon dies.
 ///
-/// Must be called from a task on a runtime worker thread, never from
-/// `spawn_blocking`: bwrap's `--die-with-parent` is PR_SET_PDEATHSIG, which
-/// fires when the spawning *thread* exits.
+/// The clone itself happens on the daemon's spawning thread (`Spawner`),
+/// whichever thread calls this: the caller waits for it as long as a
+/// clone takes. Must be called inside a tokio runtime (the process's pidfd
+/// and pipes are registered with it).
 pub fn spawn_group(
     program: &Path,
     args: &[OsString],
@@ -113,120 +115,19 @@ pub fn spawn_group(
 ) -> Result<SandboxProcess, SandboxError> {
     let spawn_error = |e: std::io::Error| SandboxError::Spawn(format!("{}: {e}", program.display()));
     let c = |bytes: &[u8]| CString::new(bytes).map_err(|_| SandboxError::Spawn("a NUL byte in an argument".into()));
-    // Everything the child reads is built here, before it exists: it
-    // allocates nothing.
     let path = c(program.as_os_str().as_bytes())?;
     let cwd = c(cwd.as_os_str().as_bytes())?;
     let argv: Vec<CString> =
         std::iter::once(Ok(path.clone())).chain(args.iter().map(|a| c(a.as_bytes()))).collect::<Result<_, _>>()?;
     let envp: Vec<CString> = env.iter().map(|(k, v)| c(format!("{k}={v}").as_bytes())).collect::<Result<_, _>>()?;
-    let argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).chain([std::ptr::null()]).collect();
-    let envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|e| e.as_ptr()).chain([std::ptr::null()]).collect();
-    let cgroup_fds: Vec<RawFd> = options.cgroup_procs.iter().map(|f| f.as_raw_fd()).collect();
-    let pass_fds: Vec<RawFd> = options.pass_fds.iter().map(|f| f.as_raw_fd()).collect();
-    if pass_fds.len() > (FD_PARKING - 3) as usize {
+    if options.pass_fds.len() > (FD_PARKING - 3) as usize {
         return Err(SandboxError::Spawn("too many descriptors to pass".into()));
     }
     let (stdin_child, stdin_ours) = pipe().map_err(spawn_error)?;
     let (stdout_ours, stdout_child) = pipe().map_err(spawn_error)?;
     let (stderr_ours, stderr_child) = pipe().map_err(spawn_error)?;
-    let stdio = [stdin_child.as_raw_fd(), stdout_child.as_raw_fd(), stderr_child.as_raw_fd()];
-    let limits = options.rlimits;
-    let user = options.user;
-    let failure = vfork::Failure::default();
-    let daemon = std::process::id() as libc::pid_t;
-    let mut child = || {
-        // SAFETY: runs in the vfork'd child (see `vfork::spawn`): system
-        // calls only (dup2, setpgid, write, setrlimit, `vfork::become_user`,
-        // keyctl, prctl, getppid, fcntl, close_range, chdir, execve) on values built
-        // before the clone; no allocation.
-        unsafe {
-            let run = || -> Result<(), ()> {
-                let check = |rc: libc::c_long| if rc < 0 { Err(()) } else { Ok(()) };
-                for (target, fd) in stdio.iter().enumerate() {
-                    check(libc::dup2(*fd, target as libc::c_int).into())?;
-                }
-                // Its own process group, which signals reach as one.
-                check(libc::setpgid(0, 0).into())?;
-                // Into the cgroups first, while still root: from here on
-                // everything this process starts is counted, limited and
-                // killable.
-                for fd in &cgroup_fds {
-                    if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
-                        return Err(());
-                    }
-                }
-                // The descriptors before the limits: parked at 64 and up, they
-                // would break a smaller RLIMIT_NOFILE (EINVAL, every spawn).
-                // Park every passed descriptor high first, then put them at 3,
-                // 4, … (dup2 clears close-on-exec on the copy). All parked
-                // before any is moved: a passed descriptor may itself be 3 or
-                // 4, and moving the first onto it would pass the wrong file in
-                // its place (bwrap then read its arguments as the seccomp
-                // program and refused to start, EINVAL).
-                let mut parked = [0 as libc::c_int; (FD_PARKING - 3) as usize];
-                for (i, fd) in pass_fds.iter().enumerate() {
-                    parked[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, FD_PARKING);
-                    check(parked[i].into())?;
-                }
-                for (i, fd) in parked.iter().take(pass_fds.len()).enumerate() {
-                    check(libc::dup2(*fd, 3 + i as libc::c_int).into())?;
-                }
-                check(set_rlimit(libc::RLIMIT_CORE, 0))?;
-                for (resource, value) in [
-                    (libc::RLIMIT_NPROC, limits.max_processes),
-                    (libc::RLIMIT_AS, limits.address_space_bytes),
-                    (libc::RLIMIT_FSIZE, limits.max_file_bytes),
-                    (libc::RLIMIT_NOFILE, limits.max_open_files),
-                ] {
-                    if value > 0 {
-                        check(set_rlimit(resource, value))?;
-                    }
-                }
-                if let Some(user) = user {
-                    if !vfork::become_user(user.uid, user.gid) {
-                        return Err(());
-                    }
-                    // Not the daemon's (root's) session keyring: the sandbox
-                    // would possess it, could write it, and pass keys on.
-                    super::uid_state::join_fresh_session_keyring().map_err(|_| ())?;
-                }
-                // After the uid change, which clears the parent-death signal.
-                // If the daemon dies, so does this process (and with bwrap, the
-                // whole sandbox: its --die-with-parent follows).
-                check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong).into())?;
-                // A daemon that died before that line set it sent no signal:
-                // then this process has another parent already, and stops.
-                if libc::getppid() != daemon {
-                    return Err(());
-                }
-                // No process of the sandbox gains privileges by exec (a setuid
-                // or file-capability binary, in a `none` sandbox too; bwrap sets
-                // it again inside): its effective uid stays its real one, the
-                // sandbox's own, which is what teardown's sweep of that uid
-                // reads (`host::processes_of_uid`) where it cannot wait on the
-                // cgroup instead (`boundary::exits_in_its_cgroup`).
-                check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1 as libc::c_ulong, 0, 0, 0).into())?;
-                // Everything else the daemon has open closes at exec.
-                let first = 3 + pass_fds.len() as libc::c_uint;
-                check(libc::syscall(libc::SYS_close_range, first, libc::c_uint::MAX, libc::CLOSE_RANGE_CLOEXEC))?;
-                check(libc::chdir(cwd.as_ptr()).into())?;
-                libc::execve(path.as_ptr(), argv_ptrs.as_ptr(), envp_ptrs.as_ptr());
-                Err(())
-            };
-            let _ = run();
-            failure.record();
-            127
-        }
-    };
-    // SAFETY: the closure keeps to what `vfork::spawn` requires (above).
-    let pid = unsafe { vfork::spawn(&mut child) }.map_err(spawn_error)?;
-    if let Some(error) = failure.get() {
-        let _ = vfork::reap(pid);
-        return Err(spawn_error(error));
-    }
-    // The child has its copies; ours close here.
-    drop((options, stdin_child, stdout_child, stderr_child));
+    let child = Child { path, cwd, argv, envp, stdio: [stdin_child, stdout_child, stderr_child], options };
+    let pid = Spawner::start(child).map_err(spawn_error)?;
     let exited = pidfd(pid).map_err(|e| {
         signal_group(pid, libc::SIGKILL);
         let _ = vfork::reap(pid);
@@ -244,6 +145,173 @@ pub fn spawn_group(
         exit: None,
         reaped: Arc::new(AtomicBool::new(false)),
     })
+}
+
+/// What a child of [`spawn_group`] starts with, all of it built before the
+/// clone (the child allocates nothing), and owned: it is handed to the
+/// spawning thread.
+struct Child {
+    path: CString,
+    cwd: CString,
+    argv: Vec<CString>,
+    envp: Vec<CString>,
+    /// The child's ends of its stdin, stdout and stderr pipes.
+    stdio: [OwnedFd; 3],
+    options: SpawnOptions,
+}
+
+impl Child {
+    /// Clones the child, which sets itself up and execs; returns its pid
+    /// once it has exec'd, or the errno of the step that failed (the child
+    /// is reaped then). The child's descriptors close here, after the
+    /// clone: it has its copies.
+    fn start(self) -> std::io::Result<libc::pid_t> {
+        let (path, cwd) = (&self.path, &self.cwd);
+        let argv_ptrs: Vec<*const libc::c_char> =
+            self.argv.iter().map(|a| a.as_ptr()).chain([std::ptr::null()]).collect();
+        let envp_ptrs: Vec<*const libc::c_char> =
+            self.envp.iter().map(|e| e.as_ptr()).chain([std::ptr::null()]).collect();
+        let cgroup_fds: Vec<RawFd> = self.options.cgroup_procs.iter().map(|f| f.as_raw_fd()).collect();
+        let pass_fds: Vec<RawFd> = self.options.pass_fds.iter().map(|f| f.as_raw_fd()).collect();
+        let stdio = self.stdio.each_ref().map(|f| f.as_raw_fd());
+        let limits = self.options.rlimits;
+        let user = self.options.user;
+        let failure = vfork::Failure::default();
+        let daemon = std::process::id() as libc::pid_t;
+        let mut child = || {
+            // SAFETY: runs in the vfork'd child (see `vfork::spawn`): system
+            // calls only (dup2, setpgid, write, setrlimit, `vfork::become_user`,
+            // keyctl, prctl, getppid, fcntl, close_range, chdir, execve) on values built
+            // before the clone; no allocation.
+            unsafe {
+                let run = || -> Result<(), ()> {
+                    let check = |rc: libc::c_long| if rc < 0 { Err(()) } else { Ok(()) };
+                    for (target, fd) in stdio.iter().enumerate() {
+                        check(libc::dup2(*fd, target as libc::c_int).into())?;
+                    }
+                    // Its own process group, which signals reach as one.
+                    check(libc::setpgid(0, 0).into())?;
+                    // Into the cgroups first, while still root: from here on
+                    // everything this process starts is counted, limited and
+                    // killable.
+                    for fd in &cgroup_fds {
+                        if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                            return Err(());
+                        }
+                    }
+                    // The descriptors before the limits: parked at 64 and up, they
+                    // would break a smaller RLIMIT_NOFILE (EINVAL, every spawn).
+                    // Park every passed descriptor high first, then put them at 3,
+                    // 4, … (dup2 clears close-on-exec on the copy). All parked
+                    // before any is moved: a passed descriptor may itself be 3 or
+                    // 4, and moving the first onto it would pass the wrong file in
+                    // its place (bwrap then read its arguments as the seccomp
+                    // program and refused to start, EINVAL).
+                    let mut parked = [0 as libc::c_int; (FD_PARKING - 3) as usize];
+                    for (i, fd) in pass_fds.iter().enumerate() {
+                        parked[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, FD_PARKING);
+                        check(parked[i].into())?;
+                    }
+                    for (i, fd) in parked.iter().take(pass_fds.len()).enumerate() {
+                        check(libc::dup2(*fd, 3 + i as libc::c_int).into())?;
+                    }
+                    check(set_rlimit(libc::RLIMIT_CORE, 0))?;
+                    for (resource, value) in [
+                        (libc::RLIMIT_NPROC, limits.max_processes),
+                        (libc::RLIMIT_AS, limits.address_space_bytes),
+                        (libc::RLIMIT_FSIZE, limits.max_file_bytes),
+                        (libc::RLIMIT_NOFILE, limits.max_open_files),
+                    ] {
+                        if value > 0 {
+                            check(set_rlimit(resource, value))?;
+                        }
+                    }
+                    if let Some(user) = user {
+                        if !vfork::become_user(user.uid, user.gid) {
+                            return Err(());
+                        }
+                        // Not the daemon's (root's) session keyring: the sandbox
+                        // would possess it, could write it, and pass keys on.
+                        super::uid_state::join_fresh_session_keyring().map_err(|_| ())?;
+                    }
+                    // After the uid change, which clears the parent-death signal.
+                    // If the daemon dies, so does this process (and with bwrap, the
+                    // whole sandbox: its --die-with-parent follows).
+                    check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong).into())?;
+                    // A daemon that died before that line set it sent no signal:
+                    // then this process has another parent already, and stops.
+                    if libc::getppid() != daemon {
+                        return Err(());
+                    }
+                    // No process of the sandbox gains privileges by exec (a setuid
+                    // or file-capability binary, in a `none` sandbox too; bwrap sets
+                    // it again inside): its effective uid stays its real one, the
+                    // sandbox's own, which is what teardown's sweep of that uid
+                    // reads (`host::processes_of_uid`) where it cannot wait on the
+                    // cgroup instead (`boundary::exits_in_its_cgroup`).
+                    check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1 as libc::c_ulong, 0, 0, 0).into())?;
+                    // Everything else the daemon has open closes at exec.
+                    let first = 3 + pass_fds.len() as libc::c_uint;
+                    check(libc::syscall(libc::SYS_close_range, first, libc::c_uint::MAX, libc::CLOSE_RANGE_CLOEXEC))?;
+                    check(libc::chdir(cwd.as_ptr()).into())?;
+                    libc::execve(path.as_ptr(), argv_ptrs.as_ptr(), envp_ptrs.as_ptr());
+                    Err(())
+                };
+                let _ = run();
+                failure.record();
+                127
+            }
+        };
+        // SAFETY: the closure keeps to what `vfork::spawn` requires (above).
+        let pid = unsafe { vfork::spawn(&mut child) }?;
+        if let Some(error) = failure.get() {
+            let _ = vfork::reap(pid);
+            return Err(error);
+        }
+        Ok(pid)
+    }
+}
+
+/// The thread every sandbox process is cloned from, for the daemon's whole
+/// life. A child's parent-death signal (PR_SET_PDEATHSIG, which
+/// [`spawn_group`] sets and bwrap's `--die-with-parent` sets again) fires
+/// when the *thread* that cloned it exits, not the process. Cloned from a
+/// runtime worker, a sandbox was SIGKILLed whenever that thread ended:
+/// tokio ends a thread `block_in_place` took a worker's place from (an
+/// `expr` policy's evaluation) once it has idled 10 s. This thread never
+/// ends, so the signal comes only when the daemon dies.
+struct Spawner;
+
+/// A child to clone, and where its pid goes.
+type Start = (Child, std::sync::mpsc::SyncSender<std::io::Result<libc::pid_t>>);
+
+impl Spawner {
+    /// Clones `child` on the spawning thread (started by the first call)
+    /// and waits for its pid.
+    fn start(child: Child) -> std::io::Result<libc::pid_t> {
+        let gone = || std::io::Error::other("the sandbox spawning thread is gone");
+        let (reply, pid) = std::sync::mpsc::sync_channel(1);
+        Spawner::thread()?.send((child, reply)).map_err(|_| gone())?;
+        pid.recv().map_err(|_| gone())?
+    }
+
+    fn thread() -> std::io::Result<&'static std::sync::mpsc::Sender<Start>> {
+        static REQUESTS: OnceLock<std::sync::mpsc::Sender<Start>> = OnceLock::new();
+        if let Some(requests) = REQUESTS.get() {
+            return Ok(requests);
+        }
+        let (requests, incoming) = std::sync::mpsc::channel::<Start>();
+        std::thread::Builder::new().name("corral-spawn".into()).spawn(move || {
+            for (child, reply) in incoming {
+                // A panic would end the thread, and every sandbox with it.
+                let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| child.start()));
+                let _ = reply.send(started.unwrap_or_else(|_| Err(std::io::Error::other("spawn panicked"))));
+            }
+        })?;
+        // Two first calls at once start a thread each: the one whose sender
+        // is not kept ends at once, having cloned nothing.
+        Ok(REQUESTS.get_or_init(|| requests))
+    }
 }
 
 /// A pipe as (read end, write end), both close-on-exec and above 2: the
