@@ -29,8 +29,8 @@ enum Command {
     /// Run the daemon.
     Serve(ServeArgs),
     /// Report what this host can enforce (bwrap, seccomp, uids, cgroups)
-    /// and which profiles the gate would refuse here; exit 1 if linux_bwrap
-    /// cannot run.
+    /// and which profiles the daemon's gate would refuse here; exit 1 if
+    /// linux_bwrap cannot run or the daemon would not start with the config.
     Doctor(DoctorArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
@@ -93,6 +93,31 @@ struct DoctorArgs {
     profiles: Vec<PathBuf>,
 }
 
+/// What each command that does not talk to a daemon ignores of the global
+/// client options (and `--json`, where it is refused): hidden from its
+/// help, man page and completions.
+const IGNORED_OPTIONS: [(&str, &[&str]); 4] = [
+    ("serve", &["server", "token_file", "ca", "cert", "key", "json"]),
+    ("doctor", &["server", "token_file", "ca", "cert", "key"]),
+    ("completions", &["server", "token_file", "ca", "cert", "key", "json"]),
+    ("man", &["server", "token_file", "ca", "cert", "key", "json"]),
+];
+
+/// The command line, for parsing, completions and man pages alike.
+fn command() -> clap::Command {
+    let command = <Cli as clap::CommandFactory>::command();
+    let globals: Vec<clap::Arg> = command.get_arguments().filter(|arg| arg.is_global_set()).cloned().collect();
+    IGNORED_OPTIONS.iter().fold(command, |command, (name, options)| {
+        // A hidden copy on the subcommand takes the global option's place
+        // there: clap copies a global option only into subcommands that
+        // lack it.
+        command.mut_subcommand(name, |sub| {
+            let hidden = globals.iter().filter(|arg| options.contains(&arg.get_id().as_str()));
+            sub.args(hidden.map(|arg| arg.clone().hide(true)))
+        })
+    })
+}
+
 /// `corral serve …` on its own, so that its help lists the daemon's flags
 /// only (the client options are global to every other command).
 #[derive(Parser, Debug)]
@@ -115,7 +140,8 @@ fn main() -> anyhow::Result<()> {
         let args = std::iter::once(std::ffi::OsString::from("corral serve")).chain(rest);
         Cli { client: ClientOpts::default(), command: Command::Serve(ServeOnly::parse_from(args).args) }
     } else {
-        Cli::parse()
+        let mut matches = command().get_matches();
+        <Cli as clap::FromArgMatches>::from_arg_matches_mut(&mut matches).unwrap_or_else(|e| e.exit())
     };
     // One multi-threaded runtime. (bwrap's --die-with-parent is tied to the
     // thread that spawned it: every sandbox is spawned by one thread that
@@ -129,12 +155,15 @@ fn main() -> anyhow::Result<()> {
         match cli.command {
             Command::Serve(args) => serve(args).await.map(|()| 0),
             Command::Completions { shell } => {
-                let mut command = <Cli as clap::CommandFactory>::command();
-                clap_complete::generate(shell, &mut command, "corral", &mut std::io::stdout());
+                // Written here, not by `generate`, which panics when the
+                // reader has gone away (`| head`).
+                let mut script = Vec::new();
+                clap_complete::generate(shell, &mut command(), "corral", &mut script);
+                std::io::Write::write_all(&mut std::io::stdout(), &script)?;
                 Ok(0)
             }
             Command::Man { page } => {
-                let mut command = <Cli as clap::CommandFactory>::command();
+                let mut command = command();
                 command.build();
                 let mut name = "corral".to_string();
                 for word in &page {

@@ -493,3 +493,121 @@ async fn bench_against_a_server_sends_the_clients_token() {
     assert!(stdout.contains("(server daemon at http://"), "{stdout}");
     daemon.stop().await;
 }
+
+/// `corral doctor` judges each profile with the daemon's own gate and the
+/// config's policies: a `require_approval` policy the harness cannot honour
+/// refuses builtin.shell in both, naming `tool_call_gating`. A config the
+/// daemon would not start with (a profile file with an unknown key, a
+/// policy that does not compile) makes doctor exit non-zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_judges_profiles_as_the_daemons_gate_does() {
+    common::require_bwrap();
+    let tmp = common::data_tempdir();
+    let ask = "[[policies]]\nname = \"ask\"\nkind = \"require_approval\"\n";
+    let data = tmp.path().join("data");
+    let served = serve_configured(&data, &tmp.path().join("serve.stderr"), None, ask).await;
+    let args = ["--json", "gate", "--profile", "builtin.shell"];
+    let out = corral(&served.url, &args).await;
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&args, &out));
+    let verdict = &json_lines(&args, &out)[0];
+    assert!(verdict["decisions"].as_array().unwrap().iter().any(|d| d["policy"] == "tool_call_gating"), "{verdict}");
+    let mut served = served;
+    common::terminate(&mut served.child).await;
+
+    // The daemon's own config file (serve_configured wrote it).
+    let config = data.with_extension("toml");
+    let doctor = |args: Vec<std::ffi::OsString>| async move {
+        clean(&mut Command::new(CORRAL)).args(&args).stdin(Stdio::null()).output().await.unwrap()
+    };
+    let args: Vec<std::ffi::OsString> = vec!["--json".into(), "doctor".into(), "--config".into(), config.into()];
+    let out = doctor(args.clone()).await;
+    let lines = json_lines(&[], &out);
+    let shell = lines.iter().find(|l| l["profile"] == "builtin.shell@1.0.0").expect("builtin.shell's line");
+    assert_eq!(shell["ok"], false, "{shell}");
+    assert!(shell["detail"].as_str().unwrap().contains("tool_call_gating"), "{shell}");
+    assert_eq!(out.status.code(), Some(0), "the daemon starts with this config: {}", describe(&[], &out));
+
+    let profiles = tmp.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let broken = common::session_agent_profile("test.broken", "").replace("[rein]", "bogus = 1\n[rein]");
+    std::fs::write(profiles.join("broken.toml"), broken).unwrap();
+    let mut broken_args = args.clone();
+    broken_args.extend(["--profiles".into(), profiles.into()]);
+    let out = doctor(broken_args).await;
+    assert_eq!(out.status.code(), Some(1), "a catalog the daemon refuses: {}", describe(&[], &out));
+    let catalog = json_lines(&[], &out).into_iter().find(|l| l["check"] == "catalog").expect("the catalog check");
+    assert!(catalog["ok"] == false && catalog["detail"].as_str().unwrap().contains("bogus"), "{catalog}");
+
+    let bad_policy = tmp.path().join("bad-policy.toml");
+    std::fs::write(&bad_policy, "[[policies]]\nname = \"x\"\nkind = \"expr\"\narguments = { expression = \"(\" }\n")
+        .unwrap();
+    let out = doctor(vec!["doctor".into(), "--config".into(), bad_policy.into()]).await;
+    assert_eq!(out.status.code(), Some(1), "a policy the daemon refuses: {}", describe(&[], &out));
+}
+
+/// Every client-side failure of a call exits 2, like an RPC that failed,
+/// and names where the bad path came from: the flag or its variable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_fails_before_the_rpc_exits_2() {
+    /// Runs `corral ARGS` (with `VARIABLE=VALUE` when `env` names one):
+    /// exit 2, and `said` in its error.
+    async fn fails(args: &[&str], env: &[(&str, &str)], said: &str) {
+        let out = clean(&mut Command::new(CORRAL))
+            .args(["--server", "unix:///nonexistent/corral.sock"])
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{env:?} {}", describe(args, &out));
+        assert!(stderr.contains(said), "{env:?}: {said} not named: {}", describe(args, &out));
+    }
+    let exec = ["exec", "--profile", "builtin.shell", "--title", "t", "--description", "x"];
+    fails(&[&["--token-file", "/missing/token"][..], &exec].concat(), &[], "--token-file /missing/token").await;
+    fails(&exec, &[("CORRAL_TOKEN_FILE", "/missing/token")], "CORRAL_TOKEN_FILE /missing/token").await;
+    fails(&exec, &[("CORRAL_CA", "/missing/ca.pem")], "CORRAL_CA /missing/ca.pem").await;
+    let from_file = ["exec", "--profile", "builtin.shell", "--title", "t", "--description-file", "/missing/task"];
+    fails(&from_file, &[], "/missing/task").await;
+}
+
+/// `corral doctor` and `corral completions` into a reader that is already
+/// gone end as `corral man` does: quietly, exit 0, no panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_and_completions_end_quietly_on_a_closed_pipe() {
+    for args in [&["doctor", "--json"][..], &["completions", "bash"], &["man"]] {
+        for _ in 0..5 {
+            let mut child = clean(&mut Command::new(CORRAL))
+                .args(args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            // The reader goes away before the first write.
+            drop(child.stdout.take());
+            let out = child.wait_with_output().await.unwrap();
+            let (_, stderr) = text(&out);
+            assert_eq!(out.status.code(), Some(0), "corral {args:?} into a closed pipe: {stderr}");
+            assert!(!stderr.contains("panicked"), "corral {args:?}: {stderr}");
+        }
+    }
+}
+
+/// The commands that talk to no daemon do not offer the client options
+/// (`--server`, `--token-file`, TLS files) in their help or man page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_without_a_daemon_do_not_offer_the_client_options() {
+    for args in [&["doctor", "--help"][..], &["completions", "--help"], &["man", "--help"], &["man", "doctor"]] {
+        let out = clean(&mut Command::new(CORRAL)).args(args).stdin(Stdio::null()).output().await.unwrap();
+        let (stdout, _) = text(&out);
+        assert_eq!(out.status.code(), Some(0), "{}", describe(args, &out));
+        for option in ["server", "token-file", "--ca", "--cert", "--key"] {
+            assert!(!stdout.contains(option), "{args:?} offers {option}:\n{stdout}");
+        }
+    }
+    let out = clean(&mut Command::new(CORRAL)).args(["exec", "--help"]).output().await.unwrap();
+    let (stdout, _) = text(&out);
+    assert!(stdout.contains("--server") && stdout.contains("--token-file"), "{stdout}");
+}

@@ -69,9 +69,17 @@ fn the_units_settings_fit_the_daemon() {
         Ok(corral::fdlimit::DEFAULT_MAX_CONNECTIONS as usize),
         "LimitNOFILE fits the default admission and proxy caps"
     );
+    // Every sandbox the default admission runs at once, each at the default
+    // pids limit, and room for the daemon's own threads (tokio's blocking
+    // pool alone may reach 512) and the git processes it runs.
     let tasks: u64 = value("TasksMax").parse().unwrap();
     let sandboxes = (defaults.max_running_executions + defaults.max_running_sessions) as u64;
-    assert!(tasks >= sandboxes * 256, "TasksMax {tasks} fits {sandboxes} sandboxes of 256 processes");
+    let pids = defaults.default_limits.max_processes;
+    let daemon = 1024;
+    assert!(
+        tasks >= sandboxes * pids + daemon,
+        "TasksMax {tasks} fits {sandboxes} sandboxes of {pids} tasks and {daemon} of the daemon's"
+    );
     assert_eq!(value("ExecReload"), "/bin/kill -HUP $MAINPID");
 }
 

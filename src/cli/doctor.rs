@@ -1,17 +1,22 @@
 //! `corral doctor`: what this host can enforce, read the way the daemon
-//! reads it at start (the same probe, the same cgroup detection), and which
-//! profiles the gate would therefore refuse.
+//! reads it at start (the same probe, the same cgroup detection, the same
+//! catalog and admin policies), and what the daemon's gate would decide for
+//! each profile here.
 
-use crate::catalog::Catalog;
+use crate::catalog::{Catalog, Profile, RunFacts};
 use crate::config::Config;
-use crate::sandbox::{seccomp, Backends, BwrapBackend, Capabilities, SandboxBackend, SandboxType, UidMode, UidRange};
+use crate::policy::{compile_all, Gate, HostCapabilities};
+use crate::sandbox::{seccomp, Backends, BwrapBackend, SandboxBackend, UidMode, UidRange};
 
 /// Prints the capability report, as text or (`json`) one JSON object per
 /// line: `{"check": name, "ok": bool, "detail": text}` for each thing the
-/// host can or cannot enforce, then `{"profile": reference, "ok": bool,
-/// "detail": text}` for each profile (a catalog that does not load is the
-/// check `catalog`). Exit code 0 when linux_bwrap is usable.
+/// host can or cannot enforce and for what the daemon loads at start (its
+/// admin `policies` and the `catalog`), then `{"profile": reference, "ok":
+/// bool, "detail": text}` for each profile when the daemon would start.
+/// Exit code 0 when linux_bwrap is usable and the daemon would start with
+/// this config; 1 otherwise.
 pub async fn run(config: &Config, json: bool) -> anyhow::Result<i32> {
+    use std::io::Write as _;
     let backends = Backends::for_host(&config.sandbox);
     let bwrap = BwrapBackend::detect(Backends::cgroups_for(&config.sandbox));
     let probe = bwrap.probe().await.map_err(|e| e.to_string());
@@ -32,14 +37,14 @@ pub async fn run(config: &Config, json: bool) -> anyhow::Result<i32> {
     let filter = seccomp::sandbox_filter()
         .map(|f| format!("{} ({} syscalls denied)", f.digest(), seccomp::DENIED.len()))
         .map_err(|e| e.to_string());
-    checks.push(("seccomp".into(), filter));
+    checks.push(("seccomp".into(), filter.clone()));
     let uids = UidRange::parse(&config.sandbox.uids).map(UidMode::detect);
     let uid_line = match &uids {
         Ok(mode @ UidMode::PerSandbox(_)) => Ok(mode.describe()),
         Ok(mode) => Err(mode.describe()),
         Err(e) => Err(format!("sandbox.uids: {e}")),
     };
-    checks.push(("sandbox uids".into(), uid_line));
+    checks.push(("sandbox uids".into(), uid_line.clone()));
     let caps = backends.linux_bwrap.capabilities();
     let cgroups = Backends::cgroups_for(&config.sandbox)
         .map(|h| h.describe())
@@ -50,52 +55,132 @@ pub async fn run(config: &Config, json: bool) -> anyhow::Result<i32> {
         checks.push((format!("  {name}"), support.clone()));
     }
     checks.push(("egress".into(), caps.egress.clone()));
-    let routes: Vec<&str> = config.credentials.names().collect();
-    let profiles = match Catalog::load_with(&config.profile_dirs, &routes, &config.harness, &config.default_limits) {
-        Ok(catalog) => Ok(catalog
-            .list()
-            .into_iter()
-            .map(|profile| {
-                let verdict = refusal(&profile.file.sandbox, &profile.file.limits.sandbox(), &probe, &backends)
-                    .or(profile.unusable.clone())
-                    .or_else(|| config.credentials.check(&profile.file.credential_route_refs).err())
-                    .or_else(|| config.credentials.check_env_passthrough(&profile.file.sandbox.env_passthrough).err())
-                    .or_else(|| {
-                        let readiness = &profile.file.readiness;
-                        (readiness.state == crate::catalog::ReadinessState::Blocked)
-                            .then(|| format!("readiness blocked: {}", readiness.reason))
-                    });
-                let gating = match profile.file.rein.tool_calls_ungated(profile.file.sandbox.sandbox_type) {
-                    None => "tool calls gated".to_string(),
-                    Some(why) => format!("tool calls not gated, so a tool_call policy refuses it: {why}"),
-                };
-                let gating = format!("{gating}; {}", keys(config, &profile));
-                let verdict = verdict.map_or(Ok(format!("can run here; {gating}")), |e| Err(format!("{e}; {gating}")));
-                (profile.reference(), verdict)
-            })
-            .collect::<Vec<_>>()),
-        Err(e) => Err(e.to_string()),
+    // What the daemon refuses to start without (`Daemon::build`): a uid
+    // range that parses, admin policies that compile, a catalog that loads.
+    let admin = compile_all(&config.policies, "admin", "policies").map_err(|e| format!("config key {e}"));
+    checks
+        .push(("policies".into(), admin.as_ref().map(|p| format!("{} admin policies", p.len())).map_err(Clone::clone)));
+    let catalog = load_catalog(config);
+    checks.push((
+        "catalog".into(),
+        catalog.as_ref().map(|c| format!("{} profiles", c.list().len())).map_err(Clone::clone),
+    ));
+    let starts = uids.is_ok() && admin.is_ok() && catalog.is_ok();
+    let profiles = match (catalog, admin) {
+        (Ok(catalog), Ok(admin)) => {
+            // The host as the daemon's gate sees it (`Daemon::build`).
+            let host = HostCapabilities {
+                bwrap: probe.clone(),
+                linux_bwrap: caps.clone(),
+                none: backends.none.capabilities(),
+                seccomp: filter,
+                sandbox_uids: uid_line,
+            };
+            let mut labels = crate::fleet::labels(probe.is_ok());
+            labels.extend(config.fleet.labels.iter().filter(|l| !labels.contains(l)).cloned().collect::<Vec<_>>());
+            let here = Here { config, catalog: &catalog, gate: &Gate::new(admin, host), labels: &labels };
+            Some(catalog.list().iter().map(|profile| (profile.reference(), here.report(profile))).collect::<Vec<Row>>())
+        }
+        _ => None,
     };
-    let text = if json { as_json(&checks, &profiles) } else { as_text(&checks, &profiles) };
-    println!("{text}");
-    Ok(if probe.is_ok() { 0 } else { 1 })
+    let text = if json { as_json(&checks, profiles.as_deref()) } else { as_text(&checks, profiles.as_deref()) };
+    // A reader that goes away (`| head`) is an error for `main` to end
+    // quietly, not a panic.
+    writeln!(std::io::stdout(), "{text}")?;
+    Ok(if probe.is_ok() && starts { 0 } else { 1 })
+}
+
+/// The catalog as the daemon loads it at start, with its check of every
+/// profile's `env_passthrough` against the credential routes.
+fn load_catalog(config: &Config) -> Result<Catalog, String> {
+    let routes: Vec<&str> = config.credentials.names().collect();
+    let catalog = Catalog::load_with(&config.profile_dirs, &routes, &config.harness, &config.default_limits)
+        .map_err(|e| format!("profiles: {e}"))?;
+    crate::daemon::check_env_passthrough(config, &catalog).map_err(|e| format!("profiles: {e}"))?;
+    Ok(catalog)
+}
+
+/// What a daemon started with this config on this host would decide.
+struct Here<'a> {
+    config: &'a Config,
+    catalog: &'a Catalog,
+    gate: &'a Gate,
+    labels: &'a [String],
+}
+
+impl Here<'_> {
+    /// A profile's line: its verdict, whether its tool calls are gated, and
+    /// where its keys go.
+    fn report(&self, profile: &Profile) -> Result<String, String> {
+        let verdict = self.verdict(profile);
+        let gating = match profile.file.rein.tool_calls_ungated(profile.file.sandbox.sandbox_type) {
+            None => "tool calls gated".to_string(),
+            // The gate's refusal has said why.
+            Some(_) if verdict.as_ref().is_err_and(|e| e.starts_with("gate tool_call_gating")) => {
+                "tool calls not gated".to_string()
+            }
+            Some(why) => format!("tool calls not gated, so a tool_call policy refuses it: {why}"),
+        };
+        let gating = format!("{gating}; {}", keys(self.config, profile));
+        match verdict {
+            Ok(()) => Ok(format!("can run here; {gating}")),
+            Err(why) => Err(format!("{why}; {gating}")),
+        }
+    }
+
+    /// Why a run of `profile` by the local admin (actor `adm`, project
+    /// `default`, no repository, no session policies) would be refused:
+    /// the rules of resolution (`Engine::resolve_for_run`: the catalog's,
+    /// the credential routes, this node's placement labels on a single
+    /// node), then the agent_start gate through
+    /// [`Profile::gate_agent_start`], the call a run and `EvaluateGate`
+    /// make, with the config's admin policies.
+    fn verdict(&self, profile: &Profile) -> Result<(), String> {
+        let reference = profile.reference();
+        let profile = self.catalog.resolve(&reference).map_err(|refusal| refusal.0)?;
+        self.config
+            .credentials
+            .check(&profile.file.credential_route_refs)
+            .map_err(|why| format!("profile {reference} cannot run: {why}"))?;
+        // On a fleet (a shared store) the run goes to a node with the labels.
+        let missing = crate::lifecycle::missing_labels(&profile, self.labels);
+        if self.config.store.url.is_none() && !missing.is_empty() {
+            return Err(format!(
+                "profile {reference} runs only on nodes labelled {}; this node has: {}",
+                missing.join(", "),
+                self.labels.join(", ")
+            ));
+        }
+        let facts = RunFacts {
+            actor: "adm",
+            project: crate::auth::DEFAULT_PROJECT,
+            repo: "",
+            tool_calls: 0,
+            session_policies: &[],
+        };
+        // The first deny ends the gate's evaluation and decides it.
+        match profile.gate_agent_start(self.gate, facts).denial() {
+            Some(d) => Err(format!("gate {} ({}): {}", d.policy, d.source, d.reason)),
+            None => Ok(()),
+        }
+    }
 }
 
 /// A check or a profile: its name and what the host can do, or why not.
 type Row = (String, Result<String, String>);
 
-fn as_text(checks: &[Row], profiles: &Result<Vec<Row>, String>) -> String {
+fn as_text(checks: &[Row], profiles: Option<&[Row]>) -> String {
     let mut out = vec!["corral doctor: what this host can enforce".to_string()];
     out.extend(checks.iter().map(|(name, result)| line(name, result)));
     out.push("profiles".into());
     match profiles {
-        Ok(profiles) => out.extend(profiles.iter().map(|(name, verdict)| line(&format!("  {name}"), verdict))),
-        Err(e) => out.push(line("  catalog", &Err(e.clone()))),
+        Some(profiles) => out.extend(profiles.iter().map(|(name, verdict)| line(&format!("  {name}"), verdict))),
+        None => out.push("  none judged: the daemon would not start with this config".into()),
     }
     out.join("\n")
 }
 
-fn as_json(checks: &[Row], profiles: &Result<Vec<Row>, String>) -> String {
+fn as_json(checks: &[Row], profiles: Option<&[Row]>) -> String {
     let object = |key: &str, name: &str, result: &Result<String, String>| {
         let (ok, detail) = match result {
             Ok(detail) => (true, detail),
@@ -104,28 +189,8 @@ fn as_json(checks: &[Row], profiles: &Result<Vec<Row>, String>) -> String {
         serde_json::json!({ key: name.trim(), "ok": ok, "detail": detail }).to_string()
     };
     let mut out: Vec<String> = checks.iter().map(|(name, result)| object("check", name, result)).collect();
-    match profiles {
-        Ok(profiles) => out.extend(profiles.iter().map(|(name, verdict)| object("profile", name, verdict))),
-        Err(e) => out.push(object("check", "catalog", &Err(e.clone()))),
-    }
+    out.extend(profiles.unwrap_or_default().iter().map(|(name, verdict)| object("profile", name, verdict)));
     out.join("\n")
-}
-
-fn refusal(
-    sandbox: &crate::sandbox::SandboxSpec,
-    limits: &crate::sandbox::SandboxLimits,
-    probe: &Result<(), String>,
-    backends: &Backends,
-) -> Option<String> {
-    let kind = sandbox.sandbox_type;
-    if let (SandboxType::LinuxBwrap, Err(reason)) = (kind, probe) {
-        return Some(format!("linux_bwrap cannot be enforced on this host: {reason}"));
-    }
-    let caps: Capabilities = backends.get(kind).capabilities();
-    if let (SandboxType::LinuxBwrap, true, Err(reason)) = (kind, sandbox.allow_network, &caps.egress) {
-        return Some(format!("allow_network cannot be enforced on this host: {reason}"));
-    }
-    caps.refuse(limits)
 }
 
 fn line(name: &str, result: &Result<String, String>) -> String {

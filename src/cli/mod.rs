@@ -5,10 +5,11 @@
 //!
 //! Exit codes: 0 on success (for `exec`/`watch`: the execution finished in
 //! state SUCCEEDED; for `gate`: the gate allows), 1 when the execution did
-//! not succeed (or the gate does not allow), 2 when the RPC
-//! itself failed (transport error or a `Status` from the daemon), 130 when
-//! the user interrupted a stream. A reader that closes stdout early ends
-//! the output, not the command: the exit code is still the outcome's.
+//! not succeed (or the gate does not allow), 2 when the call itself failed
+//! (a file it names cannot be read, the daemon cannot be reached, or it
+//! answers with a `Status`), 130 when the user interrupted a stream. A
+//! reader that closes stdout early ends the output, not the command: the
+//! exit code is still the outcome's.
 
 pub mod bench;
 pub mod doctor;
@@ -72,20 +73,32 @@ impl ClientOpts {
         let token = match (&self.token_file, std::env::var("CORRAL_TOKEN").ok().filter(|t| !t.is_empty())) {
             (Some(path), _) => Some(
                 std::fs::read_to_string(path)
-                    .with_context(|| format!("cannot read --token-file {}", path.display()))?
+                    .with_context(|| format!("cannot read {} {}", given_by("token-file", path), path.display()))?
                     .trim()
                     .to_string(),
             ),
             (None, token) => token,
         };
-        let read = |what: &str, path: &Option<PathBuf>| -> anyhow::Result<Option<Vec<u8>>> {
+        let read = |flag: &str, path: &Option<PathBuf>| -> anyhow::Result<Option<Vec<u8>>> {
             path.as_ref()
-                .map(|p| std::fs::read(p).with_context(|| format!("cannot read --{what} {}", p.display())))
+                .map(|p| std::fs::read(p).with_context(|| format!("cannot read {} {}", given_by(flag, p), p.display())))
                 .transpose()
         };
         let tls =
             ClientTls { ca: read("ca", &self.ca)?, cert: read("cert", &self.cert)?, key: read("key", &self.key)? };
         Ok(Remote { url: self.server.clone().unwrap_or_else(default_server), token, tls })
+    }
+}
+
+/// Where the path of a client option came from, for an error about it: its
+/// variable (`--token-file`: `CORRAL_TOKEN_FILE`) when that holds the path
+/// (clap reads it only without the flag; with both the same, either is
+/// right), else the flag.
+fn given_by(flag: &str, path: &std::path::Path) -> String {
+    let variable = format!("CORRAL_{}", flag.replace('-', "_").to_ascii_uppercase());
+    match std::env::var_os(&variable) {
+        Some(value) if std::path::Path::new(&value) == path => variable,
+        _ => format!("--{flag}"),
     }
 }
 
@@ -371,14 +384,32 @@ fn parse_state(s: &str) -> Result<pb::ExecutionState, String> {
 
 /// Runs one client command; returns the process exit code.
 ///
-/// RPC failures are reported on stderr and turned into exit code 2; any
-/// other error (a missing description file, a bad `--server` URL) is
-/// returned for `main` to print.
+/// A call that fails (a file it names cannot be read, a bad `--server`
+/// URL, the daemon unreachable, a `Status` from it) is reported on stderr
+/// and is exit code 2. The error returned is a write to a reader that went
+/// away (`| head`), for `main` to end quietly.
 pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
+    match call(opts, cmd).await {
+        Ok(code) => Ok(code),
+        Err(err) if is_broken_pipe(&err) => Err(err),
+        Err(err) => {
+            // Status first: a Status can itself carry a transport error as
+            // its source, and its code is the more useful thing to show.
+            match err.downcast_ref::<tonic::Status>() {
+                Some(status) => report_status(status),
+                None => eprintln!("error: {}", one_line(&err)),
+            }
+            Ok(2)
+        }
+    }
+}
+
+/// The command itself: its outcome's exit code, or why the call failed.
+async fn call(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
     let printer = Printer::new(opts.json)?;
     let remote = opts.remote()?;
     let server = &remote;
-    let result = match cmd {
+    match cmd {
         ClientCommand::Exec(args) => exec::exec(server, args, &printer).await,
         ClientCommand::Watch(args) => exec::watch(server, args, &printer).await,
         ClientCommand::Get(args) => query::get(server, args, &printer).await,
@@ -395,25 +426,6 @@ pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> anyhow::Result<i32> {
         // `--server` (or CORRAL_SERVER): that daemon, called with the token
         // and TLS material given; none: in-process daemons.
         ClientCommand::Bench(args) => bench::run(opts.server.is_some().then_some(&remote), args, opts.json).await,
-    };
-    match result {
-        Ok(code) => Ok(code),
-        Err(err) => {
-            // A reader that went away (`corral --json exec ... | head -1`)
-            // is no error here: printing stops and the command goes on to
-            // its own exit code (see `output`). Status first: a Status can
-            // itself carry a transport error as its source, and its code is
-            // the more useful thing to show.
-            if let Some(status) = err.downcast_ref::<tonic::Status>() {
-                report_status(status);
-                Ok(2)
-            } else if err.downcast_ref::<tonic::transport::Error>().is_some() {
-                eprintln!("error: {}", one_line(&err));
-                Ok(2)
-            } else {
-                Err(err)
-            }
-        }
     }
 }
 
