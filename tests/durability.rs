@@ -572,19 +572,7 @@ async fn a_session_that_ends_failed_is_counted_failed() {
     let dir = common::data_tempdir();
     let profiles = dir.path().join("profiles");
     std::fs::create_dir_all(&profiles).unwrap();
-    let stubborn = r#"id = "test.stubborn"
-version = "1.0.0"
-[rein]
-argv = ["/bin/sh", "-c", "trap '' TERM; while :; do sleep 1; done"]
-input = "task_json"
-[sandbox]
-type = "linux_bwrap"
-allow_network = false
-write_paths = ["."]
-[limits]
-timeout_seconds = 60
-"#;
-    std::fs::write(profiles.join("s.toml"), stubborn).unwrap();
+    std::fs::write(profiles.join("s.toml"), common::stubborn_profile()).unwrap();
     let data = dir.path().join("data");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");

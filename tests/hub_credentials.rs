@@ -428,44 +428,12 @@ async fn a_credential_the_harness_prints_is_redacted_everywhere() {
         watched.push(e);
     }
     let log = std::fs::read_to_string(data.with_extension("log")).unwrap();
-    // The store: its file and its write-ahead log, where recent writes live
-    // (on PostgreSQL: every row of every table, as text).
-    let config = std::fs::read_to_string(data.with_extension("toml")).unwrap();
-    let postgres = config.lines().skip_while(|l| *l != "[store]").nth(1).and_then(|l| l.strip_prefix("url = "));
-    let db = match postgres {
-        None => {
-            let mut db = std::fs::read(data.join("corral.db")).unwrap_or_default();
-            db.extend(std::fs::read(data.join("corral.db-wal")).unwrap_or_default());
-            db
-        }
-        Some(url) => {
-            use sqlx::{Connection, Row};
-            let mut conn = sqlx::PgConnection::connect(url.trim_matches('"')).await.unwrap();
-            let tables: Vec<String> = sqlx::query_scalar(
-                "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public'",
-            )
-            .fetch_all(&mut conn)
-            .await
-            .unwrap();
-            let mut text = String::new();
-            for table in tables {
-                for row in sqlx::query(&format!("SELECT CAST(t AS text) FROM \"{table}\" t"))
-                    .fetch_all(&mut conn)
-                    .await
-                    .unwrap()
-                {
-                    text.push_str(&row.get::<String, _>(0));
-                }
-            }
-            text.into_bytes()
-        }
-    };
-    assert!(!db.is_empty());
+    let db = store_text(&data).await;
     for (place, text) in [
         ("a watched event", format!("{watched:?}")),
         ("the hub report", hub.bodies().join("\n")),
         ("the daemon log", log),
-        ("the store", String::from_utf8_lossy(&db).into_owned()),
+        ("the store", db),
     ] {
         assert!(!text.contains(value), "the credential is in {place}");
         assert!(!text.contains(&encoded[12..]), "its base64 form is in {place}");
@@ -767,37 +735,7 @@ async fn leaky_shell_run(max_output_bytes: u64, script: &str) -> Vec<(&'static s
     while let Some(e) = stream.message().await.unwrap() {
         watched.push(e);
     }
-    let config = std::fs::read_to_string(data.with_extension("toml")).unwrap();
-    let postgres = config.lines().skip_while(|l| *l != "[store]").nth(1).and_then(|l| l.strip_prefix("url = "));
-    let store = match postgres {
-        None => {
-            let mut db = std::fs::read(data.join("corral.db")).unwrap_or_default();
-            db.extend(std::fs::read(data.join("corral.db-wal")).unwrap_or_default());
-            String::from_utf8_lossy(&db).into_owned()
-        }
-        Some(url) => {
-            use sqlx::{Connection, Row};
-            let mut conn = sqlx::PgConnection::connect(url.trim_matches('"')).await.unwrap();
-            let tables: Vec<String> = sqlx::query_scalar(
-                "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public'",
-            )
-            .fetch_all(&mut conn)
-            .await
-            .unwrap();
-            let mut text = String::new();
-            for table in tables {
-                for row in sqlx::query(&format!("SELECT CAST(t AS text) FROM \"{table}\" t"))
-                    .fetch_all(&mut conn)
-                    .await
-                    .unwrap()
-                {
-                    text.push_str(&row.get::<String, _>(0));
-                }
-            }
-            text
-        }
-    };
-    assert!(!store.is_empty());
+    let store = store_text(&data).await;
     vec![
         ("the caller's events", format!("{events:?}")),
         ("the FULL record", format!("{record:?}")),
@@ -878,4 +816,42 @@ async fn a_key_across_an_output_cut_leaves_no_piece_of_itself() {
             ),
         }
     }
+}
+
+/// Everything the store of the daemon whose data directory is `data` holds,
+/// as text: its SQLite file and write-ahead log (where recent writes live),
+/// or on PostgreSQL every row of every table. Never empty.
+async fn store_text(data: &std::path::Path) -> String {
+    let config = std::fs::read_to_string(data.with_extension("toml")).unwrap();
+    let postgres = config.lines().skip_while(|l| *l != "[store]").nth(1).and_then(|l| l.strip_prefix("url = "));
+    let text = match postgres {
+        None => {
+            let mut db = std::fs::read(data.join("corral.db")).unwrap_or_default();
+            db.extend(std::fs::read(data.join("corral.db-wal")).unwrap_or_default());
+            String::from_utf8_lossy(&db).into_owned()
+        }
+        Some(url) => {
+            use sqlx::{Connection, Row};
+            let mut conn = sqlx::PgConnection::connect(url.trim_matches('"')).await.unwrap();
+            let tables: Vec<String> = sqlx::query_scalar(
+                "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public'",
+            )
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+            let mut text = String::new();
+            for table in tables {
+                for row in sqlx::query(&format!("SELECT CAST(t AS text) FROM \"{table}\" t"))
+                    .fetch_all(&mut conn)
+                    .await
+                    .unwrap()
+                {
+                    text.push_str(&row.get::<String, _>(0));
+                }
+            }
+            text
+        }
+    };
+    assert!(!text.is_empty(), "the store holds nothing");
+    text
 }

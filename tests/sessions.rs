@@ -1413,23 +1413,6 @@ async fn a_failed_start_names_where_its_cause_went() {
     assert_eq!(read.evidence.expect("evidence").error, sentence);
 }
 
-/// A task_json harness that ignores TERM and never exits by itself.
-fn stubborn_profile() -> String {
-    r#"id = "test.stubborn"
-version = "1.0.0"
-[rein]
-argv = ["/bin/sh", "-c", "trap '' TERM; while :; do sleep 1; done"]
-input = "task_json"
-[sandbox]
-type = "linux_bwrap"
-allow_network = false
-write_paths = ["."]
-[limits]
-timeout_seconds = 60
-"#
-    .to_string()
-}
-
 /// A session whose harness will not exit ends `failed`: the evidence has
 /// the fixed sentence, and the raw cause comes back on EndSession to the
 /// session's own principal; another principal of the project, ending or
@@ -1437,7 +1420,7 @@ timeout_seconds = 60
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_raw_cause_of_a_failed_end_is_read_by_the_sessions_principal_only() {
     require_bwrap();
-    let daemon = TestDaemon::start(daemon_options(vec![("stubborn.toml", stubborn_profile())])).await;
+    let daemon = TestDaemon::start(daemon_options(vec![("stubborn.toml", common::stubborn_profile())])).await;
     let mut client = sessions(&daemon).await;
     let mut ids = Vec::new();
     for id in ["stubborn-1", "stubborn-2"] {

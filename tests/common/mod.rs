@@ -80,6 +80,24 @@ max_output_bytes = 65536
     )
 }
 
+/// `test.stubborn`: a task_json harness that ignores TERM and never exits
+/// by itself.
+pub fn stubborn_profile() -> String {
+    r#"id = "test.stubborn"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-c", "trap '' TERM; while :; do sleep 1; done"]
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["."]
+[limits]
+timeout_seconds = 60
+"#
+    .to_string()
+}
+
 /// `message` as a request of the principal holding bearer `token`.
 pub fn with_token<T>(token: &str, message: T) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
