@@ -164,8 +164,7 @@ impl Daemon {
         // Probed once: a host that cannot run bwrap refuses bwrap profiles
         // at the gate, with the reason, instead of running them unsandboxed.
         let bwrap = backends.linux_bwrap.probe().await.map_err(|e| e.to_string());
-        let mut labels = crate::fleet::labels(bwrap.is_ok());
-        labels.extend(config.fleet.labels.iter().filter(|l| !labels.contains(l)).cloned().collect::<Vec<_>>());
+        let labels = crate::fleet::labels(bwrap.is_ok(), &config.fleet.labels);
         check_warm_pools(&config, &catalog, &bwrap, &labels, &uid_mode).map_err(StartError::Policies)?;
         // Before anything is written that a live neighbour uses (up to here
         // only the schema's idempotent migrations): a daemon whose uid range
@@ -474,7 +473,7 @@ fn group_id(group: &str) -> Result<u32, String> {
 /// daemon whose `[sandbox] uids` are fewer than the sandboxes it may hold.
 /// (A pool that was accepted and never filled, or never taken from, would
 /// be a promise not kept.)
-fn check_warm_pools(
+pub(crate) fn check_warm_pools(
     config: &Config,
     catalog: &Catalog,
     bwrap: &Result<(), String>,

@@ -543,6 +543,15 @@ async fn doctor_judges_profiles_as_the_daemons_gate_does() {
         .unwrap();
     let out = doctor(vec!["doctor".into(), "--config".into(), bad_policy.into()]).await;
     assert_eq!(out.status.code(), Some(1), "a policy the daemon refuses: {}", describe(&[], &out));
+
+    // A warm pool the daemon refuses to start with: one uid (as root, each
+    // sandbox holds its own) for a pool of one and the runs beside it.
+    let small = tmp.path().join("small-range.toml");
+    std::fs::write(&small, "[sandbox]\nuids = \"1900300-1900300\"\nwarm = { \"builtin.noop\" = 1 }\n").unwrap();
+    let out = doctor(vec!["--json".into(), "doctor".into(), "--config".into(), small.into()]).await;
+    assert_eq!(out.status.code(), Some(1), "a pool the daemon refuses: {}", describe(&[], &out));
+    let warm = json_lines(&[], &out).into_iter().find(|l| l["check"] == "warm pools").expect("the warm pools check");
+    assert!(warm["ok"] == false && warm["detail"].as_str().unwrap().contains("sandbox.uids"), "{warm}");
 }
 
 /// Every client-side failure of a call exits 2, like an RPC that failed,

@@ -5,6 +5,7 @@
 
 use crate::catalog::{Catalog, Profile, RunFacts};
 use crate::config::Config;
+use crate::lifecycle::Resolution;
 use crate::policy::{compile_all, Gate, HostCapabilities};
 use crate::sandbox::{seccomp, Backends, BwrapBackend, SandboxBackend, UidMode, UidRange};
 
@@ -65,7 +66,20 @@ pub async fn run(config: &Config, json: bool) -> anyhow::Result<i32> {
         "catalog".into(),
         catalog.as_ref().map(|c| format!("{} profiles", c.list().len())).map_err(Clone::clone),
     ));
-    let starts = uids.is_ok() && admin.is_ok() && catalog.is_ok();
+    let labels = crate::fleet::labels(probe.is_ok(), &config.fleet.labels);
+    // The warm pools the daemon could keep, once the catalog loads.
+    let warm = match (&catalog, &uids) {
+        (Ok(catalog), Ok(uid_mode)) => crate::daemon::check_warm_pools(config, catalog, &probe, &labels, uid_mode)
+            .map(|()| format!("{} warm sandboxes", config.sandbox.warm.values().sum::<usize>())),
+        _ => Err("not judged: the catalog or the uid range does not load".into()),
+    };
+    checks.push(("warm pools".into(), warm.clone()));
+    // The descriptors the daemon would raise itself to, and whether its
+    // proxy and watchers fit them.
+    let descriptors = crate::fdlimit::proxy_connections(config, crate::fdlimit::raise_nofile())
+        .map(|n| format!("{n} proxy connections fit the descriptor limit"));
+    checks.push(("file descriptors".into(), descriptors.clone()));
+    let starts = uids.is_ok() && admin.is_ok() && catalog.is_ok() && warm.is_ok() && descriptors.is_ok();
     let profiles = match (catalog, admin) {
         (Ok(catalog), Ok(admin)) => {
             // The host as the daemon's gate sees it (`Daemon::build`).
@@ -76,8 +90,6 @@ pub async fn run(config: &Config, json: bool) -> anyhow::Result<i32> {
                 seccomp: filter,
                 sandbox_uids: uid_line,
             };
-            let mut labels = crate::fleet::labels(probe.is_ok());
-            labels.extend(config.fleet.labels.iter().filter(|l| !labels.contains(l)).cloned().collect::<Vec<_>>());
             let here = Here { config, catalog: &catalog, gate: &Gate::new(admin, host), labels: &labels };
             Some(catalog.list().iter().map(|profile| (profile.reference(), here.report(profile))).collect::<Vec<Row>>())
         }
@@ -130,27 +142,21 @@ impl Here<'_> {
 
     /// Why a run of `profile` by the local admin (actor `adm`, project
     /// `default`, no repository, no session policies) would be refused:
-    /// the rules of resolution (`Engine::resolve_for_run`: the catalog's,
-    /// the credential routes, this node's placement labels on a single
-    /// node), then the agent_start gate through
+    /// resolution's rules through the daemon's own [`Resolution`] (this
+    /// node's placement labels on a single node: a fleet places at
+    /// Execute), then the agent_start gate through
     /// [`Profile::gate_agent_start`], the call a run and `EvaluateGate`
     /// make, with the config's admin policies.
     fn verdict(&self, profile: &Profile) -> Result<(), String> {
-        let reference = profile.reference();
-        let profile = self.catalog.resolve(&reference).map_err(|refusal| refusal.0)?;
-        self.config
-            .credentials
-            .check(&profile.file.credential_route_refs)
-            .map_err(|why| format!("profile {reference} cannot run: {why}"))?;
-        // On a fleet (a shared store) the run goes to a node with the labels.
-        let missing = crate::lifecycle::missing_labels(&profile, self.labels);
-        if self.config.store.url.is_none() && !missing.is_empty() {
-            return Err(format!(
-                "profile {reference} runs only on nodes labelled {}; this node has: {}",
-                missing.join(", "),
-                self.labels.join(", ")
-            ));
-        }
+        let node = self.config.node();
+        let rules = Resolution {
+            catalog: self.catalog,
+            credentials: &self.config.credentials,
+            node: &node,
+            labels: self.labels,
+        };
+        let placed_here = self.config.store.url.is_none();
+        let profile = rules.resolve(None, &profile.reference(), placed_here).map_err(|refusal| refusal.0)?;
         let facts = RunFacts {
             actor: "adm",
             project: crate::auth::DEFAULT_PROJECT,

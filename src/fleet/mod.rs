@@ -20,9 +20,9 @@ use crate::lifecycle::Engine;
 use crate::store::{NodeState, StoreError};
 use lease::{Renewal, Step};
 
-/// What a node can run, for `ListNodes`: its sandbox backend and the agent
-/// CLIs on its PATH.
-pub fn labels(bwrap: bool) -> Vec<String> {
+/// A node's labels: what it can run (its sandbox backend and the agent
+/// CLIs on its PATH), then the `[fleet] labels` its config adds.
+pub fn labels(bwrap: bool, configured: &[String]) -> Vec<String> {
     let mut labels = Vec::new();
     if bwrap {
         labels.push("linux_bwrap".to_string());
@@ -30,6 +30,11 @@ pub fn labels(bwrap: bool) -> Vec<String> {
     for cli in ["claude", "codex"] {
         if crate::sandbox::find_on_path(cli).is_some() {
             labels.push(cli.to_string());
+        }
+    }
+    for label in configured {
+        if !labels.contains(label) {
+            labels.push(label.clone());
         }
     }
     labels

@@ -20,6 +20,7 @@ mod warm;
 mod watch;
 
 pub use queue::missing_labels;
+pub use resolve::Resolution;
 pub use warm::unpoolable;
 
 use std::collections::HashMap;

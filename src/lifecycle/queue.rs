@@ -22,7 +22,7 @@ pub(super) struct FleetRoom {
     /// Executions it runs at once (0: a front end).
     capacity: usize,
     /// What it can run.
-    labels: Vec<String>,
+    pub(super) labels: Vec<String>,
     max_queued: u64,
     /// Held while claiming, so that a cancel never falls between a claim
     /// and the admission slot it gets here.
@@ -80,21 +80,6 @@ impl Engine {
     /// resolve (any node then records the refusal).
     pub(super) fn needs_of(&self, profile_ref: &str) -> Vec<String> {
         self.catalog.resolve(profile_ref).map(|p| p.needs()).unwrap_or_default()
-    }
-
-    /// Why this node may not run `profile`: a label of its `[placement]`
-    /// this node lacks (`[fleet] labels`); `None` when it may.
-    pub(super) fn misplaced(&self, profile: &crate::catalog::Profile) -> Option<String> {
-        let missing = missing_labels(profile, &self.fleet.labels);
-        (!missing.is_empty()).then(|| {
-            format!(
-                "profile {} runs only on nodes labelled {}; node {} is not (it has: {})",
-                profile.reference(),
-                missing.join(", "),
-                self.store.node(),
-                self.fleet.labels.join(", ")
-            )
-        })
     }
 
     /// Whether this node runs work (a front end, `fleet.capacity = 0`,

@@ -4,8 +4,9 @@
 
 use std::sync::Arc;
 
-use super::Engine;
-use crate::catalog::{check_actor, Profile, Refusal};
+use super::{missing_labels, Engine};
+use crate::catalog::{check_actor, Catalog, Profile, Refusal};
+use crate::credentials::CredentialsConfig;
 
 impl Engine {
     /// Resolves `profile_ref` with every rule an execution applies at its
@@ -31,6 +32,34 @@ impl Engine {
         profile_ref: &str,
         placed_here: bool,
     ) -> Result<Arc<Profile>, Refusal> {
+        let rules = Resolution {
+            catalog: &self.catalog,
+            credentials: &self.credentials,
+            node: self.store.node(),
+            labels: &self.fleet.labels,
+        };
+        rules.resolve(actor, profile_ref, placed_here)
+    }
+}
+
+/// What resolution reads on a node: the daemon's, and `corral doctor`'s
+/// (which reads a config the way the daemon would), so both refuse alike.
+pub struct Resolution<'a> {
+    /// The profiles.
+    pub catalog: &'a Catalog,
+    /// The credential routes, each read now.
+    pub credentials: &'a CredentialsConfig,
+    /// This node's name.
+    pub node: &'a str,
+    /// This node's `[fleet] labels`.
+    pub labels: &'a [String],
+}
+
+impl Resolution<'_> {
+    /// The actor (when one is given), the catalog's rule 1, every
+    /// credential route the profile needs, and, when `placed_here`, the
+    /// node's labels covering its `[placement]`, in that order.
+    pub fn resolve(&self, actor: Option<&str>, profile_ref: &str, placed_here: bool) -> Result<Arc<Profile>, Refusal> {
         if let Some(actor) = actor {
             check_actor(actor)?;
         }
@@ -38,10 +67,15 @@ impl Engine {
         if let Err(why) = self.credentials.check(&profile.file.credential_route_refs) {
             return Err(Refusal(format!("profile {} cannot run: {why}", profile.reference())));
         }
-        if placed_here {
-            if let Some(why) = self.misplaced(&profile) {
-                return Err(Refusal(why));
-            }
+        let missing = missing_labels(&profile, self.labels);
+        if placed_here && !missing.is_empty() {
+            return Err(Refusal(format!(
+                "profile {} runs only on nodes labelled {}; node {} is not (it has: {})",
+                profile.reference(),
+                missing.join(", "),
+                self.node,
+                self.labels.join(", ")
+            )));
         }
         Ok(profile)
     }

@@ -62,7 +62,9 @@ pub struct CappedBuffer {
     pub cap: usize,
     pub dropped: u64,
     /// A line did not fit: what follows it is dropped too, so the text is
-    /// the stream's start with no gap in it.
+    /// the stream's start with no gap at the cap (a line past
+    /// [`MAX_LINE`] alone is dropped where it stood, and `dropped` counts
+    /// it).
     full: bool,
 }
 
