@@ -167,6 +167,30 @@ async fn a_warm_sandbox_whose_waiter_died_is_destroyed_and_the_run_goes_cold() {
     daemon.stop().await;
 }
 
+/// A run that took a warm sandbox and panicked (a bug; injected in the
+/// harness's start, before any write named the run in the sandbox's row)
+/// leaves no sandbox behind: the taken one is destroyed (its processes,
+/// directory and uid) and the pool refills to its size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_panics_in_a_taken_warm_sandbox_leaves_none_behind() {
+    use common::faults::{reins_with, RecordingRein, ReinFaults};
+    require_bwrap();
+    let (rein, _) = RecordingRein::new(ReinFaults { panic_start: true, ..Default::default() });
+    let daemon = TestDaemon::start(Options { reins: Some(reins_with(rein)), ..pooled(1) }).await;
+    full(&daemon).await;
+    let taken = daemon.leftover_sandboxes().await;
+    assert_eq!(taken.len(), 1);
+    let events = daemon.execute(request(PROFILE, "NOWORK")).await;
+    let execution = finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Failed as i32, "{execution:?}");
+    // Taken by the run (a cold one would have left it waiting), then
+    // destroyed.
+    wait_until("the taken warm sandbox is destroyed", || !taken[0].exists()).await;
+    full(&daemon).await;
+    assert_eq!(daemon.leftover_sandboxes().await.len(), 1, "the refilled one only");
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_refills_more_than_one_sandbox_at_once_and_each_serves_one_run() {
     require_bwrap();

@@ -97,6 +97,19 @@ pub struct Core {
     refill: Option<super::warm::Refill>,
 }
 
+impl Drop for Core {
+    /// A run's task that panics (a bug) drops its `Core` unwinding: the
+    /// sandbox it held is left where [`Engine::recover_panicked`] finds it
+    /// (a warm one's row names the run only from its next write).
+    fn drop(&mut self) {
+        if std::thread::panicking() && !self.evidence.sandbox_id.is_empty() {
+            let subject = self.recorder.subject().to_string();
+            let mut panicked = self.engine.panicked.lock().unwrap_or_else(|e| e.into_inner());
+            panicked.insert(subject, self.evidence.sandbox_id.clone());
+        }
+    }
+}
+
 impl Core {
     pub fn new(
         engine: Arc<Engine>,

@@ -179,6 +179,10 @@ pub struct Engine {
     /// The largest message the server sends: `finished` events fit in it.
     max_message_bytes: usize,
     sessions: Mutex<HashMap<String, Arc<session::LiveSession>>>,
+    /// The sandbox a run's task held when it panicked, by run: a warm one
+    /// taken is named in its row only by the run's next write, so
+    /// [`Engine::recover_panicked`] finds it here.
+    pub(super) panicked: Mutex<HashMap<String, String>>,
     tasks: TaskTracker,
     draining: CancellationToken,
     /// The sandboxes that exist now, so a fenced node can kill what runs in
@@ -280,6 +284,7 @@ impl Engine {
             event_pages,
             max_message_bytes: parts.max_message_bytes,
             sessions: Mutex::new(HashMap::new()),
+            panicked: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
             draining: CancellationToken::new(),
             live_sandboxes: Mutex::default(),

@@ -175,7 +175,12 @@ impl Engine {
     pub(super) async fn recover_panicked(&self, execution_id: &str) -> Result<(), EngineError> {
         let scope = SignalScope::new(self.uid_range);
         let (mut destroy, mut teardown) = (TeardownResult::NotAttempted, false);
-        for row in self.store.undestroyed_sandboxes_of(execution_id).await? {
+        let mut rows = self.store.undestroyed_sandboxes_of(execution_id).await?;
+        let held = self.panicked.lock().unwrap_or_else(|e| e.into_inner()).remove(execution_id);
+        if let Some(held) = held.filter(|held| !rows.iter().any(|row| &row.sandbox_id == held)) {
+            rows.extend(self.store.undestroyed_sandbox(&held).await?);
+        }
+        for row in rows {
             teardown |= row.destroying;
             destroy = match self.destroy_leftover_row(&row, scope).await? {
                 Some((result, _)) => result,

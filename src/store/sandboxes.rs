@@ -164,6 +164,11 @@ impl Store {
         self.undestroyed_sandboxes("s.subject_id = $1", subject).await
     }
 
+    /// This node's sandbox `sandbox_id`, unless destroyed.
+    pub async fn undestroyed_sandbox(&self, sandbox_id: &str) -> Result<Option<SandboxRow>, StoreError> {
+        Ok(self.undestroyed_sandboxes("s.sandbox_id = $1", sandbox_id).await?.pop())
+    }
+
     /// This node's sandboxes not yet destroyed for which `filter` (on `$1`,
     /// bound to `value`) holds.
     async fn undestroyed_sandboxes(&self, filter: &'static str, value: &str) -> Result<Vec<SandboxRow>, StoreError> {

@@ -181,6 +181,9 @@ impl SandboxBackend for FaultyBackend {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ReinFaults {
     pub fail_start: bool,
+    /// `start_session` panics (a bug in the daemon) in the sandbox the run
+    /// holds, before the harness exists.
+    pub panic_start: bool,
     /// `dispatch_tool` raises (rather than the harness reporting failure).
     pub fail_dispatch: bool,
     /// `dispatch_tool` panics (a bug in the daemon) while the harness
@@ -222,6 +225,9 @@ impl Rein for RecordingRein {
         self.calls.lock().unwrap().push("start_session");
         if self.faults.fail_start {
             return Err(ReinError::Start("injected: harness would not start SECRET-START".into()));
+        }
+        if self.faults.panic_start {
+            panic!("injected: start panicked");
         }
         let inner = CommandRein.start_session(ctx).await?;
         Ok(Box::new(RecordingSession { inner, faults: self.faults, calls: self.calls.clone() }))
