@@ -259,6 +259,47 @@ async fn uncommitted_edits_come_back_as_a_snapshot() {
     daemon.stop().await;
 }
 
+/// A run that may write only some paths of its workspace gets its edits
+/// back as a snapshot too: the capture writes `.git`, which the run had
+/// read-only (every run that wrote anything ended `git add failed` at
+/// teardown), while the run itself still could not write outside them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edits_under_narrowed_write_paths_come_back_as_a_snapshot() {
+    require_bwrap();
+    let narrow = r#"id = "test.narrow"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-s"]
+input = "description"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["out"]
+[limits]
+timeout_seconds = 60
+"#;
+    let daemon =
+        TestDaemon::start(Options { profiles: vec![("narrow.toml".into(), narrow.into())], ..Options::default() })
+            .await;
+    let origin = git_repo();
+    std::fs::create_dir(origin.path().join("out")).unwrap();
+    std::fs::write(origin.path().join("out/.keep"), "").unwrap();
+    git(origin.path(), &["add", "."]);
+    git(origin.path(), &["-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "out"]);
+    let script = "echo made > out/made.txt; (echo x >> README.md) 2>/dev/null && echo README-WRITABLE; true";
+    let mut req = request("test.narrow", script);
+    req.repo = origin.path().display().to_string();
+    let execution = finished(&daemon.execute(req).await);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{}", execution.tool_error);
+    assert!(!execution.tool_output.contains("README-WRITABLE"), "{}", execution.tool_output);
+    let evidence = execution.evidence.unwrap();
+    assert!(evidence.workspace_snapshot, "{evidence:?}");
+    let head = corral_ref(origin.path(), &execution.execution_id).expect("refs/corral/<id>");
+    assert_eq!(git(origin.path(), &["show", &format!("{head}:out/made.txt")]), "made");
+    assert_eq!(git(origin.path(), &["show", &format!("{head}:README.md")]), "sample");
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_commit_with_the_provided_identity_comes_back() {
     let daemon = daemon(30).await;

@@ -90,8 +90,16 @@ impl CaptureJob<'_> {
     /// Spawns the capture in the sandbox, reads its stdout, and kills it
     /// (through the whole process group) past the timeout.
     async fn run_in_sandbox(&self, spec: &ExecSpec) -> Result<String, WorkspaceError> {
+        // The capture writes `.git` (a snapshot's objects and refs), which
+        // a run allowed to write only some paths of its workspace had
+        // read-only: it runs with the whole workspace writable, in a
+        // sandbox otherwise the run's. Nothing of the agent's runs in it
+        // (hooks and fsmonitor off; a filter the agent configured runs as
+        // the agent, in the sandbox, as the agent's own could).
+        let mut sandbox = self.sandbox.clone();
+        sandbox.spec.write_paths = vec![".".into()];
         let mut process =
-            self.backend.spawn(self.sandbox, spec).await.map_err(|e| WorkspaceError(format!("capture: {e}")))?;
+            self.backend.spawn(&sandbox, spec).await.map_err(|e| WorkspaceError(format!("capture: {e}")))?;
         drop(process.stdin.take());
         if let Some(mut stderr) = process.stderr.take() {
             // Drained and dropped: git's complaints must not block it.
