@@ -1383,6 +1383,43 @@ async fn a_session_of_thousands_of_gate_decisions_still_fits_one_message() {
 // ---------------------------------------------------------------------------
 // 12. the raw cause of a failed end, for its principal only
 
+/// A turn whose task panics (a bug; injected in the rein's dispatch, while
+/// the harness runs in its sandbox) ends its session `failed`, torn down,
+/// instead of leaving it busy for good (every later turn refused, its
+/// sandbox alive until EndSession).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_that_panics_ends_its_session_failed_and_torn_down() {
+    use common::faults::{reins_with, RecordingRein, ReinFaults};
+    require_bwrap();
+    let (rein, _) = RecordingRein::new(ReinFaults { panic_dispatch: true, ..Default::default() });
+    let mut options = daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))]);
+    options.reins = Some(reins_with(rein));
+    let daemon = TestDaemon::start(options).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.session", "agt", "")).await.expect("created");
+    let request = common::as_actor("agt", turn_request(&session.session_id, "echo", json!({})));
+    let mut stream = client.send_turn(request).await.expect("turn accepted").into_inner();
+    let drained = async { while let Ok(Some(_)) = stream.message().await {} };
+    tokio::time::timeout(Duration::from_secs(60), drained).await.expect("the turn's stream ends");
+    let read = || {
+        let mut client = client.clone();
+        let id = session.session_id.clone();
+        async move {
+            let read = pb::GetSessionRequest { session_id: id };
+            client.get_session(common::as_actor("agt", read)).await.expect("stored").into_inner()
+        }
+    };
+    let started = Instant::now();
+    let mut record = read().await;
+    while record.state != pb::SessionState::Failed as i32 && started.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        record = read().await;
+    }
+    assert_eq!(record.state, pb::SessionState::Failed as i32, "{record:?}");
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "its sandbox is destroyed");
+    daemon.stop().await;
+}
+
 /// A session whose start fails says in its evidence where the cause went
 /// (the error of the call that started it), not `corral get --full`,
 /// which reads executions only.

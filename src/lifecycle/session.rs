@@ -82,6 +82,9 @@ pub enum EndReason {
     Idle(Duration),
     /// The daemon is shutting down.
     Shutdown,
+    /// The task running one of its turns panicked (a bug): what it held is
+    /// torn down and the session ends `failed`.
+    TurnPanicked,
 }
 
 impl Engine {
@@ -479,7 +482,18 @@ impl Engine {
             core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
             core.recorder.emit(event, Some(RawPart::Finished(raw))).await;
         };
-        self.tasks.spawn(task.instrument(span));
+        // In a task of its own, so that a panic (a bug) ends the session
+        // as failed rather than leave it busy for good.
+        let turn_task = tokio::spawn(task.instrument(span));
+        let (engine, id) = (self.clone(), session_id.to_string());
+        self.tasks.spawn(async move {
+            if let Err(e) = turn_task.await.map(|_| ()).or_else(|e| if e.is_panic() { Err(e) } else { Ok(()) }) {
+                tracing::error!(session_id = %id, error = %e, "a session turn's task failed; ending the session");
+                if let Err(e) = engine.end_session(&id, EndReason::TurnPanicked).await {
+                    tracing::error!(session_id = %id, error = %e, "a session whose turn failed not ended");
+                }
+            }
+        });
         match subscription.await {
             Ok(Some((rx, after))) => Ok((
                 Subscription::live(rx, true).after(after).until_turn(turn).catching_up(
@@ -618,10 +632,13 @@ impl Engine {
         if let EndReason::Idle(idle) = reason {
             core.recorder.emit(EventKind::Reaped { idle_seconds: idle.as_secs() }, None).await;
         }
+        if let EndReason::TurnPanicked = reason {
+            core.failed(FailureStage::Execution, "the daemon's task for a turn failed");
+        }
         core.close(false).instrument(tracing::info_span!("teardown")).await;
         record.state = match reason {
             EndReason::Idle(_) => SessionState::Reaped,
-            EndReason::Requested | EndReason::Shutdown => SessionState::Ended,
+            EndReason::Requested | EndReason::Shutdown | EndReason::TurnPanicked => SessionState::Ended,
         };
         let cause = self.finish_session(&mut core, &mut record).await;
         self.release(session_id);
