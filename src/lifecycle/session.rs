@@ -487,11 +487,15 @@ impl Engine {
         let turn_task = tokio::spawn(task.instrument(span));
         let (engine, id) = (self.clone(), session_id.to_string());
         self.tasks.spawn(async move {
-            if let Err(e) = turn_task.await.map(|_| ()).or_else(|e| if e.is_panic() { Err(e) } else { Ok(()) }) {
-                tracing::error!(session_id = %id, error = %e, "a session turn's task failed; ending the session");
-                if let Err(e) = engine.end_session(&id, EndReason::TurnPanicked).await {
-                    tracing::error!(session_id = %id, error = %e, "a session whose turn failed not ended");
+            match turn_task.await {
+                Err(e) if e.is_panic() => {
+                    tracing::error!(session_id = %id, error = %e, "a session turn's task failed; ending the session");
+                    if let Err(e) = engine.end_session(&id, EndReason::TurnPanicked).await {
+                        tracing::error!(session_id = %id, error = %e, "a session whose turn failed not ended");
+                    }
                 }
+                // Done, or cancelled with the runtime.
+                _ => {}
             }
         });
         match subscription.await {

@@ -484,8 +484,8 @@ pub fn open_beneath(workspace: &Path, relative: &str) -> std::io::Result<std::os
             return Err(std::io::Error::last_os_error());
         }
         // SAFETY: `raw` is a descriptor openat just returned, owned by no one else.
-        let next = unsafe { OwnedFd::from_raw_fd(raw) };
-        let kind = std::fs::File::from(next.try_clone()?).metadata()?.file_type();
+        let next = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(raw) });
+        let kind = next.metadata()?.file_type();
         let last = i + 1 == components.len();
         let at = components[..=i].join("/");
         if kind.is_symlink() {
@@ -496,7 +496,7 @@ pub fn open_beneath(workspace: &Path, relative: &str) -> std::io::Result<std::os
             let want = if last { "a directory or a regular file" } else { "a directory" };
             return Err(invalid(format!("{at:?} is not {want}")));
         }
-        dir = next;
+        dir = next.into();
     }
     Ok(dir)
 }
