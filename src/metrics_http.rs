@@ -68,11 +68,13 @@ pub async fn serve(
 ) -> Result<SocketAddr, String> {
     let listener = TcpListener::bind(addr).await.map_err(|e| format!("metrics_listen {addr}: {e}"))?;
     let local = listener.local_addr().map_err(|e| format!("metrics_listen {addr}: {e}"))?;
-    crate::net::protect(local);
+    let protected = crate::net::protect(local);
     let handle = handle();
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     tracing::info!(addr = %local, token = token.is_some(), "metrics on GET /metrics");
     tokio::spawn(async move {
+        // Protected while it accepts.
+        let _protected = protected;
         loop {
             let Ok(permit) = slots.clone().acquire_owned().await else { return };
             let accepted = tokio::select! {

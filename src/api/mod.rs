@@ -87,10 +87,9 @@ pub enum ServeError {
 /// executions get the grace period, then are cancelled and torn down, and
 /// every stream ends.
 pub async fn serve(parts: ApiParts, listener: TcpListener, shutdown: CancellationToken) -> Result<(), ServeError> {
-    // No sandbox's egress proxy ever connects to this daemon.
-    if let Ok(addr) = listener.local_addr() {
-        crate::net::protect(addr);
-    }
+    // No sandbox's egress proxy ever connects to this daemon while it
+    // listens.
+    let _protected = listener.local_addr().ok().map(crate::net::protect);
     let (health, health_service) = health().await;
     let streams_end = StreamsEnd::default();
     let drained = drain(shutdown, health, parts.engine.clone(), parts.shutdown_grace, streams_end.clone());

@@ -20,7 +20,7 @@ pub use budget::{ConnectionPermit, ProxyBudget, ProxyLimitsConfig};
 pub use endpoint::Endpoint;
 pub use ip::special_class;
 pub use log::{EgressDecision, EgressLog, MAX_BYTE_HOSTS, MAX_DENIED_HOSTS, MAX_PENDING};
-pub use protect::{protect, protected_addresses};
+pub use protect::{protect, protected_addresses, Protected};
 pub use proxy::{serve, ProxyConfig, ProxyHandle};
 
 #[cfg(test)]
