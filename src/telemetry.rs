@@ -38,6 +38,11 @@ pub(crate) fn describe() {
          timeout (mismatch)."
     );
     describe_counter!(
+        "corral_warm_sandboxes_died_total",
+        "Warm sandboxes whose waiter exited (killed, out of memory) while they waited, by pool: each was destroyed \
+         and replaced."
+    );
+    describe_counter!(
         "corral_sandbox_reclaim_failures_total",
         "Stopped sandboxes whose uid, cgroup or files could not be given back (left to recovery)."
     );
@@ -223,17 +228,25 @@ pub fn sandbox_alive(delta: f64) {
     gauge!("corral_sandboxes_alive").increment(delta);
 }
 
-/// Lists a warm pool's `corral_warm_requests_total` at 0.
+/// Lists a warm pool's `corral_warm_requests_total` and
+/// `corral_warm_sandboxes_died_total` at 0.
 pub fn warm_pool_listed(pool: &str) {
     for found in ["warm", "empty", "dead", "mismatch"] {
         counter!("corral_warm_requests_total", "profile" => pool.to_string(), "found" => found).absolute(0);
     }
+    counter!("corral_warm_sandboxes_died_total", "profile" => pool.to_string()).absolute(0);
 }
 
 /// Counts a run of the warm pool `pool`'s profile by what it found there:
 /// `warm`, `empty`, `dead` or `mismatch` (`corral_warm_requests_total`).
 pub fn warm_request(pool: &str, found: &'static str) {
     counter!("corral_warm_requests_total", "profile" => pool.to_string(), "found" => found).increment(1);
+}
+
+/// Counts a warm sandbox of the pool `pool` whose waiter exited while it
+/// waited (`corral_warm_sandboxes_died_total`).
+pub fn warm_sandbox_died(pool: &str) {
+    counter!("corral_warm_sandboxes_died_total", "profile" => pool.to_string()).increment(1);
 }
 
 /// Sets how many warm sandboxes of `profile_ref` wait for a run

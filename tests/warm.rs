@@ -131,11 +131,12 @@ async fn a_warm_sandbox_serves_one_execution_and_the_pool_refills() {
     daemon.stop().await;
 }
 
-/// A warm sandbox whose waiter died while it waited (killed, out of memory)
-/// serves no run: the run takes the cold path and succeeds, the dead
-/// sandbox is destroyed, and the pool refills.
+/// A warm sandbox whose waiter dies while it waits (killed, out of memory)
+/// is destroyed as soon as it does and replaced, with no run needed to
+/// find it dead: its directory goes, the pool's level drops and comes
+/// back with another sandbox, and the next run takes that one, warm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_warm_sandbox_whose_waiter_died_is_destroyed_and_the_run_goes_cold() {
+async fn a_warm_sandbox_whose_waiter_dies_is_destroyed_and_replaced_without_a_run() {
     require_bwrap();
     let daemon = TestDaemon::start(pooled(1)).await;
     full(&daemon).await;
@@ -151,19 +152,20 @@ async fn a_warm_sandbox_whose_waiter_died_is_destroyed_and_the_run_goes_cold() {
         // SAFETY: a plain kill(2).
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
-    wait_until("the waiting sandbox's processes are gone", || daemon.engine.warm_processes() == [Vec::<i32>::new()])
-        .await;
 
+    // No request: the daemon sees it die.
+    wait_until("the dead sandbox is destroyed without a run", || !dead.exists()).await;
+    full(&daemon).await;
+    let now = daemon.leftover_sandboxes().await;
+    assert_eq!(now.len(), 1, "the new sandbox only: {now:?}");
+    assert_ne!(now[0], dead, "the pool counts the dead sandbox as waiting");
+    wait_until("the new sandbox's waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter))
+        .await;
     let events = daemon.execute(request(PROFILE, "NOWORK")).await;
     let execution = finished(&events);
     assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}", execution.tool_error);
-    assert!(!was_warm(&execution), "the run took the dead sandbox");
-    assert_ne!(dead.file_name().unwrap().to_str(), Some(ready(&events).sandbox_id.as_str()));
-    wait_until("the dead sandbox is destroyed", || !dead.exists()).await;
-    full(&daemon).await;
-    let now = daemon.leftover_sandboxes().await;
-    assert_eq!(now.len(), 1, "the refilled sandbox only: {now:?}");
-    assert_ne!(now[0], dead);
+    assert!(was_warm(&execution), "the run did not take the new sandbox");
+    assert_eq!(Some(ready(&events).sandbox_id.as_str()), now[0].file_name().unwrap().to_str());
     daemon.stop().await;
 }
 
@@ -594,6 +596,25 @@ fn processes_of(range: &str) -> Vec<String> {
     found
 }
 
+/// SIGKILLs every process whose real uid is in `range` (`first-last`):
+/// with no run going, the waiting warm sandboxes'. How many it signalled.
+fn kill_waiting(range: &str) -> usize {
+    let (first, last) = range.split_once('-').unwrap();
+    let (first, last): (u32, u32) = (first.parse().unwrap(), last.parse().unwrap());
+    let mut killed = 0;
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else { continue };
+        let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next());
+        if uid.and_then(|u| u.parse::<u32>().ok()).is_some_and(|u| (first..=last).contains(&u)) {
+            // SAFETY: a plain kill(2).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            killed += 1;
+        }
+    }
+    killed
+}
+
 fn sandboxes(data: &Path) -> Vec<String> {
     std::fs::read_dir(data.join("sandboxes"))
         .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
@@ -688,6 +709,8 @@ async fn the_metrics_say_what_the_runs_of_a_pools_profile_found() {
     for what in ["warm", "empty", "dead", "mismatch"] {
         assert_eq!(found(&text, what), Some(0.0), "listed at 0 before any run: {text}");
     }
+    let died = |text: &str| sample(text, "corral_warm_sandboxes_died_total", "profile=\"test.pooled@1.1.0\"");
+    assert_eq!(died(&text), Some(0.0), "listed at 0: {text}");
     waiters(&serve.uids, 1).await;
     let level = sample(&scrape(port).await, "corral_warm_sandboxes", "profile=\"test.pooled@1.1.0\"");
     assert_eq!(level, Some(1.0), "the pool's level");
@@ -720,6 +743,22 @@ async fn the_metrics_say_what_the_runs_of_a_pools_profile_found() {
     assert!(warm_runs < 4, "four runs at once, one sandbox waiting: none found the pool empty");
     assert_eq!(found(&text, "mismatch"), Some(1.0), "the run of 1.0.0: {text}");
     assert!(!text.contains("builtin.noop"), "a profile with no pool has no series: {text}");
+
+    // A waiting sandbox killed: counted as died, and replaced.
+    waiters(&serve.uids, 1).await;
+    let killed = kill_waiting(&serve.uids);
+    assert!(killed > 0, "no process of a waiting sandbox to kill");
+    let mut text = String::new();
+    for _ in 0..200 {
+        text = scrape(port).await;
+        if died(&text) == Some(1.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(died(&text), Some(1.0), "the killed sandbox: {text}");
+    assert_eq!(found(&text, "dead"), Some(0.0), "no run found it dead: {text}");
+    waiters(&serve.uids, 1).await;
 }
 
 /// Starts a hanging execution of the pool's profile and returns its id and

@@ -8,7 +8,9 @@
 //! `sandbox::waiter`). A request takes a warm sandbox only when it was made
 //! for exactly the request's profile version, effective sandbox and
 //! timeout (`sandbox::pool`); it serves that one run (an execution or a
-//! session) and is destroyed like any other. The pools refill in the
+//! session) and is destroyed like any other; one whose waiting first
+//! process dies (killed, out of memory) is destroyed as soon as it does,
+//! and replaced. The pools refill in the
 //! background, as many sandboxes at once as the host has cores (at least
 //! two, at most the pools' total size), and only while the executions
 //! running and the warm sandboxes (waiting or being made) are fewer than
@@ -302,8 +304,9 @@ impl Engine {
     /// A warm sandbox made for exactly `profile`, `spec` and
     /// `timeout_seconds`, taken out of its pool, with its pool's refill,
     /// begun when the [`Refill`] is dropped. One whose waiter has exited
-    /// is passed over, destroyed in the background, and its pool refills
-    /// at once.
+    /// (and whose watch, [`Engine::watch_waiter`], has not taken it out
+    /// yet) is passed over, destroyed in the background, and its pool
+    /// refills at once.
     pub(super) fn take_warm(
         self: &Arc<Self>,
         profile: &Profile,
@@ -336,6 +339,7 @@ impl Engine {
         for made in dead {
             let id = &made.sandbox.id;
             tracing::warn!(profile = %pool, sandbox_id = %id, "warm sandbox's waiter exited while it waited; destroyed");
+            crate::telemetry::warm_sandbox_died(&pool);
             let engine = self.clone();
             self.tasks.spawn(async move { engine.destroy_warm(made).await });
         }
@@ -442,7 +446,12 @@ impl Engine {
                 Ok((key, made)) => {
                     retry = RETRY_FIRST;
                     tracing::debug!(profile = %profile_ref, ms = t.elapsed().as_millis() as u64, "warm sandbox ready");
+                    let exit = made.backend.waiter_exit(&made.sandbox);
+                    let sandbox_id = made.sandbox.id.clone();
                     let stale = self.warm.pools().filled(index, key, made);
+                    if let Some(exit) = exit {
+                        self.watch_waiter(sandbox_id, exit);
+                    }
                     self.report_warm_levels();
                     for made in stale {
                         self.destroy_warm(made).await;
@@ -458,6 +467,39 @@ impl Engine {
                     retry = (retry * 2).min(RETRY_MAX);
                 }
             }
+        }
+    }
+
+    /// Watches a waiting sandbox's waiter: once it exits (killed, out of
+    /// memory) while the sandbox still waits, the sandbox is taken out of
+    /// its pool and destroyed, and the pool refills, with no request to
+    /// find it dead first. The watch holds no engine: it ends when the
+    /// waiter does, which a take (whose run ends it), a destroy or the
+    /// daemon's exit brings about.
+    fn watch_waiter(self: &Arc<Self>, sandbox_id: String, exit: crate::sandbox::WaiterExit) {
+        let engine = Arc::downgrade(self);
+        tokio::spawn(async move {
+            exit.await;
+            if let Some(engine) = engine.upgrade() {
+                engine.waiter_died(&sandbox_id);
+            }
+        });
+    }
+
+    /// The waiter of `sandbox_id` exited: if the sandbox still waits in a
+    /// pool, it is taken out and destroyed, and its pool refills.
+    fn waiter_died(self: &Arc<Self>, sandbox_id: &str) {
+        let dead = self.warm.pools().remove_dead(|w| w.sandbox.id == sandbox_id && w.backend.waiter_exited(&w.sandbox));
+        if dead.is_empty() {
+            return;
+        }
+        self.report_warm_levels();
+        self.warm.wake.notify_one();
+        for (pool, made) in dead {
+            tracing::warn!(profile = %pool, %sandbox_id, "warm sandbox's waiter exited while it waited; destroyed");
+            crate::telemetry::warm_sandbox_died(&pool);
+            let engine = self.clone();
+            self.tasks.spawn(async move { engine.destroy_warm(made).await });
         }
     }
 

@@ -226,6 +226,21 @@ impl Boundary {
         waiting.get_mut(&sandbox.id).is_some_and(SandboxProcess::has_exited)
     }
 
+    /// Resolves once the sandbox's waiter, which no spawn took yet, has
+    /// exited; `None` for a sandbox without one (or when no pidfd could
+    /// be had: a request still finds it dead, [`Self::waiter_exited`]).
+    pub fn waiter_exit(&self, sandbox: &Sandbox) -> Option<super::WaiterExit> {
+        let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let watch = waiting.get(&sandbox.id)?.exit_watch();
+        match watch {
+            Ok(watch) => Some(Box::pin(watch)),
+            Err(error) => {
+                tracing::warn!(sandbox_id = %sandbox.id, %error, "no pidfd to watch a warm sandbox's waiter");
+                None
+            }
+        }
+    }
+
     /// Kills everything of the sandbox and waits until nothing of it can
     /// run again: what a run reports as `sandbox_destroy`. [`reclaim`]
     /// gives back what it held.

@@ -590,6 +590,10 @@ impl SandboxBackend for BwrapBackend {
         self.boundary.waiter_exited(sandbox)
     }
 
+    fn waiter_exit(&self, sandbox: &Sandbox) -> Option<super::WaiterExit> {
+        self.boundary.waiter_exit(sandbox)
+    }
+
     async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
         self.boundary.stop(sandbox).await
     }

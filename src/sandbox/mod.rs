@@ -244,6 +244,10 @@ pub enum SandboxError {
     Destroy(String),
 }
 
+/// Resolves once a warm sandbox's waiter has exited
+/// ([`SandboxBackend::waiter_exit`]).
+pub type WaiterExit = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
 /// A way of creating sandboxes, running processes in them and destroying
 /// them (`linux_bwrap`, `none`, or a test double).
 #[async_trait]
@@ -274,6 +278,13 @@ pub trait SandboxBackend: Send + Sync {
     fn waiter_exited(&self, sandbox: &Sandbox) -> bool {
         let _ = sandbox;
         false
+    }
+    /// Resolves once the waiter [`prestart`](Self::prestart) started has
+    /// exited, without reaping it, so a pool sees a sandbox die while it
+    /// waits; `None` for a sandbox without one.
+    fn waiter_exit(&self, sandbox: &Sandbox) -> Option<WaiterExit> {
+        let _ = sandbox;
+        None
     }
     /// Kills whatever still runs in the sandbox and waits until nothing of
     /// it can run again (its cgroup empty; without one, its uid swept).

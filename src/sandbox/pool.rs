@@ -7,7 +7,8 @@
 //! (never one made for another profile version, sandbox or timeout, nor
 //! one whose first process died while it waited) and, when it takes none,
 //! why, and what a closed pool or a dead sandbox hands back to be
-//! destroyed. The daemon fills, takes and destroys (`lifecycle::warm`).
+//! destroyed, whether a request found it dead or it was seen dying while
+//! it waited. The daemon fills, takes and destroys (`lifecycle::warm`).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -146,6 +147,20 @@ impl<T> Pools<T> {
                 taken => return (taken, dead),
             }
         }
+    }
+
+    /// Takes out every waiting sandbox for which `dead` holds (its first
+    /// process was seen to exit while it waited), with its pool's profile
+    /// reference, to be destroyed; its place is made again like a taken
+    /// one's.
+    pub fn remove_dead(&mut self, dead: impl Fn(&T) -> bool) -> Vec<(String, T)> {
+        let mut out = Vec::new();
+        for pool in &mut self.pools {
+            let (gone, kept): (VecDeque<T>, VecDeque<T>) = pool.warm.drain(..).partition(|item| dead(item));
+            pool.warm = kept;
+            out.extend(gone.into_iter().map(|item| (pool.profile_ref.clone(), item)));
+        }
+        out
     }
 
     /// What to make next, given `room`: how many sandboxes the pools may
@@ -311,6 +326,27 @@ mod tests {
         let mismatch = p.take_live(&key("other"), "a", |_| panic!("a sandbox made for another key was looked at"));
         assert_eq!(mismatch, (Take::Mismatch("a".into()), vec![]));
         assert_eq!(p.levels(), [("a".to_string(), 1, 3)]);
+    }
+
+    #[test]
+    fn a_sandbox_seen_dying_is_taken_out_and_its_place_made_again() {
+        let mut p = pools(&[("a", 3), ("b", 1)]);
+        for item in [1, 2, 3, 4] {
+            let i = make(&mut p);
+            p.filled(i, key(if i == 0 { "da" } else { "db" }), item);
+        }
+        assert_eq!(p.levels(), [("a".to_string(), 3, 3), ("b".to_string(), 1, 1)]);
+        assert_eq!(p.remove_dead(|i| *i == 9), [], "none dead");
+        assert_eq!(p.remove_dead(|i| *i == 2 || *i == 4), [("a".to_string(), 2), ("b".to_string(), 4)]);
+        assert_eq!(p.levels(), [("a".to_string(), 2, 3), ("b".to_string(), 0, 1)]);
+        assert_eq!(p.remove_dead(|i| *i == 2), [], "taken out once");
+        assert_eq!(p.take(&key("da"), "a"), Take::Warm("a".into(), 1), "the rest keep their order");
+        assert_eq!(p.take(&key("da"), "a"), Take::Warm("a".into(), 3));
+        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()), "the dead one's place is made again");
+        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(9), Fill::Make(1, "b".into()));
+        assert_eq!(p.next_fill(9), Fill::Full);
     }
 
     #[test]

@@ -406,6 +406,22 @@ impl SandboxProcess {
         }
     }
 
+    /// A future that resolves once the first process has exited (at once
+    /// if it has been reaped), without reaping it: a pidfd of its own, so
+    /// it can be awaited while the process is held elsewhere.
+    pub fn exit_watch(&self) -> std::io::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+        // Not reaped: the pid is still the child's (a zombie at worst).
+        let fd = match self.exit {
+            Some(_) => None,
+            None => Some(pidfd(self.pgid)?),
+        };
+        Ok(async move {
+            if let Some(fd) = fd {
+                let _ = fd.readable().await;
+            }
+        })
+    }
+
     /// Whether the first process has exited already.
     pub fn has_exited(&mut self) -> bool {
         if self.exit.is_some() {

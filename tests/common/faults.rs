@@ -156,6 +156,10 @@ impl SandboxBackend for FaultyBackend {
         self.inner.waiter_exited(sandbox)
     }
 
+    fn waiter_exit(&self, sandbox: &Sandbox) -> Option<corral::sandbox::WaiterExit> {
+        self.inner.waiter_exit(sandbox)
+    }
+
     async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
         self.log.lock().unwrap().destroys.push(sandbox.id.clone());
         let result = self.inner.stop(sandbox).await;
