@@ -53,7 +53,7 @@ async fn the_agent_cannot_reach_the_network_nor_write_outside_its_workspace() {
     let outside_file = outside.path().join("escaped.txt");
     let origin_file = repo.path().join("escaped.txt");
     let description = format!(
-        "NOWORK\nPROBE_NETWORK\nPROBE_WRITE {}\nPROBE_WRITE {}\nPROBE_WRITE /usr/escaped.txt\nPROBE_WRITE /escaped.txt\nPROBE_WRITE /etc/escaped.txt\nPROBE_WRITE /workspace/inside.txt\nPROBE_WRITE /tmp/scratch.txt",
+        "NOWORK\nPROBE_NETWORK\nPROBE_WRITE {}\nPROBE_WRITE {}\nPROBE_WRITE /usr/escaped.txt\nPROBE_WRITE /escaped.txt\nPROBE_WRITE /etc/escaped.txt\nPROBE_WRITE /workspace/inside.txt\nPROBE_WRITE /tmp/scratch.txt\nPROBE_WRITE /etc/passwd\nPROBE_WRITE /etc/group\nPROBE_SELF",
         outside_file.display(),
         origin_file.display()
     );
@@ -70,6 +70,10 @@ async fn the_agent_cannot_reach_the_network_nor_write_outside_its_workspace() {
     assert!(out.contains("write /etc/escaped.txt: denied"), "{out}");
     assert!(out.contains("write /workspace/inside.txt: ok"), "{out}");
     assert!(out.contains("write /tmp/scratch.txt: ok"), "{out}");
+    // Its identity files are its own, and read-only.
+    assert!(out.contains("write /etc/passwd: denied"), "{out}");
+    assert!(out.contains("write /etc/group: denied"), "{out}");
+    assert!(out.contains("self user=agent home=/home/agent group=agent"), "{out}");
     assert!(!outside_file.exists() && !origin_file.exists(), "a file escaped the sandbox");
     let ready = events
         .iter()

@@ -147,6 +147,12 @@ async fn a_warm_sandbox_whose_waiter_dies_is_destroyed_and_replaced_without_a_ru
         std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
     };
     wait_until("the waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter)).await;
+    // On the host's disk a waiting sandbox is its workspace and HOME only
+    // (its /tmp and identity files are bwrap's, in memory).
+    let mut on_disk: Vec<String> =
+        std::fs::read_dir(&dead).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    on_disk.sort();
+    assert_eq!(on_disk, ["home", "workspace"]);
     // Everything in its cgroup: bwrap, bwrap's pid 1 and the waiter.
     for pid in daemon.engine.warm_processes().concat() {
         // SAFETY: a plain kill(2).

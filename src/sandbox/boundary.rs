@@ -32,30 +32,22 @@ pub struct SandboxPaths {
     pub workspace: PathBuf,
     /// The harness's writable HOME (`/home/agent` inside).
     pub home: PathBuf,
-    /// A `none` sandbox's private TMPDIR (bwrap mounts its own tmpfs on /tmp).
+    /// A `none` sandbox's private TMPDIR (bwrap mounts its own tmpfs on
+    /// /tmp: a `linux_bwrap` sandbox has none).
     pub tmp: PathBuf,
-    /// The sandbox's own /etc/passwd and /etc/group.
-    pub passwd: PathBuf,
-    /// The sandbox's own /etc/group.
-    pub group: PathBuf,
 }
 
 impl SandboxPaths {
     /// The paths of a sandbox whose root is `root` (nothing is created).
     pub fn under(root: &Path) -> SandboxPaths {
-        SandboxPaths {
-            workspace: root.join("workspace"),
-            home: root.join("home"),
-            tmp: root.join("tmp"),
-            passwd: root.join("etc/passwd"),
-            group: root.join("etc/group"),
-        }
+        SandboxPaths { workspace: root.join("workspace"), home: root.join("home"), tmp: root.join("tmp") }
     }
 }
 
 /// The passwd and group files every sandbox sees: its fixed inside uid
-/// has a name and a home, so tools that look themselves up work.
-fn identity_files() -> (String, String) {
+/// has a name and a home, so tools that look themselves up work. bwrap
+/// copies them from descriptors into the sandbox (`--ro-bind-data`).
+pub(super) fn identity_files() -> (String, String) {
     let passwd = format!(
         "root:x:0:0:root:/root:/usr/sbin/nologin\n\
          agent:x:{INSIDE_UID}:{INSIDE_UID}:corral agent:/home/agent:/bin/sh\n\
@@ -93,24 +85,24 @@ impl Boundary {
     }
 
     /// Creates the sandbox's directory tree and its cgroup. The root is
-    /// 0711 root (traversable, not listable); the workspace and home
-    /// belong to the sandbox's user; the identity files are root's.
+    /// 0711 root (traversable, not listable); the workspace and home (and
+    /// a `none` sandbox's TMPDIR) belong to the sandbox's user. A
+    /// `linux_bwrap` sandbox's /tmp and identity files are bwrap's own, in
+    /// memory: on disk it has these and its hook files, if any (written
+    /// at create).
     pub fn prepare(&self, req: &CreateSandbox) -> Result<(SandboxPaths, Option<Arc<SandboxCgroup>>), SandboxError> {
         let paths = SandboxPaths::under(&req.root);
         let create = |e: std::io::Error, path: &Path| SandboxError::Create(format!("{}: {e}", path.display()));
-        for (dir, mode) in [(&req.root, 0o711), (&paths.workspace, 0o700), (&paths.home, 0o700), (&paths.tmp, 0o700)] {
+        let mut own = vec![&paths.workspace, &paths.home];
+        if req.spec.sandbox_type == super::SandboxType::None {
+            own.push(&paths.tmp);
+        }
+        for (dir, mode) in std::iter::once((&req.root, 0o711)).chain(own.iter().map(|dir| (*dir, 0o700))) {
             std::fs::create_dir_all(dir).map_err(|e| create(e, dir))?;
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(|e| create(e, dir))?;
         }
-        let etc = req.root.join("etc");
-        std::fs::create_dir_all(&etc).map_err(|e| create(e, &etc))?;
-        let (passwd, group) = identity_files();
-        for (path, text) in [(&paths.passwd, passwd), (&paths.group, group)] {
-            std::fs::write(path, text).map_err(|e| create(e, path))?;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).map_err(|e| create(e, path))?;
-        }
         if let Some(user) = req.user {
-            for dir in [&paths.workspace, &paths.home, &paths.tmp] {
+            for dir in own {
                 std::os::unix::fs::lchown(dir, Some(user.uid), Some(user.gid)).map_err(|e| create(e, dir))?;
             }
         }

@@ -17,7 +17,7 @@ use async_trait::async_trait;
 use sha2::{Digest, Sha256};
 use tokio::sync::OnceCell;
 
-use super::boundary::{Boundary, SandboxPaths};
+use super::boundary::{identity_files, Boundary, SandboxPaths};
 use super::cgroup::CgroupHost;
 use super::host::{effective_uid, INSIDE_UID};
 use super::netns;
@@ -36,16 +36,19 @@ pub const WORKSPACE_MOUNT: &str = "/workspace";
 pub const HOME_MOUNT: &str = "/home/agent";
 /// The hostname every sandbox has.
 pub const HOSTNAME: &str = "corral";
-/// The descriptors bwrap gets: its arguments, the seccomp program, and for
-/// a sandbox with network the info and block pipes (see [`super::netns`]).
+/// The descriptors bwrap gets: its arguments, the seccomp program, the
+/// sandbox's /etc/passwd and /etc/group, and for a sandbox with network
+/// the info and block pipes (see [`super::netns`]).
 const ARGS_FD: &str = "3";
 const SECCOMP_FD: &str = "4";
-const INFO_FD: &str = "5";
-const BLOCK_FD: &str = "6";
+const PASSWD_FD: &str = "5";
+const GROUP_FD: &str = "6";
+const INFO_FD: &str = "7";
+const BLOCK_FD: &str = "8";
 
 /// The few files of /etc a harness needs; `--ro-bind-try` skips the absent.
 /// The CA certificates only: never `/etc/ssl/private`. passwd and group
-/// are the sandbox's own (see [`SandboxPaths`]).
+/// are the sandbox's own (see [`identity_files`]).
 const ETC_FILES: &[&str] = &[
     "/etc/nsswitch.conf",
     "/etc/hosts",
@@ -135,8 +138,10 @@ pub fn bwrap_args(
     for file in ETC_FILES {
         push(&["--ro-bind-try", file, file]);
     }
-    let (passwd, group) = (paths.passwd.to_string_lossy(), paths.group.to_string_lossy());
-    push(&["--ro-bind", &passwd, "/etc/passwd", "--ro-bind", &group, "/etc/group"]);
+    // Copied by bwrap from descriptors into its own tmpfs and bound
+    // read-only: nothing of them is on the host's disk.
+    push(&["--perms", "0644", "--ro-bind-data", PASSWD_FD, "/etc/passwd"]);
+    push(&["--perms", "0644", "--ro-bind-data", GROUP_FD, "/etc/group"]);
     let (tmp, shm) = (tmpfs.tmp_bytes.to_string(), tmpfs.shm_bytes.to_string());
     // bwrap covers /proc/sys only where the caller could write it; sysctls
     // of the sandbox's own namespaces (IPC, UTS) can be, so bind it
@@ -190,14 +195,11 @@ fn relative_write_paths(spec: &SandboxSpec) -> impl Iterator<Item = &str> {
 }
 
 /// The descriptor number bwrap finds the first relative write path at:
-/// after its arguments and seccomp program, and its info and block pipes
-/// when it joins the network namespace.
+/// after its arguments, seccomp program and identity files, and its info
+/// and block pipes when it joins the network namespace.
 fn first_write_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
-    if joins_netns(spec, gate) {
-        7
-    } else {
-        5
-    }
+    let last: &str = if joins_netns(spec, gate) { BLOCK_FD } else { GROUP_FD };
+    last.parse::<u32>().expect("a descriptor number") + 1
 }
 
 /// Opens each relative write path beneath `workspace` (see
@@ -331,9 +333,12 @@ impl BwrapBackend {
         let spawn = |e: std::io::Error| SandboxError::Spawn(format!("cannot pass bwrap its descriptors: {e}"));
         // The caller's own descriptors go after bwrap's (see `passed_fd`).
         let extra = std::mem::take(&mut options.pass_fds);
+        let (passwd, group) = identity_files();
         options.pass_fds = vec![
             data_fd("corral-bwrap-args", &packed).map_err(spawn)?,
             data_fd("corral-seccomp", seccomp.bytes()).map_err(spawn)?,
+            data_fd("corral-passwd", passwd.as_bytes()).map_err(spawn)?,
+            data_fd("corral-group", group.as_bytes()).map_err(spawn)?,
         ];
         let network = if joins_netns(spec, gate) {
             let (info_r, info_w) = netns::pipe().map_err(spawn)?;
@@ -410,8 +415,9 @@ impl BwrapBackend {
     }
 
     /// The number the first of a launch's own `pass_fds` has inside: after
-    /// bwrap's arguments and seccomp program, its info and block pipes when
-    /// it joins the network namespace, and the relative write paths.
+    /// bwrap's arguments, seccomp program and identity files, its info and
+    /// block pipes when it joins the network namespace, and the relative
+    /// write paths.
     fn passed_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
         first_write_fd(spec, gate) + relative_write_paths(spec).count() as u32
     }
@@ -435,11 +441,9 @@ impl BwrapBackend {
         let paths = SandboxPaths::under(&scratch);
         let user = (effective_uid() == 0).then_some(HostUser { uid: 65534, gid: 65534 });
         let result = async {
-            for dir in [&paths.workspace, &paths.home, &scratch.join("etc")] {
+            for dir in [&paths.workspace, &paths.home] {
                 std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
             }
-            std::fs::write(&paths.passwd, "").map_err(|e| e.to_string())?;
-            std::fs::write(&paths.group, "").map_err(|e| e.to_string())?;
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
             let options = SpawnOptions { user, ..SpawnOptions::default() };
@@ -745,11 +749,15 @@ mod tests {
         }
         expected.extend(
             [
-                "--ro-bind",
-                "/data/sb/etc/passwd",
+                "--perms",
+                "0644",
+                "--ro-bind-data",
+                "5",
                 "/etc/passwd",
-                "--ro-bind",
-                "/data/sb/etc/group",
+                "--perms",
+                "0644",
+                "--ro-bind-data",
+                "6",
                 "/etc/group",
                 "--proc",
                 "/proc",
@@ -816,7 +824,7 @@ mod tests {
         }
         // With network, bwrap reports its child and waits for the proxy.
         let at = open.iter().position(|a| a == "--info-fd").expect("--info-fd");
-        assert_eq!(open[at..at + 4], ["--info-fd", "5", "--block-fd", "6"]);
+        assert_eq!(open[at..at + 4], ["--info-fd", "7", "--block-fd", "8"]);
         assert!(!closed.contains(&"--info-fd".to_string()));
     }
 
@@ -846,7 +854,7 @@ mod tests {
         assert!(at < args.iter().position(|a| a == "--remount-ro").unwrap());
         // Without network, bwrap still waits for the gate's listener.
         let info = args.iter().position(|a| a == "--info-fd").expect("--info-fd");
-        assert_eq!(args[info..info + 4], ["--info-fd", "5", "--block-fd", "6"]);
+        assert_eq!(args[info..info + 4], ["--info-fd", "7", "--block-fd", "8"]);
     }
 
     #[test]
@@ -885,7 +893,7 @@ mod tests {
                 "/var/cache/x",
                 "/var/cache/x",
                 "--bind-fd",
-                "5",
+                "7",
                 "/workspace/out",
                 "--bind",
                 "/r/home",
@@ -916,15 +924,15 @@ mod tests {
         let args =
             strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, sizes(1), &GateMounts::default()));
         let at = args.iter().position(|a| a == "--bind-fd").expect("--bind-fd");
-        assert_eq!(args[at..at + 6], ["--bind-fd", "7", "/workspace/a", "--bind-fd", "8", "/workspace/b/c"]);
+        assert_eq!(args[at..at + 6], ["--bind-fd", "9", "/workspace/a", "--bind-fd", "10", "/workspace/b/c"]);
         assert!(!args.iter().any(|a| a.starts_with("/r/workspace/")), "no path source under the workspace: {args:?}");
-        assert_eq!(BwrapBackend::passed_fd(&spec, &GateMounts::default()), 9);
+        assert_eq!(BwrapBackend::passed_fd(&spec, &GateMounts::default()), 11);
         // A writable workspace holds them already: nothing is bound.
         let spec = SandboxSpec { write_paths: vec![".".into(), "a".into()], ..SandboxSpec::default() };
         let args =
             strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, sizes(1), &GateMounts::default()));
         assert!(!args.contains(&"--bind-fd".to_string()), "{args:?}");
-        assert_eq!(BwrapBackend::passed_fd(&spec, &GateMounts::default()), 5);
+        assert_eq!(BwrapBackend::passed_fd(&spec, &GateMounts::default()), 7);
     }
 
     /// The last line against a NUL in an argument: bwrap would read the

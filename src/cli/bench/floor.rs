@@ -1,7 +1,7 @@
 //! The floor: the exact hardened bwrap command line corral runs for a
 //! profile, spawned directly the way corral spawns it — the sandbox's
-//! directory and identity files, its cgroup, the uid switch, rlimits, the
-//! seccomp program and `--args` by descriptor, cleared environment, new
+//! directories, its cgroup, the uid switch, rlimits, the seccomp program,
+//! the identity files and `--args` by descriptor, cleared environment, new
 //! process group, PR_SET_PDEATHSIG — each time in a fresh sandbox created
 //! before and destroyed after (cgroup emptied and removed), as corral's
 //! create and destroy do. No gRPC, no store, no gate: what is left is the
@@ -96,8 +96,8 @@ impl Floor {
         crate::sandbox::command_digest(&self.program, &args) == command_digest
     }
 
-    /// One spawn: create the sandbox (directories, identity files,
-    /// cgroup) → bwrap … harness → drain stdout and stderr → wait →
+    /// One spawn: create the sandbox (directories, cgroup) → bwrap …
+    /// harness → drain stdout and stderr → wait →
     /// destroy (cgroup emptied and removed, directory removed). Fails
     /// unless the harness exits 0.
     pub async fn spawn_once(&self) -> anyhow::Result<Duration> {
