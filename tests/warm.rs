@@ -175,6 +175,41 @@ async fn a_warm_sandbox_whose_waiter_dies_is_destroyed_and_replaced_without_a_ru
     daemon.stop().await;
 }
 
+/// A fenced node (its lease lost) kills the processes of its waiting warm
+/// sandboxes too, without the store: their waiters carry no sandbox id in
+/// their environment, so the fence's search by id alone missed them, and
+/// they lived on until the daemon exited. Their directories (and rows) are
+/// left to the next start's recovery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_kills_the_waiting_warm_sandboxes_and_leaves_them_to_recovery() {
+    require_bwrap();
+    let daemon = TestDaemon::start(pooled(2)).await;
+    full(&daemon).await;
+    let is_waiter = |pid: &i32| {
+        std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
+    };
+    wait_until("both waiters run", || {
+        daemon.engine.warm_processes().iter().filter(|pids| pids.iter().any(is_waiter)).count() == 2
+    })
+    .await;
+    let pids = daemon.engine.warm_processes().concat();
+    let roots = daemon.leftover_sandboxes().await;
+    assert_eq!(roots.len(), 2);
+
+    let killed = daemon.engine.fence().await;
+    assert!(killed >= pids.len(), "{killed} killed, {} processes were waiting", pids.len());
+    let alive = |pid: &i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .is_ok_and(|s| !s.lines().any(|l| l.starts_with("State:") && l.contains("zombie")))
+    };
+    wait_until("the waiting sandboxes' processes are dead", || !pids.iter().any(alive)).await;
+    assert_eq!(daemon.engine.warm_levels(), [(PROFILE.to_string(), 0, 2)], "the pool is closed and empty");
+    for root in &roots {
+        assert!(root.exists(), "{} was destroyed through the store; a fence leaves it to recovery", root.display());
+    }
+    daemon.stop().await;
+}
+
 /// A run that took a warm sandbox and panicked (a bug; injected in the
 /// harness's start, before any write named the run in the sandbox's row)
 /// leaves no sandbox behind: the taken one is destroyed (its processes,

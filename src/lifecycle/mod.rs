@@ -329,14 +329,16 @@ impl Engine {
         self.fenced.store(true, std::sync::atomic::Ordering::SeqCst);
         self.start_draining();
         self.draining.cancel();
+        // The warm pools first, so that no run takes one of their sandboxes
+        // and no death is taken for a waiter's own (which destroys through
+        // the store); their waiters carry no sandbox id in their
+        // environment, so they are stopped through the handles the pools held.
+        let mut killed = self.abandon_warm_pools().await;
         let ids: Vec<String> = self.live_sandboxes.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
         let scope = leftover::SignalScope::new(self.uid_range);
-        let mut killed = 0;
         for id in ids {
             killed += leftover::kill_sandbox_processes(&id, scope).await;
         }
-        // Their processes are dead: no run takes them; recovery destroys them.
-        self.abandon_warm_pools();
         killed
     }
 

@@ -489,6 +489,10 @@ impl Engine {
     /// The waiter of `sandbox_id` exited: if the sandbox still waits in a
     /// pool, it is taken out and destroyed, and its pool refills.
     fn waiter_died(self: &Arc<Self>, sandbox_id: &str) {
+        if self.fenced.load(Ordering::SeqCst) {
+            // Whatever waits is the fence's, destroyed without the store.
+            return;
+        }
         let dead = self.warm.pools().remove_dead(|w| w.sandbox.id == sandbox_id && w.backend.waiter_exited(&w.sandbox));
         if dead.is_empty() {
             return;
@@ -620,11 +624,20 @@ impl Engine {
         }
     }
 
-    /// Closes the pools and forgets their sandboxes, whose processes a
-    /// fence killed: their rows and files are recovery's.
-    pub(super) fn abandon_warm_pools(&self) {
-        drop(self.warm.pools().close());
+    /// Closes the pools and stops their waiting sandboxes (a fence), without
+    /// the store: every process of each is killed, and its row and files
+    /// are left to recovery. Returns how many processes their cgroups held.
+    pub(super) async fn abandon_warm_pools(&self) -> usize {
+        let waiting = self.warm.pools().close();
         self.stop_filling();
+        let mut killed = 0;
+        for made in waiting {
+            killed += made.sandbox.cgroup.as_ref().map_or(0, |c| c.pids().len());
+            if let Err(error) = self.stop_sandbox(made.backend.as_ref(), &made.sandbox).await {
+                tracing::error!(sandbox_id = %made.sandbox.id, %error, "warm sandbox not stopped at the fence");
+            }
+        }
+        killed
     }
 
     /// Stores a sandbox's state; a store error is logged.
