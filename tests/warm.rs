@@ -208,6 +208,34 @@ async fn a_fence_kills_the_waiting_warm_sandboxes_and_leaves_them_to_recovery() 
         assert!(root.exists(), "{} was destroyed through the store; a fence leaves it to recovery", root.display());
     }
     daemon.stop().await;
+    // What the next start's recovery would remove: their cgroups (emptied
+    // by the fence) are the host's, and go here.
+    for root in &roots {
+        let id = root.file_name().unwrap().to_str().unwrap();
+        let cgroups = dirs_named(Path::new("/sys/fs/cgroup"), id, 5);
+        for cgroup in cgroups {
+            let procs = std::fs::read_to_string(cgroup.join("cgroup.procs")).unwrap_or_default();
+            assert_eq!(procs, "", "{} still holds processes after the fence", cgroup.display());
+            std::fs::remove_dir(&cgroup).unwrap_or_else(|e| panic!("cannot remove {}: {e}", cgroup.display()));
+        }
+    }
+}
+
+/// Every directory named `name` under `dir`, at most `depth` levels down.
+fn dirs_named(dir: &Path, name: &str, depth: usize) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else { return found };
+    for entry in entries.flatten() {
+        if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        if entry.file_name() == name {
+            found.push(entry.path());
+        } else if depth > 1 {
+            found.extend(dirs_named(&entry.path(), name, depth - 1));
+        }
+    }
+    found
 }
 
 /// A run that took a warm sandbox and panicked (a bug; injected in the
