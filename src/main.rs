@@ -95,7 +95,7 @@ struct DoctorArgs {
 
 /// What each command that does not talk to a daemon ignores of the global
 /// client options (and `--json`, where it is refused): hidden from its
-/// help, man page and completions.
+/// help and man page, left out of its completions.
 const IGNORED_OPTIONS: [(&str, &[&str]); 4] = [
     ("serve", &["server", "token_file", "ca", "cert", "key", "json"]),
     ("doctor", &["server", "token_file", "ca", "cert", "key"]),
@@ -103,7 +103,24 @@ const IGNORED_OPTIONS: [(&str, &[&str]); 4] = [
     ("man", &["server", "token_file", "ca", "cert", "key", "json"]),
 ];
 
-/// The command line, for parsing, completions and man pages alike.
+/// The command line for shell completions: as [`command`], but with the
+/// ignored options left out of the commands that ignore them, not hidden
+/// (clap_complete's bash script offers hidden options). The client
+/// options are global to every other command and its subcommands, and
+/// offered at the top, where they may also be given.
+fn completion_command() -> clap::Command {
+    let command = <Cli as clap::CommandFactory>::command();
+    let globals: Vec<clap::Arg> = command.get_arguments().filter(|arg| arg.is_global_set()).cloned().collect();
+    let command = globals.iter().fold(command, |command, arg| command.mut_arg(arg.get_id(), |a| a.global(false)));
+    let names: Vec<String> = command.get_subcommands().map(|sub| sub.get_name().to_string()).collect();
+    names.iter().fold(command, |command, name| {
+        let ignored = IGNORED_OPTIONS.iter().find(|(n, _)| n == name).map_or(&[][..], |(_, options)| *options);
+        let kept = globals.iter().filter(|arg| !ignored.contains(&arg.get_id().as_str())).cloned();
+        command.mut_subcommand(name, |sub| sub.args(kept))
+    })
+}
+
+/// The command line, for parsing, help and man pages.
 fn command() -> clap::Command {
     let command = <Cli as clap::CommandFactory>::command();
     let globals: Vec<clap::Arg> = command.get_arguments().filter(|arg| arg.is_global_set()).cloned().collect();
@@ -158,7 +175,7 @@ fn main() -> anyhow::Result<()> {
                 // Written here, not by `generate`, which panics when the
                 // reader has gone away (`| head`).
                 let mut script = Vec::new();
-                clap_complete::generate(shell, &mut command(), "corral", &mut script);
+                clap_complete::generate(shell, &mut completion_command(), "corral", &mut script);
                 std::io::Write::write_all(&mut std::io::stdout(), &script)?;
                 Ok(0)
             }

@@ -619,4 +619,26 @@ async fn commands_without_a_daemon_do_not_offer_the_client_options() {
     let out = clean(&mut Command::new(CORRAL)).args(["exec", "--help"]).output().await.unwrap();
     let (stdout, _) = text(&out);
     assert!(stdout.contains("--server") && stdout.contains("--token-file"), "{stdout}");
+    // bash completion offers what each command takes: clap_complete's
+    // script lists hidden options too.
+    let out = clean(&mut Command::new(CORRAL)).args(["completions", "bash"]).output().await.unwrap();
+    let (script, _) = text(&out);
+    // The `opts=` line after the case `<command>)` of the completion function.
+    let offered = |command: &str| -> String {
+        let case = format!("{command})");
+        let mut lines = script.lines().skip_while(|l| l.trim() != case);
+        assert!(lines.next().is_some(), "no case {case} in:\n{script}");
+        lines.find(|l| l.trim_start().starts_with("opts=")).expect("its opts line").to_string()
+    };
+    for command in ["corral__subcmd__doctor", "corral__subcmd__completions", "corral__subcmd__serve"] {
+        let opts = offered(command);
+        for option in ["--server", "--token-file", "--ca", "--cert", "--key"] {
+            assert!(!opts.split_whitespace().any(|o| o == option), "{command} offers {option}: {opts}");
+        }
+    }
+    for command in ["corral__subcmd__exec", "corral__subcmd__session__subcmd__turn"] {
+        let opts = offered(command);
+        assert!(opts.contains("--server") && opts.contains("--token-file"), "{command}: {opts}");
+    }
+    assert!(offered("corral").contains("--server"), "the top level offers the client options");
 }
