@@ -143,9 +143,6 @@ async fn a_warm_sandbox_whose_waiter_dies_is_destroyed_and_replaced_without_a_ru
     let waiting = daemon.leftover_sandboxes().await;
     assert_eq!(waiting.len(), 1);
     let dead = waiting[0].clone();
-    let is_waiter = |pid: &i32| {
-        std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
-    };
     wait_until("the waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter)).await;
     // On the host's disk a waiting sandbox is its workspace and HOME only
     // (its /tmp and identity files are bwrap's, in memory).
@@ -185,9 +182,6 @@ async fn a_fence_kills_the_waiting_warm_sandboxes_and_leaves_them_to_recovery() 
     require_bwrap();
     let daemon = TestDaemon::start(pooled(2)).await;
     full(&daemon).await;
-    let is_waiter = |pid: &i32| {
-        std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
-    };
     wait_until("both waiters run", || {
         daemon.engine.warm_processes().iter().filter(|pids| pids.iter().any(is_waiter)).count() == 2
     })
@@ -198,11 +192,8 @@ async fn a_fence_kills_the_waiting_warm_sandboxes_and_leaves_them_to_recovery() 
 
     let killed = daemon.engine.fence().await;
     assert!(killed >= pids.len(), "{killed} killed, {} processes were waiting", pids.len());
-    let alive = |pid: &i32| {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .is_ok_and(|s| !s.lines().any(|l| l.starts_with("State:") && l.contains("zombie")))
-    };
-    wait_until("the waiting sandboxes' processes are dead", || !pids.iter().any(alive)).await;
+    wait_until("the waiting sandboxes' processes are dead", || !pids.iter().any(|pid| live_status(*pid).is_some()))
+        .await;
     assert_eq!(daemon.engine.warm_levels(), [(PROFILE.to_string(), 0, 2)], "the pool is closed and empty");
     for root in &roots {
         assert!(root.exists(), "{} was destroyed through the store; a fence leaves it to recovery", root.display());
@@ -363,9 +354,6 @@ async fn a_run_whose_sandbox_the_gate_tightens_takes_the_cold_path_and_leaves_th
     full(&daemon).await;
     let waiting = daemon.leftover_sandboxes().await;
     assert_eq!(waiting.len(), 1);
-    let is_waiter = |pid: &i32| {
-        std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
-    };
     wait_until("the waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter)).await;
     let processes = daemon.engine.warm_processes();
     for _ in 0..2 {
@@ -640,48 +628,53 @@ async fn a_pool_refills_only_within_the_executions_the_node_admits() {
     daemon.stop().await;
 }
 
-/// Processes whose real uid is in `range` (`first-last`): the program each
-/// runs, then its command line.
-fn processes_of(range: &str) -> Vec<String> {
-    let (first, last) = range.split_once('-').unwrap();
-    let (first, last): (u32, u32) = (first.parse().unwrap(), last.parse().unwrap());
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else { continue };
-        // A zombie holds no memory, file or namespace: it is dead, waiting
-        // for its (reparented) parent to read its status.
-        if status.lines().any(|l| l.starts_with("State:") && l.contains("zombie")) {
-            continue;
-        }
-        let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next());
-        if let Some(uid) = uid.and_then(|u| u.parse::<u32>().ok()) {
-            if (first..=last).contains(&uid) {
-                let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-                let exe = std::fs::read_link(entry.path().join("exe")).unwrap_or_default();
-                found.push(format!("{}: {}", exe.display(), String::from_utf8_lossy(&cmdline).replace('\0', " ")));
-            }
-        }
-    }
-    found
+/// Whether `pid` is a process of the waiter program.
+fn is_waiter(pid: &i32) -> bool {
+    std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
 }
 
-/// SIGKILLs every process whose real uid is in `range` (`first-last`):
-/// with no run going, the waiting warm sandboxes'. How many it signalled.
-fn kill_waiting(range: &str) -> usize {
+/// The `/proc/<pid>/status` of a live process: `None` for one gone or a
+/// zombie (which holds no memory, file or namespace: it is dead, waiting
+/// for its reparented parent to read its status).
+fn live_status(pid: i32) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    (!status.lines().any(|l| l.starts_with("State:") && l.contains("zombie"))).then_some(status)
+}
+
+/// The live processes whose real uid is in `range` (`first-last`).
+fn live_pids_of(range: &str) -> Vec<i32> {
     let (first, last) = range.split_once('-').unwrap();
     let (first, last): (u32, u32) = (first.parse().unwrap(), last.parse().unwrap());
-    let mut killed = 0;
-    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else { continue };
-        let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next());
-        if uid.and_then(|u| u.parse::<u32>().ok()).is_some_and(|u| (first..=last).contains(&u)) {
-            // SAFETY: a plain kill(2).
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            killed += 1;
-        }
+    let pids = std::fs::read_dir("/proc").expect("/proc").flatten();
+    pids.filter_map(|entry| entry.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|pid| {
+            let Some(status) = live_status(*pid) else { return false };
+            let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next());
+            uid.and_then(|u| u.parse::<u32>().ok()).is_some_and(|uid| (first..=last).contains(&uid))
+        })
+        .collect()
+}
+
+/// Live processes whose real uid is in `range` (`first-last`): the
+/// program each runs, then its command line.
+fn processes_of(range: &str) -> Vec<String> {
+    let describe = |pid: i32| {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+        format!("{}: {}", exe.display(), String::from_utf8_lossy(&cmdline).replace('\0', " "))
+    };
+    live_pids_of(range).into_iter().map(describe).collect()
+}
+
+/// SIGKILLs every live process whose real uid is in `range`: with no run
+/// going, the waiting warm sandboxes'. How many it signalled.
+fn kill_waiting(range: &str) -> usize {
+    let pids = live_pids_of(range);
+    for pid in &pids {
+        // SAFETY: a plain kill(2).
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
     }
-    killed
+    pids.len()
 }
 
 fn sandboxes(data: &Path) -> Vec<String> {
@@ -952,9 +945,6 @@ async fn a_warm_sandbox_outlives_the_worker_threads_an_expr_policy_retires() {
     };
     let daemon = TestDaemon::start(options).await;
     full(&daemon).await;
-    let is_waiter = |pid: &i32| {
-        std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with(corral::sandbox::waiter::PROGRAM))
-    };
     wait_until("the waiter runs", || daemon.engine.warm_processes().iter().flatten().any(is_waiter)).await;
     let waiting = daemon.engine.warm_processes();
 

@@ -337,11 +337,7 @@ impl Engine {
             self.warm.wake.notify_one();
         }
         for made in dead {
-            let id = &made.sandbox.id;
-            tracing::warn!(profile = %pool, sandbox_id = %id, "warm sandbox's waiter exited while it waited; destroyed");
-            crate::telemetry::warm_sandbox_died(&pool);
-            let engine = self.clone();
-            self.tasks.spawn(async move { engine.destroy_warm(made).await });
+            self.destroy_dead_warm(&pool, made);
         }
         let taken = taken?;
         let signal = RefillSignal { engine: Arc::downgrade(self), sent: AtomicBool::new(false) };
@@ -500,11 +496,18 @@ impl Engine {
         self.report_warm_levels();
         self.warm.wake.notify_one();
         for (pool, made) in dead {
-            tracing::warn!(profile = %pool, %sandbox_id, "warm sandbox's waiter exited while it waited; destroyed");
-            crate::telemetry::warm_sandbox_died(&pool);
-            let engine = self.clone();
-            self.tasks.spawn(async move { engine.destroy_warm(made).await });
+            self.destroy_dead_warm(&pool, made);
         }
+    }
+
+    /// Destroys, in the background, a sandbox of the pool `pool` whose
+    /// waiter exited while it waited, and says so (log, metric).
+    fn destroy_dead_warm(self: &Arc<Self>, pool: &str, made: WarmSandbox) {
+        let sandbox_id = &made.sandbox.id;
+        tracing::warn!(profile = %pool, %sandbox_id, "warm sandbox's waiter exited while it waited; destroyed");
+        crate::telemetry::warm_sandbox_died(pool);
+        let engine = self.clone();
+        self.tasks.spawn(async move { engine.destroy_warm(made).await });
     }
 
     /// Wakes the fillers held back by admission ([`Fill::NoRoom`]): a run

@@ -47,7 +47,13 @@ impl SandboxPaths {
 /// The passwd and group files every sandbox sees: its fixed inside uid
 /// has a name and a home, so tools that look themselves up work. bwrap
 /// copies them from descriptors into the sandbox (`--ro-bind-data`).
-pub(super) fn identity_files() -> (String, String) {
+/// The same for every sandbox: made once.
+pub(super) fn identity_files() -> &'static (String, String) {
+    static FILES: std::sync::LazyLock<(String, String)> = std::sync::LazyLock::new(make_identity_files);
+    &FILES
+}
+
+fn make_identity_files() -> (String, String) {
     let passwd = format!(
         "root:x:0:0:root:/root:/usr/sbin/nologin\n\
          agent:x:{INSIDE_UID}:{INSIDE_UID}:corral agent:/home/agent:/bin/sh\n\
