@@ -198,8 +198,11 @@ async fn a_hanging_harness_is_killed_at_its_timeout_with_its_whole_group() {
 
 /// A Claude Code profile whose "CLI" is a probe of the managed hook from
 /// inside: what the settings file says, and whether the agent can write,
-/// remove, move it or add a file beside it. It answers with Claude Code's
-/// `result` line. `sandbox` is more of its `[sandbox]`.
+/// remove, move or chmod it or add a file beside it. Then it says it is
+/// `waiting` (a file in the workspace) and waits up to 20 s for `go`, so
+/// the test can look at the sandbox from the host while it runs. It
+/// answers with Claude Code's `result` line. `sandbox` is more of its
+/// `[sandbox]`.
 fn hook_probe_profile(id: &str, sandbox: &str) -> String {
     format!(
         r#"id = "{id}"
@@ -222,6 +225,7 @@ probes = [
     ("remove", lambda: os.remove(f)),
     ("rename", lambda: os.rename(f, f + ".old")),
     ("create", lambda: open("/etc/claude-code/managed-settings.d", "w")),
+    ("chmod", lambda: os.chmod(f, 0o666)),
 ]
 for name, probe in probes:
     try:
@@ -229,6 +233,12 @@ for name, probe in probes:
         out.append(name + ": ok")
     except OSError:
         out.append(name + ": denied")
+import time
+open("/workspace/waiting", "w").close()
+for _ in range(200):
+    if os.path.exists("/workspace/go"):
+        break
+    time.sleep(0.1)
 print(json.dumps({{"type": "result", "subtype": "success", "is_error": False, "result": "\n".join(out)}}))
 ''']
 [sandbox]
@@ -243,7 +253,9 @@ timeout_seconds = 30
 
 /// Inside a real sandbox of a gated Claude Code profile, under an admin
 /// `tool_call:Bash` deny, the managed settings are corral's and the agent
-/// can neither change, remove nor move them, nor add a file beside them.
+/// can neither change, remove, move nor chmod them, nor add a file beside
+/// them; on the host's disk the sandbox has only its workspace and HOME
+/// (bwrap has the settings from a descriptor).
 /// And no read path can hide them: validation refuses one over /etc
 /// (`gating`), and one that reaches /etc through a symlink (which
 /// validation cannot see) is mounted before the hook, so bwrap cannot put
@@ -278,11 +290,43 @@ async fn the_managed_hook_is_corrals_read_only_and_no_read_path_hides_it() {
     })
     .await;
 
-    let execution = finished(&daemon.execute(request("test.hook-probe", "probe")).await);
+    let probe = tokio::spawn({
+        let mut client = daemon.executions().await;
+        async move {
+            let mut stream = client.execute(request("test.hook-probe", "probe")).await.unwrap().into_inner();
+            let mut events = Vec::new();
+            while let Some(event) = stream.message().await.unwrap() {
+                events.push(event);
+            }
+            events
+        }
+    });
+    let sandboxes = daemon.data_dir().join("sandboxes");
+    let waiting = || {
+        std::fs::read_dir(&sandboxes)
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .find(|root| root.join("workspace/waiting").exists())
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let root = loop {
+        if let Some(root) = waiting() {
+            break root;
+        }
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for the probe to run");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let mut on_disk: Vec<String> =
+        std::fs::read_dir(&root).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    on_disk.sort();
+    std::fs::write(root.join("workspace/go"), "").unwrap();
+    let execution = finished(&probe.await.unwrap());
+    assert_eq!(on_disk, ["home", "workspace"], "the sandbox's root on the host holds more");
     let out = &execution.tool_output;
     assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
     assert!(out.contains("settings: managed-only=True url=http://127.0.0.1:3129/v1/pre-tool-use"), "{out}");
-    for probe in ["write", "remove", "rename", "create"] {
+    for probe in ["write", "remove", "rename", "create", "chmod"] {
         assert!(out.contains(&format!("{probe}: denied")), "{probe}: {out}");
     }
 

@@ -163,13 +163,9 @@ impl Rein for CommandRein {
         let env: Vec<(String, String)> = env.collect();
         let mut files: Vec<(String, String)> =
             prepared.home_files.iter().map(|(path, text)| (format!("~/{path}"), sha256_hex(text.as_bytes()))).collect();
-        for (host, inside) in &ctx.sandbox.gate.binds {
-            // The files the daemon wrote (not the helper binary it binds).
-            if host.starts_with(&ctx.sandbox.root) {
-                if let Ok(bytes) = std::fs::read(host) {
-                    files.push((inside.clone(), sha256_hex(&bytes)));
-                }
-            }
+        // The files the daemon wrote (not the helper binary it binds).
+        for (inside, bytes) in ctx.sandbox.gate.contents() {
+            files.push((inside.to_string(), sha256_hex(bytes)));
         }
         let invocation = crate::types::evidence::HarnessInvocation {
             argv: prepared.argv.clone(),

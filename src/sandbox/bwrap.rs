@@ -37,8 +37,9 @@ pub const HOME_MOUNT: &str = "/home/agent";
 /// The hostname every sandbox has.
 pub const HOSTNAME: &str = "corral";
 /// The descriptors bwrap gets: its arguments, the seccomp program, the
-/// sandbox's /etc/passwd and /etc/group, and for a sandbox with network
-/// the info and block pipes (see [`super::netns`]).
+/// sandbox's /etc/passwd and /etc/group, and for a sandbox that joins its
+/// network namespace the info and block pipes (see [`super::netns`]);
+/// then the hook files' contents, then the relative write paths.
 const ARGS_FD: &str = "3";
 const SECCOMP_FD: &str = "4";
 const PASSWD_FD: &str = "5";
@@ -173,9 +174,17 @@ pub fn bwrap_args(
     // its directory writable: profile validation refuses read and write
     // paths over it, but a host path can still reach it through a symlink
     // on the host. Over a read-only bind its mount point cannot be made,
-    // and bwrap fails: closed.
-    for (host, inside) in &gate.binds {
-        push(&["--ro-bind", &host.to_string_lossy(), inside]);
+    // and bwrap fails: closed. Its settings are copied by bwrap from
+    // descriptors, as the identity files are.
+    let mut data = gate_data_fd(spec, gate);
+    for file in &gate.files {
+        match &file.source {
+            GateSource::Host(host) => push(&["--ro-bind", &host.to_string_lossy(), &file.inside]),
+            GateSource::Contents(_) => {
+                push(&["--perms", "0444", "--ro-bind-data", &data.to_string(), &file.inside]);
+                data += 1;
+            }
+        }
     }
     // bwrap's root and /dev are writable tmpfs; remounting them read-only
     // (each alone: the mounts on them keep their own flags) leaves only the
@@ -194,12 +203,18 @@ fn relative_write_paths(spec: &SandboxSpec) -> impl Iterator<Item = &str> {
     spec.write_paths.iter().map(String::as_str).filter(move |p| !workspace_writable && !Path::new(p).is_absolute())
 }
 
-/// The descriptor number bwrap finds the first relative write path at:
+/// The descriptor number bwrap finds the first hook file's contents at:
 /// after its arguments, seccomp program and identity files, and its info
 /// and block pipes when it joins the network namespace.
-fn first_write_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
+fn gate_data_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
     let last: &str = if joins_netns(spec, gate) { BLOCK_FD } else { GROUP_FD };
     last.parse::<u32>().expect("a descriptor number") + 1
+}
+
+/// The descriptor number bwrap finds the first relative write path at:
+/// after the hook files' contents.
+fn first_write_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
+    gate_data_fd(spec, gate) + gate.contents().count() as u32
 }
 
 /// Opens each relative write path beneath `workspace` (see
@@ -348,6 +363,9 @@ impl BwrapBackend {
         } else {
             None
         };
+        for (_, bytes) in gate.contents() {
+            options.pass_fds.push(data_fd("corral-gate", bytes).map_err(spawn)?);
+        }
         options.pass_fds.extend(write_fds);
         options.pass_fds.extend(extra);
         let mut argv_full: Vec<OsString> = vec!["--args".into(), ARGS_FD.into(), dashdash.clone()];
@@ -416,8 +434,8 @@ impl BwrapBackend {
 
     /// The number the first of a launch's own `pass_fds` has inside: after
     /// bwrap's arguments, seccomp program and identity files, its info and
-    /// block pipes when it joins the network namespace, and the relative
-    /// write paths.
+    /// block pipes when it joins the network namespace, the hook files'
+    /// contents and the relative write paths.
     fn passed_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
         first_write_fd(spec, gate) + relative_write_paths(spec).count() as u32
     }
@@ -501,9 +519,7 @@ impl SandboxBackend for BwrapBackend {
 
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
         self.probe().await?;
-        // Before the cgroup: a create that fails leaves only files under
-        // its root, which the caller removes (a cgroup would stay behind).
-        let mut gate = place_gate_files(&req.root, &req.gate)
+        let mut gate = gate_mounts(&req.gate)
             .map_err(|e| SandboxError::Spawn(format!("cannot place the agent's hook files in the sandbox: {e}")))?;
         let (paths, cgroup) = self.boundary.prepare(req)?;
         gate.gateway = req.gateway;
@@ -616,32 +632,17 @@ impl SandboxBackend for BwrapBackend {
     }
 }
 
-/// Writes the hook files that have contents under `root/gate/` (owned by
-/// the daemon, world-readable, read-only) and returns every bind in order.
-/// Paths inside must be absolute paths under `/etc` with plain names.
-fn place_gate_files(root: &Path, files: &[GateFile]) -> std::io::Result<GateMounts> {
-    use std::os::unix::fs::PermissionsExt;
-    let mut binds = Vec::new();
-    for (n, file) in files.iter().enumerate() {
+/// The hook files as a sandbox mounts them, in order; each path inside
+/// must be an absolute path under `/etc` with plain names.
+fn gate_mounts(files: &[GateFile]) -> Result<GateMounts, String> {
+    for file in files {
         let plain = file.inside.starts_with("/etc/")
             && file.inside[1..].split('/').all(|p| !p.is_empty() && p != "." && p != "..");
         if !plain {
-            return Err(std::io::Error::other(format!("{:?} is not a plain path under /etc", file.inside)));
+            return Err(format!("{:?} is not a plain path under /etc", file.inside));
         }
-        let host = match &file.source {
-            GateSource::Host(path) => path.clone(),
-            GateSource::Contents(bytes) => {
-                let dir = root.join("gate");
-                std::fs::create_dir_all(&dir)?;
-                let path = dir.join(format!("{n}"));
-                std::fs::write(&path, bytes)?;
-                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444))?;
-                path
-            }
-        };
-        binds.push((host, file.inside.clone()));
     }
-    Ok(GateMounts { binds, gateway: false })
+    Ok(GateMounts { files: files.to_vec(), gateway: false })
 }
 
 /// The first executable file called `name` in the daemon's PATH.
@@ -829,51 +830,59 @@ mod tests {
     }
 
     #[test]
-    fn hook_files_are_bound_read_only_and_the_netns_is_joined_for_the_gate() {
-        let gate = GateMounts {
-            binds: vec![
-                ("/r/gate/0".into(), "/etc/claude-code/managed-settings.json".into()),
-                ("/usr/bin/corral".into(), "/etc/corral/corral-gate-hook".into()),
-            ],
-            gateway: false,
+    fn hook_files_are_mounted_read_only_and_the_netns_is_joined_for_the_gate() {
+        let settings = GateFile {
+            inside: "/etc/claude-code/managed-settings.json".into(),
+            source: GateSource::Contents(b"{}".to_vec()),
         };
-        let args = strs(&bwrap_args(&SandboxSpec::default(), &paths("/r"), &HostLayout::merged_usr(), sizes(1), &gate));
-        let at = args.iter().position(|a| a == "/r/gate/0").expect("the settings are bound");
+        let helper = GateFile {
+            inside: "/etc/corral/corral-gate-hook".into(),
+            source: GateSource::Host("/usr/bin/corral".into()),
+        };
+        let gate = gate_mounts(&[settings, helper]).unwrap();
+        let spec = SandboxSpec { write_paths: vec!["src".into()], ..SandboxSpec::default() };
+        let args = strs(&bwrap_args(&spec, &paths("/r"), &HostLayout::merged_usr(), sizes(1), &gate));
+        let at = args.iter().position(|a| a == "/etc/claude-code/managed-settings.json").expect("the settings");
+        // The settings from the first descriptor after the info and block
+        // pipes, then the helper bound from the host.
         assert_eq!(
-            args[at - 1..at + 5],
+            args[at - 4..at + 4],
             [
-                "--ro-bind",
-                "/r/gate/0",
+                "--perms",
+                "0444",
+                "--ro-bind-data",
+                "9",
                 "/etc/claude-code/managed-settings.json",
                 "--ro-bind",
                 "/usr/bin/corral",
                 "/etc/corral/corral-gate-hook"
             ]
         );
-        // Before the root is made read-only, so the mount points can be made.
+        // The relative write path comes after them; the launch's own
+        // descriptors after it.
+        let write = args.iter().position(|a| a == "/workspace/src").expect("the write path");
+        assert_eq!(args[write - 2..=write], ["--bind-fd", "10", "/workspace/src"]);
+        assert_eq!(BwrapBackend::passed_fd(&spec, &gate), 11);
+        // Last, but before the root is made read-only, so the mount points
+        // can be made.
+        assert!(at > args.iter().position(|a| a == "/home/agent").unwrap());
         assert!(at < args.iter().position(|a| a == "--remount-ro").unwrap());
         // Without network, bwrap still waits for the gate's listener.
         let info = args.iter().position(|a| a == "--info-fd").expect("--info-fd");
         assert_eq!(args[info..info + 4], ["--info-fd", "7", "--block-fd", "8"]);
+        assert_eq!(gate.contents().collect::<Vec<_>>(), [("/etc/claude-code/managed-settings.json", &b"{}"[..])]);
     }
 
     #[test]
-    fn hook_files_are_placed_only_under_etc() {
-        let root = tempfile::tempdir().unwrap();
+    fn hook_files_are_mounted_only_under_etc() {
         let files = [
             GateFile { inside: "/etc/codex/requirements.toml".into(), source: GateSource::Contents(b"x = 1".to_vec()) },
             GateFile { inside: "/etc/corral/h".into(), source: GateSource::Host("/usr/bin/true".into()) },
         ];
-        let mounts = place_gate_files(root.path(), &files).unwrap();
-        assert_eq!(mounts.binds[0], (root.path().join("gate/0"), "/etc/codex/requirements.toml".into()));
-        assert_eq!(mounts.binds[1], ("/usr/bin/true".into(), "/etc/corral/h".into()));
-        assert_eq!(std::fs::read(root.path().join("gate/0")).unwrap(), b"x = 1");
-        use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(root.path().join("gate/0")).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o444);
-        for bad in ["/home/agent/x", "/etc/../root", "etc/x", "/etc//x"] {
+        assert_eq!(gate_mounts(&files).unwrap().files, files);
+        for bad in ["/home/agent/x", "/etc/../root", "etc/x", "/etc//x", "/etc/"] {
             let file = GateFile { inside: bad.into(), source: GateSource::Contents(Vec::new()) };
-            assert!(place_gate_files(root.path(), &[file]).is_err(), "{bad}");
+            assert!(gate_mounts(&[file]).is_err(), "{bad}");
         }
     }
 

@@ -138,26 +138,36 @@ pub struct GateFile {
 /// Where a [`GateFile`]'s contents come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum GateSource {
-    /// Written by the daemon under the sandbox's root (root-owned).
+    /// Handed to bwrap by descriptor at each spawn, which copies them into
+    /// its own tmpfs and binds them read-only: nothing on the host's disk.
     Contents(Vec<u8>),
     /// A host file bound as it is (the hook helper program).
     Host(PathBuf),
 }
 
-/// How a created sandbox binds its [`GateFile`]s: `(host path, path
-/// inside)`, in order. Non-empty: the gate's listener is opened too.
+/// How a created sandbox mounts its [`GateFile`]s, in order, each checked
+/// to be a plain path under `/etc`. Non-empty: the gate's listener is
+/// opened too.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GateMounts {
-    /// The bind mounts, as `(host path, path inside)`.
-    pub binds: Vec<(PathBuf, String)>,
+    /// The hook's files.
+    pub files: Vec<GateFile>,
     /// The credential gateway listens in the namespace too.
     pub gateway: bool,
 }
 
 impl GateMounts {
-    /// Whether no hook file is bound (and so no gate listener is opened).
+    /// Whether no hook file is mounted (and so no gate listener is opened).
     pub fn is_empty(&self) -> bool {
-        self.binds.is_empty()
+        self.files.is_empty()
+    }
+
+    /// The files whose contents bwrap reads from descriptors, in order.
+    pub fn contents(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        self.files.iter().filter_map(|file| match &file.source {
+            GateSource::Contents(bytes) => Some((file.inside.as_str(), bytes.as_slice())),
+            GateSource::Host(_) => None,
+        })
     }
 }
 
