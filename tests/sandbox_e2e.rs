@@ -199,10 +199,10 @@ async fn a_hanging_harness_is_killed_at_its_timeout_with_its_whole_group() {
 /// A Claude Code profile whose "CLI" is a probe of the managed hook from
 /// inside: what the settings file says, and whether the agent can write,
 /// remove, move or chmod it or add a file beside it. Then it says it is
-/// `waiting` (a file in the workspace) and waits up to 20 s for `go`, so
-/// the test can look at the sandbox from the host while it runs. It
-/// answers with Claude Code's `result` line. `sandbox` is more of its
-/// `[sandbox]`.
+/// `waiting` (a file in `/workspace/out` when that is there, else in the
+/// workspace) and waits up to 20 s for `go` beside it, so the test can
+/// look at the sandbox from the host while it runs. It answers with Claude
+/// Code's `result` line. `sandbox` is the rest of its `[sandbox]`.
 fn hook_probe_profile(id: &str, sandbox: &str) -> String {
     format!(
         r#"id = "{id}"
@@ -234,16 +234,16 @@ for name, probe in probes:
     except OSError:
         out.append(name + ": denied")
 import time
-open("/workspace/waiting", "w").close()
+d = "/workspace/out" if os.path.isdir("/workspace/out") else "/workspace"
+open(d + "/waiting", "w").close()
 for _ in range(200):
-    if os.path.exists("/workspace/go"):
+    if os.path.exists(d + "/go"):
         break
     time.sleep(0.1)
 print(json.dumps({{"type": "result", "subtype": "success", "is_error": False, "result": "\n".join(out)}}))
 ''']
 [sandbox]
 type = "linux_bwrap"
-write_paths = ["."]
 {sandbox}
 [limits]
 timeout_seconds = 30
@@ -255,7 +255,8 @@ timeout_seconds = 30
 /// `tool_call:Bash` deny, the managed settings are corral's and the agent
 /// can neither change, remove, move nor chmod them, nor add a file beside
 /// them; on the host's disk the sandbox has only its workspace and HOME
-/// (bwrap has the settings from a descriptor).
+/// (bwrap has the settings from a descriptor, and a relative write path
+/// from the one after it).
 /// And no read path can hide them: validation refuses one over /etc
 /// (`gating`), and one that reaches /etc through a symlink (which
 /// validation cannot see) is mounted before the hook, so bwrap cannot put
@@ -273,7 +274,11 @@ async fn the_managed_hook_is_corrals_read_only_and_no_read_path_hides_it() {
     let up = "../".repeat(dir.path().components().count() - 1);
     std::os::unix::fs::symlink(format!("{up}etc"), dir.path().join("etc")).unwrap();
     assert!(dir.path().join("etc/passwd").exists(), "the link reaches the host's /etc");
-    let linked = format!("read_paths = [{:?}, {:?}]", dir.path().display(), dir.path().join("etc").display());
+    let linked = format!(
+        "write_paths = [\".\"]\nread_paths = [{:?}, {:?}]",
+        dir.path().display(),
+        dir.path().join("etc").display()
+    );
     let deny = corral::policy::PolicySpec {
         name: "no-bash".into(),
         kind: "expr".into(),
@@ -282,7 +287,7 @@ async fn the_managed_hook_is_corrals_read_only_and_no_read_path_hides_it() {
     };
     let daemon = TestDaemon::start(Options {
         profiles: vec![
-            ("probe.toml".into(), hook_probe_profile("test.hook-probe", "")),
+            ("probe.toml".into(), hook_probe_profile("test.hook-probe", "write_paths = [\"out\"]")),
             ("linked.toml".into(), hook_probe_profile("test.hook-linked", &linked)),
         ],
         config: Box::new(move |c| c.policies.push(deny)),
@@ -290,10 +295,19 @@ async fn the_managed_hook_is_corrals_read_only_and_no_read_path_hides_it() {
     })
     .await;
 
+    // A read-only workspace with one relative write path, bound from the
+    // descriptor after the settings'.
+    let repo = common::git_repo();
+    std::fs::create_dir(repo.path().join("out")).unwrap();
+    std::fs::write(repo.path().join("out/.keep"), "").unwrap();
+    git(repo.path(), &["add", "."]);
+    git(repo.path(), &["-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "out"]);
+    let mut req = request("test.hook-probe", "probe");
+    req.repo = repo.path().display().to_string();
     let probe = tokio::spawn({
         let mut client = daemon.executions().await;
         async move {
-            let mut stream = client.execute(request("test.hook-probe", "probe")).await.unwrap().into_inner();
+            let mut stream = client.execute(req).await.unwrap().into_inner();
             let mut events = Vec::new();
             while let Some(event) = stream.message().await.unwrap() {
                 events.push(event);
@@ -307,20 +321,21 @@ async fn the_managed_hook_is_corrals_read_only_and_no_read_path_hides_it() {
             .ok()?
             .flatten()
             .map(|e| e.path())
-            .find(|root| root.join("workspace/waiting").exists())
+            .find(|root| root.join("workspace/out/waiting").exists())
     };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     let root = loop {
         if let Some(root) = waiting() {
             break root;
         }
+        assert!(!probe.is_finished(), "the probe ended before it waited: {:?}", finished(&probe.await.unwrap()));
         assert!(std::time::Instant::now() < deadline, "timed out waiting for the probe to run");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     };
     let mut on_disk: Vec<String> =
         std::fs::read_dir(&root).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
     on_disk.sort();
-    std::fs::write(root.join("workspace/go"), "").unwrap();
+    std::fs::write(root.join("workspace/out/go"), "").unwrap();
     let execution = finished(&probe.await.unwrap());
     assert_eq!(on_disk, ["home", "workspace"], "the sandbox's root on the host holds more");
     let out = &execution.tool_output;

@@ -93,9 +93,8 @@ impl Boundary {
     /// Creates the sandbox's directory tree and its cgroup. The root is
     /// 0711 root (traversable, not listable); the workspace and home (and
     /// a `none` sandbox's TMPDIR) belong to the sandbox's user. A
-    /// `linux_bwrap` sandbox's /tmp and identity files are bwrap's own, in
-    /// memory: on disk it has these and its hook files, if any (written
-    /// at create).
+    /// `linux_bwrap` sandbox's /tmp, identity files and hook settings are
+    /// bwrap's own, in memory: on disk it has these only.
     pub fn prepare(&self, req: &CreateSandbox) -> Result<(SandboxPaths, Option<Arc<SandboxCgroup>>), SandboxError> {
         let paths = SandboxPaths::under(&req.root);
         let create = |e: std::io::Error, path: &Path| SandboxError::Create(format!("{}: {e}", path.display()));

@@ -519,6 +519,8 @@ impl SandboxBackend for BwrapBackend {
 
     async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, SandboxError> {
         self.probe().await?;
+        // Before the cgroup: a create refused for its hook files leaves
+        // nothing behind.
         let mut gate = gate_mounts(&req.gate)
             .map_err(|e| SandboxError::Spawn(format!("cannot place the agent's hook files in the sandbox: {e}")))?;
         let (paths, cgroup) = self.boundary.prepare(req)?;

@@ -23,7 +23,7 @@ pub struct PoolKey {
     pub profile_digest: String,
     /// The sandbox it has: the profile's, untightened.
     pub spec: SandboxSpec,
-    /// The timeout its hook files were written with.
+    /// The timeout its hook settings were made with.
     pub timeout_seconds: u64,
 }
 
