@@ -131,6 +131,11 @@ pub struct GrpcConfig {
     /// taken request id, a `SendTurn` forwarded to another node; not the
     /// direct caller of an `Execute` or `SendTurn` run on the node it called.
     pub max_watchers_per_subject: usize,
+    /// Watcher streams one principal holds with its own calls
+    /// (WatchExecution, WatchSession, an `Execute` retried with a taken
+    /// request id), on any subjects: one tenant cannot take every place of
+    /// `max_watchers`. Unset: 4096, or `max_watchers` when that is lower.
+    pub max_watchers_per_principal: Option<usize>,
     /// The same streams in total.
     pub max_watchers: usize,
 }
@@ -147,12 +152,21 @@ impl Default for GrpcConfig {
             keepalive_timeout_seconds: 20,
             max_send_buffer_bytes: 16 << 10,
             max_watchers_per_subject: 2048,
+            max_watchers_per_principal: None,
             max_watchers: 16384,
         }
     }
 }
 
 impl GrpcConfig {
+    /// `max_watchers_per_principal` unless set.
+    pub const DEFAULT_WATCHERS_PER_PRINCIPAL: usize = 4096;
+
+    /// The watcher streams one principal may hold.
+    pub fn watchers_per_principal(&self) -> usize {
+        self.max_watchers_per_principal.unwrap_or(Self::DEFAULT_WATCHERS_PER_PRINCIPAL).min(self.max_watchers)
+    }
+
     /// The smallest request limit: a request with every field at its
     /// largest (a 256 KiB description, 32 policies of 16 KiB, ...) fits.
     pub const MIN_RECV_BYTES: usize = 1 << 20;
@@ -178,15 +192,22 @@ impl GrpcConfig {
         if self.keepalive_interval_seconds > 0 && self.keepalive_timeout_seconds == 0 {
             return Err((key("keepalive_timeout_seconds"), "must be greater than 0 when keepalive is on".into()));
         }
-        for (name, value) in
-            [("max_watchers", self.max_watchers), ("max_watchers_per_subject", self.max_watchers_per_subject)]
-        {
+        let per_principal = self.max_watchers_per_principal.unwrap_or(1);
+        for (name, value) in [
+            ("max_watchers", self.max_watchers),
+            ("max_watchers_per_subject", self.max_watchers_per_subject),
+            ("max_watchers_per_principal", per_principal),
+        ] {
             if value == 0 {
                 return Err((key(name), "must be greater than 0".into()));
             }
         }
-        if self.max_watchers_per_subject > self.max_watchers {
-            return Err((key("max_watchers_per_subject"), "must not be greater than max_watchers".into()));
+        for (name, value) in
+            [("max_watchers_per_subject", self.max_watchers_per_subject), ("max_watchers_per_principal", per_principal)]
+        {
+            if value > self.max_watchers {
+                return Err((key(name), "must not be greater than max_watchers".into()));
+            }
         }
         Ok(())
     }
@@ -689,6 +710,22 @@ mod tests {
         std::fs::write(&file, "[grpc]\nmax_watchers = 10\nmax_watchers_per_subject = 11\n").unwrap();
         let err = Config::from_file(&file).unwrap().validate().unwrap_err().to_string();
         assert!(err.contains("grpc.max_watchers_per_subject"), "{err}");
+        std::fs::write(
+            &file,
+            "[grpc]\nmax_watchers = 10\nmax_watchers_per_subject = 5\nmax_watchers_per_principal = 11\n",
+        )
+        .unwrap();
+        let err = Config::from_file(&file).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("grpc.max_watchers_per_principal: must not be greater than max_watchers"), "{err}");
+        std::fs::write(&file, "[grpc]\nmax_watchers_per_principal = 0\n").unwrap();
+        let err = Config::from_file(&file).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("grpc.max_watchers_per_principal: must be greater than 0"), "{err}");
+        // Unset, it follows a lowered max_watchers rather than refuse it.
+        std::fs::write(&file, "[grpc]\nmax_watchers = 10\nmax_watchers_per_subject = 5\n").unwrap();
+        let config = Config::from_file(&file).unwrap();
+        assert!(config.validate().is_ok());
+        assert_eq!(config.grpc.watchers_per_principal(), 10);
+        assert_eq!(Config::default().grpc.watchers_per_principal(), 4096);
         std::fs::write(&file, "[grpc]\nmax_streams = 1\n").unwrap();
         assert!(Config::from_file(&file).unwrap_err().to_string().contains("max_streams"));
     }

@@ -226,8 +226,11 @@ impl Daemon {
             credentials: Arc::new(config.credentials.clone()),
             max_running: config.max_running_executions,
             max_sessions: config.max_running_sessions,
-            max_watchers_per_subject: config.grpc.max_watchers_per_subject,
-            max_watchers: config.grpc.max_watchers,
+            watch_bounds: crate::lifecycle::WatchBounds {
+                per_subject: config.grpc.max_watchers_per_subject,
+                per_principal: config.grpc.watchers_per_principal(),
+                total: config.grpc.max_watchers,
+            },
             max_message_bytes: config.grpc.max_send_message_bytes,
             git: config.git.clone(),
             proxy_budget,

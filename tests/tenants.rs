@@ -385,3 +385,74 @@ async fn work_stops_coming_back_into_an_origin_that_is_full() {
     assert_eq!(git(&other, &["for-each-ref", "refs/corral/"]), "");
     daemon.stop().await;
 }
+
+/// A tenant that opens watch streams and never reads them runs out of its
+/// own places (`max_watchers_per_principal`), on any of its runs, not of
+/// everyone's: the other tenant still watches its own; a stream that goes
+/// away gives its place back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_holding_watch_streams_takes_only_its_own_places() {
+    require_bwrap();
+    let roots = Roots::new();
+    let root = roots.root();
+    let a_repo = roots.repo(&root.join("pa/repo"));
+    let b_repo = roots.repo(&root.join("pb/repo"));
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("sh.toml".into(), SHELL.into())],
+        config: Box::new(move |c| {
+            c.repo_roots = vec![root.clone()];
+            c.principals.push(tenant("tenant-a", "pa", TOKEN_A, vec![root.join("pa")]));
+            c.principals.push(tenant("tenant-b", "pb", TOKEN_B, vec![root.join("pb")]));
+            c.grpc.max_watchers_per_principal = Some(2);
+        }),
+        ..Options::default()
+    })
+    .await;
+    let client = ExecutionServiceClient::new(tcp(&daemon).await);
+    let start = |token: &'static str, req: pb::ExecuteRequest| {
+        let mut c = client.clone();
+        async move { c.start_execution(as_tenant(token, req)).await.expect("started").into_inner().execution_id }
+    };
+    let watch = |token: &'static str, id: &str| {
+        let mut c = client.clone();
+        let req = pb::WatchRequest { execution_id: id.to_string(), after_sequence: 0 };
+        async move {
+            let mut stream = c.watch_execution(as_tenant(token, req)).await?.into_inner();
+            stream.message().await?.expect("a first event");
+            Ok::<_, tonic::Status>(stream)
+        }
+    };
+    let a1 = start(TOKEN_A, shell("pa", &a_repo, "sleep 60")).await;
+    let a2 = start(TOKEN_A, shell("pa", &a_repo, "sleep 60")).await;
+    let b1 = start(TOKEN_B, shell("pb", &b_repo, "sleep 60")).await;
+
+    // tenant-a holds two streams it does not read, on two of its runs.
+    let first = watch(TOKEN_A, &a1).await.expect("tenant-a's first watcher");
+    let _second = watch(TOKEN_A, &a2).await.expect("tenant-a's second watcher");
+    for id in [&a1, &a2] {
+        let status = watch(TOKEN_A, id).await.expect_err("a third watcher of tenant-a");
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+        assert!(status.message().contains("principal tenant-a holds 2 watch streams"), "{status:?}");
+    }
+    // tenant-b's places are its own.
+    let _b_first = watch(TOKEN_B, &b1).await.expect("tenant-b watches its run");
+    let _b_second = watch(TOKEN_B, &b1).await.expect("tenant-b watches it again");
+    // A stream tenant-a drops gives its place back (once the daemon
+    // notices the stream is gone).
+    drop(first);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let _again = loop {
+        match watch(TOKEN_A, &a1).await {
+            Ok(stream) => break stream,
+            Err(status) if status.code() == Code::ResourceExhausted && std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+            }
+            Err(status) => panic!("tenant-a's place was not given back: {status:?}"),
+        }
+    };
+    let mut c = client.clone();
+    for (token, id) in [(TOKEN_A, &a1), (TOKEN_A, &a2), (TOKEN_B, &b1)] {
+        c.cancel_execution(as_tenant(token, pb::CancelExecutionRequest { execution_id: id.clone() })).await.unwrap();
+    }
+    daemon.stop().await;
+}

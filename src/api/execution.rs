@@ -259,7 +259,7 @@ impl ExecutionService for ExecutionApi {
         // A retry (same request id, same request) follows the execution it
         // did not start: counted as a watcher, like any stream that does.
         let subscription = match submitted.existing {
-            true => self.engine.counted(submitted.subscription, &id)?,
+            true => self.engine.counted(submitted.subscription, &id, &principal.name)?,
             false => submitted.subscription,
         };
         // Armed for a retry too: the retrying caller asked for it, and its
@@ -304,7 +304,7 @@ impl ExecutionService for ExecutionApi {
         let req = request.into_inner();
         validate::id("execution_id", &req.execution_id)?;
         self.visible(&principal, &req.execution_id).await?;
-        let subscription = self.engine.watch(&req.execution_id, req.after_sequence).await?;
+        let subscription = self.engine.watch(&req.execution_id, req.after_sequence, Some(&principal.name)).await?;
         Ok(Response::new(event_stream(subscription, &self.shutdown, deadline)))
     }
 

@@ -128,7 +128,7 @@ impl SessionService for SessionApi {
         let req = request.into_inner();
         validate::session_ref("session_id", &req.session_id)?;
         let id = self.visible(&principal, &req.session_id).await?.session_id;
-        let subscription = self.engine.watch(&id, req.after_sequence).await?;
+        let subscription = self.engine.watch(&id, req.after_sequence, Some(&principal.name)).await?;
         Ok(Response::new(event_stream(subscription, &self.shutdown, deadline)))
     }
 

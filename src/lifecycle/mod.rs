@@ -36,7 +36,7 @@ pub use crate::records::{
 };
 pub use recovery::RecoveryReport;
 pub use session::{CreateSessionCommand, EndReason};
-pub use watch::{Lagged, Subscription, WatchPermit};
+pub use watch::{Lagged, Subscription, WatchBounds, WatchPermit};
 
 use crate::catalog::Catalog;
 use crate::credentials::CredentialsConfig;
@@ -230,10 +230,9 @@ pub struct EngineParts {
     pub max_running: usize,
     /// How many sessions may be open at once (at least 1).
     pub max_sessions: usize,
-    /// How many watchers one execution or session may have (at least 1).
-    pub max_watchers_per_subject: usize,
-    /// How many watchers all subjects may have together (at least 1).
-    pub max_watchers: usize,
+    /// How many watchers one execution or session, one principal, and all
+    /// together may have.
+    pub watch_bounds: WatchBounds,
     /// The largest message the server sends, in bytes: the raw output of a
     /// `finished` event is cut to fit it.
     pub max_message_bytes: usize,
@@ -280,7 +279,7 @@ impl Engine {
             approvals: Arc::default(),
             // `fleet.capacity` bounds what runs here (at most max_running).
             admission: admission::Admission::new(parts.capacity.min(parts.max_running), parts.max_sessions),
-            watchers: watch::Watchers::new(parts.max_watchers_per_subject, parts.max_watchers),
+            watchers: watch::Watchers::new(parts.watch_bounds),
             event_pages,
             max_message_bytes: parts.max_message_bytes,
             sessions: Mutex::new(HashMap::new()),
@@ -499,11 +498,16 @@ impl Engine {
         Ok(Submitted { record, subscription, existing: true })
     }
 
-    /// `subscription` of `subject`, counted against the watch bounds while
-    /// it lives: for a stream the caller keeps open that is not the direct
-    /// caller's of a new run (an `Execute` retry's).
-    pub fn counted(&self, subscription: Subscription, subject: &str) -> Result<Subscription, EngineError> {
-        let permit = self.watchers.admit(subject).map_err(EngineError::Overloaded)?;
+    /// `subscription` of `subject`, counted against the watch bounds (and
+    /// `principal`'s) while it lives: for a stream the caller keeps open
+    /// that is not the direct caller's of a new run (an `Execute` retry's).
+    pub fn counted(
+        &self,
+        subscription: Subscription,
+        subject: &str,
+        principal: &str,
+    ) -> Result<Subscription, EngineError> {
+        let permit = self.watchers.admit(subject, Some(principal)).map_err(EngineError::Overloaded)?;
         Ok(subscription.holding(permit))
     }
 
@@ -719,9 +723,15 @@ impl Engine {
     }
 
     /// Replays stored events of an execution or a session after `after`,
-    /// then follows live ones.
-    pub async fn watch(&self, execution_id: &str, after: u64) -> Result<Subscription, EngineError> {
-        let permit = self.watchers.admit(execution_id).map_err(EngineError::Overloaded)?;
+    /// then follows live ones. Counted against the watch bounds, and
+    /// against `principal`'s when it is a principal's own watch call.
+    pub async fn watch(
+        &self,
+        execution_id: &str,
+        after: u64,
+        principal: Option<&str>,
+    ) -> Result<Subscription, EngineError> {
+        let permit = self.watchers.admit(execution_id, principal).map_err(EngineError::Overloaded)?;
         // Subscribe before reading the store: an event is stored before it
         // is published, so every event is in one or the other.
         let live = self.bus.subscribe(execution_id);
@@ -775,7 +785,7 @@ impl Engine {
     /// queued: it follows the store from the first event, with none of the
     /// lookups a watch of an unknown subject needs.
     pub(super) fn watch_queued(&self, execution_id: &str) -> Result<Subscription, EngineError> {
-        let permit = self.watchers.admit(execution_id).map_err(EngineError::Overloaded)?;
+        let permit = self.watchers.admit(execution_id, None).map_err(EngineError::Overloaded)?;
         Ok(Subscription::replay_then_live(watch::Run::default(), None, 0)
             .catching_up(self.event_pages.clone(), execution_id.to_string(), self.bus.capacity())
             .holding(permit)

@@ -329,7 +329,9 @@ impl Engine {
         let payload = serde_json::json!({ "tool": tool, "arguments": arguments, "traceparent": traceparent });
         let (request, answer) = self.forward_with(node, "send_turn", session_id, &payload.to_string()).await?;
         let started: StartedTurn = serde_json::from_str(&answer).map_err(crate::store::StoreError::from)?;
-        let subscription = self.watch(session_id, started.after).await?;
+        // The caller's SendTurn, one at a time per session: not a watch
+        // call of its own.
+        let subscription = self.watch(session_id, started.after, None).await?;
         Ok(subscription.until_turn(started.turn).for_forwarded_turn(self.store.clone(), request))
     }
 

@@ -28,11 +28,29 @@ pub struct Lagged {
     pub store_failed: bool,
 }
 
-/// How many watch streams may be open, per subject and in total.
+/// How many watch streams may be open: per subject, per principal (so one
+/// tenant cannot hold every place) and in total.
 pub(super) struct Watchers {
-    per_subject: usize,
+    bounds: WatchBounds,
+    open: std::sync::Mutex<Open>,
+}
+
+/// The bounds of [`Watchers`] (each at least 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WatchBounds {
+    /// Streams following one execution or session.
+    pub per_subject: usize,
+    /// Streams one principal holds with its own watch calls.
+    pub per_principal: usize,
+    /// All streams.
+    pub total: usize,
+}
+
+#[derive(Default)]
+struct Open {
     total: usize,
-    open: std::sync::Mutex<(usize, HashMap<String, usize>)>,
+    by_subject: HashMap<String, usize>,
+    by_principal: HashMap<String, usize>,
 }
 
 /// One open watch stream, counted until it is dropped (with its
@@ -40,43 +58,69 @@ pub(super) struct Watchers {
 pub struct WatchPermit {
     watchers: Arc<Watchers>,
     subject: String,
+    principal: Option<String>,
 }
 
 impl Watchers {
-    pub(super) fn new(per_subject: usize, total: usize) -> Arc<Watchers> {
-        Arc::new(Watchers { per_subject: per_subject.max(1), total: total.max(1), open: Default::default() })
+    pub(super) fn new(bounds: WatchBounds) -> Arc<Watchers> {
+        let bounds = WatchBounds {
+            per_subject: bounds.per_subject.max(1),
+            per_principal: bounds.per_principal.max(1),
+            total: bounds.total.max(1),
+        };
+        Arc::new(Watchers { bounds, open: Default::default() })
     }
 
-    fn open(&self) -> std::sync::MutexGuard<'_, (usize, HashMap<String, usize>)> {
+    fn open(&self) -> std::sync::MutexGuard<'_, Open> {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A permit for one more watcher of `subject`, or which bound is full.
-    pub(super) fn admit(self: &Arc<Self>, subject: &str) -> Result<WatchPermit, String> {
+    /// A permit for one more watcher of `subject`, counted for `principal`
+    /// when it is the principal's own watch call; or which bound is full.
+    pub(super) fn admit(self: &Arc<Self>, subject: &str, principal: Option<&str>) -> Result<WatchPermit, String> {
         let mut open = self.open();
-        let (total, by_subject) = &mut *open;
-        if *total >= self.total {
+        let Open { total, by_subject, by_principal } = &mut *open;
+        if *total >= self.bounds.total {
             return Err(format!("{total} watch streams are open, the most this daemon serves; retry later"));
         }
+        if let Some(principal) = principal {
+            let held = by_principal.get(principal).copied().unwrap_or(0);
+            if held >= self.bounds.per_principal {
+                return Err(format!(
+                    "principal {principal} holds {held} watch streams, the most one principal may; close one or retry \
+                     later"
+                ));
+            }
+        }
         let here = by_subject.entry(subject.to_string()).or_default();
-        if *here >= self.per_subject {
+        if *here >= self.bounds.per_subject {
             return Err(format!("{here} watch streams follow {subject}, the most one subject may have; retry later"));
         }
         *here += 1;
         *total += 1;
-        Ok(WatchPermit { watchers: self.clone(), subject: subject.to_string() })
+        if let Some(principal) = principal {
+            *by_principal.entry(principal.to_string()).or_default() += 1;
+        }
+        Ok(WatchPermit {
+            watchers: self.clone(),
+            subject: subject.to_string(),
+            principal: principal.map(str::to_string),
+        })
     }
 }
 
 impl Drop for WatchPermit {
     fn drop(&mut self) {
         let mut open = self.watchers.open();
-        let (total, by_subject) = &mut *open;
+        let Open { total, by_subject, by_principal } = &mut *open;
         *total = total.saturating_sub(1);
-        if let Some(here) = by_subject.get_mut(&self.subject) {
-            *here -= 1;
-            if *here == 0 {
-                by_subject.remove(&self.subject);
+        for (map, key) in [(by_subject, Some(&self.subject)), (by_principal, self.principal.as_ref())] {
+            let Some(key) = key else { continue };
+            if let Some(count) = map.get_mut(key) {
+                *count -= 1;
+                if *count == 0 {
+                    map.remove(key);
+                }
             }
         }
     }
@@ -565,15 +609,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn watchers_are_bounded_per_subject_and_in_total() {
-        let w = Watchers::new(2, 3);
-        let a1 = w.admit("a").unwrap();
-        let _a2 = w.admit("a").unwrap();
-        assert!(w.admit("a").err().unwrap().contains("follow a"));
-        let _b1 = w.admit("b").unwrap();
-        assert!(w.admit("c").err().unwrap().contains("3 watch streams are open"));
+    fn watchers_are_bounded_per_subject_per_principal_and_in_total() {
+        let w = Watchers::new(WatchBounds { per_subject: 2, per_principal: 3, total: 5 });
+        let a1 = w.admit("a", Some("p")).unwrap();
+        let _a2 = w.admit("a", Some("p")).unwrap();
+        assert_eq!(
+            w.admit("a", Some("q")).err().unwrap(),
+            "2 watch streams follow a, the most one subject may have; retry later"
+        );
+        let _b1 = w.admit("b", Some("p")).unwrap();
+        assert_eq!(
+            w.admit("c", Some("p")).err().unwrap(),
+            "principal p holds 3 watch streams, the most one principal may; close one or retry later"
+        );
+        // Another principal, and a stream no principal's call holds, still get in.
+        let _c1 = w.admit("c", Some("q")).unwrap();
+        let _c2 = w.admit("c", None).unwrap();
+        assert_eq!(
+            w.admit("d", Some("q")).err().unwrap(),
+            "5 watch streams are open, the most this daemon serves; retry later"
+        );
         drop(a1);
-        assert!(w.admit("a").is_ok(), "a dropped permit is given back");
+        assert_eq!(w.open().by_principal.get("p"), Some(&2));
+        let _a3 = w.admit("a", Some("p")).expect("a dropped permit is given back, to its subject and its principal");
+        drop((_a2, _b1, _a3, _c1, _c2));
+        let open = w.open();
+        assert_eq!((open.total, open.by_subject.len(), open.by_principal.len()), (0, 0, 0), "every count is gone");
     }
 
     fn event(subject: &str, sequence: u64) -> Event {
