@@ -1420,6 +1420,39 @@ async fn a_turn_that_panics_ends_its_session_failed_and_torn_down() {
     daemon.stop().await;
 }
 
+/// A session whose start panics (a bug; injected in the rein's start, in
+/// the sandbox the session holds, before its harness exists) is recorded
+/// `failed` with its sandbox destroyed and its slot given back, as
+/// recovery would after a crash; not left `starting`, its sandbox alive
+/// and its slot held until the daemon restarts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_that_panics_records_its_session_failed_and_gives_back_what_it_held() {
+    use common::faults::{reins_with, RecordingRein, ReinFaults};
+    require_bwrap();
+    let (rein, calls) = RecordingRein::new(ReinFaults { panic_start: true, ..Default::default() });
+    let mut options = daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))]);
+    options.reins = Some(reins_with(rein));
+    // One session at a time: a slot not given back refuses the next start.
+    options.config = Box::new(|c| c.max_running_sessions = 1);
+    let daemon = TestDaemon::start(options).await;
+    let mut client = sessions(&daemon).await;
+    for attempt in ["panic-1", "panic-2"] {
+        let request =
+            pb::CreateSessionRequest { session_id: attempt.into(), ..create_request("test.session", "agt", "") };
+        let status = create(&mut client, request).await.expect_err("its start panicked");
+        assert_eq!(status.code(), Code::Unavailable, "{attempt}: the slot was not given back: {status:?}");
+        assert!(status.message().contains("it is recorded failed"), "{status:?}");
+        let read = pb::GetSessionRequest { session_id: attempt.into() };
+        let record = client.get_session(common::as_actor("agt", read)).await.expect("stored").into_inner();
+        assert_eq!(record.state, pb::SessionState::Failed as i32, "{record:?}");
+        let evidence = record.evidence.expect("evidence");
+        assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{evidence:?}");
+        assert!(daemon.leftover_sandboxes().await.is_empty(), "{attempt}: its sandbox is destroyed");
+    }
+    assert_eq!(calls.lock().unwrap().iter().filter(|c| **c == "start_session").count(), 2, "both reached the rein");
+    daemon.stop().await;
+}
+
 /// A session whose start fails says in its evidence where the cause went
 /// (the error of the call that started it), not `corral get --full`,
 /// which reads executions only.

@@ -166,17 +166,17 @@ impl Engine {
         Ok(Some((result, killed)))
     }
 
-    /// After the task running execution `execution_id` here panicked (a
-    /// bug; nothing it held was given back): what recovery does after a
+    /// After the task running execution or session `subject` here panicked
+    /// (a bug; nothing it held was given back): what recovery does after a
     /// crash, for that run alone. Its sandboxes are destroyed and, unless
     /// it had finished, it is finished `failed` with `recovered` ("the
     /// daemon's task for it failed during …"), `teardown` and `finished`,
     /// so its caller and watchers hear the end and its slot can go.
-    pub(super) async fn recover_panicked(&self, execution_id: &str) -> Result<(), EngineError> {
+    pub(super) async fn recover_panicked(&self, subject: &str) -> Result<(), EngineError> {
         let scope = SignalScope::new(self.uid_range);
         let (mut destroy, mut teardown) = (TeardownResult::NotAttempted, false);
-        let mut rows = self.store.undestroyed_sandboxes_of(execution_id).await?;
-        let held = self.panicked.lock().unwrap_or_else(|e| e.into_inner()).remove(execution_id);
+        let mut rows = self.store.undestroyed_sandboxes_of(subject).await?;
+        let held = self.panicked.lock().unwrap_or_else(|e| e.into_inner()).remove(subject);
         if let Some(held) = held.filter(|held| !rows.iter().any(|row| &row.sandbox_id == held)) {
             rows.extend(self.store.undestroyed_sandbox(&held).await?);
         }
@@ -187,16 +187,26 @@ impl Engine {
                 None => TeardownResult::Failed,
             };
         }
-        let Some(mut record) = self.store.get_execution(execution_id).await? else { return Ok(()) };
-        if record.state.is_terminal() {
+        let why = "the daemon's task for it failed";
+        if let Some(mut record) = self.store.get_execution(subject).await? {
+            if record.state.is_terminal() {
+                return Ok(());
+            }
+            let reached = Reached { started: false, teardown };
+            let finished = self.finish_subject(subject, &mut record.evidence, destroy, why, reached).await?;
+            record.state = ExecutionState::Failed;
+            record.finished_at_ms = Some(now_ms());
+            return finished.execution(self, record).await;
+        }
+        let Some(mut record) = self.store.get_session(subject).await? else { return Ok(()) };
+        if !matches!(record.state, SessionState::Starting | SessionState::Active) {
             return Ok(());
         }
-        let why = "the daemon's task for it failed";
-        let reached = Reached { started: false, teardown };
-        let finished = self.finish_subject(execution_id, &mut record.evidence, destroy, why, reached).await?;
-        record.state = ExecutionState::Failed;
-        record.finished_at_ms = Some(now_ms());
-        finished.execution(self, record).await
+        let reached = Reached { started: record.state == SessionState::Active, teardown };
+        let finished = self.finish_subject(subject, &mut record.evidence, destroy, why, reached).await?;
+        record.state = SessionState::Failed;
+        record.ended_at_ms = Some(now_ms());
+        finished.session(self, record).await
     }
 
     /// Fails what node `node` left unfinished when it was declared lost

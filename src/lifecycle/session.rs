@@ -165,7 +165,8 @@ impl Engine {
         // joined to the caller's; every log line carries the session's id.
         let span = tracing::info_span!("session", session_id = %id);
         crate::telemetry::set_parent(&span, cmd.traceparent.as_deref());
-        let start = self.tasks.spawn(
+        let start = self.tasks.spawn({
+            let id = id.clone();
             async move {
                 let created = engine.create_admitted(cmd, id.clone(), cancel).await;
                 if created.is_err() {
@@ -173,9 +174,27 @@ impl Engine {
                 }
                 created
             }
-            .instrument(span),
-        );
-        start.await.unwrap_or_else(|_| Err(EngineError::Unavailable("the session start did not finish".into())))
+            .instrument(span)
+        });
+        match start.await {
+            Ok(created) => created,
+            Err(e) if e.is_panic() => {
+                // A bug: what it held is torn down and it is recorded
+                // failed, as recovery would after a crash, and its slot
+                // goes back.
+                tracing::error!(session_id = %id, error = %e, "a session start's task failed; recovering it");
+                if let Err(e) = self.recover_panicked(&id).await {
+                    tracing::error!(session_id = %id, error = %e, "a failed session start not recovered");
+                }
+                self.bus.close(&id);
+                self.release(&id);
+                Err(EngineError::Unavailable(format!(
+                    "the daemon's task starting session {id} failed; it is recorded failed"
+                )))
+            }
+            // Cancelled with the runtime: the daemon is going away.
+            Err(_) => Err(EngineError::Unavailable("the session start did not finish".into())),
+        }
     }
 
     async fn create_admitted(
