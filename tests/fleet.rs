@@ -1660,3 +1660,48 @@ async fn a_claim_takes_the_rows_behind_those_another_claimer_holds() {
     drop((front, node));
     drop_database(&url).await;
 }
+
+/// The stream of an `Execute` queued on a front end is a watcher of its
+/// principal's: one past `max_watchers_per_principal` is refused with
+/// RESOURCE_EXHAUSTED naming it, and nothing is queued for it (a caller
+/// told no never has work run behind its back); the place comes back when
+/// the stream goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_execute_past_its_principals_watch_places_is_refused_and_queues_nothing() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let places = "[grpc]\nmax_watchers_per_principal = 1";
+    let front = Node::start_configured(dir.path(), "front", &url, "capacity = 0", places).await;
+    let b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 2", "").await;
+    let mut client = front.executions().await;
+    let mut held = client.execute(request("builtin.shell", "sleep 30")).await.expect("the first").into_inner();
+    let first = held.message().await.unwrap().expect("its first event").subject_id;
+    let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
+    let before = store.row_counts().await.unwrap();
+    let status = client.execute(request("builtin.shell", "echo never")).await.expect_err("a second stream");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("principal local-admin holds 1 watch streams"), "{status:?}");
+    assert_eq!(store.row_counts().await.unwrap(), before, "the refused Execute queued or stored something");
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut again = loop {
+        match client.execute(request("builtin.shell", "echo again")).await {
+            Ok(stream) => break stream.into_inner(),
+            Err(status) if status.code() == tonic::Code::ResourceExhausted && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(status) => panic!("the place was not given back: {status:?}"),
+        }
+    };
+    let mut last = None;
+    while let Some(event) = again.message().await.unwrap() {
+        last = Some(event);
+    }
+    let record = common::finished(&[last.expect("events")]);
+    assert_eq!(record.state, pb::ExecutionState::Succeeded as i32, "{record:?}");
+    let cancel = pb::CancelExecutionRequest { execution_id: first };
+    front.executions().await.cancel_execution(cancel).await.unwrap();
+    stop_all([front, b]).await;
+}

@@ -304,7 +304,7 @@ impl ExecutionService for ExecutionApi {
         let req = request.into_inner();
         validate::id("execution_id", &req.execution_id)?;
         self.visible(&principal, &req.execution_id).await?;
-        let subscription = self.engine.watch(&req.execution_id, req.after_sequence, Some(&principal.name)).await?;
+        let subscription = self.engine.watch(&req.execution_id, req.after_sequence, &principal.name).await?;
         Ok(Response::new(event_stream(subscription, &self.shutdown, deadline)))
     }
 

@@ -117,7 +117,7 @@ impl SessionService for SessionApi {
         validate::session_ref("session_id", &req.session_id)?;
         let (tool, arguments) = validate::tool_call(req.tool_call.as_ref())?;
         let id = self.visible(&principal, &req.session_id).await?.session_id;
-        let subscription = self.engine.send_turn(&id, tool, arguments, trace_parent).await?;
+        let subscription = self.engine.send_turn(&id, tool, arguments, trace_parent, &principal.name).await?;
         audit(&principal, "SendTurn", &id);
         Ok(Response::new(event_stream(subscription, &self.shutdown, deadline)))
     }
@@ -128,7 +128,7 @@ impl SessionService for SessionApi {
         let req = request.into_inner();
         validate::session_ref("session_id", &req.session_id)?;
         let id = self.visible(&principal, &req.session_id).await?.session_id;
-        let subscription = self.engine.watch(&id, req.after_sequence, Some(&principal.name)).await?;
+        let subscription = self.engine.watch(&id, req.after_sequence, &principal.name).await?;
         Ok(Response::new(event_stream(subscription, &self.shutdown, deadline)))
     }
 

@@ -507,8 +507,7 @@ impl Engine {
         subject: &str,
         principal: &str,
     ) -> Result<Subscription, EngineError> {
-        let permit = self.watchers.admit(subject, Some(principal)).map_err(EngineError::Overloaded)?;
-        Ok(subscription.holding(permit))
+        Ok(subscription.holding(self.watch_place(subject, principal)?))
     }
 
     /// Runs a stored execution that holds an admission slot here (its bus
@@ -725,13 +724,18 @@ impl Engine {
     /// Replays stored events of an execution or a session after `after`,
     /// then follows live ones. Counted against the watch bounds, and
     /// against `principal`'s when it is a principal's own watch call.
-    pub async fn watch(
+    pub async fn watch(&self, execution_id: &str, after: u64, principal: &str) -> Result<Subscription, EngineError> {
+        let place = self.watch_place(execution_id, principal)?;
+        self.watch_holding(execution_id, after, place).await
+    }
+
+    /// [`Engine::watch`] in a place already taken.
+    pub(super) async fn watch_holding(
         &self,
         execution_id: &str,
         after: u64,
-        principal: Option<&str>,
+        permit: WatchPermit,
     ) -> Result<Subscription, EngineError> {
-        let permit = self.watchers.admit(execution_id, principal).map_err(EngineError::Overloaded)?;
         // Subscribe before reading the store: an event is stored before it
         // is published, so every event is in one or the other.
         let live = self.bus.subscribe(execution_id);
@@ -781,15 +785,22 @@ impl Engine {
         })
     }
 
+    /// A watch place for `subject`, counted for `principal`: taken before
+    /// work is queued or forwarded, so a caller refused for want of one
+    /// leaves nothing behind it.
+    pub(super) fn watch_place(&self, subject: &str, principal: &str) -> Result<WatchPermit, EngineError> {
+        self.watchers.admit(subject, principal).map_err(EngineError::Overloaded)
+    }
+
     /// The direct caller's stream of an execution this node has just
-    /// queued: it follows the store from the first event, with none of the
-    /// lookups a watch of an unknown subject needs.
-    pub(super) fn watch_queued(&self, execution_id: &str) -> Result<Subscription, EngineError> {
-        let permit = self.watchers.admit(execution_id, None).map_err(EngineError::Overloaded)?;
-        Ok(Subscription::replay_then_live(watch::Run::default(), None, 0)
+    /// queued, holding the place taken for it: it follows the store from
+    /// the first event, with none of the lookups a watch of an unknown
+    /// subject needs.
+    pub(super) fn watch_queued(&self, execution_id: &str, place: WatchPermit) -> Subscription {
+        Subscription::replay_then_live(watch::Run::default(), None, 0)
             .catching_up(self.event_pages.clone(), execution_id.to_string(), self.bus.capacity())
-            .holding(permit)
-            .polling(self.store.clone(), execution_id.to_string(), self.wakeups.waiter(execution_id)))
+            .holding(place)
+            .polling(self.store.clone(), execution_id.to_string(), self.wakeups.waiter(execution_id))
     }
 
     /// Whether a subject's record says it has ended (its `finished` event

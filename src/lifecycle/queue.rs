@@ -166,6 +166,18 @@ impl Engine {
         answer: tokio::sync::oneshot::Sender<Result<Submitted, EngineError>>,
     ) {
         let mut record = self.new_record(&execution_id, &cmd, ExecutionState::Pending);
+        // Its caller's stream counts as a watcher if it is queued: the place
+        // is taken first, so a caller refused one queues nothing.
+        let place = match self.watch_place(&execution_id, &cmd.principal) {
+            Ok(place) => place,
+            Err(refused) => {
+                if slot.is_some() {
+                    self.release(&execution_id);
+                }
+                let _ = answer.send(Err(refused));
+                return;
+            }
+        };
         let work = QueuedWork { command: cmd.clone(), traceparent: cmd.traceparent.clone(), quota: cmd.quota };
         let admit = Admit { take_here: slot.is_some(), needs: &needs, max_queued: self.fleet.max_queued };
         let enqueued = self.store.enqueue_execution(&record, &cmd.digest(), &work, admit).await;
@@ -189,7 +201,8 @@ impl Engine {
             }
             Ok(Enqueued::Queued) => {
                 tracing::info!(execution_id = %execution_id, "queued for a node with room");
-                self.watch_queued(&execution_id).map(|subscription| Submitted {
+                let subscription = self.watch_queued(&execution_id, place);
+                Ok(Submitted {
                     record,
                     subscription: subscription.for_direct_caller(self.store.clone(), execution_id.clone()),
                     existing: false,

@@ -325,10 +325,14 @@ impl Engine {
         tool: String,
         arguments: serde_json::Value,
         traceparent: Option<String>,
+        principal: &str,
     ) -> Result<Subscription, EngineError> {
         if self.live_session(session_id).is_none() {
             if let Some(node) = self.runs_elsewhere(session_id).await? {
-                return self.send_turn_elsewhere(&node, session_id, tool, arguments, traceparent).await;
+                // The caller's stream follows the turn there: a watcher,
+                // its place taken before the turn is sent.
+                let place = self.watch_place(session_id, principal)?;
+                return self.send_turn_elsewhere(&node, session_id, tool, arguments, traceparent, place).await;
             }
         }
         Ok(self.start_turn(session_id, tool, arguments, traceparent).await?.0)
@@ -344,13 +348,12 @@ impl Engine {
         tool: String,
         arguments: serde_json::Value,
         traceparent: Option<String>,
+        place: super::WatchPermit,
     ) -> Result<Subscription, EngineError> {
         let payload = serde_json::json!({ "tool": tool, "arguments": arguments, "traceparent": traceparent });
         let (request, answer) = self.forward_with(node, "send_turn", session_id, &payload.to_string()).await?;
         let started: StartedTurn = serde_json::from_str(&answer).map_err(crate::store::StoreError::from)?;
-        // The caller's SendTurn, one at a time per session: not a watch
-        // call of its own.
-        let subscription = self.watch(session_id, started.after, None).await?;
+        let subscription = self.watch_holding(session_id, started.after, place).await?;
         Ok(subscription.until_turn(started.turn).for_forwarded_turn(self.store.clone(), request))
     }
 
