@@ -387,8 +387,8 @@ async fn work_stops_coming_back_into_an_origin_that_is_full() {
 }
 
 /// A tenant that opens watch streams and never reads them runs out of its
-/// own places (`max_watchers_per_principal`), on any of its runs, not of
-/// everyone's: the other tenant still watches its own; a stream that goes
+/// own places (`max_watchers_per_principal`), on any of its runs and
+/// sessions, not of everyone's: the other tenant still watches its own; a stream that goes
 /// away gives its place back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_holding_watch_streams_takes_only_its_own_places() {
@@ -398,7 +398,7 @@ async fn a_tenant_holding_watch_streams_takes_only_its_own_places() {
     let a_repo = roots.repo(&root.join("pa/repo"));
     let b_repo = roots.repo(&root.join("pb/repo"));
     let daemon = TestDaemon::start(Options {
-        profiles: vec![("sh.toml".into(), SHELL.into())],
+        profiles: vec![("sh.toml".into(), SHELL.into()), ("session.toml".into(), session_profile())],
         config: Box::new(move |c| {
             c.repo_roots = vec![root.clone()];
             c.principals.push(tenant("tenant-a", "pa", TOKEN_A, vec![root.join("pa")]));
@@ -450,6 +450,21 @@ async fn a_tenant_holding_watch_streams_takes_only_its_own_places() {
             Err(status) => panic!("tenant-a's place was not given back: {status:?}"),
         }
     };
+    // A WatchSession is one of its places too.
+    let mut sessions = SessionServiceClient::new(tcp(&daemon).await);
+    let create = pb::CreateSessionRequest {
+        session_id: "w1".into(),
+        profile_ref: "test.session".into(),
+        project: "pa".into(),
+        ..Default::default()
+    };
+    let session = sessions.create_session(as_tenant(TOKEN_A, create)).await.expect("a session").into_inner();
+    let watch = pb::WatchSessionRequest { session_id: session.session_id.clone(), after_sequence: 0 };
+    let status = sessions.watch_session(as_tenant(TOKEN_A, watch)).await.expect_err("a third place of tenant-a");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("principal tenant-a holds 2 watch streams"), "{status:?}");
+    let end = pb::EndSessionRequest { session_id: session.session_id };
+    sessions.end_session(as_tenant(TOKEN_A, end)).await.expect("ended");
     let mut c = client.clone();
     for (token, id) in [(TOKEN_A, &a1), (TOKEN_A, &a2), (TOKEN_B, &b1)] {
         c.cancel_execution(as_tenant(token, pb::CancelExecutionRequest { execution_id: id.clone() })).await.unwrap();
