@@ -132,9 +132,10 @@ pub struct GrpcConfig {
     /// direct caller of an `Execute` or `SendTurn` run on the node it called.
     pub max_watchers_per_subject: usize,
     /// The same streams, of one principal's calls, on any subjects: one
-    /// tenant cannot take every place of `max_watchers`. A queued `Execute`
+    /// tenant cannot take every place of `max_watchers`. Not the local
+    /// administrator's (the operator's, not a tenant's). A queued `Execute`
     /// or a forwarded `SendTurn` refused for want of a place is neither
-    /// queued nor sent. Unset: see [`Config::watchers_per_principal`].
+    /// queued nor sent. Unset: 4096, or `max_watchers` when that is lower.
     pub max_watchers_per_principal: Option<usize>,
     /// The same streams in total.
     pub max_watchers: usize,
@@ -159,8 +160,13 @@ impl Default for GrpcConfig {
 }
 
 impl GrpcConfig {
-    /// `max_watchers_per_principal` unless set, on a daemon with principals.
+    /// `max_watchers_per_principal` unless set.
     pub const DEFAULT_WATCHERS_PER_PRINCIPAL: usize = 4096;
+
+    /// The watch streams one principal may hold.
+    pub fn watchers_per_principal(&self) -> usize {
+        self.max_watchers_per_principal.unwrap_or(Self::DEFAULT_WATCHERS_PER_PRINCIPAL).min(self.max_watchers)
+    }
 
     /// The smallest request limit: a request with every field at its
     /// largest (a 256 KiB description, 32 policies of 16 KiB, ...) fits.
@@ -373,17 +379,6 @@ fn canonical_dir(dir: &Path) -> PathBuf {
 }
 
 impl Config {
-    /// The watch streams one principal may hold: `[grpc]
-    /// max_watchers_per_principal`; unset, all of `max_watchers` on a daemon
-    /// whose only caller is its local administrator (no `principals`, no
-    /// `principals_dir`: one tenant, nothing to keep apart), else 4096, or
-    /// `max_watchers` when that is lower. Decided at start.
-    pub fn watchers_per_principal(&self) -> usize {
-        let single = self.principals.is_empty() && self.principals_dir.is_none();
-        let unset = if single { self.grpc.max_watchers } else { GrpcConfig::DEFAULT_WATCHERS_PER_PRINCIPAL };
-        self.grpc.max_watchers_per_principal.unwrap_or(unset).min(self.grpc.max_watchers)
-    }
-
     /// Where the unix socket is, if there is one.
     pub fn unix_socket_path(&self) -> Option<PathBuf> {
         match &self.unix_socket {
@@ -730,17 +725,8 @@ mod tests {
         std::fs::write(&file, "[grpc]\nmax_watchers = 10\nmax_watchers_per_subject = 5\n").unwrap();
         let config = Config::from_file(&file).unwrap();
         assert!(config.validate().is_ok());
-        assert_eq!(config.watchers_per_principal(), 10);
-        // Unset: all of max_watchers with no principal but the local
-        // administrator, 4096 with principals.
-        assert_eq!(Config::default().watchers_per_principal(), 16384);
-        let tenants = Config { principals: vec![Default::default()], ..Config::default() };
-        assert_eq!(tenants.watchers_per_principal(), 4096);
-        let dir = Config { principals_dir: Some("/etc/corral/principals".into()), ..Config::default() };
-        assert_eq!(dir.watchers_per_principal(), 4096);
-        let mut set = Config { principals: vec![Default::default()], ..Config::default() };
-        set.grpc.max_watchers_per_principal = Some(100);
-        assert_eq!(set.watchers_per_principal(), 100);
+        assert_eq!(config.grpc.watchers_per_principal(), 10);
+        assert_eq!(Config::default().grpc.watchers_per_principal(), 4096);
         std::fs::write(&file, "[grpc]\nmax_streams = 1\n").unwrap();
         assert!(Config::from_file(&file).unwrap_err().to_string().contains("max_streams"));
     }

@@ -228,7 +228,7 @@ impl Daemon {
             max_sessions: config.max_running_sessions,
             watch_bounds: crate::lifecycle::WatchBounds {
                 per_subject: config.grpc.max_watchers_per_subject,
-                per_principal: config.watchers_per_principal(),
+                per_principal: config.grpc.watchers_per_principal(),
                 total: config.grpc.max_watchers,
             },
             max_message_bytes: config.grpc.max_send_message_bytes,

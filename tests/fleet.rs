@@ -1665,29 +1665,45 @@ async fn a_claim_takes_the_rows_behind_those_another_claimer_holds() {
 /// principal's: one past `max_watchers_per_principal` is refused with
 /// RESOURCE_EXHAUSTED naming it, and nothing is queued for it (a caller
 /// told no never has work run behind its back); the place comes back when
-/// the stream goes.
+/// the stream goes. The local administrator is not bounded so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_execute_past_its_principals_watch_places_is_refused_and_queues_nothing() {
     let _serial = ONE_AT_A_TIME.lock().await;
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
-    let places = "[grpc]\nmax_watchers_per_principal = 1";
-    let front = Node::start_configured(dir.path(), "front", &url, "capacity = 0", places).await;
-    let b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 2", "").await;
+    let token = "fleet-tenant-token-0123456789abcdef012345";
+    let token_file = dir.path().join("tenant.token");
+    std::fs::write(&token_file, token).unwrap();
+    let tenant = format!(
+        "[grpc]\nmax_watchers_per_principal = 1\n\n[[principals]]\nname = \"tenant\"\ntype = \"agt\"\n\
+         projects = [\"proj-a\"]\ntoken_file = {:?}\n",
+        token_file.display().to_string()
+    );
+    let front = Node::start_configured(dir.path(), "front", &url, "capacity = 0", &tenant).await;
+    let b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 2", &tenant).await;
     let mut client = front.executions().await;
-    let mut held = client.execute(request("builtin.shell", "sleep 30")).await.expect("the first").into_inner();
+    let run = |script: &str| common::with_token(token, request("builtin.shell", script));
+    let mut held = client.execute(run("sleep 30")).await.expect("the first").into_inner();
     let first = held.message().await.unwrap().expect("its first event").subject_id;
     let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
     let before = store.row_counts().await.unwrap();
-    let status = client.execute(request("builtin.shell", "echo never")).await.expect_err("a second stream");
+    let status = client.execute(run("echo never")).await.expect_err("a second stream");
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
-    assert!(status.message().contains("principal local-admin holds 1 watch streams"), "{status:?}");
+    assert!(status.message().contains("principal tenant holds 1 watch streams"), "{status:?}");
     assert_eq!(store.row_counts().await.unwrap(), before, "the refused Execute queued or stored something");
+    // A StartExecution has no stream: it takes no place, and is queued.
+    let started = client.start_execution(run("echo started")).await.expect("no stream, no place").into_inner();
+    assert_eq!(started.state, pb::ExecutionState::Pending as i32, "{started:?}");
+    // The operator is not a tenant: its places are not bounded so.
+    let mut admin =
+        client.execute(request("builtin.shell", "echo admin")).await.expect("the local admin's").into_inner();
+    admin.message().await.unwrap().expect("its first event");
+    drop(admin);
     drop(held);
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut again = loop {
-        match client.execute(request("builtin.shell", "echo again")).await {
+        match client.execute(run("echo again")).await {
             Ok(stream) => break stream.into_inner(),
             Err(status) if status.code() == tonic::Code::ResourceExhausted && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(50)).await

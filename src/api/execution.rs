@@ -253,6 +253,7 @@ impl ExecutionService for ExecutionApi {
         let cancel_on_disconnect = request.cancel_on_disconnect;
         let mut cmd = self.command(&principal, request).await?;
         cmd.traceparent = traceparent;
+        cmd.follows = true;
         let submitted = self.engine.submit(cmd).await?;
         audit(&principal, "Execute", &submitted.record.execution_id);
         let id = submitted.record.execution_id.clone();

@@ -230,6 +230,7 @@ pub async fn execute_request(
         principal: String::new(),
         quota: None,
         traceparent: None,
+        follows: false,
     })
 }
 

@@ -723,7 +723,7 @@ impl Engine {
 
     /// Replays stored events of an execution or a session after `after`,
     /// then follows live ones. Counted against the watch bounds, and
-    /// against `principal`'s when it is a principal's own watch call.
+    /// against `principal`'s (see [`Engine::watch_place`]).
     pub async fn watch(&self, execution_id: &str, after: u64, principal: &str) -> Result<Subscription, EngineError> {
         let place = self.watch_place(execution_id, principal)?;
         self.watch_holding(execution_id, after, place).await
@@ -785,22 +785,30 @@ impl Engine {
         })
     }
 
-    /// A watch place for `subject`, counted for `principal`: taken before
+    /// A watch place for `subject`, counted for `principal` (unless it is
+    /// the local administrator: the operator, not a tenant). Taken before
     /// work is queued or forwarded, so a caller refused for want of one
     /// leaves nothing behind it.
     pub(super) fn watch_place(&self, subject: &str, principal: &str) -> Result<WatchPermit, EngineError> {
-        self.watchers.admit(subject, principal).map_err(EngineError::Overloaded)
+        let tenant = (principal != crate::auth::LOCAL_ADMIN).then_some(principal);
+        self.watchers.admit(subject, tenant).map_err(EngineError::Overloaded)
     }
 
     /// The direct caller's stream of an execution this node has just
-    /// queued, holding the place taken for it: it follows the store from
-    /// the first event, with none of the lookups a watch of an unknown
-    /// subject needs.
-    pub(super) fn watch_queued(&self, execution_id: &str, place: WatchPermit) -> Subscription {
-        Subscription::replay_then_live(watch::Run::default(), None, 0)
-            .catching_up(self.event_pages.clone(), execution_id.to_string(), self.bus.capacity())
-            .holding(place)
-            .polling(self.store.clone(), execution_id.to_string(), self.wakeups.waiter(execution_id))
+    /// queued, holding the place taken for it (none for a caller with no
+    /// stream): it follows the store from the first event, with none of
+    /// the lookups a watch of an unknown subject needs.
+    pub(super) fn watch_queued(&self, execution_id: &str, place: Option<WatchPermit>) -> Subscription {
+        let subscription = Subscription::replay_then_live(watch::Run::default(), None, 0).catching_up(
+            self.event_pages.clone(),
+            execution_id.to_string(),
+            self.bus.capacity(),
+        );
+        let subscription = match place {
+            Some(place) => subscription.holding(place),
+            None => subscription,
+        };
+        subscription.polling(self.store.clone(), execution_id.to_string(), self.wakeups.waiter(execution_id))
     }
 
     /// Whether a subject's record says it has ended (its `finished` event

@@ -166,14 +166,14 @@ impl Engine {
         answer: tokio::sync::oneshot::Sender<Result<Submitted, EngineError>>,
     ) {
         let mut record = self.new_record(&execution_id, &cmd, ExecutionState::Pending);
-        // Its caller's stream counts as a watcher if it is queued: the place
-        // is taken first, so a caller refused one queues nothing.
-        let place = match self.watch_place(&execution_id, &cmd.principal) {
-            Ok(place) => place,
-            Err(refused) => {
-                if slot.is_some() {
-                    self.release(&execution_id);
-                }
+        // A caller that follows a run this node cannot take itself (so it
+        // is queued) is a watcher: its place is taken first, so a caller
+        // refused one queues nothing. A run taken here, or one a
+        // StartExecution left with no stream, needs none.
+        let mut place = match (cmd.follows && slot.is_none()).then(|| self.watch_place(&execution_id, &cmd.principal)) {
+            None => None,
+            Some(Ok(place)) => Some(place),
+            Some(Err(refused)) => {
                 let _ = answer.send(Err(refused));
                 return;
             }
@@ -201,10 +201,17 @@ impl Engine {
             }
             Ok(Enqueued::Queued) => {
                 tracing::info!(execution_id = %execution_id, "queued for a node with room");
-                let subscription = self.watch_queued(&execution_id, place);
-                Ok(Submitted {
+                // Queued though this node had room (others were first):
+                // its place is taken now.
+                let place = match place.take() {
+                    None if cmd.follows => self.watch_place(&execution_id, &cmd.principal).map(Some),
+                    place => Ok(place),
+                };
+                place.map(|place| Submitted {
                     record,
-                    subscription: subscription.for_direct_caller(self.store.clone(), execution_id.clone()),
+                    subscription: self
+                        .watch_queued(&execution_id, place)
+                        .for_direct_caller(self.store.clone(), execution_id.clone()),
                     existing: false,
                 })
             }
@@ -217,6 +224,8 @@ impl Engine {
             }
             Err(e) => Err(e.into()),
         };
+        // Not queued: the stream, if any, is not a watcher's.
+        drop(place);
         let _ = answer.send(answered);
         // The caller may be gone already; the execution runs regardless.
         if let (Some(record), Some(cancel)) = (run, slot) {

@@ -112,13 +112,7 @@ impl Engine {
             let started = record.state == SessionState::Active;
             let reached = Reached { started, teardown: tearing_down.contains(&record.session_id) };
             let finished = self.recover_subject(&record.session_id, &mut record.evidence, destroy, reached).await?;
-            // No call was told a recovered session's cause (`corral get`
-            // reads executions): the daemon's own note is it.
-            if let (Some(stage), Some(note)) = (record.evidence.failure_stage, record.evidence.notes.last()) {
-                if record.evidence.error == stage.fixed_error() {
-                    record.evidence.error = note.clone();
-                }
-            }
+            session_cause_is_the_note(&mut record);
             record.state = SessionState::Failed;
             record.ended_at_ms = Some(now_ms());
             finished.session(self, record).await?;
@@ -204,6 +198,7 @@ impl Engine {
         }
         let reached = Reached { started: record.state == SessionState::Active, teardown };
         let finished = self.finish_subject(subject, &mut record.evidence, destroy, why, reached).await?;
+        session_cause_is_the_note(&mut record);
         record.state = SessionState::Failed;
         record.ended_at_ms = Some(now_ms());
         finished.session(self, record).await
@@ -333,5 +328,15 @@ impl Finisher {
         crate::telemetry::session_finished(record.state.as_str());
         self.0.publish(finished, None);
         Ok(())
+    }
+}
+
+/// No call was told a recovered session's cause (`corral get --full`, which
+/// the fixed sentence names, reads executions): the daemon's own note is it.
+fn session_cause_is_the_note(record: &mut SessionRecord) {
+    if let (Some(stage), Some(note)) = (record.evidence.failure_stage, record.evidence.notes.last()) {
+        if record.evidence.error == stage.fixed_error() {
+            record.evidence.error = note.clone();
+        }
     }
 }

@@ -165,8 +165,8 @@ impl Engine {
         // joined to the caller's; every log line carries the session's id.
         let span = tracing::info_span!("session", session_id = %id);
         crate::telemetry::set_parent(&span, cmd.traceparent.as_deref());
-        let start = self.tasks.spawn({
-            let id = id.clone();
+        let create = tokio::spawn({
+            let (engine, id) = (engine.clone(), id.clone());
             async move {
                 let created = engine.create_admitted(cmd, id.clone(), cancel).await;
                 if created.is_err() {
@@ -176,25 +176,32 @@ impl Engine {
             }
             .instrument(span)
         });
-        match start.await {
-            Ok(created) => created,
-            Err(e) if e.is_panic() => {
-                // A bug: what it held is torn down and it is recorded
-                // failed, as recovery would after a crash, and its slot
-                // goes back.
-                tracing::error!(session_id = %id, error = %e, "a session start's task failed; recovering it");
-                if let Err(e) = self.recover_panicked(&id).await {
-                    tracing::error!(session_id = %id, error = %e, "a failed session start not recovered");
+        // The start in a task of its own, awaited by one of the engine's:
+        // a panic (a bug) is recovered whether or not its caller still
+        // waits, and before the daemon's shutdown closes the store.
+        let start = self.tasks.spawn(async move {
+            match create.await {
+                Ok(created) => created,
+                Err(e) if e.is_panic() => {
+                    // What it held is torn down and it is recorded failed,
+                    // as recovery would after a crash; its slot goes back.
+                    tracing::error!(session_id = %id, error = %e, "a session start's task failed; recovering it");
+                    let recovered = engine.recover_panicked(&id).await;
+                    if let Err(e) = &recovered {
+                        tracing::error!(session_id = %id, error = %e, "a failed session start not recovered");
+                    }
+                    engine.bus.close(&id);
+                    engine.release(&id);
+                    Err(EngineError::Unavailable(match recovered {
+                        Ok(()) => format!("the daemon's task starting session {id} failed; it is recorded failed"),
+                        Err(_) => format!("the daemon's task starting session {id} failed"),
+                    }))
                 }
-                self.bus.close(&id);
-                self.release(&id);
-                Err(EngineError::Unavailable(format!(
-                    "the daemon's task starting session {id} failed; it is recorded failed"
-                )))
+                // Cancelled with the runtime: the daemon is going away.
+                Err(_) => Err(EngineError::Unavailable("the session start did not finish".into())),
             }
-            // Cancelled with the runtime: the daemon is going away.
-            Err(_) => Err(EngineError::Unavailable("the session start did not finish".into())),
-        }
+        });
+        start.await.unwrap_or_else(|_| Err(EngineError::Unavailable("the session start did not finish".into())))
     }
 
     async fn create_admitted(

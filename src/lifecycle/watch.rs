@@ -58,7 +58,7 @@ struct Open {
 pub struct WatchPermit {
     watchers: Arc<Watchers>,
     subject: String,
-    principal: String,
+    principal: Option<String>,
 }
 
 impl Watchers {
@@ -75,19 +75,22 @@ impl Watchers {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A permit for one more watcher of `subject` held by `principal`, or
-    /// which bound is full.
-    pub(super) fn admit(self: &Arc<Self>, subject: &str, principal: &str) -> Result<WatchPermit, String> {
+    /// A permit for one more watcher of `subject` held by `principal`
+    /// (`None`: one not bounded per principal), or which bound is full.
+    pub(super) fn admit(self: &Arc<Self>, subject: &str, principal: Option<&str>) -> Result<WatchPermit, String> {
         let mut open = self.open();
         let Open { total, by_subject, by_principal } = &mut *open;
         if *total >= self.bounds.total {
             return Err(format!("{total} watch streams are open, the most this daemon serves; retry later"));
         }
-        let held = by_principal.get(principal).copied().unwrap_or(0);
-        if held >= self.bounds.per_principal {
-            return Err(format!(
-                "principal {principal} holds {held} watch streams, the most one principal may; close one or retry later"
-            ));
+        if let Some(principal) = principal {
+            let held = by_principal.get(principal).copied().unwrap_or(0);
+            if held >= self.bounds.per_principal {
+                return Err(format!(
+                    "principal {principal} holds {held} watch streams, the most one principal may; close one or retry \
+                     later"
+                ));
+            }
         }
         let here = by_subject.entry(subject.to_string()).or_default();
         if *here >= self.bounds.per_subject {
@@ -95,8 +98,14 @@ impl Watchers {
         }
         *here += 1;
         *total += 1;
-        *by_principal.entry(principal.to_string()).or_default() += 1;
-        Ok(WatchPermit { watchers: self.clone(), subject: subject.to_string(), principal: principal.to_string() })
+        if let Some(principal) = principal {
+            *by_principal.entry(principal.to_string()).or_default() += 1;
+        }
+        Ok(WatchPermit {
+            watchers: self.clone(),
+            subject: subject.to_string(),
+            principal: principal.map(str::to_string),
+        })
     }
 }
 
@@ -105,7 +114,8 @@ impl Drop for WatchPermit {
         let mut open = self.watchers.open();
         let Open { total, by_subject, by_principal } = &mut *open;
         *total = total.saturating_sub(1);
-        for (map, key) in [(by_subject, &self.subject), (by_principal, &self.principal)] {
+        for (map, key) in [(by_subject, Some(&self.subject)), (by_principal, self.principal.as_ref())] {
+            let Some(key) = key else { continue };
             if let Some(count) = map.get_mut(key) {
                 *count -= 1;
                 if *count == 0 {
@@ -601,27 +611,27 @@ mod tests {
     #[test]
     fn watchers_are_bounded_per_subject_per_principal_and_in_total() {
         let w = Watchers::new(WatchBounds { per_subject: 2, per_principal: 3, total: 5 });
-        let a1 = w.admit("a", "p").unwrap();
-        let _a2 = w.admit("a", "p").unwrap();
+        let a1 = w.admit("a", Some("p")).unwrap();
+        let _a2 = w.admit("a", Some("p")).unwrap();
         assert_eq!(
-            w.admit("a", "q").err().unwrap(),
+            w.admit("a", Some("q")).err().unwrap(),
             "2 watch streams follow a, the most one subject may have; retry later"
         );
-        let _b1 = w.admit("b", "p").unwrap();
+        let _b1 = w.admit("b", Some("p")).unwrap();
         assert_eq!(
-            w.admit("c", "p").err().unwrap(),
+            w.admit("c", Some("p")).err().unwrap(),
             "principal p holds 3 watch streams, the most one principal may; close one or retry later"
         );
-        // Other principals still get in.
-        let _c1 = w.admit("c", "q").unwrap();
-        let _c2 = w.admit("c", "r").unwrap();
+        // Other principals, and one not bounded per principal, still get in.
+        let _c1 = w.admit("c", Some("q")).unwrap();
+        let _c2 = w.admit("c", None).unwrap();
         assert_eq!(
-            w.admit("d", "q").err().unwrap(),
+            w.admit("d", Some("q")).err().unwrap(),
             "5 watch streams are open, the most this daemon serves; retry later"
         );
         drop(a1);
         assert_eq!(w.open().by_principal.get("p"), Some(&2));
-        let _a3 = w.admit("a", "p").expect("a dropped permit is given back, to its subject and its principal");
+        let _a3 = w.admit("a", Some("p")).expect("a dropped permit is given back, to its subject and its principal");
         drop((_a2, _b1, _a3, _c1, _c2));
         let open = w.open();
         assert_eq!((open.total, open.by_subject.len(), open.by_principal.len()), (0, 0, 0), "every count is gone");

@@ -98,6 +98,10 @@ pub struct ExecuteCommand {
     /// request's digest).
     #[serde(skip)]
     pub traceparent: Option<String>,
+    /// The caller follows the run's events on a stream (`Execute`, not
+    /// `StartExecution`); not part of the request's digest.
+    #[serde(skip)]
+    pub follows: bool,
 }
 
 impl ExecuteCommand {

@@ -128,7 +128,6 @@ impl Target {
         // The fanout scenario's widest level follows one execution with
         // 10,000 watchers.
         config.grpc.max_watchers_per_subject = config.grpc.max_watchers_per_subject.max(16_384);
-        config.grpc.max_watchers_per_principal = Some(config.watchers_per_principal().max(16_384));
         config.grpc.max_watchers = config.grpc.max_watchers.max(20_000);
         configure(&mut config);
         let data_dir = config.data_dir.clone();
