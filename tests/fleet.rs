@@ -1721,3 +1721,51 @@ async fn a_queued_execute_past_its_principals_watch_places_is_refused_and_queues
     front.executions().await.cancel_execution(cancel).await.unwrap();
     stop_all([front, b]).await;
 }
+
+/// On a node with room, an Execute its principal's fleet-wide quota holds
+/// back is queued, and its stream is a watcher then: past the principal's
+/// places it is refused and nothing is queued. A run the node takes holds
+/// no place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execute_held_back_by_its_quota_on_a_node_with_room_needs_a_watch_place_first() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let token = "fleet-quota-token-0123456789abcdef0123456";
+    let token_file = dir.path().join("quota.token");
+    std::fs::write(&token_file, token).unwrap();
+    let tenant = format!(
+        "[grpc]\nmax_watchers_per_principal = 1\n\n[[principals]]\nname = \"tenant\"\ntype = \"agt\"\n\
+         projects = [\"proj-a\"]\ntoken_file = {:?}\nmax_running = 1\n",
+        token_file.display().to_string()
+    );
+    let a = Node::start_configured(dir.path(), "node-a", &url, "capacity = 4", &tenant).await;
+    let mut client = a.executions().await;
+    let run = |script: &str| common::with_token(token, request("builtin.shell", script));
+    // Taken here: its stream holds no place.
+    let marker = format!("fleet-quota-{}", uuid::Uuid::now_v7().simple());
+    let script = format!("echo started; exec sh -c 'sleep 600; :' {marker}");
+    let mut running = client.execute(run(&script)).await.expect("the first").into_inner();
+    wait_for("the first run's harness", Duration::from_secs(30), || !processes_with(&marker).is_empty()).await;
+    let first = running.message().await.unwrap().expect("its first event").subject_id;
+    // At its quota: queued, and its stream takes the one place.
+    let mut queued = client.execute(run("echo queued")).await.expect("the second").into_inner();
+    // Its first event comes when it is claimed, once the first ends.
+    let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
+    let before = store.row_counts().await.unwrap();
+    let status = client.execute(run("echo never")).await.expect_err("a third");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("principal tenant holds 1 watch streams"), "{status:?}");
+    assert_eq!(store.row_counts().await.unwrap(), before, "the refused Execute queued or stored something");
+    let cancel = pb::CancelExecutionRequest { execution_id: first };
+    a.executions().await.cancel_execution(common::with_token(token, cancel)).await.unwrap();
+    let mut last = None;
+    while let Some(event) = queued.message().await.unwrap() {
+        last = Some(event);
+    }
+    let record = common::finished(&[last.expect("events")]);
+    assert_eq!(record.state, pb::ExecutionState::Succeeded as i32, "the queued one ran: {record:?}");
+    drop(running);
+    stop_all([a]).await;
+}

@@ -166,11 +166,13 @@ impl Engine {
         answer: tokio::sync::oneshot::Sender<Result<Submitted, EngineError>>,
     ) {
         let mut record = self.new_record(&execution_id, &cmd, ExecutionState::Pending);
-        // A caller that follows a run this node cannot take itself (so it
-        // is queued) is a watcher: its place is taken first, so a caller
-        // refused one queues nothing. A run taken here, or one a
-        // StartExecution left with no stream, needs none.
-        let mut place = match (cmd.follows && slot.is_none()).then(|| self.watch_place(&execution_id, &cmd.principal)) {
+        // A caller that follows a run that may be queued (this node has no
+        // room, or the principal's fleet-wide quota may hold it back) is a
+        // watcher: its place is taken first, so a caller refused one queues
+        // nothing. A run taken here gives it back before it runs; a
+        // StartExecution, with no stream, needs none.
+        let may_queue = slot.is_none() || cmd.quota.is_some();
+        let mut place = match (cmd.follows && may_queue).then(|| self.watch_place(&execution_id, &cmd.principal)) {
             None => None,
             Some(Ok(place)) => Some(place),
             Some(Err(refused)) => {
@@ -201,17 +203,10 @@ impl Engine {
             }
             Ok(Enqueued::Queued) => {
                 tracing::info!(execution_id = %execution_id, "queued for a node with room");
-                // Queued though this node had room (others were first):
-                // its place is taken now.
-                let place = match place.take() {
-                    None if cmd.follows => self.watch_place(&execution_id, &cmd.principal).map(Some),
-                    place => Ok(place),
-                };
-                place.map(|place| Submitted {
+                let subscription = self.watch_queued(&execution_id, place.take());
+                Ok(Submitted {
                     record,
-                    subscription: self
-                        .watch_queued(&execution_id, place)
-                        .for_direct_caller(self.store.clone(), execution_id.clone()),
+                    subscription: subscription.for_direct_caller(self.store.clone(), execution_id.clone()),
                     existing: false,
                 })
             }

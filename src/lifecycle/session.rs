@@ -174,33 +174,36 @@ impl Engine {
                 }
                 created
             }
-            .instrument(span)
+            .instrument(span.clone())
         });
         // The start in a task of its own, awaited by one of the engine's:
         // a panic (a bug) is recovered whether or not its caller still
         // waits, and before the daemon's shutdown closes the store.
-        let start = self.tasks.spawn(async move {
-            match create.await {
-                Ok(created) => created,
-                Err(e) if e.is_panic() => {
-                    // What it held is torn down and it is recorded failed,
-                    // as recovery would after a crash; its slot goes back.
-                    tracing::error!(session_id = %id, error = %e, "a session start's task failed; recovering it");
-                    let recovered = engine.recover_panicked(&id).await;
-                    if let Err(e) = &recovered {
-                        tracing::error!(session_id = %id, error = %e, "a failed session start not recovered");
+        let start = self.tasks.spawn(
+            async move {
+                match create.await {
+                    Ok(created) => created,
+                    Err(e) if e.is_panic() => {
+                        // What it held is torn down and it is recorded failed,
+                        // as recovery would after a crash; its slot goes back.
+                        tracing::error!(session_id = %id, error = %e, "a session start's task failed; recovering it");
+                        let recovered = engine.recover_panicked(&id).await;
+                        if let Err(e) = &recovered {
+                            tracing::error!(session_id = %id, error = %e, "a failed session start not recovered");
+                        }
+                        engine.bus.close(&id);
+                        engine.release(&id);
+                        Err(EngineError::Unavailable(match recovered {
+                            Ok(()) => format!("the daemon's task starting session {id} failed; it is recorded failed"),
+                            Err(_) => format!("the daemon's task starting session {id} failed"),
+                        }))
                     }
-                    engine.bus.close(&id);
-                    engine.release(&id);
-                    Err(EngineError::Unavailable(match recovered {
-                        Ok(()) => format!("the daemon's task starting session {id} failed; it is recorded failed"),
-                        Err(_) => format!("the daemon's task starting session {id} failed"),
-                    }))
+                    // Cancelled with the runtime: the daemon is going away.
+                    Err(_) => Err(EngineError::Unavailable("the session start did not finish".into())),
                 }
-                // Cancelled with the runtime: the daemon is going away.
-                Err(_) => Err(EngineError::Unavailable("the session start did not finish".into())),
             }
-        });
+            .instrument(span),
+        );
         start.await.unwrap_or_else(|_| Err(EngineError::Unavailable("the session start did not finish".into())))
     }
 
