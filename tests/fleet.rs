@@ -1661,6 +1661,22 @@ async fn a_claim_takes_the_rows_behind_those_another_claimer_holds() {
     drop_database(&url).await;
 }
 
+/// The bearer token of [`one_place_tenant`].
+const TENANT_TOKEN: &str = "fleet-tenant-token-0123456789abcdef012345";
+
+/// Config tables for principal `tenant` (`agt`, project `proj-a`, more of
+/// its keys in `extra`), holding [`TENANT_TOKEN`], with one watch place per
+/// principal.
+fn one_place_tenant(dir: &Path, extra: &str) -> String {
+    let token_file = dir.join("tenant.token");
+    std::fs::write(&token_file, TENANT_TOKEN).unwrap();
+    format!(
+        "[grpc]\nmax_watchers_per_principal = 1\n\n[[principals]]\nname = \"tenant\"\ntype = \"agt\"\n\
+         projects = [\"proj-a\"]\ntoken_file = {:?}\n{extra}",
+        token_file.display().to_string()
+    )
+}
+
 /// The stream of an `Execute` queued on a front end is a watcher of its
 /// principal's: one past `max_watchers_per_principal` is refused with
 /// RESOURCE_EXHAUSTED naming it, and nothing is queued for it (a caller
@@ -1672,18 +1688,11 @@ async fn a_queued_execute_past_its_principals_watch_places_is_refused_and_queues
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
-    let token = "fleet-tenant-token-0123456789abcdef012345";
-    let token_file = dir.path().join("tenant.token");
-    std::fs::write(&token_file, token).unwrap();
-    let tenant = format!(
-        "[grpc]\nmax_watchers_per_principal = 1\n\n[[principals]]\nname = \"tenant\"\ntype = \"agt\"\n\
-         projects = [\"proj-a\"]\ntoken_file = {:?}\n",
-        token_file.display().to_string()
-    );
+    let tenant = one_place_tenant(dir.path(), "");
     let front = Node::start_configured(dir.path(), "front", &url, "capacity = 0", &tenant).await;
     let b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 2", &tenant).await;
     let mut client = front.executions().await;
-    let run = |script: &str| common::with_token(token, request("builtin.shell", script));
+    let run = |script: &str| common::with_token(TENANT_TOKEN, request("builtin.shell", script));
     let mut held = client.execute(run("sleep 30")).await.expect("the first").into_inner();
     let first = held.message().await.unwrap().expect("its first event").subject_id;
     let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
@@ -1732,17 +1741,10 @@ async fn an_execute_held_back_by_its_quota_on_a_node_with_room_needs_a_watch_pla
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
-    let token = "fleet-quota-token-0123456789abcdef0123456";
-    let token_file = dir.path().join("quota.token");
-    std::fs::write(&token_file, token).unwrap();
-    let tenant = format!(
-        "[grpc]\nmax_watchers_per_principal = 1\n\n[[principals]]\nname = \"tenant\"\ntype = \"agt\"\n\
-         projects = [\"proj-a\"]\ntoken_file = {:?}\nmax_running = 1\n",
-        token_file.display().to_string()
-    );
+    let tenant = one_place_tenant(dir.path(), "max_running = 1\n");
     let a = Node::start_configured(dir.path(), "node-a", &url, "capacity = 4", &tenant).await;
     let mut client = a.executions().await;
-    let run = |script: &str| common::with_token(token, request("builtin.shell", script));
+    let run = |script: &str| common::with_token(TENANT_TOKEN, request("builtin.shell", script));
     // Taken here: its stream holds no place.
     let marker = format!("fleet-quota-{}", uuid::Uuid::now_v7().simple());
     let script = format!("echo started; exec sh -c 'sleep 600; :' {marker}");
@@ -1759,7 +1761,7 @@ async fn an_execute_held_back_by_its_quota_on_a_node_with_room_needs_a_watch_pla
     assert!(status.message().contains("principal tenant holds 1 watch streams"), "{status:?}");
     assert_eq!(store.row_counts().await.unwrap(), before, "the refused Execute queued or stored something");
     let cancel = pb::CancelExecutionRequest { execution_id: first };
-    a.executions().await.cancel_execution(common::with_token(token, cancel)).await.unwrap();
+    a.executions().await.cancel_execution(common::with_token(TENANT_TOKEN, cancel)).await.unwrap();
     let mut last = None;
     while let Some(event) = queued.message().await.unwrap() {
         last = Some(event);
