@@ -616,36 +616,23 @@ async fn watchers_are_bounded_and_a_deadline_ends_a_stream() {
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     // A watcher that goes away gives its place back.
     drop(a1);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let _b2 = loop {
-        match watch(&c, &b).await {
-            Ok(stream) => break stream,
-            Err(status) if status.code() == Code::ResourceExhausted && Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
-            Err(status) => panic!("the place was not given back: {status:?}"),
-        }
-    };
+    let _b2 = common::once_admitted("the place was not given back", || watch(&c, &b)).await;
     drop((_a2, _b1, _b2));
 
     // A stream with a deadline ends with DEADLINE_EXCEEDED when it passes;
     // the execution goes on. (The watchers just dropped give their places
     // back as the daemon notices they are gone.)
-    let mut e = c.exec.clone();
     let deadline_watch = async {
-        let until = Instant::now() + Duration::from_secs(10);
-        let (t, mut stream) = loop {
+        let (t, mut stream) = common::once_admitted("watch with a deadline", || {
+            let mut e = c.exec.clone();
             let mut req = tonic::Request::new(pb::WatchRequest { execution_id: a.clone(), after_sequence: 0 });
             req.set_timeout(Duration::from_millis(500));
-            let t = Instant::now();
-            match e.watch_execution(req).await {
-                Ok(stream) => break (t, stream.into_inner()),
-                Err(status) if status.code() == Code::ResourceExhausted && Instant::now() < until => {
-                    tokio::time::sleep(Duration::from_millis(50)).await
-                }
-                Err(status) => panic!("watch with a deadline: {status:?}"),
+            async move {
+                let t = Instant::now();
+                e.watch_execution(req).await.map(|stream| (t, stream.into_inner()))
             }
-        };
+        })
+        .await;
         let ended = loop {
             match stream.message().await {
                 Ok(Some(_)) => continue,

@@ -1710,16 +1710,11 @@ async fn a_queued_execute_past_its_principals_watch_places_is_refused_and_queues
     admin.message().await.unwrap().expect("its first event");
     drop(admin);
     drop(held);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut again = loop {
-        match client.execute(run("echo again")).await {
-            Ok(stream) => break stream.into_inner(),
-            Err(status) if status.code() == tonic::Code::ResourceExhausted && Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
-            Err(status) => panic!("the place was not given back: {status:?}"),
-        }
-    };
+    let mut again = common::once_admitted("the place was not given back", || {
+        let mut client = client.clone();
+        async move { client.execute(run("echo again")).await.map(|stream| stream.into_inner()) }
+    })
+    .await;
     let mut last = None;
     while let Some(event) = again.message().await.unwrap() {
         last = Some(event);

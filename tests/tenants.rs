@@ -388,8 +388,8 @@ async fn work_stops_coming_back_into_an_origin_that_is_full() {
 
 /// A tenant that opens watch streams and never reads them runs out of its
 /// own places (`max_watchers_per_principal`), on any of its runs and
-/// sessions, not of everyone's: the other tenant still watches its own; a stream that goes
-/// away gives its place back.
+/// sessions, not of everyone's: the other tenant still watches its own; a
+/// stream that goes away gives its place back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_holding_watch_streams_takes_only_its_own_places() {
     require_bwrap();
@@ -440,16 +440,7 @@ async fn a_tenant_holding_watch_streams_takes_only_its_own_places() {
     // A stream tenant-a drops gives its place back (once the daemon
     // notices the stream is gone).
     drop(first);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let _again = loop {
-        match watch(TOKEN_A, &a1).await {
-            Ok(stream) => break stream,
-            Err(status) if status.code() == Code::ResourceExhausted && std::time::Instant::now() < deadline => {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await
-            }
-            Err(status) => panic!("tenant-a's place was not given back: {status:?}"),
-        }
-    };
+    let _again = common::once_admitted("tenant-a's place was not given back", || watch(TOKEN_A, &a1)).await;
     // A WatchSession is one of its places too.
     let mut sessions = SessionServiceClient::new(tcp(&daemon).await);
     let create = pb::CreateSessionRequest {

@@ -172,10 +172,10 @@ impl Engine {
         // nothing. A run taken here gives it back before it runs; a
         // StartExecution, with no stream, needs none.
         let may_queue = slot.is_none() || cmd.quota.is_some();
-        let mut place = match (cmd.follows && may_queue).then(|| self.watch_place(&execution_id, &cmd.principal)) {
-            None => None,
-            Some(Ok(place)) => Some(place),
-            Some(Err(refused)) => {
+        let place = (cmd.follows && may_queue).then(|| self.watch_place(&execution_id, &cmd.principal));
+        let mut place = match place.transpose() {
+            Ok(place) => place,
+            Err(refused) => {
                 let _ = answer.send(Err(refused));
                 return;
             }

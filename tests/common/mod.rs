@@ -654,8 +654,6 @@ pub async fn terminate(child: &mut tokio::process::Child) -> Option<std::process
     tokio::time::timeout(std::time::Duration::from_secs(30), child.wait()).await.ok().map(|s| s.expect("wait"))
 }
 
-/// Host processes whose command line contains `marker`. Panics when /proc
-/// cannot be read: a count of 0 must mean none, never "could not look".
 /// Polls `probe` (every 20 ms, up to 10 s) until it holds.
 pub async fn wait_until(what: &str, mut probe: impl FnMut() -> bool) {
     for _ in 0..500 {
@@ -667,6 +665,28 @@ pub async fn wait_until(what: &str, mut probe: impl FnMut() -> bool) {
     panic!("timed out waiting until {what}");
 }
 
+/// Calls `call` again while it is refused RESOURCE_EXHAUSTED, every 50 ms
+/// for up to 10 s (a place given back is noticed a moment after its stream
+/// goes); any other refusal, or that one past the 10 s, panics naming
+/// `what`.
+pub async fn once_admitted<T, F: std::future::Future<Output = Result<T, tonic::Status>>>(
+    what: &str,
+    mut call: impl FnMut() -> F,
+) -> T {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match call().await {
+            Ok(answer) => return answer,
+            Err(status) if status.code() == tonic::Code::ResourceExhausted && std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+            }
+            Err(status) => panic!("{what}: {status:?}"),
+        }
+    }
+}
+
+/// Host processes whose command line contains `marker`. Panics when /proc
+/// cannot be read: a count of 0 must mean none, never "could not look".
 pub fn processes_with(marker: &str) -> usize {
     let dir = std::fs::read_dir("/proc").unwrap_or_else(|e| panic!("cannot list /proc to count {marker:?}: {e}"));
     let own = std::fs::read("/proc/self/cmdline").unwrap_or_default();
