@@ -31,7 +31,8 @@ pub struct Config {
     /// Sessions with no turn for this long are reaped (never mid-turn).
     pub session_idle_seconds: u64,
     /// Admission control: executions running at once; more are refused
-    /// with RESOURCE_EXHAUSTED (nothing is stored for them).
+    /// with RESOURCE_EXHAUSTED (nothing is stored for them) on SQLite, and
+    /// queued in the fleet's queue on a shared PostgreSQL store.
     pub max_running_executions: usize,
     /// The same bound for live sessions.
     pub max_running_sessions: usize,

@@ -412,7 +412,7 @@ fn authenticator(config: &Config) -> Result<crate::auth::Authenticator, StartErr
 
 /// The TCP listener's TLS from `tls_cert`, `tls_key` and `client_ca`
 /// (HTTP/2 only, by ALPN); errors name the key and the file.
-fn tls_config(config: &Config) -> Result<Option<tokio_rustls::TlsAcceptor>, (String, std::io::Error)> {
+pub(crate) fn tls_config(config: &Config) -> Result<Option<tokio_rustls::TlsAcceptor>, (String, std::io::Error)> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else { return Ok(None) };
@@ -559,6 +559,11 @@ pub(crate) fn check_warm_pools(
                 missing.join(", "),
                 labels.join(", ")
             ));
+        }
+        // A run of it would be refused at resolution, and every fill with it.
+        let refs = &profile.file.credential_route_refs;
+        if let Err(why) = config.credentials.check_exposure(refs, &profile.file.rein) {
+            return Err(format!("{key}: profile {} cannot run: {why}", profile.reference()));
         }
         if let Err(why) = bwrap {
             return Err(format!("{key}: {size} warm linux_bwrap sandboxes cannot be made on this host: {why}"));

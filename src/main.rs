@@ -30,7 +30,9 @@ enum Command {
     Serve(ServeArgs),
     /// Report what this host can enforce (bwrap, seccomp, uids, cgroups)
     /// and which profiles the daemon's gate would refuse here; exit 1 if
-    /// linux_bwrap cannot run or the daemon would not start with the config.
+    /// linux_bwrap cannot run or the config's uid range, admin policies,
+    /// catalog, warm pools, descriptor limit, principals or TLS files would
+    /// stop the daemon (not its data directory, which it may create).
     Doctor(DoctorArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
@@ -66,7 +68,7 @@ struct ServeArgs {
     /// gRPC listen address [default: 127.0.0.1:50051].
     #[arg(long)]
     listen: Option<String>,
-    /// Data directory for the store and the workspaces [default: /var/lib/corral as root, else ~/.local/share/corral].
+    /// Data directory for the store and the workspaces [default: /var/lib/corral as root, else $XDG_DATA_HOME/corral or ~/.local/share/corral].
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// A directory of profile TOML files (repeatable).

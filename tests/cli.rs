@@ -498,7 +498,9 @@ async fn bench_against_a_server_sends_the_clients_token() {
 /// config's policies: a `require_approval` policy the harness cannot honour
 /// refuses builtin.shell in both, naming `tool_call_gating`. A config the
 /// daemon would not start with (a profile file with an unknown key, a
-/// policy that does not compile) makes doctor exit non-zero.
+/// policy that does not compile, a warm pool it could not keep or that
+/// would never fill, a principal's token it refuses, a missing TLS file)
+/// makes doctor exit non-zero.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn doctor_judges_profiles_as_the_daemons_gate_does() {
     common::require_bwrap();
@@ -552,6 +554,52 @@ async fn doctor_judges_profiles_as_the_daemons_gate_does() {
     assert_eq!(out.status.code(), Some(1), "a pool the daemon refuses: {}", describe(&[], &out));
     let warm = json_lines(&[], &out).into_iter().find(|l| l["check"] == "warm pools").expect("the warm pools check");
     assert!(warm["ok"] == false && warm["detail"].as_str().unwrap().contains("sandbox.uids"), "{warm}");
+
+    // A principal whose token `serve` refuses (too short), and a listener
+    // certificate that is not there: each stops the daemon, so each is a
+    // doctor's NO and exit 1.
+    let token = tmp.path().join("short.token");
+    std::fs::write(&token, "short").unwrap();
+    let short = tmp.path().join("short-token.toml");
+    let principal = format!(
+        "[[principals]]\nname = \"tenant-a\"\ntype = \"agt\"\nprojects = [\"proj-a\"]\ntoken_file = {:?}\n",
+        token.display().to_string()
+    );
+    std::fs::write(&short, principal).unwrap();
+    let missing_cert = tmp.path().join("missing-cert.toml");
+    std::fs::write(&missing_cert, "tls_cert = \"/nonexistent/cert.pem\"\ntls_key = \"/nonexistent/key.pem\"\n")
+        .unwrap();
+    for (config, check, said) in
+        [(short, "principals", "principals[0].token_file"), (missing_cert, "tls", "/nonexistent/cert.pem")]
+    {
+        let out = doctor(vec!["--json".into(), "doctor".into(), "--config".into(), config.into()]).await;
+        assert_eq!(out.status.code(), Some(1), "{check}: {}", describe(&[], &out));
+        let line = json_lines(&[], &out).into_iter().find(|l| l["check"] == check).expect(check);
+        assert!(line["ok"] == false && line["detail"].as_str().unwrap().contains(said), "{line}");
+    }
+
+    // A warm pool of a profile whose credential route would hand its key
+    // over in clear (no upstream, no `expose`): no run of it resolves, so
+    // the pool would never fill.
+    let raw = tmp.path().join("raw-profiles");
+    std::fs::create_dir_all(&raw).unwrap();
+    let profile =
+        "id = \"test.raw-route\"\nversion = \"1.0.0\"\ncredential_route_refs = [\"raw\"]\n[rein]\nargv = [\"/bin/true\"]\n\
+         input = \"nothing\"\n[sandbox]\ntype = \"linux_bwrap\"\nwrite_paths = [\".\"]\n";
+    std::fs::write(raw.join("raw.toml"), profile).unwrap();
+    let config = tmp.path().join("raw-route.toml");
+    std::fs::write(
+        &config,
+        "[sandbox]\nwarm = { \"test.raw-route\" = 1 }\n[credentials.routes.raw]\nfile = \"/etc/hostname\"\ninject_as = \"RAW_TOKEN\"\n",
+    )
+    .unwrap();
+    let args =
+        vec!["--json".into(), "doctor".into(), "--config".into(), config.into(), "--profiles".into(), raw.into()];
+    let out = doctor(args).await;
+    assert_eq!(out.status.code(), Some(1), "a pool that would never fill: {}", describe(&[], &out));
+    let warm = json_lines(&[], &out).into_iter().find(|l| l["check"] == "warm pools").expect("the warm pools check");
+    let detail = warm["detail"].as_str().unwrap();
+    assert!(warm["ok"] == false && detail.contains("credential route raw has no upstream"), "{warm}");
 }
 
 /// Every client-side failure of a call exits 2, like an RPC that failed,

@@ -506,6 +506,7 @@ async fn the_gateway_of_a_sandbox_without_network_is_recorded_as_egress() {
     assert_ne!(receipt.egress(), pb::EgressMode::None, "the gateway was reachable: {receipt:?}");
     assert!(receipt.allow_hosts.is_empty(), "{receipt:?}");
     assert_eq!(receipt.gateway_routes, ["mock"]);
+    assert!(receipt.exposed_routes.is_empty(), "{receipt:?}");
     daemon.stop().await;
 }
 
@@ -527,6 +528,7 @@ async fn a_mixed_case_credential_asked_as_a_host_is_scrubbed_once_lowercased() {
             let route = corral::credentials::RouteConfig {
                 file: Some(secret),
                 inject_as: "MIXED_TOKEN".into(),
+                expose: true,
                 ..Default::default()
             };
             c.credentials.routes.insert("mixed".into(), route);

@@ -375,7 +375,7 @@ async fn a_credential_the_harness_prints_is_redacted_everywhere() {
     let secret_file = dir.path().join("leak.secret");
     std::fs::write(&secret_file, format!("{value}\n")).unwrap();
     let extra = format!(
-        "[credentials.routes.leak]\nfile = {:?}\ninject_as = \"LEAKY_TOKEN\"\n[hub]\nurl = \"{}\"\ninitial_backoff_ms = 100\n",
+        "[credentials.routes.leak]\nfile = {:?}\ninject_as = \"LEAKY_TOKEN\"\nexpose = true\n[hub]\nurl = \"{}\"\ninitial_backoff_ms = 100\n",
         secret_file.display().to_string(),
         hub.url
     );
@@ -601,6 +601,17 @@ async fn a_report_finished_by_a_daemon_without_a_hub_fails_rather_than_stays_pen
     assert!(evidence.notes.iter().any(|n| n.contains("no hub configured")), "{:?}", evidence.notes);
 }
 
+/// `test.env-printer`: `/bin/sh -s` given the task's description, in a
+/// bwrap sandbox without network, naming credential route `route`, with
+/// `sandbox` (more lines of its `[sandbox]`).
+fn env_printer(route: &str, sandbox: &str) -> String {
+    format!(
+        "id = \"test.env-printer\"\nversion = \"1.0.0\"\ncredential_route_refs = [\"{route}\"]\n[rein]\n\
+         argv = [\"/bin/sh\", \"-s\"]\ninput = \"description\"\n[sandbox]\ntype = \"linux_bwrap\"\n\
+         allow_network = false\nwrite_paths = [\".\"]\n{sandbox}\n[limits]\ntimeout_seconds = 60\n"
+    )
+}
+
 /// `env_passthrough` is how a daemon variable enters a sandbox: a profile
 /// passing through a credential route's source variable (the real key, of a
 /// gatewayed route too) or the variable its placeholder is set under (the
@@ -614,24 +625,7 @@ async fn a_profile_passing_a_credential_through_is_refused_and_the_key_never_ent
     let key = "gatewayed-REAL-key-4e1f9a7c";
     let route =
         "[credentials.routes.gw]\nenv = \"GW_REAL_KEY\"\ninject_as = \"GW_TOKEN\"\nupstream = \"http://127.0.0.1:9\"\n";
-    let profile = |passed: &str| {
-        format!(
-            r#"id = "test.env-printer"
-version = "1.0.0"
-credential_route_refs = ["gw"]
-[rein]
-argv = ["/bin/sh", "-s"]
-input = "description"
-[sandbox]
-type = "linux_bwrap"
-allow_network = false
-write_paths = ["."]
-env_passthrough = ["INNOCENT", {passed:?}]
-[limits]
-timeout_seconds = 60
-"#
-        )
-    };
+    let profile = |passed: &str| env_printer("gw", &format!("env_passthrough = [\"INNOCENT\", {passed:?}]"));
     let env = [("GW_REAL_KEY", key), ("GW_TOKEN", key), ("INNOCENT", "innocent-value")];
     for passed in ["GW_REAL_KEY", "GW_TOKEN"] {
         let dir = common::data_tempdir();
@@ -671,15 +665,9 @@ timeout_seconds = 60
     std::fs::write(profiles.join("printer.toml"), profile("LANG")).unwrap();
     let data = dir.path().join("data");
     let daemon = ServeProcess::start_with(&data, &profiles, &env, route).await;
-    let mut client = ExecutionServiceClient::new(daemon.channel().await);
     // The environment the harness was exec'd with, every entry, each line
     // reversed so that the scrubber of its output cannot hide a key.
-    let req = request("test.env-printer", "tr '\\0' '\\n' < /proc/$$/environ | rev");
-    let mut stream = client.execute(req).await.unwrap().into_inner();
-    let mut events = Vec::new();
-    while let Some(e) = stream.message().await.unwrap() {
-        events.push(e);
-    }
+    let events = daemon.execute(request("test.env-printer", "tr '\\0' '\\n' < /proc/$$/environ | rev")).await;
     let execution = finished(&events);
     let entries: Vec<String> = execution.tool_output.lines().map(|l| l.chars().rev().collect()).collect();
     assert!(entries.iter().any(|e| e == "INNOCENT=innocent-value"), "passthrough works: {entries:?}");
@@ -688,6 +676,77 @@ timeout_seconds = 60
     assert_eq!(tokens.len(), 1, "{entries:?}");
     assert!(tokens[0].starts_with("GW_TOKEN=corral-gw-"), "{tokens:?}");
     assert!(!entries.iter().any(|e| e.starts_with("GW_REAL_KEY=")), "{entries:?}");
+    daemon.stop().await;
+}
+
+/// A route with no upstream hands its real value to the harness only when
+/// it says `expose = true`. A profile naming one that does not is refused
+/// at resolution, naming the route and the way out, before any sandbox
+/// exists, and `corral doctor` says so of the profile; with `expose = true`
+/// the harness's environment holds the key, as the route asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_that_does_not_say_expose_never_hands_its_key_to_the_harness() {
+    require_bwrap();
+    let key = "raw-REAL-key-0b7d2e95c4";
+    let profile = env_printer("raw", "");
+    let route =
+        |expose: &str| format!("[credentials.routes.raw]\nenv = \"RAW_REAL_KEY\"\ninject_as = \"RAW_TOKEN\"\n{expose}");
+    // Every entry of the harness's environment, each line reversed so that
+    // the scrubber of its output cannot hide a key.
+    let script = "tr '\\0' '\\n' < /proc/$$/environ | rev";
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("printer.toml"), &profile).unwrap();
+
+    let data = dir.path().join("data");
+    let daemon = ServeProcess::start_with(&data, &profiles, &[("RAW_REAL_KEY", key)], &route("")).await;
+    let events = daemon.execute(request("test.env-printer", script)).await;
+    let execution = finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Refused as i32, "{execution:?}");
+    let evidence = execution.evidence.clone().unwrap();
+    assert_eq!(evidence.failure_stage, pb::FailureStage::Resolution as i32, "{evidence:?}");
+    assert!(
+        evidence.error.contains("credential route raw has no upstream") && evidence.error.contains("expose = true"),
+        "{}",
+        evidence.error
+    );
+    assert!(evidence.sandbox_id.is_empty(), "a sandbox was made: {evidence:?}");
+    assert!(!format!("{events:?}").contains(key), "{events:?}");
+    daemon.stop().await;
+
+    let config = dir.path().join("corral.toml");
+    std::fs::write(&config, route("")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_corral"))
+        .args(["doctor", "--config"])
+        .arg(&config)
+        .arg("--profiles")
+        .arg(&profiles)
+        .env("RAW_REAL_KEY", key)
+        .env_remove("CORRAL_CONFIG")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line =
+        text.lines().find(|l| l.trim_start().starts_with("test.env-printer@")).unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains("NO") && line.contains("credential route raw has no upstream"), "{line}");
+
+    let data = dir.path().join("data-exposed");
+    let daemon = ServeProcess::start_with(&data, &profiles, &[("RAW_REAL_KEY", key)], &route("expose = true\n")).await;
+    let events = daemon.execute(request("test.env-printer", script)).await;
+    let execution = finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+    let entries: Vec<String> = execution.tool_output.lines().map(|l| l.chars().rev().collect()).collect();
+    assert!(entries.contains(&format!("RAW_TOKEN={key}")), "{entries:?}");
+    // The receipt says so.
+    let receipt = events
+        .iter()
+        .find_map(|e| match &e.kind {
+            Some(Kind::SandboxReady(r)) => r.receipt.clone(),
+            _ => None,
+        })
+        .expect("a receipt");
+    assert_eq!((receipt.exposed_routes, receipt.gateway_routes), (vec!["raw".to_string()], Vec::new()));
     daemon.stop().await;
 }
 
@@ -716,7 +775,7 @@ async fn leaky_shell_run(max_output_bytes: u64, script: &str) -> Vec<(&'static s
     let secret_file = dir.path().join("leak.secret");
     std::fs::write(&secret_file, format!("{KEY_108}\n")).unwrap();
     let extra = format!(
-        "[credentials.routes.leak]\nfile = {:?}\ninject_as = \"LEAKY_TOKEN\"\n",
+        "[credentials.routes.leak]\nfile = {:?}\ninject_as = \"LEAKY_TOKEN\"\nexpose = true\n",
         secret_file.display().to_string()
     );
     let daemon = ServeProcess::start_with(&data, &profiles, &[], &extra).await;

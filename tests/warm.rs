@@ -510,6 +510,7 @@ cpu_millis = 0
             corral::credentials::RouteConfig {
                 env: Some("PATH".into()),
                 inject_as: "ROUTE_TEST_TOKEN".into(),
+                expose: true,
                 ..Default::default()
             },
         );
@@ -1002,6 +1003,7 @@ async fn a_uid_range_too_small_for_the_pools_and_the_runs_is_refused_at_start() 
             corral::credentials::RouteConfig {
                 env: Some("PATH".into()),
                 inject_as: "ROUTE_TEST_TOKEN".into(),
+                expose: true,
                 ..Default::default()
             },
         );

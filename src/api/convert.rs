@@ -405,6 +405,7 @@ fn enforcement_receipt(r: &crate::sandbox::EnforcementReceipt) -> pb::Enforcemen
         egress: wire::<pb::EgressMode>(&r.egress),
         allow_hosts: r.allow_hosts.clone(),
         gateway_routes: r.gateway_routes.clone(),
+        exposed_routes: r.exposed_routes.clone(),
         write_roots: r.write_roots.clone(),
         host_uid: r.host_uid,
         own_uid: r.own_uid,

@@ -68,6 +68,9 @@ impl HarnessConfig {
         ] {
             if !url.is_empty() {
                 Endpoint::parse(url).map_err(|e| (key.to_string(), e))?;
+                // The model key goes there (by the gateway, or the harness
+                // itself when exposed): never in clear beyond loopback.
+                crate::credentials::gateway::upstream(url).map_err(|e| (key.to_string(), e))?;
             }
         }
         for (key, model) in
@@ -240,18 +243,31 @@ mod tests {
         }
     }
 
+    /// A model endpoint gets the model key: https, or plain http only on
+    /// loopback, refused at load rather than at every run.
+    #[test]
+    fn a_model_endpoint_in_clear_is_on_loopback_or_refused() {
+        let validate =
+            |url: &str| HarnessConfig { anthropic_base_url: url.into(), ..HarnessConfig::default() }.validate();
+        assert_eq!(validate("https://10.0.0.5:8443"), Ok(()));
+        assert_eq!(validate("http://127.0.0.1:8080"), Ok(()));
+        let (key, why) = validate("http://10.0.0.5:8080").unwrap_err();
+        assert_eq!(key, "harness.anthropic_base_url");
+        assert!(why.contains("must be on loopback"), "{why}");
+    }
+
     #[test]
     fn an_endpoint_replaces_the_vendor_host() {
         let (rein, sandbox, routes) = claude_code(&HarnessConfig::default());
         assert_eq!((rein.base_url.as_str(), sandbox.allow_hosts), ("", vec!["api.anthropic.com".to_string()]));
         assert_eq!(routes, ["anthropic"]);
         let harness = HarnessConfig {
-            openai_base_url: "http://10.1.2.3:8080/v1".into(),
+            openai_base_url: "https://10.1.2.3:8080/v1".into(),
             openai_model: "m-1".into(),
             ..HarnessConfig::default()
         };
         let (rein, sandbox, routes) = codex(&harness);
-        assert_eq!((rein.base_url.as_str(), rein.model.as_str()), ("http://10.1.2.3:8080/v1", "m-1"));
+        assert_eq!((rein.base_url.as_str(), rein.model.as_str()), ("https://10.1.2.3:8080/v1", "m-1"));
         assert_eq!(sandbox.allow_hosts, ["10.1.2.3:8080"]);
         assert_eq!(routes, ["openai"]);
         assert_eq!(codex(&HarnessConfig::default()).0.model, CODEX_DEFAULT_MODEL);

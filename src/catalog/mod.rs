@@ -292,11 +292,18 @@ mod tests {
         let codex = |hosts: &str, preset: &str| {
             format!(
                 "id = \"team.codex\"\nversion = \"1.0.0\"\n[rein]\npreset = \"{preset}\"\nargv = [\"codex\", \"exec\", \"-\"]\n\
-                 base_url = \"http://10.0.0.5:8080/v1\"\n[sandbox]\ntype = \"linux_bwrap\"\nallow_network = true\nallow_hosts = [{hosts}]\n"
+                 base_url = \"https://10.0.0.5:8080/v1\"\n[sandbox]\ntype = \"linux_bwrap\"\nallow_network = true\nallow_hosts = [{hosts}]\n"
             )
         };
         let ok = catalog_with(&[("c.toml", &codex("\"10.0.0.5:8080\"", "codex_exec_json"))]).unwrap();
-        assert_eq!(ok.resolve("team.codex").unwrap().file.rein.base_url, "http://10.0.0.5:8080/v1");
+        assert_eq!(ok.resolve("team.codex").unwrap().file.rein.base_url, "https://10.0.0.5:8080/v1");
+        // Plain http beyond loopback: a keyless model server is fine, but a
+        // model key would cross the network in clear.
+        let clear = codex("\"10.0.0.5:8080\"", "codex_exec_json").replace("https://", "http://");
+        catalog_with(&[("c.toml", &clear)]).unwrap();
+        let keyed = clear.replacen("[rein]", "credential_route_refs = [\"openai\"]\n[rein]", 1);
+        let err = catalog_with(&[("c.toml", &keyed)]).unwrap_err().to_string();
+        assert!(err.contains("rein.base_url") && err.contains("must be on loopback"), "{err}");
         let err = catalog_with(&[("c.toml", &codex("\"api.openai.com\"", "codex_exec_json"))]).unwrap_err().to_string();
         assert!(err.contains("rein.base_url") && err.contains("10.0.0.5:8080"), "{err}");
         let err = catalog_with(&[("c.toml", &codex("\"10.0.0.5:8080\"", "protocol"))]).unwrap_err().to_string();

@@ -502,12 +502,15 @@ pub fn check_model(model: &str) -> Result<(), String> {
     }
 }
 
-/// A `rein.base_url` must belong to a CLI preset and be reachable through
-/// the sandbox's egress allowlist; `rein.model` must be plain text.
+/// A `rein.base_url` must belong to a CLI preset, be reachable through
+/// the sandbox's egress allowlist and, when the profile names credential
+/// routes, not be plain http beyond loopback; `rein.model` must be plain
+/// text.
 fn check_endpoint(
     rein: &ReinSpec,
     sandbox: &crate::sandbox::SandboxSpec,
     hosts: Vec<crate::net::HostPattern>,
+    routes: &[String],
 ) -> Result<(), String> {
     check_model(&rein.model).map_err(|e| format!("rein.model: {e}"))?;
     // A protocol harness is never told a model: accepted, it would be
@@ -522,6 +525,12 @@ fn check_endpoint(
         return Err("rein.base_url: only for the claude_stream_json and codex_exec_json presets".into());
     }
     let endpoint = crate::net::Endpoint::parse(&rein.base_url).map_err(|e| format!("rein.base_url: {e}"))?;
+    // A model key goes there (by the gateway, or the harness itself when
+    // exposed): never in clear beyond loopback. A profile without routes
+    // has no key to send (a keyless model server on the LAN).
+    if !routes.is_empty() {
+        crate::credentials::gateway::upstream(&rein.base_url).map_err(|e| format!("rein.base_url: {e}"))?;
+    }
     let allowed = sandbox.allow_network
         && matches!(
             crate::net::Allowlist::new(hosts).check_name(&endpoint.host, endpoint.port),
@@ -702,7 +711,7 @@ impl Profile {
         }
         let hosts =
             crate::net::parse_hosts(&file.sandbox.allow_hosts).map_err(|e| format!("sandbox.allow_hosts: {e}"))?;
-        check_endpoint(&file.rein, &file.sandbox, hosts)?;
+        check_endpoint(&file.rein, &file.sandbox, hosts, &file.credential_route_refs)?;
         for path in &file.sandbox.read_paths {
             if !path.starts_with('/') {
                 return Err(format!("sandbox.read_paths: {path:?} must be absolute"));

@@ -75,11 +75,28 @@ pub async fn run(config: &Config, json: bool) -> anyhow::Result<i32> {
     };
     checks.push(("warm pools".into(), warm.clone()));
     // The descriptors the daemon would raise itself to, and whether its
-    // proxy and watchers fit them.
+    // proxy fits them.
     let descriptors = crate::fdlimit::proxy_connections(config, crate::fdlimit::raise_nofile())
         .map(|n| format!("{n} proxy connections fit the descriptor limit"));
     checks.push(("file descriptors".into(), descriptors.clone()));
-    let starts = uids.is_ok() && admin.is_ok() && catalog.is_ok() && warm.is_ok() && descriptors.is_ok();
+    // Who may call, and the TCP listener's TLS files, as `serve` loads them.
+    let env = |name: &str| std::env::var(name).ok();
+    let principals = crate::auth::load_principals(&config.principals, config.principals_dir.as_deref(), &env)
+        .map(|loaded| format!("{} principals", loaded.len()));
+    checks.push(("principals".into(), principals.clone()));
+    let tls = match crate::daemon::tls_config(config) {
+        Ok(Some(_)) => Ok("the listener's certificate and key load".to_string()),
+        Ok(None) => Ok("none configured".to_string()),
+        Err((what, e)) => Err(format!("{what}: {e}")),
+    };
+    checks.push(("tls".into(), tls.clone()));
+    let starts = uids.is_ok()
+        && admin.is_ok()
+        && catalog.is_ok()
+        && warm.is_ok()
+        && descriptors.is_ok()
+        && principals.is_ok()
+        && tls.is_ok();
     let profiles = match (catalog, admin) {
         (Ok(catalog), Ok(admin)) => {
             // The host as the daemon's gate sees it (`Daemon::build`).
@@ -213,6 +230,9 @@ fn keys(config: &Config, profile: &crate::catalog::Profile) -> String {
     let refs = &profile.file.credential_route_refs;
     if refs.is_empty() {
         return "no credentials".into();
+    }
+    if let Err(e) = config.credentials.check_exposure(refs, &profile.file.rein) {
+        return format!("credentials: {e}");
     }
     let gated = match profile.file.sandbox.sandbox_type {
         crate::sandbox::SandboxType::LinuxBwrap => match config.credentials.gateway_routes(refs, &profile.file.rein) {

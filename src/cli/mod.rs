@@ -195,7 +195,9 @@ pub enum ClientCommand {
     /// enforce.
     Version,
     /// Measure corral against the bare sandbox: latency, throughput,
-    /// fanout, ingest, peer (in-process daemon unless --server is given).
+    /// fanout, ingest, peer (in-process daemon unless --server is given);
+    /// gate and gateway (in-process); fleet (two nodes of its own on
+    /// --postgres, not with --server).
     Bench(bench::BenchArgs),
 }
 

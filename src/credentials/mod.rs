@@ -24,7 +24,9 @@ pub use scrub::Scrubber;
 /// real value to the upstream in `header` (see [`gateway`]). The routes
 /// Claude Code and Codex read their model key from use the gateway without
 /// one (their upstream is the profile's model endpoint) unless `expose`
-/// hands the real value to the harness.
+/// hands the real value to the harness. Any other route must say one or
+/// the other: a profile naming a route with neither does not resolve
+/// ([`CredentialsConfig::check_exposure`]).
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
@@ -47,7 +49,8 @@ pub struct RouteConfig {
     #[serde(default)]
     pub ca_file: Option<PathBuf>,
     /// Put the real value in the harness's environment (no gateway): for a
-    /// tool that needs the raw key inside the sandbox.
+    /// tool that needs the raw key inside the sandbox. A route without an
+    /// `upstream` must say so, unless it is a built-in's model key.
     #[serde(default)]
     pub expose: bool,
 }
@@ -191,6 +194,22 @@ impl CredentialsConfig {
         self.routes.keys().map(String::as_str)
     }
 
+    /// Refuses a route of `refs` whose real value would reach the harness's
+    /// environment though the route does not say so: every route names an
+    /// `upstream` (the gateway), is the model key of a built-in harness
+    /// (the gateway in a `linux_bwrap` sandbox; handed over in a `none`
+    /// one, which has no namespace for it), or says `expose = true`.
+    /// Before, a route with none of these was handed over in clear.
+    pub fn check_exposure(&self, refs: &[String], rein: &ReinSpec) -> Result<(), String> {
+        for name in refs {
+            let Some(route) = self.routes.get(name) else { continue };
+            if route.upstream.is_none() && !route.expose && model_route(name, route, refs, rein).is_none() {
+                return Err(unexposed(name));
+            }
+        }
+        Ok(())
+    }
+
     /// The routes of `refs` that go through the gateway for a harness of
     /// `rein`, with their upstreams and how the secret is presented: every
     /// route with an `upstream`, and (unless `expose`) the route Claude
@@ -200,15 +219,7 @@ impl CredentialsConfig {
         let mut routes = Vec::new();
         for name in refs {
             let Some(route) = self.routes.get(name) else { continue };
-            let model_route = match rein.preset {
-                Preset::ClaudeStreamJson => CLAUDE_KEYS
-                    .iter()
-                    .find(|(var, _)| *var == route.inject_as)
-                    .map(|(_, header)| (ANTHROPIC_UPSTREAM, *header)),
-                Preset::CodexExecJson if Some(name) == refs.first() => Some((OPENAI_UPSTREAM, "authorization")),
-                _ => None,
-            };
-            let (upstream, presented) = match (&route.upstream, model_route) {
+            let (upstream, presented) = match (&route.upstream, model_route(name, route, refs, rein)) {
                 (Some(upstream), _) => (upstream.clone(), route.presented()),
                 (None, Some(_)) if route.expose => continue,
                 (None, Some((vendor, header))) => {
@@ -217,7 +228,8 @@ impl CredentialsConfig {
                         if header == "authorization" { Presented::Bearer } else { Presented::Header(header.into()) };
                     (url, presented)
                 }
-                (None, None) => continue,
+                (None, None) if route.expose => continue,
+                (None, None) => return Err(unexposed(name)),
             };
             let upstream = gateway::upstream(&upstream).map_err(|e| format!("credential route {name}: {e}"))?;
             let tls = match upstream.tls {
@@ -283,9 +295,89 @@ impl CredentialsConfig {
     }
 }
 
+/// The vendor upstream and the header of route `name` when it is the one
+/// Claude Code or Codex reads its model key from, for a harness of `rein`
+/// naming `refs`: Claude Code's by its variable, Codex's as the first.
+fn model_route(
+    name: &str,
+    route: &RouteConfig,
+    refs: &[String],
+    rein: &ReinSpec,
+) -> Option<(&'static str, &'static str)> {
+    match rein.preset {
+        Preset::ClaudeStreamJson => {
+            CLAUDE_KEYS.iter().find(|(var, _)| *var == route.inject_as).map(|(_, header)| (ANTHROPIC_UPSTREAM, *header))
+        }
+        Preset::CodexExecJson if refs.first().map(String::as_str) == Some(name) => {
+            Some((OPENAI_UPSTREAM, "authorization"))
+        }
+        _ => None,
+    }
+}
+
+fn unexposed(name: &str) -> String {
+    format!(
+        "credential route {name} has no upstream, so its real value would enter the sandbox in clear: give \
+         [credentials.routes.{name}] an upstream (the credential gateway keeps the key in the daemon), or \
+         expose = true to hand the key to the harness"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A route reaches the harness in clear only when it says `expose`, or
+    /// as a built-in's model key; a gatewayed route never does.
+    #[test]
+    fn a_route_without_an_upstream_must_say_expose_unless_it_is_a_model_key() {
+        let mut config = CredentialsConfig::default();
+        let route = |inject_as: &str, upstream: Option<&str>, expose: bool| RouteConfig {
+            file: Some("/k".into()),
+            inject_as: inject_as.into(),
+            upstream: upstream.map(Into::into),
+            expose,
+            ..Default::default()
+        };
+        config.routes.insert("raw".into(), route("GITHUB_TOKEN", None, false));
+        config.routes.insert("exposed".into(), route("GITHUB_TOKEN", None, true));
+        config.routes.insert("gw".into(), route("GW_TOKEN", Some("https://api.example.com"), false));
+        config.routes.insert("anthropic".into(), route("ANTHROPIC_API_KEY", None, false));
+        config.routes.insert("openai".into(), route("OPENAI_API_KEY", None, false));
+        let rein = |preset: Preset| ReinSpec {
+            kind: "command".into(),
+            preset,
+            argv: vec!["/bin/true".into()],
+            input: Default::default(),
+            base_url: String::new(),
+            model: String::new(),
+        };
+        let check = |refs: &[&str], preset: Preset| {
+            let refs: Vec<String> = refs.iter().map(|r| r.to_string()).collect();
+            config.check_exposure(&refs, &rein(preset))
+        };
+        let refused = Err(unexposed("raw"));
+        assert_eq!(check(&["exposed", "gw"], Preset::Protocol), Ok(()));
+        assert_eq!(check(&["gw", "raw"], Preset::Protocol), refused);
+        assert_eq!(check(&["raw"], Preset::ClaudeStreamJson), refused, "not Claude Code's key variable");
+        assert_eq!(check(&["anthropic", "exposed"], Preset::ClaudeStreamJson), Ok(()));
+        assert_eq!(check(&["anthropic"], Preset::Protocol), Err(unexposed("anthropic")), "a key of no built-in here");
+        assert_eq!(check(&["raw", "gw"], Preset::CodexExecJson), Ok(()), "Codex's key is its first route");
+        assert_eq!(check(&["openai", "raw"], Preset::CodexExecJson), refused);
+        // The gateway's own list refuses it too, so no path hands it over.
+        let refs = vec!["gw".to_string(), "raw".to_string()];
+        assert_eq!(config.gateway_routes(&refs, &rein(Preset::Protocol)).err(), refused.err());
+        let refs = vec!["exposed".to_string(), "gw".to_string()];
+        let names: Vec<String> =
+            config.gateway_routes(&refs, &rein(Preset::Protocol)).unwrap().into_iter().map(|r| r.name).collect();
+        assert_eq!(names, ["gw"]);
+        assert_eq!(
+            unexposed("raw"),
+            "credential route raw has no upstream, so its real value would enter the sandbox in clear: give \
+             [credentials.routes.raw] an upstream (the credential gateway keeps the key in the daemon), or \
+             expose = true to hand the key to the harness"
+        );
+    }
 
     #[test]
     fn env_passthrough_never_names_a_routes_variable() {

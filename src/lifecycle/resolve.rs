@@ -64,7 +64,10 @@ impl Resolution<'_> {
             check_actor(actor)?;
         }
         let profile = self.catalog.resolve(profile_ref)?;
-        if let Err(why) = self.credentials.check(&profile.file.credential_route_refs) {
+        let refs = &profile.file.credential_route_refs;
+        if let Err(why) =
+            self.credentials.check(refs).and_then(|()| self.credentials.check_exposure(refs, &profile.file.rein))
+        {
             return Err(Refusal(format!("profile {} cannot run: {why}", profile.reference())));
         }
         let missing = missing_labels(&profile, self.labels);

@@ -168,6 +168,9 @@ pub(super) async fn make_sandbox(
         }
     };
     sandbox.receipt.gateway_routes = gateway.iter().map(|r| r.name.clone()).collect();
+    let gatewayed = |route: &String| gateway.iter().any(|g| &g.name == route);
+    sandbox.receipt.exposed_routes =
+        profile.file.credential_route_refs.iter().filter(|r| !gatewayed(r)).cloned().collect();
     engine.sandbox_alive(&sandbox.id, true);
     crate::telemetry::sandbox_alive(1.0);
     match sandbox.state {

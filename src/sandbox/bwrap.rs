@@ -544,6 +544,7 @@ impl SandboxBackend for BwrapBackend {
             userns_disabled: true,
             limits: self.boundary.limit_receipts(&req.limits, req.user.is_some(), true),
             gateway_routes: Vec::new(),
+            exposed_routes: Vec::new(),
         };
         Ok(Sandbox {
             id: req.sandbox_id.clone(),

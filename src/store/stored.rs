@@ -393,6 +393,7 @@ mod tests {
                     userns_disabled: true,
                     limits: vec![LimitReceipt { name: "max_processes".into(), value: 64, mechanism: "cgroup".into() }],
                     gateway_routes: vec!["anthropic".into()],
+                    exposed_routes: vec!["github".into()],
                 },
             },
             EventKind::Dispatched { tool: "run_task".into() },

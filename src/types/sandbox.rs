@@ -206,4 +206,8 @@ pub struct EnforcementReceipt {
     /// Credential routes presented by the daemon's gateway (the harness
     /// holds placeholders).
     pub gateway_routes: Vec<String>,
+    /// Credential routes whose real value the harness's environment holds
+    /// (`expose = true`, or a built-in's model key in a `none` sandbox).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub exposed_routes: Vec<String>,
 }

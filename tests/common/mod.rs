@@ -196,6 +196,7 @@ impl TestDaemon {
                 env: None,
                 file: Some(secret),
                 inject_as: "ROUTE_TEST_TOKEN".into(),
+                expose: true,
                 ..Default::default()
             },
         );
@@ -244,13 +245,7 @@ impl TestDaemon {
 
     /// Runs `Execute` and collects the whole stream.
     pub async fn execute(&self, request: pb::ExecuteRequest) -> Vec<pb::LifecycleEvent> {
-        let mut client = self.executions().await;
-        let mut stream = client.execute(request).await.expect("execute accepted").into_inner();
-        let mut events = Vec::new();
-        while let Some(event) = stream.message().await.expect("stream ok") {
-            events.push(event);
-        }
-        events
+        execute_all(self.channel().await, request).await
     }
 
     pub async fn watch_all(&self, execution_id: &str, after: u64) -> Vec<pb::LifecycleEvent> {
@@ -490,7 +485,23 @@ pub struct ServeProcess {
     pub uids: String,
 }
 
+/// Runs `Execute` on `channel` and collects the whole stream.
+pub async fn execute_all(channel: Channel, request: pb::ExecuteRequest) -> Vec<pb::LifecycleEvent> {
+    let mut client = ExecutionServiceClient::new(channel);
+    let mut stream = client.execute(request).await.expect("execute accepted").into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.expect("stream ok") {
+        events.push(event);
+    }
+    events
+}
+
 impl ServeProcess {
+    /// Runs `Execute` and collects the whole stream.
+    pub async fn execute(&self, request: pb::ExecuteRequest) -> Vec<pb::LifecycleEvent> {
+        execute_all(self.channel().await, request).await
+    }
+
     /// Starts the binary on 127.0.0.1:0 and waits for its address line.
     pub async fn start(data_dir: &Path, profiles: &Path, env: &[(&str, &str)]) -> ServeProcess {
         Self::start_with(data_dir, profiles, env, "").await
@@ -541,7 +552,7 @@ impl ServeProcess {
         let mut text = format!(
             // The extra config first: its top-level keys must come before
             // any table.
-            "{extra_config}\n[credentials.routes.\"route.test\"]\nfile = {:?}\ninject_as = \"ROUTE_TEST_TOKEN\"\n[sandbox]\nuids = {:?}\n",
+            "{extra_config}\n[credentials.routes.\"route.test\"]\nfile = {:?}\ninject_as = \"ROUTE_TEST_TOKEN\"\nexpose = true\n[sandbox]\nuids = {:?}\n",
             secret.display().to_string(),
             uids
         );

@@ -6,8 +6,10 @@
 //! with one, it measures that daemon, called with the client's token
 //! (`CORRAL_TOKEN`, `--token-file`) and TLS material. Scenarios: `latency` (against the
 //! floor: the exact bwrap command line corral runs, spawned directly),
-//! `throughput`, `fanout`, `ingest`, `peer`, or `all`. The figures and the
-//! method are in BENCHMARKS.md.
+//! `throughput`, `fanout`, `ingest`, `peer`; `gate` and `gateway` (their
+//! parts always in-process, `--server` or not); `fleet` (two nodes of its
+//! own on `--postgres`; not measured with `--server`); or `all`. The figures and the method are in
+//! BENCHMARKS.md.
 
 mod client;
 mod emitter;
