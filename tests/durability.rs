@@ -206,7 +206,11 @@ async fn fifty_watchers_get_everything_and_a_stalled_one_is_ended_then_resumes()
     require_bwrap();
     let options = Options::default();
     let daemon = TestDaemon::start(options).await;
-    let task = "NOWORK\nPROGRESS 10000";
+    // Paced over two seconds, so that every watcher below subscribes while
+    // the run still emits: unpaced, on a fast host, the run could end
+    // before the stalled watcher subscribed, which then reads the stored
+    // events at its own pace and is never ended.
+    let task = "NOWORK\nPACE 5000\nPROGRESS 10000";
     let (_, baseline) = timed_run(&daemon, task).await;
 
     let mut client = daemon.executions().await;
