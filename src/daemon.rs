@@ -182,7 +182,9 @@ impl Daemon {
         let lease_ms = config.fleet.lease().as_millis() as i64;
         let capacity = config.fleet.capacity(config.max_running_executions);
         // A node of the fleet from here on: every write of a run checks
-        // this start's epoch against the node's row.
+        // this start's epoch against the node's row. The lease runs from
+        // no earlier than the join was sent.
+        let joined = std::time::Instant::now();
         store.join_fleet(capacity as u64, &labels, lease_ms).await?;
         let host = HostCapabilities {
             bwrap,
@@ -244,6 +246,8 @@ impl Daemon {
                 UidMode::Daemon { .. } => None,
             },
         });
+        // The join is this start's first renewal: it takes work from now.
+        engine.lease_holds_until(joined + crate::fleet::lease::takes_work_for(config.fleet.lease()));
         // Before recovery, so the runs it finishes are counted: the
         // recorder is installed with the listener.
         let metrics = match &config.metrics_listen {

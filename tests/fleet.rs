@@ -71,6 +71,18 @@ impl Node {
     /// `extra` goes after the `[fleet]` section; a part of it before a NUL
     /// goes before it, at the top of the file.
     async fn start_through(dir: &Path, name: &str, url: &str, extra: &str, wrapper: Vec<String>) -> Node {
+        Node::start_leased(dir, name, url, LEASE_SECONDS, extra, wrapper).await
+    }
+
+    /// [`Node::start_through`] with a lease of `lease_seconds`.
+    async fn start_leased(
+        dir: &Path,
+        name: &str,
+        url: &str,
+        lease_seconds: u64,
+        extra: &str,
+        wrapper: Vec<String>,
+    ) -> Node {
         let data = dir.join(name);
         let profiles = dir.join("profiles");
         std::fs::create_dir_all(&profiles).unwrap();
@@ -80,7 +92,7 @@ impl Node {
             std::fs::write(data.with_extension("toml"), format!("[store]\nurl = {url:?}\n")).unwrap();
         }
         let (top, extra) = extra.split_once('\0').unwrap_or(("", extra));
-        let config = format!("{top}\n{}{extra}\n", fleet_config(name));
+        let config = format!("{top}\n[fleet]\nnode = {name:?}\nlease_seconds = {lease_seconds}\n{extra}\n");
         let wrap: Vec<&str> = wrapper.iter().map(String::as_str).collect();
         let process = ServeProcess::start_wrapped(&data, &profiles, &[], &config, &wrap).await;
         Node { name: name.into(), data, profiles, config, wrapper, process }
@@ -114,10 +126,6 @@ impl Node {
         unsafe { libc::kill(self.process.pid(), libc::SIGKILL) };
         self.process.child.wait().await.unwrap();
     }
-}
-
-fn fleet_config(name: &str) -> String {
-    format!("[fleet]\nnode = {name:?}\nlease_seconds = {LEASE_SECONDS}\n")
 }
 
 /// Starts a shell execution on `node` that works until killed, and waits
@@ -1096,6 +1104,60 @@ async fn a_queued_execution_is_cancelled_before_it_runs_and_the_next_one_runs() 
     assert!(processes_with(&never).is_empty(), "the cancelled execution never ran");
     let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
     assert_eq!(store.node_of_execution(&next.execution_id).await.unwrap().as_deref(), Some("node-b"));
+}
+
+/// A node that cannot renew its lease takes no new work before it fences.
+/// node-b's row is share-locked by another transaction: its renewal's
+/// UPDATE waits on the lock, while its claims' fence check (a share lock
+/// too) and every other statement of a claim go through. Half a lease
+/// after its last renewal it claims nothing, though the store would let
+/// it; the lock let go, the renewal goes through and it runs the work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_cannot_renew_its_lease_claims_nothing() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    // Renewed every 7 s, no new work 10.5 s after a renewal, fenced at 14 s.
+    const LEASE_MS: i64 = 21_000;
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let leased = |name: &'static str, fleet: &'static str| {
+        Node::start_leased(dir.path(), name, &url, LEASE_MS as u64 / 1000, fleet, Vec::new())
+    };
+    let front = leased("front", "capacity = 0").await;
+    let b = leased("node-b", "capacity = 1").await;
+    let db = sqlx::PgPool::connect(&url).await.unwrap();
+    let lease_until =
+        || sqlx::query_scalar::<_, i64>("SELECT lease_until_ms FROM nodes WHERE name = 'node-b'").fetch_one(&db);
+    // Just after a renewal of node-b's: the lease runs from then.
+    let joined = lease_until().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(12);
+    let renewed = loop {
+        let now = lease_until().await.unwrap();
+        if now > joined {
+            break now;
+        }
+        assert!(Instant::now() < deadline, "node-b did not renew its lease");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut lock = db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM nodes WHERE name = 'node-b' FOR SHARE").execute(&mut *lock).await.unwrap();
+    let sent = renewed - LEASE_MS;
+    let (stops_taking, fences) = (sent + LEASE_MS / 2, sent + LEASE_MS * 2 / 3);
+    tokio::time::sleep(Duration::from_millis((stops_taking + 300 - corral::records::now_ms()).max(0) as u64)).await;
+    let queued = front.executions().await.start_execution(request("builtin.shell", "echo claimed")).await.unwrap();
+    let id = queued.into_inner().execution_id;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(state_of(&front, &id).await, pb::ExecutionState::Pending, "node-b took work it could not keep");
+    let now = corral::records::now_ms();
+    // The renewal must go through (below) before the fence, with time to
+    // spare.
+    assert!(now < fences - 2000, "this machine was too slow to look before node-b's fence ({now} vs {fences})");
+    lock.rollback().await.unwrap();
+    let (state, _) = until_finished(&front, &id, Duration::from_secs(30)).await;
+    assert_eq!(state, pb::ExecutionState::Succeeded);
+    let store = corral::store::Store::open(dir.path(), Some(&url), "test-reader").await.unwrap();
+    assert_eq!(store.node_of_execution(&id).await.unwrap().as_deref(), Some("node-b"));
+    stop_all([front, b]).await;
 }
 
 /// kill -9 of a node mid-run: its run is failed by a survivor, once; the

@@ -499,7 +499,9 @@ async fn resolution_for_a_dry_run_refuses_what_an_execution_refuses() {
 
 /// A DrainNode naming this daemon's own node takes effect at once (the
 /// proto: a drained node "takes no new work"), not at its next lease
-/// renewal — on SQLite, where there is no lease, not never.
+/// renewal — on SQLite, where there is no lease, not never. Its health
+/// goes NOT_SERVING then, as at a shutdown, so that a load balancer's
+/// probe stops sending it work it would refuse.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn draining_this_node_refuses_new_work_at_once() {
     let daemon = TestDaemon::start(Options {
@@ -507,6 +509,18 @@ async fn draining_this_node_refuses_new_work_at_once() {
         ..Options::default()
     })
     .await;
+    use tonic_health::pb::{health_check_response::ServingStatus, health_client::HealthClient};
+    /// The server's status and each corral service's.
+    async fn statuses(channel: tonic::transport::Channel) -> Vec<ServingStatus> {
+        let mut health = HealthClient::new(channel);
+        let mut statuses = Vec::new();
+        for service in ["", "corral.v1.ExecutionService", "corral.v1.SessionService", "corral.v1.CatalogService"] {
+            let asked = tonic_health::pb::HealthCheckRequest { service: service.into() };
+            statuses.push(health.check(asked).await.expect(service).into_inner().status());
+        }
+        statuses
+    }
+    assert_eq!(statuses(daemon.channel().await).await, [ServingStatus::Serving; 4]);
     let mut catalog = daemon.catalog().await;
     let nodes = catalog.list_nodes(pb::ListNodesRequest {}).await.expect("nodes").into_inner().nodes;
     let name = nodes.first().expect("this daemon's node").name.clone();
@@ -514,6 +528,17 @@ async fn draining_this_node_refuses_new_work_at_once() {
     assert!(daemon.engine.is_draining(), "the engine still takes work: {drained:?}");
     let refused = daemon.executions().await.start_execution(request("test.plain", "")).await.expect_err("draining");
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("draining"), "{refused:?}");
+    // The reporter's task sets it after the drain: a moment, not never.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let now = statuses(daemon.channel().await).await;
+        if now == [ServingStatus::NotServing; 4] {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "still {now:?} after the drain");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     daemon.stop().await;
 }
 

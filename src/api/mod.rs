@@ -183,16 +183,30 @@ async fn drain(
     grace: Duration,
     streams_end: StreamsEnd,
 ) {
-    shutdown.cancelled().await;
+    // A drain without a shutdown (a DrainNode of this node, its fleet row
+    // marked draining) takes no new work either: probes see it at once.
+    let started = engine.drain_started();
+    tokio::select! {
+        () = shutdown.cancelled() => {}
+        () = started.cancelled() => {
+            not_serving(&health).await;
+            shutdown.cancelled().await;
+        }
+    }
     tracing::info!(grace_seconds = grace.as_secs(), "shutting down: draining");
-    health.set_not_serving::<ExecutionServiceServer<ExecutionApi>>().await;
-    health.set_not_serving::<CatalogServiceServer<CatalogApi>>().await;
-    health.set_not_serving::<SessionServiceServer<SessionApi>>().await;
-    health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+    not_serving(&health).await;
     engine.start_draining();
     engine.shutdown(grace).await;
     streams_end.end();
     tracing::info!("drained");
+}
+
+/// Every corral service, and the server as a whole, NOT_SERVING.
+async fn not_serving(health: &tonic_health::server::HealthReporter) {
+    health.set_not_serving::<ExecutionServiceServer<ExecutionApi>>().await;
+    health.set_not_serving::<CatalogServiceServer<CatalogApi>>().await;
+    health.set_not_serving::<SessionServiceServer<SessionApi>>().await;
+    health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
 }
 
 /// Serves `routes` on TCP (with TLS when configured) and on the unix

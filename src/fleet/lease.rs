@@ -10,6 +10,11 @@
 //! no wait or attempt of the loop runs past the moment to fence: a store
 //! that answers late cannot push the fence towards the lease's end.
 //!
+//! A node that could not renew for half a lease takes no new work (it
+//! claims nothing from the queue, starts no run or session of its own)
+//! until a renewal succeeds again: work it took then would be killed at
+//! the fence.
+//!
 //! A node that is shutting down (SIGTERM) goes on renewing while its runs
 //! end, until it has left the fleet: its lease must outlast the shutdown
 //! grace, or a survivor would declare it lost and fail the runs it is
@@ -52,6 +57,15 @@ pub fn renew_every(lease: Duration) -> Duration {
 /// How long a node may go without a renewal before it fences itself.
 pub fn fence_after(lease: Duration) -> Duration {
     lease * 2 / 3
+}
+
+/// How long after a renewal that succeeded was sent a node takes new
+/// work (claims from the queue, runs and sessions it would start itself):
+/// half its lease, past the next renewal's due time and short of the
+/// fence, so that a node that cannot renew stops taking work it would
+/// kill at the fence.
+pub fn takes_work_for(lease: Duration) -> Duration {
+    lease / 2
 }
 
 /// The lease loop's clock: when the last renewal that succeeded was sent
@@ -143,6 +157,10 @@ mod tests {
         let ms = Duration::from_millis;
         assert_eq!(renew_every(LEASE), ms(3000));
         assert_eq!(fence_after(LEASE), ms(6000));
+        assert_eq!(takes_work_for(LEASE), ms(4500));
+        for lease in [ms(1000), LEASE, Duration::from_secs(60)] {
+            assert!(renew_every(lease) < takes_work_for(lease) && takes_work_for(lease) < fence_after(lease));
+        }
         assert_eq!(renew_every(ms(150)), ms(100), "never a busy loop");
         for stopping in [false, true] {
             assert_eq!(after(&Renewal::Renewed(NodeState::Active), ms(0), LEASE, stopping), Step::Continue);

@@ -184,6 +184,9 @@ pub struct Engine {
     /// [`Engine::recover_panicked`] finds it here.
     pub(super) panicked: Mutex<HashMap<String, String>>,
     tasks: TaskTracker,
+    /// Cancelled by [`Engine::start_draining`]: whoever reports this node's
+    /// health learns that it takes no new work, whatever drained it.
+    drain_started: CancellationToken,
     draining: CancellationToken,
     /// The sandboxes that exist now, so a fenced node can kill what runs in
     /// them without the store (see [`Engine::fence`]).
@@ -285,6 +288,7 @@ impl Engine {
             sessions: Mutex::new(HashMap::new()),
             panicked: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
+            drain_started: CancellationToken::new(),
             draining: CancellationToken::new(),
             live_sandboxes: Mutex::default(),
             fenced: Default::default(),
@@ -357,7 +361,7 @@ impl Engine {
     /// this future, never a half-stored execution or a slot still held.
     pub async fn submit(self: &Arc<Self>, cmd: ExecuteCommand) -> Result<Submitted, EngineError> {
         if self.is_draining() {
-            return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
+            return Err(EngineError::Unavailable(DRAINING.into()));
         }
         if self.store.is_shared() {
             return self.submit_to_fleet(cmd).await;
@@ -895,7 +899,14 @@ impl Engine {
         let was = self.tasks.is_closed();
         self.tasks.close();
         self.stop_filling();
+        self.drain_started.cancel();
         !was
+    }
+
+    /// Cancelled once this node drains: a shutdown, a DrainNode of it, or
+    /// its fleet row marked draining.
+    pub fn drain_started(&self) -> CancellationToken {
+        self.drain_started.clone()
     }
 
     /// Whether the engine refuses new work: draining started, or the shutdown
@@ -910,6 +921,10 @@ impl Engine {
         self.draining.clone()
     }
 }
+
+/// Why a draining node refuses new work.
+pub(crate) const DRAINING: &str =
+    "this node is draining (shutting down, or drained by DrainNode): it accepts no new work";
 
 /// The span of one execution, joined to the caller's trace: every log line
 /// of the run carries its id. The outcome fields are recorded when it

@@ -94,7 +94,7 @@ static NEXT: AtomicUsize = AtomicUsize::new(0);
 impl Engine {
     /// Whether this node takes a session itself rather than handing it on:
     /// always on a single node; on a fleet when it runs work and has the
-    /// labels the profile needs.
+    /// labels the profile needs (and, to start one now, its lease holds).
     pub(super) fn takes_sessions_of(&self, profile_ref: &str) -> bool {
         !self.store.is_shared() || (self.runs_work() && covers(self.fleet_labels(), &self.needs_of(profile_ref)))
     }
@@ -217,7 +217,7 @@ impl Engine {
     }
 
     async fn create_handed(self: &Arc<Self>, mut cmd: CreateSessionCommand, session_id: String) -> CreateAnswer {
-        if self.is_draining() || !self.takes_sessions_of(&cmd.profile_ref) {
+        if self.is_draining() || !self.takes_sessions_of(&cmd.profile_ref) || !self.lease_holds() {
             return CreateAnswer::NoRoom(format!("node {} does not take this session now", self.store.node()));
         }
         cmd.policies = match crate::policy::compile_all(&cmd.policy_specs, "session", "policies") {

@@ -31,6 +31,9 @@ pub(super) struct FleetRoom {
     pub(super) wake: Notify,
     /// The fleet's nodes, as last read (see `someone_can_run`).
     nodes: Mutex<Option<(std::time::Instant, Arc<Vec<crate::store::NodeRow>>)>>,
+    /// Until when this node's lease is known to hold (set by the lease
+    /// loop after each renewal that succeeded); none before the first.
+    lease_holds_until: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 /// How long a read of the fleet's nodes is used before it is read again:
@@ -47,6 +50,7 @@ impl FleetRoom {
             claiming: Mutex::new(()),
             wake: Notify::new(),
             nodes: Mutex::new(None),
+            lease_holds_until: std::sync::Mutex::new(None),
         }
     }
 }
@@ -102,7 +106,7 @@ impl Engine {
     pub(super) async fn submit_to_fleet(self: &Arc<Self>, cmd: ExecuteCommand) -> Result<Submitted, EngineError> {
         let execution_id = uuid::Uuid::now_v7().to_string();
         let needs = self.needs_of(&cmd.harness_profile_ref);
-        let can_here = self.fleet.capacity > 0 && covers(&self.fleet.labels, &needs);
+        let can_here = self.fleet.capacity > 0 && covers(&self.fleet.labels, &needs) && self.lease_holds();
         // A slot here when there is room; the store decides on the quota.
         let slot = match can_here && self.admission.running(admission::Work::Execution) < self.fleet.capacity {
             true => self.admission.reserve(&execution_id, admission::Work::Execution, &cmd.principal, None).ok(),
@@ -119,6 +123,29 @@ impl Engine {
             span,
         ));
         submitted.await.unwrap_or_else(|_| Err(EngineError::Unavailable("the execution was not accepted".into())))
+    }
+
+    /// The lease loop's word that this node's lease holds until `until`
+    /// (see `fleet::lease::takes_work_for`). A node that took no work
+    /// until now (it had just started, or could not renew) looks at the
+    /// queue at once.
+    pub fn lease_holds_until(&self, until: std::time::Instant) {
+        let held = self.lease_holds();
+        *self.fleet.lease_holds_until.lock().unwrap_or_else(|e| e.into_inner()) = Some(until);
+        if !held {
+            self.wake_claims();
+        }
+    }
+
+    /// Whether this node may take new work on a shared store: its lease
+    /// was renewed recently enough (a node that cannot renew stops taking
+    /// work before it fences). Always on a store of its own.
+    pub(super) fn lease_holds(&self) -> bool {
+        if !self.store.is_shared() {
+            return true;
+        }
+        let until = *self.fleet.lease_holds_until.lock().unwrap_or_else(|e| e.into_inner());
+        until.is_some_and(|until| std::time::Instant::now() < until)
     }
 
     /// The fleet's nodes as read at most [`NODES_FRESH`] ago.
@@ -165,6 +192,15 @@ impl Engine {
         needs: Vec<String>,
         answer: tokio::sync::oneshot::Sender<Result<Submitted, EngineError>>,
     ) {
+        // The lease may have stopped holding since the slot was taken (a
+        // slow store is when it does): then the run is queued.
+        let slot = match slot {
+            Some(_) if !self.lease_holds() => {
+                self.release(&execution_id);
+                None
+            }
+            slot => slot,
+        };
         let mut record = self.new_record(&execution_id, &cmd, ExecutionState::Pending);
         // A caller that follows a run that may be queued (this node has no
         // room, or the principal's fleet-wide quota may hold it back) is a
@@ -236,7 +272,7 @@ impl Engine {
         }
         let _claiming = self.fleet.claiming.lock().await;
         loop {
-            if self.is_draining() {
+            if self.is_draining() || !self.lease_holds() {
                 return;
             }
             let room = self.fleet.capacity.saturating_sub(self.admission.running(admission::Work::Execution));
@@ -258,7 +294,12 @@ impl Engine {
                 .map(|i| format!("\0claim-{i}"))
                 .filter(|name| self.admission.reserve(name, admission::Work::Execution, "", None).is_ok())
                 .collect();
-            if placeholders.is_empty() {
+            // The queue's count was a read of the store: the lease may have
+            // stopped holding meanwhile.
+            if placeholders.is_empty() || !self.lease_holds() {
+                for placeholder in &placeholders {
+                    self.admission.release(placeholder);
+                }
                 return;
             }
             let claimed = match self.store.claim_queued(placeholders.len(), &self.fleet.labels).await {

@@ -97,7 +97,7 @@ impl Engine {
     /// record once the session is active, or why it could not be.
     pub async fn create_session(self: &Arc<Self>, cmd: CreateSessionCommand) -> Result<SessionRecord, EngineError> {
         if self.is_draining() {
-            return Err(EngineError::Unavailable("the daemon is shutting down; no new work is accepted".into()));
+            return Err(EngineError::Unavailable(super::DRAINING.into()));
         }
         let id = if cmd.session_id.is_empty() { uuid::Uuid::now_v7().to_string() } else { cmd.session_id.clone() };
         // Here, on another node or in the store: taken is taken, said with
@@ -121,6 +121,10 @@ impl Engine {
         }
         if !self.takes_sessions_of(&cmd.profile_ref) {
             return self.create_elsewhere(cmd, id, None).await;
+        }
+        if !self.lease_holds() {
+            let why = format!("node {} cannot confirm its lease with the store now; retry", self.store.node());
+            return self.create_elsewhere(cmd, id, Some(why)).await;
         }
         match self.reserve_session(&id, &cmd) {
             Ok(()) => self.start_session(cmd, id).await,
