@@ -915,6 +915,54 @@ async fn a_session_with_a_real_agent_continues_its_conversation_across_turns() {
     }
 }
 
+/// Claude Code and Codex run their CLI anew for every turn after the first
+/// (it resumes the conversation): each such start passes the agent_start
+/// gate, as a restart does. A policy that allows a start only before any
+/// tool call lets the first turn run (the agent writes a file through its
+/// hook) and denies the second before the CLI runs: the model is never
+/// asked again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_run_of_a_resuming_agent_passes_the_agent_start_gate() {
+    require_claude();
+    require_codex();
+    use corral::pb;
+    let policy = "[[policies]]\nname = \"no-run-after-a-call\"\nkind = \"expr\"\non = [\"agent_start\"]\n\
+                  arguments = { expression = \"tool_calls < 1\", reason = \"no new run after a tool call\" }\n";
+    let cases = [
+        (
+            "builtin.claude-code",
+            Step::tool("Write", json!({"file_path": "/workspace/first.txt", "content": "first\n"})),
+        ),
+        ("builtin.codex", Step::tool("exec_command", json!({"cmd": "echo first > first.txt"}))),
+    ];
+    for (profile, call) in cases {
+        let mock = ModelMock::start(vec![call, Step::text("Wrote it."), Step::text("never asked")]).await;
+        let (_dir, serve) = serve_configured(&mock, true, &[], policy).await;
+        let origin = git_repo();
+        let mut client =
+            pb::session_service_client::SessionServiceClient::new(common::unix_channel(&serve.socket).await);
+        let create = pb::CreateSessionRequest {
+            session_id: "regated".into(),
+            profile_ref: profile.into(),
+            repo: origin.path().display().to_string(),
+            ..Default::default()
+        };
+        client.create_session(create).await.unwrap_or_else(|e| panic!("{profile}: {e:?}"));
+        let first = turn(&mut client, "regated", "Write first.txt.").await;
+        assert!(first.ok, "{profile}: {first:?}");
+        assert_eq!(first.output, "Wrote it.", "{profile}");
+        let second = turn(&mut client, "regated", "Write second.txt.").await;
+        assert!(!second.ok, "{profile}: a second run started without the gate: {second:?}");
+        assert!(
+            second.error.contains("no-run-after-a-call") && second.error.contains("no new run after a tool call"),
+            "{profile}: {second:?}"
+        );
+        assert_eq!(mock.model_requests().len(), 2, "{profile}: the denied run asked the model");
+        let ended = client.end_session(pb::EndSessionRequest { session_id: "regated".into() }).await.unwrap();
+        assert_eq!(ended.into_inner().state, pb::SessionState::Ended as i32, "{profile}");
+    }
+}
+
 /// A first turn without a prompt fails saying so, and runs nothing: the
 /// session stays usable, and the next turn with a prompt is the agent's
 /// first run (not a resume of a conversation that never began).

@@ -482,15 +482,11 @@ impl Core {
         Ok(())
     }
 
-    /// A harness that died is restarted only through the gate again.
-    async fn restart_harness(&mut self, why: &str) -> Result<(), TurnOutcome> {
-        let profile = self.profile().cloned().ok_or(TurnOutcome::Failed(ReinError::Start("no profile".into())))?;
-        if let Some(mut dead) = self.phase.ready_mut().and_then(|r| r.harness.take_here()) {
-            if let Err(e) = dead.cleanup_session().await {
-                tracing::warn!(error = %e, "cleanup of a dead harness failed");
-            }
-        }
-        let outcome = self.gate_agent_start(&profile, false).await;
+    /// The agent_start gate again, before a harness starts anew in the
+    /// sandbox it has (a restart, a resumed turn): `Err` when it denies,
+    /// or asks for another sandbox than this one.
+    async fn gate_again(&mut self, profile: &Profile) -> Result<(), TurnOutcome> {
+        let outcome = self.gate_agent_start(profile, false).await;
         if let Some(denial) = outcome.denial() {
             return Err(TurnOutcome::Denied { policy: denial.policy.clone(), reason: denial.reason.clone() });
         }
@@ -500,6 +496,18 @@ impl Core {
             let error = ReinError::Start("the gate now asks for a different sandbox; end the session".into());
             return Err(TurnOutcome::Failed(error));
         }
+        Ok(())
+    }
+
+    /// A harness that died is restarted only through the gate again.
+    async fn restart_harness(&mut self, why: &str) -> Result<(), TurnOutcome> {
+        let profile = self.profile().cloned().ok_or(TurnOutcome::Failed(ReinError::Start("no profile".into())))?;
+        if let Some(mut dead) = self.phase.ready_mut().and_then(|r| r.harness.take_here()) {
+            if let Err(e) = dead.cleanup_session().await {
+                tracing::warn!(error = %e, "cleanup of a dead harness failed");
+            }
+        }
+        self.gate_again(&profile).await?;
         self.restarts += 1;
         self.recorder.emit(EventKind::HarnessRestarted { attempt: self.restarts, reason: why.to_string() }, None).await;
         self.start_harness().await.map_err(TurnOutcome::Failed)
@@ -570,6 +578,20 @@ impl Core {
         };
         if !alive {
             if let Err(outcome) = self.restart_harness("the harness exited").await {
+                return outcome;
+            }
+        }
+        // Claude Code and Codex start a new run of their CLI for every turn
+        // after the first: no harness starts without the gate.
+        let anew = match self.phase.ready().map(|r| &r.harness) {
+            Some(Harness::Here(harness)) => alive && harness.starts_anew(),
+            _ => false,
+        };
+        if anew {
+            let Some(profile) = self.profile().cloned() else {
+                return TurnOutcome::Failed(ReinError::Start("no profile".into()));
+            };
+            if let Err(outcome) = self.gate_again(&profile).await {
                 return outcome;
             }
         }

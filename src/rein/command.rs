@@ -643,6 +643,10 @@ impl HarnessSession for CommandSession {
         self.invocation.clone()
     }
 
+    fn starts_anew(&self) -> bool {
+        self.resumes && self.one_shot() && self.turns > 0
+    }
+
     /// A harness that runs once per turn and resumes is alive between
     /// turns too: the next turn starts its next run. A one-shot run that
     /// has not had its turn yet is too, ended or not: a command that reads
