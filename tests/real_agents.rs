@@ -919,8 +919,9 @@ async fn a_session_with_a_real_agent_continues_its_conversation_across_turns() {
 /// (it resumes the conversation): each such start passes the agent_start
 /// gate, as a restart does. A policy that allows a start only before any
 /// tool call lets the first turn run (the agent writes a file through its
-/// hook) and denies the second before the CLI runs: the model is never
-/// asked again.
+/// hook) and denies the next run before the CLI starts: the model is never
+/// asked again. A turn the CLI would refuse before running (no prompt)
+/// starts nothing, so it fails saying why, not denied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_run_of_a_resuming_agent_passes_the_agent_start_gate() {
     require_claude();
@@ -951,6 +952,8 @@ async fn every_run_of_a_resuming_agent_passes_the_agent_start_gate() {
         let first = turn(&mut client, "regated", "Write first.txt.").await;
         assert!(first.ok, "{profile}: {first:?}");
         assert_eq!(first.output, "Wrote it.", "{profile}");
+        let empty = turn_with(&mut client, "regated", "{}").await;
+        assert!(!empty.ok && empty.raw_error.contains("no prompt"), "{profile}: {empty:?}");
         let second = turn(&mut client, "regated", "Write second.txt.").await;
         assert!(!second.ok, "{profile}: a second run started without the gate: {second:?}");
         assert!(

@@ -584,7 +584,7 @@ impl Core {
         // Claude Code and Codex start a new run of their CLI for every turn
         // after the first: no harness starts without the gate.
         let anew = match self.phase.ready().map(|r| &r.harness) {
-            Some(Harness::Here(harness)) => alive && harness.starts_anew(),
+            Some(Harness::Here(harness)) => alive && harness.starts_anew(&call),
             _ => false,
         };
         if anew {

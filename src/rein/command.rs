@@ -643,8 +643,11 @@ impl HarnessSession for CommandSession {
         self.invocation.clone()
     }
 
-    fn starts_anew(&self) -> bool {
-        self.resumes && self.one_shot() && self.turns > 0
+    fn starts_anew(&self, call: &ToolCall) -> bool {
+        let refused = self.input == TaskInput::Prompt && self.input_bytes(call).trim_ascii().is_empty();
+        let resumable = !self.parser.conversation.is_empty()
+            && resume_argv(self.preset, &self.argv, &self.parser.conversation).is_ok();
+        self.resumes && self.one_shot() && self.turns > 0 && !refused && resumable
     }
 
     /// A harness that runs once per turn and resumes is alive between

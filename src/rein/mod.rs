@@ -346,11 +346,14 @@ pub trait HarnessSession: Send + Sync {
     async fn dispatch_tool(&mut self, call: ToolCall, dispatch: Dispatch) -> Result<ToolResult, ReinError>;
     /// Whether the harness process still runs.
     fn is_alive(&mut self) -> bool;
-    /// Whether the next turn starts a new run of the harness's program in
-    /// its sandbox: Claude Code and Codex resume their conversation in a
-    /// new run of the CLI for every turn after the first. Such a start
-    /// passes the agent_start gate again, as a restart does.
-    fn starts_anew(&self) -> bool {
+    /// Whether the turn `call` would start a new run of the harness's
+    /// program in its sandbox: Claude Code and Codex resume their
+    /// conversation in a new run of the CLI for every turn after the first
+    /// (a turn they refuse before running, e.g. one without a prompt,
+    /// starts none). Such a start passes the agent_start gate again, as a
+    /// restart does.
+    fn starts_anew(&self, call: &ToolCall) -> bool {
+        let _ = call;
         false
     }
     /// How it was started (argv as run, variable names, endpoint, files).
