@@ -70,7 +70,7 @@ impl HarnessConfig {
                 Endpoint::parse(url).map_err(|e| (key.to_string(), e))?;
                 // The model key goes there (by the gateway, or the harness
                 // itself when exposed): never in clear beyond loopback.
-                crate::credentials::gateway::upstream(url).map_err(|e| (key.to_string(), e))?;
+                crate::net::client::secret_origin(url).map_err(|e| (key.to_string(), e))?;
             }
         }
         for (key, model) in

@@ -529,7 +529,7 @@ fn check_endpoint(
     // exposed): never in clear beyond loopback. A profile without routes
     // has no key to send (a keyless model server on the LAN).
     if !routes.is_empty() {
-        crate::credentials::gateway::upstream(&rein.base_url).map_err(|e| format!("rein.base_url: {e}"))?;
+        crate::net::client::secret_origin(&rein.base_url).map_err(|e| format!("rein.base_url: {e}"))?;
     }
     let allowed = sandbox.allow_network
         && matches!(

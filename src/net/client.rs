@@ -119,6 +119,19 @@ impl Origin {
     }
 }
 
+/// Parses a URL a secret is sent to (a credential gateway's upstream, a
+/// model endpoint): `https://`, or plain `http://` only to loopback.
+pub fn secret_origin(url: &str) -> Result<Origin, String> {
+    let origin = Origin::parse(url)?;
+    if origin.is_clear_beyond_loopback() {
+        return Err(format!(
+            "{url:?}: a plain http upstream must be on loopback; anywhere else the key would cross the network in \
+             clear (use https)"
+        ));
+    }
+    Ok(origin)
+}
+
 /// Whether `host` is a loopback name or address.
 pub fn is_loopback(host: &str) -> bool {
     host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.to_canonical().is_loopback())
