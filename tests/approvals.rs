@@ -189,8 +189,9 @@ async fn only_the_owner_adm_and_the_projects_approvers_decide_a_waiting_call() {
 }
 
 /// A turn cancelled while its call waits: the call is not run, the wait
-/// is withdrawn (a late decision is FAILED_PRECONDITION), and the session
-/// takes its next turn.
+/// is withdrawn (a late decision is FAILED_PRECONDITION) and decided for
+/// watchers (`approval_decided` by `corral`: no request stays open), and
+/// the session takes its next turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_turn_while_a_call_waits_withdraws_the_call() {
     require_bwrap();
@@ -207,6 +208,8 @@ async fn cancelling_a_turn_while_a_call_waits_withdraws_the_call() {
     client.cancel_turn(as_token(OWNER, cancel)).await.expect("cancelled");
     assert_eq!(next_ask(&mut stream, &mut decided, &mut rest).await, None, "the turn ends");
     assert!(!rest.contains("verdict deploy"), "the harness got no verdict: {rest}");
+    let closed = (false, "corral".to_string(), "the turn ended before a decision".to_string());
+    assert_eq!(decided, [closed], "{rest}");
     let late = client.decide_tool_call(as_token(OWNER, decide(&call, pb::ToolCallDecision::Allow, ""))).await;
     assert_eq!(late.unwrap_err().code(), Code::FailedPrecondition, "the wait was withdrawn");
     assert_eq!(daemon.engine.approvals.pending(), 0);

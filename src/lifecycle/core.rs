@@ -69,6 +69,10 @@ pub struct Core {
     /// Replaces credential values in everything the harness says.
     scrubber: Scrubber,
     pub restarts: u64,
+    /// The calls whose `approval_requested` was recorded and whose
+    /// `approval_decided` was not yet: a turn or run that ends first
+    /// decides them (see [`Core::close_open_approvals`]).
+    open_approvals: Vec<String>,
     pub session_cleanup: TeardownResult,
     pub sandbox_destroy: TeardownResult,
     /// How many events (and bytes of harness text) the run may still record.
@@ -131,6 +135,7 @@ impl Core {
             tool_calls: Arc::new(AtomicU64::new(0)),
             scrubber: Scrubber::default(),
             restarts: 0,
+            open_approvals: Vec::new(),
             session_cleanup: TeardownResult::NotAttempted,
             sandbox_destroy: TeardownResult::NotAttempted,
             budget: EventBudget::new(u64::MAX, u64::MAX),
@@ -567,8 +572,33 @@ impl Core {
     /// what one record keeps, however many turns there are.
     pub async fn turn(&mut self, call: ToolCall, cancel: CancellationToken) -> TurnOutcome {
         let outcome = self.gate_and_dispatch(call, cancel).await;
+        self.close_open_approvals("the turn ended before a decision").await;
         self.bound_evidence();
         outcome
+    }
+
+    /// Decides every call still waiting for a person when its turn or run
+    /// ends first (cancelled, timed out, the harness gone): denied by
+    /// `corral`, so that no `approval_requested` stays open for watchers
+    /// and the evidence counts the call.
+    async fn close_open_approvals(&mut self, why: &str) {
+        let open = std::mem::take(&mut self.open_approvals);
+        let decided: Vec<_> = open
+            .into_iter()
+            .map(|call_id| {
+                self.evidence.tool_calls.count(Action::Deny);
+                let event = EventKind::ApprovalDecided {
+                    call_id,
+                    allow: false,
+                    decided_by: "corral".into(),
+                    reason: why.into(),
+                };
+                (event, None)
+            })
+            .collect();
+        if !decided.is_empty() {
+            self.recorder.emit_batch(decided).await;
+        }
     }
 
     async fn gate_and_dispatch(&mut self, call: ToolCall, cancel: CancellationToken) -> TurnOutcome {
@@ -901,6 +931,7 @@ impl Core {
                     self.record_gate(&outcome).await;
                 }
                 HarnessEvent::ApprovalRequested { call_id, tool, summary, expires_at_ms } => {
+                    self.open_approvals.push(call_id.clone());
                     let tool = crate::records::bounded::tool_name(&self.scrubber.scrub(&tool));
                     let event = EventKind::ApprovalRequested { call_id, tool, summary, expires_at_ms };
                     // At once: a person is waiting to see it.
@@ -908,6 +939,7 @@ impl Core {
                     self.recorder.emit(event, None).await;
                 }
                 HarnessEvent::ApprovalDecided { call_id, allow, by, reason } => {
+                    self.open_approvals.retain(|open| *open != call_id);
                     self.evidence.tool_calls.count(if allow { Action::Allow } else { Action::Deny });
                     let reason = self.scrubber.scrub_within(&reason, 1024);
                     batch.push((EventKind::ApprovalDecided { call_id, allow, decided_by: by, reason }, None));
@@ -926,6 +958,7 @@ impl Core {
         if self.phase.kind() == PhaseKind::Closed {
             return;
         }
+        self.close_open_approvals("the run ended before a decision").await;
         let t = Instant::now();
         let started = self.phase.harness_started();
         let marking = self.mark_teardown();
