@@ -589,6 +589,11 @@ async fn decide_tool_call_and_drain_node_errors_carry_error_info() {
         catalog.drain_node(pb::DrainNodeRequest { name: "no-such-node".into() }).await.expect_err("no such node");
     let metadata = assert_reason(&status, Code::NotFound, "NOT_FOUND");
     assert_eq!(metadata.get("name").map(String::as_str), Some("no-such-node"), "{metadata:?}");
+    for bad in ["n".repeat(201), "node\nforged: line".to_string()] {
+        let status = catalog.drain_node(pb::DrainNodeRequest { name: bad.clone() }).await.expect_err("a bad name");
+        assert_eq!(status.code(), Code::InvalidArgument, "{bad:?}: {status:?}");
+        assert!(status.message().contains("name"), "{status:?}");
+    }
     daemon.stop().await;
 }
 

@@ -151,6 +151,14 @@ impl CatalogService for CatalogApi {
         if name.is_empty() {
             return Err(status::invalid_argument("name", "name the node to drain (see ListNodes)"));
         }
+        // As `[fleet] node` allows: nothing longer or stranger reaches the
+        // store or the answer.
+        if name.chars().count() > 200 || name.chars().any(char::is_control) {
+            return Err(status::invalid_argument(
+                "name",
+                "a node name is 1-200 characters, none of them control characters",
+            ));
+        }
         match self.store.drain_node(name).await.map_err(store_error)? {
             Some(node) => {
                 // This node learns of its own row at its next renewal: a
