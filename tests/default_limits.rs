@@ -166,7 +166,7 @@ async fn the_workspace_budget_counts_inodes() {
     let execution = finished(&events);
     assert_eq!(execution.state, pb::ExecutionState::Failed as i32, "{execution:?}");
     let hits = limit_events(&events);
-    assert!(hits.iter().any(|l| l.limit() == pb::LimitKind::Workspace && l.value == 2000), "{hits:?}");
+    assert!(hits.iter().any(|l| l.limit() == pb::LimitKind::WorkspaceInodes && l.value == 2000), "{hits:?}");
     assert!(!execution.tool_output.contains("DONE"), "the run went on past its inode limit");
     assert!(execution.tool_error.contains("max_workspace_inodes = 2000"), "{}", execution.tool_error);
     daemon.stop().await;

@@ -87,6 +87,7 @@ words!(LimitKind {
     Workspace => "workspace",
     Events => "events",
     EventBytes => "event_bytes",
+    WorkspaceInodes => "workspace_inodes",
 });
 
 #[cfg(test)]
@@ -179,6 +180,7 @@ mod tests {
             (pb::LimitKind::Workspace, "workspace"),
             (pb::LimitKind::Events, "events"),
             (pb::LimitKind::EventBytes, "event_bytes"),
+            (pb::LimitKind::WorkspaceInodes, "workspace_inodes"),
         ]);
     }
 

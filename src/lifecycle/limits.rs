@@ -250,15 +250,17 @@ pub fn cgroup_hits(before: LimitHits, now: LimitHits, memory: u64, pids: u64) ->
 }
 
 /// The `limit` event and raw sentence for a sandbox tree over its budget
-/// (bytes first, when both broke).
+/// (bytes first, when both broke): `workspace` in bytes, or
+/// `workspace_inodes` in files.
 pub fn workspace_hit(usage: TreeUsage, budget: TreeBudget) -> (EventKind, String) {
-    let (detail, value) = if budget.max_bytes > 0 && usage.bytes > budget.max_bytes {
+    let (detail, value, limit) = if budget.max_bytes > 0 && usage.bytes > budget.max_bytes {
         (
             format!(
                 "the sandbox's workspace and HOME grew to {} bytes, over limits.max_workspace_bytes = {}",
                 usage.bytes, budget.max_bytes
             ),
             budget.max_bytes,
+            "workspace",
         )
     } else {
         (
@@ -267,9 +269,10 @@ pub fn workspace_hit(usage: TreeUsage, budget: TreeBudget) -> (EventKind, String
                 usage.inodes, budget.max_inodes
             ),
             budget.max_inodes,
+            "workspace_inodes",
         )
     };
-    (EventKind::LimitHit { limit: "workspace".into(), value, detail: detail.clone() }, detail)
+    (EventKind::LimitHit { limit: limit.into(), value, detail: detail.clone() }, detail)
 }
 
 /// At most this many `egress` events per run; later attempts are counted
@@ -333,8 +336,14 @@ mod tests {
         let inodes = TreeBudget { max_bytes: 0, max_inodes: 5 };
         assert!(inodes.exceeded_by(tree_usage(dir.path(), inodes, None)));
         assert!(!TreeBudget { max_bytes: 1 << 20, max_inodes: 6 }.exceeded_by(usage));
-        let (_, raw) = workspace_hit(TreeUsage { bytes: 10, inodes: 9 }, inodes);
+        let (event, raw) = workspace_hit(TreeUsage { bytes: 10, inodes: 9 }, inodes);
         assert!(raw.contains("9 files, over limits.max_workspace_inodes = 5"), "{raw}");
+        let EventKind::LimitHit { limit, value, .. } = event else { panic!("{event:?}") };
+        assert_eq!((limit.as_str(), value), ("workspace_inodes", 5), "a count of files, not bytes");
+        let (event, _) =
+            workspace_hit(TreeUsage { bytes: 6000, inodes: 9 }, TreeBudget { max_bytes: 5500, max_inodes: 5 });
+        let EventKind::LimitHit { limit, value, .. } = event else { panic!("{event:?}") };
+        assert_eq!((limit.as_str(), value), ("workspace", 5500), "bytes first when both broke");
     }
 
     #[test]
