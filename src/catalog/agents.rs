@@ -66,10 +66,10 @@ impl HarnessConfig {
             ("harness.anthropic_base_url", &self.anthropic_base_url),
             ("harness.openai_base_url", &self.openai_base_url),
         ] {
+            // The model key goes there (by the gateway, or the harness
+            // itself when exposed): a URL, and never in clear beyond
+            // loopback.
             if !url.is_empty() {
-                Endpoint::parse(url).map_err(|e| (key.to_string(), e))?;
-                // The model key goes there (by the gateway, or the harness
-                // itself when exposed): never in clear beyond loopback.
                 crate::net::client::secret_origin(url).map_err(|e| (key.to_string(), e))?;
             }
         }

@@ -74,7 +74,6 @@ pub fn spawn(
             // not stall the loop past it. The lease runs from the moment
             // the renewal was sent: the store counts it from no earlier.
             let sent = start.elapsed();
-            let sent_at = Instant::now();
             clock.sent(sent);
             let limit = clock.limit(sent);
             let running = engine.running() as u64;
@@ -92,7 +91,7 @@ pub fn spawn(
             };
             clock.answered(&renewal);
             if let Renewal::Renewed(NodeState::Active | NodeState::Draining) = renewal {
-                engine.lease_holds_until(sent_at + lease::takes_work_for(lease));
+                engine.lease_holds_until(start + sent + lease::takes_work_for(lease));
             }
             let since_renewed = clock.since_renewed(start.elapsed());
             let stopping = shutdown.is_cancelled();

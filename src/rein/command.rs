@@ -397,18 +397,32 @@ impl CommandSession {
         }
     }
 
-    /// A later turn of a Claude Code or Codex session: a new run of the
-    /// CLI in the same sandbox (its HOME keeps the conversation), resuming
-    /// the conversation the last run reported.
-    async fn resume(&mut self) -> Result<(), ReinError> {
-        let conversation = std::mem::take(&mut self.parser.conversation);
+    /// The argv of the run that continues the conversation the last run
+    /// reported, or why there is none.
+    fn resumed_argv(&self) -> Result<Vec<String>, ReinError> {
+        let conversation = &self.parser.conversation;
         if conversation.is_empty() {
             return Err(ReinError::Dispatch(
                 "the agent never said which conversation it had, so the next turn cannot continue it".into(),
             ));
         }
-        let argv = resume_argv(self.preset, &self.argv, &conversation)
-            .map_err(|why| ReinError::Dispatch(format!("this session cannot continue its conversation: {why}")))?;
+        resume_argv(self.preset, &self.argv, conversation)
+            .map_err(|why| ReinError::Dispatch(format!("this session cannot continue its conversation: {why}")))
+    }
+
+    /// Whether `input` is a prompt turn's input with no prompt in it: such
+    /// a turn is refused before it runs anything.
+    fn lacks_prompt(&self, input: &[u8]) -> bool {
+        self.input == TaskInput::Prompt && input.trim_ascii().is_empty()
+    }
+
+    /// A later turn of a Claude Code or Codex session: a new run of the
+    /// CLI in the same sandbox (its HOME keeps the conversation), resuming
+    /// the conversation the last run reported.
+    async fn resume(&mut self) -> Result<(), ReinError> {
+        let argv = self.resumed_argv();
+        let conversation = std::mem::take(&mut self.parser.conversation);
+        let argv = argv?;
         if !self.run.process.has_exited() {
             let _ = self.run.process.terminate(KILL_GRACE).await;
         }
@@ -437,7 +451,7 @@ impl CommandSession {
         // so the next one is still the first run, not a resume of a
         // conversation that never began.
         let input = self.input_bytes(&call);
-        if self.input == TaskInput::Prompt && input.trim_ascii().is_empty() {
+        if self.lacks_prompt(&input) {
             return Err(ReinError::Dispatch(
                 "the turn has no prompt: give it arguments_json {\"prompt\": \"...\"} (or a description)".into(),
             ));
@@ -644,10 +658,11 @@ impl HarnessSession for CommandSession {
     }
 
     fn starts_anew(&self, call: &ToolCall) -> bool {
-        let refused = self.input == TaskInput::Prompt && self.input_bytes(call).trim_ascii().is_empty();
-        let resumable = !self.parser.conversation.is_empty()
-            && resume_argv(self.preset, &self.argv, &self.parser.conversation).is_ok();
-        self.resumes && self.one_shot() && self.turns > 0 && !refused && resumable
+        self.resumes
+            && self.one_shot()
+            && self.turns > 0
+            && !self.lacks_prompt(&self.input_bytes(call))
+            && self.resumed_argv().is_ok()
     }
 
     /// A harness that runs once per turn and resumes is alive between
