@@ -907,6 +907,35 @@ async fn a_session_is_driven_through_another_node_as_on_its_owner() {
     .await;
 }
 
+/// A session whose end fails on its owner gives its raw cause to the
+/// caller that ended it through another node, as on the owner itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_raw_cause_of_a_failed_end_comes_back_through_another_node() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    std::fs::create_dir_all(dir.path().join("profiles")).unwrap();
+    std::fs::write(dir.path().join("profiles/stubborn.toml"), common::stubborn_profile()).unwrap();
+    let a = Node::start(dir.path(), "node-a", &url).await;
+    let b = Node::start(dir.path(), "node-b", &url).await;
+    let create = pb::CreateSessionRequest {
+        profile_ref: "test.stubborn".into(),
+        project: "proj-a".into(),
+        ..Default::default()
+    };
+    let session = b.sessions().await.create_session(create).await.unwrap().into_inner().session_id;
+    let end = pb::EndSessionRequest { session_id: session.clone() };
+    let ended = a.sessions().await.end_session(end).await.expect("node-a forwards EndSession").into_inner();
+    assert_eq!(ended.state, pb::SessionState::Failed as i32, "{ended:?}");
+    assert!(ended.tool_error.contains("did not exit within"), "the owner's raw cause, handed on: {ended:?}");
+    // Ended there already: a second end through node-a is the ended record.
+    let again = pb::EndSessionRequest { session_id: session.clone() };
+    let again = a.sessions().await.end_session(again).await.expect("ended already").into_inner();
+    assert_eq!((again.state, again.tool_error.as_str()), (pb::SessionState::Failed as i32, ""), "{again:?}");
+    stop_all([a, b]).await;
+}
+
 /// An event stored by one node wakes the watchers on every other node:
 /// the write's transaction notifies `corral_events` with its subject.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

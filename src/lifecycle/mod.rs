@@ -580,8 +580,16 @@ impl Engine {
         if node == self.store.node() {
             self.cancel_here(execution_id).await;
         } else if !node.is_empty() {
-            let answer = self.forward(&node, "cancel", execution_id).await?;
-            return Ok(serde_json::from_str(&answer).map_err(StoreError::from)?);
+            match self.forward(&node, "cancel", execution_id).await {
+                Ok(answer) => return Ok(serde_json::from_str(&answer).map_err(StoreError::from)?),
+                // It finished there before the request was read: the
+                // finished record, as the owner itself would answer.
+                Err(EngineError::FailedPrecondition(why)) => {
+                    let now = self.get(execution_id).await?;
+                    return if now.state.is_terminal() { Ok(now) } else { Err(EngineError::FailedPrecondition(why)) };
+                }
+                Err(e) => return Err(e),
+            }
         }
         self.get(execution_id).await
     }
@@ -706,8 +714,8 @@ impl Engine {
                 },
                 "cancel" => Err(format!("execution {subject} is not running on node {}", self.store.node())),
                 "end_session" if self.live_session(&subject).is_some() || self.starting_here(&subject) => {
-                    match self.end_session(&subject, session::EndReason::Requested).await {
-                        Ok(record) => serde_json::to_string(&record).map_err(|e| e.to_string()),
+                    match self.end_session_with_cause(&subject, session::EndReason::Requested).await {
+                        Ok((record, cause)) => Self::ended_answer(&record, cause.as_deref()),
                         Err(e) => Err(e.to_string()),
                     }
                 }

@@ -73,6 +73,19 @@ struct StartedTurn {
     after: u64,
 }
 
+/// See [`Engine::ended_answer`].
+#[derive(serde::Serialize)]
+struct EndedRef<'a> {
+    record: &'a SessionRecord,
+    cause: Option<&'a str>,
+}
+
+#[derive(serde::Deserialize)]
+struct Ended {
+    record: SessionRecord,
+    cause: Option<String>,
+}
+
 /// Why a session ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EndReason {
@@ -639,9 +652,21 @@ impl Engine {
         reason: EndReason,
     ) -> Result<(SessionRecord, Option<String>), EngineError> {
         if let Some(node) = self.runs_elsewhere(session_id).await? {
-            let answer = self.forward(&node, "end_session", session_id).await?;
-            let record = serde_json::from_str(&answer).map_err(crate::store::StoreError::from)?;
-            return Ok((record, None));
+            return match self.forward(&node, "end_session", session_id).await {
+                Ok(answer) => {
+                    let ended: Ended = serde_json::from_str(&answer).map_err(crate::store::StoreError::from)?;
+                    Ok((ended.record, ended.cause))
+                }
+                // It ended there before the request was read: ended, as
+                // the owner itself would answer.
+                Err(EngineError::FailedPrecondition(why)) => match self.store.get_session(session_id).await? {
+                    Some(record) if !matches!(record.state, SessionState::Starting | SessionState::Active) => {
+                        Ok((record, None))
+                    }
+                    _ => Err(EngineError::FailedPrecondition(why)),
+                },
+                Err(e) => Err(e),
+            };
         }
         // Cancelled under the lock its start goes live under: a start that
         // sees no cancel is live, and is found here.
@@ -685,6 +710,13 @@ impl Engine {
         let cause = self.finish_session(&mut core, &mut record).await;
         self.release(session_id);
         Ok((record, Some(cause).filter(|c| !c.is_empty())))
+    }
+
+    /// The owner's answer to a forwarded `end_session`: the record, and the
+    /// raw cause of a failed end for the forwarding node to hand on as
+    /// [`Engine::end_session_with_cause`] does.
+    pub(super) fn ended_answer(record: &SessionRecord, cause: Option<&str>) -> Result<String, String> {
+        serde_json::to_string(&EndedRef { record, cause }).map_err(|e| e.to_string())
     }
 
     /// Stores the final record with the `finished` event; returns the raw
