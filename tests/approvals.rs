@@ -224,14 +224,28 @@ async fn cancelling_a_turn_while_a_call_waits_withdraws_the_call() {
 /// A daemon whose admin policy makes corral's own `run_task` dispatch wait
 /// up to 2 s for a person.
 async fn daemon_asking_for_run_task() -> TestDaemon {
+    let mut profiles = Options::default().profiles;
+    profiles.push(("no-input.toml".into(), NO_INPUT_PROFILE.into()));
     TestDaemon::start(Options {
         config: Box::new(|c| {
             c.policies.push(asking("ask-run", "run_task", 2));
         }),
+        profiles,
         ..Options::default()
     })
     .await
 }
+
+/// A harness that reads no input: it does its work as soon as it runs.
+const NO_INPUT_PROFILE: &str = r#"id = "test.no-input"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-c", "echo made > made.txt; echo ran"]
+input = "nothing"
+[sandbox]
+type = "linux_bwrap"
+write_paths = ["."]
+"#;
 
 /// `refs/corral/<id>` in `repo`, if the run brought anything back.
 fn corral_ref(repo: &std::path::Path, id: &str) -> Option<String> {
@@ -311,6 +325,33 @@ async fn an_ask_on_the_dispatched_run_task_waits_and_nobody_deciding_denies_it()
     assert_eq!(common::evidence(&execution).commit_sha, "");
     assert_eq!(corral_ref(origin.path(), &execution.execution_id), None, "no file was made");
     assert_eq!(daemon.engine.approvals.pending(), 0);
+    daemon.stop().await;
+}
+
+/// A harness that reads no input starts its work when it starts, so it
+/// starts only once the gate allowed corral's dispatch: denied, it never
+/// ran; allowed, it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_harness_that_reads_no_input_never_runs_before_the_dispatch_is_allowed() {
+    require_bwrap();
+    let daemon = daemon_asking_for_run_task().await;
+    let origin = common::git_repo();
+    let request =
+        pb::ExecuteRequest { repo: origin.path().display().to_string(), ..common::request("test.no-input", "") };
+    let events = daemon.execute(request.clone()).await;
+    let execution = common::finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Refused as i32, "{execution:?}");
+    assert!(execution.tool_error.contains("no decision within 2 s"), "{}", execution.tool_error);
+    assert_eq!(corral_ref(origin.path(), &execution.execution_id), None, "the harness ran before the decision");
+    let mut client = daemon.executions().await;
+    let mut decider = daemon.executions().await;
+    let mut stream = client.execute(request).await.expect("accepted").into_inner();
+    let events = run_deciding(&mut stream, Some((pb::ToolCallDecision::Allow, &mut decider))).await;
+    let execution = common::finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+    assert!(execution.tool_output.contains("ran"), "{}", execution.tool_output);
+    let head = corral_ref(origin.path(), &execution.execution_id).expect("the file came back");
+    assert_eq!(common::git(origin.path(), &["show", &format!("{head}:made.txt")]), "made");
     daemon.stop().await;
 }
 

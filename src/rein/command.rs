@@ -176,7 +176,13 @@ impl Rein for CommandRein {
         };
         let max_output = profile.limits.max_output_bytes as usize;
         let stderr = Arc::new(Mutex::new(CappedBuffer::new(max_output)));
-        let run = Run::launch(&ctx, prepared.argv.clone(), env.clone(), &stderr).await?;
+        // A harness that reads no input starts its work when it starts: it
+        // is launched at its turn, after the gate allowed corral's dispatch
+        // (`tool_call:run_task`), so nothing runs before that decision.
+        let run = match profile.rein.input {
+            TaskInput::Nothing => None,
+            _ => Some(Run::launch(&ctx, prepared.argv.clone(), env.clone(), &stderr).await?),
+        };
         Ok(Box::new(CommandSession {
             run,
             stderr,
@@ -323,7 +329,9 @@ pub fn resume_argv(preset: Preset, argv: &[String], conversation: &str) -> Resul
 }
 
 struct CommandSession {
-    run: Run,
+    /// The harness's current run; none yet for a harness that reads no
+    /// input before its turn (see `start_session`).
+    run: Option<Run>,
     stderr: Arc<Mutex<CappedBuffer>>,
     timeout: Duration,
     input: TaskInput,
@@ -423,11 +431,13 @@ impl CommandSession {
         let argv = self.resumed_argv();
         let conversation = std::mem::take(&mut self.parser.conversation);
         let argv = argv?;
-        if !self.run.process.has_exited() {
-            let _ = self.run.process.terminate(KILL_GRACE).await;
+        if let Some(run) = self.run.as_mut() {
+            if !run.process.has_exited() {
+                let _ = run.process.terminate(KILL_GRACE).await;
+            }
         }
         self.invocation.argv = argv.clone();
-        self.run = Run::launch(&self.ctx, argv, self.env.clone(), &self.stderr).await?;
+        self.run = Some(Run::launch(&self.ctx, argv, self.env.clone(), &self.stderr).await?);
         self.parser = ParserState::new(self.model.clone());
         self.parser.conversation = conversation;
         Ok(())
@@ -439,7 +449,7 @@ impl CommandSession {
     }
 
     async fn write_stdin(&mut self, bytes: &[u8]) -> Result<(), String> {
-        let stdin = self.run.stdin.as_mut().ok_or("stdin is closed")?;
+        let stdin = self.run.as_mut().and_then(|run| run.stdin.as_mut()).ok_or("stdin is closed")?;
         stdin.write_all(bytes).await.map_err(|e| e.to_string())?;
         stdin.flush().await.map_err(|e| e.to_string())
     }
@@ -464,10 +474,15 @@ impl CommandSession {
             }
             self.resume().await?;
         }
+        let run = match self.run.take() {
+            Some(run) => run,
+            None => Run::launch(&self.ctx, self.argv.clone(), self.env.clone(), &self.stderr).await?,
+        };
+        let run = self.run.insert(run);
         if one_shot {
             // Written concurrently with reading: a harness that prints
             // before it has read all its input must not deadlock.
-            if let Some(mut stdin) = self.run.stdin.take() {
+            if let Some(mut stdin) = run.stdin.take() {
                 tokio::spawn(async move {
                     // A harness that exits without reading is judged by its
                     // exit status, not by this write.
@@ -485,16 +500,17 @@ impl CommandSession {
         // Set when the harness has exited (with where its output ended):
         // what it wrote is read to the end.
         let mut drain: Option<(ExitDrain, u64)> = None;
-        while let Some(lines) = self.run.stdout.as_mut() {
+        while let Some(Run { stdout, hooks, process, .. }) = self.run.as_mut() {
+            let Some(lines) = stdout.as_mut() else { break };
             let next = match drain.as_mut() {
                 None => tokio::select! {
                     biased;
-                    Some(request) = next_hook(&mut self.run.hooks) => {
+                    Some(request) = next_hook(hooks) => {
                         answer_hook(request, dispatch, &mut self.parser).await;
                         continue;
                     }
                     next = lines.recv() => next,
-                    exited = self.run.process.wait() => {
+                    exited = process.wait() => {
                         exited.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?;
                         let written = lines.mark_exit();
                         drain = Some((ExitDrain::new(pipe_max_size(), EXIT_DRAIN, EXIT_DRAIN_MAX), written));
@@ -519,7 +535,7 @@ impl CommandSession {
                 },
             };
             let Some(next) = next else {
-                self.run.stdout = None;
+                *stdout = None;
                 break;
             };
             let (line, dropped) = next.map_err(|e| ReinError::Dispatch(format!("reading stdout: {e}")))?;
@@ -566,10 +582,11 @@ impl CommandSession {
         let stderr = self.take_stderr();
         self.stdout_dropped = 0;
         report_truncated(dispatch, plain.dropped, stderr.dropped).await;
-        let exit = if self.run.stdout.is_none() {
-            Some(self.run.process.wait().await.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?)
-        } else {
-            None
+        let exit = match self.run.as_mut() {
+            Some(run) if run.stdout.is_none() => {
+                Some(run.process.wait().await.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?)
+            }
+            _ => None,
         };
         let mut result = match (result, exit) {
             (Some(mut r), _) => {
@@ -646,7 +663,9 @@ impl HarnessSession for CommandSession {
             Stop::TimedOut => ReinError::TimedOut(timeout),
             Stop::Cancelled => ReinError::Cancelled,
         };
-        let _ = self.run.process.terminate(KILL_GRACE).await;
+        if let Some(run) = self.run.as_mut() {
+            let _ = run.process.terminate(KILL_GRACE).await;
+        }
         // The cut turn never reached its own report of what it dropped.
         let stderr = self.take_stderr();
         report_truncated(&dispatch, std::mem::take(&mut self.stdout_dropped), stderr.dropped).await;
@@ -672,14 +691,15 @@ impl HarnessSession for CommandSession {
     /// its exit and output are that turn's result, not a death to restart.
     fn is_alive(&mut self) -> bool {
         let pending = self.one_shot() && self.turns == 0;
-        self.resumes || pending || !self.run.process.has_exited()
+        self.resumes || pending || self.run.as_mut().is_some_and(|run| !run.process.has_exited())
     }
 
     /// Closes stdin (a harness waiting for its next task sees EOF) and gives
     /// it a short grace to exit.
     async fn end_session(&mut self) -> Result<(), ReinError> {
-        drop(self.run.stdin.take());
-        match tokio::time::timeout(END_GRACE, self.run.process.wait()).await {
+        let Some(run) = self.run.as_mut() else { return Ok(()) };
+        drop(run.stdin.take());
+        match tokio::time::timeout(END_GRACE, run.process.wait()).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(ReinError::End(format!("wait: {e}"))),
             Err(_) => Err(ReinError::End(format!("harness did not exit within {END_GRACE:?} of its end"))),
@@ -687,10 +707,11 @@ impl HarnessSession for CommandSession {
     }
 
     async fn cleanup_session(&mut self) -> Result<(), ReinError> {
-        if self.run.process.has_exited() {
+        let Some(run) = self.run.as_mut() else { return Ok(()) };
+        if run.process.has_exited() {
             return Ok(());
         }
-        self.run.process.kill().await.map(|_| ()).map_err(|e| ReinError::Cleanup(format!("kill: {e}")))
+        run.process.kill().await.map(|_| ()).map_err(|e| ReinError::Cleanup(format!("kill: {e}")))
     }
 }
 
