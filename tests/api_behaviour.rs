@@ -619,3 +619,31 @@ async fn catalog_store_errors_are_not_sent_to_the_caller() {
     }
     daemon.stop().await;
 }
+
+/// A finished execution leaves no task of the daemon's behind: the daemon's
+/// live tasks after 40 more runs are as many as before them (a task per
+/// run, kept until the shutdown, would grow without bound on a daemon that
+/// runs for weeks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_executions_leave_no_task_behind() {
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let alive = || tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    let settled = || async {
+        daemon.engine.reclaimed().await;
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    };
+    for _ in 0..5 {
+        finished(&daemon.execute(request(FAKE, "NOWORK")).await);
+    }
+    settled().await;
+    let before = alive();
+    for _ in 0..40 {
+        let execution = finished(&daemon.execute(request(FAKE, "NOWORK")).await);
+        assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+    }
+    settled().await;
+    let after = alive();
+    assert!(after < before + 10, "{before} live tasks before 40 runs, {after} after");
+    daemon.stop().await;
+}

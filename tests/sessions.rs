@@ -874,6 +874,66 @@ async fn shutdown_cancels_a_turn_in_flight_after_the_grace_and_ends_the_session(
     assert!(session_processes(&id).is_empty(), "the session's harness outlived the shutdown");
 }
 
+/// A session being reaped when the daemon shuts down is ended to the end
+/// first: the shutdown waits for its teardown (here 5 s, a harness that
+/// ignores the end of its input) before the store closes, so it is stored
+/// `reaped`, not left active for the next start to fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_waits_for_a_session_being_reaped() {
+    require_bwrap();
+    let mut options = daemon_options(vec![("stubborn.toml", common::stubborn_profile())]);
+    options.config = Box::new(|config| config.session_idle_seconds = 1);
+    let daemon = TestDaemon::start(options).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.stubborn", "agt", "")).await.expect("created");
+    let request = pb::WatchSessionRequest { session_id: session.session_id.clone(), after_sequence: 0 };
+    let mut stream = client.watch_session(request).await.expect("watch accepted").into_inner();
+    let mut history = Vec::new();
+    while let Some(event) = stream.message().await.expect("stream ok") {
+        let reaped = matches!(event.kind, Some(Kind::Reaped(_)));
+        history.push(event);
+        if reaped {
+            break;
+        }
+    }
+    daemon.stop().await;
+    history.extend(collect(stream).await);
+    let ended = session_of(&history);
+    assert_eq!(ended.state, pb::SessionState::Reaped as i32, "{:?}", kinds(&history));
+    let evidence = ended.evidence.expect("evidence");
+    assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{evidence:?}");
+}
+
+/// A shutdown with nothing in flight ends every session within its grace,
+/// workspace capture included: the agent's work comes back before the
+/// sandbox goes, and the session ends `ended`, not `failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_brings_an_idle_sessions_work_back_before_it_ends_it() {
+    require_bwrap();
+    let daemon = TestDaemon::start(daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))])).await;
+    let mut client = sessions(&daemon).await;
+    let repo = git_repo();
+    let request = pb::CreateSessionRequest {
+        session_id: unique_id("shutdown-capture"),
+        ..create_request("test.session", "agt", &repo_path(&repo))
+    };
+    let session = create(&mut client, request).await.expect("created");
+    let done =
+        turn_finished(&send_turn(&mut client, &session.session_id, "write", json!({"probe_write": "work.txt"})).await);
+    assert!(done.ok && done.output.contains("write work.txt: ok"), "{done:?}");
+    let history = {
+        let request = pb::WatchSessionRequest { session_id: session.session_id.clone(), after_sequence: 0 };
+        tokio::spawn(collect(client.watch_session(request).await.expect("watch accepted").into_inner()))
+    };
+    daemon.stop().await;
+    let ended = session_of(&history.await.unwrap());
+    let evidence = ended.evidence.clone().expect("evidence");
+    assert_eq!(ended.state, pb::SessionState::Ended as i32, "{:?}: {evidence:?}", ended.state);
+    assert!(!evidence.commit_sha.is_empty(), "the work came back: {evidence:?}");
+    let refs = git(repo.path(), &["for-each-ref", "--format=%(objectname)", "refs/corral/"]);
+    assert!(refs.contains(&evidence.commit_sha), "{refs}");
+}
+
 /// A session's work comes back as `refs/corral/<principal>/<id>`: an id
 /// that is no valid ref component is INVALID_ARGUMENT naming `session_id`,
 /// and nothing is stored; an id that is one brings its work back.

@@ -194,14 +194,15 @@ impl SessionService for SessionApi {
         let id = self.visible(&principal, &req.session_id).await?.session_id;
         // Teardown belongs to the engine, not to this call: a caller that
         // goes away (or whose deadline passes) mid-teardown must not leave a
-        // sandbox half destroyed.
+        // sandbox half destroyed, and a shutdown waits for it.
         let engine = self.engine.clone();
         // Its own trace (`session_end` > `teardown`), joined to the caller's.
         let span = tracing::info_span!("session_end", session_id = %id);
         crate::telemetry::set_parent(&span, trace_parent.as_deref());
         let ending = {
-            let id = id.clone();
-            tokio::spawn(async move { engine.end_session_with_cause(&id, EndReason::Requested).await }.instrument(span))
+            let (id, engine) = (id.clone(), engine.clone());
+            let end = async move { engine.end_session_with_cause(&id, EndReason::Requested).await };
+            self.engine.spawn_tracked(end.instrument(span))
         };
         let (record, cause) = ending.await.map_err(|_| Status::internal("ending the session failed"))??;
         audit(&principal, "EndSession", &id);

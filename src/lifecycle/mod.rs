@@ -521,10 +521,11 @@ impl Engine {
         // What `new_record` looked up to list it by; the evidence says
         // what the run's own resolution decides (nothing, when it refuses).
         record.evidence.profile_ref.clear();
-        // A shutdown past its grace cancels it too.
+        // A shutdown past its grace cancels it too. The link ends with the
+        // run: one left per finished run would pile up until the shutdown.
         let draining = self.draining.clone();
         let slot = cancel.clone();
-        tokio::spawn(async move {
+        let past_grace = tokio::spawn(async move {
             tokio::select! { _ = draining.cancelled() => slot.cancel(), _ = slot.cancelled() => {} }
         });
         // In a task of its own, so that a panic (a bug) ends the run as a
@@ -538,6 +539,7 @@ impl Engine {
                 tracing::error!(execution_id = %execution_id, error = %e, "a failed execution task not recovered");
             }
         }
+        past_grace.abort();
         self.bus.close(&execution_id);
         self.release(&execution_id);
     }
@@ -713,9 +715,26 @@ impl Engine {
                     Err(e) => Err(e.to_string()),
                 },
                 "cancel" => Err(format!("execution {subject} is not running on node {}", self.store.node())),
+                // Taken first, then ended in a task of its own: an end that
+                // lasts (its harness's grace, its capture) holds up no other
+                // request, is never started twice, and a shutdown waits for it.
                 "end_session" if self.live_session(&subject).is_some() || self.starting_here(&subject) => {
-                    match self.end_session_with_cause(&subject, session::EndReason::Requested).await {
-                        Ok((record, cause)) => Self::ended_answer(&record, cause.as_deref()),
+                    match self.store.take_request(&id).await {
+                        Ok(true) => {
+                            let engine = self.clone();
+                            self.spawn_tracked(async move {
+                                let ended = engine.end_session_with_cause(&subject, session::EndReason::Requested);
+                                let answer = match ended.await {
+                                    Ok((record, cause)) => Self::ended_answer(&record, cause.as_deref()),
+                                    Err(e) => Err(e.to_string()),
+                                };
+                                if let Err(e) = engine.store.answer_request(&id, answer).await {
+                                    tracing::warn!(error = %e, request = %id, "fleet: a request not answered");
+                                }
+                            });
+                            continue;
+                        }
+                        Ok(false) => continue,
                         Err(e) => Err(e.to_string()),
                     }
                 }
@@ -842,16 +861,29 @@ impl Engine {
     /// [`Store::leave_fleet`]), and the store closes.
     pub async fn shutdown(&self, grace: Duration) {
         self.tasks.close();
+        // The grace ends at its deadline, whatever is going on then: the
+        // sessions' ends below (their workspace captures) have what is left
+        // of it, not nothing.
+        let grace_over = {
+            let (draining, deadline) = (self.draining.clone(), tokio::time::Instant::now() + grace);
+            tokio::spawn(async move {
+                tokio::time::sleep_until(deadline).await;
+                draining.cancel();
+            })
+        };
         // No run will take them now.
         self.close_warm_pools().await;
-        if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
-            let running = self.admission.running(admission::Work::Execution);
-            tracing::warn!(running, "grace period over; cancelling in-flight executions and turns");
-            self.draining.cancel();
-            self.tasks.wait().await;
+        tokio::select! {
+            () = self.tasks.wait() => {}
+            () = self.draining.cancelled() => {
+                let running = self.admission.running(admission::Work::Execution);
+                tracing::warn!(running, "grace period over; cancelling in-flight executions and turns");
+                self.tasks.wait().await;
+            }
         }
-        self.draining.cancel();
         self.end_all_sessions().await;
+        grace_over.abort();
+        self.draining.cancel();
         // What the last runs and sessions stopped is given back before the
         // store closes.
         self.tasks.wait().await;
@@ -909,6 +941,16 @@ impl Engine {
         self.stop_filling();
         self.drain_started.cancel();
         !was
+    }
+
+    /// Runs `work` in a task the shutdown waits for before the store
+    /// closes: work that must not be cut off halfway (a session's end).
+    pub fn spawn_tracked<F>(&self, work: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.tasks.spawn(work)
     }
 
     /// Cancelled once this node drains: a shutdown, a DrainNode of it, or

@@ -776,10 +776,15 @@ impl Engine {
                     .filter(|(_, s)| s.busy.compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst).is_ok())
                     .map(|(id, _)| id.clone())
                     .collect();
+                // Each in a task the shutdown waits for: an end cut off
+                // halfway would leave the session active and its sandbox up.
                 for id in idle_ones {
-                    if let Err(e) = engine.end_session(&id, EndReason::Idle(idle)).await {
-                        tracing::warn!(session_id = %id, error = %e, "reaping failed");
-                    }
+                    let reaping = engine.clone();
+                    engine.spawn_tracked(async move {
+                        if let Err(e) = reaping.end_session(&id, EndReason::Idle(idle)).await {
+                            tracing::warn!(session_id = %id, error = %e, "reaping failed");
+                        }
+                    });
                 }
             }
         });
