@@ -647,3 +647,24 @@ async fn finished_executions_leave_no_task_behind() {
     assert!(after < before + 10, "{before} live tasks before 40 runs, {after} after");
     daemon.stop().await;
 }
+
+/// A harness may print any byte: a NUL in its output reaches the caller
+/// and the store as U+FFFD, and the run finishes (on PostgreSQL, whose text
+/// columns refuse NUL, its final write failed and the run stayed RUNNING).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_in_a_harness_output_is_stored_on_postgresql() {
+    common::require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let daemon = TestDaemon::start(Options { store_url: Some(url), ..Options::default() }).await;
+    let execution = finished(&daemon.execute(request("builtin.shell", r"printf 'a\000b\n'")).await);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+    assert_eq!(execution.tool_output, "a\u{FFFD}b\n");
+    let full =
+        pb::GetExecutionRequest { execution_id: execution.execution_id.clone(), view: pb::ExecutionView::Full as i32 };
+    let stored = daemon.executions().await.get_execution(full).await.expect("stored").into_inner();
+    assert_eq!(
+        (stored.tool_output.as_str(), stored.tool_error.as_str()),
+        (execution.tool_output.as_str(), execution.tool_error.as_str())
+    );
+    daemon.stop().await;
+}

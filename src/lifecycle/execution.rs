@@ -99,6 +99,7 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     record.finished_at_ms = Some(now_ms());
     // The `finished` event carries the record and the raw parts to the
     // direct caller in one message: cut the raw parts to fit it, and say so.
+    core.raw.without_nul();
     let cut = fit_raw(&mut core.raw, json_len(record), core.engine.max_message_bytes);
     if !cut.is_empty() {
         record.evidence.notes.push("the raw output was cut to fit one message; see output_truncated".into());

@@ -162,6 +162,20 @@ pub struct RawResult {
     pub tool_error: String,
 }
 
+impl RawResult {
+    /// Each NUL character replaced by U+FFFD: a harness may print any byte,
+    /// and PostgreSQL's text columns refuse NUL (the whole final write of
+    /// the run would fail with it). Done before the result goes anywhere,
+    /// so the caller, the store and a later read agree.
+    pub fn without_nul(&mut self) {
+        for text in [&mut self.tool_output, &mut self.tool_error] {
+            if text.contains('\0') {
+                *text = text.replace('\0', "\u{FFFD}");
+            }
+        }
+    }
+}
+
 /// The current time in Unix milliseconds (0 if the clock is before 1970).
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
