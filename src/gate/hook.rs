@@ -22,6 +22,12 @@ use crate::sandbox::{GateFile, GateSource};
 pub const MAX_TOOL_NAME: usize = 200;
 /// The longest call id kept; a longer one is refused.
 pub const MAX_CALL_ID: usize = 200;
+/// The most JSON values a hook's body may hold; more is refused. A tool's
+/// input is mostly strings (a `Write` carries its whole file as one), so a
+/// real call holds few values; but each value parsed takes tens of bytes,
+/// so a body as large as the endpoint reads, made of `0,`, would take
+/// hundreds of MiB.
+pub const MAX_VALUES: usize = 100_000;
 
 /// What the CLI sends to reach the gate endpoint directly: a `host:port`
 /// entry in `NO_PROXY` (the proxy would refuse a loopback CONNECT).
@@ -120,7 +126,10 @@ pub struct HookCall {
 /// Reads a hook's body. Anything but a well-formed `PreToolUse` call with
 /// a plain tool name is an error, which the endpoint answers with a deny.
 pub fn parse_call(body: &[u8]) -> Result<HookCall, String> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| format!("the hook's body is not JSON: {e}"))?;
+    if values_in(body) > MAX_VALUES {
+        return Err(format!("the hook's body holds more than {MAX_VALUES} JSON values"));
+    }
+    let mut value: Value = serde_json::from_slice(body).map_err(|e| format!("the hook's body is not JSON: {e}"))?;
     let event = value.get("hook_event_name").and_then(Value::as_str).unwrap_or_default();
     if event != "PreToolUse" {
         return Err(format!("hook_event_name must be PreToolUse, not {:?}", clip(event, 40)));
@@ -133,16 +142,41 @@ pub fn parse_call(body: &[u8]) -> Result<HookCall, String> {
             clip(tool, 40)
         ));
     }
-    let arguments = match value.get("tool_input") {
+    let tool = tool.to_string();
+    let arguments = match value.get_mut("tool_input").map(Value::take) {
         None | Some(Value::Null) => Value::Object(Default::default()),
-        Some(input @ Value::Object(_)) => input.clone(),
+        Some(input @ Value::Object(_)) => input,
         Some(_) => return Err("tool_input must be an object".into()),
     };
     let call_id = value.get("tool_use_id").and_then(Value::as_str).unwrap_or_default();
     if call_id.len() > MAX_CALL_ID || call_id.chars().any(|c| c.is_control()) {
         return Err(format!("tool_use_id must be at most {MAX_CALL_ID} printable characters"));
     }
-    Ok(HookCall { tool: tool.to_string(), arguments, call_id: call_id.to_string() })
+    Ok(HookCall { tool, arguments, call_id: call_id.to_string() })
+}
+
+/// About how many JSON values `body` holds, counted without parsing it:
+/// each `[`, `{` and `,` outside a string starts one.
+fn values_in(body: &[u8]) -> usize {
+    let (mut count, mut in_string, mut escaped) = (0, false, false);
+    for &byte in body {
+        if escaped {
+            escaped = false;
+        } else if in_string {
+            match byte {
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else {
+            match byte {
+                b'"' => in_string = true,
+                b'[' | b'{' | b',' => count += 1,
+                _ => {}
+            }
+        }
+    }
+    count
 }
 
 fn clip(text: &str, max: usize) -> String {
@@ -266,6 +300,26 @@ mod tests {
         }
         let long = format!(r#"{{"hook_event_name":"PreToolUse","tool_name":"{}"}}"#, "x".repeat(201));
         assert!(parse_call(long.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn a_body_of_many_values_is_refused_and_one_of_big_strings_is_not() {
+        let zeros = vec!["0"; 1_000_000].join(",");
+        let body = format!(r#"{{"hook_event_name":"PreToolUse","tool_name":"Bash","tool_input":{{"a":[{zeros}]}}}}"#);
+        let err = parse_call(body.as_bytes()).unwrap_err();
+        assert!(err.contains("JSON values"), "{err}");
+        // A `Write` of a 1 MiB file full of what would be values outside a
+        // string, between escaped quotes and backslashes, is a few values.
+        let content = r#"{[\",\\,"#.repeat((1 << 20) / 6);
+        let body = format!(
+            r#"{{"hook_event_name":"PreToolUse","tool_name":"Write","tool_input":{{"file_path":"/w/a","content":"{content}"}}}}"#
+        );
+        let call = parse_call(body.as_bytes()).unwrap();
+        assert_eq!(call.arguments["content"].as_str().unwrap().len(), (1 << 20) / 6 * 6);
+        let edits = vec![r#"{"old_string":"a","new_string":"b"}"#; 1_000].join(",");
+        let body =
+            format!(r#"{{"hook_event_name":"PreToolUse","tool_name":"MultiEdit","tool_input":{{"edits":[{edits}]}}}}"#);
+        assert!(parse_call(body.as_bytes()).is_ok(), "a thousand edits are far from the bound");
     }
 
     #[test]

@@ -17,17 +17,60 @@
 //! - Every count is bounded by `MAX_TOKENS`, and so is every sum of them:
 //!   a harness reporting absurd usage gets a large count, not an overflow.
 
+use std::collections::{HashMap, HashSet};
+
 use serde_json::Value;
 
 use super::{clip, progress, str_of, tool_use, u64_of, Line, ParserState};
 use crate::rein::{bounded_tokens, TokenUsage, ToolResult};
 
+/// The longest message id remembered. A longer one (like an empty one) is
+/// not remembered, so each of its lines counts as a new message: a harness
+/// sending such ids can only overcount its own tokens, never hide them.
+const MAX_MESSAGE_ID: usize = 200;
+/// Message ids remembered at once. When full they are all forgotten and
+/// remembering starts over: the message being read then may count twice
+/// (an overcount once in that many messages) and memory stays bounded.
+const MAX_MESSAGES: usize = 10_000;
+/// Tools whose refusal reason is kept (the first reason of each).
+const MAX_DENIALS: usize = 64;
+/// Characters kept of a refused tool's name, of its reason and of its input.
+const MAX_DENIAL_TEXT: usize = 200;
+/// Refused calls a result's error names; the rest are only counted.
+const MAX_DENIALS_LISTED: usize = 20;
+
 #[derive(Debug, Default)]
 pub(super) struct State {
-    /// Tokens of each message id seen so far.
-    messages: Vec<(String, u64)>,
-    /// `tool: message` of each refused tool call.
-    denials: Vec<String>,
+    /// Tokens of each message id seen recently (see [`MAX_MESSAGES`]).
+    messages: HashMap<String, u64>,
+    /// Tokens of every message so far. Wider than a count, so a harness's
+    /// absurd counts neither overflow it nor make a replaced count's
+    /// subtraction inexact.
+    message_tokens: u128,
+    /// The tool and the message of each refused tool, clipped.
+    denials: Vec<(String, String)>,
+}
+
+impl State {
+    /// Counts `tokens` as message `id`'s usage so far (Claude Code repeats
+    /// a message's usage on each of its blocks, so a known id's count is
+    /// replaced, not added to); the tokens of all messages so far.
+    fn count(&mut self, id: String, tokens: u64) -> u64 {
+        let replaced = match self.messages.get_mut(&id) {
+            Some(counted) => std::mem::replace(counted, tokens),
+            None => {
+                if !id.is_empty() && id.len() <= MAX_MESSAGE_ID {
+                    if self.messages.len() >= MAX_MESSAGES {
+                        self.messages.clear();
+                    }
+                    self.messages.insert(id, tokens);
+                }
+                0
+            }
+        };
+        self.message_tokens = self.message_tokens.saturating_sub(replaced.into()).saturating_add(tokens.into());
+        bounded_tokens(u64::try_from(self.message_tokens).unwrap_or(u64::MAX))
+    }
 }
 
 pub(super) fn parse(kind: &str, v: &Value, state: &mut ParserState) -> Line {
@@ -69,9 +112,15 @@ fn system(v: &Value, state: &mut ParserState) -> Line {
             text
         }
         "permission_denied" => {
-            let denial = format!("{}: {}", str_of(v, "tool_name"), str_of(v, "message"));
-            state.claude.denials.push(denial.clone());
-            format!("permission denied: {denial}")
+            let tool = clip(&str_of(v, "tool_name"), MAX_DENIAL_TEXT);
+            let message = clip(&str_of(v, "message"), MAX_DENIAL_TEXT);
+            let text = format!("permission denied: {tool}: {message}");
+            // Only the first reason of a tool is ever shown (see `refused`).
+            let denials = &mut state.claude.denials;
+            if denials.len() < MAX_DENIALS && !denials.iter().any(|(seen, _)| *seen == tool) {
+                denials.push((tool, message));
+            }
+            text
         }
         _ => return Line::Ignored,
     };
@@ -98,14 +147,7 @@ fn assistant(v: &Value, state: &mut ParserState) -> Line {
         state.model = model;
     }
     if let Some(usage) = message.get("usage") {
-        let tokens = usage_of(usage).total();
-        let id = str_of(&message, "id");
-        match state.claude.messages.iter_mut().find(|(seen, _)| !id.is_empty() && *seen == id) {
-            Some((_, counted)) => *counted = tokens,
-            None => state.claude.messages.push((id, tokens)),
-        }
-        let sum = state.claude.messages.iter().fold(0, |sum: u64, (_, t)| sum.saturating_add(*t));
-        state.tokens = bounded_tokens(sum);
+        state.tokens = state.claude.count(str_of(&message, "id"), usage_of(usage).total());
     }
     let mut events = Vec::new();
     let mut text = Vec::new();
@@ -136,7 +178,7 @@ fn result(v: &Value, state: &mut ParserState) -> ToolResult {
     let subtype = str_of(v, "subtype");
     let is_error = v.get("is_error").and_then(Value::as_bool).unwrap_or(subtype != "success");
     let text = str_of(v, "result");
-    let denials = refused(v, state);
+    let (refusals, listed) = refused(v, state);
     let error = if is_error {
         match v.get("api_error_status").and_then(Value::as_u64) {
             Some(status) => {
@@ -147,8 +189,12 @@ fn result(v: &Value, state: &mut ParserState) -> ToolResult {
             None if subtype != "success" => format!("Claude Code stopped ({subtype}): {text}"),
             None => format!("Claude Code failed ({}): {text}", str_of(v, "terminal_reason")),
         }
-    } else if !denials.is_empty() {
-        format!("Claude Code was refused permission for {} tool call(s): {}", denials.len(), denials.join("; "))
+    } else if refusals > 0 {
+        let more = match refusals - listed.len() {
+            0 => String::new(),
+            more => format!("; and {more} more"),
+        };
+        format!("Claude Code was refused permission for {refusals} tool call(s): {}{more}", listed.join("; "))
     } else if subtype != "success" {
         format!("Claude Code stopped ({subtype})")
     } else {
@@ -171,27 +217,39 @@ fn result(v: &Value, state: &mut ParserState) -> ToolResult {
     }
 }
 
-/// The refused tool calls of a result: each with the reason Claude Code
-/// gave (from its `permission_denied` line) and what the call wanted.
+/// The refused tool calls of a result: how many, and the first
+/// [`MAX_DENIALS_LISTED`] of them, each with the reason Claude Code gave
+/// (from its `permission_denied` line) and what the call wanted, clipped.
 /// Calls corral's gate refused are left out: the model was told why, and
 /// the run goes on.
-fn refused(v: &Value, state: &ParserState) -> Vec<String> {
-    let denials = v.get("permission_denials").and_then(Value::as_array).cloned().unwrap_or_default();
-    denials
-        .iter()
-        .filter(|d| !state.gate_denied.iter().any(|id| *id == str_of(d, "tool_use_id")))
+fn refused(v: &Value, state: &ParserState) -> (usize, Vec<String>) {
+    let denials = v.get("permission_denials").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
+    if denials.is_empty() {
+        return (0, Vec::new());
+    }
+    // One look-up per call: a result may list many calls, and the gate may
+    // have refused thousands.
+    let gate_denied: HashSet<&str> = state.gate_denied.iter().map(String::as_str).collect();
+    let mut refused = denials.iter().filter(|d| {
+        let id = d.get("tool_use_id").and_then(Value::as_str).unwrap_or_default();
+        !gate_denied.contains(id)
+    });
+    let listed: Vec<String> = refused
+        .by_ref()
+        .take(MAX_DENIALS_LISTED)
         .map(|d| {
-            let tool = str_of(d, "tool_name");
+            let tool = clip(&str_of(d, "tool_name"), MAX_DENIAL_TEXT);
             let reason = state
                 .claude
                 .denials
                 .iter()
-                .find_map(|seen| seen.strip_prefix(&format!("{tool}: ")))
-                .unwrap_or("not allowed");
+                .find(|(seen, _)| *seen == tool)
+                .map_or("not allowed", |(_, reason)| reason.as_str());
             let input = d.get("tool_input").map(Value::to_string).unwrap_or_default();
-            format!("{tool} ({reason}) {}", clip(&input, 200))
+            format!("{tool} ({reason}) {}", clip(&input, MAX_DENIAL_TEXT))
         })
-        .collect()
+        .collect();
+    (listed.len() + refused.count(), listed)
 }
 
 #[cfg(test)]
@@ -297,6 +355,88 @@ mod tests {
         assert_eq!(s.tokens, 101);
         parse_line(Preset::ClaudeStreamJson, line("b", r#"{"type":"text","text":"x"}"#).as_bytes(), &mut s);
         assert_eq!(s.tokens, 202);
+    }
+
+    /// An assistant line of message `id` with 101 tokens.
+    fn usage_line(id: &str) -> String {
+        format!(
+            r#"{{"type":"assistant","message":{{"id":"{id}","content":[],"usage":{{"input_tokens":100,"output_tokens":1}}}}}}"#
+        )
+    }
+
+    #[test]
+    fn overlong_and_empty_message_ids_are_counted_but_not_kept() {
+        let mut s = ParserState::default();
+        for i in 0..1_000 {
+            let id = format!("{i:06}{}", "x".repeat(64 << 10));
+            parse_line(Preset::ClaudeStreamJson, usage_line(&id).as_bytes(), &mut s);
+        }
+        let no_id = r#"{"type":"assistant","message":{"content":[],"usage":{"input_tokens":100,"output_tokens":1}}}"#;
+        for _ in 0..100 {
+            parse_line(Preset::ClaudeStreamJson, no_id.as_bytes(), &mut s);
+        }
+        let kept: usize = s.claude.messages.keys().map(String::len).sum();
+        assert!(kept < 1 << 20, "{kept} bytes of ids kept");
+        assert!(s.claude.messages.is_empty(), "{} ids kept", s.claude.messages.len());
+        assert_eq!(s.tokens, 1_100 * 101, "each such line counts as a message of its own");
+    }
+
+    #[test]
+    fn message_ids_kept_are_bounded_and_recent_ones_still_count_once() {
+        let mut s = ParserState::default();
+        for i in 0..20_000 {
+            parse_line(Preset::ClaudeStreamJson, usage_line(&format!("msg_{i}")).as_bytes(), &mut s);
+        }
+        assert!(s.claude.messages.len() <= MAX_MESSAGES, "{} ids kept", s.claude.messages.len());
+        assert_eq!(s.tokens, 20_000 * 101, "forgetting ids loses no tokens");
+        parse_line(Preset::ClaudeStreamJson, usage_line("msg_19999").as_bytes(), &mut s);
+        assert_eq!(s.tokens, 20_000 * 101, "the last message's repeated usage counts once");
+    }
+
+    #[test]
+    fn a_flood_of_refusals_is_clipped_and_counted() {
+        let mut s = ParserState::default();
+        let denied = |tool: &str| {
+            format!(
+                r#"{{"type":"system","subtype":"permission_denied","tool_name":"{tool}","message":"{}"}}"#,
+                "m".repeat(100 << 10)
+            )
+        };
+        parse_line(Preset::ClaudeStreamJson, denied("x").as_bytes(), &mut s);
+        for i in 0..100 {
+            parse_line(Preset::ClaudeStreamJson, denied(&format!("t{i}")).as_bytes(), &mut s);
+        }
+        let kept: usize = s.claude.denials.iter().map(|(tool, reason)| tool.len() + reason.len()).sum();
+        assert!(kept < 64 << 10, "{kept} bytes of refusals kept");
+        assert!(s.claude.denials.len() <= MAX_DENIALS, "{} refusals kept", s.claude.denials.len());
+        let calls = vec![r#"{"tool_name":"x"}"#; 2_000].join(",");
+        let line = format!(
+            r#"{{"type":"result","subtype":"success","is_error":false,"result":"r","permission_denials":[{calls}]}}"#
+        );
+        let Line::Result(r) = parse_line(Preset::ClaudeStreamJson, line.as_bytes(), &mut s) else { panic!("a result") };
+        assert!(!r.ok);
+        assert!(r.error.len() < 16 << 10, "{} bytes of error", r.error.len());
+        assert!(r.error.contains("for 2000 tool call(s): x (mmm"), "{}", &r.error[..200]);
+        assert!(r.error.ends_with("; and 1980 more"), "{}", &r.error[r.error.len() - 100..]);
+    }
+
+    #[test]
+    fn calls_the_gate_refused_are_not_the_runs_refusals() {
+        let gate_denied = (0..10_000).map(|i| format!("toolu_{i}")).collect();
+        let mut s = ParserState { gate_denied, ..ParserState::default() };
+        let calls =
+            (0..20_000).map(|i| format!(r#"{{"tool_name":"x","tool_use_id":"toolu_{i}"}}"#)).collect::<Vec<_>>();
+        let line = format!(
+            r#"{{"type":"result","subtype":"success","is_error":false,"result":"r","permission_denials":[{}]}}"#,
+            calls.join(",")
+        );
+        let Line::Result(r) = parse_line(Preset::ClaudeStreamJson, line.as_bytes(), &mut s) else { panic!("a result") };
+        assert!(r.error.starts_with("Claude Code was refused permission for 10000 tool call(s): x (not allowed)"));
+        let gated = r#"{"type":"result","subtype":"success","is_error":false,"result":"r","permission_denials":[{"tool_name":"x","tool_use_id":"toolu_7"}]}"#;
+        let Line::Result(r) = parse_line(Preset::ClaudeStreamJson, gated.as_bytes(), &mut s) else {
+            panic!("a result")
+        };
+        assert!(r.ok, "{r:?}");
     }
 
     #[test]

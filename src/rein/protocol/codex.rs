@@ -18,15 +18,26 @@
 //! - The model is never in the stream: it is the one corral wrote into
 //!   Codex's config.
 
+use std::collections::HashSet;
+
 use serde_json::Value;
 
 use super::{clip, progress, str_of, tool_use, u64_of, Line, ParserState};
 use crate::rein::{bounded_tokens, HarnessEvent, TokenUsage, ToolResult};
 
+/// The longest item id remembered. A longer one (like an empty one) is not
+/// remembered, so each of its lines reports the tool use again: a harness
+/// sending such ids can only over-report its tool calls, never hide one.
+const MAX_ITEM_ID: usize = 200;
+/// Item ids remembered at once. When full they are all forgotten and
+/// remembering starts over: an item still running then is reported twice,
+/// and memory stays bounded.
+const MAX_TOOLS_SEEN: usize = 10_000;
+
 #[derive(Debug, Default)]
 pub(super) struct State {
-    /// Item ids already reported as a tool use.
-    tools_seen: Vec<String>,
+    /// Item ids already reported as a tool use (see [`MAX_TOOLS_SEEN`]).
+    tools_seen: HashSet<String>,
     usage: TokenUsage,
 }
 
@@ -82,8 +93,14 @@ fn item_events(item: &Value, completed: bool, state: &mut ParserState) -> Vec<Ha
     let mut events = Vec::new();
     if let Some(tool) = tool_of(item, &item_type) {
         let id = str_of(item, "id");
-        if id.is_empty() || !state.codex.tools_seen.contains(&id) {
-            state.codex.tools_seen.push(id);
+        if !state.codex.tools_seen.contains(&id) {
+            let seen = &mut state.codex.tools_seen;
+            if !id.is_empty() && id.len() <= MAX_ITEM_ID {
+                if seen.len() >= MAX_TOOLS_SEEN {
+                    seen.clear();
+                }
+                seen.insert(id);
+            }
             events.push(tool_use(tool, state));
         }
     }
@@ -264,6 +281,40 @@ mod tests {
         ] {
             assert!(messages.contains(&expected), "{expected:?} missing from {messages:?}");
         }
+    }
+
+    /// An `item.started` line of a command with item id `id`.
+    fn command_line(id: &str) -> String {
+        format!(r#"{{"type":"item.started","item":{{"id":"{id}","type":"command_execution","status":"in_progress"}}}}"#)
+    }
+
+    #[test]
+    fn overlong_and_empty_item_ids_are_reported_but_not_kept() {
+        let mut s = ParserState::default();
+        for i in 0..1_000 {
+            let id = format!("{i:06}{}", "x".repeat(64 << 10));
+            parse_line(Preset::CodexExecJson, command_line(&id).as_bytes(), &mut s);
+        }
+        for _ in 0..100 {
+            let Line::Events(events) = parse_line(Preset::CodexExecJson, command_line("").as_bytes(), &mut s) else {
+                panic!("events")
+            };
+            assert_eq!(tools(&events), ["Bash"], "an id not kept reports its tool use each time");
+        }
+        let kept: usize = s.codex.tools_seen.iter().map(String::len).sum();
+        assert!(kept < 1 << 20, "{kept} bytes of ids kept");
+        assert!(s.codex.tools_seen.is_empty(), "{} ids kept", s.codex.tools_seen.len());
+    }
+
+    #[test]
+    fn item_ids_kept_are_bounded_and_recent_ones_still_report_once() {
+        let mut s = ParserState::default();
+        for i in 0..20_000 {
+            parse_line(Preset::CodexExecJson, command_line(&format!("item_{i}")).as_bytes(), &mut s);
+        }
+        assert!(s.codex.tools_seen.len() <= MAX_TOOLS_SEEN, "{} ids kept", s.codex.tools_seen.len());
+        let again = parse_line(Preset::CodexExecJson, command_line("item_19999").as_bytes(), &mut s);
+        assert_eq!(again, Line::Ignored, "the last item was already reported");
     }
 
     #[test]
