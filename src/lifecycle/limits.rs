@@ -4,8 +4,13 @@
 //! the reading of what the sandbox's cgroup cut (OOM kills, refused forks),
 //! each turned into one `limit` event.
 
+use std::ffi::{CString, OsStr, OsString};
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +34,12 @@ pub struct TreeUsage {
     pub bytes: u64,
     /// Files, directories and links below the root.
     pub inodes: u64,
+}
+
+impl TreeUsage {
+    /// What a tree counts as when a directory in it cannot be read: over
+    /// any budget (what it holds cannot be known, so it is not allowed).
+    pub const UNMEASURABLE: TreeUsage = TreeUsage { bytes: u64::MAX, inodes: u64::MAX };
 }
 
 /// `max_workspace_bytes` and `max_workspace_inodes` of a run; 0 = not limited.
@@ -69,21 +80,46 @@ fn file_bytes(meta: &std::fs::Metadata) -> u64 {
 /// workspace, HOME and any other writable place under it are all counted,
 /// and so are the files on its filesystem that its uid's processes
 /// deleted but keep open (see [`unlinked_open_bytes`]).
+///
+/// Each directory is opened relative to its parent, so no path the walk
+/// uses is longer than one name: a tree deeper than `PATH_MAX` cannot hide
+/// what is below it. A directory that cannot be read at all makes the tree
+/// [`TreeUsage::UNMEASURABLE`], over any budget.
 pub fn tree_usage(root: &Path, budget: TreeBudget, cgroup: Option<&SandboxCgroup>) -> TreeUsage {
     let mut usage = TreeUsage::default();
     let Ok(top) = std::fs::symlink_metadata(root) else { return usage };
     let euid = crate::sandbox::host::effective_uid();
     open_to_owner(root, &top, euid);
-    let mut stack: Vec<PathBuf> = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
-        for entry in entries.flatten() {
+    let Ok(root_dir) = open_dir(None, root.as_os_str()) else { return usage };
+    // Directories still to read, each as its parent and its name: a
+    // parent stays open only while a child of it waits.
+    let mut pending: Vec<(Rc<File>, OsString)> = Vec::new();
+    let mut next = Some(Rc::new(root_dir));
+    loop {
+        let dir = match next.take() {
+            Some(dir) => dir,
+            None => match pending.pop() {
+                None => break,
+                Some((parent, name)) => match open_dir(Some(&parent), &name) {
+                    Ok(dir) => Rc::new(dir),
+                    // Removed since it was listed.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(_) => return TreeUsage::UNMEASURABLE,
+                },
+            },
+        };
+        let Ok(entries) = std::fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd())) else {
+            return TreeUsage::UNMEASURABLE;
+        };
+        for entry in entries {
+            let Ok(entry) = entry else { return TreeUsage::UNMEASURABLE };
             usage.inodes += 1;
+            // fstatat(2) in the directory read: no path.
             let Ok(meta) = entry.metadata() else { continue };
             usage.bytes = usage.bytes.saturating_add(file_bytes(&meta));
             if meta.is_dir() {
-                open_to_owner(&entry.path(), &meta, euid);
-                stack.push(entry.path());
+                open_child_to_owner(&dir, &entry.file_name(), &meta, euid);
+                pending.push((dir.clone(), entry.file_name()));
             }
             if budget.exceeded_by(usage) {
                 return usage;
@@ -98,6 +134,33 @@ pub fn tree_usage(root: &Path, budget: TreeBudget, cgroup: Option<&SandboxCgroup
         usage.bytes = usage.bytes.saturating_add(held);
     }
     usage
+}
+
+/// Directory `name`, in `parent` when given (else a path), opened without
+/// following a link.
+fn open_dir(parent: Option<&File>, name: &OsStr) -> std::io::Result<File> {
+    let name = CString::new(name.as_bytes()).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    let at = parent.map_or(libc::AT_FDCWD, |p| p.as_raw_fd());
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    // SAFETY: openat(2) with a valid C string; the fd it returns is ours.
+    let fd = unsafe { libc::openat(at, name.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd that nothing else owns.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// [`open_to_owner`] for directory `name` in `parent`: a daemon that is not
+/// root can read what its sandbox's uid (its own) closed to itself.
+fn open_child_to_owner(parent: &File, name: &OsStr, meta: &std::fs::Metadata, euid: u32) {
+    let mode = meta.mode() & 0o7777;
+    if euid == 0 || meta.uid() != euid || mode & 0o700 == 0o700 {
+        return;
+    }
+    let Ok(name) = CString::new(name.as_bytes()) else { return };
+    // SAFETY: fchmodat(2) on a directory fd we hold and a valid C string.
+    unsafe { libc::fchmodat(parent.as_raw_fd(), name.as_ptr(), mode | 0o700, 0) };
 }
 
 /// Blocks, on device `dev`, of the files that processes of host uid `uid`
@@ -253,7 +316,19 @@ pub fn cgroup_hits(before: LimitHits, now: LimitHits, memory: u64, pids: u64) ->
 /// (bytes first, when both broke): `workspace` in bytes, or
 /// `workspace_inodes` in files.
 pub fn workspace_hit(usage: TreeUsage, budget: TreeBudget) -> (EventKind, String) {
-    let (detail, value, limit) = if budget.max_bytes > 0 && usage.bytes > budget.max_bytes {
+    let (detail, value, limit) = if usage == TreeUsage::UNMEASURABLE {
+        let (value, limit) = match budget.max_bytes {
+            0 => (budget.max_inodes, "workspace_inodes"),
+            bytes => (bytes, "workspace"),
+        };
+        (
+            "the sandbox's workspace and HOME hold a directory that cannot be read, so their size cannot be \
+          measured: counted as over budget"
+                .to_string(),
+            value,
+            limit,
+        )
+    } else if budget.max_bytes > 0 && usage.bytes > budget.max_bytes {
         (
             format!(
                 "the sandbox's workspace and HOME grew to {} bytes, over limits.max_workspace_bytes = {}",
@@ -344,6 +419,37 @@ mod tests {
             workspace_hit(TreeUsage { bytes: 6000, inodes: 9 }, TreeBudget { max_bytes: 5500, max_inodes: 5 });
         let EventKind::LimitHit { limit, value, .. } = event else { panic!("{event:?}") };
         assert_eq!((limit.as_str(), value), ("workspace", 5500), "bytes first when both broke");
+    }
+
+    /// A chain of directories deeper than PATH_MAX (4096 bytes) hides
+    /// nothing: what is at its bottom is counted.
+    #[test]
+    fn a_tree_deeper_than_path_max_is_counted_to_its_bottom() {
+        let dir = tempfile::tempdir().unwrap();
+        let name = "d".repeat(200);
+        let mut at = open_dir(None, dir.path().as_os_str()).unwrap();
+        for _ in 0..30 {
+            let c = CString::new(name.as_str()).unwrap();
+            // SAFETY: mkdirat(2) in a directory fd we hold.
+            assert_eq!(unsafe { libc::mkdirat(at.as_raw_fd(), c.as_ptr(), 0o755) }, 0);
+            at = open_dir(Some(&at), OsStr::new(&name)).unwrap();
+        }
+        // 30 * 201 bytes deep: the file is past PATH_MAX from the root.
+        let c = CString::new("bottom").unwrap();
+        // SAFETY: openat(2) creating a file in a directory fd we hold.
+        let fd = unsafe {
+            libc::openat(at.as_raw_fd(), c.as_ptr(), libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC, 0o644)
+        };
+        assert!(fd >= 0);
+        // SAFETY: the fd just opened.
+        let mut bottom = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        std::io::Write::write_all(&mut bottom, &vec![1u8; 1 << 20]).unwrap();
+        let usage = tree_usage(dir.path(), TreeBudget::default(), None);
+        assert_eq!(usage.inodes, 31, "{usage:?}");
+        assert!(usage.bytes >= 1 << 20, "{usage:?}");
+        assert!(TreeBudget { max_bytes: 512 << 10, max_inodes: 0 }.exceeded_by(usage));
+        let (_, raw) = workspace_hit(TreeUsage::UNMEASURABLE, TreeBudget { max_bytes: 10, max_inodes: 0 });
+        assert!(raw.contains("cannot be read"), "{raw}");
     }
 
     #[test]
