@@ -36,8 +36,9 @@ pub struct Config {
     pub max_running_executions: usize,
     /// The same bound for live sessions.
     pub max_running_sessions: usize,
-    /// A finished execution's events are kept this long, then compacted to
-    /// its final `finished` event (record and evidence).
+    /// A finished execution's events are kept this long (at most ten
+    /// years), then compacted to its final `finished` event (record and
+    /// evidence).
     pub event_retention_seconds: u64,
     /// Repositories an execution or session may name must be beneath one
     /// of these (default: [`DEFAULT_REPO_ROOT`]; empty: none at all, every
@@ -86,12 +87,15 @@ pub struct Config {
     /// Where Prometheus scrapes `GET /metrics` (unset: no metrics listener).
     pub metrics_listen: Option<String>,
     /// A file holding the bearer token a scrape must present (at least 32
-    /// characters); required when `metrics_listen` is not loopback.
+    /// characters); required when `metrics_listen` is not loopback, refused
+    /// without `metrics_listen`.
     pub metrics_token_file: Option<PathBuf>,
     /// OpenTelemetry traces.
     pub telemetry: TelemetryConfig,
     /// Names this daemon in a shared store (default: host name and data
-    /// directory): recovery and hub delivery only touch its own rows.
+    /// directory): recovery and hub delivery only touch its own rows. As
+    /// `[fleet] node` (1-200 characters, none of them control characters),
+    /// which it may not be set beside.
     pub node_id: Option<String>,
     /// The server's limits: message sizes, streams, keepalive, watchers.
     pub grpc: GrpcConfig,
@@ -116,10 +120,10 @@ pub struct GrpcConfig {
     pub max_send_message_bytes: usize,
     /// Streams (calls) at once on one HTTP/2 connection.
     pub max_concurrent_streams: u32,
-    /// An HTTP/2 PING to each connection this often (0: never), so dead
-    /// peers are noticed and their streams ended.
+    /// An HTTP/2 PING to each connection this often (0: never; at most ten
+    /// years), so dead peers are noticed and their streams ended.
     pub keepalive_interval_seconds: u64,
-    /// A PING unanswered this long closes the connection.
+    /// A PING unanswered this long (at most ten years) closes the connection.
     pub keepalive_timeout_seconds: u64,
     /// Bytes one stream may have waiting to be written to its connection;
     /// beyond it the stream stops producing until the client reads (a slow
@@ -193,6 +197,13 @@ impl GrpcConfig {
         }
         if self.keepalive_interval_seconds > 0 && self.keepalive_timeout_seconds == 0 {
             return Err((key("keepalive_timeout_seconds"), "must be greater than 0 when keepalive is on".into()));
+        }
+        // hyper adds them to `Instant`s, which panics on overflow.
+        for (name, seconds) in [
+            ("keepalive_interval_seconds", self.keepalive_interval_seconds),
+            ("keepalive_timeout_seconds", self.keepalive_timeout_seconds),
+        ] {
+            crate::types::at_most_ten_years(seconds).map_err(|message| (key(name), message))?;
         }
         let per_principal = self.max_watchers_per_principal.unwrap_or(1);
         for (name, value) in [
@@ -400,6 +411,26 @@ impl Config {
         })
     }
 
+    /// Checks the name [`Config::node`] resolves to, naming the key it
+    /// comes from: `DrainNode` could not name a node of another name.
+    /// `node_id` beside `[fleet] node` would be ignored, so it is refused.
+    fn check_node_name(&self) -> Result<(), (&'static str, String)> {
+        const RULE: &str = "must be 1-200 characters, none of them control characters";
+        match (&self.fleet.node, &self.node_id) {
+            (Some(_), Some(_)) => Err(("node_id", "set at most one of node_id and fleet.node".into())),
+            (Some(name), None) if !node_name_ok(name) => Err(("fleet.node", RULE.into())),
+            (None, Some(name)) if !node_name_ok(name) => Err(("node_id", RULE.into())),
+            (None, None) => match self.node() {
+                name if node_name_ok(&name) => Ok(()),
+                name => Err((
+                    "fleet.node",
+                    format!("unset, this node is named {name:?} (host name and data_dir), which {RULE}: set it"),
+                )),
+            },
+            _ => Ok(()),
+        }
+    }
+
     /// The configuration: `file` (or the defaults, without one), then the
     /// `CORRAL_*` environment, then `overrides`, validated once at the end.
     pub fn load(file: Option<&Path>, overrides: Overrides) -> Result<Config, ConfigError> {
@@ -486,6 +517,15 @@ impl Config {
         if self.fleet.lease_seconds == 0 {
             return Err(invalid("fleet.lease_seconds", "must be at least 1".into()));
         }
+        // In milliseconds they are added to and taken from Unix times (i64):
+        // a larger value would wrap (a retention cutoff in the future would
+        // compact every finished run's events).
+        for (key, seconds) in [
+            ("event_retention_seconds", self.event_retention_seconds),
+            ("fleet.lease_seconds", self.fleet.lease_seconds),
+        ] {
+            crate::types::at_most_ten_years(seconds).map_err(|message| invalid(key, message))?;
+        }
         match self.fleet.capacity {
             Some(c) if c > self.max_running_executions => {
                 return Err(invalid(
@@ -507,15 +547,19 @@ impl Config {
         if self.fleet.max_queued == 0 {
             return Err(invalid("fleet.max_queued", "must be at least 1".into()));
         }
-        if self.fleet.node.as_deref().is_some_and(|n| n.is_empty() || n.len() > 200 || n.chars().any(char::is_control))
-        {
-            return Err(invalid("fleet.node", "must be 1-200 characters, none of them control characters".into()));
-        }
+        self.check_node_name().map_err(|(key, message)| invalid(key, message))?;
         if self.max_running_sessions == 0 {
             return Err(invalid("max_running_sessions", "must be greater than 0".into()));
         }
         if self.session_idle_seconds == 0 {
             return Err(invalid("session_idle_seconds", "must be greater than 0".into()));
+        }
+        // Without a listener the token would protect nothing.
+        if self.metrics_token_file.is_some() && self.metrics_listen.is_none() {
+            return Err(invalid(
+                "metrics_token_file",
+                "there is no metrics listener for it: set metrics_listen".into(),
+            ));
         }
         if let Some(addr) = &self.metrics_listen {
             let metrics = addr
@@ -576,6 +620,16 @@ impl Config {
         }
         crate::catalog::check_cpu_millis(limits.cpu_millis).map_err(|e| invalid("default_limits.cpu_millis", e))?;
         self.harness.validate().map_err(|(key, message)| invalid(&key, message))?;
+        // A credential no listener presents would load and never identify
+        // anyone: refused here, where the listeners are known.
+        let (socket, client_ca) = (self.unix_socket_path().is_some(), self.client_ca.is_some());
+        crate::auth::PrincipalConfig::check_listeners(
+            &self.principals,
+            self.principals_dir.as_deref(),
+            socket,
+            client_ca,
+        )
+        .map_err(|(key, message)| invalid(&key, message))?;
         self.gate.validate().map_err(|(key, message)| invalid(&key, message))?;
         for root in &self.repo_roots {
             if !root.is_absolute() {
@@ -593,6 +647,12 @@ impl Config {
 
 /// The largest `watch_buffer` accepted (1,048,576 events).
 pub const MAX_WATCH_BUFFER: usize = 1 << 20;
+
+/// Whether `name` can name a node: 1-200 characters, none of them control
+/// characters, as `DrainNode` accepts (characters, not bytes).
+fn node_name_ok(name: &str) -> bool {
+    (1..=200).contains(&name.chars().count()) && !name.chars().any(char::is_control)
+}
 
 #[cfg(test)]
 mod tests {
@@ -732,6 +792,89 @@ mod tests {
         assert!(Config::from_file(&file).unwrap_err().to_string().contains("max_streams"));
     }
 
+    /// The error `text` (a config file) is refused with at validation.
+    fn refusal(text: &str) -> Option<String> {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("corral.toml");
+        std::fs::write(&file, text).unwrap();
+        Config::from_file(&file).unwrap().validate().err().map(|e| e.to_string())
+    }
+
+    /// In milliseconds they are added to Unix times or `Instant`s: i64::MAX
+    /// seconds would wrap (a retention cutoff in the future compacts every
+    /// run's events) or panic.
+    #[test]
+    fn seconds_keys_are_at_most_ten_years_naming_the_key() {
+        let cases = [
+            ("event_retention_seconds", "event_retention_seconds = {}\n"),
+            ("fleet.lease_seconds", "[fleet]\nlease_seconds = {}\n"),
+            ("grpc.keepalive_interval_seconds", "[grpc]\nkeepalive_interval_seconds = {}\n"),
+            ("grpc.keepalive_timeout_seconds", "[grpc]\nkeepalive_timeout_seconds = {}\n"),
+        ];
+        let got: Vec<_> = cases.iter().map(|(_, text)| refusal(&text.replace("{}", "9223372036854775807"))).collect();
+        let want: Vec<_> = cases
+            .iter()
+            .map(|(key, _)| Some(format!("config key {key}: 9223372036854775807 is more than 315360000 (ten years)")))
+            .collect();
+        assert_eq!(got, want);
+        for (key, text) in cases {
+            assert_eq!(refusal(&text.replace("{}", &crate::hub::MAX_WAIT_SECONDS.to_string())), None, "{key}");
+        }
+    }
+
+    /// The name the node is known by passes DrainNode's check whichever key
+    /// gives it, counted in characters.
+    #[test]
+    fn the_node_name_is_checked_whichever_key_gives_it() {
+        let rule = "must be 1-200 characters, none of them control characters";
+        for bad in [String::new(), "n".repeat(201), "node\nb".into(), "é".repeat(201)] {
+            let err = refusal(&format!("node_id = {bad:?}\n")).unwrap_or_else(|| panic!("{bad:?} accepted"));
+            assert_eq!(err, format!("config key node_id: {rule}"), "{bad:?}");
+            let err = refusal(&format!("[fleet]\nnode = {bad:?}\n")).unwrap_or_else(|| panic!("{bad:?} accepted"));
+            assert_eq!(err, format!("config key fleet.node: {rule}"), "{bad:?}");
+        }
+        for good in ["node-a".to_string(), "n".repeat(200), "é".repeat(200)] {
+            assert_eq!(refusal(&format!("node_id = {good:?}\n")), None);
+            assert_eq!(refusal(&format!("[fleet]\nnode = {good:?}\n")), None);
+        }
+        // Beside `[fleet] node` it would be ignored.
+        let err = refusal("node_id = \"a\"\n[fleet]\nnode = \"b\"\n").unwrap();
+        assert_eq!(err, "config key node_id: set at most one of node_id and fleet.node");
+        // Neither set: the default name (host and data directory) is checked.
+        let long = Config { data_dir: PathBuf::from(format!("/{}", "d".repeat(200))), ..Config::default() };
+        let err = long.validate().unwrap_err().to_string();
+        assert!(err.starts_with("config key fleet.node: unset, this node is named"), "{err}");
+        let named = Config { node_id: Some("n".into()), ..long };
+        assert!(named.validate().is_ok());
+    }
+
+    #[test]
+    fn a_metrics_token_without_a_listener_is_refused() {
+        let err = refusal("metrics_token_file = \"/etc/corral/metrics.token\"\n").unwrap();
+        assert_eq!(err, "config key metrics_token_file: there is no metrics listener for it: set metrics_listen");
+    }
+
+    /// `unix_uids` without a socket and `tls_names` without `client_ca`
+    /// would load and never identify anyone.
+    #[test]
+    fn principal_credentials_no_listener_presents_are_refused() {
+        let principal = "[[principals]]\nname = \"ci\"\ntype = \"agt\"\nprojects = [\"p\"]\n";
+        let tls = "tls_cert = \"/c.pem\"\ntls_key = \"/c.key\"\n";
+        let err = refusal(&format!("{tls}{principal}tls_names = [\"ci\"]\n")).unwrap();
+        assert!(err.starts_with("config key principals[0].tls_names: client certificates are not asked for"), "{err}");
+        assert_eq!(refusal(&format!("{tls}client_ca = \"/ca.pem\"\n{principal}tls_names = [\"ci\"]\n")), None);
+        let err = refusal(&format!("unix_socket = \"\"\n{principal}unix_uids = [1001]\n")).unwrap();
+        assert!(err.starts_with("config key principals[0].unix_uids: no unix socket is served"), "{err}");
+        assert_eq!(refusal(&format!("{principal}unix_uids = [1001]\n")), None, "the default socket");
+        // The same in a principals_dir file, naming it.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ci.toml");
+        std::fs::write(&file, format!("{}tls_names = [\"ci\"]\n", principal.trim_start_matches("[[principals]]\n")))
+            .unwrap();
+        let err = refusal(&format!("principals_dir = {:?}\n", dir.path().display().to_string())).unwrap();
+        assert!(err.starts_with(&format!("config key {}.tls_names:", file.display())), "{err}");
+    }
+
     #[test]
     fn default_limits_are_read_key_by_key_and_checked() {
         let dir = tempfile::tempdir().unwrap();
@@ -760,11 +903,12 @@ mod tests {
 #[serde(default, deny_unknown_fields)]
 pub struct FleetConfig {
     /// This node's name in the store (default: `node_id`, else the host
-    /// name and data directory).
+    /// name and data directory): 1-200 characters, none of them control
+    /// characters, as `DrainNode` accepts; checked whichever it comes from.
     pub node: Option<String>,
-    /// How long a node's lease lasts without renewal (seconds). A node is
-    /// declared lost this long after its last renewal; it fences itself
-    /// after two thirds of it.
+    /// How long a node's lease lasts without renewal (seconds, 1 to ten
+    /// years). A node is declared lost this long after its last renewal; it
+    /// fences itself after two thirds of it.
     pub lease_seconds: u64,
     /// Executions this node runs at once (default: `max_running_executions`,
     /// which it may not exceed). `0`: a front end, which accepts work and

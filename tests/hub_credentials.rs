@@ -534,12 +534,19 @@ fn a_token_for_a_plain_http_hub_beyond_loopback_is_refused_at_start() {
     let (key, why) = config.validate().unwrap_err();
     assert_eq!(key, "hub.url");
     assert!(why.contains("in clear") && why.contains("https"), "{why}");
-    // Without a token, or on loopback, plain http stays allowed.
+    // Without a token, or on loopback, plain http stays allowed (a token
+    // that can be read: one that cannot is refused at start too).
     assert!(hub_config("http://hub.example:8080", 60).validate().is_ok());
-    let local = HubConfig { token_env: Some("HUB_TOKEN".into()), ..hub_config("http://127.0.0.1:8080", 60) };
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("hub.token");
+    std::fs::write(&token_file, "hub-token\n").unwrap();
+    let local = HubConfig { token_file: Some(token_file.clone()), ..hub_config("http://127.0.0.1:8080", 60) };
     assert!(local.validate().is_ok());
-    let tls = HubConfig { token_env: Some("HUB_TOKEN".into()), ..hub_config("https://hub.example", 60) };
+    let tls = HubConfig { token_file: Some(token_file), ..hub_config("https://hub.example", 60) };
     assert!(tls.validate().is_ok());
+    let unset =
+        HubConfig { token_env: Some("CORRAL_TEST_UNSET_HUB_TOKEN".into()), ..hub_config("https://hub.example", 60) };
+    assert_eq!(unset.validate().unwrap_err().0, "hub.token_env");
 }
 
 /// A run that asked for a report and was failed by recovery (its daemon

@@ -31,10 +31,12 @@ pub struct PrincipalConfig {
     pub token_file: Option<PathBuf>,
     /// An environment variable holding its bearer token.
     pub token_env: Option<String>,
-    /// Peer uids of the unix socket that are this principal.
+    /// Peer uids of the unix socket that are this principal (refused when
+    /// there is no socket: `unix_socket = ""`).
     pub unix_uids: Vec<u32>,
     /// Client certificates (mTLS) that are this principal: a name matching
-    /// the certificate's subject common name or one of its DNS names.
+    /// the certificate's subject common name or one of its DNS names
+    /// (refused without `client_ca`: no certificate would be asked for).
     pub tls_names: Vec<String>,
     /// Executions and sessions it may have running at once.
     pub max_running: Option<usize>,
@@ -157,6 +159,59 @@ impl PrincipalConfig {
     }
 }
 
+impl PrincipalConfig {
+    /// Refuses, among `principals` (the config's `[[principals]]`) and the
+    /// files of `principals_dir`, a credential none of the daemon's
+    /// listeners presents: `unix_uids` without a unix socket (`unix_socket`
+    /// false), `tls_names` without `client_ca` (the TLS listener asks for
+    /// no certificate). It would load and never identify anyone. A file
+    /// that cannot be read or parsed is left to [`load_principals`], which
+    /// refuses it naming it. The error is `(key, why)`.
+    pub fn check_listeners(
+        principals: &[PrincipalConfig],
+        principals_dir: Option<&Path>,
+        unix_socket: bool,
+        client_ca: bool,
+    ) -> Result<(), (String, String)> {
+        let files = principals_dir.map(principal_files).and_then(Result::ok).unwrap_or_default();
+        let configured = principals.iter().enumerate().map(|(i, p)| (format!("principals[{i}]"), p.clone()));
+        let in_files = files.iter().filter_map(|file| Some((file.display().to_string(), read_file(file).ok()?)));
+        for (key, p) in configured.chain(in_files) {
+            if !p.unix_uids.is_empty() && !unix_socket {
+                return Err((
+                    format!("{key}.unix_uids"),
+                    "no unix socket is served (unix_socket = \"\"): no peer uid can be this principal".into(),
+                ));
+            }
+            if !p.tls_names.is_empty() && !client_ca {
+                return Err((
+                    format!("{key}.tls_names"),
+                    "client certificates are not asked for without client_ca: no TLS name can be this principal".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The `*.toml` files of `dir`, sorted.
+fn principal_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("principals_dir: {}: {e}", dir.display()))?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// One principal file, parsed; errors name the file.
+fn read_file(file: &Path) -> Result<PrincipalConfig, String> {
+    let key = file.display().to_string();
+    let text = std::fs::read_to_string(file).map_err(|e| format!("{key}: {e}"))?;
+    toml::from_str(&text).map_err(|e| format!("{key}: {e}"))
+}
+
 /// A token read from a file or the environment must be high-entropy.
 fn strong(token: &str, key: &str) -> Result<[u8; 32], String> {
     let token = token.trim();
@@ -178,17 +233,8 @@ pub fn load_principals(
         loaded.push(p.load(&format!("principals[{i}]"), env)?);
     }
     if let Some(dir) = dir {
-        let entries = std::fs::read_dir(dir).map_err(|e| format!("principals_dir: {}: {e}", dir.display()))?;
-        let mut files: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "toml"))
-            .collect();
-        files.sort();
-        for file in files {
-            let key = file.display().to_string();
-            let text = std::fs::read_to_string(&file).map_err(|e| format!("{key}: {e}"))?;
-            let p: PrincipalConfig = toml::from_str(&text).map_err(|e| format!("{key}: {e}"))?;
-            loaded.push(p.load(&key, env)?);
+        for file in principal_files(dir)? {
+            loaded.push(read_file(&file)?.load(&file.display().to_string(), env)?);
         }
     }
     let mut names = BTreeSet::new();

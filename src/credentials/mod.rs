@@ -45,7 +45,7 @@ pub struct RouteConfig {
     #[serde(default)]
     pub header: Option<String>,
     /// The CA certificates (PEM) the upstream's certificate must chain to,
-    /// instead of the system's.
+    /// instead of the system's; refused on an `http://` upstream.
     #[serde(default)]
     pub ca_file: Option<PathBuf>,
     /// Put the real value in the harness's environment (no gateway): for a
@@ -140,7 +140,11 @@ impl CredentialsConfig {
                 if route.expose {
                     return Err((format!("{key}.expose"), "a route with an upstream never exposes its value".into()));
                 }
-                gateway::upstream(upstream).map_err(|e| (format!("{key}.upstream"), e))?;
+                let upstream = gateway::upstream(upstream).map_err(|e| (format!("{key}.upstream"), e))?;
+                // A plain http upstream is never verified: its CA would be ignored.
+                if route.ca_file.is_some() && !upstream.tls {
+                    return Err((format!("{key}.ca_file"), "only for an https:// upstream".into()));
+                }
             }
             if let Some(header) = &route.header {
                 let plain = !header.is_empty() && header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
@@ -377,6 +381,30 @@ mod tests {
              [credentials.routes.raw] an upstream (the credential gateway keeps the key in the daemon), or \
              expose = true to hand the key to the harness"
         );
+    }
+
+    /// As the hub's: a plain http upstream is never verified, so its CA
+    /// would be accepted and ignored.
+    #[test]
+    fn a_ca_file_is_only_for_an_https_upstream() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, rcgen::generate_simple_self_signed(vec!["ca".into()]).unwrap().cert.pem()).unwrap();
+        let config = |upstream: &str| {
+            let route = RouteConfig {
+                file: Some("/k".into()),
+                inject_as: "TOKEN".into(),
+                upstream: Some(upstream.into()),
+                ca_file: Some(ca.clone()),
+                ..Default::default()
+            };
+            CredentialsConfig { routes: BTreeMap::from([("r".to_string(), route)]) }
+        };
+        assert_eq!(
+            config("http://127.0.0.1:8080").validate(),
+            Err(("credentials.routes.r.ca_file".into(), "only for an https:// upstream".into()))
+        );
+        assert_eq!(config("https://api.example.com").validate(), Ok(()));
     }
 
     #[test]

@@ -29,9 +29,11 @@ pub struct HubConfig {
     /// to, instead of the system's.
     #[serde(default)]
     pub ca_file: Option<std::path::PathBuf>,
-    /// A daemon environment variable holding the bearer token.
+    /// A daemon environment variable holding the bearer token. Read at start
+    /// (unset or empty: refused) and at each delivery; a delivery that cannot
+    /// read it fails and is retried, never sent without it.
     pub token_env: Option<String>,
-    /// A file holding the bearer token.
+    /// A file holding the bearer token; read as `token_env` is.
     pub token_file: Option<std::path::PathBuf>,
     /// How long one delivery may take, in seconds (default 5; must be above 0).
     #[serde(default = "defaults::timeout")]
@@ -50,8 +52,9 @@ pub struct HubConfig {
 }
 
 /// The longest `max_age_seconds` or `max_backoff_seconds` a hub section may
-/// set: ten years.
-pub const MAX_WAIT_SECONDS: u64 = 10 * 365 * 24 * 3600;
+/// set: ten years. The daemon's other seconds keys that become milliseconds
+/// or `Instant`s have the same bound (`config::at_most_ten_years`).
+pub const MAX_WAIT_SECONDS: u64 = crate::types::TEN_YEARS_SECONDS;
 
 mod defaults {
     pub fn timeout() -> u64 {
@@ -70,9 +73,10 @@ mod defaults {
 
 impl HubConfig {
     /// Checks the section before the daemon starts: a usable URL, at most one
-    /// token source, no token in clear beyond loopback, a CA file only for
-    /// `https://` (and one that loads), a timeout above 0, waits of at most
-    /// [`MAX_WAIT_SECONDS`]. The error names the offending key and says why.
+    /// token source, no token in clear beyond loopback, a token that can be
+    /// read now and is not empty, a CA file only for `https://` (and one that
+    /// loads), a timeout above 0, waits of at most [`MAX_WAIT_SECONDS`]. The
+    /// error names the offending key and says why.
     pub fn validate(&self) -> Result<(), (String, String)> {
         let url = crate::net::client::Origin::parse(&self.url).map_err(|e| ("hub.url".to_string(), e))?;
         if self.token_env.is_some() && self.token_file.is_some() {
@@ -85,6 +89,8 @@ impl HubConfig {
                 format!("{}: the bearer token would cross the network in clear; use https://", self.url),
             ));
         }
+        // Without it every report would go without Authorization.
+        self.token()?;
         if let Some(ca) = &self.ca_file {
             if !url.tls {
                 return Err(("hub.ca_file".into(), "only for an https:// hub".into()));
@@ -106,12 +112,28 @@ impl HubConfig {
         Ok(())
     }
 
-    /// The token, read at each delivery so it can rotate. Never logged.
-    fn token(&self) -> Option<String> {
-        match (&self.token_env, &self.token_file) {
-            (Some(var), _) => std::env::var(var).ok(),
-            (None, Some(path)) => std::fs::read_to_string(path).ok().map(|t| t.trim().to_string()),
-            (None, None) => None,
+    /// The token (`None` without a token source), read at each delivery so
+    /// it can rotate. Never logged: the error `(key, why)` names the source,
+    /// never a value.
+    fn token(&self) -> Result<Option<String>, (String, String)> {
+        let (key, read) = match (&self.token_env, &self.token_file) {
+            (Some(var), _) => (
+                "hub.token_env",
+                std::env::var(var).map_err(|e| match e {
+                    std::env::VarError::NotPresent => format!("{var} is not set"),
+                    // Not the error's own words: they would show the value.
+                    std::env::VarError::NotUnicode(_) => format!("{var} is not UTF-8"),
+                }),
+            ),
+            (None, Some(path)) => {
+                ("hub.token_file", std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display())))
+            }
+            (None, None) => return Ok(None),
+        };
+        match read.as_deref().map(str::trim) {
+            Err(why) => Err((key.into(), why.clone())),
+            Ok("") => Err((key.into(), "the token is empty".into())),
+            Ok(token) => Ok(Some(token.to_string())),
         }
     }
 
@@ -226,10 +248,15 @@ impl Hub {
 
     async fn attempt(&self, row: OutboxRow) -> Result<(), crate::store::StoreError> {
         let timeout = Duration::from_secs(self.config.timeout_seconds);
-        let token = self.config.token();
-        let result = match &self.client {
-            Some(client) => client.post_json("/progress/", token.as_deref(), row.body.as_bytes(), timeout).await,
-            None => Err(http::PostError::Connect),
+        let result = match (self.config.token(), &self.client) {
+            // A token that cannot be read fails the attempt: the report is
+            // never sent without it.
+            (Err((key, why)), _) => Err(format!("{key}: {why}")),
+            (Ok(token), Some(client)) => client
+                .post_json("/progress/", token.as_deref(), row.body.as_bytes(), timeout)
+                .await
+                .map_err(|e| e.to_string()),
+            (Ok(_), None) => Err(http::PostError::Connect.to_string()),
         };
         let attempts = row.attempts + 1;
         let outcome = match result {
@@ -243,7 +270,7 @@ impl Hub {
                 // carry addresses and texts that do not belong in logs.
                 let why = match other {
                     Ok(code) => format!("status {code}"),
-                    Err(e) => e.to_string(),
+                    Err(e) => e,
                 };
                 let max_age_ms = i64::try_from(self.config.max_age_seconds.saturating_mul(1000)).unwrap_or(i64::MAX);
                 let expired = now_ms().saturating_sub(row.created_at_ms) >= max_age_ms;
@@ -320,5 +347,82 @@ mod tests {
         for (config, expected) in cases {
             assert_eq!(config.validate(), expected, "{config:?}");
         }
+    }
+
+    fn with_token(token_env: Option<&str>, token_file: Option<&std::path::Path>) -> HubConfig {
+        HubConfig {
+            url: "http://127.0.0.1:9".into(),
+            ca_file: None,
+            token_env: token_env.map(Into::into),
+            token_file: token_file.map(Into::into),
+            timeout_seconds: 1,
+            initial_backoff_ms: 100,
+            max_backoff_seconds: 1,
+            max_age_seconds: 3600,
+        }
+    }
+
+    /// A token that cannot be read would have every report POSTed without
+    /// Authorization: refused at start, naming the key.
+    #[test]
+    fn a_token_that_cannot_be_read_is_refused_naming_the_key() {
+        let unset = "CORRAL_TEST_HUB_TOKEN_NEVER_SET";
+        assert_eq!(
+            with_token(Some(unset), None).validate(),
+            Err(("hub.token_env".into(), format!("{unset} is not set")))
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        let (key, why) = with_token(None, Some(&file)).validate().unwrap_err();
+        assert!(key == "hub.token_file" && why.starts_with(&file.display().to_string()), "{key}: {why}");
+        std::fs::write(&file, " \n").unwrap();
+        assert_eq!(
+            with_token(None, Some(&file)).validate(),
+            Err(("hub.token_file".into(), "the token is empty".into()))
+        );
+        std::fs::write(&file, "hub-token\n").unwrap();
+        assert_eq!(with_token(None, Some(&file)).validate(), Ok(()));
+        assert_eq!(with_token(None, Some(&file)).token(), Ok(Some("hub-token".into())));
+    }
+
+    /// At delivery a token that cannot be read (it rotated away) fails the
+    /// attempt: nothing reaches the hub, never a request without the header.
+    #[tokio::test]
+    async fn a_delivery_without_its_token_sends_nothing() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let file = dir.path().join("token");
+        let config =
+            HubConfig { url: format!("http://{}", listener.local_addr().unwrap()), ..with_token(None, Some(&file)) };
+        let hub = Hub::new(config, store);
+        let row = || OutboxRow {
+            id: "r1".into(),
+            subject_id: "e1".into(),
+            body: "{}".into(),
+            attempts: 0,
+            created_at_ms: now_ms(),
+        };
+        hub.attempt(row()).await.unwrap();
+        let accepted = tokio::time::timeout(Duration::from_millis(300), listener.accept()).await;
+        assert!(accepted.is_err(), "a report went to the hub without its token");
+        // Once the token is there again, the report goes, with it.
+        std::fs::write(&file, "hub-token\n").unwrap();
+        let delivery = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.attempt(row()).await }
+        });
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let mut byte = [0u8];
+            stream.read_exact(&mut byte).await.unwrap();
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8(head).unwrap().to_ascii_lowercase();
+        assert!(head.contains("authorization: bearer hub-token\r\n"), "{head}");
+        stream.write_all(b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\n\r\n").await.unwrap();
+        delivery.await.unwrap().unwrap();
     }
 }

@@ -94,7 +94,8 @@ pub enum Kind {
     /// Denies a repository outside every prefix (`allowed_repos`); a run
     /// without a repository is allowed.
     AllowedRepos {
-        /// Host path prefixes, compared by path component.
+        /// Host path prefixes, compared by path component: absolute, with no
+        /// `..` (checked at load).
         prefixes: Vec<String>,
     },
     /// Denies a tool call once `limit` calls were allowed (`max_tool_calls`).
@@ -105,7 +106,7 @@ pub enum Kind {
     /// The call waits for a person's decision (`DecideToolCall`) for at
     /// most this long, then is denied.
     RequireApproval {
-        /// How long the call waits, in seconds.
+        /// How long the call waits, in seconds (1 to ten years).
         timeout_seconds: u64,
     },
     /// An operator's CEL expression: `true` allows, anything else denies (`expr`).
@@ -213,13 +214,30 @@ impl Policy {
                 }
                 Kind::AllowedActors { types }
             }
-            "allowed_repos" => Kind::AllowedRepos { prefixes: args::<Prefixes>(&spec.arguments)?.prefixes },
+            "allowed_repos" => {
+                let Prefixes { prefixes } = args(&spec.arguments)?;
+                // A repository is compared as its resolved, absolute path:
+                // a relative prefix or one through `..` would match none.
+                for (i, prefix) in prefixes.iter().enumerate() {
+                    let path = std::path::Path::new(prefix);
+                    if !path.is_absolute() {
+                        return Err(format!("arguments.prefixes[{i}]: {prefix:?} must be an absolute path"));
+                    }
+                    if path.components().any(|c| c == std::path::Component::ParentDir) {
+                        return Err(format!("arguments.prefixes[{i}]: {prefix:?} must not contain \"..\""));
+                    }
+                }
+                Kind::AllowedRepos { prefixes }
+            }
             "max_tool_calls" => Kind::MaxToolCalls { limit: args::<Limit>(&spec.arguments)?.limit },
             "require_approval" => {
                 let ApprovalArgs { timeout_seconds } = args(&spec.arguments)?;
                 if timeout_seconds == 0 {
                     return Err("arguments.timeout_seconds: must be at least 1".into());
                 }
+                // In milliseconds it is added to the Unix time the wait ends at.
+                crate::types::at_most_ten_years(timeout_seconds)
+                    .map_err(|e| format!("arguments.timeout_seconds: {e}"))?;
                 Kind::RequireApproval { timeout_seconds }
             }
             "expr" => {
@@ -250,4 +268,42 @@ pub fn compile_all(specs: &[PolicySpec], source: &'static str, key: &str) -> Res
         .enumerate()
         .map(|(i, spec)| Policy::compile(spec, source).map_err(|e| format!("{key}[{i}] ({}): {e}", spec.name)))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compile(kind: &str, arguments: Value) -> Result<Policy, String> {
+        let spec = PolicySpec { name: "p".into(), kind: kind.into(), arguments, on: Vec::new() };
+        Policy::compile(&spec, "admin")
+    }
+
+    /// A repository is compared as its resolved absolute path: a relative
+    /// prefix or one through `..` would deny every repository, silently.
+    #[test]
+    fn allowed_repos_prefixes_are_absolute_without_parent_components() {
+        let err = |prefixes: Value| compile("allowed_repos", serde_json::json!({ "prefixes": prefixes })).unwrap_err();
+        assert_eq!(
+            err(serde_json::json!(["payments"])),
+            "arguments.prefixes[0]: \"payments\" must be an absolute path"
+        );
+        assert_eq!(err(serde_json::json!(["/srv/a", ""])), "arguments.prefixes[1]: \"\" must be an absolute path");
+        assert_eq!(
+            err(serde_json::json!(["/srv/repos/../etc"])),
+            "arguments.prefixes[0]: \"/srv/repos/../etc\" must not contain \"..\""
+        );
+        assert!(compile("allowed_repos", serde_json::json!({"prefixes": ["/srv/repos/a", "/srv/b/"]})).is_ok());
+    }
+
+    /// In milliseconds the wait is added to a Unix time (i64).
+    #[test]
+    fn an_approval_waits_at_most_ten_years() {
+        let wait = |seconds: u64| compile("require_approval", serde_json::json!({ "timeout_seconds": seconds }));
+        assert_eq!(
+            wait(u64::MAX).unwrap_err(),
+            format!("arguments.timeout_seconds: {} is more than 315360000 (ten years)", u64::MAX)
+        );
+        assert!(wait(crate::hub::MAX_WAIT_SECONDS).is_ok());
+    }
 }

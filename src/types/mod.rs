@@ -16,6 +16,19 @@ pub use policy::{Action, PolicyDecision};
 pub use readiness::{Readiness, ReadinessState};
 pub use sandbox::{Consumer, EnforcementReceipt, LimitReceipt, SandboxSpec, SandboxState, SandboxType};
 
+/// The longest wait or duration a setting may name: ten years. In
+/// milliseconds such a value is added to Unix times (i64) or to `Instant`s,
+/// where a larger one wraps or panics.
+pub const TEN_YEARS_SECONDS: u64 = 10 * 365 * 24 * 3600;
+
+/// Refuses a number of seconds above [`TEN_YEARS_SECONDS`].
+pub fn at_most_ten_years(seconds: u64) -> Result<(), String> {
+    match seconds > TEN_YEARS_SECONDS {
+        true => Err(format!("{seconds} is more than {TEN_YEARS_SECONDS} (ten years)")),
+        false => Ok(()),
+    }
+}
+
 /// How many digits of a second [`rfc3339`] writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fraction {
