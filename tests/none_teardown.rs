@@ -284,12 +284,13 @@ async fn session_keyring_attack() {
     daemon.stop().await;
 }
 
-/// An unprivileged daemon on a host without a usable cgroup hierarchy has
-/// nothing that finds what a `none` sandbox starts with `setsid`: such a
-/// sandbox is refused with the reason, and nothing of the task is left
+/// An unprivileged daemon refuses a `none` sandbox with the reason: its
+/// harness would run as the daemon's own uid, with no namespace between
+/// them, so it could read the daemon's admin token and be the local admin
+/// on its socket (here it tries). Nothing of the task runs or is left
 /// running (nor is a destroy called a success that could not kill).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unprivileged_daemon_without_cgroups_refuses_a_none_sandbox() {
+async fn an_unprivileged_daemon_refuses_a_none_sandbox_whose_harness_would_be_the_daemon() {
     use corral::pb::execution_service_client::ExecutionServiceClient;
     const UID: u32 = 64000;
     let marker = format!("77{}", std::process::id());
@@ -305,7 +306,7 @@ async fn an_unprivileged_daemon_without_cgroups_refuses_a_none_sandbox() {
     let wrapper = ["setpriv", "--reuid", "64000", "--regid", "64000", "--clear-groups", "--"];
     let daemon = common::ServeProcess::start_wrapped(&data, &profiles, &[("HOME", "/tmp")], "", &wrapper).await;
     let mut client = ExecutionServiceClient::new(daemon.channel().await);
-    let script = format!("setsid sleep {marker} & echo started");
+    let script = format!("setsid sleep {marker} & cat '{}/admin.token'; echo started", data.display());
     let mut stream = client.execute(request("test.none", &script)).await.expect("execute").into_inner();
     let mut events = Vec::new();
     while let Some(event) = stream.message().await.unwrap() {
@@ -317,10 +318,11 @@ async fn an_unprivileged_daemon_without_cgroups_refuses_a_none_sandbox() {
     assert_eq!(alive, 0, "a setsid process of the none sandbox outlived its run: {execution:?}");
     assert_ne!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
     assert!(
-        execution.tool_error.contains("setsid") && execution.tool_error.contains("not root"),
+        execution.tool_error.contains("as the daemon itself") && execution.tool_error.contains("admin socket"),
         "the refusal names the reason: {}",
         execution.tool_error
     );
+    assert!(!execution.tool_output.contains("started"), "the task ran: {execution:?}");
     assert!(!events.iter().any(|e| matches!(e.kind, Some(Kind::Dispatched(_)))), "the task ran");
     // Refused by the gate, before any sandbox exists: the host cannot enforce it.
     let stage = execution.evidence.as_ref().map(|e| e.failure_stage);

@@ -319,6 +319,18 @@ impl Gate {
                 }
             }
             SandboxType::None => {
+                // Without namespaces, a process of the daemon's own uid is
+                // the daemon: it reads the daemon's data (its admin token)
+                // and its unix socket takes it for the local admin.
+                if let Err(reason) = &self.host.sandbox_uids {
+                    return verdict(
+                        Action::Deny,
+                        format!(
+                            "sandbox type none would run the harness as the daemon itself ({reason}), with the \
+                             daemon's files and its admin socket; use linux_bwrap, or run the daemon as root"
+                        ),
+                    );
+                }
                 // Teardown must find what the run started (setsid, double
                 // forks): without a cgroup and a uid of its own, nothing can.
                 if let Err(reason) = &capabilities.kill {

@@ -176,6 +176,27 @@ fn missing_bwrap_refuses_with_the_reason() {
     assert!(outcome.denial().unwrap().reason.contains("bwrap not found"));
 }
 
+/// A `none` sandbox of a daemon whose sandboxes share its uid would run
+/// the harness as the daemon itself: refused, whatever else the host has.
+#[test]
+fn a_none_sandbox_sharing_the_daemons_uid_is_refused_with_the_reason() {
+    let shared = Gate::new(
+        vec![],
+        HostCapabilities {
+            sandbox_uids: Err("the daemon runs as uid 1000: sandboxes share it".into()),
+            ..HostCapabilities::everything()
+        },
+    );
+    let spec = SandboxSpec { sandbox_type: SandboxType::None, allow_network: true, ..SandboxSpec::default() };
+    let outcome = shared.evaluate(&input(&spec, &[], &[]));
+    assert_eq!(outcome.action, Action::Deny);
+    let denial = outcome.denial().unwrap();
+    assert_eq!(denial.policy, "host_enforceability");
+    assert!(denial.reason.contains("as the daemon itself (the daemon runs as uid 1000"), "{}", denial.reason);
+    // With a uid per sandbox, the same spec is allowed.
+    assert_eq!(gate().evaluate(&input(&spec, &[], &[])).action, Action::Allow);
+}
+
 #[test]
 fn max_timeout_clamps() {
     let spec = SandboxSpec::default();

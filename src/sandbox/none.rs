@@ -6,9 +6,9 @@
 //! `TMPDIR` under its own directory, a session keyring of its own, and a
 //! teardown that purges what its uid left on the host (System V IPC, its
 //! entries in /tmp, /var/tmp, /dev/shm, /dev/mqueue, /run/lock, its
-//! keyrings; see `uid_state`) before the uid is released. Without a cgroup
-//! and a uid of its own (an unprivileged daemon on a host without cgroups)
-//! nothing would find what it starts: it is not created.
+//! keyrings; see `uid_state`) before the uid is released. Without a uid of
+//! its own (an unprivileged daemon) it is not created: its harness would
+//! run as the daemon, with the daemon's files and its admin socket.
 
 use std::sync::Arc;
 
@@ -76,13 +76,18 @@ impl SandboxBackend for NoneBackend {
                     .into(),
             ));
         }
-        if self.boundary.cgroups.is_none() && req.user.is_none() {
-            return Err(SandboxError::Unavailable(super::boundary::NONE_CANNOT_BE_KILLED.into()));
-        }
+        // Its harness would be the daemon (the gate refuses this first).
+        let Some(user) = req.user else {
+            return Err(SandboxError::Unavailable(
+                "a none sandbox needs a host uid of its own (a root daemon): without one its harness would run as \
+                 the daemon"
+                    .into(),
+            ));
+        };
         let (paths, cgroup) = self.boundary.prepare(req)?;
         let mut write_roots = vec![paths.workspace.to_string_lossy().into_owned()];
         write_roots.extend(req.spec.write_paths.iter().filter(|p| p.starts_with('/')).cloned());
-        let host_uid = req.user.map(|u| u.uid).unwrap_or_else(effective_uid);
+        let host_uid = user.uid;
         let receipt = EnforcementReceipt {
             network_isolated: false,
             write_roots,
