@@ -607,8 +607,11 @@ impl Config {
         self.proxy.validate().map_err(|(key, message)| invalid(&key, message))?;
         self.sandbox.validate().map_err(|(key, message)| invalid(&key, message))?;
         let limits = &self.default_limits;
+        crate::types::at_most_ten_years(limits.timeout_seconds)
+            .map_err(|e| invalid("default_limits.timeout_seconds", e))?;
         for (key, value) in [
             ("default_limits.timeout_seconds", limits.timeout_seconds),
+            ("default_limits.max_output_bytes", limits.max_output_bytes),
             ("default_limits.tmp_bytes", limits.tmp_bytes),
             ("default_limits.shm_bytes", limits.shm_bytes),
             ("default_limits.max_events", limits.max_events),

@@ -543,6 +543,27 @@ async fn a_directory_closed_to_an_unprivileged_daemon_still_counts_and_goes() {
     assert!(left, "the sandbox's directory was not removed: {:?}", std::fs::read_dir(&sandboxes).unwrap().count());
 }
 
+/// A protocol harness's `result` line carries its own output: held to
+/// `max_output_bytes` like plain output (a line may be up to 1 MiB), the
+/// rest reported as dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_lines_output_is_held_to_max_output_bytes() {
+    let daemon = daemon_with(vec![bwrap_shell("test.capped", "max_output_bytes = 1000")]).await;
+    let script = r#"printf '{"type":"result","ok":true,"output":"%s"}\n' "$(head -c 5000 /dev/zero | tr '\0' x)""#;
+    let (execution, events) = run(&daemon, "test.capped", script).await;
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+    assert_eq!(execution.tool_output, "x".repeat(1000));
+    let dropped: Vec<_> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::OutputTruncated(t)) => Some((t.stream(), t.bytes_dropped)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(dropped, [(pb::OutputStream::Stdout, 4000)]);
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_flood_is_cut_at_the_limit() {
     let daemon = daemon_with(vec![bwrap_shell("test.flood", "max_events = 100")]).await;

@@ -211,6 +211,23 @@ mod tests {
     const A1: &str = "id = \"team.a\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n";
     const A2: &str = "id = \"team.a\"\nversion = \"2.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n";
 
+    /// Limits that would be accepted and then break: an output cap of 0
+    /// (every byte dropped, or the output kept in memory without a bound)
+    /// and a timeout past ten years are refused, naming the key.
+    #[test]
+    fn a_zero_output_cap_and_an_endless_timeout_are_refused_naming_the_key() {
+        for (limits, key) in [
+            ("max_output_bytes = 0", "limits.max_output_bytes: must be greater than 0"),
+            ("timeout_seconds = 9223372036854775807", "limits.timeout_seconds: 9223372036854775807 is more than"),
+        ] {
+            let text = format!("{A1}[limits]\n{limits}\n");
+            let err = catalog_with(&[("a.toml", &text)]).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains(key), "{limits}: {err}");
+        }
+        let text = format!("{A1}[limits]\nmax_output_bytes = 1\ntimeout_seconds = 315360000\n");
+        assert!(catalog_with(&[("a.toml", &text)]).is_ok());
+    }
+
     #[test]
     fn limits_a_profile_leaves_out_come_from_the_daemon_then_the_builtin_defaults() {
         let dir = tempfile::tempdir().unwrap();

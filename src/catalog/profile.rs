@@ -161,9 +161,12 @@ fn default_rein_kind() -> String {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Limits {
-    /// How long one run may take, in seconds; 0 is refused.
+    /// How long one dispatch (an execution's run, a session's turn) may
+    /// take, in seconds; 0 and more than ten years are refused.
     pub timeout_seconds: u64,
-    /// Per stream (stdout, stderr); bytes past it are dropped and reported.
+    /// Per stream (stdout, stderr; a `result` line's output too); bytes
+    /// past it are dropped and reported. 0 is refused: the daemon keeps the
+    /// output in memory until the run ends.
     pub max_output_bytes: u64,
     /// Tasks (processes and threads) alive at once: the cgroup's pids.max
     /// (RLIMIT_NPROC of its own host uid for a sandbox without a cgroup).
@@ -661,7 +664,11 @@ impl Profile {
         if file.limits.timeout_seconds == 0 {
             return Err("limits.timeout_seconds: must be greater than 0".into());
         }
+        crate::types::at_most_ten_years(file.limits.timeout_seconds)
+            .map_err(|e| format!("limits.timeout_seconds: {e}"))?;
+        // The daemon keeps a run's output in memory until the run ends.
         for (key, value) in [
+            ("limits.max_output_bytes", file.limits.max_output_bytes),
             ("limits.tmp_bytes", file.limits.tmp_bytes),
             ("limits.shm_bytes", file.limits.shm_bytes),
             ("limits.max_events", file.limits.max_events),

@@ -581,7 +581,18 @@ impl CommandSession {
         }
         let stderr = self.take_stderr();
         self.stdout_dropped = 0;
-        report_truncated(dispatch, plain.dropped, stderr.dropped).await;
+        // A `result` line's own output is held to the same cap as plain
+        // output (a line may be far longer than `max_output_bytes`).
+        let mut stdout_dropped = plain.dropped;
+        if let Some(r) = result.as_mut().filter(|r| r.output.len() > self.max_output) {
+            let mut at = self.max_output;
+            while !r.output.is_char_boundary(at) {
+                at -= 1;
+            }
+            stdout_dropped = stdout_dropped.saturating_add((r.output.len() - at) as u64);
+            r.output.truncate(at);
+        }
+        report_truncated(dispatch, stdout_dropped, stderr.dropped).await;
         let exit = match self.run.as_mut() {
             Some(run) if run.stdout.is_none() => {
                 Some(run.process.wait().await.map_err(|e| ReinError::Dispatch(format!("wait: {e}")))?)
