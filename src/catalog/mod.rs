@@ -228,6 +228,20 @@ mod tests {
         assert!(catalog_with(&[("a.toml", &text)]).is_ok());
     }
 
+    /// A `[sandbox]` that leaves out `write_paths` has a writable
+    /// workspace, as a profile without `[sandbox]` has; `[]` is read-only.
+    #[test]
+    fn a_sandbox_table_without_write_paths_keeps_the_workspace_writable() {
+        let b =
+            "id = \"team.b\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n[sandbox]\nallow_network = false\n";
+        let c = "id = \"team.c\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/true\"]\n[sandbox]\nwrite_paths = []\n";
+        let catalog = catalog_with(&[("a.toml", A1), ("b.toml", b), ("c.toml", c)]).unwrap();
+        let paths = |id: &str| catalog.lookup(id).unwrap().file.sandbox.write_paths.clone();
+        assert_eq!(paths("team.a"), ["."]);
+        assert_eq!(paths("team.b"), ["."], "a [sandbox] without write_paths");
+        assert!(paths("team.c").is_empty(), "write_paths = [] is a read-only workspace");
+    }
+
     #[test]
     fn limits_a_profile_leaves_out_come_from_the_daemon_then_the_builtin_defaults() {
         let dir = tempfile::tempdir().unwrap();
