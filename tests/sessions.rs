@@ -904,6 +904,33 @@ async fn a_shutdown_waits_for_a_session_being_reaped() {
     assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{evidence:?}");
 }
 
+/// Token counts a harness reports are bounded, and so is their sum over a
+/// session's turns: two turns each claiming u64::MAX tokens leave the
+/// evidence at `MAX_TOKENS` (2^53, exact in JSON and in a double).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_token_count_stays_bounded_across_turns() {
+    require_bwrap();
+    let profile = r#"id = "test.greedy"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-c", "while read -r task; do echo '{\"type\":\"result\",\"ok\":true,\"tokens_spent\":18446744073709551615}'; done"]
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+write_paths = ["."]
+"#;
+    let daemon = TestDaemon::start(daemon_options(vec![("greedy.toml", profile.to_string())])).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.greedy", "agt", "")).await.expect("created");
+    for _ in 0..2 {
+        let done = turn_finished(&send_turn(&mut client, &session.session_id, "t", json!({})).await);
+        assert!(done.ok, "{done:?}");
+    }
+    let ended = end(&mut client, &session.session_id).await;
+    assert_eq!(ended.evidence.expect("evidence").tokens_spent, corral::rein::MAX_TOKENS);
+    daemon.stop().await;
+}
+
 /// A shutdown with nothing in flight ends every session within its grace,
 /// workspace capture included: the agent's work comes back before the
 /// sandbox goes, and the session ends `ended`, not `failed`.

@@ -736,7 +736,10 @@ impl Core {
             Ok(mut result) => {
                 result.output = self.scrubber.scrub(&result.output);
                 result.error = self.scrubber.scrub(&result.error);
-                self.evidence.tokens_spent = self.evidence.tokens_spent.saturating_add(result.tokens_spent);
+                // Summed over a session's turns, and still within the bound
+                // every count a harness reports is held to.
+                let spent = self.evidence.tokens_spent.saturating_add(result.tokens_spent);
+                self.evidence.tokens_spent = crate::rein::bounded_tokens(spent);
                 if let Some(usage) = &result.usage {
                     self.evidence.notes.push(usage.describe());
                 }

@@ -129,7 +129,8 @@ pub fn tree_usage(root: &Path, budget: TreeBudget, cgroup: Option<&SandboxCgroup
     // The sandbox's user owns its workspace (the daemon's own uid when the
     // daemon is not root). Never root: a root daemon gives every sandbox a
     // uid of its own, and root's deleted files are the host's.
-    if let Some(workspace) = std::fs::symlink_metadata(root.join("workspace")).ok().filter(|m| m.uid() != 0) {
+    let owner = std::fs::symlink_metadata(root.join("workspace")).ok().filter(|m| m.uid() != 0);
+    if let Some(workspace) = owner.filter(|_| budget.max_bytes > 0) {
         let held = unlinked_open_bytes(workspace.uid(), top.dev(), cgroup);
         usage.bytes = usage.bytes.saturating_add(held);
     }
@@ -163,14 +164,26 @@ fn open_child_to_owner(parent: &File, name: &OsStr, meta: &std::fs::Metadata, eu
     unsafe { libc::fchmodat(parent.as_raw_fd(), name.as_ptr(), mode | 0o700, 0) };
 }
 
+/// Open files and mappings [`unlinked_open_bytes`] looks at in one
+/// measure, over all the sandbox's processes: a million stats take about
+/// a second; a harness that dups a descriptor millions of times would
+/// otherwise make each measure take minutes (and the limit come late).
+const MAX_HELD_LINKS: usize = 1_000_000;
+
 /// Blocks, on device `dev`, of the files that processes of host uid `uid`
 /// hold open (or mapped) after deleting them: they are nowhere in the tree
 /// but fill its disk all the same until the last holder exits. Each file
 /// counts once, whoever holds it how often; the daemon's own files never.
 /// The holders are the processes of the sandbox's cgroup when it has one
 /// (one read, whatever runs on the host), else every process in `/proc`
-/// whose real uid is `uid`.
+/// whose real uid is `uid`. More than [`MAX_HELD_LINKS`] to look at:
+/// `u64::MAX` (over any byte budget).
 pub fn unlinked_open_bytes(uid: u32, dev: u64, cgroup: Option<&SandboxCgroup>) -> u64 {
+    unlinked_open_bytes_within(uid, dev, cgroup, MAX_HELD_LINKS)
+}
+
+/// [`unlinked_open_bytes`] looking at no more than `max_links`.
+fn unlinked_open_bytes_within(uid: u32, dev: u64, cgroup: Option<&SandboxCgroup>, max_links: usize) -> u64 {
     let me = std::process::id().to_string();
     let holders: Vec<String> = match cgroup {
         Some(cgroup) => cgroup.pids().iter().map(|p| p.to_string()).filter(|p| *p != me).collect(),
@@ -186,10 +199,17 @@ pub fn unlinked_open_bytes(uid: u32, dev: u64, cgroup: Option<&SandboxCgroup>) -
     };
     let mut seen = std::collections::HashSet::new();
     let mut bytes = 0u64;
+    let mut looked = 0usize;
     for pid in &holders {
         for table in ["fd", "map_files"] {
             let Ok(held) = std::fs::read_dir(format!("/proc/{pid}/{table}")) else { continue };
             for link in held.flatten() {
+                // Each is a stat(2): past the bound, the sandbox holds more
+                // than can be looked at in one tick, and counts as full.
+                looked += 1;
+                if looked > max_links {
+                    return u64::MAX;
+                }
                 // stat(2) follows the link to the file itself, deleted or not.
                 let Ok(meta) = std::fs::metadata(link.path()) else { continue };
                 if meta.nlink() == 0 && meta.dev() == dev && meta.is_file() && seen.insert(meta.ino()) {
@@ -246,9 +266,16 @@ impl WorkspaceWatch {
 
     /// Stops watching; what broke the budget, if anything did.
     pub fn stop(self) -> Option<TreeUsage> {
-        self.task.abort();
         let usage = TreeUsage { bytes: self.seen.0.load(Ordering::SeqCst), inodes: self.seen.1.load(Ordering::SeqCst) };
         Some(usage).filter(|u| u.inodes > 0)
+    }
+}
+
+/// A watch ends with its turn, however the turn ends (a panic included):
+/// left running, it would measure a tree gone long ago every 250 ms.
+impl Drop for WorkspaceWatch {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 
@@ -450,6 +477,16 @@ mod tests {
         assert!(TreeBudget { max_bytes: 512 << 10, max_inodes: 0 }.exceeded_by(usage));
         let (_, raw) = workspace_hit(TreeUsage::UNMEASURABLE, TreeBudget { max_bytes: 10, max_inodes: 0 });
         assert!(raw.contains("cannot be read"), "{raw}");
+    }
+
+    /// More open files and mappings than can be looked at in one measure
+    /// count as over any byte budget, rather than taking minutes.
+    #[test]
+    fn too_many_held_files_to_look_at_count_as_full() {
+        let dev = std::fs::metadata("/proc/self").map(|m| m.dev()).unwrap();
+        // This host's root processes hold more than 3 descriptors between them.
+        assert_eq!(unlinked_open_bytes_within(0, dev, None, 3), u64::MAX);
+        assert_ne!(unlinked_open_bytes_within(0, dev, None, usize::MAX), u64::MAX);
     }
 
     #[test]
