@@ -904,6 +904,49 @@ async fn a_shutdown_waits_for_a_session_being_reaped() {
     assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{evidence:?}");
 }
 
+/// Descriptors the daemon holds open: its sockets and files.
+fn open_descriptors() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// A session whose harness exits after each turn starts it again for the
+/// next, in a new network namespace with a new egress proxy: the old
+/// proxy (its listener, its task) goes with the old run, so twenty turns
+/// leave the daemon holding no more descriptors than two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_harness_leaves_no_egress_proxy_behind() {
+    require_bwrap();
+    let profile = r#"id = "test.once"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-c", "read -r task; echo '{\"type\":\"result\",\"ok\":true,\"output\":\"once\"}'"]
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+allow_network = true
+allow_hosts = ["example.invalid"]
+write_paths = ["."]
+"#;
+    let daemon = TestDaemon::start(daemon_options(vec![("once.toml", profile.to_string())])).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.once", "agt", "")).await.expect("created");
+    let mut turn = async || {
+        // The last run has exited by now (it prints its result, then exits).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let done = turn_finished(&send_turn(&mut client, &session.session_id, "t", json!({})).await);
+        assert!(done.ok && done.output.contains("once"), "{done:?}");
+    };
+    turn().await;
+    turn().await;
+    let before = open_descriptors();
+    for _ in 0..20 {
+        turn().await;
+    }
+    let after = open_descriptors();
+    assert!(after < before + 5, "{before} descriptors open after 2 turns, {after} after 20 more");
+    daemon.stop().await;
+}
+
 /// Token counts a harness reports are bounded, and so is their sum over a
 /// session's turns: two turns each claiming u64::MAX tokens leave the
 /// evidence at `MAX_TOKENS` (2^53, exact in JSON and in a double).

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -71,9 +72,10 @@ pub struct Boundary {
     /// Every process group started in a sandbox, so destroy can kill what a
     /// rein left behind.
     pub processes: ProcessRegistry,
-    /// Each sandbox's egress proxies (one per harness start): dropped, and
-    /// so closed, at destroy.
-    proxies: Mutex<HashMap<String, Vec<ProxyHandle>>>,
+    /// Each sandbox's egress proxies (one per harness start), each with
+    /// the reaped flag of the process whose namespace it serves: dropped,
+    /// and so closed, once that process is reaped, or at destroy.
+    proxies: Mutex<HashMap<String, Vec<(Arc<AtomicBool>, ProxyHandle)>>>,
     /// Each warm sandbox's waiting first process, until a spawn takes it
     /// (once) or destroy kills it.
     waiting: Mutex<HashMap<String, SandboxProcess>>,
@@ -196,9 +198,14 @@ impl Boundary {
     /// its group and closes the proxy.
     pub fn register(&self, sandbox: &Sandbox, process: &SandboxProcess, proxy: Option<ProxyHandle>) {
         self.processes.register(&sandbox.id, process);
+        let mut proxies = self.proxies.lock().unwrap_or_else(|e| e.into_inner());
+        let proxies = proxies.entry(sandbox.id.clone()).or_default();
+        // A proxy serves its process's network namespace: once that process
+        // is reaped (a session's harness restarted, a resumed turn), nothing
+        // is left there, and its listener and task go.
+        proxies.retain(|(reaped, _)| !reaped.load(Ordering::SeqCst));
         if let Some(proxy) = proxy {
-            let mut proxies = self.proxies.lock().unwrap_or_else(|e| e.into_inner());
-            proxies.entry(sandbox.id.clone()).or_default().push(proxy);
+            proxies.push((process.reaped_flag(), proxy));
         }
     }
 

@@ -87,6 +87,13 @@ pub struct SandboxProcess {
     pub gateway_listener: Option<tokio::net::TcpListener>,
 }
 
+impl SandboxProcess {
+    /// Set once the leader is reaped.
+    pub(super) fn reaped_flag(&self) -> Arc<AtomicBool> {
+        self.reaped.clone()
+    }
+}
+
 impl std::fmt::Debug for SandboxProcess {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SandboxProcess").field("pgid", &self.pgid).finish()
@@ -517,7 +524,10 @@ impl ProcessRegistry {
     /// Records `process`'s group under `sandbox_id`, for [`Self::kill_all`].
     pub fn register(&self, sandbox_id: &str, process: &SandboxProcess) {
         let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-        groups.entry(sandbox_id.to_string()).or_default().push((process.pgid, process.reaped.clone()));
+        let groups = groups.entry(sandbox_id.to_string()).or_default();
+        // A session restarts its harness: groups already reaped go.
+        groups.retain(|(_, reaped)| !reaped.load(Ordering::SeqCst));
+        groups.push((process.pgid, process.reaped.clone()));
     }
 
     /// SIGKILLs every group of the sandbox whose leader was not reaped, and
