@@ -23,6 +23,12 @@ fn parse_file(text: &str, default_limits: &Limits) -> Result<ProfileFile, String
     let mut table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
     let limits = Limits::merge_table(default_limits, table.get("limits"))?;
     table.insert("limits".into(), limits);
+    // A `[sandbox]` that leaves out `write_paths` keeps the workspace
+    // writable, as a profile without `[sandbox]` does (`[]` asks for a
+    // read-only one).
+    if let Some(toml::Value::Table(sandbox)) = table.get_mut("sandbox") {
+        sandbox.entry("write_paths").or_insert_with(|| toml::Value::Array(vec![".".into()]));
+    }
     toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| e.to_string())
 }
 

@@ -64,6 +64,10 @@ fn make_identity_files() -> (String, String) {
     (passwd, group)
 }
 
+/// An egress proxy, with the reaped flag of the process whose network
+/// namespace it serves.
+type ServedProxy = (Arc<AtomicBool>, ProxyHandle);
+
 /// The host side of every backend's sandboxes.
 pub struct Boundary {
     /// The host's cgroups, shared by every backend; `None` when the host has
@@ -75,7 +79,7 @@ pub struct Boundary {
     /// Each sandbox's egress proxies (one per harness start), each with
     /// the reaped flag of the process whose namespace it serves: dropped,
     /// and so closed, once that process is reaped, or at destroy.
-    proxies: Mutex<HashMap<String, Vec<(Arc<AtomicBool>, ProxyHandle)>>>,
+    proxies: Mutex<HashMap<String, Vec<ServedProxy>>>,
     /// Each warm sandbox's waiting first process, until a spawn takes it
     /// (once) or destroy kills it.
     waiting: Mutex<HashMap<String, SandboxProcess>>,

@@ -41,9 +41,9 @@ pub struct SandboxSpec {
     pub allow_hosts: Vec<String>,
     /// Relative paths are inside the workspace ("." is the workspace);
     /// absolute paths are host paths bound writable at the same place.
-    /// Left out: `["."]`, as without a `[sandbox]` at all (`[]` says a
-    /// read-only workspace).
-    #[serde(default = "workspace_only")]
+    /// (A profile's `[sandbox]` that leaves it out gets `["."]`: see the
+    /// catalog; a stored spec leaves out an empty list.)
+    #[serde(default)]
     pub write_paths: Vec<String>,
     /// Absolute host paths bound read-only at the same place.
     #[serde(default)]
@@ -51,11 +51,6 @@ pub struct SandboxSpec {
     /// Daemon environment variables the harness may see.
     #[serde(default)]
     pub env_passthrough: Vec<String>,
-}
-
-/// A `[sandbox]` that names no write paths gets a writable workspace.
-fn workspace_only() -> Vec<String> {
-    vec![".".to_string()]
 }
 
 /// A `[sandbox]` that names no type gets the isolating one.
@@ -69,7 +64,7 @@ impl Default for SandboxSpec {
             sandbox_type: SandboxType::LinuxBwrap,
             allow_network: false,
             allow_hosts: Vec::new(),
-            write_paths: workspace_only(),
+            write_paths: vec![".".to_string()],
             read_paths: Vec::new(),
             env_passthrough: Vec::new(),
         }
