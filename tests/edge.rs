@@ -925,3 +925,43 @@ async fn a_unary_deadline_never_leaves_a_half_made_session() {
     assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
     daemon.stop().await;
 }
+
+/// The store refuses a run's final write for longer than a few retries
+/// (here a trigger, as a failover or a full disk would): the run keeps
+/// trying and, once the store takes writes again, finishes. Before, it
+/// gave up after five tries and stayed RUNNING until the next start,
+/// holding its slot in the principal's quota and every watcher waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_write_the_store_refuses_for_a_while_is_stored_when_it_comes_back() {
+    use sqlx::Connection;
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let db = format!("sqlite://{}", daemon.data.path().join("data/corral.db").display());
+    let mut db = sqlx::SqliteConnection::connect(&db).await.expect("the test daemon's SQLite store");
+    sqlx::query(
+        "CREATE TRIGGER refuse_finish BEFORE UPDATE ON executions WHEN NEW.state <> 'running'
+         BEGIN SELECT RAISE(ABORT, 'injected: the store refuses final writes'); END",
+    )
+    .execute(&mut db)
+    .await
+    .unwrap();
+    let mut client = daemon.executions().await;
+    let mut stream = client.execute(request("builtin.shell", "echo done")).await.expect("accepted").into_inner();
+    // The run is done and its final write refused for 3 s: past the
+    // five retries (about 1.7 s) the daemon used to give.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    sqlx::query("DROP TRIGGER refuse_finish").execute(&mut db).await.unwrap();
+    let mut events = Vec::new();
+    let read = async {
+        while let Some(event) = stream.message().await.expect("stream ok") {
+            events.push(event);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(15), read).await.expect("the finished event within 15 s");
+    let execution = finished(&events);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
+    let get = pb::GetExecutionRequest { execution_id: execution.execution_id.clone(), view: 0 };
+    let stored = client.get_execution(get).await.expect("stored").into_inner();
+    assert_eq!(stored.state, pb::ExecutionState::Succeeded as i32, "{stored:?}");
+    daemon.stop().await;
+}

@@ -158,6 +158,52 @@ impl Recorder {
         last
     }
 
+    /// Runs `write`, a run's final write (its record and `finished`), until
+    /// the store takes it: a record left `running` would hold its
+    /// principal's quota and keep every watcher waiting until the next
+    /// start. Retried with a backoff up to 5 s; `false` only when the store
+    /// can never take it (this node is fenced, the record cannot be
+    /// encoded) or `give_up` is cancelled (the shutdown's grace is over:
+    /// the next start's recovery finishes it).
+    pub async fn persist_final_with<F, Fut>(
+        &self,
+        count: usize,
+        give_up: &tokio_util::sync::CancellationToken,
+        mut write: F,
+    ) -> bool
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<(), crate::store::StoreError>>,
+    {
+        use crate::store::StoreError;
+        let mut delay = std::time::Duration::from_millis(20);
+        for attempt in 1u64.. {
+            let started = std::time::Instant::now();
+            match write().await {
+                Ok(()) => {
+                    crate::telemetry::events_stored(count, started.elapsed().as_secs_f64());
+                    return true;
+                }
+                Err(error @ (StoreError::Fenced { .. } | StoreError::Encoding(_))) => {
+                    tracing::error!(subject = %self.subject, count, %error, "final record not stored");
+                    return false;
+                }
+                Err(error) => {
+                    tracing::warn!(subject = %self.subject, attempt, %error, "storing the final record failed; retrying");
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = give_up.cancelled() => {
+                    tracing::error!(subject = %self.subject, count, "final record not stored before the shutdown");
+                    return false;
+                }
+            }
+            delay = (delay * 4).min(std::time::Duration::from_secs(5));
+        }
+        false
+    }
+
     /// Runs `write` (which stores `count` events), retrying a few times (a
     /// busy pool, a failover); `false` when the store still refuses.
     pub async fn persist_with<F, Fut>(&self, count: usize, mut write: F) -> bool

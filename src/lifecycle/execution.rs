@@ -148,7 +148,9 @@ pub(super) async fn store_finished(
     let store = &engine.store;
     let kept = raw.as_ref().map(|r| (r.tool_output.as_str(), r.tool_error.as_str()));
     let stored = recorder
-        .persist_with(finished.len(), || store.finish_execution(record, report.as_deref(), kept, &finished))
+        .persist_final_with(finished.len(), &engine.grace_over(), || {
+            store.finish_execution(record, report.as_deref(), kept, &finished)
+        })
         .await;
     if stored {
         if let (Some(hub), Some(_)) = (&engine.hub, &report) {

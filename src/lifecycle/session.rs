@@ -746,7 +746,10 @@ impl Engine {
         // The final record and the `finished` event in one transaction.
         let finished = core.recorder.prepare(EventKind::SessionFinished { session: Box::new(record.clone()) }).await;
         let store = &self.store;
-        if core.recorder.persist_with(finished.len(), || store.finish_session(record, &finished)).await {
+        let give_up = self.grace_over();
+        let stored =
+            core.recorder.persist_final_with(finished.len(), &give_up, || store.finish_session(record, &finished));
+        if stored.await {
             core.recorder.publish(finished, Some(RawPart::Finished(std::mem::take(&mut core.raw))));
         } else {
             tracing::error!(session_id = %record.session_id, "session record not stored");
