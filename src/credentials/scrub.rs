@@ -5,7 +5,8 @@
 //! the encodings an agent most easily produces are caught: base64 (standard
 //! and URL-safe alphabets) at each of the three byte alignments a value can
 //! have inside a longer encoded string, hex and percent-encoding (as in a
-//! URL).
+//! URL), and the value escaped as in a JSON string or in Rust's `{:?}`
+//! (text the daemon escapes before it scrubs it).
 //!
 //! Base64 and hex are also caught in part: any run of at least
 //! [`BASE64`]'s or [`HEX`]'s window (8 base64 digits, 6 bytes of the value;
@@ -34,8 +35,8 @@ use base64::Engine as _;
 /// `[REDACTED:<route>]`. Cheap to clone (the patterns are shared).
 #[derive(Clone, Debug)]
 pub struct Scrubber {
-    /// The value, its hex and percent forms, in ASCII lower case; longest
-    /// first.
+    /// The value, its hex, percent, JSON- and `{:?}`-escaped forms, in
+    /// ASCII lower case; longest first.
     patterns: Arc<Vec<Pattern>>,
     /// Pieces of the values' base64 forms.
     base64: Arc<Pieces>,
@@ -259,6 +260,21 @@ fn percent_forms(value: &[u8]) -> Vec<String> {
     forms
 }
 
+/// The value as it reads inside a JSON string and inside Rust's `{:?}` of
+/// a string, each without its quotes and only where it differs from the
+/// value (a quote, a backslash, a control character). Text is escaped
+/// before it is scrubbed: an approval's summary is the call's arguments as
+/// JSON, the egress proxy's reasons quote the request with `{:?}`.
+fn escaped_forms(value: &str) -> Vec<String> {
+    let json = serde_json::Value::from(value).to_string();
+    let debug = format!("{value:?}");
+    [json, debug]
+        .into_iter()
+        .map(|quoted| quoted[1..quoted.len() - 1].to_string())
+        .filter(|form| form != value)
+        .collect()
+}
+
 /// The shortest line of a multi-line value that is redacted on its own.
 const MIN_LINE_PATTERN: usize = 8;
 
@@ -272,6 +288,7 @@ impl Scrubber {
         let mut forms = vec![value.to_ascii_lowercase()];
         forms.extend(hex_forms(value.as_bytes()).iter().map(|f| f.to_ascii_lowercase()));
         forms.extend(percent_forms(value.as_bytes()).iter().map(|f| f.to_ascii_lowercase()));
+        forms.extend(escaped_forms(value).iter().map(|f| f.to_ascii_lowercase()));
         // A value of several lines (a PEM key) printed reaches the live
         // path one line at a time: each line long enough to be its own is
         // a pattern too.
@@ -494,6 +511,38 @@ mod tests {
         let b64 = base64_forms(b"MixedCase-Value-9Zq").remove(0);
         assert_eq!(s.scrub(&b64), "[REDACTED:mixed]");
         assert_eq!(s.scrub(&b64.to_ascii_lowercase()), b64.to_ascii_lowercase());
+    }
+
+    /// A value with a quote, a backslash or a control character reads
+    /// otherwise once escaped: inside a JSON string (an approval's summary
+    /// is the call's arguments as JSON) and inside Rust's `{:?}` (the
+    /// egress proxy's reasons). Both forms are redacted.
+    #[test]
+    fn json_and_debug_escaped_forms_are_redacted() {
+        // Exact vectors: JSON, then `{:?}`, each without its quotes.
+        for (value, json, debug) in [
+            (r#"pa"ss\word-123456"#, r#"pa\"ss\\word-123456"#, r#"pa\"ss\\word-123456"#),
+            ("pa\tss\nword-123456", r"pa\tss\nword-123456", r"pa\tss\nword-123456"),
+            ("k\u{1}ey\u{8}\0-123456", r"k\u0001ey\b\u0000-123456", r"k\u{1}ey\u{8}\0-123456"),
+        ] {
+            assert_eq!(escaped_forms(value), [json, debug], "{value:?}");
+            let mut s = Scrubber::default();
+            s.add("db", value);
+            let in_json = serde_json::json!({"c": format!("x {value}")}).to_string();
+            assert!(in_json.contains(json), "{in_json}");
+            let scrubbed = s.scrub(&in_json);
+            assert!(scrubbed.contains("[REDACTED:db]") && !scrubbed.contains(json), "{value:?}: {scrubbed}");
+            assert_eq!(scrubbed, r#"{"c":"x [REDACTED:db]"}"#);
+            let in_debug = format!("{:?}", format!("x {value}"));
+            assert!(in_debug.contains(debug), "{in_debug}");
+            let scrubbed = s.scrub(&in_debug);
+            assert!(scrubbed.contains("[REDACTED:db]") && !scrubbed.contains(debug), "{value:?}: {scrubbed}");
+            assert_eq!(scrubbed, r#""x [REDACTED:db]""#);
+            // In any ASCII case, as the value's other forms.
+            assert_eq!(s.scrub(&in_json.to_ascii_uppercase()), r#"{"C":"X [REDACTED:db]"}"#);
+        }
+        // Nothing to escape: no form of its own.
+        assert_eq!(escaped_forms("plain-Value_9'é"), Vec::<String>::new());
     }
 
     #[test]

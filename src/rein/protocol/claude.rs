@@ -34,7 +34,8 @@ const MAX_MESSAGE_ID: usize = 200;
 const MAX_MESSAGES: usize = 10_000;
 /// Tools whose refusal reason is kept (the first reason of each).
 const MAX_DENIALS: usize = 64;
-/// Characters kept of a refused tool's name, of its reason and of its input.
+/// Characters kept of a refused tool's name; a reason longer than this is
+/// not kept at all, only its length (see [`kept`]).
 const MAX_DENIAL_TEXT: usize = 200;
 /// Refused calls a result's error names; the rest are only counted.
 const MAX_DENIALS_LISTED: usize = 20;
@@ -47,7 +48,7 @@ pub(super) struct State {
     /// absurd counts neither overflow it nor make a replaced count's
     /// subtraction inexact.
     message_tokens: u128,
-    /// The tool and the message of each refused tool, clipped.
+    /// The tool, clipped, and the message ([`kept`]) of each refused tool.
     denials: Vec<(String, String)>,
 }
 
@@ -113,12 +114,12 @@ fn system(v: &Value, state: &mut ParserState) -> Line {
         }
         "permission_denied" => {
             let tool = clip(&str_of(v, "tool_name"), MAX_DENIAL_TEXT);
-            let message = clip(&str_of(v, "message"), MAX_DENIAL_TEXT);
+            let message = str_of(v, "message");
             let text = format!("permission denied: {tool}: {message}");
             // Only the first reason of a tool is ever shown (see `refused`).
             let denials = &mut state.claude.denials;
             if denials.len() < MAX_DENIALS && !denials.iter().any(|(seen, _)| *seen == tool) {
-                denials.push((tool, message));
+                denials.push((tool, kept(message)));
             }
             text
         }
@@ -217,9 +218,22 @@ fn result(v: &Value, state: &mut ParserState) -> ToolResult {
     }
 }
 
+/// `text` if it has at most [`MAX_DENIAL_TEXT`] characters, else only its
+/// length: never a part of it. What the parser reports is scrubbed of the
+/// run's credentials later, by the lifecycle, as a whole; a value cut in
+/// two here would keep a prefix no pattern matches.
+fn kept(text: String) -> String {
+    match text.chars().count() {
+        n if n <= MAX_DENIAL_TEXT => text,
+        n => format!("a reason of {n} characters, not kept"),
+    }
+}
+
 /// The refused tool calls of a result: how many, and the first
 /// [`MAX_DENIALS_LISTED`] of them, each with the reason Claude Code gave
-/// (from its `permission_denied` line) and what the call wanted, clipped.
+/// (from its `permission_denied` line) and what the call wanted, whole
+/// (bounded by the result's line; the error is scrubbed as a whole, see
+/// [`kept`]).
 /// Calls corral's gate refused are left out: the model was told why, and
 /// the run goes on.
 fn refused(v: &Value, state: &ParserState) -> (usize, Vec<String>) {
@@ -246,7 +260,7 @@ fn refused(v: &Value, state: &ParserState) -> (usize, Vec<String>) {
                 .find(|(seen, _)| *seen == tool)
                 .map_or("not allowed", |(_, reason)| reason.as_str());
             let input = d.get("tool_input").map(Value::to_string).unwrap_or_default();
-            format!("{tool} ({reason}) {}", clip(&input, MAX_DENIAL_TEXT))
+            format!("{tool} ({reason}) {input}")
         })
         .collect();
     (listed.len() + refused.count(), listed)
@@ -258,6 +272,7 @@ mod tests {
     use super::*;
     use crate::catalog::Preset;
     use crate::rein::HarnessEvent;
+    use serde_json::json;
 
     /// Every line of a recorded transcript, and the result.
     fn replay(transcript: &str) -> (Vec<HarnessEvent>, ToolResult) {
@@ -416,8 +431,49 @@ mod tests {
         let Line::Result(r) = parse_line(Preset::ClaudeStreamJson, line.as_bytes(), &mut s) else { panic!("a result") };
         assert!(!r.ok);
         assert!(r.error.len() < 16 << 10, "{} bytes of error", r.error.len());
-        assert!(r.error.contains("for 2000 tool call(s): x (mmm"), "{}", &r.error[..200]);
+        let reason = format!("a reason of {} characters, not kept", 100 << 10);
+        assert!(r.error.contains(&format!("for 2000 tool call(s): x ({reason})")), "{}", &r.error[..200]);
         assert!(r.error.ends_with("; and 1980 more"), "{}", &r.error[r.error.len() - 100..]);
+    }
+
+    /// The lifecycle scrubs progress and a result's error of the run's
+    /// credentials, each as a whole: the parser cuts neither a refused
+    /// call's input nor its reason, so no value is cut in two before the
+    /// scrub could see it (a cut at 200 characters kept a prefix of a key
+    /// across it, which no pattern matches).
+    #[test]
+    fn a_refusal_keeps_no_part_of_a_credential_the_scrub_cannot_see() {
+        let key = "sk-ant-api03-Zq7xK2mP9vR4tY8wB3nL6cH1jF5dS0aE";
+        let mut scrubber = crate::credentials::Scrubber::default();
+        scrubber.add("anthropic", key);
+        let no_piece = |text: &str| (0..=key.len() - 8).all(|at| !text.contains(&key[at..at + 8]));
+        // The key across the old cut at 200 characters of the reason (39,
+        // 29, 24 characters of it before the cut) and of the input (27, 17,
+        // 12), then wholly before both cuts.
+        for lead in [160, 170, 175, 100] {
+            let mut s = ParserState::default();
+            let reason = format!("{} {key} and more", "m".repeat(lead));
+            let denied =
+                json!({"type": "system", "subtype": "permission_denied", "tool_name": "Bash", "message": reason});
+            let Line::Events(events) = parse_line(Preset::ClaudeStreamJson, denied.to_string().as_bytes(), &mut s)
+            else {
+                panic!("progress")
+            };
+            let [HarnessEvent::Progress { message, .. }] = &events[..] else { panic!("{events:?}") };
+            let message = scrubber.scrub(message);
+            assert!(message.contains("[REDACTED:anthropic] and more") && no_piece(&message), "{lead}: {message}");
+            let command = format!("{} {key} tail", "x".repeat(lead));
+            let denial = json!({"tool_name": "Bash", "tool_use_id": "t1", "tool_input": {"command": command}});
+            let result =
+                json!({"type": "result", "subtype": "success", "is_error": false, "permission_denials": [denial]});
+            let Line::Result(r) = parse_line(Preset::ClaudeStreamJson, result.to_string().as_bytes(), &mut s) else {
+                panic!("a result")
+            };
+            let error = scrubber.scrub(&r.error);
+            assert!(error.contains("[REDACTED:anthropic] tail\"}") && no_piece(&error), "{lead}: {error}");
+            let shown = if reason.len() > MAX_DENIAL_TEXT { "Bash (a reason of " } else { "Bash (mmm" };
+            assert!(error.contains(shown), "a reason is kept whole or not at all, never cut: {error}");
+        }
     }
 
     #[test]

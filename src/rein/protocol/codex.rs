@@ -22,7 +22,7 @@ use std::collections::HashSet;
 
 use serde_json::Value;
 
-use super::{clip, progress, str_of, tool_use, u64_of, Line, ParserState};
+use super::{progress, str_of, tool_use, u64_of, Line, ParserState};
 use crate::rein::{bounded_tokens, HarnessEvent, TokenUsage, ToolResult};
 
 /// The longest item id remembered. A longer one (like an empty one) is not
@@ -108,7 +108,10 @@ fn item_events(item: &Value, completed: bool, state: &mut ParserState) -> Vec<Ha
     let message = match item_type.as_str() {
         "command_execution" if completed => {
             let exit = item.get("exit_code").filter(|c| !c.is_null()).map_or("no exit code".into(), Value::to_string);
-            Some(format!("command {status} ({exit}): {}", clip(&str_of(item, "command"), 300)))
+            // The command whole: the lifecycle scrubs the message of the
+            // run's credentials, and a value cut in two here would keep a
+            // prefix no pattern matches.
+            Some(format!("command {status} ({exit}): {}", str_of(item, "command")))
         }
         "file_change" if completed => {
             let changes: Vec<String> = item
@@ -280,6 +283,38 @@ mod tests {
             "error: Reconnecting... 1/5",
         ] {
             assert!(messages.contains(&expected), "{expected:?} missing from {messages:?}");
+        }
+    }
+
+    /// The lifecycle scrubs a progress message of the run's credentials: the
+    /// parser cuts no command, so no value is cut in two before the scrub
+    /// could see it (a cut at 300 characters kept a prefix of a key across
+    /// it, which no pattern matches).
+    #[test]
+    fn a_command_is_whole_so_a_credential_in_it_is_scrubbed_whole() {
+        let key = "sk-ant-api03-Zq7xK2mP9vR4tY8wB3nL6cH1jF5dS0aE";
+        // The key across the old cut at 300 (19, 29, 39 and 8 characters
+        // of it before the cut), then wholly before it.
+        for lead in [280, 270, 260, 291, 250] {
+            let command = format!("{} {key} tail", "x".repeat(lead));
+            let item = serde_json::json!({
+                "id": "c1", "type": "command_execution", "command": command, "exit_code": 0, "status": "completed"
+            });
+            let line = serde_json::json!({"type": "item.completed", "item": item}).to_string();
+            let (events, _) = replay(&line, "");
+            let mut scrubber = crate::credentials::Scrubber::default();
+            scrubber.add("anthropic", key);
+            let messages: Vec<String> = events
+                .iter()
+                .filter_map(|e| match e {
+                    HarnessEvent::Progress { message, .. } => Some(scrubber.scrub(message)),
+                    _ => None,
+                })
+                .collect();
+            let [message] = &messages[..] else { panic!("one progress message: {messages:?}") };
+            let pieces = (0..=key.len() - 8).map(|at| &key[at..at + 8]);
+            assert!(!pieces.clone().any(|p| message.contains(p)), "lead {lead}: {message}");
+            assert!(message.ends_with(" [REDACTED:anthropic] tail"), "lead {lead}: {message}");
         }
     }
 
