@@ -544,15 +544,17 @@ async fn a_directory_closed_to_an_unprivileged_daemon_still_counts_and_goes() {
 }
 
 /// A protocol harness's `result` line carries its own output: held to
-/// `max_output_bytes` like plain output (a line may be up to 1 MiB), the
-/// rest reported as dropped.
+/// `max_output_bytes` like plain output (a line may be up to 1 MiB), cut
+/// between its lines like plain output, the rest reported as dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_result_lines_output_is_held_to_max_output_bytes() {
-    let daemon = daemon_with(vec![bwrap_shell("test.capped", "max_output_bytes = 1000")]).await;
-    let script = r#"printf '{"type":"result","ok":true,"output":"%s"}\n' "$(head -c 5000 /dev/zero | tr '\0' x)""#;
+    let daemon = daemon_with(vec![bwrap_shell("test.capped", "max_output_bytes = 1005")]).await;
+    // 500 lines of nine x and a newline (escaped in the JSON string).
+    let script = r#"lines=$(i=0; while [ $i -lt 500 ]; do printf 'xxxxxxxxx\\n'; i=$((i+1)); done)
+printf '{"type":"result","ok":true,"output":"%s"}\n' "$lines""#;
     let (execution, events) = run(&daemon, "test.capped", script).await;
     assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{execution:?}");
-    assert_eq!(execution.tool_output, "x".repeat(1000));
+    assert_eq!(execution.tool_output, "xxxxxxxxx\n".repeat(100), "whole lines, up to the cap");
     let dropped: Vec<_> = events
         .iter()
         .filter_map(|e| match &e.kind {

@@ -4,7 +4,9 @@
 //! (each connection costs the daemon two descriptors: the sandbox's side
 //! and the upstream), and an idle timeout after which a connection that
 //! moved no byte either way is closed. A connection past a cap is refused
-//! (503) and recorded as an `egress` deny with the reason.
+//! (503) and recorded as an `egress` deny with the reason. Name lookups in
+//! flight are capped the same way, in total ([`MAX_LOOKUPS`]) and per
+//! principal ([`MAX_LOOKUPS_PER_PRINCIPAL`]).
 //!
 //! The budget is the engine's; each sandbox's [`super::EgressLog`] carries
 //! it with the principal the sandbox runs for. A proxy whose log carries no
@@ -51,10 +53,54 @@ impl ProxyLimitsConfig {
     }
 }
 
+/// What is held now, in total and by each principal (a principal holding
+/// nothing has no entry).
 #[derive(Default)]
 struct Counts {
     total: usize,
     per_principal: HashMap<String, usize>,
+}
+
+/// Which cap `Counts::take` found reached.
+enum Full {
+    Total,
+    Principal,
+}
+
+impl Counts {
+    /// Takes one for `principal`, unless `max_total` or `max_per_principal`
+    /// is reached.
+    fn take(&mut self, principal: &str, max_total: usize, max_per_principal: usize) -> Result<(), Full> {
+        if self.total >= max_total {
+            return Err(Full::Total);
+        }
+        if self.held_by(principal) >= max_per_principal {
+            return Err(Full::Principal);
+        }
+        *self.per_principal.entry(principal.to_string()).or_default() += 1;
+        self.total += 1;
+        Ok(())
+    }
+
+    /// Gives back one taken for `principal`.
+    fn give_back(&mut self, principal: &str) {
+        self.total = self.total.saturating_sub(1);
+        if let Some(n) = self.per_principal.get_mut(principal) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_principal.remove(principal);
+            }
+        }
+    }
+
+    fn held_by(&self, principal: &str) -> usize {
+        self.per_principal.get(principal).copied().unwrap_or(0)
+    }
+}
+
+fn lock(counts: &Mutex<Counts>) -> std::sync::MutexGuard<'_, Counts> {
+    // Plain counters: a panic while holding the lock cannot break them.
+    counts.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Name lookups in flight for all sandboxes' proxies at once. A lookup
@@ -64,13 +110,21 @@ struct Counts {
 /// all and stall every other tenant's file and process work.
 pub const MAX_LOOKUPS: usize = 128;
 
-/// The proxies' shared budget of connections.
+/// Name lookups in flight for one principal's sandboxes at once: a quarter
+/// of [`MAX_LOOKUPS`], as the default `max_connections_per_principal`
+/// (1,024) is a quarter of the most `max_connections` derived (4,096). So
+/// one tenant whose resolver never answers (a wildcard rule under a domain
+/// it controls, say) cannot take the daemon's lookups from every other
+/// tenant: it is refused at its share, two sandboxes' worth (16 each).
+pub const MAX_LOOKUPS_PER_PRINCIPAL: usize = MAX_LOOKUPS / 4;
+
+/// The proxies' shared budget of connections and of name lookups.
 pub struct ProxyBudget {
     max_total: usize,
     max_per_principal: usize,
     idle_timeout: Duration,
     counts: Mutex<Counts>,
-    lookups: Arc<tokio::sync::Semaphore>,
+    lookups: Mutex<Counts>,
 }
 
 impl std::fmt::Debug for ProxyBudget {
@@ -95,14 +149,21 @@ impl ConnectionPermit {
 
 impl Drop for ConnectionPermit {
     fn drop(&mut self) {
-        let mut counts = self.budget.counts();
-        counts.total = counts.total.saturating_sub(1);
-        if let Some(n) = counts.per_principal.get_mut(&self.principal) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                counts.per_principal.remove(&self.principal);
-            }
-        }
+        lock(&self.budget.counts).give_back(&self.principal);
+    }
+}
+
+/// One name lookup's share of [`MAX_LOOKUPS`] and of its principal's
+/// [`MAX_LOOKUPS_PER_PRINCIPAL`], given back when dropped.
+#[derive(Debug)]
+pub struct LookupPermit {
+    budget: Arc<ProxyBudget>,
+    principal: String,
+}
+
+impl Drop for LookupPermit {
+    fn drop(&mut self) {
+        lock(&self.budget.lookups).give_back(&self.principal);
     }
 }
 
@@ -116,13 +177,8 @@ impl ProxyBudget {
             max_per_principal: max_per_principal.min(max_total),
             idle_timeout,
             counts: Mutex::default(),
-            lookups: Arc::new(tokio::sync::Semaphore::new(MAX_LOOKUPS)),
+            lookups: Mutex::default(),
         })
-    }
-
-    fn counts(&self) -> std::sync::MutexGuard<'_, Counts> {
-        // Plain counters: a panic while holding the lock cannot break them.
-        self.counts.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The most proxied connections of all sandboxes at once.
@@ -137,33 +193,38 @@ impl ProxyBudget {
 
     /// Takes one connection for `principal`, or says which cap is reached.
     pub fn acquire(self: &Arc<Self>, principal: &str) -> Result<ConnectionPermit, String> {
-        let mut counts = self.counts();
-        if counts.total >= self.max_total {
-            return Err(format!("the daemon's proxy connection limit ({}) is reached", self.max_total));
+        match lock(&self.counts).take(principal, self.max_total, self.max_per_principal) {
+            Ok(()) => Ok(ConnectionPermit { budget: self.clone(), principal: principal.to_string() }),
+            Err(Full::Total) => Err(format!("the daemon's proxy connection limit ({}) is reached", self.max_total)),
+            Err(Full::Principal) => {
+                Err(format!("this principal's proxy connection limit ({}) is reached", self.max_per_principal))
+            }
         }
-        let mine = counts.per_principal.get(principal).copied().unwrap_or(0);
-        if mine >= self.max_per_principal {
-            return Err(format!("this principal's proxy connection limit ({}) is reached", self.max_per_principal));
-        }
-        counts.total += 1;
-        *counts.per_principal.entry(principal.to_string()).or_default() += 1;
-        drop(counts);
-        Ok(ConnectionPermit { budget: self.clone(), principal: principal.to_string() })
     }
 
-    /// One name lookup's share of [`MAX_LOOKUPS`], held until the lookup
-    /// returns; never waits: at the limit, says so.
-    pub fn lookup(&self) -> Result<tokio::sync::OwnedSemaphorePermit, String> {
-        self.lookups
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| format!("the daemon's limit of name lookups in flight ({MAX_LOOKUPS}) is reached"))
+    /// One name lookup for `principal`: its share of [`MAX_LOOKUPS`] and of
+    /// the principal's [`MAX_LOOKUPS_PER_PRINCIPAL`], held until the lookup
+    /// returns; never waits: at either limit, says which.
+    pub fn lookup_for(self: &Arc<Self>, principal: &str) -> Result<LookupPermit, String> {
+        match lock(&self.lookups).take(principal, MAX_LOOKUPS, MAX_LOOKUPS_PER_PRINCIPAL) {
+            Ok(()) => Ok(LookupPermit { budget: self.clone(), principal: principal.to_string() }),
+            Err(Full::Total) => Err(format!("the daemon's limit of name lookups in flight ({MAX_LOOKUPS}) is reached")),
+            Err(Full::Principal) => Err(format!(
+                "this principal's share of name lookups in flight ({MAX_LOOKUPS_PER_PRINCIPAL}) is used up"
+            )),
+        }
     }
 
     /// Connections held now: in total, and by `principal`.
     pub fn in_use(&self, principal: &str) -> (usize, usize) {
-        let counts = self.counts();
-        (counts.total, counts.per_principal.get(principal).copied().unwrap_or(0))
+        let counts = lock(&self.counts);
+        (counts.total, counts.held_by(principal))
+    }
+
+    /// Name lookups in flight now: in total, and for `principal`.
+    pub fn lookups_in_flight(&self, principal: &str) -> (usize, usize) {
+        let lookups = lock(&self.lookups);
+        (lookups.total, lookups.held_by(principal))
     }
 }
 
@@ -184,6 +245,56 @@ mod tests {
         assert_eq!(budget.in_use("a"), (2, 1));
         assert!(budget.acquire("b").is_ok());
         assert_eq!(budget.in_use("b"), (2, 1), "the permit above was dropped at once");
+    }
+
+    /// One principal whose lookups never return holds at most its share of
+    /// the daemon's lookups in flight: past it that principal is refused,
+    /// saying its share is used up, while another still gets one; the
+    /// daemon's cap holds over all principals; a share comes back on drop.
+    #[test]
+    fn lookups_are_capped_per_principal_and_in_total_and_permits_give_back() {
+        let budget = ProxyBudget::new(1, 1, Duration::from_secs(1));
+        let mut a: Vec<_> = (0..MAX_LOOKUPS_PER_PRINCIPAL).map(|_| budget.lookup_for("a").unwrap()).collect();
+        assert_eq!(budget.lookups_in_flight("a"), (MAX_LOOKUPS_PER_PRINCIPAL, MAX_LOOKUPS_PER_PRINCIPAL));
+        assert_eq!(
+            budget.lookup_for("a").unwrap_err(),
+            format!("this principal's share of name lookups in flight ({MAX_LOOKUPS_PER_PRINCIPAL}) is used up")
+        );
+        assert_eq!(budget.lookups_in_flight("a"), (MAX_LOOKUPS_PER_PRINCIPAL, MAX_LOOKUPS_PER_PRINCIPAL));
+        let b = budget.lookup_for("b").expect("another principal still gets a lookup");
+        assert_eq!(budget.lookups_in_flight("b"), (MAX_LOOKUPS_PER_PRINCIPAL + 1, 1));
+
+        // A released share of "a" lets "a" look up again, and only once.
+        drop(a.pop());
+        assert_eq!(budget.lookups_in_flight("a"), (MAX_LOOKUPS_PER_PRINCIPAL, MAX_LOOKUPS_PER_PRINCIPAL - 1));
+        a.push(budget.lookup_for("a").expect("a share of a's came back"));
+        assert!(budget.lookup_for("a").unwrap_err().contains("principal's share"));
+
+        // The daemon's cap still holds, over principals within their shares.
+        let (mut others, mut refused) = (Vec::new(), None);
+        for i in 0..MAX_LOOKUPS {
+            match budget.lookup_for(&format!("p{}", i / MAX_LOOKUPS_PER_PRINCIPAL)) {
+                Ok(permit) => others.push(permit),
+                Err(reason) => {
+                    refused = Some(reason);
+                    break;
+                }
+            }
+        }
+        assert_eq!(refused, Some(format!("the daemon's limit of name lookups in flight ({MAX_LOOKUPS}) is reached")));
+        assert_eq!(a.len() + 1 + others.len(), MAX_LOOKUPS);
+        assert_eq!(budget.lookups_in_flight("b"), (MAX_LOOKUPS, 1));
+        assert!(
+            budget.lookup_for("b").unwrap_err().contains("daemon's limit"),
+            "b within its share, but the daemon is full"
+        );
+
+        // Everything given back: nothing held, and no principal left behind.
+        drop((a, b, others));
+        assert_eq!(budget.lookups_in_flight("a"), (0, 0));
+        assert!(super::lock(&budget.lookups).per_principal.is_empty());
+        assert_eq!(budget.in_use("a"), (0, 0), "lookups are not connections");
+        assert!(budget.lookup_for("a").is_ok());
     }
 
     #[test]

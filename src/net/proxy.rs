@@ -90,6 +90,7 @@ impl Drop for ProxyHandle {
 /// connection task, so no socket of the sandbox outlives it. Must be called within a tokio
 /// runtime. At most 256 connections are served at once; one past that is answered 503 and
 /// recorded as an egress deny. At most 16 name lookups are in flight for it (and at most
+/// [`super::budget::MAX_LOOKUPS_PER_PRINCIPAL`] for all its principal's sandboxes, and
 /// [`super::budget::MAX_LOOKUPS`] for all sandboxes); one past that is answered 503 as well.
 /// The whole request head must arrive within 30 s.
 pub fn serve(listener: TcpListener, config: ProxyConfig, log: Arc<EgressLog>) -> ProxyHandle {
@@ -231,7 +232,11 @@ async fn handle(
             return refuse(client, 400, &reason).await;
         }
     };
-    let shown = Target::parse(&host).map(|t| t.to_string()).unwrap_or_else(|_| clip(&host));
+    // A host that is no name nor address is logged whole (it is bounded by
+    // the head; `http::parse` refused control characters): the daemon
+    // scrubs it of the run's credentials, then cuts it. Cut here, a
+    // credential asked as a host would keep a prefix no pattern matches.
+    let shown = Target::parse(&host).map(|t| t.to_string()).unwrap_or_else(|_| host.clone());
     let (mut upstream, rule) = match open(&config, &host, port, &log, &lookups).await {
         Ok(opened) => opened,
         Err((status, reason)) => {
@@ -361,13 +366,14 @@ async fn open(
     Err((502, last_error))
 }
 
-/// One name lookup's share: of this sandbox's and of the daemon's, taken at
-/// once or refused with the reason (a lookup never waits for a share).
+/// One name lookup's share: of this sandbox's, of its principal's and of the
+/// daemon's, taken at once or refused with the reason (a lookup never waits
+/// for a share).
 fn lookup_permits(
     log: &EgressLog,
     lookups: &Lookups,
-) -> Result<(tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit), String> {
-    let Some((budget, _)) = log.budget() else {
+) -> Result<(tokio::sync::OwnedSemaphorePermit, super::budget::LookupPermit), String> {
+    let Some((budget, principal)) = log.budget() else {
         return Err("no connection budget is attached to this proxy".to_string());
     };
     let mine = lookups
@@ -375,7 +381,7 @@ fn lookup_permits(
         .clone()
         .try_acquire_owned()
         .map_err(|_| format!("this sandbox's limit of name lookups in flight ({}) is reached", lookups.1))?;
-    Ok((mine, budget.lookup()?))
+    Ok((mine, budget.lookup_for(principal)?))
 }
 
 fn denied(host: String, port: u16, method: &'static str, reason: &str) -> EgressDecision {
@@ -493,5 +499,68 @@ where
             return Err(std::io::Error::other(PLACEHOLDER_REFUSAL));
         }
         to.write_all(&buf[..n]).await?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::budget::{ProxyBudget, MAX_LOOKUPS_PER_PRINCIPAL};
+    use crate::net::{host_addresses, parse_hosts};
+
+    const NAME: &[u8] = b"CONNECT lookup.invalid:443 HTTP/1.1\r\n\r\n";
+
+    /// A proxy for one sandbox of `principal`, on the shared `budget`.
+    async fn proxy_for(budget: &Arc<ProxyBudget>, principal: &str) -> (SocketAddr, Arc<EgressLog>, ProxyHandle) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let config = ProxyConfig {
+            allowlist: Allowlist::new(parse_hosts(&["lookup.invalid:443".to_string()]).unwrap()),
+            protected: vec![],
+            host_addresses: host_addresses(),
+            connect_timeout: Duration::from_secs(2),
+        };
+        let log = Arc::new(EgressLog::default());
+        log.attach_budget(budget.clone(), principal);
+        (addr, log.clone(), serve(listener, config, log))
+    }
+
+    async fn ask(proxy: SocketAddr) -> String {
+        let mut client = TcpStream::connect(proxy).await.unwrap();
+        client.write_all(NAME).await.unwrap();
+        let mut answer = Vec::new();
+        timeout(Duration::from_secs(10), client.read_to_end(&mut answer)).await.expect("answered").unwrap();
+        String::from_utf8_lossy(&answer).to_string()
+    }
+
+    /// A principal whose other sandboxes hold its whole share of the
+    /// daemon's lookups (a resolver that never answers) has its next name
+    /// refused 503, as an egress deny saying its share is used up, while
+    /// another principal's sandbox still resolves; the share comes back.
+    #[tokio::test]
+    async fn a_principal_past_its_share_of_lookups_is_refused_and_another_still_resolves() {
+        let budget = ProxyBudget::new(100, 100, Duration::from_secs(300));
+        let (greedy, greedy_log, _greedy) = proxy_for(&budget, "greedy").await;
+        let (other, other_log, _other) = proxy_for(&budget, "other").await;
+        let stuck: Vec<_> = (0..MAX_LOOKUPS_PER_PRINCIPAL).map(|_| budget.lookup_for("greedy").unwrap()).collect();
+
+        let answer = ask(greedy).await;
+        assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+        let reason =
+            format!("this principal's share of name lookups in flight ({MAX_LOOKUPS_PER_PRINCIPAL}) is used up");
+        assert!(answer.ends_with(&format!("corral egress proxy: {reason}\n")), "{answer}");
+        let decisions = greedy_log.drain();
+        assert_eq!(decisions.len(), 1, "{decisions:?}");
+        assert!(!decisions[0].allowed);
+        assert_eq!((decisions[0].host.as_str(), decisions[0].port), ("lookup.invalid", 443));
+        assert_eq!(decisions[0].rule_or_reason, reason);
+
+        let answer = ask(other).await;
+        assert!(answer.starts_with("HTTP/1.1 502 "), "another principal resolves (and fails): {answer}");
+        assert!(!other_log.drain()[0].rule_or_reason.contains("name lookups in flight"));
+
+        drop(stuck);
+        let answer = ask(greedy).await;
+        assert!(answer.starts_with("HTTP/1.1 502 "), "resolved (and failed) once its share is back: {answer}");
     }
 }

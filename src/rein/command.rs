@@ -582,13 +582,14 @@ impl CommandSession {
         let stderr = self.take_stderr();
         self.stdout_dropped = 0;
         // A `result` line's own output is held to the same cap as plain
-        // output (a line may be far longer than `max_output_bytes`).
+        // output (a line may be far longer than `max_output_bytes`), cut
+        // the same way: between its lines, never within one, so that no
+        // prefix of a credential is left where the scrubber cannot see it.
         let mut stdout_dropped = plain.dropped;
         if let Some(r) = result.as_mut().filter(|r| r.output.len() > self.max_output) {
-            let mut at = self.max_output;
-            while !r.output.is_char_boundary(at) {
-                at -= 1;
-            }
+            // Bytes, not a str slice: the cap may fall inside a character.
+            let head = &r.output.as_bytes()[..self.max_output];
+            let at = head.iter().rposition(|&b| b == b'\n').map_or(0, |newline| newline + 1);
             stdout_dropped = stdout_dropped.saturating_add((r.output.len() - at) as u64);
             r.output.truncate(at);
         }
