@@ -904,6 +904,55 @@ async fn a_shutdown_waits_for_a_session_being_reaped() {
     assert_eq!(evidence.sandbox_destroy, pb::TeardownResult::Succeeded as i32, "{evidence:?}");
 }
 
+/// A session's workspace budget holds between its turns too: what the
+/// harness left running fills the workspace while no turn runs; past
+/// `max_workspace_inodes` every process of the sandbox is killed at once,
+/// a `limit` event says so, the next turn is refused, and the session ends
+/// failed with nothing fetched back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workspace_budget_holds_between_turns() {
+    require_bwrap();
+    let marker = format!("8{}", std::process::id());
+    let profile = format!(
+        r#"id = "test.filler"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-c", "while read -r task; do (sleep 1; i=0; while :; do touch f$i; i=$((i+1)); done) & sleep {marker} & echo '{{\"type\":\"result\",\"ok\":true,\"output\":\"started\"}}'; done"]
+input = "task_json"
+[sandbox]
+type = "linux_bwrap"
+write_paths = ["."]
+[limits]
+max_workspace_inodes = 1000
+"#
+    );
+    let daemon = TestDaemon::start(daemon_options(vec![("filler.toml", profile)])).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.filler", "agt", "")).await.expect("created");
+    let done = turn_finished(&send_turn(&mut client, &session.session_id, "t", json!({})).await);
+    assert!(done.ok && done.output.contains("started"), "{done:?}");
+    // No turn runs now: the background loop fills the workspace.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while common::processes_with(&marker) > 0 {
+        assert!(Instant::now() < deadline, "the sandbox's processes still run 20 s after the workspace filled");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let refused = turn_finished(&send_turn(&mut client, &session.session_id, "t", json!({})).await);
+    assert!(!refused.ok && refused.raw_error.contains("over its budget"), "{refused:?}");
+    let ended = end(&mut client, &session.session_id).await;
+    assert_eq!(ended.state, pb::SessionState::Failed as i32, "{ended:?}");
+    let history = watch(&mut client, &session.session_id, 0).await;
+    let limits: Vec<_> = history
+        .iter()
+        .filter_map(|e| match &e.kind {
+            Some(Kind::Limit(l)) => Some(l.limit()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(limits, [pb::LimitKind::WorkspaceInodes], "{:?}", kinds(&history));
+    daemon.stop().await;
+}
+
 /// Descriptors the daemon holds open: its sockets and files.
 fn open_descriptors() -> usize {
     std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
@@ -916,25 +965,33 @@ fn open_descriptors() -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_harness_leaves_no_egress_proxy_behind() {
     require_bwrap();
-    let profile = r#"id = "test.once"
+    let marker = format!("once-{}", std::process::id());
+    let profile = format!(
+        r#"id = "test.once"
 version = "1.0.0"
 [rein]
-argv = ["/bin/sh", "-c", "read -r task; echo '{\"type\":\"result\",\"ok\":true,\"output\":\"once\"}'"]
+argv = ["/bin/sh", "-c", "read -r task; echo '{{\"type\":\"result\",\"ok\":true,\"output\":\"once\"}}'", "{marker}"]
 input = "task_json"
 [sandbox]
 type = "linux_bwrap"
 allow_network = true
 allow_hosts = ["example.invalid"]
 write_paths = ["."]
-"#;
-    let daemon = TestDaemon::start(daemon_options(vec![("once.toml", profile.to_string())])).await;
+"#
+    );
+    let daemon = TestDaemon::start(daemon_options(vec![("once.toml", profile)])).await;
     let mut client = sessions(&daemon).await;
     let session = create(&mut client, create_request("test.once", "agt", "")).await.expect("created");
     let mut turn = async || {
-        // The last run has exited by now (it prints its result, then exits).
-        tokio::time::sleep(Duration::from_millis(200)).await;
         let done = turn_finished(&send_turn(&mut client, &session.session_id, "t", json!({})).await);
         assert!(done.ok && done.output.contains("once"), "{done:?}");
+        // The run exits once it has answered: the next turn starts the
+        // harness again.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while common::processes_with(&marker) > 0 {
+            assert!(Instant::now() < deadline, "the harness did not exit after its answer");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     };
     turn().await;
     turn().await;

@@ -88,6 +88,8 @@ pub struct Core {
     hits_seen: crate::sandbox::cgroup::LimitHits,
     /// The workspace broke `max_workspace_bytes`: no fetch-back.
     workspace_over: bool,
+    /// A session's watch over its workspace while no turn runs.
+    idle_watch: Option<WorkspaceWatch>,
     /// `egress` events recorded so far, against their cap.
     egress_events: EgressEvents,
     /// The run's routes through the credential gateway (placeholders made
@@ -143,6 +145,7 @@ impl Core {
             omitted: Default::default(),
             hits_seen: Default::default(),
             workspace_over: false,
+            idle_watch: None,
             egress_events: EgressEvents::default(),
             gateway: Arc::default(),
             reclaim: None,
@@ -571,6 +574,11 @@ impl Core {
     /// Progress is recorded as it comes; the evidence's lists stay within
     /// what one record keeps, however many turns there are.
     pub async fn turn(&mut self, call: ToolCall, cancel: CancellationToken) -> TurnOutcome {
+        self.workspace_between_turns().await;
+        if self.workspace_over {
+            let why = "the sandbox's workspace is over its budget (see its limit event): end the session";
+            return TurnOutcome::Failed(ReinError::Dispatch(why.into()));
+        }
         let outcome = self.gate_and_dispatch(call, cancel).await;
         self.close_open_approvals("the turn ended before a decision").await;
         self.bound_evidence();
@@ -829,10 +837,36 @@ impl Core {
         notes
     }
 
+    /// Watches a session's workspace while no turn runs (from its open,
+    /// and after each turn): its harness, or what it left running, works
+    /// on between turns. Past the budget the sandbox's processes are
+    /// killed, and the next turn or the end says so.
+    pub fn watch_between_turns(&mut self) {
+        let budget = self.profile().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
+        self.idle_watch = match self.phase.ready() {
+            Some(ready) if budget.is_limited() && !self.workspace_over => {
+                Some(WorkspaceWatch::between_turns(ready.sandbox.root.clone(), budget, ready.sandbox.cgroup.clone()))
+            }
+            _ => None,
+        };
+    }
+
+    /// Stops the watch between turns; past the budget, its limit event.
+    async fn workspace_between_turns(&mut self) {
+        let Some(usage) = self.idle_watch.take().and_then(WorkspaceWatch::stop) else { return };
+        let budget = self.profile().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
+        let (event, raw) = workspace_hit(usage, budget);
+        self.workspace_over = true;
+        self.evidence.notes.push(format!("{raw} (between turns: its processes were killed)"));
+        self.recorder.emit(event, None).await;
+        self.failed(FailureStage::Execution, &raw);
+    }
+
     /// The sandbox's tree (workspace, HOME) against `max_workspace_bytes`
     /// and `max_workspace_inodes` at the end of the run: over either, the
     /// run fails and nothing is fetched back.
     async fn check_workspace_at_end(&mut self) {
+        self.workspace_between_turns().await;
         let budget = self.profile().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
         let Some(ready) = self.phase.ready() else { return };
         if !budget.is_limited() || self.workspace_over {

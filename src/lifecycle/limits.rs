@@ -24,6 +24,9 @@ use crate::sandbox::open_to_owner;
 /// How often a running harness's workspace is measured.
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
+/// How long a kill of a sandbox over its workspace budget may take.
+const KILL_PAST_BUDGET: Duration = Duration::from_secs(10);
+
 /// What a sandbox's own tree holds: bytes (the larger of each file's
 /// apparent size and its allocated blocks, plus the blocks of files its
 /// processes deleted but keep open) and inodes (every file, directory and
@@ -230,10 +233,21 @@ fn real_uid(pid: &str) -> Option<u32> {
 }
 
 /// A watch over a sandbox's tree while a turn runs: past its budget it
-/// cancels the turn and remembers what it saw.
+/// cancels the turn and remembers what it saw. Between a session's turns
+/// (see [`WorkspaceWatch::between_turns`]) it kills the sandbox's processes
+/// instead: nothing else would stop them filling the disk until the next
+/// turn or the end.
 pub struct WorkspaceWatch {
     task: tokio::task::JoinHandle<()>,
     seen: Arc<(AtomicU64, AtomicU64)>,
+}
+
+/// What a watch does past its budget.
+enum Past {
+    /// Cancels the turn.
+    Cancel(CancellationToken),
+    /// Kills every process of the sandbox (through its cgroup).
+    Kill,
 }
 
 impl WorkspaceWatch {
@@ -243,20 +257,40 @@ impl WorkspaceWatch {
         cgroup: Option<Arc<SandboxCgroup>>,
         cancel: CancellationToken,
     ) -> WorkspaceWatch {
+        Self::spawn(root, budget, cgroup, Past::Cancel(cancel))
+    }
+
+    /// A watch while no turn runs: past the budget, every process of the
+    /// sandbox is killed (a sandbox without a cgroup is only found over at
+    /// its next turn or its end).
+    pub fn between_turns(root: PathBuf, budget: TreeBudget, cgroup: Option<Arc<SandboxCgroup>>) -> WorkspaceWatch {
+        Self::spawn(root, budget, cgroup, Past::Kill)
+    }
+
+    fn spawn(root: PathBuf, budget: TreeBudget, cgroup: Option<Arc<SandboxCgroup>>, past: Past) -> WorkspaceWatch {
         let seen = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
         let found = seen.clone();
         let task = tokio::spawn(async move {
             loop {
                 tokio::time::sleep(WATCH_EVERY).await;
-                let (dir, cgroup) = (root.clone(), cgroup.clone());
-                let Ok(usage) = tokio::task::spawn_blocking(move || tree_usage(&dir, budget, cgroup.as_deref())).await
+                let (dir, measured) = (root.clone(), cgroup.clone());
+                let Ok(usage) =
+                    tokio::task::spawn_blocking(move || tree_usage(&dir, budget, measured.as_deref())).await
                 else {
                     return;
                 };
                 if budget.exceeded_by(usage) {
                     found.0.store(usage.bytes, Ordering::SeqCst);
                     found.1.store(usage.inodes, Ordering::SeqCst);
-                    cancel.cancel();
+                    match (past, cgroup) {
+                        (Past::Cancel(cancel), _) => cancel.cancel(),
+                        (Past::Kill, Some(cgroup)) => {
+                            if let Err(e) = cgroup.kill_all(KILL_PAST_BUDGET).await {
+                                tracing::warn!(error = %e, "a sandbox over its workspace budget not killed");
+                            }
+                        }
+                        (Past::Kill, None) => {}
+                    }
                     return;
                 }
             }

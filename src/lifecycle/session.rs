@@ -295,6 +295,7 @@ impl Engine {
         // Its `sandbox_ready`, held for a write to go with: a first turn
         // may be far off.
         core.recorder.flush().await;
+        core.watch_between_turns();
         record.state = SessionState::Active;
         if let Err(e) = self.store.update_session(&record).await {
             tracing::error!(session_id = %id, error = %e, "session record not stored");
@@ -473,6 +474,7 @@ impl Engine {
             };
             let tokens_before = core.evidence.tokens_spent;
             let outcome = core.turn(call, cancel).instrument(tracing::info_span!("harness")).await;
+            core.watch_between_turns();
             let (ok, error, raw) = match outcome {
                 TurnOutcome::Done(r) if r.ok => {
                     (true, String::new(), RawResult { tool_output: r.output, tool_error: String::new() })
