@@ -332,11 +332,13 @@ impl Allowlist {
     }
 
     /// `host` as the client named it (a DNS name or an IP literal, IPv6 possibly in brackets).
-    /// The most specific matching rule is reported (exact `ip:port` first, `*` last).
+    /// The most specific matching rule is reported (exact `ip:port` first, `*` last). An
+    /// invalid host is quoted whole in the reason (`{:?}`): the daemon scrubs the reason
+    /// before it cuts it, so a credential asked as a host is redacted, not left a prefix.
     pub fn check_name(&self, host: &str, port: u16) -> Verdict {
         let target = match Target::parse(host) {
             Ok(target) => target,
-            Err(why) => return Verdict::Deny { reason: format!("invalid host {:?}: {why}", clip(host)) },
+            Err(why) => return Verdict::Deny { reason: format!("invalid host {host:?}: {why}") },
         };
         if port == 0 {
             return Verdict::Deny { reason: "port 0".into() };
@@ -384,7 +386,7 @@ impl Allowlist {
             return Verdict::Deny { reason: format!("{shown} is one of the daemon's own listeners") };
         }
         let Some(pattern) = self.patterns.iter().find(|p| p.text == rule) else {
-            return Verdict::Deny { reason: format!("rule {:?} is not in the allowlist", clip(rule)) };
+            return Verdict::Deny { reason: format!("rule {rule:?} is not in the allowlist") };
         };
         if !pattern.matches_port(port) {
             return Verdict::Deny { reason: format!("{shown}: port {port} is not allowed by rule {rule}") };
@@ -412,8 +414,50 @@ impl Allowlist {
     }
 }
 
-/// At most 100 characters of client-supplied text, control characters
-/// replaced, for reasons that end up in logs and response bodies.
-pub(crate) fn clip(text: &str) -> String {
-    text.chars().take(100).map(|c| if c.is_control() { '?' } else { c }).collect()
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::credentials::Scrubber;
+
+    /// An Anthropic-like key: 108 characters.
+    const KEY: &str =
+        "sk-ant-api03-PtYgjmUhBel31iEl2hpChYgCfrL1spNxnyVmihA_2O76UMFxFkM_R5Kjp1vRt-1fjORS_6ilI8ihN5KXSc7Tvo_hBKqFYAA";
+
+    /// The daemon's egress reason, scrubbed of `KEY` as the daemon does
+    /// (`record_egress`: scrubbed whole, then cut to 1,024 characters);
+    /// fails if any 8 characters of the key are left.
+    fn scrubbed(reason: &str) -> String {
+        let mut scrubber = Scrubber::default();
+        scrubber.add("anthropic", KEY);
+        let out = scrubber.scrub_within(reason, 1024);
+        let lower = out.to_ascii_lowercase();
+        for i in 0..=KEY.len() - 8 {
+            let piece = KEY[i..i + 8].to_ascii_lowercase();
+            assert!(!lower.contains(&piece), "{piece:?} of the key is left in {out:?}");
+        }
+        out
+    }
+
+    /// A credential asked as a host is quoted whole in the reason, never
+    /// cut first: cut, it would keep a prefix no scrubber pattern matches.
+    #[test]
+    fn an_invalid_host_is_quoted_whole_so_the_daemon_can_scrub_it() {
+        let host = format!("{KEY}.example.com");
+        assert_eq!(host.len(), 120);
+        let Verdict::Deny { reason } = Allowlist::default().check_name(&host, 443) else { panic!("denied") };
+        assert!(reason.starts_with(&format!("invalid host {host:?}: ")), "{reason}");
+        assert!(scrubbed(&reason).starts_with("invalid host \"[REDACTED:anthropic].example.com\": "));
+    }
+
+    /// The rule a `check_address` caller passes is quoted whole too.
+    #[test]
+    fn an_unknown_rule_is_quoted_whole() {
+        let rule = format!("{KEY}.example.com");
+        let addr: SocketAddr = "192.0.2.1:443".parse().unwrap();
+        let Verdict::Deny { reason } = Allowlist::default().check_address(&rule, addr, &[], &[]) else {
+            panic!("denied")
+        };
+        assert_eq!(reason, format!("rule {rule:?} is not in the allowlist"));
+        assert_eq!(scrubbed(&reason), "rule \"[REDACTED:anthropic].example.com\" is not in the allowlist");
+    }
 }

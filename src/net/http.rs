@@ -3,8 +3,6 @@
 //! sent upstream. Pure; anything ambiguous (obsolete line folding, control
 //! characters, spaces before `:`, non-UTF-8) is a 400, not a guess.
 
-use super::allowlist::clip;
-
 /// What the client asked the proxy for.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Request {
@@ -14,7 +12,11 @@ pub(crate) enum Request {
     Http { host: String, port: u16, head: Vec<u8> },
 }
 
-/// A request the proxy refuses with 400.
+/// A request the proxy refuses with 400. The reason quotes the client's
+/// text whole, escaped with `{:?}`: it is bounded by the head, and the
+/// daemon scrubs it of the run's credentials (their plain and escaped
+/// forms) before it cuts it. Cut here, or with its control characters
+/// replaced, a credential in it would keep a form no pattern matches.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct BadRequest {
     /// "connect" if the request line said CONNECT, else "http".
@@ -73,7 +75,7 @@ pub(crate) fn split_authority(authority: &str, default_port: Option<u16>) -> Res
     let port = match (port, default_port) {
         (Some(text), _) => match text.parse::<u16>() {
             Ok(port) if port != 0 && text.bytes().all(|b| b.is_ascii_digit()) => port,
-            _ => return Err(format!("bad port {:?}", clip(text))),
+            _ => return Err(format!("bad port {text:?}")),
         },
         (None, Some(port)) => port,
         (None, None) => return Err("missing port (`host:port`)".into()),
@@ -102,7 +104,7 @@ fn check_framing(headers: &[(&str, &str)], version: &str) -> Result<(), String> 
         if name.eq_ignore_ascii_case("content-length") {
             for item in value.split(',').map(|v| v.trim_matches([' ', '\t'])) {
                 if item.is_empty() || item.len() > 19 || !item.bytes().all(|b| b.is_ascii_digit()) {
-                    return Err(format!("bad Content-Length {:?}", clip(value)));
+                    return Err(format!("bad Content-Length {value:?}"));
                 }
                 match length {
                     Some(seen) if seen.trim_start_matches('0') != item.trim_start_matches('0') => {
@@ -133,27 +135,27 @@ pub(crate) fn parse(head: &[u8]) -> Result<Request, BadRequest> {
     let method = if request_line.starts_with("CONNECT ") { "connect" } else { "http" };
     let bad = |reason: String| BadRequest { method, reason };
     if request_line.chars().any(char::is_control) {
-        return Err(bad(format!("control character in the request line {:?}", clip(request_line))));
+        return Err(bad(format!("control character in the request line {request_line:?}")));
     }
     let parts: Vec<&str> = request_line.split(' ').collect();
     let [verb, target, version] = parts[..] else {
-        return Err(bad(format!("malformed request line {:?}", clip(request_line))));
+        return Err(bad(format!("malformed request line {request_line:?}")));
     };
     if !is_token(verb) {
-        return Err(bad(format!("malformed method {:?}", clip(verb))));
+        return Err(bad(format!("malformed method {verb:?}")));
     }
     if version != "HTTP/1.1" && version != "HTTP/1.0" {
-        return Err(bad(format!("unsupported version {:?}", clip(version))));
+        return Err(bad(format!("unsupported version {version:?}")));
     }
     let mut headers = Vec::new();
     for line in lines.take_while(|line| !line.is_empty()) {
         if line.starts_with([' ', '\t']) {
             return Err(bad("obsolete header line folding".into()));
         }
-        let (name, value) = line.split_once(':').ok_or_else(|| bad(format!("header without `:`: {:?}", clip(line))))?;
+        let (name, value) = line.split_once(':').ok_or_else(|| bad(format!("header without `:`: {line:?}")))?;
         let value = value.trim_matches([' ', '\t']);
         if !is_token(name) || value.chars().any(|c| c.is_control() && c != '\t') {
-            return Err(bad(format!("malformed header {:?}", clip(name))));
+            return Err(bad(format!("malformed header {name:?}")));
         }
         headers.push((name, value));
     }
@@ -168,7 +170,7 @@ pub(crate) fn parse(head: &[u8]) -> Result<Request, BadRequest> {
         (scheme, _) if scheme.eq_ignore_ascii_case("https") => {
             return Err(bad("an https:// URL must go through CONNECT".into()))
         }
-        _ => return Err(bad(format!("not a proxy request (target {:?}); this is an HTTP proxy", clip(target)))),
+        _ => return Err(bad(format!("not a proxy request (target {target:?}); this is an HTTP proxy"))),
     };
     let (authority, path) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
     let path = path.split('#').next().unwrap_or_default();
@@ -277,5 +279,83 @@ mod tests {
         for fine in ["Content-Length: 5\r\nContent-Length: 5\r\n", "Transfer-Encoding: gzip, chunked\r\n", ""] {
             assert!(get(fine).is_ok(), "{fine:?} is unambiguous");
         }
+    }
+
+    /// An Anthropic-like key (108 characters), and a value with a control
+    /// character (only its `{:?}` form can be found once quoted).
+    const KEY: &str =
+        "sk-ant-api03-PtYgjmUhBel31iEl2hpChYgCfrL1spNxnyVmihA_2O76UMFxFkM_R5Kjp1vRt-1fjORS_6ilI8ihN5KXSc7Tvo_hBKqFYAA";
+    const TAB_KEY: &str = "tab\tsecret-0123456789abcdef";
+
+    /// `reason` scrubbed of both keys as the daemon scrubs an egress
+    /// reason (whole, then cut to 1,024 characters); fails if any 8
+    /// characters of either key, plain or `{:?}`-escaped, are left.
+    fn scrubbed(reason: &str) -> String {
+        let mut scrubber = crate::credentials::Scrubber::default();
+        scrubber.add("anthropic", KEY);
+        scrubber.add("tab", TAB_KEY);
+        let out = scrubber.scrub_within(reason, 1024);
+        let lower = out.to_ascii_lowercase();
+        for key in [KEY.to_string(), format!("{TAB_KEY:?}"), TAB_KEY.to_string()] {
+            let key = key.trim_matches('"').to_ascii_lowercase();
+            for i in 0..=key.len() - 8 {
+                assert!(!lower.contains(&key[i..i + 8]), "{:?} of a key is left in {out:?}", &key[i..i + 8]);
+            }
+        }
+        out
+    }
+
+    /// Every reason that quotes the request quotes the text whole and
+    /// escaped (`{:?}`), never cut nor with control characters replaced
+    /// first: a credential in it, cut, keeps a prefix no scrubber pattern
+    /// matches, and replaced, is in neither its plain nor its escaped form.
+    #[test]
+    fn request_text_in_a_reason_is_quoted_whole_so_the_daemon_can_scrub_it() {
+        // The key past the start, the text past 100 characters.
+        let long = format!("xxxxxx{KEY}yyyyyy");
+        assert_eq!(long.len(), 120);
+        let open = format!("{long}(");
+        let tab = format!("x{TAB_KEY}");
+        let tab_open = format!("{tab}(");
+        let line_with_tab = format!("GET http://a.com/{long}?{tab} HTTP/1.1");
+        let line_with_tab_key = format!("GET http://a.com/{tab} HTTP/1.1");
+        let cases = [
+            (format!("CONNECT a.com:{long} HTTP/1.1\r\n\r\n"), format!("bad port {long:?}")),
+            (format!("GET http://a.com:{long}/ HTTP/1.1\r\n\r\n"), format!("bad port {long:?}")),
+            (
+                format!("POST http://a.com/ HTTP/1.1\r\nContent-Length: {long}\r\n\r\n"),
+                format!("bad Content-Length {long:?}"),
+            ),
+            (
+                format!("POST http://a.com/ HTTP/1.1\r\nContent-Length: {tab}\r\n\r\n"),
+                format!("bad Content-Length {tab:?}"),
+            ),
+            (format!("{line_with_tab}\r\n\r\n"), format!("control character in the request line {line_with_tab:?}")),
+            (
+                format!("{line_with_tab_key}\r\n\r\n"),
+                format!("control character in the request line {line_with_tab_key:?}"),
+            ),
+            (format!("{open}\r\n\r\n"), format!("malformed request line {open:?}")),
+            (format!("{open} http://a.com/ HTTP/1.1\r\n\r\n"), format!("malformed method {open:?}")),
+            (format!("GET http://a.com/ {long}\r\n\r\n"), format!("unsupported version {long:?}")),
+            (format!("GET http://a.com/ HTTP/1.1\r\n{long}\r\n\r\n"), format!("header without `:`: {long:?}")),
+            (format!("GET http://a.com/ HTTP/1.1\r\n{tab}\r\n\r\n"), format!("header without `:`: {tab:?}")),
+            (format!("GET http://a.com/ HTTP/1.1\r\n{open}: v\r\n\r\n"), format!("malformed header {open:?}")),
+            (format!("GET http://a.com/ HTTP/1.1\r\n{tab_open}: v\r\n\r\n"), format!("malformed header {tab_open:?}")),
+            (
+                format!("GET {long} HTTP/1.1\r\n\r\n"),
+                format!("not a proxy request (target {long:?}); this is an HTTP proxy"),
+            ),
+        ];
+        for (head, expected) in cases {
+            let reason = reason(&head);
+            assert_eq!(reason, expected, "{head:?}");
+            assert!(scrubbed(&reason).contains("[REDACTED:"), "{head:?}");
+        }
+        // A control character never reaches the port through `parse` (the
+        // request line refuses it), but `split_authority` quotes it escaped.
+        let reason = split_authority(&format!("a.com:{tab}"), None).unwrap_err();
+        assert_eq!(reason, format!("bad port {tab:?}"));
+        assert!(scrubbed(&reason).contains("[REDACTED:tab]"), "{reason}");
     }
 }

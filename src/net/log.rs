@@ -9,6 +9,10 @@ use tokio::sync::Notify;
 
 /// Pending decisions kept until the daemon drains them; later ones are only counted.
 pub const MAX_PENDING: usize = 256;
+/// Bytes of host and reason the pending decisions may hold: a reason
+/// quotes the request whole (the daemon scrubs it, then cuts it), up to
+/// ~96 KiB of a 16 KiB head escaped; past this, decisions are only counted.
+pub const MAX_PENDING_BYTES: usize = 1 << 20;
 /// Distinct denied `host:port`s remembered for `denied_hosts`.
 pub const MAX_DENIED_HOSTS: usize = 64;
 /// Distinct `host:port`s with their own byte counters; the rest go to `"other"`.
@@ -33,6 +37,8 @@ pub struct EgressDecision {
 #[derive(Default)]
 struct State {
     pending: VecDeque<EgressDecision>,
+    /// Bytes of host and reason in `pending`.
+    pending_bytes: usize,
     dropped: u64,
     allowed: u64,
     denied: u64,
@@ -95,7 +101,9 @@ impl EgressLog {
                     }
                 }
             }
-            if state.pending.len() < MAX_PENDING {
+            let bytes = decision.host.len() + decision.rule_or_reason.len();
+            if state.pending.len() < MAX_PENDING && state.pending_bytes + bytes <= MAX_PENDING_BYTES {
+                state.pending_bytes += bytes;
                 state.pending.push_back(decision);
             } else {
                 state.dropped += 1;
@@ -121,7 +129,9 @@ impl EgressLog {
     /// Decisions not yet taken by the daemon; at most `max_pending` (256) are kept, later ones
     /// only counted in `dropped()`.
     pub fn drain(&self) -> Vec<EgressDecision> {
-        self.state().pending.drain(..).collect()
+        let mut state = self.state();
+        state.pending_bytes = 0;
+        state.pending.drain(..).collect()
     }
 
     /// Total decisions that did not fit in the pending queue, since creation.
@@ -178,6 +188,25 @@ mod tests {
             rule_or_reason: if allowed { "*".into() } else { "not in the allowlist".into() },
             method: "connect",
         }
+    }
+
+    #[test]
+    fn pending_decisions_hold_at_most_a_mebibyte_of_text() {
+        let log = EgressLog::default();
+        let big = |i: u16| EgressDecision {
+            host: String::new(),
+            port: i,
+            allowed: false,
+            rule_or_reason: "x".repeat(96 << 10),
+            method: "http",
+        };
+        for i in 0..20 {
+            log.record(big(i));
+        }
+        assert_eq!(log.dropped(), 10, "ten of 96 KiB fit in 1 MiB");
+        assert_eq!(log.drain().len(), 10);
+        log.record(big(20));
+        assert_eq!(log.drain().len(), 1, "a drain frees the room");
     }
 
     #[test]

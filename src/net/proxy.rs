@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{timeout, timeout_at, Instant};
 
-use super::allowlist::{clip, Allowlist, Target, Verdict};
+use super::allowlist::{Allowlist, Target, Verdict};
 use super::http::{self, BadRequest, Request};
 pub use super::log::{EgressDecision, EgressLog};
 pub use super::scan::Scanner;
@@ -287,7 +287,8 @@ async fn over_budget(mut client: TcpStream, log: &EgressLog, limits: Limits, rea
             Err(BadRequest { method, .. }) => (String::new(), 0, method),
         },
     };
-    let shown = Target::parse(&host).map(|t| t.to_string()).unwrap_or_else(|_| clip(&host));
+    // Whole, as in `handle`: the daemon scrubs it before it cuts it.
+    let shown = Target::parse(&host).map(|t| t.to_string()).unwrap_or(host);
     log.record(denied(shown, port, method, reason));
     refuse(client, 503, reason).await;
 }
@@ -388,9 +389,12 @@ fn denied(host: String, port: u16, method: &'static str, reason: &str) -> Egress
     EgressDecision { host, port, allowed: false, rule_or_reason: reason.to_string(), method }
 }
 
-/// Answers `status` with a short plain-text reason, then closes. The client's
+/// Answers `status` with the plain-text reason, then closes. The client's
 /// unread input is drained briefly first, so closing does not reset the
-/// connection before the client has read the answer.
+/// connection before the client has read the answer. The reason is whole
+/// (it is bounded by the head it quotes): a harness may print it into its
+/// output, which the daemon scrubs line by line, and a credential cut off
+/// in it would keep a prefix no pattern matches.
 async fn refuse(mut client: TcpStream, status: u16, reason: &str) {
     let title = match status {
         400 => "Bad Request",
@@ -400,7 +404,7 @@ async fn refuse(mut client: TcpStream, status: u16, reason: &str) {
         502 => "Bad Gateway",
         _ => "Error",
     };
-    let body = format!("corral egress proxy: {}\n", clip(reason));
+    let body = format!("corral egress proxy: {reason}\n");
     let response = format!(
         "HTTP/1.1 {status} {title}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()

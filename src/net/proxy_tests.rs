@@ -545,3 +545,70 @@ async fn a_request_or_tunnel_carrying_a_placeholder_is_refused_and_reported() {
     assert!(seen.try_recv().is_err(), "the plain server got no request");
     drop((p, p2));
 }
+
+/// An Anthropic-like key: 108 characters.
+const KEY: &str =
+    "sk-ant-api03-PtYgjmUhBel31iEl2hpChYgCfrL1spNxnyVmihA_2O76UMFxFkM_R5Kjp1vRt-1fjORS_6ilI8ihN5KXSc7Tvo_hBKqFYAA";
+
+/// `text` scrubbed of `KEY`, as the daemon scrubs what the proxy records
+/// (`record_egress`: whole, then cut to `max` characters) and a harness's
+/// output (whole lines); fails if any 8 characters of the key are left.
+fn scrubbed(text: &str, max: usize) -> String {
+    let mut scrubber = crate::credentials::Scrubber::default();
+    scrubber.add("anthropic", KEY);
+    let out = scrubber.scrub_within(text, max);
+    let lower = out.to_ascii_lowercase();
+    for i in 0..=KEY.len() - 8 {
+        let piece = KEY[i..i + 8].to_ascii_lowercase();
+        assert!(!lower.contains(&piece), "{piece:?} of the key is left in {out:?}");
+    }
+    out
+}
+
+/// A credential asked as a host, or sent in a request the proxy cannot
+/// parse, is in the egress decision whole (host and reason), so the daemon
+/// redacts it before it cuts; so is the answer's reason, which a harness
+/// may print (curl does) into its output, scrubbed line by line.
+#[tokio::test]
+async fn a_credential_asked_as_a_host_reaches_the_daemon_whole_and_is_redacted() {
+    let p = proxy(&["*".to_string()]).await;
+    let host = format!("{KEY}.example.com");
+    assert_eq!(host.len(), 120);
+    for (request, named) in [
+        (format!("CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n\r\n"), true),
+        (format!("GET http://{host}/ HTTP/1.1\r\nHost: {host}\r\n\r\n"), true),
+        (format!("GET http://example.com/ HTTP/1.1\r\nHost: example.com\r\nxxxxxx{KEY}\r\n\r\n"), false),
+    ] {
+        let answer = exchange(p.addr, request.as_bytes()).await;
+        let decision = one_decision(&p.log);
+        assert!(!decision.allowed, "{decision:?}");
+        let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+        assert_eq!(body, format!("corral egress proxy: {}\n", decision.rule_or_reason), "the reason whole");
+        assert!(scrubbed(body, usize::MAX).contains("[REDACTED:anthropic]"), "{answer}");
+        assert!(decision.rule_or_reason.contains(KEY), "{decision:?}");
+        assert!(scrubbed(&decision.rule_or_reason, 1024).contains("[REDACTED:anthropic]"), "{decision:?}");
+        if named {
+            assert_eq!(decision.host, host);
+            assert_eq!(scrubbed(&decision.host, 256), "[REDACTED:anthropic].example.com");
+        } else {
+            assert_eq!(decision.host, "");
+        }
+    }
+}
+
+/// Past the connection limit the head is read only to name the target in
+/// the deny: a credential asked as a host is named whole there too.
+#[tokio::test]
+async fn past_the_connection_limit_a_credential_asked_as_a_host_is_named_whole() {
+    let (server, _seen) = echo_server().await;
+    let limits = Limits { max_connections: 1, ..Limits::default() };
+    let p = proxy_with(&[server.to_string()], vec![], limits).await;
+    let first = tunnel(p.addr, server).await;
+    let host = format!("{KEY}.example.com");
+    let answer = exchange(p.addr, format!("CONNECT {host}:443 HTTP/1.1\r\n\r\n").as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+    let denied = p.log.drain().into_iter().find(|d| !d.allowed).expect("a deny");
+    assert_eq!((denied.host.as_str(), denied.port, denied.method), (host.as_str(), 443, "connect"));
+    assert_eq!(scrubbed(&denied.host, 256), "[REDACTED:anthropic].example.com");
+    drop(first);
+}
