@@ -472,9 +472,14 @@ impl Engine {
                     ..Task::default()
                 },
             };
-            let tokens_before = core.evidence.tokens_spent;
             let outcome = core.turn(call, cancel).instrument(tracing::info_span!("harness")).await;
             core.watch_between_turns();
+            // The turn's own count (the session's sum is bounded, so the
+            // difference of two sums can read 0).
+            let turn_tokens = match &outcome {
+                TurnOutcome::Done(r) => crate::rein::bounded_tokens(r.tokens_spent),
+                _ => 0,
+            };
             let (ok, error, raw) = match outcome {
                 TurnOutcome::Done(r) if r.ok => {
                     (true, String::new(), RawResult { tool_output: r.output, tool_error: String::new() })
@@ -523,13 +528,7 @@ impl Engine {
             *lock(&live.turn_cancel) = None;
             *lock(&live.last_active) = Instant::now();
             live.busy.store(false, Ordering::SeqCst);
-            let event = EventKind::TurnFinished {
-                turn,
-                tool,
-                ok,
-                error,
-                tokens_spent: core.evidence.tokens_spent.saturating_sub(tokens_before),
-            };
+            let event = EventKind::TurnFinished { turn, tool, ok, error, tokens_spent: turn_tokens };
             let mut raw = raw;
             let cut = fit_raw(&mut raw, json_len(&event), engine.max_message_bytes);
             core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
