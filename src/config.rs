@@ -547,6 +547,9 @@ impl Config {
         if self.fleet.max_queued == 0 {
             return Err(invalid("fleet.max_queued", "must be at least 1".into()));
         }
+        if self.fleet.max_queued_per_principal == Some(0) {
+            return Err(invalid("fleet.max_queued_per_principal", "must be at least 1".into()));
+        }
         self.check_node_name().map_err(|(key, message)| invalid(key, message))?;
         if self.max_running_sessions == 0 {
             return Err(invalid("max_running_sessions", "must be greater than 0".into()));
@@ -807,6 +810,18 @@ mod tests {
     /// seconds would wrap (a retention cutoff in the future compacts every
     /// run's events) or panic.
     #[test]
+    fn a_principals_share_of_the_queue_is_a_quarter_by_default_and_never_zero() {
+        let mut fleet = FleetConfig::default();
+        assert_eq!(fleet.queued_per_principal(), 250);
+        fleet.max_queued = 3;
+        assert_eq!(fleet.queued_per_principal(), 1, "at least one");
+        let text = "[fleet]\nmax_queued_per_principal = 0\n";
+        let config: Config = toml::from_str(text).unwrap();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("fleet.max_queued_per_principal: must be at least 1"), "{err}");
+    }
+
+    #[test]
     fn seconds_keys_are_at_most_ten_years_naming_the_key() {
         let cases = [
             ("event_retention_seconds", "event_retention_seconds = {}\n"),
@@ -920,6 +935,10 @@ pub struct FleetConfig {
     /// The most executions the fleet's queue holds (shared stores); a
     /// submit beyond it is refused with RESOURCE_EXHAUSTED.
     pub max_queued: u64,
+    /// The most of them one principal may have queued (default: a quarter
+    /// of `max_queued`, at least 1): one tenant cannot fill the queue for
+    /// every other.
+    pub max_queued_per_principal: Option<u64>,
     /// Labels of this node besides the ones it finds itself (its backend
     /// and agent CLIs): a profile's `[placement] labels` must all be here.
     pub labels: Vec<String>,
@@ -927,11 +946,23 @@ pub struct FleetConfig {
 
 impl Default for FleetConfig {
     fn default() -> Self {
-        FleetConfig { node: None, lease_seconds: 10, capacity: None, max_queued: 1000, labels: Vec::new() }
+        FleetConfig {
+            node: None,
+            lease_seconds: 10,
+            capacity: None,
+            max_queued: 1000,
+            max_queued_per_principal: None,
+            labels: Vec::new(),
+        }
     }
 }
 
 impl FleetConfig {
+    /// The most executions one principal may have in the fleet's queue.
+    pub fn queued_per_principal(&self) -> u64 {
+        self.max_queued_per_principal.unwrap_or((self.max_queued / 4).max(1))
+    }
+
     /// Executions this node runs at once (see `capacity`).
     pub fn capacity(&self, max_running_executions: usize) -> usize {
         self.capacity.unwrap_or(max_running_executions)

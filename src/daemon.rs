@@ -239,7 +239,7 @@ impl Daemon {
             hook_program: config.gate.hook_program(),
             capacity,
             labels,
-            max_queued: config.fleet.max_queued,
+            max_queued: (config.fleet.max_queued, config.fleet.queued_per_principal()),
             warm: config.sandbox.warm.clone(),
             uid_range: match uid_mode {
                 UidMode::PerSandbox(range) => Some(range),

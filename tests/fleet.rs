@@ -1731,7 +1731,7 @@ async fn a_claim_takes_the_rows_behind_those_another_claimer_holds() {
             consumer: Consumer { principal: "p".into(), ..Default::default() },
             ..Default::default()
         };
-        let admit = Admit { take_here: false, needs: &[], max_queued: 100 };
+        let admit = Admit { take_here: false, needs: &[], max_queued: 100, max_queued_per_principal: 100 };
         front.enqueue_execution(&record, &format!("digest-{i}"), &work, admit).await.unwrap();
     }
     // Another claimer holds the 16 oldest rows (as its claim does, in its
@@ -1766,6 +1766,48 @@ fn one_place_tenant(dir: &Path, extra: &str) -> String {
          projects = [\"proj-a\"]\ntoken_file = {:?}\n{extra}",
         token_file.display().to_string()
     )
+}
+
+/// One principal cannot fill the fleet's queue for every other: past its
+/// share (`max_queued_per_principal`) its next run is refused with
+/// RESOURCE_EXHAUSTED naming it, while another principal still queues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_principal_cannot_fill_the_fleets_queue() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let tenant = one_place_tenant(dir.path(), "");
+    let front =
+        Node::start_configured(dir.path(), "front", &url, "capacity = 0\nmax_queued_per_principal = 2", &tenant).await;
+    let b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 1", &tenant).await;
+    let mut client = front.executions().await;
+    let start = |script: &str| common::with_token(TENANT_TOKEN, request("builtin.shell", script));
+    let busy = client.start_execution(start("sleep 60")).await.expect("node-b's one run").into_inner();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while state_of(&front, &busy.execution_id).await != pb::ExecutionState::Running {
+        assert!(Instant::now() < deadline, "node-b never took the first run");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut queued = Vec::new();
+    for i in 0..2 {
+        let started = client.start_execution(start(&format!("echo {i}"))).await.expect("queued").into_inner();
+        assert_eq!(started.state, pb::ExecutionState::Pending as i32, "{started:?}");
+        queued.push(started.execution_id);
+    }
+    let status = client.start_execution(start("echo past")).await.expect_err("past the principal's share");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("principal tenant has 2 executions in the fleet's queue"),
+        "names the principal and its share: {status:?}"
+    );
+    // Another principal (the local administrator) still queues.
+    let other = client.start_execution(request("builtin.shell", "echo other")).await.expect("queued").into_inner();
+    assert_eq!(other.state, pb::ExecutionState::Pending as i32, "{other:?}");
+    for id in queued.into_iter().chain([busy.execution_id, other.execution_id]) {
+        front.executions().await.cancel_execution(pb::CancelExecutionRequest { execution_id: id }).await.unwrap();
+    }
+    stop_all([front, b]).await;
 }
 
 /// The stream of an `Execute` queued on a front end is a watcher of its

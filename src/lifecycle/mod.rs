@@ -253,7 +253,9 @@ pub struct EngineParts {
     /// What this node can run (`fleet::labels`).
     pub labels: Vec<String>,
     /// The most executions the fleet's queue holds.
-    pub max_queued: u64,
+    /// The most executions the fleet's queue holds, and one principal may
+    /// have in it.
+    pub max_queued: (u64, u64),
     /// How many warm sandboxes to keep, by profile reference.
     pub warm: std::collections::BTreeMap<String, usize>,
 }

@@ -23,7 +23,8 @@ pub(super) struct FleetRoom {
     capacity: usize,
     /// What it can run.
     pub(super) labels: Vec<String>,
-    max_queued: u64,
+    /// The most executions the queue holds, and one principal may have in it.
+    max_queued: (u64, u64),
     /// Held while claiming, so that a cancel never falls between a claim
     /// and the admission slot it gets here.
     claiming: Mutex<()>,
@@ -42,7 +43,7 @@ pub(super) struct FleetRoom {
 const NODES_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl FleetRoom {
-    pub(super) fn new(capacity: usize, labels: Vec<String>, max_queued: u64) -> FleetRoom {
+    pub(super) fn new(capacity: usize, labels: Vec<String>, max_queued: (u64, u64)) -> FleetRoom {
         FleetRoom {
             capacity,
             labels,
@@ -217,7 +218,8 @@ impl Engine {
             }
         };
         let work = QueuedWork { command: cmd.clone(), traceparent: cmd.traceparent.clone(), quota: cmd.quota };
-        let admit = Admit { take_here: slot.is_some(), needs: &needs, max_queued: self.fleet.max_queued };
+        let (max_queued, max_queued_per_principal) = self.fleet.max_queued;
+        let admit = Admit { take_here: slot.is_some(), needs: &needs, max_queued, max_queued_per_principal };
         let enqueued = self.store.enqueue_execution(&record, &cmd.digest(), &work, admit).await;
         let taken = matches!(enqueued, Ok(Enqueued::Taken));
         if !taken && slot.is_some() {
@@ -251,6 +253,14 @@ impl Engine {
                 crate::telemetry::admission_refused("queue");
                 Err(EngineError::Overloaded(format!(
                     "the fleet's queue holds {queued} executions, its max_queued; retry later"
+                )))
+            }
+            Ok(Enqueued::PrincipalFull(queued)) => {
+                crate::telemetry::admission_refused("queue");
+                Err(EngineError::Overloaded(format!(
+                    "principal {} has {queued} executions in the fleet's queue, its max_queued_per_principal; \
+                     retry later",
+                    cmd.principal
                 )))
             }
             Err(e) => Err(e.into()),

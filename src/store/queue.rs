@@ -37,6 +37,9 @@ pub enum Enqueued {
     },
     /// The queue already holds this many executions, its limit.
     Full(u64),
+    /// The queue already holds this many of the principal's executions,
+    /// its share.
+    PrincipalFull(u64),
 }
 
 /// What a queued execution needs to run, as the accepting node stored it.
@@ -59,6 +62,8 @@ pub struct Admit<'a> {
     pub needs: &'a [String],
     /// The most executions the queue may hold.
     pub max_queued: u64,
+    /// The most of one principal's executions the queue may hold.
+    pub max_queued_per_principal: u64,
 }
 
 /// A claimed execution: its record (now `running` here) and its command.
@@ -90,10 +95,21 @@ impl Store {
                 None => true,
             };
         if !take {
+            // The principal's lock first, then the queue's (the order the
+            // take above holds them in).
+            lock_principals(&mut tx, &[principal.as_str()]).await?;
             sqlx::query("SELECT pg_advisory_xact_lock($1, 0)").bind(LOCK_SPACE).execute(&mut *tx).await?;
             let queued: i64 = sqlx::query("SELECT COUNT(*) FROM queue").fetch_one(&mut *tx).await?.get(0);
             if queued >= admit.max_queued.min(i64::MAX as u64) as i64 {
                 return Ok(Enqueued::Full(queued as u64));
+            }
+            let mine: i64 = sqlx::query("SELECT COUNT(*) FROM queue WHERE principal = $1")
+                .bind(principal)
+                .fetch_one(&mut *tx)
+                .await?
+                .get(0);
+            if mine >= admit.max_queued_per_principal.min(i64::MAX as u64) as i64 {
+                return Ok(Enqueued::PrincipalFull(mine as u64));
             }
         }
         // Last: a share lock on this node's row held while waiting for
