@@ -953,15 +953,16 @@ max_workspace_inodes = 1000
     daemon.stop().await;
 }
 
-/// Descriptors the daemon holds open: its sockets and files.
-fn open_descriptors() -> usize {
-    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+/// Descriptors process `pid` holds open: its sockets and files.
+fn open_descriptors(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
 }
 
 /// A session whose harness exits after each turn starts it again for the
 /// next, in a new network namespace with a new egress proxy: the old
 /// proxy (its listener, its task) goes with the old run, so twenty turns
-/// leave the daemon holding no more descriptors than two.
+/// leave the daemon (a `corral serve` of its own, counted alone) holding
+/// no more descriptors than two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_harness_leaves_no_egress_proxy_behind() {
     require_bwrap();
@@ -979,9 +980,14 @@ allow_hosts = ["example.invalid"]
 write_paths = ["."]
 "#
     );
-    let daemon = TestDaemon::start(daemon_options(vec![("once.toml", profile)])).await;
-    let mut client = sessions(&daemon).await;
-    let session = create(&mut client, create_request("test.once", "agt", "")).await.expect("created");
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(profiles.join("once.toml"), profile).unwrap();
+    let daemon = common::ServeProcess::start(&dir.path().join("data"), &profiles, &[]).await;
+    let mut client = SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest { profile_ref: "test.once".into(), ..Default::default() };
+    let session = client.create_session(create).await.expect("created").into_inner();
     let mut turn = async || {
         let done = turn_finished(&send_turn(&mut client, &session.session_id, "t", json!({})).await);
         assert!(done.ok && done.output.contains("once"), "{done:?}");
@@ -995,11 +1001,11 @@ write_paths = ["."]
     };
     turn().await;
     turn().await;
-    let before = open_descriptors();
+    let before = open_descriptors(daemon.pid());
     for _ in 0..20 {
         turn().await;
     }
-    let after = open_descriptors();
+    let after = open_descriptors(daemon.pid());
     assert!(after < before + 5, "{before} descriptors open after 2 turns, {after} after 20 more");
     daemon.stop().await;
 }
