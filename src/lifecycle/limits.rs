@@ -21,7 +21,8 @@ use crate::events::EventKind;
 use crate::sandbox::cgroup::{LimitHits, SandboxCgroup};
 use crate::sandbox::open_to_owner;
 
-/// How often a running harness's workspace is measured.
+/// How often a running harness's workspace is measured, at most (a tree
+/// that takes long to walk is walked less often).
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
 /// How long a kill of a sandbox over its workspace budget may take.
@@ -271,14 +272,19 @@ impl WorkspaceWatch {
         let seen = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
         let found = seen.clone();
         let task = tokio::spawn(async move {
+            let mut pause = WATCH_EVERY;
             loop {
-                tokio::time::sleep(WATCH_EVERY).await;
+                tokio::time::sleep(pause).await;
                 let (dir, measured) = (root.clone(), cgroup.clone());
+                let walking = std::time::Instant::now();
                 let Ok(usage) =
                     tokio::task::spawn_blocking(move || tree_usage(&dir, budget, measured.as_deref())).await
                 else {
                     return;
                 };
+                // A large tree is measured less often: a watch costs at
+                // most a tenth of one CPU (an idle session's too).
+                pause = WATCH_EVERY.max(walking.elapsed() * 9);
                 if budget.exceeded_by(usage) {
                     found.0.store(usage.bytes, Ordering::SeqCst);
                     found.1.store(usage.inodes, Ordering::SeqCst);
