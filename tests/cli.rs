@@ -342,8 +342,26 @@ async fn session_watch_exits_with_the_sessions_outcome() {
     let never = "[[guardrails.policies]]\nname = \"never\"\nkind = \"expr\"\n\
                  arguments = { expression = \"false\", reason = \"never\" }\n";
     std::fs::write(profiles.join("never.toml"), common::session_agent_profile("test.never", never)).unwrap();
+    std::fs::write(profiles.join("stubborn.toml"), common::stubborn_profile()).unwrap();
     let served = serve_with(&tmp.path().join("data"), &tmp.path().join("serve.stderr"), Some(&profiles)).await;
     let url = served.url.clone();
+
+    // A profile a run of would be refused says so, with the reason.
+    let args = ["profiles"];
+    let out = corral(&url, &args).await;
+    let listed = text(&out).0;
+    let claude = listed.lines().find(|l| l.starts_with("builtin.claude-code@")).unwrap_or_default().to_string();
+    assert!(claude.contains("unusable (unknown credential route anthropic"), "{}", describe(&args, &out));
+
+    // A session whose end fails: the raw cause, which only EndSession's
+    // answer carries, is printed, and the exit code says it failed.
+    let args = ["--json", "session", "create", "--profile", "test.stubborn"];
+    let out = corral(&url, &args).await;
+    let id = json_lines(&args, &out)[0]["sessionId"].as_str().expect("sessionId").to_string();
+    let args = ["session", "end", id.as_str()];
+    let out = corral(&url, &args).await;
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&args, &out));
+    assert!(text(&out).0.contains("did not exit within"), "{}", describe(&args, &out));
 
     // A session with one turn, ended, then watched from its start.
     let watched = |arguments: &'static str, turn_code: i32| {

@@ -3,8 +3,8 @@
 an execution from a sequence (and resume), and read the error details the
 daemon puts in the `grpc-status-details-bin` trailer.
 
-Run it through run.sh, which installs the pinned packages into .venv/ and
-generates the stubs from the repository's proto/ into .gen/.
+Run it through run.sh, which installs the pinned packages and generates the
+stubs from the repository's proto/ under $CORRAL_EXAMPLES_OUT/python.
 
 Exit codes: 0 when the execution (executed or watched) finished SUCCEEDED;
 1 when it finished otherwise, or the stream ended without `finished`;
@@ -61,11 +61,14 @@ def connect(server):
 
 
 def call_metadata(args):
-    token = args.token or os.environ.get("CORRAL_TOKEN")
+    # As the corral CLI: --token, then a token file (--token-file or
+    # CORRAL_TOKEN_FILE), then CORRAL_TOKEN.
+    token = args.token
     token_file = args.token_file or os.environ.get("CORRAL_TOKEN_FILE")
     if not token and token_file:
         with open(token_file, encoding="utf-8") as f:
             token = f.read().strip()
+    token = token or os.environ.get("CORRAL_TOKEN")
     return [("authorization", f"Bearer {token}")] if token else []
 
 
@@ -185,7 +188,8 @@ def execute(stub, args):
     metadata = call_metadata(args)
     try:
         if args.detach:
-            # StartExecution returns at once (RUNNING); watch it afterwards.
+            # StartExecution returns at once (RUNNING, or PENDING when a fleet
+            # queued it); watch it afterwards.
             execution = stub.StartExecution(request, metadata=metadata)
             print(f"execution {execution.execution_id} {enum_name(STATE, execution.state)}")
             return 0

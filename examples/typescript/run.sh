@@ -2,7 +2,7 @@
 # Runs the TypeScript example client with the arguments given, e.g.
 #   examples/typescript/run.sh --server unix:///var/lib/corral/corral.sock execute --description 'echo hi'
 # First (and whenever package-lock.json or src/ changed) it installs the
-# locked packages from npm (`npm ci`) and compiles src/ with tsc into dist/.
+# locked packages from npm (`npm ci`) and compiles src/ with tsc under $CORRAL_EXAMPLES_OUT/typescript.
 # The protos are read at run time from the repository's proto/. Its own
 # messages go to stderr.
 set -euo pipefail
@@ -17,7 +17,7 @@ setup() {
     local tool
     for tool in node npm; do
         if ! command -v "$tool" >/dev/null 2>&1; then
-            echo "run.sh: $tool not found: install Node.js 20+ and npm (Debian: nodejs npm)" >&2
+            echo "run.sh: $tool not found: install Node.js 18+ and npm (Debian: nodejs npm)" >&2
             exit 3
         fi
     done

@@ -16,16 +16,17 @@ pub(super) async fn exec(server: &Remote, args: ExecArgs, printer: &Printer) -> 
     // Build the request before connecting: a missing description file is
     // the user's mistake and should not cost a round trip to find out.
     let request = execute_request(args).await?;
+    let cancels = request.cancel_on_disconnect;
     let mut client = ExecutionServiceClient::new(server.open().await?);
     let stream = client.execute(request).await?.into_inner();
-    follow(stream, printer).await
+    follow(stream, printer, cancels).await
 }
 
 pub(super) async fn watch(server: &Remote, args: WatchArgs, printer: &Printer) -> anyhow::Result<i32> {
     let mut client = ExecutionServiceClient::new(server.open().await?);
     let request = pb::WatchRequest { execution_id: args.id, after_sequence: args.after };
     let stream = client.watch_execution(request).await?.into_inner();
-    follow(stream, printer).await
+    follow(stream, printer, false).await
 }
 
 async fn execute_request(args: ExecArgs) -> anyhow::Result<pb::ExecuteRequest> {
@@ -63,7 +64,12 @@ async fn execute_request(args: ExecArgs) -> anyhow::Result<pb::ExecuteRequest> {
 
 /// Prints events as they arrive and returns the exit code once `finished`
 /// comes. A `Status` from the stream propagates and becomes exit code 2.
-async fn follow(mut stream: tonic::Streaming<pb::LifecycleEvent>, printer: &Printer) -> anyhow::Result<i32> {
+/// `cancels`: leaving cancels the run (`--cancel-on-interrupt`).
+async fn follow(
+    mut stream: tonic::Streaming<pb::LifecycleEvent>,
+    printer: &Printer,
+    cancels: bool,
+) -> anyhow::Result<i32> {
     // One signal future for the whole loop: recreating it per iteration
     // could lose a Ctrl-C that lands between two events.
     let interrupt = tokio::signal::ctrl_c();
@@ -85,7 +91,7 @@ async fn follow(mut stream: tonic::Streaming<pb::LifecycleEvent>, printer: &Prin
             signal = &mut interrupt, if interrupt_armed => {
                 match signal {
                     Ok(()) => {
-                        report_interrupt(last.as_ref());
+                        report_interrupt(last.as_ref(), cancels);
                         return Ok(INTERRUPTED);
                     }
                     // No signal handler could be installed: keep following
@@ -147,8 +153,11 @@ fn subject_of(event: &pb::LifecycleEvent) -> String {
     }
 }
 
-fn report_interrupt(last: Option<&(String, u64)>) {
+fn report_interrupt(last: Option<&(String, u64)>, cancels: bool) {
     match last {
+        Some((id, _)) if !id.is_empty() && cancels => {
+            eprintln!("interrupted: execution {id} is cancelled as this call goes (--cancel-on-interrupt)")
+        }
         Some((id, sequence)) if !id.is_empty() => eprintln!(
             "interrupted: stopped following execution {id}; resume with `corral watch {id} --after {sequence}`"
         ),

@@ -50,6 +50,12 @@ impl Printer {
         self.either(session, || render::session_line(session))
     }
 
+    /// An ended session: its line, then the raw cause of a failed end,
+    /// which the answer to EndSession alone carries.
+    pub(super) fn ended_session(&self, session: &pb::Session) -> anyhow::Result<()> {
+        self.either(session, || render::session_line(session) + &render::raw_block("", &session.tool_error))
+    }
+
     pub(super) fn decided(&self, decided: &pb::DecideToolCallResponse) -> anyhow::Result<()> {
         self.either(decided, || {
             let action = if decided.allow { "allowed" } else { "denied" };

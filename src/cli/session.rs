@@ -54,8 +54,10 @@ pub(super) async fn run(server: &Remote, command: SessionCommand, printer: &Prin
         }
         SessionCommand::End { id } => {
             let session = client.end_session(pb::EndSessionRequest { session_id: id }).await?.into_inner();
-            printer.session(&session)?;
-            Ok(0)
+            printer.ended_session(&session)?;
+            // `exec`'s rule: 0 only when the session's verdict is a success.
+            let succeeded = session.evidence.as_ref().is_some_and(|e| e.outcome == pb::Outcome::Succeeded as i32);
+            Ok(if succeeded { 0 } else { 1 })
         }
     }
 }

@@ -86,8 +86,9 @@ pub(super) fn executions(response: &pb::ListExecutionsResponse) -> String {
     out
 }
 
-/// `corral profiles`: ref, status, readiness (+reason), sandbox type,
-/// whether the harness's own tool calls pass the gate, source.
+/// `corral profiles`: ref, status, readiness (+reason; `unusable` and why,
+/// for a profile a run of would be refused), sandbox type, whether the
+/// harness's own tool calls pass the gate, source.
 pub(super) fn profiles(response: &pb::ListProfilesResponse) -> String {
     let rows: Vec<Vec<String>> = response
         .profiles
@@ -96,7 +97,10 @@ pub(super) fn profiles(response: &pb::ListProfilesResponse) -> String {
             vec![
                 p.r#ref.clone(),
                 shown::<pb::ProfileStatus>(p.status),
-                render::readiness(p.readiness.as_ref()),
+                match p.usable {
+                    true => render::readiness(p.readiness.as_ref()),
+                    false => format!("unusable ({})", p.unusable_reason),
+                },
                 p.sandbox.as_ref().map(|s| render::sandbox_type(s.r#type)).unwrap_or_default(),
                 match &p.rein {
                     Some(r) if r.tool_calls_gated => "gated".into(),

@@ -115,9 +115,12 @@ function connect(server: string): ExecutionServiceClient {
 
 function callMetadata(options: { token?: string; "token-file"?: string }): grpc.Metadata {
   const metadata = new grpc.Metadata();
-  let token = options.token ?? process.env.CORRAL_TOKEN;
+  // As the corral CLI: --token, then a token file (--token-file or
+  // CORRAL_TOKEN_FILE), then CORRAL_TOKEN.
+  let token = options.token;
   const tokenFile = options["token-file"] ?? process.env.CORRAL_TOKEN_FILE;
   if (!token && tokenFile) token = fs.readFileSync(tokenFile, "utf8").trim();
+  token = token || process.env.CORRAL_TOKEN;
   if (token) metadata.set("authorization", `Bearer ${token}`);
   return metadata;
 }
@@ -259,7 +262,8 @@ async function execute(client: ExecutionServiceClient, o: Options): Promise<numb
   let final: Execution | null = null;
   try {
     if (o.detach) {
-      // StartExecution returns at once (RUNNING); watch it afterwards.
+      // StartExecution returns at once (RUNNING, or PENDING when a fleet
+      // queued it); watch it afterwards.
       const execution = await new Promise<Execution>((resolve, reject) =>
         client.StartExecution(request, metadata, (error, x) => (error ? reject(error) : resolve(x!))),
       );
