@@ -205,6 +205,7 @@ mod tests {
                 sandbox: Some(pb::SandboxSpec { r#type: pb::SandboxType::LinuxBwrap as i32, ..Default::default() }),
                 rein: Some(pb::Rein { tool_calls_gated: false, ..Default::default() }),
                 source: "builtin".into(),
+                usable: true,
                 ..Default::default()
             }],
         };
@@ -213,5 +214,11 @@ mod tests {
             "REF           STATUS   READINESS                 SANDBOX      TOOL CALLS  SOURCE\n\
              claude@1.0.0  enabled  blocked (no credentials)  linux_bwrap  not gated   builtin\n"
         );
+        // A profile a run of would be refused says so instead, with why.
+        let mut unusable = response.clone();
+        unusable.profiles[0].usable = false;
+        unusable.profiles[0].unusable_reason = "unknown credential route anthropic".into();
+        let text = profiles(&unusable);
+        assert!(text.contains("  unusable (unknown credential route anthropic)  "), "{text}");
     }
 }
