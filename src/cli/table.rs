@@ -86,9 +86,9 @@ pub(super) fn executions(response: &pb::ListExecutionsResponse) -> String {
     out
 }
 
-/// `corral profiles`: ref, status, readiness (+reason; `unusable` and why,
-/// for a profile a run of would be refused), sandbox type, whether the
-/// harness's own tool calls pass the gate, source.
+/// `corral profiles`: ref, status, readiness (+reason; first `unusable`
+/// and why, for a profile a run of would be refused), sandbox type,
+/// whether the harness's own tool calls pass the gate, source.
 pub(super) fn profiles(response: &pb::ListProfilesResponse) -> String {
     let rows: Vec<Vec<String>> = response
         .profiles
@@ -97,9 +97,10 @@ pub(super) fn profiles(response: &pb::ListProfilesResponse) -> String {
             vec![
                 p.r#ref.clone(),
                 shown::<pb::ProfileStatus>(p.status),
-                match p.usable {
-                    true => render::readiness(p.readiness.as_ref()),
-                    false => format!("unusable ({})", p.unusable_reason),
+                match (p.usable, render::readiness(p.readiness.as_ref())) {
+                    (true, readiness) => readiness,
+                    (false, readiness) if readiness.is_empty() => format!("unusable ({})", p.unusable_reason),
+                    (false, readiness) => format!("unusable ({}); {readiness}", p.unusable_reason),
                 },
                 p.sandbox.as_ref().map(|s| render::sandbox_type(s.r#type)).unwrap_or_default(),
                 match &p.rein {
@@ -219,6 +220,6 @@ mod tests {
         unusable.profiles[0].usable = false;
         unusable.profiles[0].unusable_reason = "unknown credential route anthropic".into();
         let text = profiles(&unusable);
-        assert!(text.contains("  unusable (unknown credential route anthropic)  "), "{text}");
+        assert!(text.contains("  unusable (unknown credential route anthropic); blocked (no credentials)  "), "{text}");
     }
 }
