@@ -21,7 +21,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::capture::CaptureJob;
-use super::limits::{cgroup_hits, tree_usage, workspace_hit, EgressEvents, EventBudget, TreeBudget, WorkspaceWatch};
+use super::limits::{
+    cgroup_hits, tree_usage, workspace_hit, EgressEvents, EventBudget, TreeBudget, TreeUsage, WorkspaceWatch,
+};
 use super::phase::{Harness, PhaseKind, Ready, RunPhase};
 use super::{Engine, RawResult};
 use crate::catalog::{Profile, ReadinessState, RunFacts};
@@ -665,7 +667,7 @@ impl Core {
         // without cancelling the whole execution or session.
         let caller_cancel = cancel;
         let cancel = caller_cancel.child_token();
-        let budget = self.profile().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
+        let budget = self.workspace_budget();
         let watch = match self.phase.ready() {
             Some(ready) if budget.is_limited() => Some(WorkspaceWatch::start(
                 ready.sandbox.root.clone(),
@@ -726,10 +728,7 @@ impl Core {
         self.evidence.time("harness", t);
         let limit_notes = self.record_cgroup_hits().await;
         if let Some(usage) = watch.and_then(WorkspaceWatch::stop) {
-            let (event, raw) = workspace_hit(usage, budget);
-            self.workspace_over = true;
-            self.evidence.notes.push(raw.clone());
-            self.recorder.emit(event, None).await;
+            let raw = self.record_workspace_hit(usage, budget, "").await;
             if !caller_cancel.is_cancelled() {
                 return TurnOutcome::Failed(ReinError::Dispatch(raw));
             }
@@ -842,7 +841,7 @@ impl Core {
     /// on between turns. Past the budget the sandbox's processes are
     /// killed, and the next turn or the end says so.
     pub fn watch_between_turns(&mut self) {
-        let budget = self.profile().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
+        let budget = self.workspace_budget();
         self.idle_watch = match self.phase.ready() {
             Some(ready) if budget.is_limited() && !self.workspace_over => {
                 Some(WorkspaceWatch::between_turns(ready.sandbox.root.clone(), budget, ready.sandbox.cgroup.clone()))
@@ -854,12 +853,25 @@ impl Core {
     /// Stops the watch between turns; past the budget, its limit event.
     async fn workspace_between_turns(&mut self) {
         let Some(usage) = self.idle_watch.take().and_then(WorkspaceWatch::stop) else { return };
-        let budget = self.profile().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
+        let budget = self.workspace_budget();
+        let raw = self.record_workspace_hit(usage, budget, " (between turns: its processes were killed)").await;
+        self.failed(FailureStage::Execution, &raw);
+    }
+
+    /// The workspace's budget, from the profile's `[limits]`.
+    fn workspace_budget(&self) -> TreeBudget {
+        self.profile().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default()
+    }
+
+    /// Records that the workspace went over `budget` (`usage`): the run
+    /// brings nothing back, its evidence notes it (with `how`, said after
+    /// the reason) and its `limit` event goes out. Returns the reason.
+    async fn record_workspace_hit(&mut self, usage: TreeUsage, budget: TreeBudget, how: &str) -> String {
         let (event, raw) = workspace_hit(usage, budget);
         self.workspace_over = true;
-        self.evidence.notes.push(format!("{raw} (between turns: its processes were killed)"));
+        self.evidence.notes.push(format!("{raw}{how}"));
         self.recorder.emit(event, None).await;
-        self.failed(FailureStage::Execution, &raw);
+        raw
     }
 
     /// The sandbox's tree (workspace, HOME) against `max_workspace_bytes`
@@ -867,7 +879,7 @@ impl Core {
     /// run fails and nothing is fetched back.
     async fn check_workspace_at_end(&mut self) {
         self.workspace_between_turns().await;
-        let budget = self.profile().map(|p| TreeBudget::from_limits(&p.file.limits)).unwrap_or_default();
+        let budget = self.workspace_budget();
         let Some(ready) = self.phase.ready() else { return };
         if !budget.is_limited() || self.workspace_over {
             return;
@@ -876,10 +888,7 @@ impl Core {
         let usage =
             tokio::task::spawn_blocking(move || tree_usage(&root, budget, cgroup.as_deref())).await.unwrap_or_default();
         if budget.exceeded_by(usage) {
-            let (event, raw) = workspace_hit(usage, budget);
-            self.workspace_over = true;
-            self.evidence.notes.push(raw.clone());
-            self.recorder.emit(event, None).await;
+            let raw = self.record_workspace_hit(usage, budget, "").await;
             self.failed(FailureStage::Execution, &raw);
         }
     }
