@@ -216,6 +216,7 @@ impl Daemon {
         let admin = compile_all(&config.policies, "admin", "policies").map_err(StartError::Policies)?;
         let gate = Arc::new(Gate::new(admin, host));
         let hub = config.hub.clone().map(|hub| Hub::new(hub, store.clone()));
+        let authenticator = Arc::new(crate::auth::Principals::new(authenticator(&config)?));
         let engine = Engine::new(EngineParts {
             catalog: catalog.clone(),
             gate: gate.clone(),
@@ -241,6 +242,8 @@ impl Daemon {
             labels,
             max_queued: (config.fleet.max_queued, config.fleet.queued_per_principal()),
             warm: config.sandbox.warm.clone(),
+            repo_roots: config.repo_roots.clone(),
+            principals: authenticator.clone(),
             uid_range: match uid_mode {
                 UidMode::PerSandbox(range) => Some(range),
                 UidMode::Daemon { .. } => None,
@@ -269,7 +272,6 @@ impl Daemon {
         engine.start_warm_pools();
         let retention = Duration::from_secs(config.event_retention_seconds);
         engine.spawn_compactor(retention, (retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(3600)));
-        let authenticator = Arc::new(crate::auth::Principals::new(authenticator(&config)?));
         // Kept in the data directory, so page tokens survive a restart; on
         // a shared store, one key for the fleet, so a page from one node
         // works on every node.

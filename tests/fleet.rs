@@ -1810,6 +1810,50 @@ async fn one_principal_cannot_fill_the_fleets_queue() {
     stop_all([front, b]).await;
 }
 
+/// The node that runs queued work checks the repository against its own
+/// rules, not only the accepting node's: a front end lets the tenant use any
+/// repository under the roots, node-b (which reloaded a narrower rule, or
+/// was configured so) only those under `elsewhere`. The tenant's run is
+/// refused at resolution on node-b, before any sandbox, and its repository
+/// gets nothing; the administrator's run of the same repository there runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_runs_queued_work_only_on_a_repository_its_own_rules_allow() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let repo = common::git_repo();
+    let narrower = format!("repos = [{:?}]\n", dir.path().join("elsewhere").display().to_string());
+    let front =
+        Node::start_configured(dir.path(), "front", &url, "capacity = 0", &one_place_tenant(dir.path(), "")).await;
+    let b =
+        Node::start_configured(dir.path(), "node-b", &url, "capacity = 1", &one_place_tenant(dir.path(), &narrower))
+            .await;
+    let mut client = front.executions().await;
+    let mut req = request("builtin.shell", "echo ran > ran.txt && git add ran.txt");
+    req.repo = repo.path().display().to_string();
+    let tenant =
+        client.start_execution(common::with_token(TENANT_TOKEN, req.clone())).await.expect("accepted").into_inner();
+    assert_eq!(tenant.state, pb::ExecutionState::Pending as i32, "queued by the front end: {tenant:?}");
+    let (state, _) = until_finished(&front, &tenant.execution_id, Duration::from_secs(60)).await;
+    let get = pb::GetExecutionRequest { execution_id: tenant.execution_id.clone(), ..Default::default() };
+    let record = client.get_execution(get).await.unwrap().into_inner();
+    assert_eq!(state, pb::ExecutionState::Refused, "{record:?}");
+    let evidence = record.evidence.expect("evidence");
+    assert_eq!(evidence.failure_stage, pb::FailureStage::Resolution as i32, "{evidence:?}");
+    assert!(evidence.error.contains("is not an allowed repository on node node-b"), "{evidence:?}");
+    assert!(evidence.sandbox_id.is_empty(), "a sandbox was made: {evidence:?}");
+    let refs = common::git(repo.path(), &["for-each-ref", "refs/corral/"]);
+    assert!(refs.is_empty(), "the refused run brought work back: {refs}");
+    // The administrator has no narrower rule on node-b: the same repository runs.
+    let admin = client.start_execution(req).await.expect("accepted").into_inner();
+    let (state, _) = until_finished(&front, &admin.execution_id, Duration::from_secs(60)).await;
+    assert_eq!(state, pb::ExecutionState::Succeeded, "the administrator's run of the same repository");
+    let refs = common::git(repo.path(), &["for-each-ref", "--format=%(refname)", "refs/corral/"]);
+    assert_eq!(refs, format!("refs/corral/{}", admin.execution_id));
+    stop_all([front, b]).await;
+}
+
 /// The stream of an `Execute` queued on a front end is a watcher of its
 /// principal's: one past `max_watchers_per_principal` is refused with
 /// RESOURCE_EXHAUSTED naming it, and nothing is queued for it (a caller

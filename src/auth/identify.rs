@@ -84,6 +84,13 @@ impl Authenticator {
         names.len()
     }
 
+    /// The principal configured as `name`, if this set knows it (the local
+    /// administrator only where it can call: by its token or a local uid).
+    pub fn named(&self, name: &str) -> Option<Arc<Principal>> {
+        let mut all = self.tokens.iter().map(|(_, p)| p).chain(self.uids.values()).chain(self.cert_names.values());
+        all.find(|p| p.name == name).cloned()
+    }
+
     /// The principal behind a credential, or why there is none.
     pub fn identify(&self, credential: Credential<'_>) -> Result<Arc<Principal>, &'static str> {
         match credential {

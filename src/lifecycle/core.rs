@@ -234,6 +234,9 @@ impl Core {
         // start is found too late), and this node's labels (a fleet places
         // work by labels; a node never runs what [placement] keeps off it).
         let resolved = self.engine.resolve_checked(Some(&self.consumer.actor), profile_ref, true);
+        // The repository, as this node allows it (see `Engine::repo_here`).
+        let resolved =
+            resolved.and_then(|profile| self.engine.repo_here(&self.consumer.principal, &self.repo).map(|()| profile));
         self.evidence.time("resolve", t);
         // A session's harness takes one task line per turn: a harness that
         // reads its whole task at once would take the first turn and no other.

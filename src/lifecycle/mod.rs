@@ -171,6 +171,10 @@ pub struct Engine {
     pub hook_program: Option<PathBuf>,
     /// Tool calls waiting for a person's decision.
     pub approvals: Arc<crate::gate::approvals::Approvals>,
+    /// This node's `repo_roots` and the principals in force: a run's
+    /// repository is checked against them where it runs (see
+    /// [`Engine::repo_here`]).
+    repos: RepoRules,
     admission: admission::Admission,
     /// Bounds on open watch streams.
     watchers: Arc<watch::Watchers>,
@@ -252,12 +256,21 @@ pub struct EngineParts {
     pub capacity: usize,
     /// What this node can run (`fleet::labels`).
     pub labels: Vec<String>,
-    /// The most executions the fleet's queue holds.
     /// The most executions the fleet's queue holds, and one principal may
     /// have in it.
     pub max_queued: (u64, u64),
     /// How many warm sandboxes to keep, by profile reference.
     pub warm: std::collections::BTreeMap<String, usize>,
+    /// The daemon's `repo_roots`.
+    pub repo_roots: Vec<PathBuf>,
+    /// The principals in force (replaced on SIGHUP).
+    pub principals: Arc<crate::auth::Principals>,
+}
+
+/// What a repository is checked against on the node that runs the work.
+struct RepoRules {
+    roots: Vec<PathBuf>,
+    principals: Arc<crate::auth::Principals>,
 }
 
 impl Engine {
@@ -282,6 +295,7 @@ impl Engine {
             proxy_budget: parts.proxy_budget,
             hook_program: parts.hook_program,
             approvals: Arc::default(),
+            repos: RepoRules { roots: parts.repo_roots, principals: parts.principals },
             // `fleet.capacity` bounds what runs here (at most max_running).
             admission: admission::Admission::new(parts.capacity.min(parts.max_running), parts.max_sessions),
             watchers: watch::Watchers::new(parts.watch_bounds),

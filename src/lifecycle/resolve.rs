@@ -23,6 +23,30 @@ impl Engine {
         self.resolve_checked(actor, profile_ref, !self.store.is_shared())
     }
 
+    /// Whether `repo` (a canonical path, or empty: no repository) may be
+    /// used here for `principal`: beneath this node's `repo_roots` and,
+    /// when this node knows the principal, beneath its `repos` now. The
+    /// node that accepted the work checked its own; the node that runs it
+    /// (one that claimed it from the fleet's queue, or was handed a
+    /// session) may have other roots or a reloaded principal, and the
+    /// host it touches is its own. The refusal reads as the API's does
+    /// (nothing about what exists here); the reason goes to the audit log.
+    pub(super) fn repo_here(&self, principal: &str, repo: &str) -> Result<(), Refusal> {
+        use crate::sandbox::repo::{resolve, NOT_ALLOWED};
+        if repo.is_empty() {
+            return Ok(());
+        }
+        let known = self.repos.principals.current().named(principal);
+        let prefixes = known.as_ref().map(|p| p.repos.as_slice()).unwrap_or_default();
+        resolve(std::path::Path::new(repo), &self.repos.roots, prefixes).map(drop).map_err(|why| {
+            tracing::info!(
+                target: "corral::audit", principal, node = self.store.node(), reason = %why,
+                "repository refused where the work runs"
+            );
+            Refusal(format!("repo {repo} {NOT_ALLOWED} on node {}", self.store.node()))
+        })
+    }
+
     /// The rules of [`Engine::resolve_for_run`], in that order; this node's
     /// labels are checked when `placed_here` (the run would run here: an
     /// execution's own resolution always is).
