@@ -834,6 +834,53 @@ async fn a_watch_through_a_node_that_shuts_down_ends_with_where_to_resume() {
     assert!(b.process.stop().await.is_some_and(|s| s.success()), "node-b did not stop on SIGTERM");
 }
 
+/// A turn forwarded to an owner that does not take it in time (node-b is
+/// stopped for the forward's 10 s) is withdrawn: its caller is told that
+/// nothing was done there, and the owner, running again, never runs it, so
+/// the caller's next turn is the session's first and runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_turn_not_taken_in_time_is_withdrawn_and_never_runs() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    use corral::pb::session_service_client::SessionServiceClient;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    write_session_agent(dir.path());
+    // Leases long enough that a node stopped for 10 s is neither fenced nor swept.
+    let a = Node::start_leased(dir.path(), "node-a", &url, 60, "", Vec::new()).await;
+    let b = Node::start_leased(dir.path(), "node-b", &url, 60, "", Vec::new()).await;
+    let mut on_b = SessionServiceClient::new(b.process.channel().await);
+    let session = on_b.create_session(create_agent_session()).await.unwrap().into_inner();
+    let mut on_a = SessionServiceClient::new(a.process.channel().await);
+    let turn = |text: &str| pb::SendTurnRequest {
+        session_id: session.session_id.clone(),
+        tool_call: Some(pb::ToolCall { tool: "echo".into(), arguments_json: format!(r#"{{"echo": "{text}"}}"#) }),
+    };
+    // SAFETY: kill(2) on our own child, alive.
+    unsafe { libc::kill(b.process.pid(), libc::SIGSTOP) };
+    let unanswered = on_a.send_turn(turn("withdrawn")).await;
+    // SAFETY: as above.
+    unsafe { libc::kill(b.process.pid(), libc::SIGCONT) };
+    let status = unanswered.expect_err("node-b answers nothing while stopped");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(
+        status.message().contains("did not answer within 10 s; the request is withdrawn: nothing was done there"),
+        "{status:?}"
+    );
+    let events =
+        stream_to_end(on_a.send_turn(turn("after")).await.expect("node-b takes turns again").into_inner()).await;
+    let finished = match events.last().and_then(|e| e.kind.clone()) {
+        Some(pb::lifecycle_event::Kind::TurnFinished(t)) => *t,
+        other => panic!("the turn's stream ends with turn_finished, not {other:?}"),
+    };
+    assert_eq!((finished.turn, finished.ok), (1, true), "the withdrawn turn ran before it: {finished:?}");
+    assert!(finished.output.contains("echo after") && !finished.output.contains("withdrawn"), "{finished:?}");
+    let end = pb::EndSessionRequest { session_id: session.session_id.clone() };
+    let ended = on_a.end_session(end).await.expect("node-a forwards EndSession").into_inner();
+    assert_eq!(ended.state, pb::SessionState::Ended as i32, "{ended:?}");
+    stop_all([a, b]).await;
+}
+
 /// SendTurn, EndSession and CancelTurn sent to a node that does not run
 /// the session reach the node that does, and their callers get what the
 /// owner's callers get (the turn's events, its raw output, the owner's

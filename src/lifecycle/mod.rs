@@ -113,12 +113,14 @@ pub enum EngineError {
     NoNodeCanRun(String),
     /// Another node of the fleet runs it and did not answer a forwarded
     /// request in time (it may be lost; a survivor will fail its runs).
-    #[error("node {node:?} did not answer within {seconds} s")]
+    #[error("node {node:?} did not answer within {seconds} s; {outcome}")]
     NodeUnreachable {
         /// The node that runs it.
         node: String,
         /// How long it was waited for.
         seconds: u64,
+        /// What became of the request ([`WITHDRAWN`] or [`TAKEN`]).
+        outcome: &'static str,
     },
     /// The store failed; the details are logged, not sent.
     #[error(transparent)]
@@ -210,6 +212,13 @@ pub struct Engine {
 
 /// How long a node waits for another node's answer to a forwarded request.
 pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A forwarded request its node had not taken in time: withdrawn, so that
+/// no later start of the work surprises a caller told it failed.
+pub const WITHDRAWN: &str = "the request is withdrawn: nothing was done there";
+
+/// A forwarded request its node took but did not answer in time.
+pub const TAKEN: &str = "it took the request and may still act on it: watch the subject for what it did";
 
 /// What [`Engine::new`] is built from: the daemon's parts and its bounds.
 pub struct EngineParts {
@@ -642,15 +651,30 @@ impl Engine {
         timeout: Duration,
     ) -> Result<(String, String), EngineError> {
         let request = self.store.ask_node(node, kind, subject, payload).await?;
-        let deadline = std::time::Instant::now() + timeout;
+        let started = std::time::Instant::now();
+        let mut deadline = started + timeout;
+        let mut taken = false;
         loop {
             match self.store.request_answer(&request).await? {
                 Some(Ok(json)) => return Ok((request, json)),
                 Some(Err(why)) => return Err(EngineError::FailedPrecondition(why)),
-                None if std::time::Instant::now() >= deadline => {
-                    return Err(EngineError::NodeUnreachable { node: node.to_string(), seconds: timeout.as_secs() })
+                None if std::time::Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(20)).await,
+                // Not taken yet: withdrawn, so the owner never acts on it
+                // (it takes a request before acting, see `answer_requests`).
+                None if !taken && self.store.withdraw_request(&request).await? => {
+                    let seconds = started.elapsed().as_secs();
+                    return Err(EngineError::NodeUnreachable { node: node.to_string(), seconds, outcome: WITHDRAWN });
                 }
-                None => tokio::time::sleep(Duration::from_millis(20)).await,
+                // Taken (or answered just now): it is being done; its
+                // answer is waited for as long again.
+                None if !taken => {
+                    taken = true;
+                    deadline = std::time::Instant::now() + timeout;
+                }
+                None => {
+                    let seconds = started.elapsed().as_secs();
+                    return Err(EngineError::NodeUnreachable { node: node.to_string(), seconds, outcome: TAKEN });
+                }
             }
         }
     }
@@ -714,15 +738,21 @@ impl Engine {
             Err(e) => return tracing::warn!(error = %e, "fleet: cannot read requests for this node"),
         };
         for crate::store::NodeRequest { id, kind, subject, payload } in pending {
+            // Taken before anything is done: a request its sender withdrew
+            // (it gave up waiting) is never acted on, and none twice.
+            match self.store.take_request(&id).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, request = %id, "fleet: a request not taken");
+                    continue;
+                }
+            }
             let answer = match kind.as_str() {
-                "create_session" => match self.store.take_request(&id).await {
-                    Ok(true) => {
-                        self.answer_create(id, subject, payload);
-                        continue;
-                    }
-                    Ok(false) => continue,
-                    Err(e) => Err(e.to_string()),
-                },
+                "create_session" => {
+                    self.answer_create(id, subject, payload);
+                    continue;
+                }
                 "send_turn" if self.live_session(&subject).is_some() => self.answer_turn(&id, &subject, &payload).await,
                 "send_turn" => Err(format!("session {subject} is not running on node {}", self.store.node())),
                 "decide_tool_call" => self.answer_decision(&subject, &payload),
@@ -731,28 +761,22 @@ impl Engine {
                     Err(e) => Err(e.to_string()),
                 },
                 "cancel" => Err(format!("execution {subject} is not running on node {}", self.store.node())),
-                // Taken first, then ended in a task of its own: an end that
-                // lasts (its harness's grace, its capture) holds up no other
-                // request, is never started twice, and a shutdown waits for it.
+                // Ended in a task of its own: an end that lasts (its
+                // harness's grace, its capture) holds up no other request,
+                // and a shutdown waits for it.
                 "end_session" if self.live_session(&subject).is_some() || self.starting_here(&subject) => {
-                    match self.store.take_request(&id).await {
-                        Ok(true) => {
-                            let engine = self.clone();
-                            self.spawn_tracked(async move {
-                                let ended = engine.end_session_with_cause(&subject, session::EndReason::Requested);
-                                let answer = match ended.await {
-                                    Ok((record, cause)) => Self::ended_answer(&record, cause.as_deref()),
-                                    Err(e) => Err(e.to_string()),
-                                };
-                                if let Err(e) = engine.store.answer_request(&id, answer).await {
-                                    tracing::warn!(error = %e, request = %id, "fleet: a request not answered");
-                                }
-                            });
-                            continue;
+                    let engine = self.clone();
+                    self.spawn_tracked(async move {
+                        let ended = engine.end_session_with_cause(&subject, session::EndReason::Requested);
+                        let answer = match ended.await {
+                            Ok((record, cause)) => Self::ended_answer(&record, cause.as_deref()),
+                            Err(e) => Err(e.to_string()),
+                        };
+                        if let Err(e) = engine.store.answer_request(&id, answer).await {
+                            tracing::warn!(error = %e, request = %id, "fleet: a request not answered");
                         }
-                        Ok(false) => continue,
-                        Err(e) => Err(e.to_string()),
-                    }
+                    });
+                    continue;
                 }
                 "end_session" => Err(format!("session {subject} is not running on node {}", self.store.node())),
                 "cancel_turn" if self.live_session(&subject).is_some() => match self.cancel_turn(&subject).await {

@@ -189,6 +189,7 @@ impl Engine {
                 return Err(EngineError::NodeUnreachable {
                     node: node.name.clone(),
                     seconds: started.elapsed().as_secs(),
+                    outcome: super::TAKEN,
                 });
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

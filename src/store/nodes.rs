@@ -504,9 +504,9 @@ impl Store {
             .collect())
     }
 
-    /// Takes request `id` to answer later (a session start, which takes
-    /// seconds): it is no longer pending, so it is taken once. False when
-    /// it was taken already.
+    /// Takes request `id` before acting on it: it is no longer pending, so
+    /// it is acted on once, and its sender can no longer withdraw it.
+    /// False when it was taken already, or withdrawn.
     pub async fn take_request(&self, id: &str) -> Result<bool, StoreError> {
         let taken = sqlx::query("UPDATE node_requests SET state = 'taken' WHERE id = $1 AND state = 'pending'")
             .bind(id)

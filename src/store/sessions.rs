@@ -19,8 +19,8 @@ impl Store {
         Ok(inserted)
     }
 
-    /// Withdraws request `id` (a session create handed to another node)
-    /// while no node has taken it: `true` when it was still pending, so no
+    /// Withdraws request `id` (one forwarded to another node, which gave
+    /// no answer in time) while no node has taken it: `true` when it was still pending, so no
     /// node will ever act on it; `false` when a node took or answered it.
     pub async fn withdraw_request(&self, id: &str) -> Result<bool, StoreError> {
         let withdrawn = sqlx::query(
