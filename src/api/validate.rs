@@ -231,6 +231,7 @@ pub async fn execute_request(
         quota: None,
         traceparent: None,
         follows: false,
+        cancel_on_disconnect: req.cancel_on_disconnect,
     })
 }
 

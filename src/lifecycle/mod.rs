@@ -138,6 +138,37 @@ pub struct Submitted {
     /// Whether the request id was already used by the same request, so no new
     /// execution was started.
     pub existing: bool,
+    /// With `cancel_on_disconnect`: cancels the execution if this answer is
+    /// dropped before the caller's stream takes over (see [`CancelUnlessKept`]).
+    pub unless_kept: Option<CancelUnlessKept>,
+}
+
+/// Cancels an execution whose caller asked for `cancel_on_disconnect` when
+/// dropped unkept: the caller went away while its submit was under way on
+/// the engine's task, so the answer was never read (or was dropped before
+/// the stream that cancels on a disconnect was built).
+pub struct CancelUnlessKept {
+    engine: Option<Arc<Engine>>,
+    execution_id: String,
+}
+
+impl CancelUnlessKept {
+    /// The caller's stream has taken over: nothing is cancelled on drop.
+    pub fn keep(mut self) {
+        self.engine = None;
+    }
+}
+
+impl Drop for CancelUnlessKept {
+    fn drop(&mut self) {
+        let Some(engine) = self.engine.take() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let id = std::mem::take(&mut self.execution_id);
+        tracing::info!(execution_id = %id, "caller went away while its execution was submitted; cancelling as asked");
+        runtime.spawn(async move {
+            let _ = engine.cancel(&id).await;
+        });
+    }
 }
 
 /// The lifecycle engine: what every execution and session runs through, from
@@ -497,8 +528,16 @@ impl Engine {
             self.bus.capacity(),
         );
         // The caller may be gone already; the execution runs regardless.
-        let _ = answer.send(Ok(Submitted { record: record.clone(), subscription, existing: false }));
+        let unless_kept = self.unless_kept(&cmd, &execution_id);
+        let _ = answer.send(Ok(Submitted { record: record.clone(), subscription, existing: false, unless_kept }));
         self.run_here(record, cmd, cancel).await;
+    }
+
+    /// The guard that cancels `execution_id` if its caller, which asked for
+    /// `cancel_on_disconnect`, never takes the answer.
+    pub(super) fn unless_kept(self: &Arc<Self>, cmd: &ExecuteCommand, execution_id: &str) -> Option<CancelUnlessKept> {
+        cmd.cancel_on_disconnect
+            .then(|| CancelUnlessKept { engine: Some(self.clone()), execution_id: execution_id.to_string() })
     }
 
     /// What a request whose id is already taken gets, when it is the same
@@ -511,7 +550,7 @@ impl Engine {
     /// here: a `StartExecution` retry drops it unread, and `Execute` counts
     /// it (see [`Engine::counted`]).
     async fn existing(
-        &self,
+        self: &Arc<Self>,
         record: ExecutionRecord,
         digest: &str,
         cmd: &ExecuteCommand,
@@ -524,7 +563,8 @@ impl Engine {
         let oldest = self.store.oldest_sequence(&id).await?;
         let after = oldest.map_or(0, |oldest| oldest.saturating_sub(1));
         let subscription = self.follow(&id, after, live).await?.for_direct_caller(self.store.clone(), id);
-        Ok(Submitted { record, subscription, existing: true })
+        let unless_kept = self.unless_kept(cmd, &record.execution_id);
+        Ok(Submitted { record, subscription, existing: true, unless_kept })
     }
 
     /// `subscription` of `subject`, counted against the watch bounds (and

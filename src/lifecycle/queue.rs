@@ -237,7 +237,8 @@ impl Engine {
                     execution_id.clone(),
                     self.bus.capacity(),
                 );
-                Ok(Submitted { record: record.clone(), subscription, existing: false })
+                let unless_kept = self.unless_kept(&cmd, &execution_id);
+                Ok(Submitted { record: record.clone(), subscription, existing: false, unless_kept })
             }
             Ok(Enqueued::Queued) => {
                 tracing::info!(execution_id = %execution_id, "queued for a node with room");
@@ -246,6 +247,7 @@ impl Engine {
                     record,
                     subscription: subscription.for_direct_caller(self.store.clone(), execution_id.clone()),
                     existing: false,
+                    unless_kept: self.unless_kept(&cmd, &execution_id),
                 })
             }
             Ok(Enqueued::Existing { record, digest }) => self.existing(*record, &digest, &cmd).await,

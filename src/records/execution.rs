@@ -102,6 +102,10 @@ pub struct ExecuteCommand {
     /// `StartExecution`); not part of the request's digest.
     #[serde(skip)]
     pub follows: bool,
+    /// The caller asked for the run to be cancelled when it goes away
+    /// (`Execute`'s `cancel_on_disconnect`); not part of the digest.
+    #[serde(skip)]
+    pub cancel_on_disconnect: bool,
 }
 
 impl ExecuteCommand {
