@@ -756,6 +756,75 @@ async fn absurd_token_counts_are_bounded_and_every_run_finishes() {
     daemon.stop().await;
 }
 
+/// A harness cannot put a flag on its next turn's command line: the
+/// "conversation id" a Claude Code harness reports goes after `--resume`,
+/// and one that is a flag (`--dangerously-skip-permissions`) would be the
+/// CLI's. The fake CLI prints its arguments as its result: the second turn
+/// is refused (no plain conversation id), and no run ever got the flag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_harness_cannot_put_a_flag_on_its_next_turns_command_line() {
+    use corral::pb::session_service_client::SessionServiceClient;
+    use std::os::unix::fs::PermissionsExt;
+    use std::time::Duration;
+    require_bwrap();
+    let dir = common::data_tempdir();
+    let bin = dir.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let claude = bin.join("claude");
+    std::fs::write(
+        &claude,
+        "#!/bin/sh\ncat >/dev/null\n\
+         echo '{\"type\":\"system\",\"subtype\":\"init\",\"session_id\":\"--dangerously-skip-permissions\",\"model\":\"m\"}'\n\
+         printf '{\"type\":\"result\",\"subtype\":\"success\",\"is_error\":false,\"result\":\"args: %s\"}\\n' \"$*\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&claude, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let profile = format!(
+        "id = \"test.flag-id\"\nversion = \"1.0.0\"\n[rein]\npreset = \"claude_stream_json\"\ninput = \"prompt\"\n\
+         argv = [{:?}]\n[sandbox]\ntype = \"linux_bwrap\"\nwrite_paths = [\".\"]\nread_paths = [{:?}]\n[limits]\n\
+         timeout_seconds = 30\n",
+        claude.display().to_string(),
+        bin.display().to_string()
+    );
+    std::fs::write(profiles.join("flag.toml"), profile).unwrap();
+    let daemon = ServeProcess::start(&dir.path().join("data"), &profiles, &[]).await;
+    let mut sessions = SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest { profile_ref: "test.flag-id".into(), ..Default::default() };
+    let id = sessions.create_session(create).await.expect("session created").into_inner().session_id;
+    let mut turns = Vec::new();
+    for _ in 1..=2 {
+        let call = pb::ToolCall { tool: "prompt".into(), arguments_json: r#"{"prompt": "go"}"#.into() };
+        let send = pb::SendTurnRequest { session_id: id.clone(), tool_call: Some(call) };
+        let finished = tokio::time::timeout(Duration::from_secs(60), async {
+            let mut stream = sessions.send_turn(send).await.expect("turn sent").into_inner();
+            let mut finished = None;
+            while let Some(event) = stream.message().await.expect("turn events") {
+                if let Some(pb::lifecycle_event::Kind::TurnFinished(f)) = event.kind {
+                    finished = Some(f);
+                }
+            }
+            finished.expect("a turn_finished event")
+        })
+        .await
+        .expect("the turn finishes");
+        turns.push(finished);
+    }
+    assert!(turns[0].ok && turns[0].output == "args: ", "the first run has no resume: {:?}", turns[0]);
+    assert!(!turns[1].ok, "the second turn resumed with the harness's flag: {:?}", turns[1]);
+    assert!(turns[1].raw_error.contains("never said which conversation"), "{:?}", turns[1]);
+    for turn in &turns {
+        assert!(!turn.output.contains("--dangerously"), "a run got the flag: {turn:?}");
+    }
+    let ended = sessions.end_session(pb::EndSessionRequest { session_id: id }).await.expect("ended").into_inner();
+    let evidence = ended.evidence.expect("evidence");
+    let argv = evidence.harness.map(|h| h.argv).unwrap_or_default();
+    assert!(!argv.iter().any(|a| a.starts_with("--dangerously")), "{argv:?}");
+    daemon.stop().await;
+}
+
 /// A refused repository leaves one `corral::audit` line naming who asked,
 /// as every other refusal does (and why, which the caller is not told).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,6 +31,9 @@ use tonic::transport::server::{Connected, UdsConnectInfo};
 
 use super::ServeError;
 
+/// The largest header list the relay decodes: the server's (hyper's default).
+const MAX_HEADER_LIST_BYTES: usize = 16 << 10;
+
 /// The HTTP/2 client connection preface (RFC 9113 §3.4).
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -138,6 +141,10 @@ async fn forward(mut client: OwnedReadHalf, mut server: DuplexStream) {
         return;
     }
     let mut codec: h2::Codec<_, Bytes> = h2::Codec::new(tokio::io::join(client, server));
+    // The server's own limit (hyper's 16 KiB), before anything is decoded:
+    // h2's codec would otherwise buffer a header block of up to 16 MiB from
+    // a caller not yet authenticated.
+    codec.set_max_recv_header_list_size(MAX_HEADER_LIST_BYTES);
     while let Some(frame) = codec.next().await {
         let frame = match frame {
             Ok(frame) => frame,
@@ -147,7 +154,10 @@ async fn forward(mut client: OwnedReadHalf, mut server: DuplexStream) {
             }
         };
         let Some(frame) = corrected(frame) else {
-            tracing::warn!("unix socket: a padded DATA frame cannot be relayed; closing the connection");
+            tracing::warn!(
+                "unix socket: a frame the relay cannot pass on whole (a padded DATA frame, or a header list over \
+                 16 KiB); closing the connection"
+            );
             break;
         };
         if codec.send(frame).await.is_err() {
@@ -159,9 +169,12 @@ async fn forward(mut client: OwnedReadHalf, mut server: DuplexStream) {
 
 /// The frame to send on: HEADERS rebuilt without an `:authority` that is
 /// not one (and without padding or priority, which h2's encoder would
-/// otherwise misframe); `None` for a padded DATA frame.
+/// otherwise misframe); `None` for a padded DATA frame, and for HEADERS
+/// whose list was over [`MAX_HEADER_LIST_BYTES`] (h2 dropped the fields
+/// past it: sent on, they would be another request).
 fn corrected(frame: Frame) -> Option<Frame> {
     match frame {
+        Frame::Headers(headers) if headers.is_over_size() => None,
         Frame::Headers(headers) => {
             let id = headers.stream_id();
             let end_stream = headers.is_end_stream();
@@ -261,6 +274,46 @@ mod tests {
     fn authority_of(frame: Frame) -> Option<String> {
         let Frame::Headers(headers) = frame else { panic!("not HEADERS: {frame:?}") };
         headers.into_parts().0.authority.map(|a| a.to_string())
+    }
+
+    /// HPACK's integer with a 7-bit prefix (RFC 7541 §5.1), the prefix's
+    /// other bits zero.
+    fn hpack_length(mut n: usize) -> Vec<u8> {
+        if n < 127 {
+            return vec![n as u8];
+        }
+        let mut out = vec![0x7f];
+        n -= 127;
+        while n >= 128 {
+            out.push((n % 128) as u8 | 0x80);
+            n /= 128;
+        }
+        out.push(n as u8);
+        out
+    }
+
+    /// A header list past the server's 16 KiB (one 24,000-byte field, in a
+    /// HEADERS and a CONTINUATION frame) is neither buffered up to h2's 16
+    /// MiB nor sent on: the relay closes the connection.
+    #[tokio::test]
+    async fn a_header_list_over_the_servers_limit_is_not_relayed() {
+        let (client, accepted) = UnixStream::pair().unwrap();
+        let mut server = relay(accepted);
+        let (_client_read, mut client_write) = client.into_split();
+        let mut block = request_block("localhost");
+        block.extend([0x00, 5]);
+        block.extend_from_slice(b"x-pad");
+        block.extend(hpack_length(24_000));
+        block.extend(std::iter::repeat_n(b'a', 24_000));
+        let (first, rest) = block.split_at(12_000);
+        let mut wire = PREFACE.to_vec();
+        wire.extend(frame(0x1, 0x1, 1, first));
+        wire.extend(frame(0x9, 0x4, 1, rest));
+        client_write.write_all(&wire).await.unwrap();
+        let mut relayed = Vec::new();
+        let read = tokio::time::timeout(std::time::Duration::from_secs(5), server.read_to_end(&mut relayed)).await;
+        assert!(read.is_ok(), "the relay passed the header list on and kept the connection: {} bytes", relayed.len());
+        assert_eq!(relayed, PREFACE.to_vec(), "only the preface reached the server");
     }
 
     #[tokio::test]

@@ -78,7 +78,7 @@ pub fn session_id(field: &str, value: &str) -> Result<(), Status> {
 /// principal name (64 bytes) and a `/` longer than an id.
 pub fn session_ref(field: &str, value: &str) -> Result<(), Status> {
     match value.split_once('/') {
-        Some((principal, id)) if crate::auth::is_principal_name(principal) => token(field, id),
+        Some((principal, id)) if crate::auth::is_principal_name(principal) => self::id(field, id),
         _ => self::id(field, value),
     }
 }
@@ -389,6 +389,9 @@ mod tests {
         }
         assert!(token("actor", &"a".repeat(MAX_ID + 1)).is_err());
         assert!(id("execution_id", "").is_err());
+        // A full session id names a principal and an id, never an empty one.
+        assert_eq!(field_of(session_ref("session_id", "alice/").unwrap_err()), "session_id");
+        assert!(session_ref("session_id", "alice/s1").is_ok() && session_ref("session_id", "s1").is_ok());
         assert!(text("title", "naïve title", MAX_TITLE).is_ok());
         assert!(text("title", "a\0", MAX_TITLE).is_err());
     }

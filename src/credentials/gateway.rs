@@ -212,7 +212,9 @@ fn shown(name: &str) -> String {
 /// could not do as well as what it did.
 async fn forward(req: Request<Incoming>, routes: &[GatewayRoute], log: &crate::net::EgressLog) -> Response<Body> {
     let path = req.uri().path().to_string();
-    let name = path.trim_start_matches('/').split('/').next().unwrap_or_default();
+    // The route is the first segment after exactly one `/`: `//name/...`
+    // names no route (the rest is cut after that one slash and the name).
+    let name = path.strip_prefix('/').unwrap_or_default().split('/').next().unwrap_or_default();
     let Some(route) = routes.iter().find(|r| r.name == name) else {
         record(log, None, Err(&format!("no credential route {:?} in this run", shown(name))));
         return answer(StatusCode::NOT_FOUND, format!("no credential route {name:?} here"));
@@ -361,9 +363,14 @@ mod tests {
         let log: Refusals = Arc::default();
         let _gateway = serve(listener, Arc::new(routes), log.clone());
         let mut statuses = Vec::new();
-        for (path, token) in
-            [("/down/v1", "corral-down-00"), ("/unreadable/v1", "corral-unreadable-00"), ("/nosuch/v1", "x")]
-        {
+        // `//down/v1` names no route (the one after exactly one `/`): it
+        // was taken as `down` and its path cut one byte off.
+        for (path, token) in [
+            ("/down/v1", "corral-down-00"),
+            ("/unreadable/v1", "corral-unreadable-00"),
+            ("/nosuch/v1", "x"),
+            ("//down/v1", "corral-down-00"),
+        ] {
             let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
             let request = format!(
                 "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n"
@@ -373,7 +380,7 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(20), client.read_to_string(&mut answer)).await.unwrap().unwrap();
             statuses.push(answer.split(' ').nth(1).unwrap_or_default().to_string());
         }
-        assert_eq!(statuses, ["502", "502", "404"]);
+        assert_eq!(statuses, ["502", "502", "404", "404"]);
         let decisions = log.drain();
         let seen: Vec<(&str, u16, bool, &str)> =
             decisions.iter().map(|d| (d.host.as_str(), d.port, d.allowed, d.method)).collect();
@@ -382,6 +389,7 @@ mod tests {
             [
                 ("127.0.0.1", down.port(), false, "gateway"),
                 ("127.0.0.1", down.port(), false, "gateway"),
+                ("", 0, false, "gateway"),
                 ("", 0, false, "gateway")
             ]
         );
@@ -394,7 +402,8 @@ mod tests {
             "credential gateway unreadable: credential route unreadable: its file cannot be read"
         );
         assert_eq!(decisions[2].rule_or_reason, "credential gateway: no credential route \"nosuch\" in this run");
-        assert_eq!(log.counts(), (0, 3));
+        assert_eq!(decisions[3].rule_or_reason, "credential gateway: no credential route \"\" in this run");
+        assert_eq!(log.counts(), (0, 4));
     }
 
     #[test]

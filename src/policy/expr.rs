@@ -211,7 +211,7 @@ where
 /// value) and [`MAX_INPUT_DEPTH`] levels. A value is charged when its
 /// parent is reached, so the walk stops at the first excess and holds no
 /// more than the bound allows; the refusal names no input value.
-fn input_within_bounds(input: &Value) -> Result<(), String> {
+pub(super) fn input_within_bounds(input: &Value) -> Result<(), String> {
     let refused = || {
         format!(
             "the gate input is larger than an expression is given (at most {} KiB and {MAX_INPUT_DEPTH} levels)",

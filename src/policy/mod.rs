@@ -462,7 +462,11 @@ fn decide(policy: &Policy, input: &GateInput<'_>, outcome: &mut GateOutcome) -> 
         Kind::RequireApproval { timeout_seconds } => {
             (Action::Ask, format!("a person must approve this call (waits at most {timeout_seconds} s)"))
         }
-        Kind::Expr(expr) => match expr.evaluate(&expr_input(input, &outcome.effective_sandbox)) {
+        // The arguments alone first: the input is a copy of them, made
+        // only once they are known to fit (a hook's body is up to 16 MiB).
+        Kind::Expr(expr) => match expr::input_within_bounds(input.arguments)
+            .and_then(|()| expr.evaluate(&expr_input(input, &outcome.effective_sandbox)))
+        {
             Ok(true) => (Action::Allow, "expression holds".into()),
             Ok(false) => (Action::Deny, expr.reason.clone()),
             Err(why) => (Action::Deny, format!("{why} (fail closed)")),

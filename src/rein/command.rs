@@ -313,6 +313,10 @@ fn prompt_of(task: &super::Task) -> String {
 /// itself can be told so; a wrapper cannot, and a turn that would silently
 /// start a new conversation is an error instead.
 pub fn resume_argv(preset: Preset, argv: &[String], conversation: &str) -> Result<Vec<String>, String> {
+    // The parser keeps only such ids; a flag here would be the harness's.
+    if !conversation.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric()) {
+        return Err("the conversation id the agent reported is not a plain id".into());
+    }
     let runs = |name: &str| argv.first().is_some_and(|p| p == name || p.ends_with(&format!("/{name}")));
     let mut resumed = argv.to_vec();
     match preset {

@@ -72,10 +72,12 @@ impl ParserState {
 }
 
 /// A conversation id as an agent reported it, if it is a plain one (it
-/// goes on the next turn's command line).
+/// goes on the next turn's command line): it starts with a letter or a
+/// digit, so a harness cannot make it a flag (`--dangerously-skip-permissions`
+/// after `--resume`).
 fn conversation_id(text: &str) -> Option<String> {
-    let plain = !text.is_empty()
-        && text.len() <= 128
+    let plain = text.len() <= 128
+        && text.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
         && text.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
     plain.then(|| text.to_string())
 }
@@ -149,6 +151,31 @@ fn protocol(kind: &str, v: &Value, state: &mut ParserState) -> Line {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The id goes on the next turn's command line: one that would be a
+    /// flag there is not kept, from either agent.
+    #[test]
+    fn a_conversation_id_that_would_be_a_flag_is_not_kept() {
+        let claude = |id: &str| {
+            let mut s = ParserState::default();
+            let line = serde_json::json!({"type": "system", "subtype": "init", "session_id": id}).to_string();
+            parse_line(Preset::ClaudeStreamJson, line.as_bytes(), &mut s);
+            s.conversation
+        };
+        let codex = |id: &str| {
+            let mut s = ParserState::default();
+            let line = serde_json::json!({"type": "thread.started", "thread_id": id}).to_string();
+            parse_line(Preset::CodexExecJson, line.as_bytes(), &mut s);
+            s.conversation
+        };
+        let uuid = "0199a7c2-5f3e-7d10-9a4b-3c2d1e0f9a8b";
+        assert_eq!((claude(uuid), codex(uuid)), (uuid.to_string(), uuid.to_string()));
+        for flag in ["--dangerously-skip-permissions", "--dangerously-bypass-approvals-and-sandbox", "-x", "_a", ""] {
+            assert_eq!((claude(flag), codex(flag)), (String::new(), String::new()), "{flag:?}");
+        }
+        assert_eq!(conversation_id(&"a".repeat(129)), None);
+        assert!(crate::rein::command::resume_argv(Preset::ClaudeStreamJson, &["claude".into()], "--yolo").is_err());
+    }
 
     #[test]
     fn protocol_lines() {
