@@ -600,6 +600,36 @@ async fn a_failing_pool_does_not_hold_up_the_shutdown() {
     assert!(took < Duration::from_secs(3), "the shutdown waited {took:?} for a failing pool's next try");
 }
 
+/// A pool whose sandboxes are made but die at once (one task at most:
+/// bwrap cannot start the waiter, after the sandbox was made) waits longer after each
+/// (200 ms doubled), rather than making one after another: in 3 s it
+/// makes a handful, not the hundreds a loop would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_whose_sandboxes_die_at_once_backs_off() {
+    require_bwrap();
+    let dir = data_tempdir();
+    let (data, profiles) = (dir.path().join("data"), dir.path().join("profiles"));
+    std::fs::create_dir_all(&profiles).unwrap();
+    let profile =
+        "id = \"test.doomed\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/usr/bin/true\"]\ninput = \"nothing\"\n\
+                   [limits]\nmax_processes = 1\n";
+    std::fs::write(profiles.join("doomed.toml"), profile).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let config = format!("metrics_listen = \"127.0.0.1:{port}\"\n[sandbox.warm]\n\"test.doomed\" = 1\n");
+    let serve = ServeProcess::start_with(&data, &profiles, &[], &config).await;
+    let died = |text: &str| sample(text, "corral_warm_sandboxes_died_total", "profile=\"test.doomed\"").unwrap_or(0.0);
+    let began = std::time::Instant::now();
+    while died(&scrape(port).await) < 1.0 {
+        assert!(began.elapsed() < Duration::from_secs(20), "no doomed sandbox was made and seen dying");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let deaths = died(&scrape(port).await);
+    // 200 + 400 + 800 + 1600 ms of waiting fit in 3 s: at most 5 more.
+    assert!(deaths <= 6.0, "{deaths} sandboxes made and dead in about 3 s: the pool does not back off");
+    assert!(serve.stop().await.is_some_and(|s| s.success()));
+}
+
 /// Refills stay within admission: a node that runs one execution at once,
 /// running one, makes no warm sandbox besides it, and refills once it ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -60,8 +60,9 @@ pub(super) struct Warm {
 
 /// How long the filler waits after a sandbox could not be made, at first
 /// and at most (doubling in between).
-const RETRY_FIRST: Duration = Duration::from_millis(200);
-const RETRY_MAX: Duration = Duration::from_secs(30);
+/// A warm sandbox whose first process dies sooner than this after it was
+/// made counts as a failure to make it (see `Pools::died_young`).
+const DIED_YOUNG: Duration = Duration::from_secs(10);
 
 impl Warm {
     pub fn new(sizes: &std::collections::BTreeMap<String, usize>) -> Warm {
@@ -404,7 +405,6 @@ impl Engine {
     }
 
     async fn fill_pools(self: Arc<Self>) {
-        let mut retry = RETRY_FIRST;
         loop {
             // Armed before the pools are read: a take, a close or a run's end
             // between the read and the wait wakes this filler all the same.
@@ -422,12 +422,22 @@ impl Engine {
             // Room for executions is room for sandboxes: a warm one becomes
             // the sandbox of the run that takes it.
             let room = self.admission.room(Work::Execution);
-            let next = self.warm.pools().next_fill(room);
+            let next = self.warm.pools().next_fill(room, Instant::now());
             let (index, profile_ref) = match next {
                 Fill::Make(index, profile_ref) => (index, profile_ref),
                 Fill::Closed => return,
                 Fill::Full => {
                     wake.await;
+                    continue;
+                }
+                // Only pools that failed are short: a take, a close or the
+                // end of the wait, whichever comes first.
+                Fill::Wait(until) => {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(until.into()) => {}
+                        _ = wake => {}
+                        _ = self.warm.stop.cancelled() => {}
+                    }
                     continue;
                 }
                 Fill::NoRoom => {
@@ -443,7 +453,6 @@ impl Engine {
             let t = Instant::now();
             match self.make_warm(&profile_ref).await {
                 Ok((key, made)) => {
-                    retry = RETRY_FIRST;
                     tracing::debug!(profile = %profile_ref, ms = t.elapsed().as_millis() as u64, "warm sandbox ready");
                     let exit = made.backend.waiter_exit(&made.sandbox);
                     let sandbox_id = made.sandbox.id.clone();
@@ -456,14 +465,11 @@ impl Engine {
                         self.destroy_warm(made).await;
                     }
                 }
+                // The pool waits before it is made for again; the others
+                // go on (see `Pools::next_fill`).
                 Err(error) => {
-                    self.warm.pools().failed(index);
-                    tracing::warn!(profile = %profile_ref, %error, retry_ms = retry.as_millis() as u64, "warm sandbox not made");
-                    tokio::select! {
-                        _ = tokio::time::sleep(retry) => {}
-                        _ = self.warm.stop.cancelled() => {}
-                    }
-                    retry = (retry * 2).min(RETRY_MAX);
+                    self.warm.pools().failed(index, Instant::now());
+                    tracing::warn!(profile = %profile_ref, %error, "warm sandbox not made");
                 }
             }
         }
@@ -477,17 +483,19 @@ impl Engine {
     /// daemon's exit brings about.
     fn watch_waiter(self: &Arc<Self>, sandbox_id: String, exit: crate::sandbox::WaiterExit) {
         let engine = Arc::downgrade(self);
+        let made = Instant::now();
         tokio::spawn(async move {
             exit.await;
             if let Some(engine) = engine.upgrade() {
-                engine.waiter_died(&sandbox_id);
+                engine.waiter_died(&sandbox_id, made.elapsed() < DIED_YOUNG);
             }
         });
     }
 
-    /// The waiter of `sandbox_id` exited: if the sandbox still waits in a
-    /// pool, it is taken out and destroyed, and its pool refills.
-    fn waiter_died(self: &Arc<Self>, sandbox_id: &str) {
+    /// The waiter of `sandbox_id` exited (`young`: soon after the sandbox
+    /// was made): if the sandbox still waits in a pool, it is taken out and
+    /// destroyed, and its pool refills, after a wait if it died young.
+    fn waiter_died(self: &Arc<Self>, sandbox_id: &str, young: bool) {
         if self.fenced.load(Ordering::SeqCst) {
             // Whatever waits is the fence's, destroyed without the store.
             return;
@@ -495,6 +503,13 @@ impl Engine {
         let dead = self.warm.pools().remove_dead(|w| w.sandbox.id == sandbox_id && w.backend.waiter_exited(&w.sandbox));
         if dead.is_empty() {
             return;
+        }
+        if young {
+            let now = Instant::now();
+            let mut pools = self.warm.pools();
+            for (pool, _) in &dead {
+                pools.died_young(pool, now);
+            }
         }
         self.report_warm_levels();
         self.warm.wake.notify_one();

@@ -11,6 +11,7 @@
 //! it waited. The daemon fills, takes and destroys (`lifecycle::warm`).
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use super::SandboxSpec;
 
@@ -35,9 +36,27 @@ struct Pool<T> {
     key: Option<PoolKey>,
     warm: VecDeque<T>,
     filling: usize,
+    /// Sandboxes that failed to be made, or whose first process died soon
+    /// after, since one was last taken: the pool waits [`backoff`] of it.
+    failures: u32,
+    /// Nothing is made for it before this (see `failures`).
+    not_before: Option<Instant>,
+}
+
+/// How long a pool waits after `failures` failures in a row: 200 ms,
+/// doubled each time, at most 30 s.
+pub fn backoff(failures: u32) -> Duration {
+    const FIRST: Duration = Duration::from_millis(200);
+    const MOST: Duration = Duration::from_secs(30);
+    FIRST.saturating_mul(1u32 << failures.saturating_sub(1).min(16)).min(MOST)
 }
 
 impl<T> Pool<T> {
+    fn back_off(&mut self, now: Instant) {
+        self.failures = self.failures.saturating_add(1);
+        self.not_before = Some(now + backoff(self.failures));
+    }
+
     /// Whether its sandboxes are of the profile `profile_id` (any version).
     fn is_of(&self, profile_id: &str) -> bool {
         self.profile_ref.split('@').next() == Some(profile_id)
@@ -74,6 +93,8 @@ pub enum Fill {
     /// A pool is short, but the pools hold all the room there is: nothing
     /// until a run ends.
     NoRoom,
+    /// Every short pool is waiting after a failure: nothing before then.
+    Wait(Instant),
     /// The pools are closed: nothing, ever.
     Closed,
 }
@@ -96,6 +117,8 @@ impl<T> Pools<T> {
                 key: None,
                 warm: VecDeque::new(),
                 filling: 0,
+                failures: 0,
+                not_before: None,
             })
             .collect();
         Pools { pools, closed: false }
@@ -117,7 +140,11 @@ impl<T> Pools<T> {
     pub fn take(&mut self, key: &PoolKey, profile_id: &str) -> Take<T> {
         if let Some(pool) = self.pools.iter_mut().find(|p| p.key.as_ref() == Some(key)) {
             return match pool.warm.pop_front() {
-                Some(item) => Take::Warm(pool.profile_ref.clone(), item),
+                Some(item) => {
+                    // One served: what failed before is behind it.
+                    pool.failures = 0;
+                    Take::Warm(pool.profile_ref.clone(), item)
+                }
                 None => Take::Empty(pool.profile_ref.clone()),
             };
         }
@@ -163,28 +190,37 @@ impl<T> Pools<T> {
         out
     }
 
-    /// What to make next, given `room`: how many sandboxes the pools may
-    /// hold now, waiting and being made together (what admission would
-    /// still let run). The pool to make one for is the one furthest below
-    /// its size, counting those being made; it is counted as being made
-    /// until [`filled`](Self::filled) or [`failed`](Self::failed).
-    pub fn next_fill(&mut self, room: usize) -> Fill {
+    /// What to make next at `now`, given `room`: how many sandboxes the
+    /// pools may hold now, waiting and being made together (what admission
+    /// would still let run). The pool to make one for is the one furthest
+    /// below its size, counting those being made, among those not waiting
+    /// after a failure (one that keeps failing holds up no other); it is
+    /// counted as being made until [`filled`](Self::filled) or
+    /// [`failed`](Self::failed).
+    pub fn next_fill(&mut self, room: usize, now: Instant) -> Fill {
         if self.closed {
             return Fill::Closed;
         }
         let held: usize = self.pools.iter().map(|p| p.warm.len() + p.filling).sum();
-        let Some((index, pool)) = self
-            .pools
-            .iter_mut()
-            .enumerate()
-            .filter(|(_, p)| p.warm.len() + p.filling < p.size)
-            .max_by_key(|(i, p)| (p.size - p.warm.len() - p.filling, usize::MAX - i))
-        else {
+        let short = || self.pools.iter().filter(|p| p.warm.len() + p.filling < p.size);
+        let Some(first_ready) = short().map(|p| p.not_before.filter(|t| *t > now)).min() else {
             return Fill::Full;
         };
         if held >= room {
             return Fill::NoRoom;
         }
+        if let Some(until) = first_ready {
+            return Fill::Wait(until);
+        }
+        let Some((index, pool)) = self
+            .pools
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, p)| p.warm.len() + p.filling < p.size && p.not_before.is_none_or(|t| t <= now))
+            .max_by_key(|(i, p)| (p.size - p.warm.len() - p.filling, usize::MAX - i))
+        else {
+            return Fill::Full;
+        };
         pool.filling += 1;
         Fill::Make(index, pool.profile_ref.clone())
     }
@@ -209,10 +245,22 @@ impl<T> Pools<T> {
         stale
     }
 
-    /// Making a sandbox for pool `index` failed.
-    pub fn failed(&mut self, index: usize) {
+    /// Making a sandbox for pool `index` failed at `now`: nothing more is
+    /// made for it for [`backoff`] of its failures.
+    pub fn failed(&mut self, index: usize, now: Instant) {
         if let Some(pool) = self.pools.get_mut(index) {
             pool.filling = pool.filling.saturating_sub(1);
+            pool.back_off(now);
+        }
+    }
+
+    /// A sandbox of the pool `profile_ref` died soon after it was made (at
+    /// `now`): a fault that making it did not show (a path the host lacks,
+    /// a limit too small). Counted as a failure, so the pool does not make
+    /// sandbox after sandbox at once.
+    pub fn died_young(&mut self, profile_ref: &str, now: Instant) {
+        if let Some(pool) = self.pools.iter_mut().find(|p| p.profile_ref == profile_ref) {
+            pool.back_off(now);
         }
     }
 
@@ -252,7 +300,7 @@ mod tests {
 
     /// The index of the pool to make a sandbox for, room aside.
     fn make(p: &mut Pools<u32>) -> usize {
-        match p.next_fill(usize::MAX) {
+        match p.next_fill(usize::MAX, now()) {
             Fill::Make(index, _) => index,
             other => panic!("nothing to make: {other:?}"),
         }
@@ -262,29 +310,87 @@ mod tests {
     fn the_pool_furthest_below_its_size_fills_first_and_none_past_its_size() {
         let mut p = pools(&[("a", 2), ("b", 1), ("z", 0)]);
         assert_eq!(p.levels(), [("a".to_string(), 0, 2), ("b".to_string(), 0, 1)]);
-        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(9, now()), Fill::Make(0, "a".into()));
         // a: 1 short (one being made), b: 1 short; the first wins a tie.
-        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()));
-        assert_eq!(p.next_fill(9), Fill::Make(1, "b".into()));
-        assert_eq!(p.next_fill(9), Fill::Full, "everything is being made");
-        p.failed(1);
-        assert_eq!(p.next_fill(9), Fill::Make(1, "b".into()));
+        assert_eq!(p.next_fill(9, now()), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(9, now()), Fill::Make(1, "b".into()));
+        assert_eq!(p.next_fill(9, now()), Fill::Full, "everything is being made");
+        let t0 = now();
+        p.failed(1, t0);
+        let ms = Duration::from_millis;
+        assert_eq!(p.next_fill(9, t0), Fill::Wait(t0 + ms(200)), "b waits after its failure");
+        assert_eq!(p.next_fill(9, t0 + ms(200)), Fill::Make(1, "b".into()));
+    }
+
+    /// A pool that keeps failing waits longer each time (200 ms doubled, at
+    /// most 30 s) and holds up no other pool; a sandbox of it that dies
+    /// soon after it was made counts as a failure; one taken resets it.
+    #[test]
+    fn a_failing_pool_backs_off_and_starves_no_other() {
+        let ms = Duration::from_millis;
+        let backoffs: Vec<Duration> = (1..=10).map(backoff).collect();
+        let expected = [200, 400, 800, 1600, 3200, 6400, 12800, 25600, 30000, 30000].map(ms);
+        assert_eq!(backoffs, expected);
+        assert_eq!(backoff(u32::MAX), ms(30_000));
+        let mut p = pools(&[("a", 1), ("b", 1)]);
+        let t0 = now();
+        assert_eq!(p.next_fill(9, t0), Fill::Make(0, "a".into()));
+        p.failed(0, t0);
+        // a is furthest below its size again, but waits: b is made.
+        assert_eq!(p.next_fill(9, t0), Fill::Make(1, "b".into()));
+        assert!(p.filled(1, key("b1"), 7).is_empty());
+        assert_eq!(p.next_fill(9, t0 + ms(199)), Fill::Wait(t0 + ms(200)));
+        assert_eq!(p.next_fill(9, t0 + ms(200)), Fill::Make(0, "a".into()));
+        let t1 = t0 + ms(300);
+        p.failed(0, t1);
+        assert_eq!(
+            p.next_fill(9, t1 + ms(399)),
+            Fill::Wait(t1 + ms(400)),
+            "the second failure in a row waits twice as long"
+        );
+        // b's sandbox taken: b is made again at once, whatever a waits for.
+        assert_eq!(p.take(&key("b1"), "b"), Take::Warm("b".into(), 7));
+        assert_eq!(p.next_fill(9, t1), Fill::Make(1, "b".into()));
+        assert!(p.filled(1, key("b1"), 8).is_empty());
+        // b's next one dies at once: b waits too.
+        assert_eq!(p.remove_dead(|item| *item == 8), [("b".to_string(), 8)]);
+        p.died_young("b", t1);
+        assert_eq!(p.next_fill(9, t1), Fill::Wait(t1 + ms(200)));
+        assert_eq!(p.next_fill(9, t1 + ms(400)), Fill::Make(0, "a".into()));
+        assert!(p.filled(0, key("a1"), 9).is_empty());
+        assert_eq!(p.take(&key("a1"), "a"), Take::Warm("a".into(), 9));
+        let t2 = t1 + ms(1000);
+        let index = p_index(&mut p, t2);
+        p.failed(index, t2);
+        assert_eq!(p.next_fill(9, t2), Fill::Make(1, "b".into()), "b's wait is over");
+        assert_eq!(p.next_fill(9, t2), Fill::Wait(t2 + ms(200)), "a served one: its count started again");
+    }
+
+    fn p_index(p: &mut Pools<u32>, at: Instant) -> usize {
+        match p.next_fill(9, at) {
+            Fill::Make(index, _) => index,
+            other => panic!("nothing to make: {other:?}"),
+        }
+    }
+
+    fn now() -> Instant {
+        Instant::now()
     }
 
     #[test]
     fn the_pools_make_nothing_past_the_room_they_are_given() {
         let mut p = pools(&[("a", 2), ("b", 1)]);
-        assert_eq!(p.next_fill(0), Fill::NoRoom, "a node running all it may");
-        assert_eq!(p.next_fill(2), Fill::Make(0, "a".into()));
-        assert_eq!(p.next_fill(2), Fill::Make(0, "a".into()));
-        assert_eq!(p.next_fill(2), Fill::NoRoom, "two being made: all the room");
+        assert_eq!(p.next_fill(0, now()), Fill::NoRoom, "a node running all it may");
+        assert_eq!(p.next_fill(2, now()), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(2, now()), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(2, now()), Fill::NoRoom, "two being made: all the room");
         assert!(p.filled(0, key("d"), 1).is_empty());
-        assert_eq!(p.next_fill(2), Fill::NoRoom, "one waiting, one being made");
-        assert_eq!(p.next_fill(3), Fill::Make(1, "b".into()));
-        assert_eq!(p.next_fill(0), Fill::Full, "full: nothing to wait for");
+        assert_eq!(p.next_fill(2, now()), Fill::NoRoom, "one waiting, one being made");
+        assert_eq!(p.next_fill(3, now()), Fill::Make(1, "b".into()));
+        assert_eq!(p.next_fill(0, now()), Fill::Full, "full: nothing to wait for");
         assert_eq!(p.take(&key("d"), "a"), Take::Warm("a".into(), 1));
-        assert_eq!(p.next_fill(2), Fill::NoRoom, "one being made for each pool");
-        assert_eq!(p.next_fill(3), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(2, now()), Fill::NoRoom, "one being made for each pool");
+        assert_eq!(p.next_fill(3, now()), Fill::Make(0, "a".into()));
     }
 
     #[test]
@@ -320,7 +426,7 @@ mod tests {
         assert_eq!(p.take_live(&key("d"), "a", |_| false), (Take::Dead("a".into()), vec![3]));
         assert_eq!(p.take_live(&key("d"), "a", |_| false), (Take::Empty("a".into()), vec![]), "none was waiting");
         assert_eq!(p.levels(), [("a".to_string(), 0, 3)]);
-        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()), "the dead ones' places are made again");
+        assert_eq!(p.next_fill(9, now()), Fill::Make(0, "a".into()), "the dead ones' places are made again");
         let i = make(&mut p);
         p.filled(i, key("d"), 4);
         let mismatch = p.take_live(&key("other"), "a", |_| panic!("a sandbox made for another key was looked at"));
@@ -342,11 +448,11 @@ mod tests {
         assert_eq!(p.remove_dead(|i| *i == 2), [], "taken out once");
         assert_eq!(p.take(&key("da"), "a"), Take::Warm("a".into(), 1), "the rest keep their order");
         assert_eq!(p.take(&key("da"), "a"), Take::Warm("a".into(), 3));
-        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()), "the dead one's place is made again");
-        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()));
-        assert_eq!(p.next_fill(9), Fill::Make(0, "a".into()));
-        assert_eq!(p.next_fill(9), Fill::Make(1, "b".into()));
-        assert_eq!(p.next_fill(9), Fill::Full);
+        assert_eq!(p.next_fill(9, now()), Fill::Make(0, "a".into()), "the dead one's place is made again");
+        assert_eq!(p.next_fill(9, now()), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(9, now()), Fill::Make(0, "a".into()));
+        assert_eq!(p.next_fill(9, now()), Fill::Make(1, "b".into()));
+        assert_eq!(p.next_fill(9, now()), Fill::Full);
     }
 
     #[test]
@@ -395,7 +501,7 @@ mod tests {
         all.sort();
         assert_eq!(all, [1, 2]);
         assert!(p.is_closed());
-        assert_eq!(p.next_fill(9), Fill::Closed);
+        assert_eq!(p.next_fill(9, now()), Fill::Closed);
         assert_eq!(p.filled(late, key("da"), 3), [3], "made while closing: destroyed at once");
         assert_eq!(p.take(&key("da"), "a"), Take::Empty("a".into()));
     }
