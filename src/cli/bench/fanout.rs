@@ -23,7 +23,8 @@ use crate::pb::execution_service_client::ExecutionServiceClient;
 
 /// Watchers per HTTP/2 connection.
 const WATCHERS_PER_CONNECTION: usize = 50;
-/// How often the daemon's RSS is sampled during a level.
+/// How often the daemon's RSS is sampled during a level (for the RSS
+/// limit, and for the peak where the kernel's cannot be reset).
 const RSS_EVERY: Duration = Duration::from_millis(50);
 
 /// One fanout level: what W watchers of one execution received, how fast,
@@ -69,8 +70,13 @@ pub struct FanoutLevel {
     pub rss_before_kib: Option<u64>,
     /// Every watcher subscribed, no event streamed yet.
     pub rss_attached_kib: Option<u64>,
-    /// The highest RSS sampled while events streamed, in KiB.
+    /// The highest RSS over the level, in KiB: the kernel's peak
+    /// (`VmHWM`, reset as the level began), or, when that reset was
+    /// refused, the highest sampled every 50 ms while events streamed,
+    /// which can miss the peak (`rss_peak_sampled`).
     pub rss_peak_kib: Option<u64>,
+    /// Whether `rss_peak_kib` was sampled rather than the kernel's.
+    pub rss_peak_sampled: bool,
     /// After every watcher ended (allocators keep some of what was freed).
     pub rss_after_kib: Option<u64>,
     /// RSS growth per watcher once all were subscribed, in KiB.
@@ -176,6 +182,9 @@ async fn level(
 ) -> anyhow::Result<FanoutLevel> {
     let (_, description) = emitter.task(events, args.pace);
     let control = target.connect().await?;
+    // The kernel keeps the peak from here on (`VmHWM`): a spike between
+    // two samples is not missed.
+    let peak_reset = target.daemon_pid.is_some_and(super::system::reset_peak_rss);
     let rss_before = target.daemon_rss_kib();
     let mut channels = Vec::new();
     for _ in 0..watchers.div_ceil(WATCHERS_PER_CONNECTION) {
@@ -246,6 +255,9 @@ async fn level(
         }
     }
     let cpu_ended = target.daemon_pid.and_then(super::system::process_cpu_ticks);
+    let kernel_peak = target.daemon_pid.filter(|_| peak_reset).and_then(super::system::peak_rss_kib);
+    let rss_peak_sampled = kernel_peak.is_none();
+    let rss_peak = kernel_peak.map_or(rss_peak, |k| Some(rss_peak.map_or(k, |s| s.max(k))));
     let last_finished = outcomes.iter().filter_map(|w| w.finished).max();
     if aborted.is_some() {
         let _ = executions.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await;
@@ -299,6 +311,7 @@ async fn level(
         rss_before_kib: rss_before,
         rss_attached_kib: rss_attached,
         rss_peak_kib: rss_peak,
+        rss_peak_sampled,
         rss_after_kib: rss_after,
         per_watcher_attached_kib: per_watcher(rss_attached),
         per_watcher_peak_kib: per_watcher(rss_peak),

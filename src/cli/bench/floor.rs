@@ -6,6 +6,13 @@
 //! before and destroyed after (cgroup emptied and removed), as corral's
 //! create and destroy do. No gRPC, no store, no gate: what is left is the
 //! cost of the sandbox itself.
+//!
+//! A spawn's time ends where corral's Execute sample does: corral stops a
+//! sandbox (kills what is left in its cgroup, closes its proxy) before it
+//! sends `finished`, and reclaims it (cgroup removed, files, uid) after.
+//! So [`Floor::spawn_once`] times the stop and not the reclaim; latency
+//! waits for both sides' reclaims before each sample, and throughput's
+//! rounds count both sides' in their wall time.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -97,10 +104,20 @@ impl Floor {
     }
 
     /// One spawn: create the sandbox (directories, cgroup) → bwrap …
-    /// harness → drain stdout and stderr → wait →
-    /// destroy (cgroup emptied and removed, directory removed). Fails
-    /// unless the harness exits 0.
+    /// harness → drain stdout and stderr → wait → stop (cgroup emptied,
+    /// proxy closed), timed; then, untimed, reclaim (cgroup and directory
+    /// removed). Fails unless the harness exits 0 and the sandbox is
+    /// stopped and reclaimed.
     pub async fn spawn_once(&self) -> anyhow::Result<Duration> {
+        let (elapsed, spawned) = self.timed_spawn().await?;
+        spawned.reclaim(self).await?;
+        Ok(elapsed)
+    }
+
+    /// The timed part of [`spawn_once`](Self::spawn_once): what corral's
+    /// sample covers, up to its `finished`. The sandbox is stopped, not
+    /// yet reclaimed.
+    async fn timed_spawn(&self) -> anyhow::Result<(Duration, Spawned)> {
         let started = Instant::now();
         let id = uuid::Uuid::now_v7().to_string();
         let root = self.root.join(&id);
@@ -154,13 +171,34 @@ impl Floor {
         let (stdout, stderr) = (process.stdout.take(), process.stderr.take());
         let (_, err) = tokio::join!(drain(stdout), drain(stderr));
         let status = process.wait().await?;
-        self.boundary.destroy(&sandbox).await.with_context(|| format!("cannot destroy {}", root.display()))?;
+        let stopped = self.boundary.stop(&sandbox).await;
         drop(proxy);
         let elapsed = started.elapsed();
+        let spawned = Spawned { sandbox };
+        if let Err(e) = stopped {
+            // Still given back; the spawn fails either way.
+            let _ = spawned.reclaim(self).await;
+            return Err(anyhow::Error::new(e).context(format!("cannot stop {}", root.display())));
+        }
         if !status.success() {
+            spawned.reclaim(self).await?;
             bail!("bwrap exited with {status}: {}", String::from_utf8_lossy(&err).trim());
         }
-        Ok(elapsed)
+        Ok((elapsed, spawned))
+    }
+}
+
+/// A floor sandbox stopped, not yet reclaimed.
+struct Spawned {
+    sandbox: Sandbox,
+}
+
+impl Spawned {
+    /// Gives back its cgroup and directory, as corral's reclaim after
+    /// `finished` does.
+    async fn reclaim(self, floor: &Floor) -> anyhow::Result<()> {
+        let root = self.sandbox.root.display().to_string();
+        floor.boundary.reclaim(&self.sandbox).await.with_context(|| format!("cannot destroy {root}"))
     }
 }
 
@@ -170,4 +208,36 @@ async fn drain<R: tokio::io::AsyncRead + Unpin>(pipe: Option<R>) -> Vec<u8> {
         let _ = pipe.read_to_end(&mut out).await;
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The floor's timer stops where corral's sample does, at its stop:
+    /// the sandbox's directory (and cgroup) are still there when the time
+    /// is taken, and gone once the untimed reclaim ran. With real bwrap.
+    #[tokio::test]
+    async fn the_floor_times_the_stop_and_not_the_reclaim() {
+        let profile = pb::Profile {
+            r#ref: "builtin.noop@1.0.0".into(),
+            rein: Some(pb::Rein { argv: vec!["/usr/bin/true".into()], ..Default::default() }),
+            limits: Some(crate::api::wire_limits(&crate::catalog::Limits::default())),
+            ..Default::default()
+        };
+        let effective = pb::SandboxSpec { r#type: pb::SandboxType::LinuxBwrap as i32, ..Default::default() };
+        let dir = tempfile::tempdir().unwrap();
+        let floor = Floor::new(&profile, &effective, dir.path()).expect("bwrap on PATH: the Debian package bubblewrap");
+        let (elapsed, spawned) = floor.timed_spawn().await.expect("the floor's no-op runs");
+        let root = spawned.sandbox.root.clone();
+        assert!(elapsed > Duration::ZERO);
+        assert!(root.exists(), "the timer stopped after the sandbox's directory was removed");
+        let cgroups = spawned.sandbox.cgroup.as_ref().map(|c| c.paths()).unwrap_or_default();
+        assert!(cgroups.iter().all(|c| c.exists()), "the timer stopped after the sandbox's cgroup was removed");
+        spawned.reclaim(&floor).await.expect("reclaimed");
+        assert!(!root.exists(), "the reclaim removes the sandbox's directory");
+        assert!(!cgroups.iter().any(|c| c.exists()), "the reclaim removes the sandbox's cgroup");
+        assert!(floor.spawn_once().await.expect("a whole spawn") > Duration::ZERO);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "every floor sandbox is reclaimed");
+    }
 }

@@ -32,7 +32,9 @@ pub struct LatencyReport {
     pub warmup: usize,
     /// Client-observed: Execute sent → `finished` received.
     pub corral: Percentiles,
-    /// The same bwrap command line, spawned directly.
+    /// The same bwrap command line, spawned directly: create, harness,
+    /// drain, wait, stop, as corral's sample up to `finished`; its reclaim
+    /// (cgroup and directory removed), after `finished` in corral, untimed.
     pub floor: Percentiles,
     /// corral p50 / floor p50.
     pub ratio_p50: f64,
@@ -60,10 +62,34 @@ pub struct LatencyReport {
     /// `Target::settle`); `false` against `--server`, which the bench
     /// cannot see into.
     pub settled: bool,
-    /// Timed executions whose sandbox was made ahead, in the warm pool.
+    /// Timed executions whose sandbox was made ahead, in the warm pool:
+    /// counted on every run, so a cold run against a daemon that keeps a
+    /// pool (`--server`) shows it was not cold.
     pub warm_runs: usize,
     /// Client-observed, `accepted` received → `dispatched` received.
     pub accepted_to_dispatched: Percentiles,
+    /// `corral` over the warm runs alone: the warm goals' figure (a run
+    /// that found the pool empty ran cold, and is left out of it).
+    pub warm_corral: Percentiles,
+    /// warm_corral p50 / floor p50.
+    pub warm_ratio_p50: f64,
+    /// `accepted_to_dispatched` over the warm runs alone.
+    pub warm_accepted_to_dispatched: Percentiles,
+}
+
+/// (Execute → `finished`, accepted → dispatched) of `runs`, in ms.
+fn client_figures<'a>(runs: impl Iterator<Item = &'a Executed> + Clone) -> (Percentiles, Percentiles) {
+    let client: Vec<f64> = runs.clone().map(|e| e.client.as_secs_f64() * 1e3).collect();
+    let dispatch: Vec<f64> = runs.filter_map(|e| e.accepted_to_dispatched).map(|d| d.as_secs_f64() * 1e3).collect();
+    (Percentiles::of_ms(&client), Percentiles::of_ms(&dispatch))
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
 }
 
 /// One Execute of `profile`; a failure is counted in `errors`.
@@ -155,11 +181,9 @@ pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow:
         (Some(before), Some(after)) if n > 0 => Some(after.saturating_sub(before) as f64 / n as f64),
         _ => None,
     };
-    let corral = Percentiles::of_ms(&ok.iter().map(|e| e.client.as_secs_f64() * 1e3).collect::<Vec<_>>());
-    let dispatch: Vec<f64> =
-        ok.iter().filter_map(|e| e.accepted_to_dispatched).map(|d| d.as_secs_f64() * 1e3).collect();
+    let (corral, accepted_to_dispatched) = client_figures(ok.iter());
+    let (warm_corral, warm_accepted_to_dispatched) = client_figures(ok.iter().filter(|e| e.warm));
     let floor_p = Percentiles::of_ms(&floor_ms);
-    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
     Ok(LatencyReport {
         profile: args.noop_profile.clone(),
         n,
@@ -178,7 +202,10 @@ pub async fn run(target: &Target, args: &BenchArgs, warm_pool: usize) -> anyhow:
         warm_pool,
         settled,
         warm_runs: ok.iter().filter(|e| e.warm).count(),
-        accepted_to_dispatched: Percentiles::of_ms(&dispatch),
+        accepted_to_dispatched,
+        warm_ratio_p50: ratio(warm_corral.p50_ms, floor_p.p50_ms),
+        warm_corral,
+        warm_accepted_to_dispatched,
     })
 }
 
@@ -213,4 +240,34 @@ pub fn stage_breakdown(executions: &[Executed]) -> BTreeMap<String, f64> {
     out.insert("store_other".into(), med(|(sum, _, client)| client - sum));
     out.insert("client".into(), med(|(_, _, client)| *client));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn run(warm: bool, client_ms: u64, dispatch_ms: u64) -> Executed {
+        Executed {
+            client: Duration::from_millis(client_ms),
+            warm,
+            accepted_to_dispatched: Some(Duration::from_millis(dispatch_ms)),
+            ..Default::default()
+        }
+    }
+
+    /// The warm goals' figures are of the warm runs alone: the runs that
+    /// found the pool empty and ran cold do not pull them up.
+    #[test]
+    fn warm_figures_leave_the_cold_runs_out() {
+        let runs = [run(true, 3, 1), run(false, 9, 8), run(false, 10, 9), run(true, 4, 2)];
+        let (all, all_dispatch) = client_figures(runs.iter());
+        assert_eq!((all.count, all.p50_ms, all_dispatch.p50_ms), (4, 4.0, 2.0));
+        let (warm, warm_dispatch) = client_figures(runs.iter().filter(|e| e.warm));
+        assert_eq!((warm.count, warm.p50_ms, warm.max_ms), (2, 3.0, 4.0));
+        assert_eq!((warm_dispatch.count, warm_dispatch.p50_ms), (2, 1.0));
+        let (none, _) = client_figures(runs.iter().filter(|_| false));
+        assert_eq!(none, Percentiles::default());
+        assert_eq!((ratio(3.0, 6.0), ratio(3.0, 0.0)), (0.5, 0.0));
+    }
 }

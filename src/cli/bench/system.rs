@@ -63,12 +63,28 @@ pub fn meminfo_kib(key: &str) -> Option<u64> {
 
 /// Resident memory (`VmRSS`) of `pid`, in KiB.
 pub fn rss_kib(pid: u32) -> Option<u64> {
+    status_kib(pid, "VmRSS:")
+}
+
+/// The highest resident memory (`VmHWM`) of `pid` since it started or
+/// since [`reset_peak_rss`], in KiB: the kernel's own peak, which no
+/// sampling interval can miss.
+pub fn peak_rss_kib(pid: u32) -> Option<u64> {
+    status_kib(pid, "VmHWM:")
+}
+
+/// Resets the peak resident memory of `pid` to its current RSS ("5" to
+/// `/proc/<pid>/clear_refs`, Linux >= 4.0). `false` when that is refused
+/// (another user's process, an older kernel): its peak must then be
+/// sampled.
+pub fn reset_peak_rss(pid: u32) -> bool {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").is_ok()
+}
+
+/// A `kB` line of `/proc/<pid>/status`.
+fn status_kib(pid: u32, key: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
+    status.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok())
 }
 
 /// CPU time `pid` used so far (user + system, every thread), in clock
@@ -269,6 +285,24 @@ pub fn entries_except(dir: &Path, except: &[std::path::PathBuf]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kernel's peak holds what a sampler could miss, and resetting it
+    /// brings it back to the RSS of now.
+    #[test]
+    fn the_peak_rss_holds_a_spike_until_it_is_reset() {
+        let me = std::process::id();
+        assert!(reset_peak_rss(me), "writing 5 to /proc/self/clear_refs (Linux >= 4.0)");
+        let base = peak_rss_kib(me).unwrap();
+        // 64 MiB touched, then given back (a large allocation is unmapped on free).
+        let spike = vec![1u8; 64 << 20];
+        assert_eq!(spike.iter().step_by(4096).map(|&b| b as usize).sum::<usize>(), 16_384);
+        drop(spike);
+        let peak = peak_rss_kib(me).unwrap();
+        assert!(peak >= base + 60 * 1024, "peak {peak} KiB, base {base} KiB");
+        assert!(rss_kib(me).unwrap() < peak - 32 * 1024, "the spike is gone from VmRSS");
+        assert!(reset_peak_rss(me));
+        assert!(peak_rss_kib(me).unwrap() < peak - 32 * 1024, "the reset forgets the spike");
+    }
 
     #[test]
     fn host_cpu_is_the_cpu_lines_busy_and_idle_ticks() {

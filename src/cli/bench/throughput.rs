@@ -52,7 +52,10 @@ pub struct Level {
     /// Client-observed latency of the executions that succeeded.
     pub latency: Percentiles,
     /// The floor (the same bwrap command line spawned directly) at the
-    /// same concurrency and count: spawns per second, the ceiling.
+    /// same concurrency and count: spawns that succeeded per second of wall
+    /// time over the level's floor parts, each spawn's reclaim (cgroup and
+    /// directory removed) inside that time, as corral's rounds wait for its
+    /// reclaims: the ceiling.
     pub floor_per_second: f64,
     /// Direct spawns of the floor that failed.
     pub floor_errors: usize,
@@ -270,7 +273,9 @@ pub(super) async fn round(
     Round { latencies_ms: latencies, warm, errors, seconds: started.elapsed().as_secs_f64() }
 }
 
-/// `count` floor spawns by `concurrency` tasks.
+/// `count` floor spawns by `concurrency` tasks; the round's wall time
+/// ends when the last spawn's sandbox is reclaimed (a spawn's own timer
+/// leaves its reclaim out, latency's; this one does not).
 async fn floor_round(floor: &Arc<Floor>, concurrency: usize, count: usize) -> FloorRound {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
