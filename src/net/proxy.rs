@@ -31,7 +31,8 @@ const COPY_BUFFER: usize = 16 * 1024;
 pub struct ProxyConfig {
     /// The hosts and ports the sandbox may reach.
     pub allowlist: Allowlist,
-    /// The daemon's own listeners: never reachable, whatever the allowlist says.
+    /// Listeners never reachable, whatever the allowlist says, besides the
+    /// daemon's own as they are at each request (`net::protected_addresses`).
     pub protected: Vec<SocketAddr>,
     /// This host's interface addresses (see `host_addresses`).
     pub host_addresses: Vec<IpAddr>,
@@ -344,11 +345,15 @@ async fn open(
     if addresses.is_empty() {
         return Err((502, format!("{host} has no address")));
     }
+    // The daemon's listeners as they are now: a proxy made before one was
+    // bound (a warm sandbox's, made as the daemon starts) refuses it too.
+    let mut protected = super::protected_addresses();
+    protected.extend_from_slice(&config.protected);
     // Every address, not just the one used: a name must not be able to point
     // anywhere it may not go (DNS rebinding).
     for address in &addresses {
         if let Verdict::Deny { reason } =
-            config.allowlist.check_address(&rule, *address, &config.host_addresses, &config.protected)
+            config.allowlist.check_address(&rule, *address, &config.host_addresses, &protected)
         {
             return Err((403, reason));
         }

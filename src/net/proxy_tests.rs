@@ -208,6 +208,20 @@ async fn protected_addresses_are_forbidden_even_when_allowlisted() {
     assert!(seen.try_recv().is_err());
 }
 
+/// A listener the daemon binds after a proxy was made (a warm sandbox's
+/// proxy, made as the daemon starts, before it serves) is refused too.
+#[tokio::test]
+async fn a_listener_protected_after_the_proxy_was_made_is_forbidden() {
+    let (server, mut seen) = echo_server().await;
+    let p = proxy(&[server.to_string()]).await;
+    let guard = crate::net::protect(server);
+    let response = exchange(p.addr, format!("CONNECT {server} HTTP/1.1\r\n\r\n").as_bytes()).await;
+    drop(guard);
+    assert!(response.starts_with("HTTP/1.1 403 Forbidden\r\n"), "{response}");
+    assert!(response.contains("daemon's own listeners"), "{response}");
+    assert!(seen.try_recv().is_err(), "the connection reached the daemon's listener");
+}
+
 #[tokio::test]
 async fn a_refused_connection_is_a_502_and_a_denial() {
     let port = closed_port().await;
