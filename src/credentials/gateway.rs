@@ -76,8 +76,9 @@ pub struct GatewayRoute {
     pub upstream: Upstream,
     /// Reads the real secret now (rotation).
     pub secret: Box<dyn Fn() -> Result<String, String> + Send + Sync>,
-    /// The TLS client configuration for an `https` upstream; `None` for plain HTTP.
-    pub tls: Option<Arc<rustls::ClientConfig>>,
+    /// The TLS client settings for an `https` upstream, read again when
+    /// their CA file changes; `None` for plain HTTP.
+    pub tls: Option<Arc<crate::net::client::TlsSource>>,
 }
 
 impl std::fmt::Debug for GatewayRoute {
@@ -267,7 +268,8 @@ async fn forward(req: Request<Incoming>, routes: &[GatewayRoute], log: &crate::n
 /// loopback `http://` upstream), the response streamed back as it comes.
 async fn send(route: &GatewayRoute, request: Request<Incoming>) -> Result<Response<Incoming>, String> {
     let up = &route.upstream;
-    let stream = crate::net::client::connect(&up.host, up.port, route.tls.as_ref(), CONNECT_TIMEOUT).await?;
+    let tls = route.tls.as_ref().map(|source| source.config()).transpose().map_err(|e| format!("upstream: {e}"))?;
+    let stream = crate::net::client::connect(&up.host, up.port, tls.as_ref(), CONNECT_TIMEOUT).await?;
     let mut sender = crate::net::client::handshake(stream).await?;
     sender.send_request(request).await.map_err(|e| format!("upstream: {e}"))
 }

@@ -237,10 +237,10 @@ impl CredentialsConfig {
             };
             let upstream = gateway::upstream(&upstream).map_err(|e| format!("credential route {name}: {e}"))?;
             let tls = match upstream.tls {
-                true => Some(
-                    crate::net::client::tls_config(route.ca_file.as_deref())
+                true => Some(Arc::new(
+                    crate::net::client::TlsSource::new(route.ca_file.as_deref())
                         .map_err(|e| format!("credential route {name}: {e}"))?,
-                ),
+                )),
                 false => None,
             };
             let (reader, route_name) = (route.clone(), name.clone());

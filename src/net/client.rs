@@ -51,7 +51,7 @@ where
 
 /// The TLS client settings: the system's roots, or `ca_file`'s alone.
 pub fn tls_config(ca_file: Option<&std::path::Path>) -> Result<Arc<rustls::ClientConfig>, String> {
-    let roots = roots(ca_file.unwrap_or(std::path::Path::new("/etc/ssl/certs/ca-certificates.crt")))?;
+    let roots = roots(ca_file.unwrap_or(std::path::Path::new(SYSTEM_ROOTS)))?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -59,6 +59,55 @@ pub fn tls_config(ca_file: Option<&std::path::Path>) -> Result<Arc<rustls::Clien
         .with_root_certificates(roots)
         .with_no_client_auth();
     Ok(Arc::new(config))
+}
+
+/// The system's CA bundle, the roots when no `ca_file` is named.
+const SYSTEM_ROOTS: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// TLS client settings from a CA file, read again whenever the file
+/// changes (its length, modification time or inode): a rotated or revoked
+/// CA holds from the next connection on, however long the holder (a warm
+/// sandbox's gateway, a session's) has lived. Reading it costs a `stat`
+/// per connection.
+pub struct TlsSource {
+    path: std::path::PathBuf,
+    cached: std::sync::Mutex<(FileStamp, Arc<rustls::ClientConfig>)>,
+}
+
+/// What tells a file's contents changed, short of reading them.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+    ino: u64,
+}
+
+fn stamp(path: &std::path::Path) -> Result<FileStamp, String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(FileStamp { len: meta.len(), modified: meta.modified().ok(), ino: meta.ino() })
+}
+
+impl TlsSource {
+    /// `ca_file`'s roots alone, or the system's; read now, so a file that
+    /// cannot be used is an error here.
+    pub fn new(ca_file: Option<&std::path::Path>) -> Result<TlsSource, String> {
+        let path = ca_file.unwrap_or(std::path::Path::new(SYSTEM_ROOTS)).to_path_buf();
+        let stamped = (stamp(&path)?, tls_config(Some(&path))?);
+        Ok(TlsSource { path, cached: std::sync::Mutex::new(stamped) })
+    }
+
+    /// The settings for a connection now: read again if the file changed
+    /// since; an error (the file is gone, or holds no certificate) is not
+    /// papered over with the settings of before.
+    pub fn config(&self) -> Result<Arc<rustls::ClientConfig>, String> {
+        let now = stamp(&self.path)?;
+        let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
+        if cached.0 != now {
+            *cached = (now, tls_config(Some(&self.path))?);
+        }
+        Ok(cached.1.clone())
+    }
 }
 
 /// The certificates of the PEM file at `path`, as trust roots; at least one.
@@ -135,4 +184,32 @@ pub fn secret_origin(url: &str) -> Result<Origin, String> {
 /// Whether `host` is a loopback name or address.
 pub fn is_loopback(host: &str) -> bool {
     host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.to_canonical().is_loopback())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A CA file is read again once it changed, not before; one that can
+    /// no longer be used (no certificate, gone) is an error, never the
+    /// settings of before (a revoked CA stays revoked).
+    #[test]
+    fn a_changed_ca_file_is_read_again_and_a_broken_one_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        let pem = |name: &str| rcgen::generate_simple_self_signed(vec![name.into()]).unwrap().cert.pem();
+        let (a, b) = (pem("a"), pem("b"));
+        std::fs::write(&ca, &a).unwrap();
+        let source = TlsSource::new(Some(&ca)).unwrap();
+        let first = source.config().unwrap();
+        assert!(Arc::ptr_eq(&first, &source.config().unwrap()), "read again though unchanged");
+        std::fs::write(&ca, format!("{a}{b}")).unwrap();
+        let rotated = source.config().unwrap();
+        assert!(!Arc::ptr_eq(&first, &rotated), "the rotated file was not read again");
+        std::fs::write(&ca, "no certificate here\n").unwrap();
+        assert!(source.config().unwrap_err().contains("no certificate"));
+        std::fs::remove_file(&ca).unwrap();
+        assert!(source.config().is_err(), "a removed CA file kept its settings");
+        assert!(TlsSource::new(Some(&ca)).is_err());
+    }
 }
