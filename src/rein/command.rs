@@ -43,12 +43,21 @@ const EXIT_DRAIN_MAX: Duration = Duration::from_secs(10);
 const OWED_LOOK: Duration = Duration::from_millis(50);
 /// Lines read ahead of the turn loop.
 const STDOUT_AHEAD: usize = 64;
+/// And their bytes together: two whole lines of [`MAX_LINE`]. A harness
+/// that writes while nothing reads (between turns, while a call waits for
+/// a person) holds at most this of the daemon's memory, not 64 lines of
+/// 1 MiB each for as long as its session lives.
+const STDOUT_AHEAD_BYTES: usize = 2 * super::lines::MAX_LINE;
+
+/// A line read ahead, with its share of [`STDOUT_AHEAD_BYTES`], given
+/// back once the turn loop takes it.
+type AheadLine = (std::io::Result<(Vec<u8>, u64)>, Option<tokio::sync::OwnedSemaphorePermit>);
 
 /// The harness's stdout, read line by line on a task of its own, so the
 /// turn can wait for a line and for the harness's exit at once (reading a
 /// line is not cancel-safe; receiving one is).
 struct StdoutLines {
-    lines: tokio::sync::mpsc::Receiver<std::io::Result<(Vec<u8>, u64)>>,
+    lines: tokio::sync::mpsc::Receiver<AheadLine>,
     /// What the reader has taken from the pipe.
     count: Arc<ReadCount>,
     /// The pipe's read end, duplicated: what is still in it.
@@ -63,18 +72,22 @@ impl StdoutLines {
         let count = Arc::new(ReadCount::default());
         let dup = pipe.as_fd().try_clone_to_owned().ok();
         let counted = Counted::new(pipe, count.clone());
+        let room = Arc::new(tokio::sync::Semaphore::new(STDOUT_AHEAD_BYTES));
         tokio::spawn(async move {
             let mut reader = LineReader::new(counted);
             loop {
                 match reader.next_line().await {
                     Ok(None) => break,
                     Ok(Some(line)) => {
-                        if tx.send(Ok(line)).await.is_err() {
+                        // A line is at most MAX_LINE: it always fits.
+                        let bytes = line.0.len().clamp(1, STDOUT_AHEAD_BYTES) as u32;
+                        let Ok(share) = room.clone().acquire_many_owned(bytes).await else { break };
+                        if tx.send((Ok(line), Some(share))).await.is_err() {
                             break;
                         }
                     }
                     Err(e) => {
-                        let _ = tx.send(Err(e)).await;
+                        let _ = tx.send((Err(e), None)).await;
                         break;
                     }
                 }
@@ -85,7 +98,8 @@ impl StdoutLines {
 
     /// The next line (cancel-safe).
     async fn recv(&mut self) -> Option<std::io::Result<(Vec<u8>, u64)>> {
-        let next = self.lines.recv().await;
+        // The line's share of the read-ahead is given back as it is taken.
+        let next = self.lines.recv().await.map(|(line, _share)| line);
         if let Some(Ok((line, dropped))) = &next {
             self.received += line_bytes(line, *dropped);
         }
@@ -772,6 +786,38 @@ mod tests {
             received += 1;
         }
         assert_eq!((received, lines.received, lines.owed(written)), (2_100, 100_800, 100_800));
+    }
+
+    /// A harness that writes while nothing reads holds at most two lines
+    /// of 1 MiB read ahead (and the one being read), not 64: 64 lines of
+    /// 1 MiB stay mostly in the pipe, and all of them come through whole.
+    #[tokio::test]
+    async fn the_lines_read_ahead_are_bounded_in_bytes() {
+        use tokio::io::AsyncWriteExt;
+        let (mut tx, rx) = tokio::net::unix::pipe::pipe().unwrap();
+        let mut lines = StdoutLines::read(rx);
+        let line = [vec![b'x'; crate::rein::lines::MAX_LINE], vec![b'\n']].concat();
+        let writer = tokio::spawn(async move {
+            for _ in 0..64 {
+                tx.write_all(&line).await.unwrap();
+            }
+        });
+        // Until the reader stops taking from the pipe.
+        let mut taken = 0;
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now = lines.count.taken.load(Ordering::SeqCst);
+            if now == taken {
+                break;
+            }
+            taken = now;
+        }
+        assert!(taken < 4 << 20, "{taken} bytes taken from the pipe while nothing read");
+        for _ in 0..64 {
+            let (line, dropped) = lines.recv().await.unwrap().unwrap();
+            assert_eq!((line.len(), dropped), (crate::rein::lines::MAX_LINE, 0));
+        }
+        writer.await.unwrap();
     }
 
     /// A last line left unfinished, with the pipe still open (a process
