@@ -300,6 +300,66 @@ timeout_seconds = 60
     daemon.stop().await;
 }
 
+/// A run that may write only `out/` brings nothing else back through the
+/// capture, which writes the whole workspace: the agent's HOME (writable
+/// all run long) configured a git clean filter for every file, which
+/// would commit a README.md of its own onto HEAD when the capture's
+/// `git add` cleans `out/new.txt`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_home_config_does_not_write_through_the_capture() {
+    require_bwrap();
+    let narrow = r#"id = "test.narrow-out"
+version = "1.0.0"
+[rein]
+argv = ["/bin/sh", "-s"]
+input = "description"
+[sandbox]
+type = "linux_bwrap"
+allow_network = false
+write_paths = ["out"]
+[limits]
+timeout_seconds = 60
+"#;
+    let daemon =
+        TestDaemon::start(Options { profiles: vec![("narrow.toml".into(), narrow.into())], ..Options::default() })
+            .await;
+    let origin = git_repo();
+    std::fs::create_dir(origin.path().join("out")).unwrap();
+    std::fs::write(origin.path().join("out/.keep"), "").unwrap();
+    git(origin.path(), &["add", "."]);
+    git(origin.path(), &["-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "out"]);
+    // Once: git may clean the file again (the commit refreshes the index).
+    let filter = "[ -e /tmp/agent-done ] && exec cat\n\
+                  touch /tmp/agent-done; cd /workspace || exit 1\n\
+                  echo pwned > README.md 2>/dev/null || exit 1\n\
+                  export GIT_INDEX_FILE=/tmp/agent-index\n\
+                  git read-tree HEAD && git update-index --add README.md && t=$(git write-tree) && \
+                  c=$(git commit-tree \"$t\" -p HEAD -m mine) && git update-ref HEAD \"$c\"\n\
+                  cat\n";
+    let script = format!(
+        "(echo x >> README.md) 2>/dev/null && echo README-WRITABLE\n\
+         printf '%s' '{filter}' > $HOME/f.sh\n\
+         git config --global user.name a && git config --global user.email a@a.invalid\n\
+         git config --global filter.x.clean \"sh $HOME/f.sh\"\n\
+         echo '* filter=x' > $HOME/.gitattributes && git config --global core.attributesFile $HOME/.gitattributes\n\
+         mkdir -p $HOME/.config/git && cp $HOME/.gitattributes $HOME/.config/git/attributes\n\
+         echo new > out/new.txt && echo configured"
+    );
+    let mut req = request("test.narrow-out", &script);
+    req.repo = origin.path().display().to_string();
+    let execution = finished(&daemon.execute(req).await);
+    assert!(execution.tool_output.contains("configured"), "{}", execution.tool_output);
+    assert!(!execution.tool_output.contains("README-WRITABLE"), "{}", execution.tool_output);
+    assert_eq!(execution.state, pb::ExecutionState::Succeeded as i32, "{}", execution.tool_error);
+    let head = corral_ref(origin.path(), &execution.execution_id).expect("out/new.txt comes back");
+    assert_eq!(git(origin.path(), &["show", &format!("{head}:out/new.txt")]), "new");
+    for commit in git(origin.path(), &["rev-list", &head]).lines() {
+        let readme = git(origin.path(), &["show", &format!("{commit}:README.md")]);
+        assert_eq!(readme, "sample", "commit {commit} came back with the agent's README.md");
+    }
+    daemon.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_commit_with_the_provided_identity_comes_back() {
     let daemon = daemon(30).await;

@@ -64,6 +64,15 @@ impl CaptureJob<'_> {
                 ("CAPTURE_EMAIL".into(), email),
                 ("GIT_NO_LAZY_FETCH".into(), "1".into()),
                 ("GIT_TERMINAL_PROMPT".into(), "0".into()),
+                // The capture runs with the whole workspace writable; the
+                // agent's HOME was writable all run long. Configuration it
+                // could write there (a filter, `commit.gpgSign`, an
+                // attributes file) must not run with more than the run had:
+                // only the workspace's own `.git` configures this git.
+                ("GIT_CONFIG_GLOBAL".into(), "/dev/null".into()),
+                ("GIT_CONFIG_NOSYSTEM".into(), "1".into()),
+                ("GIT_ATTR_NOSYSTEM".into(), "1".into()),
+                ("XDG_CONFIG_HOME".into(), "/dev/null".into()),
             ],
             consumer: self.consumer.clone(),
             credential_route_refs: Vec::new(),
@@ -94,8 +103,10 @@ impl CaptureJob<'_> {
         // a run allowed to write only some paths of its workspace had
         // read-only: it runs with the whole workspace writable, in a
         // sandbox otherwise the run's. Nothing of the agent's runs in it
-        // (hooks and fsmonitor off; a filter the agent configured runs as
-        // the agent, in the sandbox, as the agent's own could).
+        // (hooks and fsmonitor off; no configuration from its HOME; a
+        // filter configured in `.git`, which the run could write only if
+        // its workspace was writable, runs as the agent, in the sandbox,
+        // as the agent's own could).
         let mut sandbox = self.sandbox.clone();
         sandbox.spec.write_paths = vec![".".into()];
         let mut process =

@@ -227,7 +227,7 @@ pub fn hand_over(workspace: &Path, user: Option<crate::sandbox::HostUser>) -> Re
 /// `CAPTURE-ERROR <why>` and exits non-zero.
 pub const CAPTURE_SCRIPT: &str = r#"
 fail() { echo "CAPTURE-ERROR $*"; exit 3; }
-g() { git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c gc.auto=0 -c maintenance.auto=false "$@"; }
+g() { git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.attributesFile=/dev/null -c gc.auto=0 -c maintenance.auto=false "$@"; }
 [ -d .git ] && [ ! -L .git ] || fail ".git is not a directory (a gitfile or a symlink)"
 [ ! -e .git/objects/info/alternates ] || fail ".git/objects/info/alternates points outside the workspace"
 [ ! -e .git/commondir ] || fail ".git/commondir points outside the workspace"
