@@ -58,7 +58,8 @@ pub struct Config {
     /// `[default_limits]`: the limits of every profile (built-in or file)
     /// for each key its own `[limits]` leaves out; keys left out here take
     /// the built-in defaults (`catalog::Limits::default`). Set a key to 0
-    /// to run without that limit.
+    /// to run without that limit, where a profile's `[limits]` may (six
+    /// keys must be greater than 0, see `catalog::Limits`).
     pub default_limits: crate::catalog::Limits,
     /// How a run's workspace is brought back.
     pub git: GitConfig,

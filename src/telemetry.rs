@@ -49,7 +49,10 @@ pub(crate) fn describe() {
     describe_counter!("corral_events_stored_total", "Lifecycle events stored.");
     describe_histogram!("corral_store_write_seconds", Unit::Seconds, "Time to store a batch of events.");
     describe_gauge!("corral_watchers", "Event streams open to callers and watchers.");
-    describe_counter!("corral_hub_deliveries_total", "Hub report delivery attempts, by result.");
+    describe_counter!(
+        "corral_hub_deliveries_total",
+        "Hub reports accepted, or given up on past max_age_seconds (an attempt retried later is not counted), by result."
+    );
     describe_histogram!("corral_run_duration_seconds", Unit::Seconds, "Time from acceptance to the end of a run.");
     describe_counter!(
         "corral_model_tokens_total",

@@ -20,6 +20,46 @@ const BYPASS_FLAGS: &[&str] = &[
     "--dangerously-skip-permissions",
     "--allow-dangerously-skip-permissions",
 ];
+/// The flag in `argv` that turns a CLI's own sandbox or permission checks
+/// off, as it is written there: one of [`BYPASS_FLAGS`] (also as
+/// `--flag=value`), Claude Code's `--permission-mode bypassPermissions`,
+/// or Codex's `danger-full-access` sandbox (`--sandbox`/`-s`, or
+/// `-c`/`--config sandbox_mode=`), in any of their spellings.
+fn bypass_in(argv: &[String]) -> Option<String> {
+    let valued = |flags: &[&str], arg: &str, next: Option<&String>| -> Option<String> {
+        flags.iter().find_map(|flag| match arg.strip_prefix(flag) {
+            Some("") => next.map(|v| v.to_string()),
+            Some(rest) => rest.strip_prefix('=').map(str::to_string),
+            None => None,
+        })
+    };
+    let bypasses_sandbox = |mode: &str| mode.trim_matches(|c| c == '"' || c == '\'') == "danger-full-access";
+    for (i, arg) in argv.iter().enumerate() {
+        let next = argv.get(i + 1);
+        let shown = || match next {
+            Some(v) if !arg.contains('=') => format!("{arg} {v}"),
+            _ => arg.clone(),
+        };
+        if BYPASS_FLAGS.iter().any(|f| arg == f || arg.strip_prefix(f).is_some_and(|r| r.starts_with('='))) {
+            return Some(arg.clone());
+        }
+        if valued(&["--permission-mode"], arg, next).is_some_and(|m| m == "bypassPermissions") {
+            return Some(shown());
+        }
+        if valued(&["--sandbox", "-s"], arg, next).is_some_and(|m| bypasses_sandbox(&m)) {
+            return Some(shown());
+        }
+        let config = valued(&["--config", "-c"], arg, next);
+        if config
+            .and_then(|kv| kv.split_once('=').map(|(k, v)| (k.trim() == "sandbox_mode", v.trim().to_string())))
+            .is_some_and(|(key, mode)| key && bypasses_sandbox(&mode))
+        {
+            return Some(shown());
+        }
+    }
+    None
+}
+
 /// Codex flags that choose its sandbox; with one in the profile's argv the
 /// rein adds none.
 const CODEX_SANDBOX_FLAGS: &[&str] =
@@ -102,9 +142,7 @@ pub fn prepare(
 ) -> Result<Prepared, String> {
     let mut prepared =
         Prepared { argv: rein.argv.clone(), env: trust.env(), home_files: Vec::new(), model: rein.model.clone() };
-    if let (Some(flag), SandboxTrust::Unverified { why }) =
-        (rein.argv.iter().find(|a| BYPASS_FLAGS.contains(&a.as_str())), trust)
-    {
+    if let (Some(flag), SandboxTrust::Unverified { why }) = (bypass_in(&rein.argv), trust) {
         return Err(format!("{flag} turns the agent's own sandbox off, and corral's sandbox is not verified: {why}"));
     }
     match rein.preset {
@@ -268,6 +306,45 @@ mod tests {
 
     fn env<'a>(p: &'a Prepared, name: &str) -> Option<&'a str> {
         p.env.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    /// Every spelling of a flag that turns a CLI's own checks off is found;
+    /// a flag that keeps them on is not.
+    #[test]
+    fn a_bypass_is_found_in_any_spelling() {
+        let found = |argv: &[&str]| bypass_in(&argv.iter().map(|a| a.to_string()).collect::<Vec<_>>());
+        let cases: &[(&[&str], Option<&str>)] = &[
+            (&["codex", "exec", "--yolo", "-"], Some("--yolo")),
+            (&["claude", "--dangerously-skip-permissions=true"], Some("--dangerously-skip-permissions=true")),
+            (&["claude", "--permission-mode", "bypassPermissions"], Some("--permission-mode bypassPermissions")),
+            (&["claude", "--permission-mode=bypassPermissions"], Some("--permission-mode=bypassPermissions")),
+            (&["codex", "exec", "--sandbox", "danger-full-access"], Some("--sandbox danger-full-access")),
+            (&["codex", "exec", "-s", "danger-full-access", "-"], Some("-s danger-full-access")),
+            (&["codex", "exec", "--sandbox=danger-full-access"], Some("--sandbox=danger-full-access")),
+            (&["codex", "exec", "-c", "sandbox_mode=danger-full-access"], Some("-c sandbox_mode=danger-full-access")),
+            (&["codex", "-c", "sandbox_mode=\"danger-full-access\""], Some("-c sandbox_mode=\"danger-full-access\"")),
+            (
+                &["codex", "--config=sandbox_mode='danger-full-access'"],
+                Some("--config=sandbox_mode='danger-full-access'"),
+            ),
+            (&["claude", "--permission-mode", "acceptEdits"], None),
+            (&["codex", "exec", "--sandbox", "workspace-write", "-"], None),
+            (&["codex", "exec", "-s", "read-only"], None),
+            (&["codex", "-c", "model=danger-full-access"], None),
+            (&["codex", "exec", "--sandbox"], None),
+            (&["claude", "-p", "--output-format", "stream-json"], None),
+        ];
+        for (argv, expected) in cases {
+            assert_eq!(found(argv).as_deref(), *expected, "{argv:?}");
+        }
+        let codex = rein(Preset::CodexExecJson, &["codex", "exec", "--sandbox", "danger-full-access", "-"], "", "");
+        let err = prepare(&codex, &unverified(), &[], false, None).unwrap_err();
+        assert!(err.starts_with("--sandbox danger-full-access turns the agent's own sandbox off"), "{err}");
+        assert_eq!(
+            prepare(&codex, &verified(), &[], false, None).unwrap().argv,
+            codex.argv,
+            "corral's is the boundary"
+        );
     }
 
     #[test]
