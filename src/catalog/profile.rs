@@ -630,7 +630,11 @@ impl Profile {
     pub fn gate_agent_start(&self, gate: &crate::policy::Gate, facts: RunFacts<'_>) -> crate::policy::GateOutcome {
         let profile_ref = self.reference();
         let limits = self.file.limits.sandbox();
-        let ungated = self.file.rein.tool_calls_ungated(self.file.sandbox.sandbox_type);
+        // Judged on the sandbox the policies leave: one may upgrade `none`.
+        let (in_bwrap, in_none) = (
+            self.file.rein.tool_calls_ungated(SandboxType::LinuxBwrap),
+            self.file.rein.tool_calls_ungated(SandboxType::None),
+        );
         gate.evaluate(&crate::policy::GateInput {
             phase: crate::policy::Phase::AgentStart,
             profile_ref: &profile_ref,
@@ -645,7 +649,7 @@ impl Profile {
             tool_calls: facts.tool_calls,
             session_policies: facts.session_policies,
             profile_policies: &self.policies,
-            ungated_tool_calls: ungated.as_deref(),
+            ungated_tool_calls: crate::policy::Ungated { in_bwrap: in_bwrap.as_deref(), in_none: in_none.as_deref() },
         })
     }
 

@@ -1200,7 +1200,7 @@ impl CoreGate {
             tool_calls: self.tool_calls.load(Ordering::SeqCst),
             session_policies: &self.session_policies,
             profile_policies: self.profile.as_ref().map(|p| p.policies.as_slice()).unwrap_or(no_policies),
-            ungated_tool_calls: None,
+            ungated_tool_calls: Default::default(),
         });
         // Past the run's event budget its `approval_requested` would not be
         // recorded: nobody could see the call, let alone decide it. It is

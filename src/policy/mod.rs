@@ -117,9 +117,35 @@ pub struct GateInput<'a> {
     pub session_policies: &'a [Policy],
     /// The profile's policies, evaluated after the session's.
     pub profile_policies: &'a [Policy],
-    /// At agent_start: why the harness's own tool calls cannot be gated
-    /// (see `ReinSpec::tool_calls_ungated`); `None` when they can.
-    pub ungated_tool_calls: Option<&'a str>,
+    /// At agent_start: why the harness's own tool calls cannot be gated,
+    /// in each type of sandbox (see `ReinSpec::tool_calls_ungated`); judged
+    /// on the sandbox the policies leave (one may upgrade `none`).
+    pub ungated_tool_calls: Ungated<'a>,
+}
+
+/// Why a harness's own tool calls cannot pass the gate, by the type of
+/// sandbox it would run in; `None` where they can.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Ungated<'a> {
+    /// In a `linux_bwrap` sandbox.
+    pub in_bwrap: Option<&'a str>,
+    /// In a `none` sandbox.
+    pub in_none: Option<&'a str>,
+}
+
+impl<'a> Ungated<'a> {
+    /// Ungated in any sandbox, for `why`.
+    pub fn anywhere(why: &'a str) -> Ungated<'a> {
+        Ungated { in_bwrap: Some(why), in_none: Some(why) }
+    }
+
+    /// Why, in a sandbox of type `sandbox`.
+    pub fn in_sandbox(&self, sandbox: SandboxType) -> Option<&'a str> {
+        match sandbox {
+            SandboxType::LinuxBwrap => self.in_bwrap,
+            SandboxType::None => self.in_none,
+        }
+    }
 }
 
 /// The gate's decision: allow or deny, every evaluated policy's verdict, and
@@ -264,7 +290,8 @@ impl Gate {
                 outcome.action = Action::Ask;
             }
         }
-        if let (Phase::AgentStart, Some(why)) = (input.phase, input.ungated_tool_calls) {
+        let ungated = input.ungated_tool_calls.in_sandbox(outcome.effective_sandbox.sandbox_type);
+        if let (Phase::AgentStart, Some(why)) = (input.phase, ungated) {
             let policies = input.session_policies.iter().chain(input.profile_policies).chain(&self.admin_policies);
             if let Some(policy) = policies.into_iter().find(|p| p.governs_tool_calls()) {
                 outcome.action = Action::Deny;

@@ -44,7 +44,7 @@ fn input<'a>(sandbox: &'a SandboxSpec, profile: &'a [Policy], session: &'a [Poli
         tool_calls: 0,
         session_policies: session,
         profile_policies: profile,
-        ungated_tool_calls: None,
+        ungated_tool_calls: Ungated::default(),
     }
 }
 
@@ -257,7 +257,8 @@ fn a_policy_on_tool_calls_refuses_a_harness_whose_tool_calls_are_not_gated() {
         let profile = [p];
         let gated = gate().evaluate(&input(&spec, &profile, &[]));
         assert_eq!(gated.action, Action::Allow, "{name}: a gated harness starts");
-        let ungated = gate().evaluate(&GateInput { ungated_tool_calls: Some(why), ..input(&spec, &profile, &[]) });
+        let ungated =
+            gate().evaluate(&GateInput { ungated_tool_calls: Ungated::anywhere(why), ..input(&spec, &profile, &[]) });
         if refused {
             assert_eq!(ungated.action, Action::Deny, "{name}");
             let last = ungated.decisions.last().unwrap();
@@ -275,8 +276,37 @@ fn a_policy_on_tool_calls_refuses_a_harness_whose_tool_calls_are_not_gated() {
         vec![policy("no-bash", "expr", json!({"expression": "false", "reason": "r"}), &["tool_call:Bash"], "admin")],
         HostCapabilities::everything(),
     );
-    let ungated = admin.evaluate(&GateInput { ungated_tool_calls: Some(why), ..input(&spec, &[], &[]) });
+    let ungated = admin.evaluate(&GateInput { ungated_tool_calls: Ungated::anywhere(why), ..input(&spec, &[], &[]) });
     assert_eq!(ungated.action, Action::Deny);
+}
+
+/// Whether a harness's own tool calls can be gated is judged on the
+/// sandbox the policies leave: Claude Code in a `none` sandbox that an
+/// admin policy upgrades to `linux_bwrap` carries the managed hook, so a
+/// `tool_call` policy is enforced, not a reason to refuse the run.
+#[test]
+fn tool_call_gating_is_judged_on_the_effective_sandbox() {
+    let spec = none_spec();
+    let hookless = "Claude Code's tool calls reach corral's gate through a managed hook that only a linux_bwrap \
+                    sandbox can carry";
+    let claude = Ungated { in_bwrap: None, in_none: Some(hookless) };
+    let no_bash =
+        policy("no-bash", "expr", json!({"expression": "false", "reason": "r"}), &["tool_call:Bash"], "admin");
+    let upgrade = policy(
+        "force-bwrap",
+        "enforce_sandbox",
+        json!({"sandbox_type": "linux_bwrap", "allow_network": false, "write_paths": ["."]}),
+        &[],
+        "admin",
+    );
+    let upgraded = Gate::new(vec![upgrade, no_bash.clone()], HostCapabilities::everything());
+    let outcome = upgraded.evaluate(&GateInput { ungated_tool_calls: claude, ..input(&spec, &[], &[]) });
+    assert_eq!(outcome.effective_sandbox.sandbox_type, SandboxType::LinuxBwrap);
+    assert_eq!(outcome.action, Action::Allow, "{:?}", outcome.decisions);
+    let left = Gate::new(vec![no_bash], HostCapabilities::everything());
+    let outcome = left.evaluate(&GateInput { ungated_tool_calls: claude, ..input(&spec, &[], &[]) });
+    assert_eq!(outcome.action, Action::Deny);
+    assert_eq!(outcome.decisions.last().unwrap().policy, "tool_call_gating");
 }
 
 #[test]
@@ -313,7 +343,8 @@ fn require_approval_asks_waits_the_shortest_time_within_the_run_and_a_later_deny
     let start = gate().evaluate(&input(&spec, &profile, &[]));
     assert_eq!(start.action, Action::Allow);
     // ...but an ungated harness under it is refused, not run unasked.
-    let refused = gate().evaluate(&GateInput { ungated_tool_calls: Some("no hook"), ..input(&spec, &profile, &[]) });
+    let refused =
+        gate().evaluate(&GateInput { ungated_tool_calls: Ungated::anywhere("no hook"), ..input(&spec, &profile, &[]) });
     assert_eq!(refused.action, Action::Deny);
 }
 

@@ -116,7 +116,7 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<GateReport> {
                 tool_calls: 0,
                 session_policies: &[],
                 profile_policies: &[],
-                ungated_tool_calls: None,
+                ungated_tool_calls: Default::default(),
             });
             if outcome.action == Action::Allow {
                 Verdict::allow()
