@@ -160,6 +160,29 @@ async fn a_turn_is_audited() {
     daemon.stop().await;
 }
 
+/// A session refused at its start is stored (as refused) and audited
+/// like one that starts: a profile whose harness cannot take turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_refused_at_its_start_is_audited() {
+    use corral::pb::session_service_client::SessionServiceClient;
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let data = dir.path().join("data");
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut sessions = SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest { profile_ref: "builtin.shell".into(), ..Default::default() };
+    let status = sessions.create_session(create).await.expect_err("builtin.shell takes no turns");
+    assert!(status.message().contains("cannot take turns"), "{status:?}");
+    let text = log_until(&data.with_extension("log"), "rpc=\"CreateSession\"", 1).await;
+    let line = text.lines().find(|l| l.contains("rpc=\"CreateSession\"")).unwrap();
+    let id = line.split("subject=\"").nth(1).and_then(|rest| rest.split('"').next()).unwrap_or_default().to_string();
+    assert!(line.contains("corral::audit") && !id.is_empty(), "{line}");
+    let stored = sessions.get_session(pb::GetSessionRequest { session_id: id.clone() }).await.expect("stored");
+    assert_eq!(stored.into_inner().state, pb::SessionState::Refused as i32, "the audited id is the stored session");
+    daemon.stop().await;
+}
+
 /// Draining a node changes what it takes: audited like the calls that
 /// start, cancel or end something (the node's name as the subject).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -117,8 +117,9 @@ impl CatalogService for CatalogApi {
         // empty actor is the principal's type, another type is refused, an
         // empty project is the principal's default, another tenant's is refused.
         let (actor, project) = principal.admit(&req.actor, &req.project).map_err(super::auth::denied)?;
-        let profile = self.engine.resolve_for_run(Some(&actor), &req.profile_ref).map_err(refused)?;
+        // Who may send policies first, as CreateSession checks it.
         let session_policies = super::session::session_policies(&principal, specs)?;
+        let profile = self.engine.resolve_for_run(Some(&actor), &req.profile_ref).map_err(refused)?;
         let facts = RunFacts {
             actor: &actor,
             project: &project,

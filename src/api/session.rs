@@ -92,8 +92,14 @@ impl SessionService for SessionApi {
         let (repo, specs) = validate::create_session(&req, &self.repo_roots, &principal).await?;
         let (actor, project) = principal.admit(&req.actor, &req.project).map_err(denied)?;
         let policies = session_policies(&principal, specs.clone())?;
+        // Chosen here when the caller chose none, so that the audit line
+        // names it whatever comes of the create.
+        let session_id = match scoped_session_id(&principal, &req.session_id) {
+            id if id.is_empty() => uuid::Uuid::now_v7().to_string(),
+            id => id,
+        };
         let cmd = CreateSessionCommand {
-            session_id: scoped_session_id(&principal, &req.session_id),
+            session_id: session_id.clone(),
             profile_ref: req.profile_ref,
             actor,
             project,
@@ -104,8 +110,13 @@ impl SessionService for SessionApi {
             quota: principal.max_running,
             traceparent: trace_parent,
         };
-        let record = self.engine.create_session(cmd).await?;
-        audit(&principal, "CreateSession", &record.session_id);
+        let created = self.engine.create_session(cmd).await;
+        // Audited whatever came of it: a session refused or failed at its
+        // start is stored too (only a taken id names another's session).
+        if !matches!(created, Err(crate::lifecycle::EngineError::SessionExists(_))) {
+            audit(&principal, "CreateSession", &session_id);
+        }
+        let record = created?;
         Ok(Response::new(convert::session(&record, None)))
     }
 
