@@ -679,6 +679,27 @@ fn absurd_usage_profile(dir: &std::path::Path) -> String {
     )
 }
 
+/// One `{"prompt": "go"}` turn of session `id`: its `turn_finished`.
+async fn prompt_turn(
+    sessions: &mut corral::pb::session_service_client::SessionServiceClient<tonic::transport::Channel>,
+    id: &str,
+) -> pb::TurnFinished {
+    let call = pb::ToolCall { tool: "prompt".into(), arguments_json: r#"{"prompt": "go"}"#.into() };
+    let send = pb::SendTurnRequest { session_id: id.into(), tool_call: Some(call) };
+    tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        let mut stream = sessions.send_turn(send).await.expect("turn sent").into_inner();
+        let mut finished = None;
+        while let Some(event) = stream.message().await.expect("turn events") {
+            if let Some(pb::lifecycle_event::Kind::TurnFinished(f)) = event.kind {
+                finished = Some(*f);
+            }
+        }
+        finished.expect("a turn_finished event")
+    })
+    .await
+    .expect("the turn finishes")
+}
+
 /// A harness reporting `u64::MAX` tokens of every kind neither panics nor
 /// wraps a count: each is bounded by `MAX_TOKENS`, so is their sum, the
 /// execution and both turns of a session finish, and nothing stays counted
@@ -717,20 +738,7 @@ async fn absurd_token_counts_are_bounded_and_every_run_finishes() {
     let create = pb::CreateSessionRequest { profile_ref: "test.absurd-usage".into(), ..Default::default() };
     let id = sessions.create_session(create).await.expect("session created").into_inner().session_id;
     for turn in 1..=2u64 {
-        let call = pb::ToolCall { tool: "prompt".into(), arguments_json: r#"{"prompt": "go"}"#.into() };
-        let send = pb::SendTurnRequest { session_id: id.clone(), tool_call: Some(call) };
-        let finished = tokio::time::timeout(Duration::from_secs(60), async {
-            let mut stream = sessions.send_turn(send).await.expect("turn sent").into_inner();
-            let mut finished = None;
-            while let Some(event) = stream.message().await.expect("turn events") {
-                if let Some(pb::lifecycle_event::Kind::TurnFinished(f)) = event.kind {
-                    finished = Some(f);
-                }
-            }
-            finished.expect("a turn_finished event")
-        })
-        .await
-        .expect("the turn finishes");
+        let finished = prompt_turn(&mut sessions, &id).await;
         assert!(finished.ok, "turn {turn}: {finished:?}");
         assert_eq!((finished.turn, finished.tokens_spent), (turn, MAX_TOKENS), "{finished:?}");
     }
@@ -765,7 +773,6 @@ async fn absurd_token_counts_are_bounded_and_every_run_finishes() {
 async fn a_harness_cannot_put_a_flag_on_its_next_turns_command_line() {
     use corral::pb::session_service_client::SessionServiceClient;
     use std::os::unix::fs::PermissionsExt;
-    use std::time::Duration;
     require_bwrap();
     let dir = common::data_tempdir();
     let bin = dir.path().join("bin");
@@ -796,20 +803,7 @@ async fn a_harness_cannot_put_a_flag_on_its_next_turns_command_line() {
     let id = sessions.create_session(create).await.expect("session created").into_inner().session_id;
     let mut turns = Vec::new();
     for _ in 1..=2 {
-        let call = pb::ToolCall { tool: "prompt".into(), arguments_json: r#"{"prompt": "go"}"#.into() };
-        let send = pb::SendTurnRequest { session_id: id.clone(), tool_call: Some(call) };
-        let finished = tokio::time::timeout(Duration::from_secs(60), async {
-            let mut stream = sessions.send_turn(send).await.expect("turn sent").into_inner();
-            let mut finished = None;
-            while let Some(event) = stream.message().await.expect("turn events") {
-                if let Some(pb::lifecycle_event::Kind::TurnFinished(f)) = event.kind {
-                    finished = Some(f);
-                }
-            }
-            finished.expect("a turn_finished event")
-        })
-        .await
-        .expect("the turn finishes");
+        let finished = prompt_turn(&mut sessions, &id).await;
         turns.push(finished);
     }
     assert!(turns[0].ok && turns[0].output == "args: ", "the first run has no resume: {:?}", turns[0]);

@@ -259,12 +259,9 @@ async fn uncommitted_edits_come_back_as_a_snapshot() {
     daemon.stop().await;
 }
 
-/// A run that may write only some paths of its workspace gets its edits
-/// back as a snapshot too: the capture writes `.git`, which the run had
-/// read-only (every run that wrote anything ended `git add failed` at
-/// teardown), while the run itself still could not write outside them.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn edits_under_narrowed_write_paths_come_back_as_a_snapshot() {
+/// A daemon with `test.narrow` (a shell harness that may write only
+/// `out/`) and a repository that has an `out/`.
+async fn narrowed() -> (TestDaemon, tempfile::TempDir) {
     require_bwrap();
     let narrow = r#"id = "test.narrow"
 version = "1.0.0"
@@ -286,6 +283,16 @@ timeout_seconds = 60
     std::fs::write(origin.path().join("out/.keep"), "").unwrap();
     git(origin.path(), &["add", "."]);
     git(origin.path(), &["-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "out"]);
+    (daemon, origin)
+}
+
+/// A run that may write only some paths of its workspace gets its edits
+/// back as a snapshot too: the capture writes `.git`, which the run had
+/// read-only (every run that wrote anything ended `git add failed` at
+/// teardown), while the run itself still could not write outside them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edits_under_narrowed_write_paths_come_back_as_a_snapshot() {
+    let (daemon, origin) = narrowed().await;
     let script = "echo made > out/made.txt; (echo x >> README.md) 2>/dev/null && echo README-WRITABLE; true";
     let mut req = request("test.narrow", script);
     req.repo = origin.path().display().to_string();
@@ -307,27 +314,7 @@ timeout_seconds = 60
 /// `git add` cleans `out/new.txt`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agents_home_config_does_not_write_through_the_capture() {
-    require_bwrap();
-    let narrow = r#"id = "test.narrow-out"
-version = "1.0.0"
-[rein]
-argv = ["/bin/sh", "-s"]
-input = "description"
-[sandbox]
-type = "linux_bwrap"
-allow_network = false
-write_paths = ["out"]
-[limits]
-timeout_seconds = 60
-"#;
-    let daemon =
-        TestDaemon::start(Options { profiles: vec![("narrow.toml".into(), narrow.into())], ..Options::default() })
-            .await;
-    let origin = git_repo();
-    std::fs::create_dir(origin.path().join("out")).unwrap();
-    std::fs::write(origin.path().join("out/.keep"), "").unwrap();
-    git(origin.path(), &["add", "."]);
-    git(origin.path(), &["-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "out"]);
+    let (daemon, origin) = narrowed().await;
     // Once: git may clean the file again (the commit refreshes the index).
     let filter = "[ -e /tmp/agent-done ] && exec cat\n\
                   touch /tmp/agent-done; cd /workspace || exit 1\n\
@@ -345,7 +332,7 @@ timeout_seconds = 60
          mkdir -p $HOME/.config/git && cp $HOME/.gitattributes $HOME/.config/git/attributes\n\
          echo new > out/new.txt && echo configured"
     );
-    let mut req = request("test.narrow-out", &script);
+    let mut req = request("test.narrow", &script);
     req.repo = origin.path().display().to_string();
     let execution = finished(&daemon.execute(req).await);
     assert!(execution.tool_output.contains("configured"), "{}", execution.tool_output);
