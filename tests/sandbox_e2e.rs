@@ -47,13 +47,23 @@ async fn without_a_new_commit_no_ref_is_written() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_cannot_reach_the_network_nor_write_outside_its_workspace() {
     require_bwrap();
+    use std::os::unix::fs::PermissionsExt;
     let daemon = TestDaemon::start(Options::default()).await;
     let repo = common::git_repo();
     let outside = tempfile::tempdir().unwrap();
+    // Writable by anyone: only the sandbox's mounts can keep the harness's
+    // uid from writing there (the test runs as root).
+    for dir in [outside.path(), repo.path()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
     let outside_file = outside.path().join("escaped.txt");
     let origin_file = repo.path().join("escaped.txt");
+    // On the host's loopback: reachable from anything sharing its network.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
     let description = format!(
-        "NOWORK\nPROBE_NETWORK\nPROBE_WRITE {}\nPROBE_WRITE {}\nPROBE_WRITE /usr/escaped.txt\nPROBE_WRITE /escaped.txt\nPROBE_WRITE /etc/escaped.txt\nPROBE_WRITE /workspace/inside.txt\nPROBE_WRITE /tmp/scratch.txt\nPROBE_WRITE /etc/passwd\nPROBE_WRITE /etc/group\nPROBE_SELF",
+        "NOWORK\nPROBE_NETWORK {}\nPROBE_WRITE {}\nPROBE_WRITE {}\nPROBE_WRITE /usr/escaped.txt\nPROBE_WRITE /escaped.txt\nPROBE_WRITE /etc/escaped.txt\nPROBE_WRITE /workspace/inside.txt\nPROBE_WRITE /tmp/scratch.txt\nPROBE_WRITE /etc/passwd\nPROBE_WRITE /etc/group\nPROBE_SELF",
+        listener.local_addr().unwrap(),
         outside_file.display(),
         origin_file.display()
     );
@@ -63,6 +73,7 @@ async fn the_agent_cannot_reach_the_network_nor_write_outside_its_workspace() {
     let execution = finished(&events);
     let out = &execution.tool_output;
     assert!(out.contains("network: unreachable"), "{out}");
+    assert!(listener.accept().is_err(), "a connection from the sandbox reached the host's loopback");
     assert!(out.contains(&format!("write {}: denied", outside_file.display())), "{out}");
     assert!(out.contains(&format!("write {}: denied", origin_file.display())), "{out}");
     assert!(out.contains("write /usr/escaped.txt: denied"), "{out}");

@@ -229,8 +229,10 @@ fn assert_forced_spec(spec: &Option<pb::SandboxSpec>, context: &str) {
 // ---------------------------------------------------------------------------
 // what the harness sees from inside
 
-fn probe_args() -> Value {
-    json!({"probe_network": true, "probe_pid": true})
+/// The probe turn's arguments: the network probe connects to `target`, a
+/// listener the test holds on the host's loopback.
+fn probe_args(target: std::net::SocketAddr) -> Value {
+    json!({"probe_network": target.to_string(), "probe_pid": true})
 }
 
 fn probe_line<'a>(output: &'a str, prefix: &str) -> &'a str {
@@ -254,11 +256,13 @@ fn assert_probe_under_bwrap(output: &str) {
 fn assert_probe_not_under_bwrap(output: &str) {
     let pid1 = probe_line(output, "pid1: ");
     assert!(!pid1.contains("bwrap"), "a none sandbox must not be bwrap, pid 1 is {pid1:?}");
-    assert!(output.contains("network: "), "{output}");
+    assert!(output.contains("network: reachable"), "a none sandbox shares the host's network: {output}");
 }
 
 async fn probe_turn(client: &mut SessionServiceClient<Channel>, session_id: &str) -> (Vec<pb::LifecycleEvent>, String) {
-    let events = send_turn(client, session_id, "probe", probe_args()).await;
+    // Held for the turn: the kernel accepts a connection into its backlog.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let events = send_turn(client, session_id, "probe", probe_args(listener.local_addr().unwrap())).await;
     let done = turn_finished(&events);
     assert!(done.ok, "probe turn failed: {done:?}");
     (events, done.output)
@@ -450,7 +454,9 @@ arguments = { allow_network = true, write_paths = [".", "/etc"], sandbox_type = 
     // writable (a write there, if it succeeds at all, lands in the
     // sandbox's own ephemeral root, never on the host).
     let probe_file = format!("/etc/corral-probe-{}", std::process::id());
-    let arguments = json!({"probe_network": true, "probe_write": probe_file});
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let target = listener.local_addr().unwrap().to_string();
+    let arguments = json!({"probe_network": target, "probe_write": probe_file});
     let events = send_turn(&mut client, &session.session_id, "probe", arguments).await;
     let done = turn_finished(&events);
     assert!(done.ok, "{done:?}");
@@ -1223,6 +1229,9 @@ arguments = { types = ["adm"] }
         request.session_id = session_id.clone();
         request.policies = policies;
         let created = create(&mut client, request).await;
+        // Each case's verdict is known: the deny case must deny.
+        let expected = if session_id.contains("eval-deny") { pb::GateAction::Deny } else { pb::GateAction::Allow };
+        assert_eq!(dry.action, expected as i32, "{profile}: {dry:?}");
         if dry.action == pb::GateAction::Allow as i32 {
             let session = created.expect("the dry run allowed it");
             assert_eq!(session.effective_sandbox, dry.effective_sandbox, "{profile}");
