@@ -926,6 +926,59 @@ async fn a_unary_deadline_never_leaves_a_half_made_session() {
     daemon.stop().await;
 }
 
+/// `cancel_on_disconnect` holds while the submit itself is under way: a
+/// caller that goes away before its answer (here the store is held by
+/// another writer, so the insert waits) has its execution cancelled once
+/// it is stored, rather than run for nobody. (SQLite: the test holds its
+/// write lock; this binary is not run again against PostgreSQL.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_on_disconnect_holds_while_the_submit_waits_on_the_store() {
+    use sqlx::Connection;
+    common::require_bwrap();
+    let daemon = TestDaemon::start(Options::default()).await;
+    let db = format!("sqlite://{}", daemon.data.path().join("data/corral.db").display());
+    let mut holder = sqlx::SqliteConnection::connect(&db).await.expect("the test daemon's SQLite store");
+    // The write lock: the daemon's insert waits (its busy timeout is 10 s).
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut holder).await.unwrap();
+    let mut client = daemon.executions().await;
+    let mut req = request("test.fake-agent", "NOWORK\nHANG");
+    req.request_id = "gone-while-submitted".into();
+    let asked = pb::ExecuteRequest { cancel_on_disconnect: true, ..req.clone() };
+    let mut caller = client.clone();
+    let call = tokio::spawn(async move { caller.execute(asked).await.map(|_| ()) });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!call.is_finished(), "the insert did not wait for the store: {:?}", call.await);
+    call.abort();
+    let _ = call.await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The same request id finds the execution the gone caller started.
+    let id = common::once_admitted("the execution was not stored", || {
+        let mut client = client.clone();
+        let req = req.clone();
+        async move { client.start_execution(req).await.map(|r| r.into_inner().execution_id) }
+    })
+    .await;
+    let started = Instant::now();
+    let state = loop {
+        let get = pb::GetExecutionRequest { execution_id: id.clone(), ..Default::default() };
+        let state = client.get_execution(get).await.unwrap().into_inner().state;
+        if !matches!(pb::ExecutionState::try_from(state).unwrap(), pb::ExecutionState::Running) {
+            break state;
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = client.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await;
+            break state;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(pb::ExecutionState::try_from(state).unwrap(), pb::ExecutionState::Cancelled, "it ran for nobody");
+    let events = daemon.watch_all(&id, 0).await;
+    assert_eq!(pb::ExecutionState::try_from(finished(&events).state).unwrap(), pb::ExecutionState::Cancelled);
+    assert!(daemon.leftover_sandboxes().await.is_empty());
+}
+
 /// The store refuses a run's final write for longer than a few retries
 /// (here a trigger, as a failover or a full disk would): the run keeps
 /// trying and, once the store takes writes again, finishes. Before, it
