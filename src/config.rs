@@ -260,6 +260,18 @@ pub struct GitConfig {
     /// `count-objects`) for a fetch back to be made: runs cannot grow a
     /// repository without bound.
     pub max_origin_bytes: u64,
+    /// Of `max_capture_refs`, the most that name one principal's runs
+    /// (default: a quarter, at least 1): one tenant's runs cannot use up a
+    /// repository it shares with others. The local administrator is not
+    /// bounded so.
+    pub max_capture_refs_per_principal: Option<u64>,
+}
+
+impl GitConfig {
+    /// The most `refs/corral/*` refs of one principal in one origin.
+    pub fn capture_refs_per_principal(&self) -> u64 {
+        self.max_capture_refs_per_principal.unwrap_or((self.max_capture_refs / 4).max(1))
+    }
 }
 
 impl Default for GitConfig {
@@ -269,6 +281,7 @@ impl Default for GitConfig {
             max_bundle_bytes: 256 << 20,
             max_capture_refs: 1000,
             max_origin_bytes: 8 << 30,
+            max_capture_refs_per_principal: None,
         }
     }
 }
@@ -548,6 +561,9 @@ impl Config {
         if self.fleet.max_queued == 0 {
             return Err(invalid("fleet.max_queued", "must be at least 1".into()));
         }
+        if self.git.max_capture_refs_per_principal == Some(0) {
+            return Err(invalid("git.max_capture_refs_per_principal", "must be at least 1".into()));
+        }
         if self.fleet.max_queued_per_principal == Some(0) {
             return Err(invalid("fleet.max_queued_per_principal", "must be at least 1".into()));
         }
@@ -810,6 +826,18 @@ mod tests {
     /// In milliseconds they are added to Unix times or `Instant`s: i64::MAX
     /// seconds would wrap (a retention cutoff in the future compacts every
     /// run's events) or panic.
+    #[test]
+    fn a_principals_share_of_a_repositorys_refs_is_a_quarter_by_default_and_never_zero() {
+        let mut git = GitConfig::default();
+        assert_eq!(git.capture_refs_per_principal(), 250);
+        git.max_capture_refs = 2;
+        assert_eq!(git.capture_refs_per_principal(), 1, "at least one");
+        git.max_capture_refs_per_principal = Some(7);
+        assert_eq!(git.capture_refs_per_principal(), 7);
+        let err = refusal("[git]\nmax_capture_refs_per_principal = 0\n").expect("refused");
+        assert!(err.contains("git.max_capture_refs_per_principal: must be at least 1"), "{err}");
+    }
+
     #[test]
     fn a_principals_share_of_the_queue_is_a_quarter_by_default_and_never_zero() {
         let mut fleet = FleetConfig::default();

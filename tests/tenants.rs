@@ -360,7 +360,11 @@ async fn work_stops_coming_back_into_an_origin_that_is_full() {
     require_bwrap();
     let roots = Roots::new();
     let shared = roots.repo(&roots.root().join("shared/repo"));
-    let daemon = tenant_a_alone(&roots, |git| git.max_capture_refs = 2).await;
+    let daemon = tenant_a_alone(&roots, |git| {
+        git.max_capture_refs = 2;
+        git.max_capture_refs_per_principal = Some(2);
+    })
+    .await;
     let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
     let commit =
         |n: u32| format!("echo {n} > f{n} && git add f{n} && git -c user.name=a -c user.email=a@a commit -qm {n}");
@@ -383,6 +387,52 @@ async fn work_stops_coming_back_into_an_origin_that_is_full() {
     let run = execute(&mut client, TOKEN_A, shell("pa", &other, &commit(9))).await;
     assert!(run.tool_error.contains("git.max_origin_bytes"), "{}", run.tool_error);
     assert_eq!(git(&other, &["for-each-ref", "refs/corral/"]), "");
+    daemon.stop().await;
+}
+
+/// A repository two tenants share: tenant-a's runs fill only its share of
+/// the refs the repository may hold (`max_capture_refs_per_principal`),
+/// and then its work stops coming back, saying why, while tenant-b's
+/// still does (before, tenant-a could use up `max_capture_refs` for both).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_fills_only_its_share_of_a_shared_repositorys_refs() {
+    require_bwrap();
+    let roots = Roots::new();
+    let root = roots.root();
+    let shared = roots.repo(&root.join("shared/repo"));
+    let (a_repos, b_repos) = (vec![root.join("shared")], vec![root.join("shared")]);
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("sh.toml".into(), SHELL.into())],
+        config: Box::new(move |c| {
+            c.repo_roots = vec![root];
+            c.git.max_capture_refs = 8;
+            c.git.max_capture_refs_per_principal = Some(2);
+            c.principals.push(tenant("tenant-a", "pa", TOKEN_A, a_repos));
+            c.principals.push(tenant("tenant-b", "pb", TOKEN_B, b_repos));
+        }),
+        ..Options::default()
+    })
+    .await;
+    let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
+    let commit =
+        |n: u32| format!("echo {n} > f{n} && git add f{n} && git -c user.name=a -c user.email=a@a commit -qm {n}");
+    for n in 0..2 {
+        let run = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit(n))).await;
+        assert_eq!(run.state, pb::ExecutionState::Succeeded as i32, "{}", run.tool_error);
+    }
+    let third = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit(2))).await;
+    assert_eq!(third.state, pb::ExecutionState::Failed as i32, "past its share: {third:?}");
+    assert_eq!(third.evidence.as_ref().unwrap().failure_stage, pb::FailureStage::Teardown as i32);
+    assert!(
+        third.tool_error.contains("principal tenant-a holds 2 of the repository's refs/corral refs"),
+        "{}",
+        third.tool_error
+    );
+    let b = execute(&mut client, TOKEN_B, shell("pb", &shared, &commit(3))).await;
+    assert_eq!(b.state, pb::ExecutionState::Succeeded as i32, "tenant-b's work still comes back: {}", b.tool_error);
+    let refs = git(&shared, &["for-each-ref", "--format=%(refname)", "refs/corral/"]);
+    assert_eq!(refs.lines().count(), 3, "{refs}");
+    assert!(refs.contains(&b.execution_id), "{refs}");
     daemon.stop().await;
 }
 

@@ -42,6 +42,43 @@ pub struct CaptureJob<'a> {
     pub room: workspace::OriginRoom,
     /// The daemon's shutdown grace is over: stop now.
     pub stop: tokio_util::sync::CancellationToken,
+    /// The run's principal's part of the origin's refs; `None` for the
+    /// local administrator.
+    pub share: Option<PrincipalShare<'a>>,
+}
+
+/// One principal's part of the `refs/corral/*` refs an origin may hold
+/// (`git.max_capture_refs_per_principal`): those naming its executions
+/// and sessions. A tenant sharing a repository with others cannot use up
+/// `git.max_capture_refs` for all of them.
+pub struct PrincipalShare<'a> {
+    pub store: &'a crate::store::Store,
+    pub principal: &'a str,
+    pub refs: u64,
+}
+
+impl PrincipalShare<'_> {
+    /// Whether the principal may have one more ref in `origin`.
+    async fn check(&self, origin: &Path) -> Result<(), WorkspaceError> {
+        let names = workspace::corral_refs(origin).await?;
+        // A session's own id is `<principal>/<id>`; the rest are run ids.
+        let scoped = format!("{}/", self.principal);
+        let (mine, ids): (Vec<String>, Vec<String>) = names.into_iter().partition(|n| n.starts_with(&scoped));
+        let ids: Vec<String> = ids.into_iter().filter(|n| !n.contains('/')).collect();
+        let owned = self.store.count_owned(self.principal, &ids).await.map_err(|e| {
+            WorkspaceError(format!("fetch back: the principal's refs in the repository cannot be counted: {e}"))
+        })?;
+        let held = mine.len() as u64 + owned;
+        if held >= self.refs {
+            return Err(WorkspaceError(format!(
+                "principal {} holds {held} of the repository's refs/corral refs, its share \
+                 (git.max_capture_refs_per_principal = {}): delete old ones (git update-ref -d refs/corral/<id>) \
+                 to bring its work back again",
+                self.principal, self.refs
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl CaptureJob<'_> {
@@ -84,9 +121,13 @@ impl CaptureJob<'_> {
             return Ok(Captured { capture, fetched: String::new() });
         }
         let taken = workspace::take_bundle(&host_bundle, self.private, self.max_bundle_bytes);
-        let fetched = match taken {
-            Ok(()) => workspace::fetch_bundle(self.origin, self.private, self.name, self.room).await,
-            Err(e) => Err(e),
+        let fetched = match (taken, &self.share) {
+            (Ok(()), Some(share)) => match share.check(self.origin).await {
+                Ok(()) => workspace::fetch_bundle(self.origin, self.private, self.name, self.room).await,
+                Err(e) => Err(e),
+            },
+            (Ok(()), None) => workspace::fetch_bundle(self.origin, self.private, self.name, self.room).await,
+            (Err(e), _) => Err(e),
         };
         let _ = std::fs::remove_file(self.private);
         let fetched = fetched?;

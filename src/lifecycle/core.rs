@@ -1110,6 +1110,13 @@ impl Core {
                 max_bytes: self.engine.git.max_origin_bytes,
             },
             stop: self.engine.grace_over(),
+            // The operator is not a tenant: its runs are bounded by the
+            // repository's budget alone.
+            share: (self.consumer.principal != crate::auth::LOCAL_ADMIN).then(|| super::capture::PrincipalShare {
+                store: &self.engine.store,
+                principal: &self.consumer.principal,
+                refs: self.engine.git.capture_refs_per_principal(),
+            }),
         };
         let t = Instant::now();
         match job.run().await {

@@ -369,6 +369,17 @@ async fn check_room(origin: &OpenRepo, bundle_bytes: u64, room: OriginRoom) -> R
     Ok(())
 }
 
+/// The names below `refs/corral/` that the repository at `origin` holds
+/// (`<id>`, or `<principal>/<id>` for a session).
+pub async fn corral_refs(origin: &Path) -> Result<Vec<String>, WorkspaceError> {
+    let origin = OpenRepo::reopen(origin)
+        .map_err(|e| WorkspaceError(format!("fetch back: the repository cannot be opened: {e}")))?;
+    let mut cmd = git_in(&origin);
+    cmd.args(["for-each-ref", "--format=%(refname)", "refs/corral/"]);
+    let refs = run(cmd, "for-each-ref").await?;
+    Ok(refs.lines().filter_map(|l| l.strip_prefix("refs/corral/")).map(str::to_string).collect())
+}
+
 /// Verifies the private bundle and fetches it into `origin` as
 /// `refs/corral/<name>` if the origin has `room`; returns the commit it
 /// brought (the one the daemon saw in the bundle, not what anyone claimed).

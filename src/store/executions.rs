@@ -54,6 +54,25 @@ impl Store {
         Ok(Some((Box::new(execution_from_row(&row)?), row.get("request_digest"))))
     }
 
+    /// How many of `ids` name an execution or a session of `principal`:
+    /// of a repository's `refs/corral/<id>` refs, those its runs made.
+    pub async fn count_owned(&self, principal: &str, ids: &[String]) -> Result<u64, StoreError> {
+        let mut owned = 0;
+        for chunk in ids.chunks(500) {
+            let list = (0..chunk.len()).map(|i| format!("${}", i + 2)).collect::<Vec<_>>().join(", ");
+            let sql = format!(
+                "SELECT (SELECT count(*) FROM executions WHERE principal = $1 AND execution_id IN ({list})) \
+                 + (SELECT count(*) FROM sessions WHERE principal = $1 AND session_id IN ({list}))"
+            );
+            let mut query = sqlx::query(&sql).bind(principal);
+            for id in chunk {
+                query = query.bind(id);
+            }
+            owned += query.fetch_one(&self.pool).await?.get::<i64, _>(0).max(0) as u64;
+        }
+        Ok(owned)
+    }
+
     /// Stores the record as it now is, with no report, raw result or event
     /// (on a shared store, while it runs, in one fenced statement).
     pub async fn update_execution(&self, record: &ExecutionRecord) -> Result<(), StoreError> {
