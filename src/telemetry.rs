@@ -189,7 +189,22 @@ pub fn execution_finished(evidence: &Evidence) {
             stage => histogram!("corral_stage_duration_seconds", "stage" => stage.to_string()).record(seconds),
         }
     }
-    counter!("corral_model_tokens_total").increment(evidence.tokens_spent);
+    let total = saturating_add(&MODEL_TOKENS, evidence.tokens_spent);
+    counter!("corral_model_tokens_total").absolute(total);
+}
+
+/// The tokens counted in `corral_model_tokens_total` so far. Each run may
+/// claim up to `rein::MAX_TOKENS` (2^53): 2,048 such runs would wrap an
+/// incremented counter to a small number; the total saturates instead,
+/// and the counter is set to it (a counter's `absolute` never lowers it).
+static MODEL_TOKENS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Adds `n` to `total`, stopping at `u64::MAX`; returns the new total.
+fn saturating_add(total: &std::sync::atomic::AtomicU64, n: u64) -> u64 {
+    use std::sync::atomic::Ordering;
+    match total.fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| Some(t.saturating_add(n))) {
+        Ok(before) | Err(before) => before.saturating_add(n),
+    }
 }
 
 /// Counts a finished session under its final state
@@ -462,6 +477,22 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_token_total_saturates_instead_of_wrapping() {
+        let total = std::sync::atomic::AtomicU64::new(0);
+        let most = crate::rein::MAX_TOKENS;
+        let mut last = 0;
+        for _ in 0..2_100 {
+            let now = saturating_add(&total, most);
+            assert!(now >= last, "the total went down: {last} -> {now}");
+            last = now;
+        }
+        assert_eq!(last, u64::MAX);
+        assert_eq!(saturating_add(&total, 7), u64::MAX);
+        let small = std::sync::atomic::AtomicU64::new(5);
+        assert_eq!(saturating_add(&small, 7), 12);
+    }
 
     /// Two callsites as the macros make them: h2's per-frame `trace!` and
     /// the daemon's per-call `info` span.
