@@ -735,6 +735,10 @@ async fn no_sandbox_process_can_leave_its_cgroup() {
         let output = &execution.tool_output;
         assert!(output.contains("tried"), "{profile}: {output}");
         assert!(!output.contains("moved"), "{profile}: a sandbox process left its cgroup:\n{output}");
+        if profile == "test.bwrap" {
+            // What keeps it in: no cgroupfs inside at all.
+            assert!(!output.contains("try "), "bwrap shows the sandbox a cgroupfs:\n{output}");
+        }
         if profile == "test.none" {
             // It saw the host's cgroups (the root's among them) and tried them.
             assert!(output.contains("try /sys/fs/cgroup/"), "{output}");

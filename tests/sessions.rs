@@ -421,12 +421,21 @@ async fn session_enforce_sandbox_runs_a_none_profile_under_bwrap() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enforce_sandbox_never_loosens_a_spec() {
     require_bwrap();
-    let loosen = r#"
+    use std::os::unix::fs::PermissionsExt;
+    // A host directory anyone may write: only the sandbox's mounts can keep
+    // the harness out of it (root's /etc would refuse its uid anyway).
+    let host_dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(host_dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let host = host_dir.path().display().to_string();
+    let loosen = format!(
+        r#"
 [[guardrails.policies]]
 name = "try-to-loosen"
 kind = "enforce_sandbox"
-arguments = { allow_network = true, write_paths = [".", "/etc"], sandbox_type = "none" }
-"#;
+arguments = {{ allow_network = true, write_paths = [".", "/etc", "{host}"], sandbox_type = "none" }}
+"#
+    );
+    let loosen = loosen.as_str();
     let daemon = TestDaemon::start(daemon_options(vec![("loose.toml", bwrap_profile("test.loosen", loosen))])).await;
     let mut client = sessions(&daemon).await;
     let mut catalog = daemon.catalog().await;
@@ -453,7 +462,8 @@ arguments = { allow_network = true, write_paths = [".", "/etc"], sandbox_type = 
     // And from inside: still no network, and the host's /etc was not bound
     // writable (a write there, if it succeeds at all, lands in the
     // sandbox's own ephemeral root, never on the host).
-    let probe_file = format!("/etc/corral-probe-{}", std::process::id());
+    assert!(!spec.write_paths.contains(&host), "{host} must not be added: {spec:?}");
+    let probe_file = format!("{host}/corral-probe-{}", std::process::id());
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let target = listener.local_addr().unwrap().to_string();
     let arguments = json!({"probe_network": target, "probe_write": probe_file});
@@ -465,7 +475,7 @@ arguments = { allow_network = true, write_paths = [".", "/etc"], sandbox_type = 
     if on_host {
         let _ = std::fs::remove_file(&probe_file);
     }
-    assert!(!on_host, "the harness wrote the host's /etc: {}", done.output);
+    assert!(!on_host, "the harness wrote the host's {host}: {}", done.output);
 
     end(&mut client, &session.session_id).await;
     daemon.stop().await;
