@@ -705,6 +705,34 @@ async fn the_profile_filter_matches_exactly() {
     }
 }
 
+/// A retried Execute asking for `cancel_on_disconnect` that is refused a
+/// watcher place (its principal holds all of them) is an answer, not a
+/// caller gone away: the execution another call started runs on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_refused_a_watch_place_does_not_cancel_the_run() {
+    require_bwrap();
+    let daemon = TestDaemon::start(Options {
+        config: Box::new(|c| c.grpc.max_watchers_per_principal = Some(1)),
+        ..Options::default()
+    })
+    .await;
+    let mut client = daemon.executions().await;
+    let started =
+        client.start_execution(common::as_actor("agt", hanging("refused-retry"))).await.expect("started").into_inner();
+    let mut held =
+        client.execute(common::as_actor("agt", hanging("refused-retry"))).await.expect("a place").into_inner();
+    held.message().await.unwrap().expect("an event");
+    let asked = pb::ExecuteRequest { cancel_on_disconnect: true, ..hanging("refused-retry") };
+    let status = client.execute(common::as_actor("agt", asked)).await.expect_err("no place left");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let get = pb::GetExecutionRequest { execution_id: started.execution_id.clone(), ..Default::default() };
+    let record = client.get_execution(get).await.unwrap().into_inner();
+    assert_eq!(record.state, ExecutionState::Running as i32, "the refused retry cancelled the run: {record:?}");
+    drop(held);
+    cancel_and_wait(&daemon, &started.execution_id).await;
+}
+
 /// `cancel_on_disconnect` is Execute's: StartExecution refuses it, naming
 /// it, and starts nothing. An Execute retry that asks for it has it: its
 /// caller going away cancels the run another call started.

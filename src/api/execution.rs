@@ -255,6 +255,12 @@ impl ExecutionService for ExecutionApi {
         cmd.traceparent = traceparent;
         cmd.follows = true;
         let mut submitted = self.engine.submit(cmd).await?;
+        // The answer was read: from here the stream cancels on a
+        // disconnect (nothing below awaits), and a refusal below is an
+        // answer, not a caller gone away.
+        if let Some(guard) = submitted.unless_kept.take() {
+            guard.keep();
+        }
         audit(&principal, "Execute", &submitted.record.execution_id);
         let id = submitted.record.execution_id.clone();
         // A retry (same request id, same request) follows the execution it
@@ -266,10 +272,6 @@ impl ExecutionService for ExecutionApi {
         // Armed for a retry too: the retrying caller asked for it, and its
         // stream is the one it keeps (a finished execution is not changed
         // by a cancel).
-        // From here the stream cancels on a disconnect (nothing below awaits).
-        if let Some(guard) = submitted.unless_kept.take() {
-            guard.keep();
-        }
         let on_disconnect: Option<Box<dyn FnOnce() + Send>> = if cancel_on_disconnect {
             let engine = self.engine.clone();
             Some(Box::new(move || {
