@@ -268,7 +268,12 @@ async fn forward(req: Request<Incoming>, routes: &[GatewayRoute], log: &crate::n
 /// loopback `http://` upstream), the response streamed back as it comes.
 async fn send(route: &GatewayRoute, request: Request<Incoming>) -> Result<Response<Incoming>, String> {
     let up = &route.upstream;
-    let tls = route.tls.as_ref().map(|source| source.config()).transpose().map_err(|e| format!("upstream: {e}"))?;
+    // The reason names a host path: the daemon's log has it, the harness
+    // (who reads the answer and the egress event) does not.
+    let tls = route.tls.as_ref().map(|source| source.config()).transpose().map_err(|e| {
+        tracing::warn!(route = %route.name, error = %e, "credential gateway: the route's CA file cannot be used");
+        format!("credential route {}: its CA file cannot be used", route.name)
+    })?;
     let stream = crate::net::client::connect(&up.host, up.port, tls.as_ref(), CONNECT_TIMEOUT).await?;
     let mut sender = crate::net::client::handshake(stream).await?;
     sender.send_request(request).await.map_err(|e| format!("upstream: {e}"))
@@ -406,6 +411,42 @@ mod tests {
         assert_eq!(decisions[2].rule_or_reason, "credential gateway: no credential route \"nosuch\" in this run");
         assert_eq!(decisions[3].rule_or_reason, "credential gateway: no credential route \"\" in this run");
         assert_eq!(log.counts(), (0, 4));
+    }
+
+    /// A route's CA file that can no longer be used fails the request
+    /// without showing the harness where it is on the host.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broken_ca_file_fails_the_request_without_naming_its_path() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("private-ca.pem");
+        std::fs::write(&ca, rcgen::generate_simple_self_signed(vec!["ca".into()]).unwrap().cert.pem()).unwrap();
+        let route = GatewayRoute {
+            name: "vendor".into(),
+            placeholder: "corral-vendor-00".into(),
+            presented: Presented::Bearer,
+            upstream: super::upstream("https://api.vendor.example").unwrap(),
+            secret: Box::new(|| Ok("sk-real".into())),
+            tls: Some(Arc::new(crate::net::client::TlsSource::new(Some(&ca)).unwrap())),
+        };
+        std::fs::remove_file(&ca).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let log: Refusals = Arc::default();
+        let _gateway = serve(listener, Arc::new(vec![route]), log.clone());
+        let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = "GET /vendor/v1 HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer corral-vendor-00\r\n\
+                       connection: close\r\n\r\n";
+        client.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        tokio::time::timeout(Duration::from_secs(20), client.read_to_string(&mut answer)).await.unwrap().unwrap();
+        assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+        let shown = dir.path().display().to_string();
+        assert!(!answer.contains(&shown), "the answer names the host path: {answer}");
+        let decisions = log.drain();
+        assert_eq!(decisions.len(), 1, "{decisions:?}");
+        assert!(!decisions[0].rule_or_reason.contains(&shown), "{decisions:?}");
+        assert!(decisions[0].rule_or_reason.contains("its CA file cannot be used"), "{decisions:?}");
     }
 
     #[test]
