@@ -112,7 +112,9 @@ impl SessionService for SessionApi {
         };
         let created = self.engine.create_session(cmd).await;
         // Audited whatever came of it: a session refused or failed at its
-        // start is stored too (only a taken id names another's session).
+        // start is stored too (a create refused before that, full or
+        // draining, names an id nothing holds; a taken id names another's
+        // session and is left out).
         if !matches!(created, Err(crate::lifecycle::EngineError::SessionExists(_))) {
             audit(&principal, "CreateSession", &session_id);
         }

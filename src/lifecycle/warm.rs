@@ -58,8 +58,6 @@ pub(super) struct Warm {
     held_back: AtomicBool,
 }
 
-/// How long the filler waits after a sandbox could not be made, at first
-/// and at most (doubling in between).
 /// A warm sandbox whose first process dies sooner than this after it was
 /// made counts as a failure to make it (see `Pools::died_young`).
 const DIED_YOUNG: Duration = Duration::from_secs(10);

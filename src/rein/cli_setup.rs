@@ -26,11 +26,14 @@ const BYPASS_FLAGS: &[&str] = &[
 /// or Codex's `danger-full-access` sandbox (`--sandbox`/`-s`, or
 /// `-c`/`--config sandbox_mode=`), in any of their spellings.
 fn bypass_in(argv: &[String]) -> Option<String> {
+    // `--flag value`, `--flag=value`, and for a one-letter flag also
+    // `-fvalue` (clap takes a short option's value attached).
     let valued = |flags: &[&str], arg: &str, next: Option<&String>| -> Option<String> {
         flags.iter().find_map(|flag| match arg.strip_prefix(flag) {
             Some("") => next.map(|v| v.to_string()),
-            Some(rest) => rest.strip_prefix('=').map(str::to_string),
-            None => None,
+            Some(rest) if rest.starts_with('=') => Some(rest[1..].to_string()),
+            Some(rest) if flag.len() == 2 => Some(rest.to_string()),
+            Some(_) | None => None,
         })
     };
     let bypasses_sandbox = |mode: &str| mode.trim_matches(|c| c == '"' || c == '\'') == "danger-full-access";
@@ -229,7 +232,10 @@ fn codex(
     // (`sh -c ...`) chooses its own.
     let runs_codex = rein.argv.first().is_some_and(|p| p == "codex" || p.ends_with("/codex"));
     let exec_at = rein.argv.iter().position(|a| a == "exec").filter(|_| runs_codex);
-    let chooses_sandbox = rein.argv.iter().any(|a| CODEX_SANDBOX_FLAGS.contains(&a.as_str()));
+    let chooses_sandbox = rein.argv.iter().any(|a| {
+        CODEX_SANDBOX_FLAGS.iter().any(|f| a == f || a.strip_prefix(f).is_some_and(|r| r.starts_with('=')))
+            || (a.starts_with("-s") && !a.starts_with("--"))
+    });
     if let (Some(exec_at), false) = (exec_at, chooses_sandbox) {
         let flags: &[&str] = if trust.is_verified() {
             &["--dangerously-bypass-approvals-and-sandbox"]
@@ -328,7 +334,11 @@ mod tests {
                 Some("--config=sandbox_mode='danger-full-access'"),
             ),
             (&["claude", "--permission-mode", "acceptEdits"], None),
+            (&["codex", "exec", "-sdanger-full-access"], Some("-sdanger-full-access")),
+            (&["codex", "-csandbox_mode=danger-full-access"], Some("-csandbox_mode=danger-full-access")),
             (&["codex", "exec", "--sandbox", "workspace-write", "-"], None),
+            (&["claude", "-c", "-p"], None),
+            (&["codex", "--sandboxed"], None),
             (&["codex", "exec", "-s", "read-only"], None),
             (&["codex", "-c", "model=danger-full-access"], None),
             (&["codex", "exec", "--sandbox"], None),
