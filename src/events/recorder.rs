@@ -98,7 +98,8 @@ impl Recorder {
     /// publishes them in order; the last one, once published. Same rules
     /// as [`Recorder::emit`].
     pub async fn emit_batch(&mut self, mut kinds: Vec<(EventKind, Option<RawPart>)>) -> Option<Arc<Event>> {
-        if !self.held.is_empty() {
+        let held = self.held.len();
+        if held > 0 {
             kinds.splice(0..0, self.held.drain(..).map(|kind| (kind, None)));
         }
         let adopt = self.held_adopt.take();
@@ -114,6 +115,12 @@ impl Recorder {
             }
         };
         if !stored {
+            // The held events are the run's own record (`accepted`,
+            // `resolved`, `gated`, `sandbox_ready`), promised to the next
+            // write: held again, with the sandbox's adoption, for the write
+            // after this one; only the events asked now are dropped.
+            self.held = events.into_iter().take(held).map(|event| event.kind).collect();
+            self.held_adopt = adopt;
             return None;
         }
         self.next += events.len() as u64;
@@ -242,4 +249,44 @@ fn numbered(subject: &str, first: u64, kinds: impl IntoIterator<Item = EventKind
         .enumerate()
         .map(|(i, kind)| Event { subject_id: subject.to_string(), sequence: first + i as u64, time_ms, kind })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write the store refuses (past its retries) drops the events asked
+    /// for then, never the held ones before them: they are stored by the
+    /// next write that succeeds, first, with no gap in the sequences.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn held_events_survive_a_write_the_store_refuses() {
+        use sqlx::Connection;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "test").await.unwrap();
+        let url = format!("sqlite://{}", dir.path().join("corral.db").display());
+        let mut db = sqlx::SqliteConnection::connect(&url).await.unwrap();
+        let refuse = "CREATE TRIGGER refuse_events BEFORE INSERT ON events \
+                      BEGIN SELECT RAISE(ABORT, 'injected: the store refuses writes'); END";
+        sqlx::query(refuse).execute(&mut db).await.unwrap();
+        let mut recorder = Recorder::new("e1".into(), 0, store.clone(), Arc::new(EventBus::new(16)));
+        let accepted = EventKind::Accepted {
+            execution_id: "e1".into(),
+            session_id: String::new(),
+            request_id: String::new(),
+            consumer: Default::default(),
+        };
+        recorder.hold(accepted);
+        let progress =
+            |tool: &str| EventKind::Progress { progress_kind: "tool_use".into(), tool: tool.into(), tokens_so_far: 0 };
+        assert!(recorder.emit(progress("lost"), None).await.is_none(), "the store refused it");
+        sqlx::query("DROP TRIGGER refuse_events").execute(&mut db).await.unwrap();
+        assert!(recorder.emit(progress("kept"), None).await.is_some());
+        let stored = store.events_after("e1", 0).await.unwrap();
+        assert_eq!(stored.iter().map(|e| e.sequence).collect::<Vec<_>>(), [1, 2], "{stored:?}");
+        assert!(
+            matches!(&stored[0].kind, EventKind::Accepted { execution_id, .. } if execution_id == "e1"),
+            "{stored:?}"
+        );
+        assert_eq!(stored[1].kind, progress("kept"));
+    }
 }
