@@ -223,6 +223,22 @@ async fn load_error(profiles: &[(&str, String)]) -> String {
     }
 }
 
+/// A profile cannot show its sandbox the host's private keys: a read or
+/// write path that is /etc/ssl/private, lies under it or holds it is
+/// refused at load, naming the key (DESIGN: "never /etc/ssl/private").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profile_binding_the_hosts_private_keys_does_not_load() {
+    for (key, path) in [("read_paths", "/etc/ssl"), ("read_paths", "/etc"), ("write_paths", "/etc/ssl/private")] {
+        let first = if key == "read_paths" { "/opt" } else { "." };
+        let profile = format!(
+            "id = \"test.keys\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/true\"]\ninput = \"nothing\"\n\
+             [sandbox]\n{key} = [{first:?}, {path:?}]\n"
+        );
+        let error = load_error(&[("keys.toml", profile)]).await;
+        assert!(error.contains(&format!("sandbox.{key}[1]")) && error.contains("private keys"), "{path}: {error}");
+    }
+}
+
 /// The managed hook that carries Claude Code's and Codex's tool calls to
 /// the gate is bound at a fixed path under /etc; a read or write path over
 /// it (or in its directory) would hide it or let the agent change it, and

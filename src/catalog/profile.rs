@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::policy::{compile_all, Policy, PolicySpec};
-use crate::sandbox::workspace::{check_env_name, check_sandbox_path};
+use crate::sandbox::workspace::{check_env_name, check_no_private_keys, check_sandbox_path};
 use crate::sandbox::{SandboxSpec, SandboxType};
 pub use crate::types::{Readiness, ReadinessState};
 
@@ -729,6 +729,13 @@ impl Profile {
             }
         }
         check_hook_paths(&file.rein, &file.sandbox)?;
+        for (key, paths) in
+            [("sandbox.read_paths", &file.sandbox.read_paths), ("sandbox.write_paths", &file.sandbox.write_paths)]
+        {
+            for (i, path) in paths.iter().enumerate() {
+                check_no_private_keys(path).map_err(|e| format!("{key}[{i}]: {e}"))?;
+            }
+        }
         for label in &file.placement.labels {
             check_label(label).map_err(|e| format!("placement.labels: {e}"))?;
         }

@@ -460,6 +460,21 @@ pub fn check_sandbox_path(path: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks that a path a profile binds into its sandbox is not the host's
+/// private keys (`/etc/ssl/private`), nor a directory holding them. (A
+/// policy's paths only narrow a profile's: they bind nothing of their own.)
+pub fn check_no_private_keys(path: &str) -> Result<(), String> {
+    if path.starts_with('/') {
+        let parts: Vec<&str> = path.split('/').filter(|c| !c.is_empty() && *c != ".").collect();
+        let keys = ["etc", "ssl", "private"];
+        let n = parts.len().min(keys.len());
+        if parts[..n] == keys[..n] {
+            return Err(format!("{path:?} would show the sandbox the host's private keys (/etc/ssl/private)"));
+        }
+    }
+    Ok(())
+}
+
 /// Checks the name of a daemon environment variable a profile or a policy
 /// passes through: not empty, no `=`, no NUL or other control character.
 pub fn check_env_name(name: &str) -> Result<(), String> {
@@ -541,8 +556,16 @@ mod tests {
         for bad in ["file.txt\0--share-net", "a\nb", "x/../y", "..", "\u{7f}"] {
             assert!(check_sandbox_path(bad).is_err(), "{bad:?}");
         }
-        for ok in [".", "out", "/var/cache/x", "a/b.c"] {
+        for ok in [".", "out", "/var/cache/x", "a/b.c", "/etc/ssl/certs", "/etc/sslx", "/etc/ssl/privatex", "etc/ssl"] {
             assert!(check_sandbox_path(ok).is_ok(), "{ok:?}");
+        }
+        for ok in [".", "out", "/var/cache/x", "a/b.c", "/etc/ssl/certs", "/etc/sslx", "/etc/ssl/privatex", "etc/ssl"] {
+            assert!(check_no_private_keys(ok).is_ok(), "{ok:?}");
+        }
+        // The host's private keys, or a directory above them, whatever the spelling.
+        for bad in ["/", "/etc", "/etc/", "/etc/ssl", "//etc/./ssl", "/etc/ssl/private", "/etc/ssl/private/k.pem"] {
+            let error = check_no_private_keys(bad).unwrap_err();
+            assert!(error.contains("private keys"), "{bad:?}: {error}");
         }
         for bad in ["", "A=B", "A\0B", "A\tB"] {
             assert!(check_env_name(bad).is_err(), "{bad:?}");
