@@ -355,6 +355,11 @@ async fn tenant_a_alone(roots: &Roots, git: fn(&mut corral::config::GitConfig)) 
     .await
 }
 
+/// A task that commits one new file, `f<n>`: a run whose work comes back.
+fn commit_script(n: u32) -> String {
+    format!("echo {n} > f{n} && git add f{n} && git -c user.name=a -c user.email=a@a commit -qm {n}")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_stops_coming_back_into_an_origin_that_is_full() {
     require_bwrap();
@@ -366,13 +371,11 @@ async fn work_stops_coming_back_into_an_origin_that_is_full() {
     })
     .await;
     let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
-    let commit =
-        |n: u32| format!("echo {n} > f{n} && git add f{n} && git -c user.name=a -c user.email=a@a commit -qm {n}");
     for n in 0..2 {
-        let run = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit(n))).await;
+        let run = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit_script(n))).await;
         assert_eq!(run.state, pb::ExecutionState::Succeeded as i32, "{}", run.tool_error);
     }
-    let third = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit(2))).await;
+    let third = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit_script(2))).await;
     assert_eq!(third.state, pb::ExecutionState::Failed as i32);
     assert_eq!(third.evidence.as_ref().unwrap().failure_stage, pb::FailureStage::Teardown as i32);
     assert!(third.tool_error.contains("git.max_capture_refs"), "{}", third.tool_error);
@@ -384,7 +387,7 @@ async fn work_stops_coming_back_into_an_origin_that_is_full() {
     let daemon = tenant_a_alone(&roots, |git| git.max_origin_bytes = 1).await;
     let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
     let other = roots.repo(&roots.root().join("shared/other"));
-    let run = execute(&mut client, TOKEN_A, shell("pa", &other, &commit(9))).await;
+    let run = execute(&mut client, TOKEN_A, shell("pa", &other, &commit_script(9))).await;
     assert!(run.tool_error.contains("git.max_origin_bytes"), "{}", run.tool_error);
     assert_eq!(git(&other, &["for-each-ref", "refs/corral/"]), "");
     daemon.stop().await;
@@ -414,13 +417,11 @@ async fn a_tenant_fills_only_its_share_of_a_shared_repositorys_refs() {
     })
     .await;
     let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
-    let commit =
-        |n: u32| format!("echo {n} > f{n} && git add f{n} && git -c user.name=a -c user.email=a@a commit -qm {n}");
     for n in 0..2 {
-        let run = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit(n))).await;
+        let run = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit_script(n))).await;
         assert_eq!(run.state, pb::ExecutionState::Succeeded as i32, "{}", run.tool_error);
     }
-    let third = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit(2))).await;
+    let third = execute(&mut client, TOKEN_A, shell("pa", &shared, &commit_script(2))).await;
     assert_eq!(third.state, pb::ExecutionState::Failed as i32, "past its share: {third:?}");
     assert_eq!(third.evidence.as_ref().unwrap().failure_stage, pb::FailureStage::Teardown as i32);
     assert!(
@@ -428,7 +429,7 @@ async fn a_tenant_fills_only_its_share_of_a_shared_repositorys_refs() {
         "{}",
         third.tool_error
     );
-    let b = execute(&mut client, TOKEN_B, shell("pb", &shared, &commit(3))).await;
+    let b = execute(&mut client, TOKEN_B, shell("pb", &shared, &commit_script(3))).await;
     assert_eq!(b.state, pb::ExecutionState::Succeeded as i32, "tenant-b's work still comes back: {}", b.tool_error);
     let refs = git(&shared, &["for-each-ref", "--format=%(refname)", "refs/corral/"]);
     assert_eq!(refs.lines().count(), 3, "{refs}");

@@ -556,8 +556,8 @@ fn check_endpoint(
 /// CLI reads there, while the profile still counts as gated. Refused for
 /// every sandbox type: an `enforce_sandbox` policy can upgrade `none` to
 /// `linux_bwrap`, which carries the hook. Relative write paths are inside
-/// the workspace.
-fn check_hook_paths(rein: &ReinSpec, sandbox: &SandboxSpec) -> Result<(), String> {
+/// the workspace. Nor may a path show the sandbox the host's private keys.
+fn check_bound_paths(rein: &ReinSpec, sandbox: &SandboxSpec) -> Result<(), String> {
     let files = rein.preset.managed_hook_paths();
     for (key, paths) in [("sandbox.read_paths", &sandbox.read_paths), ("sandbox.write_paths", &sandbox.write_paths)] {
         for (i, path) in paths.iter().enumerate() {
@@ -583,6 +583,8 @@ fn check_hook_paths(rein: &ReinSpec, sandbox: &SandboxSpec) -> Result<(), String
                     file
                 ));
             }
+            // Never the host's private keys (the hook's reason first, where both hold).
+            check_no_private_keys(path).map_err(|e| format!("{key}[{i}]: {e}"))?;
         }
     }
     Ok(())
@@ -728,14 +730,7 @@ impl Profile {
                 return Err(format!("sandbox.read_paths: {path:?} must be absolute"));
             }
         }
-        check_hook_paths(&file.rein, &file.sandbox)?;
-        for (key, paths) in
-            [("sandbox.read_paths", &file.sandbox.read_paths), ("sandbox.write_paths", &file.sandbox.write_paths)]
-        {
-            for (i, path) in paths.iter().enumerate() {
-                check_no_private_keys(path).map_err(|e| format!("{key}[{i}]: {e}"))?;
-            }
-        }
+        check_bound_paths(&file.rein, &file.sandbox)?;
         for label in &file.placement.labels {
             check_label(label).map_err(|e| format!("placement.labels: {e}"))?;
         }

@@ -341,9 +341,7 @@ pub struct OriginRoom {
 
 /// Whether `origin` has room for a bundle of `bundle_bytes`.
 async fn check_room(origin: &OpenRepo, bundle_bytes: u64, room: OriginRoom) -> Result<(), WorkspaceError> {
-    let mut cmd = git_in(origin);
-    cmd.args(["for-each-ref", "--format=x", "refs/corral/"]);
-    let refs = run(cmd, "for-each-ref").await?.lines().count() as u64;
+    let refs = ref_names(origin).await?.len() as u64;
     if refs >= room.max_refs {
         return Err(WorkspaceError(format!(
             "the repository holds {refs} refs/corral refs, the most git.max_capture_refs allows: \
@@ -374,7 +372,12 @@ async fn check_room(origin: &OpenRepo, bundle_bytes: u64, room: OriginRoom) -> R
 pub async fn corral_refs(origin: &Path) -> Result<Vec<String>, WorkspaceError> {
     let origin = OpenRepo::reopen(origin)
         .map_err(|e| WorkspaceError(format!("fetch back: the repository cannot be opened: {e}")))?;
-    let mut cmd = git_in(&origin);
+    ref_names(&origin).await
+}
+
+/// [`corral_refs`] of a repository already open.
+async fn ref_names(origin: &OpenRepo) -> Result<Vec<String>, WorkspaceError> {
+    let mut cmd = git_in(origin);
     cmd.args(["for-each-ref", "--format=%(refname)", "refs/corral/"]);
     let refs = run(cmd, "for-each-ref").await?;
     Ok(refs.lines().filter_map(|l| l.strip_prefix("refs/corral/")).map(str::to_string).collect())
