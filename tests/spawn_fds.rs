@@ -6,7 +6,9 @@
 //! The process starts with no signal blocked and SIGPIPE not ignored,
 //! though the daemon blocks every signal across the clone; a failed exec is
 //! an error with its errno; a process dropped unreaped is killed and reaped;
-//! a daemon started with its stdin closed still hands its child a stdin.
+//! a daemon started with its stdin closed still hands its child a stdin; a
+//! spawn under way holds none of the daemon's files (its data directory's
+//! lock).
 
 use std::os::fd::AsRawFd;
 
@@ -143,4 +145,89 @@ fn a_daemon_with_its_stdin_closed_still_gives_the_child_a_stdin() {
     }
     let stdout = run_again(STDIN_CLOSED, "CORRAL_SPAWN_STDIN_CLOSED");
     assert!(stdout.contains("child said got:hello"), "{stdout}");
+}
+
+/// The descriptors `/proc/<pid>/fd` of `pid` points at.
+fn open_files(pid: i32) -> Vec<std::path::PathBuf> {
+    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
+    entries.flatten().filter_map(|e| std::fs::read_link(e.path()).ok()).collect()
+}
+
+/// This process's children (the spawn's clone), from `/proc`.
+fn children() -> Vec<i32> {
+    let me = std::process::id().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+            status.lines().any(|l| l.strip_prefix("PPid:").is_some_and(|p| p.trim() == me))
+        })
+        .collect()
+}
+
+/// A spawn still on its way to `execve` when the daemon dies holds none of
+/// the daemon's files: a daemon SIGKILLed while its pool was refilling was
+/// restarted at once, and found its data directory "in use by a running
+/// daemon": the clone, blocked writing a cgroup's `cgroup.procs`, held its
+/// copy of the lock. Here the clone is held at that write (a full pipe in
+/// place of `cgroup.procs`) while the lock's holder lets it go: another
+/// open of the file must then take it.
+#[test]
+fn a_spawn_under_way_holds_none_of_the_daemons_files() {
+    use std::os::fd::FromRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("daemon.lock");
+    let flock = |file: &std::fs::File| {
+        // SAFETY: flock on an open descriptor.
+        unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+    };
+    let lock = std::fs::File::create(&path).unwrap();
+    assert!(flock(&lock));
+
+    // A pipe filled up: the child's write of "0" to it blocks.
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 and fcntl on descriptors this test owns.
+    let (read, write) = unsafe {
+        assert_eq!(libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK), 0);
+        (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1]))
+    };
+    use std::io::Write;
+    while (&write).write(&[0u8; 4096]).is_ok() {}
+    // SAFETY: as above.
+    unsafe { libc::fcntl(write.as_raw_fd(), libc::F_SETFL, 0) };
+
+    let pipe = std::fs::read_link(format!("/proc/self/fd/{}", write.as_raw_fd())).unwrap();
+
+    let runtime = runtime();
+    let handle = runtime.handle().clone();
+    let spawn = std::thread::spawn(move || {
+        let _entered = handle.enter();
+        let options = SpawnOptions { cgroup_procs: vec![write], ..SpawnOptions::default() };
+        spawn_group(std::path::Path::new("/bin/true"), &[], &[], std::path::Path::new("/"), options).unwrap()
+    });
+    // The clone (the child holding the pipe) appears, and lets go of the
+    // lock's file before it writes.
+    let mut holds = true;
+    for _ in 0..500 {
+        let clone = children().into_iter().map(open_files).find(|files| files.contains(&pipe));
+        if clone.is_some_and(|files| !files.contains(&path)) {
+            holds = false;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    drop(lock);
+    let again = std::fs::File::open(&path).unwrap();
+    let taken = flock(&again);
+
+    // Unblocked, the child goes on to exec.
+    let mut sink = [0u8; 65536];
+    use std::io::Read;
+    let _ = (&read).read(&mut sink);
+    let mut process = spawn.join().unwrap();
+    assert!(runtime.block_on(process.wait()).unwrap().success());
+    assert!(!holds, "the clone still held the lock's file while it waited to write cgroup.procs");
+    assert!(taken, "the lock stayed held after its holder let it go");
 }

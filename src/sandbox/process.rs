@@ -181,18 +181,24 @@ impl Child {
         let cgroup_fds: Vec<RawFd> = self.options.cgroup_procs.iter().map(|f| f.as_raw_fd()).collect();
         let pass_fds: Vec<RawFd> = self.options.pass_fds.iter().map(|f| f.as_raw_fd()).collect();
         let stdio = self.stdio.each_ref().map(|f| f.as_raw_fd());
+        // What the child uses of the daemon's descriptors; it closes the rest first.
+        let mut keep: Vec<RawFd> = stdio.iter().chain(&cgroup_fds).chain(&pass_fds).copied().collect();
+        keep.sort_unstable();
         let limits = self.options.rlimits;
         let user = self.options.user;
         let failure = vfork::Failure::default();
         let daemon = std::process::id() as libc::pid_t;
         let mut child = || {
             // SAFETY: runs in the vfork'd child (see `vfork::spawn`): system
-            // calls only (dup2, setpgid, write, setrlimit, `vfork::become_user`,
+            // calls only (close_range, dup2, setpgid, write, setrlimit, `vfork::become_user`,
             // keyctl, prctl, getppid, fcntl, close_range, chdir, execve) on values built
             // before the clone; no allocation.
             unsafe {
                 let run = || -> Result<(), ()> {
                     let check = |rc: libc::c_long| if rc < 0 { Err(()) } else { Ok(()) };
+                    if !vfork::close_all_but(&keep) {
+                        return Err(());
+                    }
                     for (target, fd) in stdio.iter().enumerate() {
                         check(libc::dup2(*fd, target as libc::c_int).into())?;
                     }

@@ -212,7 +212,7 @@ fn clear_keyrings(uid: u32, gid: u32) -> Result<(), String> {
     // The failed step (high half) and its errno (low half).
     let report = AtomicU32::new(0);
     let mut child = || -> libc::c_int {
-        // SAFETY: runs in the vfork'd child: `vfork::become_user`, raw
+        // SAFETY: runs in the vfork'd child: close_range, `vfork::become_user`, raw
         // keyctl system calls and an atomic store, nothing else.
         unsafe {
             let fail = |step: u32| -> libc::c_int {
@@ -220,6 +220,10 @@ fn clear_keyrings(uid: u32, gid: u32) -> Result<(), String> {
                 report.store((step << 16) | (errno & 0xffff), Ordering::SeqCst);
                 1
             };
+            // None of the daemon's files (its data directory's lock) past the daemon.
+            if !super::vfork::close_all_but(&[]) {
+                return fail(9);
+            }
             if !super::vfork::become_user(uid, gid) {
                 return fail(1);
             }
@@ -269,6 +273,7 @@ fn clear_keyrings(uid: u32, gid: u32) -> Result<(), String> {
         6 => "clear the user-session keyring",
         7 => "find the persistent keyring",
         8 => "clear the persistent keyring",
+        9 => "close the daemon's descriptors",
         _ => "run the helper",
     };
     let why = match report {

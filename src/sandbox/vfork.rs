@@ -98,6 +98,33 @@ pub unsafe fn spawn(child: &mut dyn FnMut() -> libc::c_int) -> std::io::Result<l
     }
 }
 
+/// Closes, in a child of [`spawn`], every descriptor from 3 up but those
+/// in `keep` (sorted, ascending): the child's copies of the daemon's
+/// files, which the child would otherwise hold until its `execve`. A child
+/// still on its way there when the daemon is SIGKILLed (blocked writing a
+/// cgroup's `cgroup.procs`, say) held the data directory's lock, and a
+/// daemon restarted at once found it "in use by a running daemon". Closing
+/// a copy drops the child's reference alone (the daemon's `flock` and
+/// `fcntl` locks stay: the table is the child's own). Async-signal-safe;
+/// false on failure, with errno set.
+pub fn close_all_but(keep: &[libc::c_int]) -> bool {
+    let close = |first: libc::c_int, last: libc::c_uint| {
+        // SAFETY: close_range on this child's own descriptor table.
+        unsafe { libc::syscall(libc::SYS_close_range, first as libc::c_uint, last, 0 as libc::c_uint) == 0 }
+    };
+    let mut from = 3;
+    for &fd in keep {
+        if fd < from {
+            continue;
+        }
+        if fd > from && !close(from, (fd - 1) as libc::c_uint) {
+            return false;
+        }
+        from = fd + 1;
+    }
+    close(from, libc::c_uint::MAX)
+}
+
 /// Becomes `uid`:`gid` with no supplementary groups, in a child of
 /// [`spawn`]: the raw system calls, which change this task alone (glibc's
 /// wrappers would act on every thread of the daemon, whose memory the child
