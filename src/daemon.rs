@@ -109,11 +109,28 @@ impl DataDirLock {
             .mode(0o600)
             .open(&path)
             .map_err(failed)?;
-        if !crate::sandbox::uid_lock::flock_exclusive(&file, false).map_err(failed)? {
+        // A holder whose named daemon is gone is a process that daemon
+        // started, on its way to `execve` (which closes its copy of the
+        // lock): waited for, up to 3 s, so a restart right after a SIGKILL
+        // is not refused.
+        let mut waited = 0;
+        while !crate::sandbox::uid_lock::flock_exclusive(&file, false).map_err(failed)? {
             let mut holder = String::new();
-            let _ = (&file).take(256).read_to_string(&mut holder);
+            let _ = std::fs::File::open(&path).and_then(|f| f.take(256).read_to_string(&mut holder));
+            let named = holder.strip_prefix("pid ").and_then(|p| p.trim().parse::<libc::pid_t>().ok());
+            // SAFETY: kill with signal 0 sends nothing: it asks whether the pid exists.
+            let gone = named.is_some_and(|pid| pid > 0 && unsafe { libc::kill(pid, 0) } != 0);
+            if gone && waited < 60 {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                waited += 1;
+                continue;
+            }
             let holder = holder.split_whitespace().collect::<Vec<_>>().join(" ");
-            let holder = if holder.is_empty() { "unknown pid".to_string() } else { holder };
+            let holder = match (holder.is_empty(), gone) {
+                (true, _) => "unknown pid".to_string(),
+                (false, true) => format!("{holder}, gone; a process it started holds the lock still"),
+                (false, false) => holder,
+            };
             return Err(StartError::DataDir {
                 path: data_dir.display().to_string(),
                 source: std::io::Error::other(format!(
@@ -634,5 +651,58 @@ fn log_capabilities(host: &HostCapabilities, uid_mode: &UidMode) {
             Ok(mechanism) => tracing::info!(limit = name, %mechanism, "enforceable"),
             Err(reason) => tracing::warn!(limit = name, %reason, "not enforceable; profiles that set it are refused"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pid that was a process and is no more: a child, reaped.
+    fn dead_pid() -> u32 {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        child.wait().unwrap();
+        child.id()
+    }
+
+    /// Holds `dir`'s lock from another open of the file (a process the
+    /// named daemon started), with `pid` written in it.
+    fn hold(dir: &std::path::Path, pid: u32) -> std::fs::File {
+        let path = dir.join("daemon.lock");
+        std::fs::write(&path, format!("pid {pid}\n")).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        assert!(crate::sandbox::uid_lock::flock_exclusive(&file, false).unwrap());
+        file
+    }
+
+    #[test]
+    fn a_lock_left_by_a_gone_daemons_child_is_waited_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = hold(dir.path(), dead_pid());
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            drop(held);
+        });
+        let claimed = DataDirLock::claim(dir.path());
+        release.join().unwrap();
+        assert!(claimed.is_ok(), "{claimed:?}");
+        let text = std::fs::read_to_string(dir.path().join("daemon.lock")).unwrap();
+        assert_eq!(text, format!("pid {}\n", std::process::id()));
+    }
+
+    #[test]
+    fn a_lock_held_by_a_live_daemon_or_too_long_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let _held = hold(dir.path(), std::process::id());
+        let started = std::time::Instant::now();
+        let error = DataDirLock::claim(dir.path()).unwrap_err().to_string();
+        assert!(started.elapsed() < std::time::Duration::from_secs(1), "a live holder is not waited for");
+        assert!(error.contains(&format!("in use by a running daemon (pid {};", std::process::id())), "{error}");
+        drop(_held);
+
+        let pid = dead_pid();
+        let _held = hold(dir.path(), pid);
+        let error = DataDirLock::claim(dir.path()).unwrap_err().to_string();
+        assert!(error.contains(&format!("(pid {pid}, gone; a process it started holds the lock still;")), "{error}");
     }
 }
