@@ -437,6 +437,49 @@ async fn a_tenant_fills_only_its_share_of_a_shared_repositorys_refs() {
     daemon.stop().await;
 }
 
+/// Runs of one tenant finishing at once take no more than its share: the
+/// share and the room are counted, and the ref taken, under one lock on
+/// the repository (before, each counted the refs before any had fetched,
+/// and all of them came back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_finishing_at_once_take_no_more_than_their_share() {
+    require_bwrap();
+    let roots = Roots::new();
+    let root = roots.root();
+    let shared = roots.repo(&root.join("shared/repo"));
+    let a_repos = vec![root.join("shared")];
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![("sh.toml".into(), SHELL.into())],
+        config: Box::new(move |c| {
+            c.repo_roots = vec![root];
+            c.git.max_capture_refs = 8;
+            c.git.max_capture_refs_per_principal = Some(1);
+            c.principals.push(tenant("tenant-a", "pa", TOKEN_A, a_repos));
+        }),
+        ..Options::default()
+    })
+    .await;
+    let client = ExecutionServiceClient::new(tcp(&daemon).await);
+    // Each commits, then waits for the same moment to end.
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis();
+    let deadline = now_ms + 3_000;
+    let runs = (0..4).map(|n| {
+        let mut client = client.clone();
+        let script = format!("{} && while [ $(date +%s%3N) -lt {deadline} ]; do sleep 0.005; done", commit_script(n));
+        let req = shell("pa", &shared, &script);
+        async move { execute(&mut client, TOKEN_A, req).await }
+    });
+    let runs = futures_util::future::join_all(runs).await;
+    let back: Vec<&pb::Execution> = runs.iter().filter(|r| r.state == pb::ExecutionState::Succeeded as i32).collect();
+    assert_eq!(back.len(), 1, "one run's work comes back, its share: {runs:#?}");
+    for run in runs.iter().filter(|r| r.state != pb::ExecutionState::Succeeded as i32) {
+        assert!(run.tool_error.contains("principal tenant-a holds 1 of"), "{}", run.tool_error);
+    }
+    let refs = git(&shared, &["for-each-ref", "--format=%(refname)", "refs/corral/"]);
+    assert_eq!(refs.lines().count(), 1, "{refs}");
+    daemon.stop().await;
+}
+
 /// A tenant that opens watch streams and never reads them runs out of its
 /// own places (`max_watchers_per_principal`), on any of its runs and
 /// sessions, not of everyone's: the other tenant still watches its own; a

@@ -121,12 +121,18 @@ impl CaptureJob<'_> {
             return Ok(Captured { capture, fetched: String::new() });
         }
         let taken = workspace::take_bundle(&host_bundle, self.private, self.max_bundle_bytes);
-        let fetched = match (taken, &self.share) {
-            (Ok(()), Some(share)) => match share.check(self.origin).await {
+        // The share and the room are counted, and the ref taken, under one
+        // lock (`_held` lives to the end of its arm).
+        let locked = match taken {
+            Ok(()) => workspace::lock_origin(self.origin).await,
+            Err(e) => Err(e),
+        };
+        let fetched = match (locked, &self.share) {
+            (Ok(_held), Some(share)) => match share.check(self.origin).await {
                 Ok(()) => workspace::fetch_bundle(self.origin, self.private, self.name, self.room).await,
                 Err(e) => Err(e),
             },
-            (Ok(()), None) => workspace::fetch_bundle(self.origin, self.private, self.name, self.room).await,
+            (Ok(_held), None) => workspace::fetch_bundle(self.origin, self.private, self.name, self.room).await,
             (Err(e), _) => Err(e),
         };
         let _ = std::fs::remove_file(self.private);

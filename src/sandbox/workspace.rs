@@ -383,6 +383,31 @@ async fn ref_names(origin: &OpenRepo) -> Result<Vec<String>, WorkspaceError> {
     Ok(refs.lines().filter_map(|l| l.strip_prefix("refs/corral/")).map(str::to_string).collect())
 }
 
+/// One fetch back into a repository at a time: held from the checks of
+/// its room (and of the principal's share) to the end of the fetch, so
+/// runs finishing at once cannot each see room for one more ref and all
+/// take it. An exclusive `flock` on the repository's git directory, which
+/// orders every daemon on the host (a fleet's nodes too) and drops with
+/// the guard, or with the daemon.
+pub struct OriginLock {
+    _dir: std::fs::File,
+}
+
+/// Takes `origin`'s [`OriginLock`], waiting for a fetch under way.
+pub async fn lock_origin(origin: &Path) -> Result<OriginLock, WorkspaceError> {
+    let failed =
+        |e: &dyn std::fmt::Display| WorkspaceError(format!("fetch back: the repository cannot be locked: {e}"));
+    let repo = OpenRepo::reopen(origin).map_err(|e| failed(&e))?;
+    // The git directory is held as an O_PATH descriptor, which flock
+    // refuses: it is opened again, read-only, through that descriptor.
+    let dir = std::fs::File::open(repo.git_dir_proc_path()).map_err(|e| failed(&e))?;
+    let dir = tokio::task::spawn_blocking(move || crate::sandbox::uid_lock::flock_exclusive(&dir, true).map(|_| dir))
+        .await
+        .map_err(|e| failed(&e))?
+        .map_err(|e| failed(&e))?;
+    Ok(OriginLock { _dir: dir })
+}
+
 /// Verifies the private bundle and fetches it into `origin` as
 /// `refs/corral/<name>` if the origin has `room`; returns the commit it
 /// brought (the one the daemon saw in the bundle, not what anyone claimed).
