@@ -1281,7 +1281,8 @@ async fn queued_work_outlives_a_killed_node() {
 /// A tool call waiting for approval on one node is decided through
 /// another: the decision reaches the owner, the harness gets the verdict,
 /// and the owner's answers (a call nobody waits on, one decided already)
-/// come back as they are.
+/// come back as they are, the session's end past too; once the owner has
+/// stopped, its calls are unknown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_call_waiting_on_one_node_is_decided_through_another() {
     let _serial = ONE_AT_A_TIME.lock().await;
@@ -1334,7 +1335,30 @@ async fn a_tool_call_waiting_on_one_node_is_decided_through_another() {
         rest.iter().any(|e| matches!(&e.kind, Some(pb::lifecycle_event::Kind::ApprovalDecided(d)) if d.allow && d.reason == "through node-a")),
         "{rest:?}"
     );
-    stop_all([a, b]).await;
+    // Ended, the owner still tells the call decided already from one it
+    // never had, and node-a answers as it does: the same code, the same
+    // message, whichever node is asked.
+    let end = pb::EndSessionRequest { session_id: session.clone() };
+    on_b.end_session(end).await.expect("node-b ends its session");
+    let mut answers = Vec::new();
+    for client in [&mut on_b, &mut on_a] {
+        let settled = client.decide_tool_call(decide(&call_id)).await.unwrap_err();
+        let unknown = client.decide_tool_call(decide("call-999999")).await.unwrap_err();
+        answers.push([settled, unknown].map(|s| (s.code(), s.message().to_string())));
+    }
+    let [on_owner, through_a] = [&answers[0], &answers[1]];
+    assert_eq!(on_owner[0].0, tonic::Code::FailedPrecondition, "decided already, on the owner: {on_owner:?}");
+    assert_eq!(on_owner[1].0, tonic::Code::NotFound, "no such call, on the owner: {on_owner:?}");
+    assert_eq!(through_a, on_owner, "node-a answers for the ended session as its owner does");
+    // Its owner stopped (its calls were in its memory): NOT_FOUND at once,
+    // as it would answer itself once restarted, not a wait for a node that
+    // is gone.
+    assert!(b.process.stop().await.is_some_and(|s| s.success()), "node-b did not stop on SIGTERM");
+    let asked = Instant::now();
+    let gone = on_a.decide_tool_call(decide(&call_id)).await.unwrap_err();
+    assert_eq!(gone.code(), tonic::Code::NotFound, "its owner stopped: {gone:?}");
+    assert!(asked.elapsed() < Duration::from_secs(5), "answered without waiting for node-b: {:?}", asked.elapsed());
+    stop_all([a]).await;
 }
 
 /// A profile's `[placement] labels` keep its runs on nodes with those

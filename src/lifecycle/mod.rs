@@ -720,7 +720,8 @@ impl Engine {
     }
 
     /// Decides a tool call waiting for a person: here, or (on a fleet) on
-    /// the node that runs the execution or session, through the store.
+    /// the node that runs (or ran) the execution or session, through the
+    /// store.
     pub async fn decide_tool_call(
         &self,
         subject: &str,
@@ -729,7 +730,7 @@ impl Engine {
     ) -> Result<Result<(), crate::gate::approvals::Undecidable>, EngineError> {
         use crate::gate::approvals::Undecidable;
         match self.approvals.decide(subject, call_id, decision.clone()) {
-            Err(Undecidable::Unknown) if self.store.is_shared() && !self.is_terminal(subject).await? => {}
+            Err(Undecidable::Unknown) if self.store.is_shared() => {}
             decided => return Ok(decided),
         }
         let node = match self.store.node_of_execution(subject).await? {
@@ -737,6 +738,15 @@ impl Engine {
             None => self.store.node_of_session(subject).await?.unwrap_or_default(),
         };
         if node.is_empty() || node == self.store.node() {
+            return Ok(Err(Undecidable::Unknown));
+        }
+        // A finished run's owner still tells a call decided already (or no
+        // longer waiting) from one it never had: it is asked, as for a
+        // running one, so every node answers as it does. An owner stopped or
+        // lost since has forgotten its calls (they live in its memory), as
+        // it would say itself once restarted: unknown, without waiting for a
+        // node that will not answer.
+        if self.is_terminal(subject).await? && !self.in_fleet(&node).await? {
             return Ok(Err(Undecidable::Unknown));
         }
         let payload = serde_json::json!({
@@ -748,6 +758,14 @@ impl Engine {
             "\"settled\"" => Err(Undecidable::Settled),
             _ => Err(Undecidable::Unknown),
         })
+    }
+
+    /// Whether node `node` is in the fleet now: active or draining, neither
+    /// stopped nor lost.
+    async fn in_fleet(&self, node: &str) -> Result<bool, EngineError> {
+        use crate::store::NodeState;
+        let nodes = self.store.list_nodes().await?;
+        Ok(nodes.iter().any(|n| n.name == node && matches!(n.state, NodeState::Active | NodeState::Draining)))
     }
 
     /// A decision another node was sent for a tool call waiting here.
