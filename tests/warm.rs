@@ -96,6 +96,97 @@ async fn a_warm_run_is_confined_and_receipted_exactly_as_a_cold_one() {
     cold.stop().await;
 }
 
+/// A finished run's record without what is its own (ids, times, its
+/// sandbox, how long each stage took, the note that it took a warm
+/// sandbox): what a warm and a cold run of one request have alike.
+fn comparable(mut execution: pb::Execution) -> pb::Execution {
+    execution.execution_id.clear();
+    execution.request_id.clear();
+    execution.correlation_id.clear();
+    execution.consumer.as_mut().expect("a consumer").run_id.clear();
+    execution.created_at = None;
+    execution.finished_at = None;
+    let evidence = execution.evidence.as_mut().expect("evidence");
+    evidence.sandbox_id.clear();
+    evidence.request_id.clear();
+    evidence.correlation_id.clear();
+    evidence.notes.retain(|n| !n.contains("warm pool"));
+    for timing in &mut evidence.stage_timings {
+        timing.micros = 0;
+    }
+    execution
+}
+
+/// The execution's stored record, in the full view (its raw error too).
+async fn stored(daemon: &TestDaemon, execution_id: &str) -> pb::Execution {
+    let get = pb::GetExecutionRequest { execution_id: execution_id.into(), view: pb::ExecutionView::Full as i32 };
+    daemon.executions().await.get_execution(get).await.expect("a stored execution").into_inner()
+}
+
+/// A harness that cannot be started (its program is not in the sandbox,
+/// or is not executable) fails warm exactly as cold: there bwrap's own
+/// `execvp` fails (`bwrap: execvp <program>: <reason>`, status 1), here
+/// the waiter's, which reports it the same way. The waiter said
+/// otherwise (its own sentence, status 127), so the record told a warm
+/// run from a cold one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_harness_that_cannot_start_fails_warm_exactly_as_cold() {
+    require_bwrap();
+    // (profile, its program, why it cannot run): a name PATH does not
+    // find, and a file the sandbox has that is no program.
+    let cases = [
+        ("test.missing", "corral-no-such-harness", "No such file or directory"),
+        ("test.not-executable", "/etc/passwd", "Permission denied"),
+    ];
+    let profiles: Vec<(String, String)> = cases
+        .iter()
+        .map(|(id, program, _)| {
+            let text = format!(
+                "id = \"{id}\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"{program}\", \"--flag\"]\n\
+                 input = \"nothing\"\n[sandbox]\ntype = \"linux_bwrap\"\n"
+            );
+            (format!("{id}.toml"), text)
+        })
+        .collect();
+    let pools = profiles.clone();
+    let warm = TestDaemon::start(Options {
+        profiles: pools,
+        config: Box::new(move |c| {
+            for (id, _, _) in cases {
+                c.sandbox.warm.insert(id.into(), 1);
+            }
+        }),
+        ..Options::default()
+    })
+    .await;
+    let cold = TestDaemon::start(Options { profiles, ..Options::default() }).await;
+    full(&warm).await;
+    for (id, program, why) in cases {
+        let warm_events = warm.execute(request(id, "")).await;
+        let cold_events = cold.execute(request(id, "")).await;
+        let (warm_run, cold_run) = (finished(&warm_events), finished(&cold_events));
+        assert!(was_warm(&warm_run), "{id}: the pooled daemon's run took no warm sandbox");
+        assert!(!was_warm(&cold_run));
+        assert_eq!(cold_run.state, pb::ExecutionState::Failed as i32, "{id}: {cold_run:?}");
+        // The failure names the program and why it could not run.
+        for text in [program, why] {
+            assert!(cold_run.tool_error.contains(text), "{id}: {text:?} not in {:?}", cold_run.tool_error);
+        }
+        assert_eq!(warm_run.tool_error, cold_run.tool_error, "{id}: the raw error");
+        assert_eq!(evidence(&warm_run).failure_class, evidence(&cold_run).failure_class, "{id}");
+        assert_eq!(kinds(&warm_events), kinds(&cold_events), "{id}: the events");
+        // As the caller's stream gave them, and as stored (the full view).
+        let warm_stored = stored(&warm, &warm_run.execution_id).await;
+        let cold_stored = stored(&cold, &cold_run.execution_id).await;
+        assert!(cold_stored.tool_error.contains(program), "{id}: {:?}", cold_stored.tool_error);
+        assert_eq!(warm_stored.tool_error, cold_stored.tool_error, "{id}: the stored raw error");
+        assert_eq!(comparable(warm_stored), comparable(cold_stored), "{id}: the stored records");
+        assert_eq!(comparable(warm_run), comparable(cold_run), "{id}: the records");
+    }
+    warm.stop().await;
+    cold.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_warm_sandbox_serves_one_execution_and_the_pool_refills() {
     require_bwrap();

@@ -12,7 +12,8 @@
 //! one frame from stdin, a pipe only it holds, closes every descriptor
 //! above 2 and `exec`s the frame's argv with the frame's environment (and
 //! the `PWD` bwrap sets), searching the frame's `PATH` as bwrap's `execvp`
-//! does on the cold path.
+//! does on the cold path. A command it cannot `exec` fails as bwrap's does
+//! there (see [`exec_failure`]).
 //! What follows on stdin (the task) is the harness's.
 //!
 //! A frame: `u32` payload length, then the payload: `u32` argc, `u32` envc,
@@ -99,19 +100,65 @@ pub fn decode(payload: &[u8]) -> Result<(Vec<CString>, Vec<CString>), String> {
     Ok((argv, env))
 }
 
-/// The waiter itself: never returns. Exit 127 (with the reason on stderr)
-/// when the request cannot be read or run, as a shell does for a command
-/// it cannot find.
-pub fn run() -> ! {
-    let why = match wait_and_exec() {
-        Ok(never) => match never {},
-        Err(why) => why,
-    };
-    eprintln!("corral: the sandbox could not start its command: {why}");
-    std::process::exit(127)
+/// The exit status of a command that cannot be `exec`ed: bwrap's, whose
+/// `execvp` fails for it on the cold path (`die_with_error`).
+pub const EXEC_FAILED: i32 = 1;
+
+/// What bwrap writes on stderr when its `execvp` of `program` fails with
+/// `errno` on the cold path: the waiter writes the same, byte for byte,
+/// and exits [`EXEC_FAILED`] as bwrap does, so that a harness that cannot
+/// be started leaves the same record warm and cold. bwrap sets no locale:
+/// the reason is the C locale's `strerror`, as the waiter's is.
+pub fn exec_failure(program: &std::ffi::CStr, errno: i32) -> Vec<u8> {
+    // SAFETY: strerror returns a NUL-terminated string, read before any
+    // other call to it (the waiter is single-threaded).
+    let reason = unsafe { std::ffi::CStr::from_ptr(libc::strerror(errno)) };
+    let mut line = b"bwrap: execvp ".to_vec();
+    line.extend_from_slice(program.to_bytes());
+    line.extend_from_slice(b": ");
+    line.extend_from_slice(reason.to_bytes());
+    line.push(b'\n');
+    line
 }
 
-fn wait_and_exec() -> Result<std::convert::Infallible, String> {
+/// Why the waiter did not become the harness.
+enum Failure {
+    /// No request it could read: exit 127, with the reason on stderr.
+    Request(String),
+    /// The request's command could not be `exec`ed: the program, and the
+    /// errno of the last `exec`.
+    Exec(CString, i32),
+}
+
+impl From<String> for Failure {
+    fn from(why: String) -> Failure {
+        Failure::Request(why)
+    }
+}
+
+/// The waiter itself: never returns. A command it cannot `exec` fails as
+/// bwrap's `execvp` does on the cold path ([`exec_failure`]); a request it
+/// cannot read exits 127 (with the reason on stderr), as a shell does for
+/// a command it cannot find.
+pub fn run() -> ! {
+    use std::io::Write;
+    let failure = match wait_and_exec() {
+        Ok(never) => match never {},
+        Err(failure) => failure,
+    };
+    match failure {
+        Failure::Exec(program, errno) => {
+            let _ = std::io::stderr().write_all(&exec_failure(&program, errno));
+            std::process::exit(EXEC_FAILED)
+        }
+        Failure::Request(why) => {
+            eprintln!("corral: the sandbox could not start its command: {why}");
+            std::process::exit(127)
+        }
+    }
+}
+
+fn wait_and_exec() -> Result<std::convert::Infallible, Failure> {
     use std::io::Read;
     use std::os::fd::FromRawFd;
     // Unbuffered: exactly the frame is read, the task after it is the harness's.
@@ -121,7 +168,7 @@ fn wait_and_exec() -> Result<std::convert::Infallible, String> {
     stdin.read_exact(&mut header).map_err(|e| format!("no request: {e}"))?;
     let len = u32::from_le_bytes(header) as usize;
     if len > MAX_FRAME {
-        return Err(format!("a request of {len} bytes"));
+        return Err(format!("a request of {len} bytes").into());
     }
     let mut payload = vec![0u8; len];
     stdin.read_exact(&mut payload).map_err(|e| format!("a cut request: {e}"))?;
@@ -131,7 +178,7 @@ fn wait_and_exec() -> Result<std::convert::Infallible, String> {
     if let Some(pwd) = std::env::var_os("PWD") {
         let mut entry = b"PWD=".to_vec();
         entry.extend_from_slice(pwd.as_encoded_bytes());
-        let entry = CString::new(entry).map_err(|_| "a NUL in PWD")?;
+        let entry = CString::new(entry).map_err(|_| "a NUL in PWD".to_string())?;
         match env.iter_mut().find(|e| e.to_bytes().starts_with(b"PWD=")) {
             Some(old) => *old = entry,
             None => env.push(entry),
@@ -140,7 +187,7 @@ fn wait_and_exec() -> Result<std::convert::Infallible, String> {
     let path = env.iter().find_map(|e| e.to_bytes().strip_prefix(b"PATH=").map(<[u8]>::to_vec));
     // SAFETY: plain syscalls on this single-threaded process; every
     // pointer array is NUL-terminated and outlives the exec.
-    unsafe {
+    let errno = unsafe {
         // The daemon's binary and whatever else bwrap passed on: the harness
         // gets stdio only.
         libc::syscall(libc::SYS_close_range, 3, libc::c_uint::MAX, 0);
@@ -154,8 +201,10 @@ fn wait_and_exec() -> Result<std::convert::Infallible, String> {
         let mut envp: Vec<*const libc::c_char> = env.iter().map(|e| e.as_ptr()).collect();
         envp.push(std::ptr::null());
         libc::execvpe(argv[0].as_ptr(), argp.as_ptr(), envp.as_ptr());
-    }
-    Err(format!("{}: {}", argv[0].to_string_lossy(), std::io::Error::last_os_error()))
+        // Returned: it failed. Its errno, before anything else can set it.
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    };
+    Err(Failure::Exec(argv[0].clone(), errno))
 }
 
 #[cfg(test)]
@@ -182,6 +231,14 @@ mod tests {
         assert!(encode(&["a".into()], &[("".into(), "c".into())]).is_err());
         assert!(encode(&["a".into()], &[("A".into(), "\0".into())]).is_err());
         assert!(encode(&["x".repeat(MAX_FRAME)], &[]).is_err());
+    }
+
+    /// bwrap 0.8's own words for an `execvp` that fails (`bwrap -- nope`).
+    #[test]
+    fn an_exec_failure_reads_as_bwraps() {
+        let missing = exec_failure(c"corral-no-such-harness", libc::ENOENT);
+        assert_eq!(missing, b"bwrap: execvp corral-no-such-harness: No such file or directory\n");
+        assert_eq!(exec_failure(c"/usr", libc::EACCES), b"bwrap: execvp /usr: Permission denied\n");
     }
 
     #[test]
