@@ -480,6 +480,86 @@ async fn runs_finishing_at_once_take_no_more_than_their_share() {
     daemon.stop().await;
 }
 
+/// A profile's absolute write path is a host directory every run of the
+/// profile writes, whoever runs it: tenant-a's agent left a file there and
+/// tenant-b's next run read it. A principal other than `adm` may now have
+/// the sandbox write the host only beneath its `write_roots` (none by
+/// default): refused at the gate, naming the path, before any sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_writes_the_host_only_beneath_its_write_roots() {
+    use std::os::unix::fs::PermissionsExt;
+    require_bwrap();
+    let roots = Roots::new();
+    let root = roots.root();
+    let (a_repo, b_repo) = (roots.repo(&root.join("pa/repo")), roots.repo(&root.join("pb/repo")));
+    let host = common::data_tempdir();
+    let (shared, own) = (host.path().join("shared"), host.path().join("a"));
+    let own_cache = own.join("cache");
+    for dir in [&shared, &own, &own_cache] {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let profile = |id: &str, path: &Path| {
+        SHELL.replace("test.sh", id).replace("write_paths = [\".\"]", &format!("write_paths = [\".\", {:?}]", path))
+    };
+    let a_roots = vec![own.clone()];
+    let daemon = TestDaemon::start(Options {
+        profiles: vec![
+            ("shared.toml".into(), profile("test.shared", &shared)),
+            ("own.toml".into(), profile("test.own", &own_cache)),
+        ],
+        config: Box::new(move |c| {
+            c.repo_roots = vec![root.clone()];
+            let mut a = tenant("tenant-a", "pa", TOKEN_A, vec![root.join("pa")]);
+            a.write_roots = a_roots;
+            c.principals.push(a);
+            c.principals.push(tenant("tenant-b", "pb", TOKEN_B, vec![root.join("pb")]));
+        }),
+        ..Options::default()
+    })
+    .await;
+    let mut client = ExecutionServiceClient::new(tcp(&daemon).await);
+    let run = |profile: &str, project: &str, repo: &Path, script: String| pb::ExecuteRequest {
+        harness_profile_ref: profile.into(),
+        ..shell(project, repo, &script)
+    };
+    let refused = |run: &pb::Execution, path: &Path| {
+        assert_eq!(run.state, pb::ExecutionState::Refused as i32, "{run:?}");
+        let evidence = run.evidence.as_ref().unwrap();
+        assert_eq!(evidence.failure_stage, pb::FailureStage::Gate as i32);
+        let decision = evidence.gate_decisions.iter().find(|d| d.policy == "host_write_paths").expect("refusal");
+        assert!(decision.reason.contains(&format!("{} is a host directory", path.display())), "{}", decision.reason);
+    };
+
+    let plant = format!("echo planted > {}/x", shared.display());
+    let a = execute(&mut client, TOKEN_A, run("test.shared", "pa", &a_repo, plant.clone())).await;
+    refused(&a, &shared);
+    let b =
+        execute(&mut client, TOKEN_B, run("test.shared", "pb", &b_repo, format!("cat {}/x", shared.display()))).await;
+    refused(&b, &shared);
+    assert!(!shared.join("x").exists(), "nothing ran");
+
+    // Beneath its own root, tenant-a writes; tenant-b may not use that profile.
+    let mine = format!("echo mine > {}/y", own_cache.display());
+    let a = execute(&mut client, TOKEN_A, run("test.own", "pa", &a_repo, mine.clone())).await;
+    assert_eq!(a.state, pb::ExecutionState::Succeeded as i32, "{}", a.tool_error);
+    assert_eq!(std::fs::read_to_string(own_cache.join("y")).unwrap(), "mine\n");
+    let b =
+        execute(&mut client, TOKEN_B, run("test.own", "pb", &b_repo, format!("cat {}/y", own_cache.display()))).await;
+    refused(&b, &own_cache);
+
+    // The dry run says the same; the administrator writes anywhere.
+    let mut catalog = pb::catalog_service_client::CatalogServiceClient::new(tcp(&daemon).await);
+    let dry = pb::EvaluateGateRequest { profile_ref: "test.shared".into(), project: "pb".into(), ..Default::default() };
+    let dry = catalog.evaluate_gate(as_tenant(TOKEN_B, dry)).await.unwrap().into_inner();
+    assert_eq!(dry.action, pb::GateAction::Deny as i32);
+    assert!(dry.decisions.iter().any(|d| d.policy == "host_write_paths"), "{dry:?}");
+    let admin = common::finished(&daemon.execute(run("test.shared", "", &a_repo, plant)).await);
+    assert_eq!(admin.state, pb::ExecutionState::Succeeded as i32, "{}", admin.tool_error);
+    assert_eq!(std::fs::read_to_string(shared.join("x")).unwrap(), "planted\n");
+    daemon.stop().await;
+}
+
 /// A tenant that opens watch streams and never reads them runs out of its
 /// own places (`max_watchers_per_principal`), on any of its runs and
 /// sessions, not of everyone's: the other tenant still watches its own; a

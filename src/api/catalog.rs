@@ -126,6 +126,7 @@ impl CatalogService for CatalogApi {
             repo: &repo,
             tool_calls: 0,
             session_policies: &session_policies,
+            host_writes: principal.host_writes(),
         };
         let outcome = profile.gate_agent_start(&self.gate, facts);
         Ok(Response::new(pb::EvaluateGateResponse {

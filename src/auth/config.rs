@@ -43,6 +43,12 @@ pub struct PrincipalConfig {
     /// Absolute prefixes its `repo` must be under (within the daemon's
     /// `repo_roots`); empty: any repository under the roots.
     pub repos: Vec<PathBuf>,
+    /// Host directories (absolute) beneath which a profile's absolute
+    /// `sandbox.write_paths` may lie for its runs; empty: none (an `adm`
+    /// principal's runs may write any). Such a path is shared by every run
+    /// of the profile, whoever runs it: tenants stay apart only if each
+    /// writes its own.
+    pub write_roots: Vec<PathBuf>,
     /// It may decide other principals' tool calls waiting for approval in
     /// its projects (`DecideToolCall`). Its own runs' calls it may always
     /// decide, and `adm` any.
@@ -140,6 +146,14 @@ impl PrincipalConfig {
                 return Err(format!("{key}.repos: {} must be an absolute path", repo.display()));
             }
         }
+        for root in &self.write_roots {
+            if !crate::policy::plain_absolute(root) {
+                return Err(format!(
+                    "{key}.write_roots: {} must be an absolute path without . or .. components",
+                    root.display()
+                ));
+            }
+        }
         if self.max_running == Some(0) {
             return Err(format!("{key}.max_running: must be greater than 0"));
         }
@@ -150,6 +164,7 @@ impl PrincipalConfig {
                 projects,
                 max_running: self.max_running,
                 repos: self.repos.clone(),
+                write_roots: self.write_roots.clone(),
                 approve: self.approve,
             },
             token_digests,
@@ -328,6 +343,8 @@ mod tests {
             (PrincipalConfig { name: "bad name".into(), ..base.clone() }, "principals[0].name"),
             (PrincipalConfig { kind: "root".into(), ..base.clone() }, "principals[0].type"),
             (PrincipalConfig { projects: vec!["*".into()], ..base.clone() }, "principals[0].projects"),
+            (PrincipalConfig { write_roots: vec!["cache".into()], ..base.clone() }, "principals[0].write_roots"),
+            (PrincipalConfig { write_roots: vec!["/srv/a/../b".into()], ..base.clone() }, "principals[0].write_roots"),
             (PrincipalConfig { projects: vec![], ..base.clone() }, "principals[0].projects"),
             (PrincipalConfig { unix_uids: vec![], ..base.clone() }, "principals[0]: no credential"),
             (PrincipalConfig { token_sha256: Some("abc".into()), ..base.clone() }, "principals[0].token_sha256"),

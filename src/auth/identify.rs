@@ -48,6 +48,7 @@ impl Authenticator {
             projects: Projects::All,
             max_running: None,
             repos: Vec::new(),
+            write_roots: Vec::new(),
             approve: false,
         });
         let mut tokens = Vec::new();

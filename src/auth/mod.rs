@@ -87,6 +87,9 @@ pub struct Principal {
     /// Where its repositories may be (absolute prefixes), within the
     /// daemon's `repo_roots`; empty: anywhere within them.
     pub repos: Vec<std::path::PathBuf>,
+    /// Beneath which a profile's absolute write paths may lie for its runs
+    /// (see `PrincipalConfig::write_roots`); `adm`: anywhere.
+    pub write_roots: Vec<std::path::PathBuf>,
     /// May decide others' waiting tool calls in its projects.
     pub approve: bool,
 }
@@ -104,6 +107,14 @@ pub struct Denied {
 pub const DEFAULT_PROJECT: &str = "default";
 
 impl Principal {
+    /// Where its runs may write on the host (see [`crate::policy::HostWrites`]).
+    pub fn host_writes(&self) -> crate::policy::HostWrites<'_> {
+        match self.is_admin() {
+            true => crate::policy::HostWrites::Anywhere,
+            false => crate::policy::HostWrites::Beneath { principal: &self.name, roots: &self.write_roots },
+        }
+    }
+
     /// Whether its type is `adm`.
     pub fn is_admin(&self) -> bool {
         self.kind == ConsumerType::Adm
@@ -209,6 +220,7 @@ mod tests {
             projects: Projects::Only(projects.iter().map(|p| p.to_string()).collect()),
             max_running: None,
             repos: Vec::new(),
+            write_roots: Vec::new(),
             approve: false,
         }
     }
@@ -220,6 +232,7 @@ mod tests {
             projects: Projects::All,
             max_running: None,
             repos: Vec::new(),
+            write_roots: Vec::new(),
             approve: false,
         }
     }

@@ -602,6 +602,8 @@ pub struct RunFacts<'a> {
     pub tool_calls: u64,
     /// The session's policies, evaluated first.
     pub session_policies: &'a [Policy],
+    /// Where the run's principal may write on the host.
+    pub host_writes: crate::policy::HostWrites<'a>,
 }
 
 impl Profile {
@@ -652,6 +654,7 @@ impl Profile {
             session_policies: facts.session_policies,
             profile_policies: &self.policies,
             ungated_tool_calls: crate::policy::Ungated { in_bwrap: in_bwrap.as_deref(), in_none: in_none.as_deref() },
+            host_writes: facts.host_writes,
         })
     }
 

@@ -180,6 +180,7 @@ impl Here<'_> {
             repo: "",
             tool_calls: 0,
             session_policies: &[],
+            host_writes: crate::policy::HostWrites::Anywhere,
         };
         // The first deny ends the gate's evaluation and decides it.
         match profile.gate_agent_start(self.gate, facts).denial() {

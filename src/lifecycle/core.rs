@@ -281,12 +281,22 @@ impl Core {
     /// Before a restart it is stored at once.
     async fn gate_agent_start(&mut self, profile: &Profile, first: bool) -> GateOutcome {
         let t = Instant::now();
+        // The principal as configured now (a reload may have changed its
+        // write_roots); one this node does not know writes nowhere, unless
+        // its type (which it acts as) is adm.
+        let known = self.engine.repos.principals.current().named(&self.consumer.principal);
+        let roots = known.as_ref().map(|p| p.write_roots.as_slice()).unwrap_or_default();
+        let host_writes = match self.consumer.actor.as_str() {
+            "adm" => crate::policy::HostWrites::Anywhere,
+            _ => crate::policy::HostWrites::Beneath { principal: &self.consumer.principal, roots },
+        };
         let facts = RunFacts {
             actor: &self.consumer.actor,
             project: &self.consumer.project,
             repo: &self.repo,
             tool_calls: self.tool_calls.load(Ordering::SeqCst),
             session_policies: &self.session_policies,
+            host_writes,
         };
         let outcome = profile.gate_agent_start(&self.engine.gate, facts);
         self.evidence.time("gate", t);
@@ -1208,6 +1218,8 @@ impl CoreGate {
             session_policies: &self.session_policies,
             profile_policies: self.profile.as_ref().map(|p| p.policies.as_slice()).unwrap_or(no_policies),
             ungated_tool_calls: Default::default(),
+            // Judged at agent_start, on the sandbox this call runs in.
+            host_writes: crate::policy::HostWrites::Anywhere,
         });
         // Past the run's event budget its `approval_requested` would not be
         // recorded: nobody could see the call, let alone decide it. It is

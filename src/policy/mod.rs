@@ -121,6 +121,51 @@ pub struct GateInput<'a> {
     /// in each type of sandbox (see `ReinSpec::tool_calls_ungated`); judged
     /// on the sandbox the policies leave (one may upgrade `none`).
     pub ungated_tool_calls: Ungated<'a>,
+    /// At agent_start: where the run's principal may have the sandbox
+    /// write on the host (a profile's absolute `write_paths`).
+    pub host_writes: HostWrites<'a>,
+}
+
+/// Where a run may write host directories through a profile's absolute
+/// `sandbox.write_paths`, which every run of the profile shares whoever
+/// runs it: an `adm` principal's anywhere, another's only beneath its
+/// `write_roots` (none by default), so one tenant's agent cannot leave
+/// files where the next tenant's reads them.
+#[derive(Clone, Copy, Debug)]
+pub enum HostWrites<'a> {
+    /// Anywhere (an `adm` principal; the `tool_call` phase, not judged).
+    Anywhere,
+    /// Only beneath `roots`.
+    Beneath {
+        /// The run's principal, named in the refusal.
+        principal: &'a str,
+        /// Its `write_roots`.
+        roots: &'a [std::path::PathBuf],
+    },
+}
+
+impl HostWrites<'_> {
+    /// The first of `write_paths` (absolute ones) not allowed, with why.
+    pub fn refusal(&self, write_paths: &[String]) -> Option<String> {
+        let HostWrites::Beneath { principal, roots } = self else { return None };
+        let absolute = write_paths.iter().map(std::path::Path::new).filter(|p| p.is_absolute());
+        let outside =
+            absolute.into_iter().find(|p| !plain_absolute(p) || !roots.iter().any(|root| p.starts_with(root)))?;
+        let roots: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
+        Some(format!(
+            "sandbox.write_paths: {} is a host directory every run of the profile writes, whoever runs it; \
+             principal {principal} may write host directories only beneath its write_roots ({}): tenants stay apart",
+            outside.display(),
+            if roots.is_empty() { "none".to_string() } else { roots.join(", ") }
+        ))
+    }
+}
+
+/// An absolute path whose components are all names: no `.` or `..` that
+/// could take a path lexically beneath a root out of it.
+pub fn plain_absolute(path: &std::path::Path) -> bool {
+    use std::path::Component;
+    path.is_absolute() && path.components().all(|c| matches!(c, Component::RootDir | Component::Normal(_)))
 }
 
 /// Why a harness's own tool calls cannot pass the gate, by the type of
@@ -306,6 +351,18 @@ impl Gate {
                 });
                 return outcome;
             }
+        }
+        if let (Phase::AgentStart, Some(reason)) =
+            (input.phase, input.host_writes.refusal(&outcome.effective_sandbox.write_paths))
+        {
+            outcome.action = Action::Deny;
+            outcome.decisions.push(PolicyDecision {
+                policy: "host_write_paths".into(),
+                source: "builtin".into(),
+                action: Action::Deny,
+                reason,
+            });
+            return outcome;
         }
         if input.phase == Phase::AgentStart {
             let host = self.enforceable(&outcome.effective_sandbox, input.limits, &narrowed);

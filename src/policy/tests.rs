@@ -45,6 +45,7 @@ fn input<'a>(sandbox: &'a SandboxSpec, profile: &'a [Policy], session: &'a [Poli
         session_policies: session,
         profile_policies: profile,
         ungated_tool_calls: Ungated::default(),
+        host_writes: HostWrites::Anywhere,
     }
 }
 
@@ -307,6 +308,48 @@ fn tool_call_gating_is_judged_on_the_effective_sandbox() {
     let outcome = left.evaluate(&GateInput { ungated_tool_calls: claude, ..input(&spec, &[], &[]) });
     assert_eq!(outcome.action, Action::Deny);
     assert_eq!(outcome.decisions.last().unwrap().policy, "tool_call_gating");
+}
+
+/// A profile's absolute write paths are host directories every run of it
+/// shares: a principal other than `adm` may have them only beneath its
+/// `write_roots`, judged on the sandbox the policies leave; a path with
+/// `..` is never beneath a root.
+#[test]
+fn host_write_paths_lie_beneath_the_principals_write_roots() {
+    let roots = [std::path::PathBuf::from("/srv/cache/tenant-a")];
+    let tenant = HostWrites::Beneath { principal: "tenant-a", roots: &roots };
+    let none = HostWrites::Beneath { principal: "tenant-b", roots: &[] };
+    let paths = |p: &[&str]| p.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    for (writes, write_paths, refused) in [
+        (tenant, paths(&[".", "out"]), None),
+        (tenant, paths(&[".", "/srv/cache/tenant-a"]), None),
+        (tenant, paths(&["/srv/cache/tenant-a/pip"]), None),
+        (tenant, paths(&[".", "/srv/cache/tenant-ab"]), Some("/srv/cache/tenant-ab")),
+        (tenant, paths(&["/srv/cache"]), Some("/srv/cache")),
+        (tenant, paths(&["/srv/cache/tenant-a/../tenant-b"]), Some("/srv/cache/tenant-a/../tenant-b")),
+        (tenant, paths(&["/srv/cache/tenant-a/./x"]), None),
+        (none, paths(&["/srv/cache/tenant-a"]), Some("/srv/cache/tenant-a")),
+        (HostWrites::Anywhere, paths(&["/srv/cache"]), None),
+    ] {
+        let reason = writes.refusal(&write_paths);
+        assert_eq!(reason.is_some(), refused.is_some(), "{write_paths:?}: {reason:?}");
+        if let (Some(reason), Some(path)) = (reason, refused) {
+            assert!(reason.starts_with(&format!("sandbox.write_paths: {path} is a host directory")), "{reason}");
+        }
+    }
+    let reason = none.refusal(&paths(&["/srv/x"])).unwrap();
+    assert!(reason.contains("principal tenant-b may write host directories only beneath its write_roots (none)"));
+
+    // Judged on the effective sandbox: a policy that narrows the write
+    // paths to the workspace leaves nothing to refuse.
+    let spec = SandboxSpec { write_paths: paths(&[".", "/srv/shared"]), ..SandboxSpec::default() };
+    let outcome = gate().evaluate(&GateInput { host_writes: none, ..input(&spec, &[], &[]) });
+    assert_eq!(outcome.action, Action::Deny);
+    assert_eq!(outcome.decisions.last().unwrap().policy, "host_write_paths");
+    let narrow = policy("ws-only", "enforce_sandbox", json!({"write_paths": ["."]}), &[], "admin");
+    let narrowed = Gate::new(vec![narrow], HostCapabilities::everything());
+    let outcome = narrowed.evaluate(&GateInput { host_writes: none, ..input(&spec, &[], &[]) });
+    assert_eq!(outcome.action, Action::Allow, "{:?}", outcome.decisions);
 }
 
 #[test]

@@ -117,6 +117,7 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<GateReport> {
                 session_policies: &[],
                 profile_policies: &[],
                 ungated_tool_calls: Default::default(),
+                host_writes: crate::policy::HostWrites::Anywhere,
             });
             if outcome.action == Action::Allow {
                 Verdict::allow()
