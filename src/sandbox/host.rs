@@ -246,8 +246,19 @@ mod tests {
         let pid = child.id() as i32;
         assert_eq!(processes_of_uid(uid), vec![pid]);
         child.kill().unwrap();
-        // Dead, not yet reaped: a zombie of the uid, which the walk skips.
-        std::thread::sleep(Duration::from_millis(100));
+        // Dead, not yet reaped: a zombie of the uid, which the walk skips
+        // (waited for: on a loaded host the exit can take a while).
+        let zombie = || {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z'))
+        };
+        for _ in 0..1000 {
+            if zombie() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(zombie(), "pid {pid} is not a zombie after 10 s");
         assert!(uid_may_have_processes(uid), "the zombie is still a task of the uid");
         assert_eq!(processes_of_uid(uid), Vec::<i32>::new());
         child.wait().unwrap();
