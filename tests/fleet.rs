@@ -1115,9 +1115,12 @@ async fn a_quota_holds_across_nodes_under_a_concurrent_burst() {
     let token = "burst-token-5a1f-0c2e-4b7d-9e3a-quota-test";
     let token_file = dir.path().join("burst.token");
     std::fs::write(&token_file, token).unwrap();
+    // The witness's directory is a host directory its profile writes.
     let principal = format!(
-        "[[principals]]\nname = \"burst\"\ntype = \"agt\"\nprojects = [\"proj-q\"]\ntoken_file = {:?}\nmax_running = 2\n",
-        token_file.display().to_string()
+        "[[principals]]\nname = \"burst\"\ntype = \"agt\"\nprojects = [\"proj-q\"]\ntoken_file = {:?}\nmax_running = 2\n\
+         write_roots = [{:?}]\n",
+        token_file.display().to_string(),
+        witness.path()
     );
     let b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 4", &principal).await;
     let c = Node::start_configured(dir.path(), "node-c", &url, "capacity = 4", &principal).await;

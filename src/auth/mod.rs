@@ -109,10 +109,10 @@ pub const DEFAULT_PROJECT: &str = "default";
 impl Principal {
     /// Where its runs may write on the host (see [`crate::policy::HostWrites`]).
     pub fn host_writes(&self) -> crate::policy::HostWrites<'_> {
-        match self.is_admin() {
-            true => crate::policy::HostWrites::Anywhere,
-            false => crate::policy::HostWrites::Beneath { principal: &self.name, roots: &self.write_roots },
+        if self.is_admin() {
+            return crate::policy::HostWrites::Anywhere;
         }
+        crate::policy::HostWrites::Beneath { principal: &self.name, roots: &self.write_roots }
     }
 
     /// Whether its type is `adm`.

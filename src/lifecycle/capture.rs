@@ -36,6 +36,8 @@ pub struct CaptureJob<'a> {
     pub name: &'a str,
     /// A daemon-private path for the bundle's copy.
     pub private: &'a Path,
+    /// Where the daemon's origin locks are (see [`workspace::lock_origin`]).
+    pub locks: &'a Path,
     pub timeout: Duration,
     pub max_bundle_bytes: u64,
     /// What the origin may hold (see [`workspace::OriginRoom`]).
@@ -124,7 +126,7 @@ impl CaptureJob<'_> {
         // The share and the room are counted, and the ref taken, under one
         // lock (`_held` lives to the end of its arm).
         let locked = match taken {
-            Ok(()) => workspace::lock_origin(self.origin).await,
+            Ok(()) => workspace::lock_origin(self.origin, self.locks, self.timeout, &self.stop).await,
             Err(e) => Err(e),
         };
         let fetched = match (locked, &self.share) {

@@ -282,13 +282,14 @@ impl Core {
     async fn gate_agent_start(&mut self, profile: &Profile, first: bool) -> GateOutcome {
         let t = Instant::now();
         // The principal as configured now (a reload may have changed its
-        // write_roots); one this node does not know writes nowhere, unless
-        // its type (which it acts as) is adm.
+        // type or its write_roots). One this node does not know (a fleet's
+        // worker without principals) writes nowhere, unless the type the
+        // accepting node admitted it as is adm.
         let known = self.engine.repos.principals.current().named(&self.consumer.principal);
-        let roots = known.as_ref().map(|p| p.write_roots.as_slice()).unwrap_or_default();
-        let host_writes = match self.consumer.actor.as_str() {
-            "adm" => crate::policy::HostWrites::Anywhere,
-            _ => crate::policy::HostWrites::Beneath { principal: &self.consumer.principal, roots },
+        let host_writes = match (&known, self.consumer.actor.as_str()) {
+            (Some(principal), _) => principal.host_writes(),
+            (None, "adm") => crate::policy::HostWrites::Anywhere,
+            (None, _) => crate::policy::HostWrites::Beneath { principal: &self.consumer.principal, roots: &[] },
         };
         let facts = RunFacts {
             actor: &self.consumer.actor,
@@ -1104,6 +1105,8 @@ impl Core {
         let git = ready.profile.file.git.clone();
         let name = self.recorder.subject().to_string();
         let private = self.engine.sandboxes_dir.join(format!("{}.bundle", sandbox.id));
+        // Beside `sandboxes/` (which recovery sweeps), in the data directory.
+        let locks = self.engine.sandboxes_dir.with_file_name("origin-locks");
         let job = CaptureJob {
             backend,
             sandbox: &sandbox,
@@ -1113,6 +1116,7 @@ impl Core {
             origin: std::path::Path::new(&self.repo),
             name: &name,
             private: &private,
+            locks: &locks,
             timeout: Duration::from_secs(self.engine.git.timeout_seconds),
             max_bundle_bytes: self.engine.git.max_bundle_bytes,
             room: crate::sandbox::workspace::OriginRoom {

@@ -383,29 +383,55 @@ async fn ref_names(origin: &OpenRepo) -> Result<Vec<String>, WorkspaceError> {
     Ok(refs.lines().filter_map(|l| l.strip_prefix("refs/corral/")).map(str::to_string).collect())
 }
 
-/// One fetch back into a repository at a time: held from the checks of
-/// its room (and of the principal's share) to the end of the fetch, so
-/// runs finishing at once cannot each see room for one more ref and all
-/// take it. An exclusive `flock` on the repository's git directory, which
-/// orders every daemon on the host (a fleet's nodes too) and drops with
-/// the guard, or with the daemon.
+/// One fetch back into a repository at a time, per daemon: held from the
+/// checks of its room (and of the principal's share) to the end of the
+/// fetch, so runs finishing at once cannot each see room for one more ref
+/// and all take it. An exclusive `flock` on a file of the daemon's own
+/// (`<locks>/<sha256 of the git directory>.lock`, root's alone), not on
+/// anything in the repository, which another user (a `none` sandbox's
+/// agent among them) could lock to hold every capture up.
 pub struct OriginLock {
-    _dir: std::fs::File,
+    _file: std::fs::File,
 }
 
-/// Takes `origin`'s [`OriginLock`], waiting for a fetch under way.
-pub async fn lock_origin(origin: &Path) -> Result<OriginLock, WorkspaceError> {
+/// Takes `origin`'s [`OriginLock`] in `locks`, waiting up to `wait` for a
+/// fetch under way (or until `stop`).
+pub async fn lock_origin(
+    origin: &Path,
+    locks: &Path,
+    wait: Duration,
+    stop: &tokio_util::sync::CancellationToken,
+) -> Result<OriginLock, WorkspaceError> {
+    use sha2::Digest;
+    use std::os::unix::fs::DirBuilderExt;
     let failed =
         |e: &dyn std::fmt::Display| WorkspaceError(format!("fetch back: the repository cannot be locked: {e}"));
     let repo = OpenRepo::reopen(origin).map_err(|e| failed(&e))?;
-    // The git directory is held as an O_PATH descriptor, which flock
-    // refuses: it is opened again, read-only, through that descriptor.
-    let dir = std::fs::File::open(repo.git_dir_proc_path()).map_err(|e| failed(&e))?;
-    let dir = tokio::task::spawn_blocking(move || crate::sandbox::uid_lock::flock_exclusive(&dir, true).map(|_| dir))
-        .await
-        .map_err(|e| failed(&e))?
+    let key = hex::encode(sha2::Sha256::digest(repo.canonical_git_dir().as_os_str().as_encoded_bytes()));
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(locks).map_err(|e| failed(&e))?;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(locks.join(format!("{key}.lock")))
         .map_err(|e| failed(&e))?;
-    Ok(OriginLock { _dir: dir })
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        if super::uid_lock::flock_exclusive(&file, false).map_err(|e| failed(&e))? {
+            return Ok(OriginLock { _file: file });
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(WorkspaceError(format!(
+                "fetch back: another fetch into the repository held it for {} s",
+                wait.as_secs()
+            )));
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(10)) => {}
+            () = stop.cancelled() => return Err(WorkspaceError("fetch back: stopped waiting for the repository".into())),
+        }
+    }
 }
 
 /// Verifies the private bundle and fetches it into `origin` as
