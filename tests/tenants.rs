@@ -507,6 +507,7 @@ async fn a_tenant_writes_the_host_only_beneath_its_write_roots() {
         profiles: vec![
             ("shared.toml".into(), profile("test.shared", &shared)),
             ("own.toml".into(), profile("test.own", &own_cache)),
+            ("root.toml".into(), profile("test.root", &own)),
         ],
         config: Box::new(move |c| {
             c.repo_roots = vec![root.clone()];
@@ -547,6 +548,19 @@ async fn a_tenant_writes_the_host_only_beneath_its_write_roots() {
     let b =
         execute(&mut client, TOKEN_B, run("test.own", "pb", &b_repo, format!("cat {}/y", own_cache.display()))).await;
     refused(&b, &own_cache);
+
+    // Its agent, writing its root, puts a symlink where a profile's path
+    // lies: the next run binds nothing through it (bwrap follows a symlink
+    // in a bind's source, and would have made the shared directory writable).
+    let swap = format!("rm -rf {0} && ln -s {1} {0}", own_cache.display(), shared.display());
+    let a = execute(&mut client, TOKEN_A, run("test.root", "pa", &a_repo, swap)).await;
+    assert_eq!(a.state, pb::ExecutionState::Succeeded as i32, "{}", a.tool_error);
+    assert!(own_cache.is_symlink());
+    let leak = format!("echo leaked > {}/z", own_cache.display());
+    let a = execute(&mut client, TOKEN_A, run("test.own", "pa", &a_repo, leak)).await;
+    assert_eq!(a.state, pb::ExecutionState::Failed as i32, "{a:?}");
+    assert!(a.tool_error.contains("is a symlink"), "{}", a.tool_error);
+    assert!(!shared.join("z").exists(), "the symlink's target was bound writable");
 
     // The dry run says the same; the administrator writes anywhere.
     let mut catalog = pb::catalog_service_client::CatalogServiceClient::new(tcp(&daemon).await);

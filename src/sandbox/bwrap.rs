@@ -158,16 +158,15 @@ pub fn bwrap_args(
     let ws = paths.workspace.to_string_lossy();
     let workspace_writable = spec.write_paths.iter().any(|p| p == ".");
     push(&[if workspace_writable { "--bind" } else { "--ro-bind" }, &ws, WORKSPACE_MOUNT]);
-    for path in spec.write_paths.iter().filter(|p| Path::new(p).is_absolute()) {
-        push(&["--bind", path, path]);
-    }
-    // Relative write paths are bound from descriptors the daemon opened
-    // beneath the workspace without following symlinks (see
-    // [`open_write_paths`]): bwrap resolves a path source on the host, so
-    // a symlink the repository commits would pick what becomes writable.
+    // Write paths are bound from descriptors the daemon opened without
+    // following a symlink (see [`open_write_paths`]): bwrap resolves a path
+    // source on the host, so a symlink the repository commits, or one an
+    // earlier run's agent left in a host directory it could write, would
+    // pick what becomes writable (another tenant's directory).
     let first = first_write_fd(spec, gate);
-    for (n, path) in (first..).zip(relative_write_paths(spec)) {
-        push(&["--bind-fd", &n.to_string(), &format!("{WORKSPACE_MOUNT}/{path}")]);
+    for (n, path) in (first..).zip(bound_write_paths(spec)) {
+        let inside = if Path::new(path).is_absolute() { path.to_string() } else { format!("{WORKSPACE_MOUNT}/{path}") };
+        push(&["--bind-fd", &n.to_string(), &inside]);
     }
     push(&["--bind", &paths.home.to_string_lossy(), HOME_MOUNT]);
     // The agent's managed hook last, so no mount above can hide it or make
@@ -196,11 +195,15 @@ pub fn bwrap_args(
     args
 }
 
-/// The relative write paths bwrap binds, in order: those of a read-only
-/// workspace (a writable one holds them already).
-fn relative_write_paths(spec: &SandboxSpec) -> impl Iterator<Item = &str> {
+/// The write paths bwrap binds, in order: every absolute one (a host
+/// directory), and the relative ones of a read-only workspace (a writable
+/// one holds them already).
+fn bound_write_paths(spec: &SandboxSpec) -> impl Iterator<Item = &str> {
     let workspace_writable = spec.write_paths.iter().any(|p| p == ".");
-    spec.write_paths.iter().map(String::as_str).filter(move |p| !workspace_writable && !Path::new(p).is_absolute())
+    spec.write_paths
+        .iter()
+        .map(String::as_str)
+        .filter(move |p| p != &"." && (Path::new(p).is_absolute() || !workspace_writable))
 }
 
 /// The descriptor number bwrap finds the first hook file's contents at:
@@ -217,16 +220,18 @@ fn first_write_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
     gate_data_fd(spec, gate) + gate.contents().count() as u32
 }
 
-/// Opens each relative write path beneath `workspace` (see
-/// [`super::workspace::open_beneath`]), in the order [`bwrap_args`]
+/// Opens each write path the sandbox binds (see
+/// [`super::workspace::open_beneath`]): a relative one beneath
+/// `workspace`, an absolute one from `/`, in the order [`bwrap_args`]
 /// numbers them. A path that is missing, not a directory or regular file,
 /// or reached through a symlink refuses the launch.
 fn open_write_paths(spec: &SandboxSpec, workspace: &Path) -> Result<Vec<std::os::fd::OwnedFd>, SandboxError> {
-    relative_write_paths(spec)
+    bound_write_paths(spec)
         .map(|path| {
-            open_beneath(workspace, path).map_err(|e| {
-                SandboxError::Spawn(format!("write path {path:?} cannot be bound from the workspace: {e}"))
-            })
+            let (from, whence) =
+                if Path::new(path).is_absolute() { (Path::new("/"), "the host") } else { (workspace, "the workspace") };
+            open_beneath(from, path)
+                .map_err(|e| SandboxError::Spawn(format!("write path {path:?} cannot be bound from {whence}: {e}")))
         })
         .collect()
 }
@@ -437,7 +442,7 @@ impl BwrapBackend {
     /// block pipes when it joins the network namespace, the hook files'
     /// contents and the relative write paths.
     fn passed_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
-        first_write_fd(spec, gate) + relative_write_paths(spec).count() as u32
+        first_write_fd(spec, gate) + bound_write_paths(spec).count() as u32
     }
 
     /// The digest of the exact command line a sandbox with `spec` at
@@ -901,12 +906,12 @@ mod tests {
                 "--ro-bind",
                 "/r/workspace",
                 "/workspace",
-                "--bind",
-                "/var/cache/x",
-                "/var/cache/x",
                 "--bind-fd",
                 "7",
                 "/workspace/out",
+                "--bind-fd",
+                "8",
+                "/var/cache/x",
                 "--bind",
                 "/r/home",
                 "/home/agent",
@@ -924,10 +929,10 @@ mod tests {
         assert_eq!(write_roots(&spec), ["/tmp", "/dev/shm", "/home/agent", "/workspace/out", "/var/cache/x"]);
     }
 
-    /// Relative write paths are numbered after bwrap's own descriptors,
+    /// Write paths are numbered after bwrap's own descriptors,
     /// and the caller's come after them.
     #[test]
-    fn relative_write_paths_are_bound_by_descriptor_after_the_netns_pipes() {
+    fn write_paths_are_bound_by_descriptor_after_the_netns_pipes() {
         let spec = SandboxSpec {
             write_paths: vec!["a".into(), "/var/x".into(), "b/c".into()],
             allow_network: true,
@@ -936,15 +941,25 @@ mod tests {
         let args =
             strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, sizes(1), &GateMounts::default()));
         let at = args.iter().position(|a| a == "--bind-fd").expect("--bind-fd");
-        assert_eq!(args[at..at + 6], ["--bind-fd", "9", "/workspace/a", "--bind-fd", "10", "/workspace/b/c"]);
+        let bound =
+            ["--bind-fd", "9", "/workspace/a", "--bind-fd", "10", "/var/x", "--bind-fd", "11", "/workspace/b/c"];
+        assert_eq!(args[at..at + 9], bound);
         assert!(!args.iter().any(|a| a.starts_with("/r/workspace/")), "no path source under the workspace: {args:?}");
-        assert_eq!(BwrapBackend::passed_fd(&spec, &GateMounts::default()), 11);
-        // A writable workspace holds them already: nothing is bound.
+        assert!(!args.windows(2).any(|w| w == ["--bind", "/var/x"]), "a host path is no bind source: {args:?}");
+        assert_eq!(BwrapBackend::passed_fd(&spec, &GateMounts::default()), 12);
+        // A writable workspace holds the relative ones already: only a host
+        // directory is bound.
         let spec = SandboxSpec { write_paths: vec![".".into(), "a".into()], ..SandboxSpec::default() };
         let args =
             strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, sizes(1), &GateMounts::default()));
         assert!(!args.contains(&"--bind-fd".to_string()), "{args:?}");
         assert_eq!(BwrapBackend::passed_fd(&spec, &GateMounts::default()), 7);
+        let spec = SandboxSpec { write_paths: vec![".".into(), "a".into(), "/var/x".into()], ..SandboxSpec::default() };
+        let args =
+            strs(&bwrap_args(&spec, &paths("/r"), &HostLayout { entries: vec![] }, sizes(1), &GateMounts::default()));
+        let at = args.iter().position(|a| a == "--bind-fd").expect("--bind-fd");
+        assert_eq!(args[at..at + 3], ["--bind-fd", "7", "/var/x"]);
+        assert_eq!(BwrapBackend::passed_fd(&spec, &GateMounts::default()), 8);
     }
 
     /// The last line against a NUL in an argument: bwrap would read the
