@@ -537,6 +537,8 @@ async fn draining_this_node_refuses_new_work_at_once() {
         statuses
     }
     assert_eq!(statuses(daemon.channel().await).await, [ServingStatus::Serving; 4]);
+    let asked = pb::ExecuteRequest { request_id: "r-1".into(), ..request("test.plain", "") };
+    let started = daemon.executions().await.start_execution(asked.clone()).await.expect("started").into_inner();
     let mut catalog = daemon.catalog().await;
     let nodes = catalog.list_nodes(pb::ListNodesRequest {}).await.expect("nodes").into_inner().nodes;
     let name = nodes.first().expect("this daemon's node").name.clone();
@@ -545,6 +547,13 @@ async fn draining_this_node_refuses_new_work_at_once() {
     let refused = daemon.executions().await.start_execution(request("test.plain", "")).await.expect_err("draining");
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
     assert!(refused.message().contains("draining"), "{refused:?}");
+    // A retry starts nothing: it gets its execution, draining or not
+    // (DESIGN: request_id makes StartExecution idempotent).
+    let again = daemon.executions().await.start_execution(asked.clone()).await.expect("a retry").into_inner();
+    assert_eq!(again.execution_id, started.execution_id);
+    let other = pb::ExecuteRequest { title: "another".into(), ..asked };
+    let refused = daemon.executions().await.start_execution(other).await.expect_err("another request");
+    assert_eq!(refused.code(), tonic::Code::AlreadyExists, "{refused:?}");
     // The reporter's task sets it after the drain: a moment, not never.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     loop {

@@ -417,6 +417,14 @@ impl Engine {
     /// this future, never a half-stored execution or a slot still held.
     pub async fn submit(self: &Arc<Self>, cmd: ExecuteCommand) -> Result<Submitted, EngineError> {
         if self.is_draining() {
+            // A retry starts nothing: it gets its execution, draining or not
+            // (a caller whose answer was lost would otherwise never learn it).
+            if !cmd.request_id.is_empty() {
+                if let Some((record, digest)) = self.store.execution_of_request(&cmd.principal, &cmd.request_id).await?
+                {
+                    return self.existing(*record, &digest, &cmd).await;
+                }
+            }
             return Err(EngineError::Unavailable(DRAINING.into()));
         }
         if self.store.is_shared() {
@@ -761,11 +769,15 @@ impl Engine {
     }
 
     /// Whether node `node` is in the fleet now: active or draining, neither
-    /// stopped nor lost.
+    /// stopped nor lost, and its lease not run out (one that crashed is
+    /// marked lost only by the next sweep).
     async fn in_fleet(&self, node: &str) -> Result<bool, EngineError> {
         use crate::store::NodeState;
         let nodes = self.store.list_nodes().await?;
-        Ok(nodes.iter().any(|n| n.name == node && matches!(n.state, NodeState::Active | NodeState::Draining)))
+        let now = crate::records::now_ms();
+        Ok(nodes.iter().any(|n| {
+            n.name == node && matches!(n.state, NodeState::Active | NodeState::Draining) && n.lease_until_ms >= now
+        }))
     }
 
     /// A decision another node was sent for a tool call waiting here.
