@@ -96,7 +96,7 @@ pub struct DataDirLock {
 
 impl DataDirLock {
     /// Claims `data_dir`, or says which running daemon holds it.
-    fn claim(data_dir: &std::path::Path) -> Result<DataDirLock, StartError> {
+    async fn claim(data_dir: &std::path::Path) -> Result<DataDirLock, StartError> {
         use std::io::{Read, Write};
         use std::os::unix::fs::OpenOptionsExt;
         let path = data_dir.join("daemon.lock");
@@ -118,26 +118,38 @@ impl DataDirLock {
             let mut holder = String::new();
             let _ = std::fs::File::open(&path).and_then(|f| f.take(256).read_to_string(&mut holder));
             let named = holder.strip_prefix("pid ").and_then(|p| p.trim().parse::<libc::pid_t>().ok());
-            // SAFETY: kill with signal 0 sends nothing: it asks whether the pid exists.
-            let gone = named.is_some_and(|pid| pid > 0 && unsafe { libc::kill(pid, 0) } != 0);
+            let gone = named.is_some_and(|pid| {
+                // Our own pid names a daemon before this one (a container
+                // gives its daemon the same pid at each start).
+                // SAFETY: kill with signal 0 sends nothing: it asks whether the pid exists.
+                pid > 0
+                    && (pid as u32 == std::process::id()
+                        || (unsafe { libc::kill(pid, 0) } != 0
+                            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)))
+            });
             if gone && waited < 60 {
-                std::thread::sleep(std::time::Duration::from_millis(50));
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 waited += 1;
                 continue;
             }
             let holder = holder.split_whitespace().collect::<Vec<_>>().join(" ");
-            let holder = match (holder.is_empty(), gone) {
-                (true, _) => "unknown pid".to_string(),
-                (false, true) => format!("{holder}, gone; a process it started holds the lock still"),
-                (false, false) => holder,
-            };
-            return Err(StartError::DataDir {
-                path: data_dir.display().to_string(),
-                source: std::io::Error::other(format!(
+            let holder = if holder.is_empty() { "unknown pid".to_string() } else { holder };
+            let why = if gone {
+                format!(
+                    "its daemon ({holder}) is gone, but a process it started still holds the lock {} after 3 s: \
+                     stop that process (fuser {0})",
+                    path.display()
+                )
+            } else {
+                format!(
                     "in use by a running daemon ({holder}; lock {}): one daemon per data directory; give this one \
                      its own --data-dir",
                     path.display()
-                )),
+                )
+            };
+            return Err(StartError::DataDir {
+                path: data_dir.display().to_string(),
+                source: std::io::Error::other(why),
             });
         }
         file.set_len(0).map_err(failed)?;
@@ -169,7 +181,7 @@ impl Daemon {
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
         // Before its SQLite store is opened (and migrated): a second daemon
         // on this data directory refuses to start having changed nothing.
-        let data_dir_lock = DataDirLock::claim(data_dir)?;
+        let data_dir_lock = DataDirLock::claim(data_dir).await?;
         let store = Store::open(data_dir, config.store.url.as_deref(), &config.node()).await?;
         restrict_store_files(data_dir)
             .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
@@ -675,34 +687,41 @@ mod tests {
         file
     }
 
-    #[test]
-    fn a_lock_left_by_a_gone_daemons_child_is_waited_for() {
+    #[tokio::test]
+    async fn a_lock_left_by_a_gone_daemons_child_is_waited_for() {
         let dir = tempfile::tempdir().unwrap();
         let held = hold(dir.path(), dead_pid());
         let release = std::thread::spawn(move || {
             std::thread::sleep(std::time::Duration::from_millis(300));
             drop(held);
         });
-        let claimed = DataDirLock::claim(dir.path());
+        let claimed = DataDirLock::claim(dir.path()).await;
         release.join().unwrap();
         assert!(claimed.is_ok(), "{claimed:?}");
         let text = std::fs::read_to_string(dir.path().join("daemon.lock")).unwrap();
         assert_eq!(text, format!("pid {}\n", std::process::id()));
     }
 
-    #[test]
-    fn a_lock_held_by_a_live_daemon_or_too_long_is_refused_naming_it() {
+    #[tokio::test]
+    async fn a_lock_held_by_a_live_daemon_or_too_long_is_refused_naming_it() {
         let dir = tempfile::tempdir().unwrap();
-        let _held = hold(dir.path(), std::process::id());
+        let mut live = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let _held = hold(dir.path(), live.id());
         let started = std::time::Instant::now();
-        let error = DataDirLock::claim(dir.path()).unwrap_err().to_string();
+        let error = DataDirLock::claim(dir.path()).await.unwrap_err().to_string();
         assert!(started.elapsed() < std::time::Duration::from_secs(1), "a live holder is not waited for");
-        assert!(error.contains(&format!("in use by a running daemon (pid {};", std::process::id())), "{error}");
+        assert!(error.contains(&format!("in use by a running daemon (pid {};", live.id())), "{error}");
+        live.kill().unwrap();
+        live.wait().unwrap();
         drop(_held);
 
-        let pid = dead_pid();
-        let _held = hold(dir.path(), pid);
-        let error = DataDirLock::claim(dir.path()).unwrap_err().to_string();
-        assert!(error.contains(&format!("(pid {pid}, gone; a process it started holds the lock still;")), "{error}");
+        // Gone, or this very pid (a container's daemon has the same one at
+        // each start): waited for, then named as gone.
+        for pid in [dead_pid(), std::process::id()] {
+            let _held = hold(dir.path(), pid);
+            let error = DataDirLock::claim(dir.path()).await.unwrap_err().to_string();
+            let gone = format!("its daemon (pid {pid}) is gone, but a process it started still holds the lock");
+            assert!(error.contains(&gone), "{error}");
+        }
     }
 }
