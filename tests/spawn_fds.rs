@@ -6,7 +6,8 @@
 //! The process starts with no signal blocked and SIGPIPE not ignored,
 //! though the daemon blocks every signal across the clone; a failed exec is
 //! an error with its errno; a process dropped unreaped is killed and reaped;
-//! a daemon started with its stdin closed still hands its child a stdin; a
+//! a daemon started with its stdin closed still hands its child a stdin (and a
+//! file passed from fd 0 arrives at 3); a
 //! spawn under way holds none of the daemon's files (its data directory's
 //! lock).
 
@@ -128,9 +129,15 @@ fn a_daemon_with_its_stdin_closed_still_gives_the_child_a_stdin() {
     if std::env::var_os("CORRAL_SPAWN_STDIN_CLOSED").is_some() {
         let echoed = runtime().block_on(async {
             // SAFETY: closes this process's fd 0, which nothing here reads;
-            // the spawn's first pipe takes it.
+            // the passed file takes it.
             unsafe { libc::close(0) };
-            let mut process = spawn("/bin/sh", &["-c", "read line; echo got:$line"]).unwrap();
+            let passed = data_fd("passed", b"passed").unwrap();
+            assert_eq!(passed.as_raw_fd(), 0);
+            let options = SpawnOptions { pass_fds: vec![passed], ..SpawnOptions::default() };
+            let args: Vec<std::ffi::OsString> =
+                ["-c", "read line; echo got:$line; cat <&3"].iter().map(Into::into).collect();
+            let mut process =
+                spawn_group(std::path::Path::new("/bin/sh"), &args, &[], std::path::Path::new("/"), options).unwrap();
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
             let mut stdin = process.stdin.take().unwrap();
             stdin.write_all(b"hello\n").await.unwrap();
@@ -144,7 +151,7 @@ fn a_daemon_with_its_stdin_closed_still_gives_the_child_a_stdin() {
         return;
     }
     let stdout = run_again(STDIN_CLOSED, "CORRAL_SPAWN_STDIN_CLOSED");
-    assert!(stdout.contains("child said got:hello"), "{stdout}");
+    assert!(stdout.contains("child said got:hello\npassed"), "{stdout}");
 }
 
 /// The descriptors `/proc/<pid>/fd` of `pid` points at.

@@ -130,6 +130,14 @@ pub fn spawn_group(
     if options.pass_fds.len() > (FD_PARKING - 3) as usize {
         return Err(SandboxError::Spawn("too many descriptors to pass".into()));
     }
+    // A passed descriptor at 0, 1 or 2 (a daemon started with its stdio
+    // closed) would be overwritten by the child's stdio before it moved.
+    let mut options = options;
+    options.pass_fds = options.pass_fds.into_iter().map(above_stdio).collect::<Result<_, _>>().map_err(spawn_error)?;
+    options.cgroup_procs = (options.cgroup_procs.into_iter())
+        .map(|f| above_stdio(f.into()).map(std::fs::File::from))
+        .collect::<Result<_, _>>()
+        .map_err(spawn_error)?;
     let (stdin_child, stdin_ours) = pipe().map_err(spawn_error)?;
     let (stdout_ours, stdout_child) = pipe().map_err(spawn_error)?;
     let (stderr_ours, stderr_child) = pipe().map_err(spawn_error)?;
