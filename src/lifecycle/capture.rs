@@ -36,8 +36,8 @@ pub struct CaptureJob<'a> {
     pub name: &'a str,
     /// A daemon-private path for the bundle's copy.
     pub private: &'a Path,
-    /// Where the daemon's origin locks are (see [`workspace::lock_origin`]).
-    pub locks: &'a Path,
+    /// One fetch back into a repository at a time.
+    pub locks: &'a workspace::OriginLocks,
     pub timeout: Duration,
     pub max_bundle_bytes: u64,
     /// What the origin may hold (see [`workspace::OriginRoom`]).
@@ -126,7 +126,7 @@ impl CaptureJob<'_> {
         // The share and the room are counted, and the ref taken, under one
         // lock (`_held` lives to the end of its arm).
         let locked = match taken {
-            Ok(()) => workspace::lock_origin(self.origin, self.locks, self.timeout, &self.stop).await,
+            Ok(()) => self.locks.lock(self.origin, &self.stop).await,
             Err(e) => Err(e),
         };
         let fetched = match (locked, &self.share) {

@@ -1105,8 +1105,6 @@ impl Core {
         let git = ready.profile.file.git.clone();
         let name = self.recorder.subject().to_string();
         let private = self.engine.sandboxes_dir.join(format!("{}.bundle", sandbox.id));
-        // Beside `sandboxes/` (which recovery sweeps), in the data directory.
-        let locks = self.engine.sandboxes_dir.with_file_name("origin-locks");
         let job = CaptureJob {
             backend,
             sandbox: &sandbox,
@@ -1116,7 +1114,7 @@ impl Core {
             origin: std::path::Path::new(&self.repo),
             name: &name,
             private: &private,
-            locks: &locks,
+            locks: &self.engine.origin_locks,
             timeout: Duration::from_secs(self.engine.git.timeout_seconds),
             max_bundle_bytes: self.engine.git.max_bundle_bytes,
             room: crate::sandbox::workspace::OriginRoom {

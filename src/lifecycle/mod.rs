@@ -187,6 +187,8 @@ pub struct Engine {
     /// Live events of running subjects, for watchers.
     pub bus: Arc<EventBus>,
     sandboxes_dir: PathBuf,
+    /// One fetch back into a repository at a time.
+    origin_locks: crate::sandbox::workspace::OriginLocks,
     /// Identifies this daemon instance in the sandbox rows it writes.
     epoch: String,
     /// Where finished executions are reported; `None` when no hub is
@@ -327,6 +329,7 @@ impl Engine {
             store: parts.store,
             bus: Arc::new(EventBus::new(parts.bus_capacity)),
             sandboxes_dir: parts.data_dir.join("sandboxes"),
+            origin_locks: Default::default(),
             epoch,
             hub: parts.hub,
             credentials: parts.credentials,

@@ -383,53 +383,50 @@ async fn ref_names(origin: &OpenRepo) -> Result<Vec<String>, WorkspaceError> {
     Ok(refs.lines().filter_map(|l| l.strip_prefix("refs/corral/")).map(str::to_string).collect())
 }
 
-/// One fetch back into a repository at a time, per daemon: held from the
-/// checks of its room (and of the principal's share) to the end of the
-/// fetch, so runs finishing at once cannot each see room for one more ref
-/// and all take it. An exclusive `flock` on a file of the daemon's own
-/// (`<locks>/<sha256 of the git directory>.lock`, root's alone), not on
-/// anything in the repository, which another user (a `none` sandbox's
-/// agent among them) could lock to hold every capture up.
-pub struct OriginLock {
-    _file: std::fs::File,
+/// One fetch back into a repository at a time in this daemon, in the
+/// order they asked: held from the checks of its room (and of the
+/// principal's share) to the end of the fetch, so runs finishing at once
+/// cannot each see room for one more ref and all take it. Nothing outside
+/// the daemon can hold it (a lock on a file in the repository could be
+/// taken by any user who can read it, a `none` sandbox's agent among them).
+#[derive(Default)]
+pub struct OriginLocks {
+    /// By canonical git directory; an entry goes once nobody holds or
+    /// waits for its lock.
+    held: std::sync::Mutex<std::collections::HashMap<PathBuf, std::sync::Weak<tokio::sync::Mutex<()>>>>,
 }
 
-/// Takes `origin`'s [`OriginLock`] in `locks`, waiting up to `wait` for a
-/// fetch under way (or until `stop`).
-pub async fn lock_origin(
-    origin: &Path,
-    locks: &Path,
-    wait: Duration,
-    stop: &tokio_util::sync::CancellationToken,
-) -> Result<OriginLock, WorkspaceError> {
-    use sha2::Digest;
-    use std::os::unix::fs::DirBuilderExt;
-    let failed =
-        |e: &dyn std::fmt::Display| WorkspaceError(format!("fetch back: the repository cannot be locked: {e}"));
-    let repo = OpenRepo::reopen(origin).map_err(|e| failed(&e))?;
-    let key = hex::encode(sha2::Sha256::digest(repo.canonical_git_dir().as_os_str().as_encoded_bytes()));
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(locks).map_err(|e| failed(&e))?;
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .open(locks.join(format!("{key}.lock")))
-        .map_err(|e| failed(&e))?;
-    let deadline = tokio::time::Instant::now() + wait;
-    loop {
-        if super::uid_lock::flock_exclusive(&file, false).map_err(|e| failed(&e))? {
-            return Ok(OriginLock { _file: file });
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(WorkspaceError(format!(
-                "fetch back: another fetch into the repository held it for {} s",
-                wait.as_secs()
-            )));
-        }
+/// One repository's turn (see [`OriginLocks`]).
+pub struct OriginLock {
+    _turn: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl OriginLocks {
+    /// Waits for `origin`'s turn (tokio's mutex is first come, first
+    /// served), or until `stop`.
+    pub async fn lock(
+        &self,
+        origin: &Path,
+        stop: &tokio_util::sync::CancellationToken,
+    ) -> Result<OriginLock, WorkspaceError> {
+        let repo = OpenRepo::reopen(origin)
+            .map_err(|e| WorkspaceError(format!("fetch back: the repository cannot be opened: {e}")))?;
+        let key = repo.canonical_git_dir().to_path_buf();
+        let turn = {
+            let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            held.retain(|_, lock| lock.strong_count() > 0);
+            match held.get(&key).and_then(std::sync::Weak::upgrade) {
+                Some(lock) => lock,
+                None => {
+                    let lock = std::sync::Arc::new(tokio::sync::Mutex::new(()));
+                    held.insert(key, std::sync::Arc::downgrade(&lock));
+                    lock
+                }
+            }
+        };
         tokio::select! {
-            () = tokio::time::sleep(Duration::from_millis(10)) => {}
-            () = stop.cancelled() => return Err(WorkspaceError("fetch back: stopped waiting for the repository".into())),
+            turn = turn.lock_owned() => Ok(OriginLock { _turn: turn }),
+            () = stop.cancelled() => Err(WorkspaceError("fetch back: stopped waiting for the repository".into())),
         }
     }
 }
@@ -550,7 +547,7 @@ pub fn open_beneath(workspace: &Path, relative: &str) -> std::io::Result<std::os
     let invalid = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
     let components: Vec<&str> = relative.split('/').filter(|c| !c.is_empty() && *c != ".").collect();
     if components.is_empty() || components.contains(&"..") {
-        return Err(invalid(format!("{relative:?} does not name a path beneath the workspace")));
+        return Err(invalid(format!("{relative:?} does not name a path beneath {}", workspace.display())));
     }
     let mut dir: OwnedFd =
         std::fs::OpenOptions::new().read(true).custom_flags(libc::O_PATH | libc::O_DIRECTORY).open(workspace)?.into();
@@ -567,7 +564,8 @@ pub fn open_beneath(workspace: &Path, relative: &str) -> std::io::Result<std::os
         let next = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(raw) });
         let kind = next.metadata()?.file_type();
         let last = i + 1 == components.len();
-        let at = components[..=i].join("/");
+        let root = if relative.starts_with('/') { "/" } else { "" };
+        let at = format!("{root}{}", components[..=i].join("/"));
         if kind.is_symlink() {
             return Err(invalid(format!("{at:?} is a symlink")));
         }
