@@ -270,9 +270,10 @@ timeout_seconds = 30
 /// from the one after it).
 /// And no read path can hide them: validation refuses one over /etc
 /// (`gating`), and one that reaches /etc through a symlink (which
-/// validation cannot see) is mounted before the hook, so bwrap cannot put
-/// the hook there and the harness does not start: it never runs without
-/// its hook.
+/// validation cannot see) is refused as the sandbox starts, a read path
+/// being bound from a descriptor opened with no symlink on the way (and
+/// were it bound, it is mounted before the hook, over which bwrap could
+/// not put the hook): the harness never runs without its hook.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_managed_hook_is_corrals_read_only_and_no_read_path_hides_it() {
     use std::os::unix::fs::PermissionsExt;
@@ -361,14 +362,14 @@ async fn the_managed_hook_is_corrals_read_only_and_no_read_path_hides_it() {
     let out = &execution.tool_output;
     assert!(!out.contains("settings: missing"), "the harness ran with its hook hidden: {out}");
     assert_ne!(execution.state, pb::ExecutionState::Succeeded as i32, "{:?}: {out}", kinds(&events));
-    // bwrap exits as it fails to place the hook: the daemon's set-up of
-    // the sandbox's network (which enters its namespace) may find it gone
-    // first, and says that instead.
     let error = &execution.tool_error;
+    let link = dir.path().join("etc");
     assert!(
-        error.contains("/etc/claude-code/managed-settings.json")
-            || error.contains("cannot set up the sandbox's egress proxy or gate endpoint"),
-        "bwrap could not put the hook there: {error}"
+        error.contains(&format!(
+            "read path {:?} cannot be bound from the host: {link:?} is a symlink",
+            link.display().to_string()
+        )),
+        "the symlinked read path was refused: {error}"
     );
     daemon.stop().await;
 }

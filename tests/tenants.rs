@@ -494,11 +494,16 @@ async fn a_tenant_writes_the_host_only_beneath_its_write_roots() {
     let (a_repo, b_repo) = (roots.repo(&root.join("pa/repo")), roots.repo(&root.join("pb/repo")));
     let host = common::data_tempdir();
     let (shared, own) = (host.path().join("shared"), host.path().join("a"));
-    let own_cache = own.join("cache");
-    for dir in [&shared, &own, &own_cache] {
+    let (own_cache, own_models) = (own.join("cache"), own.join("models"));
+    for dir in [&shared, &own, &own_cache, &own_models] {
         std::fs::create_dir_all(dir).unwrap();
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).unwrap();
     }
+    let reading = |id: &str, path: &Path| {
+        SHELL
+            .replace("test.sh", id)
+            .replace("write_paths = [\".\"]", &format!("write_paths = [\".\"]\nread_paths = [{path:?}]"))
+    };
     let profile = |id: &str, path: &Path| {
         SHELL.replace("test.sh", id).replace("write_paths = [\".\"]", &format!("write_paths = [\".\", {:?}]", path))
     };
@@ -508,6 +513,7 @@ async fn a_tenant_writes_the_host_only_beneath_its_write_roots() {
             ("shared.toml".into(), profile("test.shared", &shared)),
             ("own.toml".into(), profile("test.own", &own_cache)),
             ("root.toml".into(), profile("test.root", &own)),
+            ("read.toml".into(), reading("test.read", &own_models)),
         ],
         config: Box::new(move |c| {
             c.repo_roots = vec![root.clone()];
@@ -571,6 +577,15 @@ async fn a_tenant_writes_the_host_only_beneath_its_write_roots() {
     let admin = common::finished(&daemon.execute(run("test.shared", "", &a_repo, plant)).await);
     assert_eq!(admin.state, pb::ExecutionState::Succeeded as i32, "{}", admin.tool_error);
     assert_eq!(std::fs::read_to_string(shared.join("x")).unwrap(), "planted\n");
+
+    // A read path likewise: a symlink put where it lies shows nothing.
+    let swap = format!("rm -rf {0} && ln -s {1} {0}", own_models.display(), shared.display());
+    let a = execute(&mut client, TOKEN_A, run("test.root", "pa", &a_repo, swap)).await;
+    assert_eq!(a.state, pb::ExecutionState::Succeeded as i32, "{}", a.tool_error);
+    let peek = format!("cat {}/x", own_models.display());
+    let a = execute(&mut client, TOKEN_A, run("test.read", "pa", &a_repo, peek)).await;
+    assert_eq!(a.state, pb::ExecutionState::Failed as i32, "{a:?}");
+    assert!(a.tool_error.contains("is a symlink") && !a.tool_output.contains("planted"), "{a:?}");
     daemon.stop().await;
 }
 

@@ -314,6 +314,19 @@ mod tests {
         assert_eq!(catalog.resolve("team.a@2.0.0").unwrap_err().0, "profile disabled: team.a@2.0.0");
     }
 
+    /// Each bound path is a descriptor bwrap is passed: 32 together load,
+    /// 33 are refused naming the key.
+    #[test]
+    fn at_most_32_read_and_write_paths() {
+        let paths = |n: usize| (0..n).map(|i| format!("\"/opt/p{i}\"")).collect::<Vec<_>>().join(", ");
+        let profile = |reads: usize, writes: usize| {
+            format!("{A1}[sandbox]\nread_paths = [{}]\nwrite_paths = [\".\", {}]\n", paths(reads), paths(writes))
+        };
+        assert!(catalog_with(&[("ok.toml", &profile(20, 11))]).is_ok());
+        let err = catalog_with(&[("big.toml", &profile(20, 12))]).unwrap_err().to_string();
+        assert!(err.contains("sandbox.read_paths: 33 read and write paths; at most 32 together"), "{err}");
+    }
+
     #[test]
     fn malformed_file_names_file_and_key() {
         let bad = A1.replace("[rein]", "colour = \"red\"\n[rein]");

@@ -548,6 +548,9 @@ fn check_endpoint(
     Ok(())
 }
 
+/// The most read and write paths one profile's sandbox binds.
+const MAX_BOUND_PATHS: usize = 32;
+
 /// A profile whose harness gets corral's managed pre-tool hook (Claude
 /// Code, Codex) must not bind a host path over it: its read and write
 /// paths are mounted into the same tree, and one that covers a hook file
@@ -734,6 +737,14 @@ impl Profile {
             }
         }
         check_bound_paths(&file.rein, &file.sandbox)?;
+        // Each bound path is a descriptor bwrap is passed (at most 61).
+        let bound = file.sandbox.read_paths.len() + file.sandbox.write_paths.len();
+        if bound > MAX_BOUND_PATHS {
+            return Err(format!(
+                "sandbox.read_paths: {bound} read and write paths; at most {MAX_BOUND_PATHS} together (each is bound from a \
+                 descriptor bwrap is passed)"
+            ));
+        }
         for label in &file.placement.labels {
             check_label(label).map_err(|e| format!("placement.labels: {e}"))?;
         }

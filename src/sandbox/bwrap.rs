@@ -39,7 +39,8 @@ pub const HOSTNAME: &str = "corral";
 /// The descriptors bwrap gets: its arguments, the seccomp program, the
 /// sandbox's /etc/passwd and /etc/group, and for a sandbox that joins its
 /// network namespace the info and block pipes (see [`super::netns`]);
-/// then the hook files' contents, then the relative write paths.
+/// then the hook files' contents, then the write paths it binds, then the
+/// read paths.
 const ARGS_FD: &str = "3";
 const SECCOMP_FD: &str = "4";
 const PASSWD_FD: &str = "5";
@@ -152,14 +153,18 @@ pub fn bwrap_args(
     // cover it with a sized one, like /tmp. /dev itself is a tmpfs too,
     // remounted read-only below.
     push(&["--dev", "/dev", "--size", &shm, "--tmpfs", "/dev/shm", "--size", &tmp, "--tmpfs", "/tmp"]);
-    for path in &spec.read_paths {
-        push(&["--ro-bind", path, path]);
+    // Read paths likewise from descriptors opened with no symlink on the
+    // way (see [`open_bound_paths`]): one an agent put in a directory it
+    // could write would otherwise show another tenant's files.
+    let first_read = first_write_fd(spec, gate) + bound_write_paths(spec).count() as u32;
+    for (n, path) in (first_read..).zip(&spec.read_paths) {
+        push(&["--ro-bind-fd", &n.to_string(), path]);
     }
     let ws = paths.workspace.to_string_lossy();
     let workspace_writable = spec.write_paths.iter().any(|p| p == ".");
     push(&[if workspace_writable { "--bind" } else { "--ro-bind" }, &ws, WORKSPACE_MOUNT]);
     // Write paths are bound from descriptors the daemon opened without
-    // following a symlink (see [`open_write_paths`]): bwrap resolves a path
+    // following a symlink (see [`open_bound_paths`]): bwrap resolves a path
     // source on the host, so a symlink the repository commits, or one an
     // earlier run's agent left in a host directory it could write, would
     // pick what becomes writable (another tenant's directory).
@@ -220,18 +225,21 @@ fn first_write_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
     gate_data_fd(spec, gate) + gate.contents().count() as u32
 }
 
-/// Opens each write path the sandbox binds (see
+/// Opens each write path the sandbox binds, then each read path (see
 /// [`super::workspace::open_beneath`]): a relative one beneath
 /// `workspace`, an absolute one from `/`, in the order [`bwrap_args`]
 /// numbers them. A path that is missing, not a directory or regular file,
 /// or reached through a symlink refuses the launch.
-fn open_write_paths(spec: &SandboxSpec, workspace: &Path) -> Result<Vec<std::os::fd::OwnedFd>, SandboxError> {
-    bound_write_paths(spec)
-        .map(|path| {
+fn open_bound_paths(spec: &SandboxSpec, workspace: &Path) -> Result<Vec<std::os::fd::OwnedFd>, SandboxError> {
+    let writes = bound_write_paths(spec).map(|path| ("write", path));
+    let reads = spec.read_paths.iter().map(|path| ("read", path.as_str()));
+    writes
+        .chain(reads)
+        .map(|(kind, path)| {
             let (from, whence) =
                 if Path::new(path).is_absolute() { (Path::new("/"), "the host") } else { (workspace, "the workspace") };
             open_beneath(from, path)
-                .map_err(|e| SandboxError::Spawn(format!("write path {path:?} cannot be bound from {whence}: {e}")))
+                .map_err(|e| SandboxError::Spawn(format!("{kind} path {path:?} cannot be bound from {whence}: {e}")))
         })
         .collect()
 }
@@ -349,7 +357,7 @@ impl BwrapBackend {
         // there, whatever the harness argv looks like.
         let (dashdash, packed_args) = args.split_last().expect("bwrap_args ends with --");
         let packed = pack_args(packed_args)?;
-        let write_fds = open_write_paths(spec, &paths.workspace)?;
+        let bound_fds = open_bound_paths(spec, &paths.workspace)?;
         let spawn = |e: std::io::Error| SandboxError::Spawn(format!("cannot pass bwrap its descriptors: {e}"));
         // The caller's own descriptors go after bwrap's (see `passed_fd`).
         let extra = std::mem::take(&mut options.pass_fds);
@@ -371,7 +379,7 @@ impl BwrapBackend {
         for (_, bytes) in gate.contents() {
             options.pass_fds.push(data_fd("corral-gate", bytes).map_err(spawn)?);
         }
-        options.pass_fds.extend(write_fds);
+        options.pass_fds.extend(bound_fds);
         options.pass_fds.extend(extra);
         let mut argv_full: Vec<OsString> = vec!["--args".into(), ARGS_FD.into(), dashdash.clone()];
         argv_full.extend(argv.iter().map(OsString::from));
@@ -442,7 +450,7 @@ impl BwrapBackend {
     /// block pipes when it joins the network namespace, the hook files'
     /// contents and the relative write paths.
     fn passed_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
-        first_write_fd(spec, gate) + bound_write_paths(spec).count() as u32
+        first_write_fd(spec, gate) + (bound_write_paths(spec).count() + spec.read_paths.len()) as u32
     }
 
     /// The digest of the exact command line a sandbox with `spec` at
@@ -998,14 +1006,21 @@ mod tests {
         }
     }
 
+    /// Read paths are bound read-only from descriptors, numbered after the
+    /// write paths', none of them a path source bwrap would resolve.
     #[test]
-    fn read_paths_are_bound_read_only() {
-        let spec = SandboxSpec { read_paths: vec!["/opt/tools".into()], ..SandboxSpec::default() };
+    fn read_paths_are_bound_read_only_by_descriptor() {
+        let spec = SandboxSpec {
+            read_paths: vec!["/opt/tools".into(), "/srv/models".into()],
+            write_paths: vec![".".into(), "/var/x".into()],
+            ..SandboxSpec::default()
+        };
         let args =
             strs(&bwrap_args(&spec, &paths("/w"), &HostLayout { entries: vec![] }, sizes(1), &GateMounts::default()));
-        let at = args.iter().position(|a| a == "/opt/tools").expect("read path bound");
-        assert_eq!(args[at - 1], "--ro-bind");
-        assert_eq!(args[at + 1], "/opt/tools");
+        let at = args.iter().position(|a| a == "--ro-bind-fd").expect("read path bound");
+        assert_eq!(args[at..at + 6], ["--ro-bind-fd", "8", "/opt/tools", "--ro-bind-fd", "9", "/srv/models"]);
+        assert!(!args.windows(2).any(|w| w[0] == "--ro-bind" && w[1] == "/opt/tools"), "{args:?}");
+        assert_eq!(BwrapBackend::passed_fd(&spec, &GateMounts::default()), 10);
     }
 
     #[test]
