@@ -94,6 +94,26 @@ pub struct Principal {
     pub approve: bool,
 }
 
+/// Where a run may write on the host (see [`crate::policy::HostWrites`]):
+/// as its principal `name`, `known` as this node configures it now (a
+/// reload may have changed its type or roots). One this node does not
+/// know writes nowhere, unless the node knows no principal at all
+/// (`knows_others` false: a fleet's worker, which takes no calls) and the
+/// accepting node admitted the run as `adm`; a principal a reload removed
+/// is not so trusted.
+pub fn host_writes_of<'a>(
+    known: Option<&'a Principal>,
+    name: &'a str,
+    actor: &str,
+    knows_others: bool,
+) -> crate::policy::HostWrites<'a> {
+    match (known, actor) {
+        (Some(principal), _) => principal.host_writes(),
+        (None, "adm") if !knows_others => crate::policy::HostWrites::Anywhere,
+        (None, _) => crate::policy::HostWrites::Beneath { principal: name, roots: &[] },
+    }
+}
+
 /// Why a call is refused: a stable machine reason and a sentence.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Denied {
@@ -234,6 +254,33 @@ mod tests {
             repos: Vec::new(),
             write_roots: Vec::new(),
             approve: false,
+        }
+    }
+
+    /// A run's host writes: its principal as configured now; an unknown
+    /// one only on a node that knows no principal, and only as `adm`.
+    #[test]
+    fn host_writes_follow_the_principal_as_configured_now() {
+        use crate::policy::HostWrites;
+        let roots = |w: HostWrites<'_>| match w {
+            HostWrites::Anywhere => None,
+            HostWrites::Beneath { principal, roots } => Some((principal.to_string(), roots.to_vec())),
+        };
+        let mut tenant = agt(&["a"]);
+        tenant.write_roots = vec!["/srv/ci".into()];
+        let demoted = agt(&["a"]);
+        for (known, actor, knows_others, expected) in [
+            (Some(&tenant), "agt", true, Some(("ci", vec!["/srv/ci".into()]))),
+            (Some(&adm()), "adm", true, None),
+            // Admitted as adm, now an agt: its roots, none.
+            (Some(&demoted), "adm", true, Some(("ci", vec![]))),
+            (None, "adm", false, None),
+            (None, "adm", true, Some(("gone", vec![]))),
+            (None, "agt", false, Some(("gone", vec![]))),
+        ] {
+            let expected = expected.map(|(n, r): (&str, Vec<std::path::PathBuf>)| (n.to_string(), r));
+            let name = known.map_or("gone", |p| p.name.as_str());
+            assert_eq!(roots(host_writes_of(known, name, actor, knows_others)), expected, "{actor} {knows_others}");
         }
     }
 

@@ -282,15 +282,16 @@ impl Core {
     async fn gate_agent_start(&mut self, profile: &Profile, first: bool) -> GateOutcome {
         let t = Instant::now();
         // The principal as configured now (a reload may have changed its
-        // type or its write_roots). One this node does not know (a fleet's
-        // worker without principals) writes nowhere, unless the type the
-        // accepting node admitted it as is adm.
-        let known = self.engine.repos.principals.current().named(&self.consumer.principal);
-        let host_writes = match (&known, self.consumer.actor.as_str()) {
-            (Some(principal), _) => principal.host_writes(),
-            (None, "adm") => crate::policy::HostWrites::Anywhere,
-            (None, _) => crate::policy::HostWrites::Beneath { principal: &self.consumer.principal, roots: &[] },
-        };
+        // type or its write_roots). One this node does not know writes
+        // nowhere, unless this node knows no principal at all (a fleet's
+        // worker: it takes no calls) and the accepting node admitted it as
+        // adm; a principal a reload removed is not so trusted.
+        let principals = self.engine.repos.principals.current();
+        let known = principals.named(&self.consumer.principal);
+        let admin = usize::from(principals.named(crate::auth::LOCAL_ADMIN).is_some());
+        let knows_others = principals.principal_count() > admin;
+        let host_writes =
+            crate::auth::host_writes_of(known.as_deref(), &self.consumer.principal, &self.consumer.actor, knows_others);
         let facts = RunFacts {
             actor: &self.consumer.actor,
             project: &self.consumer.project,
