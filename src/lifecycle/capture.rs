@@ -61,8 +61,8 @@ pub struct PrincipalShare<'a> {
 
 impl PrincipalShare<'_> {
     /// Whether the principal may have one more ref in `origin`.
-    async fn check(&self, origin: &Path) -> Result<(), WorkspaceError> {
-        let names = workspace::corral_refs(origin).await?;
+    async fn check(&self, origin: &crate::sandbox::repo::OpenRepo) -> Result<(), WorkspaceError> {
+        let names = workspace::ref_names(origin).await?;
         // A session's own id is `<principal>/<id>`; the rest are run ids.
         let scoped = format!("{}/", self.principal);
         let (mine, ids): (Vec<String>, Vec<String>) = names.into_iter().partition(|n| n.starts_with(&scoped));
@@ -123,19 +123,9 @@ impl CaptureJob<'_> {
             return Ok(Captured { capture, fetched: String::new() });
         }
         let taken = workspace::take_bundle(&host_bundle, self.private, self.max_bundle_bytes);
-        // The share and the room are counted, and the ref taken, under one
-        // lock (`_held` lives to the end of its arm).
-        let locked = match taken {
-            Ok(()) => self.locks.lock(self.origin, &self.stop).await,
+        let fetched = match taken {
+            Ok(()) => self.fetch_in_turn().await,
             Err(e) => Err(e),
-        };
-        let fetched = match (locked, &self.share) {
-            (Ok(_held), Some(share)) => match share.check(self.origin).await {
-                Ok(()) => workspace::fetch_bundle(self.origin, self.private, self.name, self.room).await,
-                Err(e) => Err(e),
-            },
-            (Ok(_held), None) => workspace::fetch_bundle(self.origin, self.private, self.name, self.room).await,
-            (Err(e), _) => Err(e),
         };
         let _ = std::fs::remove_file(self.private);
         let fetched = fetched?;
@@ -143,6 +133,17 @@ impl CaptureJob<'_> {
             return Err(WorkspaceError(format!("the bundle holds {fetched}, the capture reported {}", capture.head)));
         }
         Ok(Captured { capture, fetched })
+    }
+
+    /// Fetches the bundle into the origin in its turn: the principal's
+    /// share and the origin's room are counted, and the ref taken, under
+    /// one lock, in the repository it opened.
+    async fn fetch_in_turn(&self) -> Result<String, WorkspaceError> {
+        let turn = self.locks.lock(self.origin, &self.stop).await?;
+        if let Some(share) = &self.share {
+            share.check(&turn.repo).await?;
+        }
+        workspace::fetch_bundle(&turn.repo, self.private, self.name, self.room).await
     }
 
     /// Spawns the capture in the sandbox, reads its stdout, and kills it

@@ -288,8 +288,11 @@ impl Core {
         // adm; a principal a reload removed is not so trusted.
         let principals = self.engine.repos.principals.current();
         let known = principals.named(&self.consumer.principal);
-        let admin = usize::from(principals.named(crate::auth::LOCAL_ADMIN).is_some());
-        let knows_others = principals.principal_count() > admin;
+        // Counted only when the principal is not known here.
+        let knows_others = known.is_none() && {
+            let admin = usize::from(principals.named(crate::auth::LOCAL_ADMIN).is_some());
+            principals.principal_count() > admin
+        };
         let host_writes =
             crate::auth::host_writes_of(known.as_deref(), &self.consumer.principal, &self.consumer.actor, knows_others);
         let facts = RunFacts {

@@ -148,9 +148,8 @@ impl HostWrites<'_> {
     /// The first of `write_paths` (absolute ones) not allowed, with why.
     pub fn refusal(&self, write_paths: &[String]) -> Option<String> {
         let HostWrites::Beneath { principal, roots } = self else { return None };
-        let absolute = write_paths.iter().map(std::path::Path::new).filter(|p| p.is_absolute());
-        let outside =
-            absolute.into_iter().find(|p| !plain_absolute(p) || !roots.iter().any(|root| p.starts_with(root)))?;
+        let mut absolute = write_paths.iter().map(std::path::Path::new).filter(|p| p.is_absolute());
+        let outside = absolute.find(|p| !plain_absolute(p) || !roots.iter().any(|root| p.starts_with(root)))?;
         let roots: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
         Some(format!(
             "sandbox.write_paths: {} is a host directory every run of the profile writes, whoever runs it; \

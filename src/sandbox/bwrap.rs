@@ -156,8 +156,7 @@ pub fn bwrap_args(
     // Read paths likewise from descriptors opened with no symlink on the
     // way (see [`open_bound_paths`]): one an agent put in a directory it
     // could write would otherwise show another tenant's files.
-    let first_read = first_write_fd(spec, gate) + bound_write_paths(spec).count() as u32;
-    for (n, path) in (first_read..).zip(&spec.read_paths) {
+    for (n, path) in (first_read_fd(spec, gate)..).zip(&spec.read_paths) {
         push(&["--ro-bind-fd", &n.to_string(), path]);
     }
     let ws = paths.workspace.to_string_lossy();
@@ -219,10 +218,16 @@ fn gate_data_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
     last.parse::<u32>().expect("a descriptor number") + 1
 }
 
-/// The descriptor number bwrap finds the first relative write path at:
+/// The descriptor number bwrap finds the first write path it binds at:
 /// after the hook files' contents.
 fn first_write_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
     gate_data_fd(spec, gate) + gate.contents().count() as u32
+}
+
+/// The descriptor number bwrap finds the first read path at: after the
+/// write paths'.
+fn first_read_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
+    first_write_fd(spec, gate) + bound_write_paths(spec).count() as u32
 }
 
 /// Opens each write path the sandbox binds, then each read path (see
@@ -448,9 +453,9 @@ impl BwrapBackend {
     /// The number the first of a launch's own `pass_fds` has inside: after
     /// bwrap's arguments, seccomp program and identity files, its info and
     /// block pipes when it joins the network namespace, the hook files'
-    /// contents and the relative write paths.
+    /// contents, and the write and read paths it binds.
     fn passed_fd(spec: &SandboxSpec, gate: &GateMounts) -> u32 {
-        first_write_fd(spec, gate) + (bound_write_paths(spec).count() + spec.read_paths.len()) as u32
+        first_read_fd(spec, gate) + spec.read_paths.len() as u32
     }
 
     /// The digest of the exact command line a sandbox with `spec` at

@@ -367,16 +367,9 @@ async fn check_room(origin: &OpenRepo, bundle_bytes: u64, room: OriginRoom) -> R
     Ok(())
 }
 
-/// The names below `refs/corral/` that the repository at `origin` holds
+/// The names below `refs/corral/` that the repository `origin` holds
 /// (`<id>`, or `<principal>/<id>` for a session).
-pub async fn corral_refs(origin: &Path) -> Result<Vec<String>, WorkspaceError> {
-    let origin = OpenRepo::reopen(origin)
-        .map_err(|e| WorkspaceError(format!("fetch back: the repository cannot be opened: {e}")))?;
-    ref_names(&origin).await
-}
-
-/// [`corral_refs`] of a repository already open.
-async fn ref_names(origin: &OpenRepo) -> Result<Vec<String>, WorkspaceError> {
+pub async fn ref_names(origin: &OpenRepo) -> Result<Vec<String>, WorkspaceError> {
     let mut cmd = git_in(origin);
     cmd.args(["for-each-ref", "--format=%(refname)", "refs/corral/"]);
     let refs = run(cmd, "for-each-ref").await?;
@@ -396,8 +389,11 @@ pub struct OriginLocks {
     held: std::sync::Mutex<std::collections::HashMap<PathBuf, std::sync::Weak<tokio::sync::Mutex<()>>>>,
 }
 
-/// One repository's turn (see [`OriginLocks`]).
+/// One repository's turn (see [`OriginLocks`]), with the repository open:
+/// what is counted and fetched into under it.
 pub struct OriginLock {
+    /// The repository, opened once for its turn.
+    pub repo: OpenRepo,
     _turn: tokio::sync::OwnedMutexGuard<()>,
 }
 
@@ -425,7 +421,7 @@ impl OriginLocks {
             }
         };
         tokio::select! {
-            turn = turn.lock_owned() => Ok(OriginLock { _turn: turn }),
+            turn = turn.lock_owned() => Ok(OriginLock { repo, _turn: turn }),
             () = stop.cancelled() => Err(WorkspaceError("fetch back: stopped waiting for the repository".into())),
         }
     }
@@ -435,16 +431,14 @@ impl OriginLocks {
 /// `refs/corral/<name>` if the origin has `room`; returns the commit it
 /// brought (the one the daemon saw in the bundle, not what anyone claimed).
 pub async fn fetch_bundle(
-    origin: &Path,
+    origin: &OpenRepo,
     bundle: &Path,
     name: &str,
     room: OriginRoom,
 ) -> Result<String, WorkspaceError> {
-    let origin = OpenRepo::reopen(origin)
-        .map_err(|e| WorkspaceError(format!("fetch back: the repository cannot be opened: {e}")))?;
     let bundle_bytes = std::fs::metadata(bundle).map(|m| m.len()).unwrap_or(0);
-    check_room(&origin, bundle_bytes, room).await?;
-    let mut cmd = git_in(&origin);
+    check_room(origin, bundle_bytes, room).await?;
+    let mut cmd = git_in(origin);
     cmd.args(["bundle", "list-heads"]).arg(bundle).arg(CAPTURE_REF);
     let heads = run(cmd, "bundle list-heads").await?;
     let commit = heads
@@ -464,7 +458,7 @@ pub async fn fetch_bundle(
     ));
     std::fs::hard_link(bundle, &pinned).map_err(|e| WorkspaceError(format!("fetch back: {e}")))?;
     let _unlink = RemoveOnDrop(&pinned);
-    let mut cmd = git_in(&origin);
+    let mut cmd = git_in(origin);
     // The key holds a path: given by the environment, which takes it as
     // it is (`-c` would split it at a `=`).
     cmd.env("GIT_CONFIG_COUNT", "1")
