@@ -414,6 +414,7 @@ async fn values_that_would_be_accepted_and_not_enforced_refuse_the_profile() {
         (protocol_profile("test.build", "", "").replace("1.0.0", "1.0.0+a"), "version", "build metadata"),
         (none_profile_writing("test.none-src", "\"src\""), "sandbox.write_paths", "cannot narrow"),
         (none_profile_writing("test.none-nothing", ""), "sandbox.write_paths", "cannot narrow"),
+        (none_profile_writing("test.none-host", "\".\", \"/srv\""), "sandbox.write_paths[1]", "binds no host path"),
     ];
     for (text, key, says) in cases {
         let error = load_error(&[("p.toml", text.clone())]).await;

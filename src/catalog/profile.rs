@@ -700,11 +700,19 @@ impl Profile {
         // write path other than "." (or none at all) would narrow what it
         // cannot narrow.
         if file.sandbox.sandbox_type == SandboxType::None {
+            // Nor can it bind a host path: its uid writes wherever the
+            // host's permissions let it, and nowhere else, whatever a
+            // write path says.
+            if let Some((i, path)) = file.sandbox.write_paths.iter().enumerate().find(|(_, p)| p.starts_with('/')) {
+                return Err(format!(
+                    "sandbox.write_paths[{i}]: {path}: a none sandbox binds no host path (its uid writes wherever \
+                     the host's permissions let it, and nowhere they do not); use linux_bwrap"
+                ));
+            }
             let mut relative = file.sandbox.write_paths.iter().filter(|p| !p.starts_with('/'));
             if !relative.clone().any(|p| p == ".") || relative.any(|p| p != ".") {
                 return Err("sandbox.write_paths: a none sandbox leaves its whole workspace writable and cannot \
-                            narrow it: list \".\" (and host paths, if any) as its only relative write path, or use \
-                            linux_bwrap"
+                            narrow it: list \".\" as its only write path, or use linux_bwrap"
                     .into());
             }
         }

@@ -438,6 +438,12 @@ impl Gate {
                 if !sandbox.read_paths.is_empty() {
                     return verdict(Action::Deny, "sandbox type none cannot restrict reads; use linux_bwrap".into());
                 }
+                if let Some(path) = sandbox.write_paths.iter().find(|p| p.starts_with('/')) {
+                    return verdict(
+                        Action::Deny,
+                        format!("sandbox type none binds no host path ({path}); use linux_bwrap"),
+                    );
+                }
                 if !narrowed.is_empty() {
                     return verdict(
                         Action::Deny,

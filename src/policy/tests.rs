@@ -198,6 +198,25 @@ fn a_none_sandbox_sharing_the_daemons_uid_is_refused_with_the_reason() {
     assert_eq!(gate().evaluate(&input(&spec, &[], &[])).action, Action::Allow);
 }
 
+/// A `none` sandbox binds no host path: an absolute write path there
+/// (a stored profile that predates the load check) is refused, not
+/// written into the receipt as if it were bound.
+#[test]
+fn a_none_sandbox_refuses_a_host_write_path() {
+    let spec = SandboxSpec {
+        sandbox_type: SandboxType::None,
+        allow_network: true,
+        write_paths: vec![".".into(), "/srv/cache".into()],
+        ..SandboxSpec::default()
+    };
+    let outcome = gate().evaluate(&input(&spec, &[], &[]));
+    let denial = outcome.denial().expect("refused");
+    assert_eq!(denial.policy, "host_enforceability");
+    assert_eq!(denial.reason, "sandbox type none binds no host path (/srv/cache); use linux_bwrap");
+    let workspace = SandboxSpec { write_paths: vec![".".into()], ..spec };
+    assert_eq!(gate().evaluate(&input(&workspace, &[], &[])).action, Action::Allow);
+}
+
 #[test]
 fn max_timeout_clamps() {
     let spec = SandboxSpec::default();
