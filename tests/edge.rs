@@ -422,17 +422,42 @@ async fn every_malformed_field_of_every_rpc_is_invalid_argument_and_stores_nothi
     assert!(status.message().contains("4194304"), "{status:?}");
     assert_eq!(rows(&daemon).await, before);
 
-    // after_sequence near u64::MAX is "nothing after it", for executions
-    // and sessions alike; an unknown subject is still NOT_FOUND.
+    // after_sequence past the last stored event names an event no caller
+    // has seen: OUT_OF_RANGE with the last one, for executions and
+    // sessions alike, up to u64::MAX; the last itself is "nothing after
+    // it". An unknown subject is still NOT_FOUND.
     let execution_id = second.executions[0].execution_id.clone();
     let sessions = c.sessions.clone().list_sessions(pb::ListSessionsRequest::default()).await.unwrap().into_inner();
     let session_id = sessions.sessions[0].session_id.clone();
-    for after in [u64::MAX, u64::MAX - 1, i64::MAX as u64, i64::MAX as u64 + 1] {
-        assert!(daemon.watch_all(&execution_id, after).await.is_empty(), "after {after}");
+    let last = |events: &[pb::LifecycleEvent]| events.last().expect("events").sequence;
+    let execution_last = last(&daemon.watch_all(&execution_id, 0).await);
+    let session_events = |after| {
         let mut s = c.sessions.clone();
         let req = pb::WatchSessionRequest { session_id: session_id.clone(), after_sequence: after };
-        let mut stream = s.watch_session(req).await.expect("watch session").into_inner();
-        assert!(stream.message().await.expect("stream ok").is_none(), "after {after}");
+        async move {
+            let mut stream = s.watch_session(req).await?.into_inner();
+            let mut events = Vec::new();
+            while let Some(event) = stream.message().await? {
+                events.push(event);
+            }
+            Ok::<_, tonic::Status>(events)
+        }
+    };
+    let session_last = last(&session_events(0).await.expect("session events"));
+    assert!(daemon.watch_all(&execution_id, execution_last).await.is_empty());
+    assert!(session_events(session_last).await.expect("after the last").is_empty());
+    let refused = |status: tonic::Status, past: u64, last: u64| {
+        assert_eq!(status.code(), Code::OutOfRange, "after {past}: {status:?}");
+        let info = status.get_details_error_info().expect("details");
+        assert_eq!(info.reason, "SEQUENCE_NOT_STORED");
+        assert_eq!(info.metadata.get("last_sequence"), Some(&last.to_string()), "after {past}");
+    };
+    for past in [execution_last + 1, u64::MAX, i64::MAX as u64 + 1] {
+        let req = pb::WatchRequest { execution_id: execution_id.clone(), after_sequence: past };
+        refused(c.exec.clone().watch_execution(req).await.expect_err("past the last"), past, execution_last);
+    }
+    for past in [session_last + 1, u64::MAX - 1, i64::MAX as u64] {
+        refused(session_events(past).await.expect_err("past the last"), past, session_last);
     }
     let watch = pb::WatchRequest { execution_id: "no-such-execution".into(), after_sequence: u64::MAX };
     let status = c.exec.clone().watch_execution(watch).await.expect_err("unknown");

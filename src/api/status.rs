@@ -52,6 +52,12 @@ impl From<EngineError> for Status {
                 "SEQUENCE_COMPACTED",
                 vec![("oldest_sequence".into(), oldest.to_string())],
             ),
+            EngineError::PastEnd { last, .. } => with_reason(
+                Code::OutOfRange,
+                message,
+                "SEQUENCE_NOT_STORED",
+                vec![("last_sequence".into(), last.to_string())],
+            ),
             EngineError::Refused(_) => with_reason(Code::FailedPrecondition, message, "RESOLUTION_REFUSED", vec![]),
             EngineError::AgentStartDenied { policy, reason } => with_reason(
                 Code::PermissionDenied,

@@ -77,6 +77,14 @@ pub enum EngineError {
         /// The oldest sequence still stored.
         oldest: u64,
     },
+    /// A watch asked to start after an event not yet stored.
+    #[error("after_sequence {requested} is past the last event stored, {last}")]
+    PastEnd {
+        /// The sequence the watch asked to start after.
+        requested: u64,
+        /// The last sequence stored.
+        last: u64,
+    },
     /// Resolution refused a session (rule 1); the reason is the daemon's.
     #[error("{0}")]
     Refused(String),
@@ -571,8 +579,8 @@ impl Engine {
         }
         let id = record.execution_id.clone();
         let live = self.bus.subscribe(&id);
-        let oldest = self.store.oldest_sequence(&id).await?;
-        let after = oldest.map_or(0, |oldest| oldest.saturating_sub(1));
+        let bounds = self.store.sequence_bounds(&id).await?;
+        let after = bounds.map_or(0, |(oldest, _)| oldest.saturating_sub(1));
         let subscription = self.follow(&id, after, live).await?.for_direct_caller(self.store.clone(), id);
         let unless_kept = self.unless_kept(cmd, &record.execution_id);
         Ok(Submitted { record, subscription, existing: true, unless_kept })
@@ -883,10 +891,15 @@ impl Engine {
         // Subscribe before reading the store: an event is stored before it
         // is published, so every event is in one or the other.
         let live = self.bus.subscribe(execution_id);
-        if let Some(oldest) = self.store.oldest_sequence(execution_id).await? {
-            // Near u64::MAX there is simply nothing after it.
+        if let Some((oldest, last)) = self.store.sequence_bounds(execution_id).await? {
             if after.saturating_add(1) < oldest {
                 return Err(EngineError::OutOfRange { requested: after, oldest });
+            }
+            // An event is stored before anyone sees it: a caller cannot
+            // have seen one past the last stored, and would wait for
+            // events it says it has (a `finished` among them) forever.
+            if after > last {
+                return Err(EngineError::PastEnd { requested: after, last });
             }
         }
         Ok(self.follow(execution_id, after, live).await?.holding(permit))

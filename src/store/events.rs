@@ -71,13 +71,15 @@ impl Store {
         Ok(rows.iter().map(|r| (r.get::<i64, _>(0) as u64, r.get::<String, _>(1), r.get::<&str, _>(2).len())).collect())
     }
 
-    /// The lowest sequence still stored for a subject.
-    pub async fn oldest_sequence(&self, subject: &str) -> Result<Option<u64>, StoreError> {
-        let row = sqlx::query("SELECT MIN(sequence) FROM events WHERE subject_id = $1")
+    /// The lowest and the highest sequence still stored for a subject
+    /// (compaction keeps the last event), if it has any.
+    pub async fn sequence_bounds(&self, subject: &str) -> Result<Option<(u64, u64)>, StoreError> {
+        let row = sqlx::query("SELECT MIN(sequence), MAX(sequence) FROM events WHERE subject_id = $1")
             .bind(subject)
             .fetch_one(&self.reader)
             .await?;
-        Ok(row.get::<Option<i64>, _>(0).map(|s| s as u64))
+        let bound = |i: usize| row.get::<Option<i64>, _>(i).map(|s| s as u64);
+        Ok(bound(0).zip(bound(1)))
     }
 
     /// The raw output and error of a finished execution, if kept.
