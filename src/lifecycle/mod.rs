@@ -783,12 +783,9 @@ impl Engine {
     /// stopped nor lost, and its lease not run out (one that crashed is
     /// marked lost only by the next sweep).
     async fn in_fleet(&self, node: &str) -> Result<bool, EngineError> {
-        use crate::store::NodeState;
         let nodes = self.store.list_nodes().await?;
         let now = crate::records::now_ms();
-        Ok(nodes.iter().any(|n| {
-            n.name == node && matches!(n.state, NodeState::Active | NodeState::Draining) && n.lease_until_ms >= now
-        }))
+        Ok(nodes.iter().any(|n| n.name == node && queue::answers(n, now)))
     }
 
     /// A decision another node was sent for a tool call waiting here.

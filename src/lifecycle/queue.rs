@@ -74,6 +74,15 @@ pub fn is_live(node: &crate::store::NodeRow, now_ms: i64) -> bool {
     node.state == crate::store::NodeState::Active && node.lease_until_ms >= now_ms
 }
 
+/// Whether node `node` still answers for what it owns at `now_ms` (a tool
+/// call waiting there, a run it finished): active or draining, and its
+/// lease holding. One that stopped, was marked lost, or whose lease ran
+/// out (it crashed and no sweep has marked it yet) answers nothing.
+pub fn answers(node: &crate::store::NodeRow, now_ms: i64) -> bool {
+    use crate::store::NodeState;
+    matches!(node.state, NodeState::Active | NodeState::Draining) && node.lease_until_ms >= now_ms
+}
+
 /// The labels of `profile`'s `[placement]` that a node labelled `labels`
 /// lacks; empty when it may run the profile.
 pub fn missing_labels<'a>(profile: &'a crate::catalog::Profile, labels: &[String]) -> Vec<&'a str> {
@@ -396,7 +405,7 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use super::{can_take, covers};
+    use super::{answers, can_take, covers};
     use crate::store::{NodeRow, NodeState};
 
     #[test]
@@ -419,6 +428,28 @@ mod tests {
         assert!(!can_take(&node, &["tpu".into()], 9_000));
         assert!(!can_take(&NodeRow { capacity: 0, ..node.clone() }, &[], 9_000), "a front end");
         assert!(!can_take(&NodeRow { state: NodeState::Draining, ..node }, &[], 9_000));
+    }
+
+    #[test]
+    fn a_node_answers_for_what_it_owns_only_while_its_lease_holds() {
+        let node = NodeRow {
+            name: "a".into(),
+            epoch: "e".into(),
+            state: NodeState::Active,
+            capacity: 0,
+            labels: vec![],
+            version: String::new(),
+            started_at_ms: 0,
+            renewed_at_ms: 0,
+            lease_until_ms: 10_000,
+            running: 0,
+            drain_requested_at_ms: 0,
+        };
+        assert!(answers(&node, 10_000), "a front end (no capacity) answers too");
+        assert!(!answers(&node, 10_001), "its lease ran out: it crashed, even if no sweep marked it lost");
+        assert!(answers(&NodeRow { state: NodeState::Draining, ..node.clone() }, 9_000), "draining: still running");
+        assert!(!answers(&NodeRow { state: NodeState::Stopped, ..node.clone() }, 9_000));
+        assert!(!answers(&NodeRow { state: NodeState::Lost, ..node }, 9_000));
     }
 
     #[test]
