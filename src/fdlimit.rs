@@ -1,9 +1,10 @@
 //! The daemon's file descriptor budget. At start it raises its own
 //! `RLIMIT_NOFILE` soft limit to the hard limit (systemd's `LimitNOFILE`,
 //! or the shell's `ulimit -Hn`), then checks that what admission lets in
-//! fits: every running execution and session costs descriptors of its own
-//! (pipes, the proxy's listener, git during capture), and every proxied
-//! connection two (the sandbox's side and the upstream). When it does not
+//! fits: every running execution and session, and every warm sandbox
+//! waiting, costs descriptors of its own (pipes, the proxy's listener, git
+//! during capture), and every proxied connection two (the sandbox's side
+//! and the upstream). When it does not
 //! fit the daemon refuses to start and says which keys to lower; the
 //! proxies' daemon-wide cap, unless configured, is what is left.
 
@@ -42,19 +43,22 @@ pub fn raise_nofile() -> u64 {
 /// The proxies' daemon-wide connection cap under a soft limit of `nofile`
 /// descriptors, or why admission does not fit in it (naming the keys).
 pub fn proxy_connections(config: &Config, nofile: u64) -> Result<usize, String> {
-    let sandboxes = (config.max_running_executions + config.max_running_sessions) as u64;
+    // A warm sandbox waits outside admission's count, holding its own
+    // descriptors (its waiter's pipes and pidfds, its proxy's listener).
+    let warm: usize = config.sandbox.warm.values().sum();
+    let sandboxes = (config.max_running_executions + config.max_running_sessions + warm) as u64;
     let reserved = BASE_FDS + sandboxes * FDS_PER_SANDBOX;
     let left = nofile.saturating_sub(reserved) / FDS_PER_CONNECTION;
     match config.proxy.max_connections {
         Some(wanted) if wanted as u64 > left => Err(format!(
             "proxy.max_connections {wanted} needs {} file descriptors beyond the {reserved} that \
-             max_running_executions + max_running_sessions ({sandboxes}) reserve, but RLIMIT_NOFILE is {nofile}: \
+             max_running_executions + max_running_sessions + sandbox.warm ({sandboxes}) reserve, but RLIMIT_NOFILE is {nofile}: \
              raise LimitNOFILE (ulimit -n) or lower these keys",
             wanted as u64 * FDS_PER_CONNECTION
         )),
         Some(wanted) => Ok(wanted),
         None if left == 0 => Err(format!(
-            "max_running_executions + max_running_sessions ({sandboxes}) need {reserved} file descriptors and leave \
+            "max_running_executions + max_running_sessions + sandbox.warm ({sandboxes}) need {reserved} file descriptors and leave \
              none for proxy connections, but RLIMIT_NOFILE is {nofile}: raise LimitNOFILE (ulimit -n) or lower them"
         )),
         None => Ok(left.min(DEFAULT_MAX_CONNECTIONS) as usize),
@@ -78,6 +82,13 @@ mod tests {
         assert_eq!(proxy_connections(&wanted, 2560 + 2000), Ok(1000));
         let err = proxy_connections(&wanted, 2560 + 1999).unwrap_err();
         assert!(err.contains("proxy.max_connections 1000"), "{err}");
+        // Warm sandboxes wait outside admission, each with descriptors of
+        // its own: 64 more reserve 64 * 16 = 1024 more.
+        let mut warm = Config::default();
+        warm.sandbox.warm = [("builtin.noop".to_string(), 64)].into_iter().collect();
+        assert_eq!(proxy_connections(&warm, 2560 + 1024 + 200), Ok(100));
+        let err = proxy_connections(&warm, 2560 + 1000).unwrap_err();
+        assert!(err.contains("sandbox.warm (192)"), "{err}");
     }
 
     #[test]

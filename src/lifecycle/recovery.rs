@@ -190,6 +190,9 @@ impl Engine {
             let finished = self.finish_subject(subject, &mut record.evidence, destroy, why, reached).await?;
             record.state = ExecutionState::Failed;
             record.finished_at_ms = Some(now_ms());
+            // Out of admission's count before anyone hears it finished, as
+            // a run that ends is (its sandboxes are destroyed above).
+            self.release(subject);
             return finished.execution(self, record).await;
         }
         let Some(mut record) = self.store.get_session(subject).await? else { return Ok(()) };
@@ -201,6 +204,7 @@ impl Engine {
         session_cause_is_the_note(&mut record);
         record.state = SessionState::Failed;
         record.ended_at_ms = Some(now_ms());
+        self.release(subject);
         finished.session(self, record).await
     }
 
