@@ -1168,6 +1168,12 @@ async fn a_queued_execution_is_cancelled_before_it_runs_and_the_next_one_runs() 
         .unwrap()
         .into_inner();
     assert_eq!(queued.state, pb::ExecutionState::Pending as i32, "{queued:?}");
+    // Nothing of it is stored while it waits: no caller has seen an event.
+    let past = pb::WatchRequest { execution_id: queued.execution_id.clone(), after_sequence: 1 };
+    let status = client.watch_execution(past).await.expect_err("no event stored yet");
+    assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
+    let info = tonic_types::StatusExt::get_details_error_info(&status).expect("details");
+    assert_eq!(info.metadata.get("last_sequence").map(String::as_str), Some("0"));
     let next = client.start_execution(request("builtin.shell", "echo next")).await.unwrap().into_inner();
     let cancel = pb::CancelExecutionRequest { execution_id: queued.execution_id.clone() };
     let cancelled = b.executions().await.cancel_execution(cancel).await.unwrap().into_inner();

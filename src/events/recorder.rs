@@ -195,6 +195,10 @@ impl Recorder {
                     tracing::error!(subject = %self.subject, count, %error, "final record not stored");
                     return false;
                 }
+                Err(error) if self.committed_anyway(count).await => {
+                    tracing::warn!(subject = %self.subject, %error, "the final record's write answered an error but committed");
+                    return true;
+                }
                 Err(error) => {
                     tracing::warn!(subject = %self.subject, attempt, %error, "storing the final record failed; retrying");
                 }
@@ -218,12 +222,21 @@ impl Recorder {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<(), crate::store::StoreError>>,
     {
+        use crate::store::StoreError;
         let mut delay = std::time::Duration::from_millis(20);
         for attempt in 1..=5 {
             let started = std::time::Instant::now();
             match write().await {
                 Ok(()) => {
                     crate::telemetry::events_stored(count, started.elapsed().as_secs_f64());
+                    return true;
+                }
+                // A fenced node's or an unencodable write never committed.
+                Err(error)
+                    if !matches!(error, StoreError::Fenced { .. } | StoreError::Encoding(_))
+                        && self.committed_anyway(count).await =>
+                {
+                    tracing::warn!(subject = %self.subject, %error, "events' write answered an error but committed");
                     return true;
                 }
                 Err(error) if attempt == 5 => {
@@ -237,6 +250,17 @@ impl Recorder {
             }
         }
         false
+    }
+
+    /// Whether a write of `count` events from the next sequence that
+    /// answered an error committed all the same (a PostgreSQL commit whose
+    /// answer was lost to a failover or a reset connection): this recorder
+    /// is its subject's one writer, so a stored sequence at or past the
+    /// write's last is its own. Retrying it would conflict on every try,
+    /// and every later write with it: the run would never finish.
+    async fn committed_anyway(&self, count: usize) -> bool {
+        let Some(last) = (self.next + count as u64).checked_sub(1) else { return false };
+        matches!(self.store.sequence_bounds(&self.subject).await, Ok(Some((_, stored))) if stored >= last)
     }
 }
 
@@ -288,5 +312,45 @@ mod tests {
             "{stored:?}"
         );
         assert_eq!(stored[1].kind, progress("kept"));
+    }
+
+    /// A write that committed but answered an error (a PostgreSQL commit
+    /// whose answer a failover lost) counts as stored, events' and final
+    /// alike. Before, every retry conflicted on the stored sequence, and so
+    /// did every later write: the run never finished. One that did not
+    /// commit is still not stored.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_that_committed_but_answered_an_error_counts_as_stored() {
+        use crate::store::StoreError;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "test").await.unwrap();
+        let mut recorder = Recorder::new("e1".into(), 0, store.clone(), Arc::new(EventBus::new(16)));
+        let progress =
+            |tool: &str| EventKind::Progress { progress_kind: "tool_use".into(), tool: tool.into(), tokens_so_far: 0 };
+        let answer_lost = |events: &Vec<Event>| {
+            let (store, events) = (store.clone(), events.clone());
+            move || {
+                let (store, events) = (store.clone(), events.clone());
+                async move {
+                    store.append_events(&events).await?;
+                    Err(StoreError::Database(sqlx::Error::PoolTimedOut))
+                }
+            }
+        };
+        let events = recorder.prepare(progress("first")).await;
+        assert!(recorder.persist_with(events.len(), answer_lost(&events)).await, "it committed");
+        recorder.publish(events, None);
+        let last = recorder.prepare(progress("last")).await;
+        let give_up = tokio_util::sync::CancellationToken::new();
+        let stored = recorder.persist_final_with(last.len(), &give_up, answer_lost(&last));
+        assert!(tokio::time::timeout(std::time::Duration::from_secs(10), stored).await.expect("not retried forever"));
+        recorder.publish(last, None);
+        let stored = store.events_after("e1", 0).await.unwrap();
+        assert_eq!(stored.iter().map(|e| e.sequence).collect::<Vec<_>>(), [1, 2], "{stored:?}");
+        assert_eq!(stored[1].kind, progress("last"));
+
+        let never = recorder.prepare(progress("never")).await;
+        let refused = || async { Err(StoreError::Database(sqlx::Error::PoolTimedOut)) };
+        assert!(!recorder.persist_with(never.len(), refused).await, "nothing committed");
     }
 }

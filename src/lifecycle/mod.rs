@@ -888,7 +888,8 @@ impl Engine {
         // Subscribe before reading the store: an event is stored before it
         // is published, so every event is in one or the other.
         let live = self.bus.subscribe(execution_id);
-        if let Some((oldest, last)) = self.store.sequence_bounds(execution_id).await? {
+        let bounds = self.store.sequence_bounds(execution_id).await?;
+        if let Some((oldest, last)) = bounds {
             if after.saturating_add(1) < oldest {
                 return Err(EngineError::OutOfRange { requested: after, oldest });
             }
@@ -899,7 +900,14 @@ impl Engine {
                 return Err(EngineError::PastEnd { requested: after, last });
             }
         }
-        Ok(self.follow(execution_id, after, live).await?.holding(permit))
+        let subscription = self.follow(execution_id, after, live).await?;
+        // Nothing stored yet (a run still queued, or one whose first
+        // events are held for its sandbox's row): none was seen either.
+        // After `follow`, so an unknown subject is NOT_FOUND.
+        if bounds.is_none() && after > 0 {
+            return Err(EngineError::PastEnd { requested: after, last: 0 });
+        }
+        Ok(subscription.holding(permit))
     }
 
     /// The stored events of `execution_id` after `after`, then the live
