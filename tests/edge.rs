@@ -1043,3 +1043,33 @@ async fn a_final_write_the_store_refuses_for_a_while_is_stored_when_it_comes_bac
     assert_eq!(stored.state, pb::ExecutionState::Succeeded as i32, "{stored:?}");
     daemon.stop().await;
 }
+
+/// A session watched in the moment between its row's store and its start
+/// opening its events (stored, neither live nor ended) is followed through
+/// the store until its `finished`, never ended at once with no `finished`
+/// (the stream ended OK with nothing, and the caller took it for over).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_stored_but_not_yet_live_is_followed_until_it_finishes() {
+    use corral::records::{Event, EventKind, SessionRecord, SessionState};
+    let daemon = TestDaemon::start(Options::default()).await;
+    let store = daemon.engine.store.clone();
+    let consumer = corral::types::Consumer { principal: corral::auth::LOCAL_ADMIN.into(), ..Default::default() };
+    let record =
+        SessionRecord { session_id: "s-window".into(), state: SessionState::Active, consumer, ..Default::default() };
+    assert!(store.insert_session(&record).await.unwrap());
+    let mut client = SessionServiceClient::new(daemon.channel().await);
+    let req = pb::WatchSessionRequest { session_id: "s-window".into(), after_sequence: 0 };
+    let mut stream = client.watch_session(req).await.expect("watch").into_inner();
+    let early = tokio::time::timeout(Duration::from_millis(500), stream.message()).await;
+    assert!(early.is_err(), "the watch ended before the session did: {early:?}");
+    let ended = SessionRecord { state: SessionState::Ended, ended_at_ms: Some(1), ..record };
+    let time_ms = corral::records::now_ms();
+    let kind = EventKind::SessionFinished { session: Box::new(ended.clone()) };
+    let finished = Event { subject_id: "s-window".into(), sequence: 1, time_ms, kind };
+    store.finish_session(&ended, &[finished]).await.unwrap();
+    let last = tokio::time::timeout(Duration::from_secs(10), stream.message()).await.expect("followed");
+    let last = last.expect("stream ok").expect("its finished");
+    assert!(matches!(last.kind, Some(Kind::Finished(_))), "{last:?}");
+    assert!(stream.message().await.expect("stream ok").is_none(), "ends after finished");
+    daemon.stop().await;
+}

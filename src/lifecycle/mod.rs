@@ -929,9 +929,11 @@ impl Engine {
             return Err(EngineError::NotFound(execution_id.to_string()));
         }
         // Not live here and not finished: it runs on another daemon sharing
-        // the store (or its owner is gone and will recover it on restart).
+        // the store (or its owner is gone and will recover it on restart),
+        // or here, its events not open yet (a session stored a moment
+        // before its start opens them): followed through the store, never
+        // ended with no `finished`.
         let remote = live.is_none()
-            && self.store.is_shared()
             && !replay.last().is_some_and(|e| e.kind.is_finished())
             && !self.is_terminal(execution_id).await?;
         let subscription = Subscription::replay_then_live(replay, live, after).catching_up(
