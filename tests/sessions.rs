@@ -851,6 +851,44 @@ async fn a_session_with_a_turn_in_flight_is_not_reaped() {
     daemon.stop().await;
 }
 
+/// A drain of this node alone (DrainNode, no shutdown) takes no new
+/// session but finishes those it runs: they take turns, and an idle one is
+/// reaped, so the node empties. Before, the drain stopped the reaper and
+/// refused every turn: each session held its sandbox, its uid and its
+/// slot until its caller ended it, and the node never drained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_node_goes_on_with_its_sessions_until_they_end() {
+    require_bwrap();
+    let mut options = daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))]);
+    options.config = Box::new(|config| config.session_idle_seconds = 2);
+    let daemon = TestDaemon::start(options).await;
+    let mut client = sessions(&daemon).await;
+    let session = create(&mut client, create_request("test.session", "agt", "")).await.expect("created");
+    let mut catalog = daemon.catalog().await;
+    let nodes = catalog.list_nodes(pb::ListNodesRequest {}).await.expect("nodes").into_inner().nodes;
+    let name = nodes.first().expect("this daemon's node").name.clone();
+    catalog.drain_node(pb::DrainNodeRequest { name }).await.expect("drained");
+    assert!(daemon.engine.is_draining());
+    let refused = create(&mut client, create_request("test.session", "agt", "")).await.expect_err("no new session");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+
+    let events = send_turn(&mut client, &session.session_id, "echo", json!({"echo": "while draining"})).await;
+    let done = turn_finished(&events);
+    assert!(done.ok && done.output.contains("while draining"), "a session it runs takes turns: {done:?}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let record = get(&mut client, &session.session_id).await;
+        if record.state == pb::SessionState::Reaped as i32 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the idle session was not reaped while draining: {record:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(daemon.engine.running(), 0, "the node is empty");
+    assert!(daemon.leftover_sandboxes().await.is_empty(), "{:?}", daemon.leftover_sandboxes().await);
+    daemon.stop().await;
+}
+
 /// A shutdown gives a turn in flight the grace an execution gets, then
 /// cancels it and ends the session: it never waits for the turn's own
 /// timeout (systemd would SIGKILL the daemon first and leave the sandbox).

@@ -234,6 +234,9 @@ pub struct Engine {
     /// Cancelled by [`Engine::start_draining`]: whoever reports this node's
     /// health learns that it takes no new work, whatever drained it.
     drain_started: CancellationToken,
+    /// Cancelled when this node stops (a shutdown, a fence): a drain alone
+    /// still finishes what it runs, its sessions' turns and reaping too.
+    stopping: CancellationToken,
     draining: CancellationToken,
     /// The sandboxes that exist now, so a fenced node can kill what runs in
     /// them without the store (see [`Engine::fence`]).
@@ -356,6 +359,7 @@ impl Engine {
             panicked: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
             drain_started: CancellationToken::new(),
+            stopping: CancellationToken::new(),
             draining: CancellationToken::new(),
             live_sandboxes: Mutex::default(),
             fenced: Default::default(),
@@ -397,6 +401,7 @@ impl Engine {
     /// on disk and in the store, its next start recovers.
     pub async fn fence(&self) -> usize {
         self.fenced.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.stopping.cancel();
         self.start_draining();
         self.draining.cancel();
         // The warm pools first, so that no run takes one of their sandboxes
@@ -993,6 +998,7 @@ impl Engine {
     /// fenced, the node leaves the fleet as `stopped` (see
     /// [`Store::leave_fleet`]), and the store closes.
     pub async fn shutdown(&self, grace: Duration) {
+        self.stopping.cancel();
         self.tasks.close();
         // The grace ends at its deadline, whatever is going on then: the
         // sessions' ends below (their workspace captures) have what is left
@@ -1096,6 +1102,13 @@ impl Engine {
     /// grace is over.
     pub fn is_draining(&self) -> bool {
         self.tasks.is_closed() || self.draining.is_cancelled()
+    }
+
+    /// Whether this node is stopping (a shutdown or a fence), not only
+    /// draining: a session then takes no new turn and is not reaped (the
+    /// shutdown ends it).
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.is_cancelled()
     }
 
     /// Cancelled when a shutdown's grace period is over: work that would

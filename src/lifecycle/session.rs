@@ -434,7 +434,9 @@ impl Engine {
     ) -> Result<(Subscription, u64), EngineError> {
         let live = self.live_or_ended(session_id).await?;
         // A shutdown's grace is for the turns in flight, not for new ones.
-        if self.is_draining() {
+        // A drain alone takes no new work, but finishes what it runs: a
+        // session it runs goes on taking turns until it ends.
+        if self.is_stopping() {
             return Err(EngineError::Unavailable("the daemon is shutting down; no new turn is accepted".into()));
         }
         if live.busy.swap(true, Ordering::SeqCst) {
@@ -769,7 +771,9 @@ impl Engine {
             loop {
                 tokio::time::sleep(tick).await;
                 let Some(engine) = engine.upgrade() else { return };
-                if engine.is_draining() {
+                // A drain alone goes on reaping: an idle session would
+                // keep its sandbox and its slot, and the node never drained.
+                if engine.is_stopping() {
                     return;
                 }
                 let idle_ones: Vec<String> = lock(&engine.sessions)
