@@ -889,6 +889,45 @@ async fn a_draining_node_goes_on_with_its_sessions_until_they_end() {
     daemon.stop().await;
 }
 
+/// A shutdown ends its sessions side by side, each within the grace: a
+/// harness deaf to the end of its input costs its session the end's own
+/// wait (5 s) and no more. Ended one after another, three such sessions
+/// took 15 s, and the last one's capture was cut by a 12 s grace: it
+/// ended `failed` with nothing fetched back, for coming last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_ends_its_sessions_side_by_side_within_the_grace() {
+    require_bwrap();
+    let deaf = "id = \"test.deaf\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/bin/sh\", \"-c\", \"cat >/dev/null; exec sleep 4\"]\n\
+                input = \"task_json\"\n[sandbox]\ntype = \"linux_bwrap\"\nwrite_paths = [\".\"]\n[limits]\n\
+                timeout_seconds = 60\n";
+    let mut options = daemon_options(vec![("deaf.toml", deaf.to_string())]);
+    options.config = Box::new(|config| config.shutdown_grace_seconds = 6);
+    let daemon = TestDaemon::start(options).await;
+    let mut client = sessions(&daemon).await;
+    let repo = git_repo();
+    let mut watchers = Vec::new();
+    for _ in 0..3 {
+        let session =
+            create(&mut client, create_request("test.deaf", "agt", &repo_path(&repo))).await.expect("created");
+        let request = pb::WatchSessionRequest { session_id: session.session_id, after_sequence: 0 };
+        let stream = client.watch_session(request).await.expect("watch").into_inner();
+        watchers.push(tokio::spawn(async move {
+            let mut stream = stream;
+            let mut events = Vec::new();
+            while let Ok(Some(event)) = stream.message().await {
+                events.push(event);
+            }
+            events
+        }));
+    }
+    daemon.stop().await;
+    for watcher in watchers {
+        let events = watcher.await.unwrap();
+        let session = session_of(&events);
+        assert_eq!(session.state, pb::SessionState::Ended as i32, "{:?}: {session:?}", kinds(&events));
+    }
+}
+
 /// A shutdown gives a turn in flight the grace an execution gets, then
 /// cancels it and ends the session: it never waits for the turn's own
 /// timeout (systemd would SIGKILL the daemon first and leave the sandbox).

@@ -799,12 +799,16 @@ impl Engine {
     }
 
     /// Ends every live session (daemon shutdown).
+    /// Side by side, each within what is left of the grace: one after
+    /// another, a harness slow to end (up to its 5 s end grace) spent the
+    /// grace of the sessions behind it, which ended `failed`.
     pub async fn end_all_sessions(&self) {
         let ids: Vec<String> = lock(&self.sessions).keys().cloned().collect();
-        for id in ids {
-            if let Err(e) = self.end_session(&id, EndReason::Shutdown).await {
+        let ends = ids.iter().map(|id| async move {
+            if let Err(e) = self.end_session(id, EndReason::Shutdown).await {
                 tracing::warn!(session_id = %id, error = %e, "ending session at shutdown failed");
             }
-        }
+        });
+        futures_util::future::join_all(ends).await;
     }
 }
