@@ -1264,6 +1264,45 @@ async fn a_second_create_of_a_starting_session_id_is_already_exists_naming_sessi
     daemon.stop().await;
 }
 
+/// EndSession while the session's sandbox is being made ends the start
+/// there: no harness is started in it, the create is told, and the
+/// sandbox is destroyed. Before, the cancel was looked at only before the
+/// sandbox was made, and the agent was launched in it, then torn down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ending_a_session_while_its_sandbox_is_made_starts_no_harness() {
+    require_bwrap();
+    // Each sandbox takes 300 ms to make: the create is STARTING that long.
+    let (backends, log) = bwrap_with(BackendFaults { slow_create: true, ..Default::default() });
+    let mut options = daemon_options(vec![("s.toml", bwrap_profile("test.session", ""))]);
+    options.backends = Some(backends);
+    let daemon = TestDaemon::start(options).await;
+    let client = sessions(&daemon).await;
+    let id = unique_id("ended-starting");
+    let request = pb::CreateSessionRequest { session_id: id.clone(), ..create_request("test.session", "agt", "") };
+    let created = {
+        let mut client = client.clone();
+        tokio::spawn(async move { create(&mut client, request).await })
+    };
+    let stored = stored_id("agt", &id);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while log.lock().unwrap().creates == 0 {
+        assert!(Instant::now() < deadline, "the sandbox was never being made");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    client.clone().end_session(pb::EndSessionRequest { session_id: stored.clone() }).await.expect("ended");
+    let refused = created.await.unwrap().expect_err("ended while it was starting");
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    assert!(refused.message().contains("ended while it was starting"), "{refused:?}");
+    let (spawns, destroys) = {
+        let log = log.lock().unwrap();
+        (log.spawns.len(), log.destroys.clone())
+    };
+    assert_eq!(spawns, 0, "a harness was started in it");
+    assert_eq!(destroys.len(), 1, "its sandbox is destroyed: {destroys:?}");
+    assert_eq!(get(&mut client.clone(), &stored).await.state, pb::SessionState::Ended as i32);
+    daemon.stop().await;
+}
+
 // ---------------------------------------------------------------------------
 // 9. EvaluateGate is a faithful dry run
 

@@ -218,6 +218,12 @@ impl Core {
             return Err(OpenFailure::Cancelled);
         }
         self.create_sandbox(&outcome.effective_sandbox).instrument(tracing::info_span!("sandbox_create")).await?;
+        // Cancelled (an EndSession, a CancelExecution) while its sandbox
+        // was made and its repository cloned: no harness is started in it.
+        if cancel.is_cancelled() {
+            self.destroy().await;
+            return Err(OpenFailure::Cancelled);
+        }
         if let Err(error) = self.start_harness().instrument(tracing::info_span!("session_start")).await {
             self.failed(FailureStage::SessionStart, &error.to_string());
             self.destroy().await;
