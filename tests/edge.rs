@@ -1073,3 +1073,55 @@ async fn a_session_stored_but_not_yet_live_is_followed_until_it_finishes() {
     assert!(stream.message().await.expect("stream ok").is_none(), "ends after finished");
     daemon.stop().await;
 }
+
+/// A turn whose `turn_finished` the store refuses (past its retries) ends
+/// its session: the turn's stream ends, and the next turn is refused.
+/// Before, the stream waited for an end that was never sent, the session
+/// took the next turn (maybe another caller's), and that turn's events,
+/// its raw output with them, went down the first turn's stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_whose_end_is_not_stored_ends_its_session() {
+    use sqlx::Connection;
+    common::require_bwrap();
+    let profile = common::session_agent_profile("test.session", "");
+    let daemon = TestDaemon::start(Options { profiles: vec![("s.toml".into(), profile)], ..Options::default() }).await;
+    let mut client = SessionServiceClient::new(daemon.channel().await);
+    let create = pb::CreateSessionRequest { profile_ref: "test.session".into(), ..Default::default() };
+    let session = client.create_session(create).await.expect("created").into_inner();
+    let db = format!("sqlite://{}", daemon.data.path().join("data/corral.db").display());
+    let mut db = sqlx::SqliteConnection::connect(&db).await.expect("the test daemon's SQLite store");
+    let refuse = "CREATE TRIGGER refuse_turn_ends BEFORE INSERT ON events WHEN NEW.kind = 'turn_finished' \
+                  BEGIN SELECT RAISE(ABORT, 'injected: the store refuses turn ends'); END";
+    sqlx::query(refuse).execute(&mut db).await.unwrap();
+    let turn = |echo: &str| pb::SendTurnRequest {
+        session_id: session.session_id.clone(),
+        tool_call: Some(pb::ToolCall {
+            tool: "echo".into(),
+            arguments_json: serde_json::json!({ "echo": echo }).to_string(),
+        }),
+    };
+    let mut first = client.send_turn(turn("first")).await.expect("the first turn").into_inner();
+    let mut seen = Vec::new();
+    let read = async {
+        while let Ok(Some(event)) = first.message().await {
+            seen.push(event);
+        }
+    };
+    let ended = tokio::time::timeout(Duration::from_secs(30), read).await;
+    assert!(ended.is_ok(), "the turn's stream never ended: {:?}", kinds(&seen));
+    assert!(!seen.iter().any(|e| matches!(e.kind, Some(Kind::TurnFinished(_)))), "{:?}", kinds(&seen));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let get = pb::GetSessionRequest { session_id: session.session_id.clone() };
+        let record = client.get_session(get).await.expect("the session").into_inner();
+        if record.state != pb::SessionState::Active as i32 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the session still takes turns: {record:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let refused = client.send_turn(turn("second")).await.expect_err("the session ended");
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    sqlx::query("DROP TRIGGER refuse_turn_ends").execute(&mut db).await.unwrap();
+    daemon.stop().await;
+}

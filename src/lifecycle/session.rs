@@ -98,6 +98,9 @@ pub enum EndReason {
     /// The task running one of its turns panicked (a bug): what it held is
     /// torn down and the session ends `failed`.
     TurnPanicked,
+    /// The store refused a turn's `turn_finished` (past its retries): the
+    /// session ends `failed`, as for a panic.
+    TurnNotStored,
 }
 
 impl Engine {
@@ -534,7 +537,21 @@ impl Engine {
             let mut raw = raw;
             let cut = fit_raw(&mut raw, json_len(&event), engine.max_message_bytes);
             core.recorder.emit_batch(cut.into_iter().map(|e| (e, None)).collect()).await;
-            core.recorder.emit(event, Some(RawPart::Finished(raw))).await;
+            if core.recorder.emit(event, Some(RawPart::Finished(raw))).await.is_none() {
+                // Not stored, so never sent: this turn's stream would wait
+                // for it, and take the next turn's raw output (maybe another
+                // caller's) for its own. The session's live events end here
+                // (a next turn, waiting for this lock, finds it ended), and
+                // the session with them, once this lock is let go.
+                tracing::error!(session_id = %id, turn, "a turn's end not stored; ending the session");
+                engine.bus.close(&id);
+                let (ending, session_id) = (engine.clone(), id.clone());
+                engine.spawn_tracked(async move {
+                    if let Err(e) = ending.end_session(&session_id, EndReason::TurnNotStored).await {
+                        tracing::error!(%session_id, error = %e, "a session whose turn was not stored not ended");
+                    }
+                });
+            }
         };
         // In a task of its own, so that a panic (a bug) ends the session
         // as failed rather than leave it busy for good.
@@ -702,13 +719,17 @@ impl Engine {
         if let EndReason::Idle(idle) = reason {
             core.recorder.emit(EventKind::Reaped { idle_seconds: idle.as_secs() }, None).await;
         }
-        if let EndReason::TurnPanicked = reason {
-            core.failed(FailureStage::Execution, "the daemon's task for a turn failed");
+        match reason {
+            EndReason::TurnPanicked => core.failed(FailureStage::Execution, "the daemon's task for a turn failed"),
+            EndReason::TurnNotStored => core.failed(FailureStage::Execution, "a turn's end could not be stored"),
+            _ => {}
         }
         core.close(false).instrument(tracing::info_span!("teardown")).await;
         record.state = match reason {
             EndReason::Idle(_) => SessionState::Reaped,
-            EndReason::Requested | EndReason::Shutdown | EndReason::TurnPanicked => SessionState::Ended,
+            EndReason::Requested | EndReason::Shutdown | EndReason::TurnPanicked | EndReason::TurnNotStored => {
+                SessionState::Ended
+            }
         };
         let cause = self.finish_session(&mut core, &mut record).await;
         self.release(session_id);
