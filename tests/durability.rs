@@ -542,7 +542,7 @@ async fn runs_finished_by_recovery_are_counted_in_the_metrics() {
     std::fs::write(profiles.join("s.toml"), common::session_agent_profile("test.session", "")).unwrap();
     let data = dir.path().join("data");
     let metrics = || {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = common::unused_port();
         (port, format!("metrics_listen = \"127.0.0.1:{port}\"\n"))
     };
     let (_, extra) = metrics();
@@ -578,7 +578,7 @@ async fn a_session_that_ends_failed_is_counted_failed() {
     std::fs::create_dir_all(&profiles).unwrap();
     std::fs::write(profiles.join("s.toml"), common::stubborn_profile()).unwrap();
     let data = dir.path().join("data");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = common::unused_port();
     let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
     let daemon = ServeProcess::start_with(&data, &profiles, &[], &extra).await;
     let mut sessions = SessionServiceClient::new(daemon.channel().await);

@@ -180,7 +180,7 @@ async fn egress_goes_only_through_the_proxy_to_allowed_hosts() {
 async fn the_daemons_own_port_stays_unreachable_even_when_listed() {
     require_bwrap();
     // Choose the daemon's port first, so a profile can list it exactly.
-    let grpc = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let grpc = common::unused_port();
     let profile = net_profile("test.self", &[format!("127.0.0.1:{grpc}")], "");
     let daemon = TestDaemon::start(Options {
         profiles: vec![profile],
@@ -290,7 +290,7 @@ async fn scrape(port: u16, token: Option<&str>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_metrics_listener_is_protected_and_needs_its_token() {
     require_bwrap();
-    let metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let metrics = common::unused_port();
     let token_dir = tempfile::tempdir().unwrap();
     let token = "m".repeat(40);
     let token_file = token_dir.path().join("metrics.token");

@@ -107,7 +107,7 @@ async fn a_daemon_that_cannot_serve_never_says_it_listens() {
     let dir = common::data_tempdir();
     let token = dir.path().join("metrics.token");
     std::fs::write(&token, "0123456789\n").unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = common::unused_port();
     let short_token =
         format!("metrics_listen = \"127.0.0.1:{port}\"\nmetrics_token_file = {:?}\n", token.display().to_string());
     let cases = [
@@ -158,7 +158,7 @@ arguments = { expression = "false", reason = "never" }
     )
     .unwrap();
     let data = dir.path().join("data");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = common::unused_port();
     let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
     let daemon = ServeProcess::start_with(&data, &profiles, &[], &extra).await;
     let mut client = ExecutionServiceClient::new(daemon.channel().await);
@@ -193,7 +193,7 @@ async fn a_no_op_execution_stores_its_eight_events_in_three_writes() {
     let dir = common::data_tempdir();
     let profiles = dir.path().join("profiles");
     std::fs::create_dir_all(&profiles).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = common::unused_port();
     let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
     let daemon = ServeProcess::start_with(&dir.path().join("data"), &profiles, &[], &extra).await;
     let mut client = ExecutionServiceClient::new(daemon.channel().await);
@@ -485,7 +485,7 @@ async fn a_fresh_daemons_metrics_are_described_and_listed_at_zero() {
     let dir = common::data_tempdir();
     let profiles = dir.path().join("profiles");
     std::fs::create_dir_all(&profiles).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = common::unused_port();
     let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
     let _daemon = ServeProcess::start_with(&dir.path().join("data"), &profiles, &[], &extra).await;
     let text = scrape(port).await;
@@ -714,7 +714,7 @@ async fn absurd_token_counts_are_bounded_and_every_run_finishes() {
     let profiles = dir.path().join("profiles");
     std::fs::create_dir_all(&profiles).unwrap();
     std::fs::write(profiles.join("absurd.toml"), absurd_usage_profile(dir.path())).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = common::unused_port();
     let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
     let daemon = ServeProcess::start_with(&dir.path().join("data"), &profiles, &[], &extra).await;
 

@@ -705,7 +705,7 @@ async fn a_pool_whose_sandboxes_die_at_once_backs_off() {
         "id = \"test.doomed\"\nversion = \"1.0.0\"\n[rein]\nargv = [\"/usr/bin/true\"]\ninput = \"nothing\"\n\
                    [limits]\nmax_processes = 1\n";
     std::fs::write(profiles.join("doomed.toml"), profile).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = common::unused_port();
     let config = format!("metrics_listen = \"127.0.0.1:{port}\"\n[sandbox.warm]\n\"test.doomed\" = 1\n");
     let serve = ServeProcess::start_with(&data, &profiles, &[], &config).await;
     let died = |text: &str| sample(text, "corral_warm_sandboxes_died_total", "profile=\"test.doomed\"").unwrap_or(0.0);
@@ -883,7 +883,7 @@ async fn the_metrics_say_what_the_runs_of_a_pools_profile_found() {
         );
         std::fs::write(profiles.join(format!("pooled-{version}.toml")), profile).unwrap();
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = common::unused_port();
     let config = format!("metrics_listen = \"127.0.0.1:{port}\"\n[sandbox.warm]\n\"test.pooled@1.1.0\" = 1\n");
     let serve = ServeProcess::start_with(&data, &profiles, &[], &config).await;
     let found = |text: &str, found: &str| {

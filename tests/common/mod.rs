@@ -334,6 +334,18 @@ pub fn unique_uids() -> String {
     format!("{first}-{}", first + PER_DAEMON - 1)
 }
 
+/// A loopback TCP port free now, for a daemon's configured listener
+/// (`metrics_listen`, `listen`), from below the kernel's ephemeral range
+/// (32768-60999): a port taken with `:0` and let go is the next test's
+/// `:0` to take, and the daemon then found it in use (seen once in CI).
+pub fn unused_port() -> u16 {
+    let seed = std::process::id() as usize ^ std::time::UNIX_EPOCH.elapsed().unwrap().subsec_nanos() as usize;
+    (0..12_000)
+        .map(|i| 20_000 + ((seed + i * 7919) % 12_000) as u16)
+        .find(|port| std::net::TcpListener::bind(("127.0.0.1", *port)).is_ok())
+        .expect("a free loopback port in 20000-31999")
+}
+
 /// A temporary directory to hold a daemon's data directory: traversable
 /// (0711) by the sandboxes' own uids, which must reach their workspaces.
 pub fn data_tempdir() -> TempDir {
