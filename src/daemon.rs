@@ -523,7 +523,7 @@ pub(crate) fn check_warm_pools(
     // node runs at once (a front end, fleet.capacity = 0, runs none: its
     // pool would never be taken). While it runs, a filler keeps running
     // executions and warm sandboxes within the same bound (`lifecycle::warm`).
-    let total: usize = warm.values().sum();
+    let total = config.sandbox.warm_total();
     let room = config.fleet.capacity(config.max_running_executions).min(config.max_running_executions);
     if total > room {
         return Err(format!(

@@ -45,8 +45,7 @@ pub fn raise_nofile() -> u64 {
 pub fn proxy_connections(config: &Config, nofile: u64) -> Result<usize, String> {
     // A warm sandbox waits outside admission's count, holding its own
     // descriptors (its waiter's pipes and pidfds, its proxy's listener).
-    let warm: usize = config.sandbox.warm.values().sum();
-    let sandboxes = (config.max_running_executions + config.max_running_sessions + warm) as u64;
+    let sandboxes = (config.max_running_executions + config.max_running_sessions + config.sandbox.warm_total()) as u64;
     let reserved = BASE_FDS + sandboxes * FDS_PER_SANDBOX;
     let left = nofile.saturating_sub(reserved) / FDS_PER_CONNECTION;
     match config.proxy.max_connections {

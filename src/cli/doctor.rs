@@ -70,7 +70,7 @@ pub async fn run(config: &Config, json: bool) -> anyhow::Result<i32> {
     // The warm pools the daemon could keep, once the catalog loads.
     let warm = match (&catalog, &uids) {
         (Ok(catalog), Ok(uid_mode)) => crate::daemon::check_warm_pools(config, catalog, &probe, &labels, uid_mode)
-            .map(|()| format!("{} warm sandboxes", config.sandbox.warm.values().sum::<usize>())),
+            .map(|()| format!("{} warm sandboxes", config.sandbox.warm_total())),
         _ => Err("not judged: the catalog or the uid range does not load".into()),
     };
     checks.push(("warm pools".into(), warm.clone()));

@@ -408,9 +408,9 @@ mod tests {
     use super::{answers, can_take, covers};
     use crate::store::{NodeRow, NodeState};
 
-    #[test]
-    fn a_node_whose_lease_ran_out_takes_nothing_before_it_is_swept() {
-        let node = NodeRow {
+    /// An active node with room for 2, labelled `gpu`, its lease until 10 s.
+    fn node() -> NodeRow {
+        NodeRow {
             name: "b".into(),
             epoch: "e".into(),
             state: NodeState::Active,
@@ -422,7 +422,12 @@ mod tests {
             lease_until_ms: 10_000,
             running: 0,
             drain_requested_at_ms: 0,
-        };
+        }
+    }
+
+    #[test]
+    fn a_node_whose_lease_ran_out_takes_nothing_before_it_is_swept() {
+        let node = node();
         assert!(can_take(&node, &["gpu".into()], 10_000));
         assert!(!can_take(&node, &["gpu".into()], 10_001), "its lease ran out: dead, even if still listed active");
         assert!(!can_take(&node, &["tpu".into()], 9_000));
@@ -432,19 +437,7 @@ mod tests {
 
     #[test]
     fn a_node_answers_for_what_it_owns_only_while_its_lease_holds() {
-        let node = NodeRow {
-            name: "a".into(),
-            epoch: "e".into(),
-            state: NodeState::Active,
-            capacity: 0,
-            labels: vec![],
-            version: String::new(),
-            started_at_ms: 0,
-            renewed_at_ms: 0,
-            lease_until_ms: 10_000,
-            running: 0,
-            drain_requested_at_ms: 0,
-        };
+        let node = NodeRow { capacity: 0, labels: vec![], ..node() };
         assert!(answers(&node, 10_000), "a front end (no capacity) answers too");
         assert!(!answers(&node, 10_001), "its lease ran out: it crashed, even if no sweep marked it lost");
         assert!(answers(&NodeRow { state: NodeState::Draining, ..node.clone() }, 9_000), "draining: still running");

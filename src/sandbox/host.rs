@@ -46,6 +46,11 @@ impl Default for SandboxConfig {
 }
 
 impl SandboxConfig {
+    /// The warm sandboxes of every pool together.
+    pub fn warm_total(&self) -> usize {
+        self.warm.values().sum()
+    }
+
     /// Errors name the key.
     pub fn validate(&self) -> Result<(), (String, String)> {
         UidRange::parse(&self.uids).map_err(|e| ("sandbox.uids".to_string(), e))?;
