@@ -1100,16 +1100,64 @@ async fn a_turn_whose_end_is_not_stored_ends_its_session() {
             arguments_json: serde_json::json!({ "echo": echo }).to_string(),
         }),
     };
+    // A watcher of the session from its start.
+    let watch = pb::WatchSessionRequest { session_id: session.session_id.clone(), after_sequence: 0 };
+    let mut watcher = client.watch_session(watch).await.expect("watched").into_inner();
     let mut first = client.send_turn(turn("first")).await.expect("the first turn").into_inner();
     let mut seen = Vec::new();
     let read = async {
-        while let Ok(Some(event)) = first.message().await {
-            seen.push(event);
+        loop {
+            match first.message().await {
+                Ok(Some(event)) => seen.push(event),
+                Ok(None) => return None,
+                Err(status) => return Some(status),
+            }
         }
     };
     let ended = tokio::time::timeout(Duration::from_secs(30), read).await;
-    assert!(ended.is_ok(), "the turn's stream never ended: {:?}", kinds(&seen));
+    let ended = ended.unwrap_or_else(|_| panic!("the turn's stream never ended: {:?}", kinds(&seen)));
     assert!(!seen.iter().any(|e| matches!(e.kind, Some(Kind::TurnFinished(_)))), "{:?}", kinds(&seen));
+    // Not a clean end: the caller is told its turn's end was not stored.
+    let cut = ended.unwrap_or_else(|| panic!("the turn's stream ended OK with no end: {:?}", kinds(&seen)));
+    assert_eq!(
+        (cut.code(), cut.get_details_error_info().map(|i| i.reason).unwrap_or_default().as_str()),
+        (Code::Unavailable, "END_NOT_STORED"),
+        "{cut:?}"
+    );
+    // The watcher is cut too, or gets the session's `finished`; resumed
+    // after what it got, it gets that `finished`. Never an OK end without it.
+    let mut last = 0;
+    let mut finished = false;
+    for _ in 0..2 {
+        let read = async {
+            loop {
+                match watcher.message().await {
+                    Ok(Some(event)) => {
+                        last = event.sequence;
+                        finished |= matches!(event.kind, Some(Kind::Finished(_)));
+                    }
+                    Ok(None) => return None,
+                    Err(status) => return Some(status),
+                }
+            }
+        };
+        match tokio::time::timeout(Duration::from_secs(30), read).await.expect("the watch ends") {
+            None => {
+                assert!(finished, "the watch ended OK with no `finished`");
+                break;
+            }
+            Some(cut) => {
+                assert_eq!(
+                    cut.get_details_error_info().map(|i| i.reason).as_deref(),
+                    Some("END_NOT_STORED"),
+                    "{cut:?}"
+                );
+                let resume = pb::WatchSessionRequest { session_id: session.session_id.clone(), after_sequence: last };
+                watcher = client.watch_session(resume).await.expect("resumed").into_inner();
+            }
+        }
+    }
+    assert!(finished, "the session's `finished` reached its watcher");
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let get = pb::GetSessionRequest { session_id: session.session_id.clone() };

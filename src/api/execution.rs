@@ -13,7 +13,7 @@ use super::auth::{audit, caller, denied, not_visible};
 use super::page::PageTokens;
 use super::streams_end::{Listener, StreamsEnd};
 use super::{convert, limits, status, validate};
-use crate::lifecycle::{Engine, Lagged, Subscription};
+use crate::lifecycle::{Cut, Engine, Lagged, Subscription};
 use crate::pb;
 use crate::pb_wire::execution_service_server::ExecutionService;
 use crate::store::ExecutionFilter;
@@ -114,7 +114,7 @@ impl Pump {
         // or an event was that long in coming (then it is not behind).
         let asked_at = std::mem::replace(&mut self.asked_at, coarse_now());
         if self.asked_at.saturating_sub(asked_at) >= STALL && self.subscription.overrun() {
-            let lag = Lagged { last_sequence: self.sent, store_failed: false };
+            let lag = Lagged { last_sequence: self.sent, cut: Cut::Behind };
             return Some(self.last(Err(status::lagged(lag))));
         }
         loop {

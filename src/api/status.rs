@@ -5,7 +5,7 @@
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, FieldViolation, StatusExt};
 
-use crate::lifecycle::{EngineError, Lagged};
+use crate::lifecycle::{Cut, EngineError, Lagged};
 
 /// The `domain` of every `google.rpc.ErrorInfo` corral sends.
 pub const DOMAIN: &str = "corral.dev";
@@ -92,21 +92,20 @@ impl From<EngineError> for Status {
     }
 }
 
-/// A watcher that fell behind (or whose read of the store failed): it can
-/// resume after `last_sequence`.
+/// A watcher ended before its subject's end (see [`Cut`]): it can resume
+/// after `last_sequence`.
 pub fn lagged(lag: Lagged) -> Status {
-    if lag.store_failed {
-        return with_reason(
-            Code::Unavailable,
-            format!("reading stored events failed; resume with after_sequence = {}", lag.last_sequence),
-            "STORE_UNAVAILABLE",
-            vec![("last_sequence".into(), lag.last_sequence.to_string())],
-        );
-    }
+    let (code, message, reason) = match lag.cut {
+        Cut::Behind => (Code::ResourceExhausted, "watcher fell behind", "WATCHER_LAGGED"),
+        Cut::StoreFailed => (Code::Unavailable, "reading stored events failed", "STORE_UNAVAILABLE"),
+        Cut::EndNotStored => {
+            (Code::Unavailable, "the subject's live events closed before its end was stored", "END_NOT_STORED")
+        }
+    };
     with_reason(
-        Code::ResourceExhausted,
-        format!("watcher fell behind; resume with after_sequence = {}", lag.last_sequence),
-        "WATCHER_LAGGED",
+        code,
+        format!("{message}; resume with after_sequence = {}", lag.last_sequence),
+        reason,
         vec![("last_sequence".into(), lag.last_sequence.to_string())],
     )
 }
@@ -117,13 +116,20 @@ mod tests {
 
     #[test]
     fn a_failed_store_read_is_unavailable_with_the_last_sequence_not_lagged() {
-        let failed = lagged(Lagged { last_sequence: 7, store_failed: true });
+        let failed = lagged(Lagged { last_sequence: 7, cut: Cut::StoreFailed });
         assert_eq!(failed.code(), Code::Unavailable);
         let info = failed.get_details_error_info().unwrap();
         assert_eq!(info.reason, "STORE_UNAVAILABLE");
         assert_eq!(info.metadata.get("last_sequence").map(String::as_str), Some("7"));
-        let behind = lagged(Lagged { last_sequence: 7, store_failed: false });
+        let behind = lagged(Lagged { last_sequence: 7, cut: Cut::Behind });
         assert_eq!(behind.code(), Code::ResourceExhausted);
         assert_eq!(behind.get_details_error_info().unwrap().reason, "WATCHER_LAGGED");
+        let cut = lagged(Lagged { last_sequence: 7, cut: Cut::EndNotStored });
+        assert_eq!(cut.code(), Code::Unavailable);
+        assert_eq!(
+            cut.message(),
+            "the subject's live events closed before its end was stored; resume with after_sequence = 7"
+        );
+        assert_eq!(cut.get_details_error_info().unwrap().reason, "END_NOT_STORED");
     }
 }

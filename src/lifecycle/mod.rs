@@ -36,7 +36,7 @@ pub use crate::records::{
 };
 pub use recovery::RecoveryReport;
 pub use session::{CreateSessionCommand, EndReason};
-pub use watch::{Lagged, Subscription, WatchBounds, WatchPermit};
+pub use watch::{Cut, Lagged, Subscription, WatchBounds, WatchPermit};
 
 use crate::catalog::Catalog;
 use crate::credentials::CredentialsConfig;

@@ -17,15 +17,32 @@ use tokio::sync::broadcast::{self, error::RecvError};
 use crate::events::{BusItem, Event};
 use crate::store::{Store, StoreError};
 
-/// The subscriber fell behind its bounded buffer, or could not read what it
-/// skipped back from the store, and was ended; it can resume with
-/// `after_sequence = last_sequence`.
+/// The subscriber was ended before its subject's end: it fell behind its
+/// bounded buffer, could not read what it skipped back from the store, or
+/// the subject's live events closed with its end not stored. It can resume
+/// with `after_sequence = last_sequence`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lagged {
     /// The sequence of the last event the subscriber received.
     pub last_sequence: u64,
-    /// Ended because reading the store failed, not because it fell behind.
-    pub store_failed: bool,
+    /// Why it was ended.
+    pub cut: Cut,
+}
+
+/// Why a subscriber was ended before its subject's end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// Further behind than the live buffer holds, with no store to catch
+    /// up from (or stalled: see the API's event stream).
+    Behind,
+    /// Reading the store failed.
+    StoreFailed,
+    /// The subject's live events closed and every stored one was read, its
+    /// `finished` (or the turn's `turn_finished`) not among them: a final
+    /// write that gave up at shutdown, or a turn whose end the store
+    /// refused. Never a clean end: whatever is stored later is found by a
+    /// watch resumed after the last sequence.
+    EndNotStored,
 }
 
 /// How many watch streams may be open: per subject, per principal (so one
@@ -160,6 +177,9 @@ pub struct Subscription {
     /// The subject ended: what this subscriber has not seen is read back
     /// from the store, page by page.
     draining: bool,
+    /// The live channel closed: the subject's `finished` is in the store,
+    /// or it was never stored ([`Cut::EndNotStored`]).
+    live_closed: bool,
     /// The stored events delivered last filled their page to its end: more
     /// may be stored after them, from before this subscriber joined the
     /// live channel (which holds none of them), so the next page is read
@@ -328,6 +348,7 @@ impl Subscription {
             catch_up: None,
             held: None,
             draining: false,
+            live_closed: false,
             more_stored: false,
         }
     }
@@ -353,6 +374,7 @@ impl Subscription {
             catch_up: None,
             held: None,
             draining,
+            live_closed: false,
             more_stored,
         }
     }
@@ -427,8 +449,10 @@ impl Subscription {
         self
     }
 
-    /// The next event; `None` once `finished` was delivered or the subject
-    /// is no longer live; `Err` when this subscriber fell behind.
+    /// The next event; `None` once `finished` (or the turn's
+    /// `turn_finished`) was delivered, or an ended subject's stored events
+    /// were all read back; `Err` when this subscriber was cut before its
+    /// subject's end (see [`Cut`]).
     pub async fn next(&mut self) -> Option<Result<BusItem, Lagged>> {
         let mut next = self.next_event().await;
         if let (Some(Ok(item)), Some(from)) = (&mut next, &self.raw_from) {
@@ -477,18 +501,20 @@ impl Subscription {
                 Err(RecvError::Lagged(_)) if self.catch_up.is_some() => continue,
                 Err(RecvError::Lagged(_)) => {
                     self.done = true;
-                    return Some(Err(Lagged { last_sequence: self.last, store_failed: false }));
+                    return Some(Err(Lagged { last_sequence: self.last, cut: Cut::Behind }));
                 }
                 Err(RecvError::Closed) => {
                     // The subject ended; whatever this subscriber has not
                     // seen yet (it may have been behind) is in the store.
                     self.live = None;
+                    self.live_closed = true;
                     self.draining = self.catch_up.is_some();
                     if let Some(result) = self.read_back().await {
                         return result;
                     }
+                    // Every event reached it live, and none was its end.
                     self.done = true;
-                    return None;
+                    return Some(Err(Lagged { last_sequence: self.last, cut: Cut::EndNotStored }));
                 }
             }
         }
@@ -527,6 +553,12 @@ impl Subscription {
                 self.draining = false;
                 match self.held.take() {
                     Some(held) => Some(Some(Ok(self.deliver(held)))),
+                    // Read to the end after its live events closed, with
+                    // no end among them (`deliver` ends on one).
+                    None if self.live_closed => {
+                        self.done = true;
+                        Some(Some(Err(Lagged { last_sequence: self.last, cut: Cut::EndNotStored })))
+                    }
                     None => {
                         self.done = true;
                         Some(None)
@@ -542,7 +574,7 @@ impl Subscription {
             Err(e) => {
                 tracing::warn!(error = %e, "reading skipped events failed; ending the watch");
                 self.done = true;
-                Some(Some(Err(Lagged { last_sequence: self.last, store_failed: true })))
+                Some(Some(Err(Lagged { last_sequence: self.last, cut: Cut::StoreFailed })))
             }
         }
     }
@@ -585,7 +617,7 @@ impl Subscription {
                     // watcher has not seen its `finished`; it may resume.
                     tracing::warn!(%subject, error = %e, "polling the store failed; ending the watch");
                     self.done = true;
-                    return Some(Err(Lagged { last_sequence: self.last, store_failed: true }));
+                    return Some(Err(Lagged { last_sequence: self.last, cut: Cut::StoreFailed }));
                 }
             }
         }
@@ -732,8 +764,70 @@ mod tests {
         // The run goes on elsewhere, but this node can no longer read it.
         store.close().await;
         let ended = sub.next().await.expect("not a clean end: no `finished` was seen");
-        assert_eq!(ended.err(), Some(Lagged { last_sequence: 2, store_failed: true }));
+        assert_eq!(ended.err(), Some(Lagged { last_sequence: 2, cut: Cut::StoreFailed }));
         assert!(sub.next().await.is_none(), "ended");
+    }
+
+    /// A subject's live events that close with no end among them (a
+    /// final write given up at shutdown, a turn's end the store refused)
+    /// cut the subscriber with the last sequence it got: never a clean
+    /// end. One behind finds an end that was stored and not sent.
+    #[tokio::test]
+    async fn live_events_that_close_with_no_end_cut_the_subscriber_not_end_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), None, "n").await.unwrap();
+        let turn_end = |subject: &str, sequence: u64| {
+            let kind = crate::events::EventKind::TurnFinished {
+                turn: 1,
+                tool: "echo".into(),
+                ok: true,
+                error: String::new(),
+                tokens_spent: 0,
+            };
+            Event { subject_id: subject.into(), sequence, time_ms: 1_000, kind }
+        };
+        let pages = EventPages::new(store.clone());
+        let cut = |last_sequence| Some(Lagged { last_sequence, cut: Cut::EndNotStored });
+        for (subject, catch_up) in [("caught-up", true), ("no-store", false)] {
+            let (tx, rx) = broadcast::channel(16);
+            let sub = Subscription::live(rx, false).until_turn(1);
+            let mut sub = if catch_up { sub.catching_up(pages.clone(), subject.into(), 16) } else { sub };
+            let events: Vec<Event> = (1..=3).map(|s| event(subject, s)).collect();
+            store.append_events(&events).await.unwrap();
+            for e in events {
+                tx.send(BusItem::new(Arc::new(e), None)).unwrap();
+            }
+            drop(tx);
+            for expected in 1..=3 {
+                assert_eq!(sub.next().await.unwrap().unwrap().event().sequence, expected, "{subject}");
+            }
+            assert_eq!(sub.next().await.and_then(Result::err), cut(3), "{subject}");
+            assert!(sub.next().await.is_none(), "{subject}: ended");
+        }
+        // Behind the live buffer (4) when it closed: reads 1..=10 back, and
+        // the turn's end, stored but never sent, ends it cleanly.
+        let (tx, rx) = broadcast::channel(4);
+        let mut sub = Subscription::live(rx, false).until_turn(1).catching_up(pages.clone(), "behind".into(), 4);
+        let mut events: Vec<Event> = (1..=10).map(|s| event("behind", s)).collect();
+        for e in &events {
+            let _ = tx.send(BusItem::new(Arc::new(e.clone()), None));
+        }
+        events.push(turn_end("behind", 11));
+        store.append_events(&events).await.unwrap();
+        drop(tx);
+        let mut seen = Vec::new();
+        for _ in 1..=11 {
+            seen.push(sub.next().await.unwrap().unwrap().event().sequence);
+        }
+        assert_eq!(seen, (1..=11).collect::<Vec<_>>());
+        assert!(sub.next().await.is_none(), "its end was read back: a clean end");
+        // A subject read back after it ended (no live channel) still ends
+        // cleanly at its last stored event, an end or not (compacted).
+        let mut sub = Subscription::replay_then_live(Run::default(), None, 0).catching_up(pages, "no-store".into(), 16);
+        for expected in 1..=3 {
+            assert_eq!(sub.next().await.unwrap().unwrap().event().sequence, expected);
+        }
+        assert!(sub.next().await.is_none());
     }
 
     #[tokio::test]

@@ -392,7 +392,10 @@ async fn next_hook(hooks: &mut Option<tokio::sync::mpsc::Receiver<HookRequest>>)
 }
 
 /// One of the agent's own tool calls, from its hook: the same tool_call
-/// gate a protocol harness asks, recorded before the answer goes back.
+/// gate a protocol harness asks. Its `gated` event is handed to the run's
+/// recorder before the answer goes back, and stored in order with the
+/// run's other events (not waited for: a store that refuses it past its
+/// retries loses it, as any event; see the README's durability).
 async fn answer_hook(request: HookRequest, dispatch: &Dispatch, parser: &mut ParserState) {
     let verdict =
         super::decide_call(dispatch.gate.as_ref(), &dispatch.events, &request.call.tool, &request.call.arguments).await;
