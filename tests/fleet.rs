@@ -408,6 +408,41 @@ async fn a_node_cut_off_from_the_store_kills_its_sandboxes_before_its_lease_runs
     assert_eq!(events(&a, &id).await, seen);
 }
 
+/// The sweep for lost nodes waits on the store beside the lease loop,
+/// never in it: with the executions table locked for two leases (the
+/// sweep's query waits on it; the renewal, which writes only the node's
+/// row, does not), the node goes on renewing its lease and its run goes
+/// on, rather than renew nothing, see no renewal fail, and never fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_held_up_by_the_store_does_not_hold_up_the_lease() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let b = Node::start(dir.path(), "node-b", &url).await;
+    let marker = format!("fleet-sweep-{}", uuid::Uuid::now_v7().simple());
+    let id = start_long_run(&b, &marker).await;
+    let db = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut lock = db.begin().await.unwrap();
+    sqlx::query("LOCK TABLE executions IN ACCESS EXCLUSIVE MODE").execute(&mut *lock).await.unwrap();
+    let locked_at = corral::records::now_ms();
+    tokio::time::sleep(Duration::from_secs(2 * LEASE_SECONDS)).await;
+    let renewed: i64 =
+        sqlx::query_scalar("SELECT renewed_at_ms FROM nodes WHERE name = 'node-b'").fetch_one(&db).await.unwrap();
+    let running = !processes_with(&marker).is_empty();
+    lock.rollback().await.unwrap();
+    assert!(
+        renewed > locked_at + LEASE_SECONDS as i64 * 1000,
+        "node-b renewed last at {renewed}, {} ms after the lock: its lease loop waited on the sweep",
+        renewed - locked_at
+    );
+    assert!(running, "node-b's run ended while the store answered its renewals");
+    b.executions().await.cancel_execution(pb::CancelExecutionRequest { execution_id: id.clone() }).await.unwrap();
+    let (state, _) = until_finished(&b, &id, Duration::from_secs(30)).await;
+    assert_eq!(state, pb::ExecutionState::Cancelled);
+    stop_all([b]).await;
+}
+
 /// Two starts on a new database: `name`, whose lease of 1 ms has run out
 /// by the time it is looked at, and `survivor`, holding one of a minute;
 /// with their data directory and the database's URL.

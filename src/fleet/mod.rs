@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::lifecycle::Engine;
 use crate::store::{NodeState, StoreError};
@@ -60,6 +61,11 @@ pub fn spawn(
         // renews at once, and counts the lease from no later than that.
         let start = Instant::now();
         let mut clock = lease::Clock::new(lease, Duration::ZERO);
+        // The sweep runs beside the loop, one at a time, and is aborted
+        // with it: a sweep waiting on the store (its pool full, a query
+        // cut off mid-way, a lost node's final write retried) must hold up
+        // neither the next renewal nor the fence when renewals fail.
+        let mut sweeping: Option<AbortOnDropHandle<()>> = None;
         loop {
             tokio::select! {
                 _ = left.cancelled() => return,
@@ -118,9 +124,12 @@ pub fn spawn(
                     return;
                 }
             }
-            if matches!(renewal, Renewal::Renewed(NodeState::Active | NodeState::Draining)) && engine.store.is_shared()
+            if matches!(renewal, Renewal::Renewed(NodeState::Active | NodeState::Draining))
+                && engine.store.is_shared()
+                && sweeping.as_ref().is_none_or(|sweep| sweep.is_finished())
             {
-                sweep(&engine).await;
+                let engine = engine.clone();
+                sweeping = Some(AbortOnDropHandle::new(tokio::spawn(async move { sweep(&engine).await })));
             }
         }
     });
