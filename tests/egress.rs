@@ -609,6 +609,77 @@ timeout_seconds = 60
     (daemon, key)
 }
 
+/// An upstream on loopback that answers every request with its own head,
+/// as one with TRACE enabled (or an echo endpoint) does; and the heads it
+/// got.
+async fn echoing_upstream() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let heads: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let seen = heads.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let (mut head, mut buf) = (Vec::new(), [0u8; 4096]);
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let head = String::from_utf8_lossy(&head).to_string();
+                seen.lock().unwrap().push(head.clone());
+                let answer =
+                    format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{head}", head.len());
+                let _ = stream.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    (url, heads)
+}
+
+/// An agent that asks the gateway to TRACE (which an upstream with it
+/// enabled answers with the request, the real key in it) or to climb
+/// above the route's base path with `..` is refused: nothing reaches the
+/// upstream, no key comes back, and each refusal is a denied `gateway`
+/// egress event with its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_forwards_no_reflecting_method_and_no_path_above_its_base() {
+    require_bwrap();
+    let (upstream, heads) = echoing_upstream().await;
+    let secret = "echo-upstream-secret-58d1";
+    let (daemon, _key) = gatewayed_daemon("test.gateway-echo", "echo", secret, format!("{upstream}/v1")).await;
+    let script = r#"curl -sS --max-time 20 -X TRACE -w ' trace %{http_code}\n' -H "authorization: Bearer $ECHO_TOKEN" \
+  http://127.0.0.1:3130/echo/messages
+curl -sS --max-time 20 --path-as-is -w ' climb %{http_code}\n' -H "authorization: Bearer $ECHO_TOKEN" \
+  http://127.0.0.1:3130/echo/../admin
+curl -sS --max-time 20 --path-as-is -w ' encoded %{http_code}\n' -H "authorization: Bearer $ECHO_TOKEN" \
+  http://127.0.0.1:3130/echo/%2e%2e/admin"#;
+    let events = daemon.execute(request("test.gateway-echo", script)).await;
+    let execution = finished(&events);
+    let out = &execution.tool_output;
+    for expected in ["trace 403", "climb 403", "encoded 403"] {
+        assert!(out.contains(expected), "{expected}: {out}\n{}", execution.tool_error);
+    }
+    assert!(!out.contains(secret), "the key came back into the sandbox: {out}");
+    assert!(heads.lock().unwrap().is_empty(), "the upstream was reached: {:?}", heads.lock().unwrap());
+    let decisions = egress_events(&events);
+    let reasons: Vec<&str> = decisions.iter().map(|d| d.rule_or_reason.as_str()).collect();
+    assert_eq!(
+        reasons,
+        [
+            "credential gateway echo: method TRACE is not forwarded with a credential",
+            "credential gateway echo: a path that climbs above the route's base path",
+            "credential gateway echo: a path that climbs above the route's base path",
+        ],
+        "{decisions:?}"
+    );
+    assert!(decisions.iter().all(|d| !d.allowed), "{decisions:?}");
+    daemon.stop().await;
+}
+
 /// The credential gateway records what it could not forward too: a route
 /// the run does not have (404) and an upstream that is down (502) are each
 /// a denied `gateway` egress event with the reason, counted in the

@@ -203,6 +203,28 @@ fn refused(log: &crate::net::EgressLog, route: &GatewayRoute, reason: &str) -> R
     answer(StatusCode::FORBIDDEN, format!("corral's credential gateway refused the request: {reason}"))
 }
 
+/// Whether a request with `method` for `rest` (the path after the route's
+/// name) may carry the route's credential: the methods of an API, not
+/// TRACE or TRACK (an upstream that allows them reflects the request, its
+/// credential with it, back into the sandbox) nor CONNECT; and a path
+/// that stays beneath the route's base path (no `.` or `..` segment,
+/// percent-encoded or not, which the upstream would resolve above it).
+pub fn check_request(method: &hyper::Method, rest: &str) -> Result<(), String> {
+    use hyper::Method;
+    let api = [Method::GET, Method::HEAD, Method::POST, Method::PUT, Method::PATCH, Method::DELETE, Method::OPTIONS];
+    if !api.contains(method) {
+        return Err(format!("method {} is not forwarded with a credential", shown(method.as_str())));
+    }
+    let dots = |segment: &str| {
+        let decoded = segment.to_ascii_lowercase().replace("%2e", ".");
+        decoded == "." || decoded == ".."
+    };
+    if rest.split(['/', '\\']).any(dots) {
+        return Err("a path that climbs above the route's base path".into());
+    }
+    Ok(())
+}
+
 /// A route name as the harness asked for it, bounded for a record.
 fn shown(name: &str) -> String {
     name.chars().take(64).map(|c| if c.is_control() { '?' } else { c }).collect()
@@ -231,6 +253,9 @@ async fn forward(req: Request<Incoming>, routes: &[GatewayRoute], log: &crate::n
         }
     };
     let (mut parts, body) = req.into_parts();
+    if let Err(reason) = check_request(&parts.method, rest) {
+        return refused(log, route, &reason);
+    }
     let authority = route.upstream.authority();
     if let Err(reason) = rewrite(
         &mut parts.headers,
@@ -282,6 +307,31 @@ async fn send(route: &GatewayRoute, request: Request<Incoming>) -> Result<Respon
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_api_s_methods_beneath_the_base_path_carry_a_credential() {
+        use hyper::Method;
+        let trace = Method::from_bytes(b"TRACE").unwrap();
+        let track = Method::from_bytes(b"TRACK").unwrap();
+        let cases: [(&Method, &str, Result<(), &str>); 13] = [
+            (&Method::POST, "/v1/messages", Ok(())),
+            (&Method::GET, "/repos/o/r/pulls?state=open", Ok(())),
+            (&Method::DELETE, "", Ok(())),
+            (&Method::OPTIONS, "/v1/a.b/..c", Ok(())),
+            (&trace, "/v1", Err("method TRACE is not forwarded with a credential")),
+            (&track, "/v1", Err("method TRACK is not forwarded with a credential")),
+            (&Method::CONNECT, "/", Err("method CONNECT is not forwarded with a credential")),
+            (&Method::GET, "/../admin", Err("a path that climbs above the route's base path")),
+            (&Method::GET, "/v1/..", Err("a path that climbs above the route's base path")),
+            (&Method::GET, "/%2e%2E/admin", Err("a path that climbs above the route's base path")),
+            (&Method::GET, "/.%2e/admin", Err("a path that climbs above the route's base path")),
+            (&Method::GET, "/./x", Err("a path that climbs above the route's base path")),
+            (&Method::GET, "/v1\\..\\admin", Err("a path that climbs above the route's base path")),
+        ];
+        for (method, rest, expected) in cases {
+            assert_eq!(check_request(method, rest), expected.map_err(String::from), "{method} {rest}");
+        }
+    }
 
     /// The first event of a stream reaches the client while the upstream
     /// is still holding back the rest: nothing is buffered on the way.
