@@ -70,6 +70,11 @@ async fn a_daemon_starting_beside_a_running_one_leaves_its_work_alone() {
             break;
         }
     }
+    // A's row as a daemon from before nodes (not yet upgraded) writes it:
+    // with no node. It may be a live daemon's: B's recovery leaves it too.
+    let db = sqlx::PgPool::connect(&url).await.unwrap();
+    let node_of = "UPDATE executions SET node = $1 WHERE execution_id = $2";
+    sqlx::query(node_of).bind(None::<String>).bind(&id).execute(&db).await.unwrap();
     // B starts on the same store: its recovery runs before it serves.
     let b = TestDaemon::start(Options {
         store_url: Some(url),
@@ -77,6 +82,13 @@ async fn a_daemon_starting_beside_a_running_one_leaves_its_work_alone() {
         ..Options::default()
     })
     .await;
+    let state: String = sqlx::query_scalar("SELECT state FROM executions WHERE execution_id = $1")
+        .bind(&id)
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(state, "running", "B's recovery took a row with no node");
+    sqlx::query(node_of).bind("node-a").bind(&id).execute(&db).await.unwrap();
     let events = a.watch_all(&id, 0).await;
     let record = finished(&events);
     assert_eq!(pb::ExecutionState::try_from(record.state).unwrap(), pb::ExecutionState::Succeeded, "{record:?}");

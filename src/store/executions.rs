@@ -214,16 +214,17 @@ impl Store {
         Ok(sqlx::query("SELECT COUNT(*) FROM executions").fetch_one(&self.reader).await?.get(0))
     }
 
-    /// This daemon's executions still pending or running (of this node, or of
-    /// no node and not queued), in id order: what a restart must recover.
+    /// This daemon's executions still pending or running, in id order: what
+    /// a restart must recover. Of this node; on SQLite (a fleet of one)
+    /// also of no node (from before nodes) and not queued, never on a
+    /// shared store, where such a row may be a live daemon's (one not yet
+    /// upgraded) or wait in the queue for whichever node claims it.
     pub async fn unfinished_executions(&self) -> Result<Vec<ExecutionRecord>, StoreError> {
-        // One of no node is this daemon's (from before nodes), unless it
-        // waits in the fleet's queue for whichever node claims it.
-        self.unfinished_executions_where(
-            "(node = $1 OR (node IS NULL AND execution_id NOT IN (SELECT execution_id FROM queue)))",
-            &self.node,
-        )
-        .await
+        let owner = match self.shared {
+            true => "node = $1",
+            false => "(node = $1 OR (node IS NULL AND execution_id NOT IN (SELECT execution_id FROM queue)))",
+        };
+        self.unfinished_executions_where(owner, &self.node).await
     }
 
     /// Executions still pending or running whose `owner` condition (on

@@ -84,10 +84,13 @@ impl Store {
         rows.iter().map(|r| serde_json::from_str(r.get::<&str, _>("record")).map_err(Into::into)).collect()
     }
 
-    /// This daemon's sessions still starting or active (of this node, or of no
-    /// node), in id order: what a restart must recover.
+    /// This daemon's sessions still starting or active, in id order: what a
+    /// restart must recover. Of this node; on SQLite (a fleet of one) also
+    /// of no node (from before nodes), never on a shared store, where such
+    /// a row may be a live daemon's (one not yet upgraded).
     pub async fn unfinished_sessions(&self) -> Result<Vec<SessionRecord>, StoreError> {
-        self.unfinished_sessions_where("(node = $1 OR node IS NULL)", &self.node).await
+        let owner = if self.shared { "node = $1" } else { "(node = $1 OR node IS NULL)" };
+        self.unfinished_sessions_where(owner, &self.node).await
     }
 
     /// Sessions still starting or active whose `owner` condition (on
