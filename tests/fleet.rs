@@ -1905,8 +1905,13 @@ async fn one_principal_cannot_fill_the_fleets_queue() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let mut queued = Vec::new();
+    let retried = |i: usize| {
+        let mut request = start(&format!("echo {i}"));
+        request.get_mut().request_id = format!("queued-{i}");
+        request
+    };
     for i in 0..2 {
-        let started = client.start_execution(start(&format!("echo {i}"))).await.expect("queued").into_inner();
+        let started = client.start_execution(retried(i)).await.expect("queued").into_inner();
         assert_eq!(started.state, pb::ExecutionState::Pending as i32, "{started:?}");
         queued.push(started.execution_id);
     }
@@ -1916,6 +1921,10 @@ async fn one_principal_cannot_fill_the_fleets_queue() {
         status.message().contains("principal tenant has 2 executions in the fleet's queue"),
         "names the principal and its share: {status:?}"
     );
+    // A retry of a queued run (its answer lost) starts nothing and is not
+    // refused for the place its first copy fills: it gets that run.
+    let again = client.start_execution(retried(1)).await.expect("a retry gets its execution").into_inner();
+    assert_eq!((again.execution_id.as_str(), again.state), (queued[1].as_str(), pb::ExecutionState::Pending as i32));
     // Another principal (the local administrator) still queues.
     let other = client.start_execution(request("builtin.shell", "echo other")).await.expect("queued").into_inner();
     assert_eq!(other.state, pb::ExecutionState::Pending as i32, "{other:?}");

@@ -123,7 +123,9 @@ impl Engine {
             false => None,
         };
         if slot.is_none() {
-            self.someone_can_run(&cmd.harness_profile_ref, &needs).await?;
+            if let Err(refused) = self.someone_can_run(&cmd.harness_profile_ref, &needs).await {
+                return self.refused_unless_retry(&cmd, refused).await;
+            }
         }
         let (answer, submitted) = tokio::sync::oneshot::channel();
         let engine = self.clone();
@@ -181,6 +183,24 @@ impl Engine {
         }
     }
 
+    /// `refused`, unless `cmd` is a retry (its request id names an
+    /// execution): a retry starts nothing, and gets its execution whatever
+    /// the queue, the quota or the fleet would say of new work (what its
+    /// first copy holds is no reason to refuse it). Looked up only on a
+    /// refusal, so a submit pays no read for it.
+    async fn refused_unless_retry(
+        self: &Arc<Self>,
+        cmd: &ExecuteCommand,
+        refused: EngineError,
+    ) -> Result<Submitted, EngineError> {
+        if !cmd.request_id.is_empty() {
+            if let Some((record, digest)) = self.store.execution_of_request(&cmd.principal, &cmd.request_id).await? {
+                return self.existing(*record, &digest, cmd).await;
+            }
+        }
+        Err(refused)
+    }
+
     /// The refusal of work no active node of the fleet can run.
     pub(super) fn no_node_can_run(&self, profile_ref: &str, needs: &[String]) -> EngineError {
         EngineError::NoNodeCanRun(format!(
@@ -222,7 +242,7 @@ impl Engine {
         let mut place = match place.transpose() {
             Ok(place) => place,
             Err(refused) => {
-                let _ = answer.send(Err(refused));
+                let _ = answer.send(self.refused_unless_retry(&cmd, refused).await);
                 return;
             }
         };
@@ -262,17 +282,19 @@ impl Engine {
             Ok(Enqueued::Existing { record, digest }) => self.existing(*record, &digest, &cmd).await,
             Ok(Enqueued::Full(queued)) => {
                 crate::telemetry::admission_refused("queue");
-                Err(EngineError::Overloaded(format!(
+                let refused = EngineError::Overloaded(format!(
                     "the fleet's queue holds {queued} executions, its max_queued; retry later"
-                )))
+                ));
+                self.refused_unless_retry(&cmd, refused).await
             }
             Ok(Enqueued::PrincipalFull(queued)) => {
                 crate::telemetry::admission_refused("queue");
-                Err(EngineError::Overloaded(format!(
+                let refused = EngineError::Overloaded(format!(
                     "principal {} has {queued} executions in the fleet's queue, its max_queued_per_principal; \
                      retry later",
                     cmd.principal
-                )))
+                ));
+                self.refused_unless_retry(&cmd, refused).await
             }
             Err(e) => Err(e.into()),
         };
