@@ -240,6 +240,28 @@ mod tests {
         answering.abort();
     }
 
+    /// A hook that goes away while its call waits (its CLI gave up, or
+    /// died) closes the call's reply: the gate sees it and withdraws it.
+    #[tokio::test]
+    async fn a_hook_that_hangs_up_closes_its_reply() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        let _endpoint = serve(listener, tx);
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let body = json!({"hook_event_name": "PreToolUse", "tool_name": "Write", "tool_input": {}}).to_string();
+        let request = format!(
+            "POST {HOOK_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut waiting = rx.recv().await.expect("the call reaches the gate");
+        assert!(!waiting.reply.is_closed());
+        drop(stream);
+        let closed = tokio::time::timeout(Duration::from_secs(5), waiting.reply.closed()).await;
+        assert!(closed.is_ok(), "the reply of a call whose hook hung up is still open");
+    }
+
     #[tokio::test]
     async fn a_run_that_stops_taking_calls_denies() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

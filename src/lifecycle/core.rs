@@ -570,7 +570,8 @@ impl Core {
         let wait = Duration::from_secs(outcome.approval_timeout_seconds);
         let (tx, mut rx) = mpsc::channel::<HarnessEvent>(8);
         let verdict = {
-            let asking = crate::rein::ask_person(gate, &tx, &call.tool, summary.to_string(), wait);
+            let pending = std::future::pending();
+            let asking = crate::rein::ask_person(gate, &tx, &call.tool, summary.to_string(), wait, pending);
             tokio::pin!(asking);
             loop {
                 tokio::select! {

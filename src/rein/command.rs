@@ -397,13 +397,16 @@ async fn next_hook(hooks: &mut Option<tokio::sync::mpsc::Receiver<HookRequest>>)
 /// run's other events (not waited for: a store that refuses it past its
 /// retries loses it, as any event; see the README's durability).
 async fn answer_hook(request: HookRequest, dispatch: &Dispatch, parser: &mut ParserState) {
+    let HookRequest { call, mut reply } = request;
+    // A hook that hangs up (its CLI timed out, or died) closes the reply:
+    // a call still waiting for a person is then withdrawn and denied.
     let verdict =
-        super::decide_call(dispatch.gate.as_ref(), &dispatch.events, &request.call.tool, &request.call.arguments).await;
-    if !verdict.allow && !request.call.call_id.is_empty() && parser.gate_denied.len() < MAX_GATE_DENIED {
-        parser.gate_denied.push(request.call.call_id.clone());
+        super::decide_call(dispatch.gate.as_ref(), &dispatch.events, &call.tool, &call.arguments, reply.closed()).await;
+    if !verdict.allow && !call.call_id.is_empty() && parser.gate_denied.len() < MAX_GATE_DENIED {
+        parser.gate_denied.push(call.call_id.clone());
     }
-    // The hook may have given up (its CLI timed out): nothing to answer.
-    let _ = request.reply.send(verdict);
+    // The hook may have given up: nothing to answer.
+    let _ = reply.send(verdict);
 }
 
 impl CommandSession {
@@ -579,7 +582,9 @@ impl CommandSession {
                     }
                 }
                 Line::PolicyRequest { id, tool, arguments } => {
-                    let verdict = super::decide_call(dispatch.gate.as_ref(), &dispatch.events, &tool, &arguments).await;
+                    let pending = std::future::pending();
+                    let verdict =
+                        super::decide_call(dispatch.gate.as_ref(), &dispatch.events, &tool, &arguments, pending).await;
                     let (action, reason) = match verdict.allow {
                         true => ("allow", "allowed".to_string()),
                         false => ("deny", verdict.reason),

@@ -153,13 +153,14 @@ pub const SUMMARY_CHARS: usize = 512;
 
 /// One tool call through the gate, every step reported on `events`: the
 /// decision, and for an *ask* the request and a person's decision within
-/// the outcome's time (none in time, or the run ending: deny). Returns what
-/// the harness is told.
+/// the outcome's time (none in time, the run ending, or `gone`: deny).
+/// Returns what the harness is told.
 pub async fn decide_call(
     gate: &dyn ToolGate,
     events: &mpsc::Sender<HarnessEvent>,
     tool: &str,
     arguments: &serde_json::Value,
+    gone: impl std::future::Future<Output = ()>,
 ) -> crate::gate::Verdict {
     use crate::gate::Verdict;
     use crate::policy::Action;
@@ -173,7 +174,7 @@ pub async fn decide_call(
         (Action::Deny, None) => return Verdict::deny("denied"),
         (Action::Ask, None) => {}
     }
-    let verdict = ask_person(gate, events, tool, arguments.to_string(), wait).await;
+    let verdict = ask_person(gate, events, tool, arguments.to_string(), wait, gone).await;
     if verdict.allow {
         gate.count_approved();
     }
@@ -184,14 +185,18 @@ pub async fn decide_call(
 /// `ApprovalRequested` (with `summary`, the whole call as JSON: the
 /// recorder scrubs it, then cuts it to [`SUMMARY_CHARS`]) and waits up to
 /// `wait` for a person's decision, then reports `ApprovalDecided`. None in
-/// time denies; dropping the future withdraws the call. The caller counts
-/// an allowed call.
+/// time denies, and so does `gone` (the agent's hook stopped waiting for
+/// the answer: nothing would run on an allow): the call is withdrawn, and
+/// a decision after that is refused as for a call no longer waiting.
+/// Dropping the future withdraws the call. The caller counts an allowed
+/// call.
 pub async fn ask_person(
     gate: &dyn ToolGate,
     events: &mpsc::Sender<HarnessEvent>,
     tool: &str,
     summary: String,
     wait: Duration,
+    gone: impl std::future::Future<Output = ()>,
 ) -> crate::gate::Verdict {
     use crate::gate::Verdict;
     let Some(mut waiter) = gate.open_approval() else {
@@ -202,11 +207,15 @@ pub async fn ask_person(
     let requested =
         HarnessEvent::ApprovalRequested { call_id: call_id.clone(), tool: tool.to_string(), summary, expires_at_ms };
     let _ = events.send(requested).await;
-    let decision = tokio::time::timeout(wait, waiter.decision()).await.ok().flatten();
+    let decision = tokio::select! {
+        decided = tokio::time::timeout(wait, waiter.decision()) => Some(decided.ok().flatten()),
+        () = gone => None,
+    };
     drop(waiter);
     let (allow, by, reason) = match decision {
-        Some(d) => (d.allow, d.by, d.reason),
-        None => (false, "corral".to_string(), format!("no decision within {} s", wait.as_secs())),
+        Some(Some(d)) => (d.allow, d.by, d.reason),
+        Some(None) => (false, "corral".to_string(), format!("no decision within {} s", wait.as_secs())),
+        None => (false, "corral".to_string(), "the agent's hook stopped waiting for a decision".to_string()),
     };
     let decided = HarnessEvent::ApprovalDecided { call_id, allow, by: by.clone(), reason: reason.clone() };
     let _ = events.send(decided).await;
@@ -365,4 +374,77 @@ pub trait HarnessSession: Send + Sync {
     async fn end_session(&mut self) -> Result<(), ReinError>;
     /// Kills whatever the harness left running. Safe to call twice.
     async fn cleanup_session(&mut self) -> Result<(), ReinError>;
+}
+
+#[cfg(test)]
+mod ask_tests {
+    use super::*;
+    use crate::gate::approvals::{Approvals, Decision, Undecidable};
+    use crate::policy::{Action, GateOutcome, Phase};
+
+    /// A gate that asks about every call, its approvals in `approvals`.
+    struct Asking {
+        approvals: Arc<Approvals>,
+    }
+
+    impl ToolGate for Asking {
+        fn check(&self, tool: &str, _: &serde_json::Value) -> GateOutcome {
+            GateOutcome {
+                phase: Phase::ToolCall,
+                tool: tool.into(),
+                action: Action::Ask,
+                decisions: Vec::new(),
+                effective_sandbox: Default::default(),
+                effective_timeout_seconds: 60,
+                approval_timeout_seconds: 60,
+            }
+        }
+
+        fn open_approval(&self) -> Option<crate::gate::approvals::Waiter> {
+            Some(self.approvals.open("run-1"))
+        }
+
+        fn count_approved(&self) {}
+    }
+
+    /// A call whose hook stopped waiting is denied and withdrawn at once:
+    /// a person's allow after it is refused as for a call no longer
+    /// waiting, and the record says why it was denied.
+    #[tokio::test]
+    async fn a_call_whose_hook_stopped_waiting_is_withdrawn_and_denied() {
+        let gate = Asking { approvals: Arc::default() };
+        let (tx, mut rx) = mpsc::channel(8);
+        let (hang_up, gone) = tokio::sync::oneshot::channel::<()>();
+        let gone = async move {
+            let _ = gone.await;
+        };
+        let arguments = serde_json::json!({});
+        let deciding = decide_call(&gate, &tx, "Write", &arguments, gone);
+        tokio::pin!(deciding);
+        // Until the call is asked about.
+        let call_id = loop {
+            tokio::select! {
+                event = rx.recv() => if let Some(HarnessEvent::ApprovalRequested { call_id, .. }) = event {
+                    break call_id;
+                },
+                _ = &mut deciding => panic!("decided before anybody asked"),
+            }
+        };
+        drop(hang_up);
+        let verdict = tokio::time::timeout(Duration::from_secs(5), deciding).await.expect("denied once the hook went");
+        assert_eq!(
+            (verdict.allow, verdict.reason.as_str()),
+            (false, "denied by corral: the agent's hook stopped waiting for a decision")
+        );
+        let allow = Decision { allow: true, by: "adm".into(), reason: String::new() };
+        assert_eq!(gate.approvals.decide("run-1", &call_id, allow), Err(Undecidable::Settled));
+        let mut decided = None;
+        while let Ok(event) = rx.try_recv() {
+            if let HarnessEvent::ApprovalDecided { allow, by, reason, .. } = event {
+                decided = Some((allow, by, reason));
+            }
+        }
+        let expected = (false, "corral".to_string(), "the agent's hook stopped waiting for a decision".to_string());
+        assert_eq!(decided, Some(expected));
+    }
 }
