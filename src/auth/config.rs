@@ -113,9 +113,14 @@ impl PrincipalConfig {
                 return Err(format!("{key}.projects: a non-adm principal needs at least one project"));
             }
         } else {
+            // What a request may name (`project` is a token): a project no
+            // request could name would be one this principal never works in.
             for p in &self.projects {
-                if p.is_empty() || p.len() > 128 || p.chars().any(|c| c.is_control() || c.is_whitespace()) {
-                    return Err(format!("{key}.projects: {p:?} is not a project name"));
+                if p.is_empty() || p.len() > 128 || !p.chars().all(|c| c.is_ascii_graphic()) {
+                    return Err(format!(
+                        "{key}.projects: {p:?} is not a project name a request can name \
+                         (1 to 128 bytes of printable ASCII without spaces)"
+                    ));
                 }
             }
             Projects::Only(self.projects.iter().cloned().collect::<BTreeSet<_>>())
@@ -350,6 +355,9 @@ mod tests {
             (PrincipalConfig { token_sha256: Some("abc".into()), ..base.clone() }, "principals[0].token_sha256"),
             (PrincipalConfig { token_env: Some("NOPE".into()), ..base.clone() }, "principals[0].token_env"),
             (PrincipalConfig { max_running: Some(0), ..base.clone() }, "principals[0].max_running"),
+            (PrincipalConfig { projects: vec!["équipe".into()], ..base.clone() }, "principals[0].projects"),
+            (PrincipalConfig { projects: vec!["a b".into()], ..base.clone() }, "principals[0].projects"),
+            (PrincipalConfig { projects: vec!["p".repeat(129)], ..base.clone() }, "principals[0].projects"),
         ];
         for (config, key) in cases {
             let err = config.load("principals[0]", &no_env).unwrap_err();
