@@ -31,6 +31,7 @@ pub(super) async fn insert_with_own_uid(
         Err(e) => return Err(Stored::Nothing(e)),
     }
     store.insert_sandbox_carrying(new, events).await.map_err(Stored::Nothing)?;
-    let no_live_task = |uid| processes_of_uid(uid).is_empty();
+    // A /proc that cannot be read shows no uid free of tasks.
+    let no_live_task = |uid| processes_of_uid(uid).is_ok_and(|pids| pids.is_empty());
     store.allocate_uid(range.first, range.last, new.sandbox_id, no_live_task).await.map_err(Stored::Intent)
 }

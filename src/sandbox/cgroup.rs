@@ -413,14 +413,27 @@ impl SandboxCgroup {
         Ok(())
     }
 
-    /// Every pid currently in the sandbox's cgroup(s), union over hierarchies.
+    /// Every pid currently in the sandbox's cgroup(s), union over
+    /// hierarchies; a `cgroup.procs` that cannot be read counts as none.
     pub fn pids(&self) -> Vec<i32> {
+        self.read_pids().unwrap_or_default()
+    }
+
+    /// [`pids`](Self::pids), or the `cgroup.procs` that could not be read:
+    /// a cgroup gone holds nothing, but a read that failed (a descriptor or
+    /// memory short) says nothing of what runs there.
+    fn read_pids(&self) -> Result<Vec<i32>, (PathBuf, io::Error)> {
         let mut all = BTreeSet::new();
         for dir in &self.dirs {
-            let text = fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+            let procs = dir.join("cgroup.procs");
+            let text = match fs::read_to_string(&procs) {
+                Ok(text) => text,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err((procs, e)),
+            };
             all.extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()).filter(|p| *p > 0));
         }
-        all.into_iter().collect()
+        Ok(all.into_iter().collect())
     }
 
     /// One kill pass: `cgroup.kill` if there is one (atomic against forks),
@@ -444,10 +457,23 @@ impl SandboxCgroup {
     /// Kills everything in the cgroup(s) and waits until they are empty, up
     /// to `timeout`. Processes forked during the loop are caught on the next
     /// pass. Zombies do not count (the kernel drops them from cgroup.procs).
+    /// A `cgroup.procs` that cannot be read is never taken for an empty
+    /// one: `cgroup.kill` is written all the same, and the kill fails if
+    /// the read still fails at the deadline.
     pub async fn kill_all(&self, timeout: Duration) -> Result<(), CgroupError> {
         let deadline = Instant::now() + timeout;
         loop {
-            let pids = self.pids();
+            let pids = match self.read_pids() {
+                Ok(pids) => pids,
+                Err((path, source)) if Instant::now() >= deadline => {
+                    return Err(CgroupError::Io { op: "read", path, source })
+                }
+                Err(_) => {
+                    self.kill_pass(&[]);
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
             if pids.is_empty() {
                 return Ok(());
             }
@@ -1137,6 +1163,23 @@ pub(crate) mod tests {
         }
         cg.remove().expect("remove is idempotent");
         assert!(host.open(&name).is_none());
+    }
+
+    /// A `cgroup.procs` that cannot be read (here: a directory in its
+    /// place) is not an empty cgroup: the kill is tried, then fails.
+    #[tokio::test]
+    async fn fixture_an_unreadable_procs_file_fails_the_kill() {
+        let tree = Tree::v2(&ALL, true);
+        let host = CgroupHost::detect(tree.path(), "corral");
+        let cg = host.create("sb1", &LIMITS).unwrap();
+        let procs = tree.path().join("corral/sb1/cgroup.procs");
+        let _ = fs::remove_file(&procs);
+        fs::create_dir(&procs).unwrap();
+        let killed = cg.kill_all(Duration::from_millis(50)).await;
+        assert!(matches!(&killed, Err(CgroupError::Io { op: "read", .. })), "{killed:?}");
+        assert_eq!(fs::read_to_string(tree.path().join("corral/sb1/cgroup.kill")).unwrap(), "1", "cgroup.kill written");
+        fs::remove_dir(&procs).unwrap();
+        cg.kill_all(Duration::from_millis(50)).await.expect("a cgroup gone holds nothing");
     }
 
     /// `wait_exited` returns once `cgroup.events` says `populated 0`, not

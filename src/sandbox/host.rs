@@ -153,7 +153,9 @@ pub fn own_user(uid: u32) -> HostUser {
 /// Pids of every live process whose real uid is `uid`. With a uid per
 /// sandbox, that is exactly the sandbox's processes, wherever they went
 /// (setsid, double fork, another process group). Zombies are dead already
-/// (their parent, often the host's init, reaps them in its own time).
+/// (their parent, often the host's init, reaps them in its own time),
+/// unless threads of theirs still run (see [`live_uid`]). `Err` when
+/// `/proc` cannot be read: that says nothing of what runs.
 ///
 /// A sandbox's processes cannot gain privileges by exec (`spawn_group`
 /// sets no_new_privs) nor change uid (they hold no capability on the
@@ -161,17 +163,17 @@ pub fn own_user(uid: u32) -> HostUser {
 /// `/proc/<pid>` (owned by the process's effective uid, whatever its
 /// dumpable state: proc(5)), which the kernel answers without formatting
 /// anything, and reads the status of those it owns only.
-pub fn processes_of_uid(uid: u32) -> Vec<i32> {
+pub fn processes_of_uid(uid: u32) -> Result<Vec<i32>, String> {
     if !uid_may_have_processes(uid) {
-        return Vec::new();
+        return Ok(Vec::new());
     }
-    let Ok(proc_dir) = std::fs::read_dir("/proc") else { return Vec::new() };
-    proc_dir
+    let proc_dir = std::fs::read_dir("/proc").map_err(|e| format!("cannot read /proc: {e}"))?;
+    Ok(proc_dir
         .filter_map(|entry| entry.ok())
         .filter(|entry| entry.metadata().is_ok_and(|m| m.uid() == uid))
         .filter_map(|entry| entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
         .filter(|pid| live_uid(*pid) == Some(uid))
-        .collect()
+        .collect())
 }
 
 /// Whether any task may have `uid` as its real uid, in one system call:
@@ -188,12 +190,20 @@ pub fn uid_may_have_processes(uid: u32) -> bool {
     }
 }
 
-/// The real uid of `pid`, unless it is a zombie.
+/// The real uid of `pid`, unless it is dead: a zombie with no other
+/// thread. A process whose main thread exited while others run shows its
+/// leader as a zombie, and is alive (a SIGKILL to its pid ends them all).
 fn live_uid(pid: i32) -> Option<u32> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
     if field("State:").is_some_and(|s| s.starts_with('Z') || s.starts_with('X')) {
-        return None;
+        let threads_run = match std::fs::read_dir(format!("/proc/{pid}/task")) {
+            Ok(tasks) => tasks.count() > 1,
+            Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+        };
+        if !threads_run {
+            return None;
+        }
     }
     field("Uid:")?.split_whitespace().next()?.parse().ok()
 }
@@ -213,6 +223,7 @@ pub async fn kill_uid(uid: u32, timeout: Duration) -> Result<usize, String> {
             false => Vec::new(),
             true => tokio::task::spawn_blocking(move || processes_of_uid(uid))
                 .await
+                .map_err(|e| format!("processes of uid {uid} not listed: {e}"))?
                 .map_err(|e| format!("processes of uid {uid} not listed: {e}"))?,
         };
         if pids.is_empty() {
@@ -240,7 +251,7 @@ mod tests {
     fn the_kernel_says_which_uids_have_no_task() {
         assert!(uid_may_have_processes(unsafe { libc::getuid() }), "this test's own uid has a task");
         assert!(!uid_may_have_processes(3_999_999), "nothing runs as uid 3999999");
-        assert!(processes_of_uid(3_999_999).is_empty());
+        assert_eq!(processes_of_uid(3_999_999), Ok(Vec::new()));
     }
 
     #[test]
@@ -249,7 +260,7 @@ mod tests {
         let uid = 3_999_998;
         let mut child = std::process::Command::new("sleep").arg("30").uid(uid).gid(uid).spawn().expect("spawn sleep");
         let pid = child.id() as i32;
-        assert_eq!(processes_of_uid(uid), vec![pid]);
+        assert_eq!(processes_of_uid(uid), Ok(vec![pid]));
         child.kill().unwrap();
         // Dead, not yet reaped: a zombie of the uid, which the walk skips
         // (waited for: on a loaded host the exit can take a while).
@@ -265,9 +276,43 @@ mod tests {
         }
         assert!(zombie(), "pid {pid} is not a zombie after 10 s");
         assert!(uid_may_have_processes(uid), "the zombie is still a task of the uid");
-        assert_eq!(processes_of_uid(uid), Vec::<i32>::new());
+        assert_eq!(processes_of_uid(uid), Ok(Vec::new()));
         child.wait().unwrap();
         assert!(!uid_may_have_processes(uid));
+    }
+
+    /// A process whose main thread exited while another thread runs shows
+    /// its leader as a zombie: the walk finds it all the same, and the
+    /// kill ends it.
+    #[tokio::test]
+    async fn a_process_whose_main_thread_exited_is_found_and_killed() {
+        use std::os::unix::process::CommandExt;
+        let uid = 3_999_997;
+        let script = "import threading, time, ctypes\n\
+                      threading.Thread(target=time.sleep, args=(60,)).start()\n\
+                      ctypes.CDLL(None).syscall(60, 0)\n";
+        let mut child = std::process::Command::new("python3")
+            .args(["-c", script])
+            .uid(uid)
+            .gid(uid)
+            .spawn()
+            .expect("python3 on PATH");
+        let pid = child.id() as i32;
+        let leader_zombie = || {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z'))
+        };
+        for _ in 0..1000 {
+            if leader_zombie() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(leader_zombie(), "pid {pid}'s main thread did not exit");
+        assert_eq!(processes_of_uid(uid), Ok(vec![pid]), "its thread still runs");
+        assert_eq!(kill_uid(uid, Duration::from_secs(10)).await, Ok(1));
+        assert_eq!(processes_of_uid(uid), Ok(Vec::new()));
+        child.wait().unwrap();
     }
 
     #[test]
