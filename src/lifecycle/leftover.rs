@@ -101,7 +101,7 @@ pub(super) fn remove_bundles(sandboxes_dir: &Path) -> usize {
     let mut removed = 0;
     for entry in entries.filter_map(|e| e.ok()) {
         let name = entry.file_name();
-        let Some(id) = name.to_str().and_then(|n| n.strip_suffix(".bundle")) else { continue };
+        let Some(id) = name.to_str().and_then(bundle_of) else { continue };
         if !is_own_id(id) || entry.file_type().map_or(true, |t| t.is_dir()) {
             continue;
         }
@@ -113,6 +113,18 @@ pub(super) fn remove_bundles(sandboxes_dir: &Path) -> usize {
         }
     }
     removed
+}
+
+/// The run id a capture bundle's name carries: `<id>.bundle`, the private
+/// copy, or `<id>.bundle.<32 hex>`, the link the fetch back pins its path
+/// with (`sandbox::workspace`), left by a crash during the fetch.
+fn bundle_of(name: &str) -> Option<&str> {
+    if let Some(id) = name.strip_suffix(".bundle") {
+        return Some(id);
+    }
+    let (rest, pin) = name.rsplit_once('.')?;
+    let pinned = pin.len() == 32 && pin.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    rest.strip_suffix(".bundle").filter(|_| pinned)
 }
 
 fn clip(text: &str) -> String {
@@ -253,16 +265,26 @@ mod tests {
     #[test]
     fn only_bundles_named_by_an_own_id_are_removed() {
         let dir = tempfile::tempdir().unwrap();
-        for name in [format!("{ID}.bundle"), "keep.bundle".into(), ID.into(), format!("{ID}.bundle.tmp")] {
+        let pin = "0123456789abcdef0123456789abcdef";
+        let kept = [
+            "keep.bundle".to_string(),
+            ID.into(),
+            format!("{ID}.bundle.tmp"),
+            format!("{ID}.bundle.{}", pin.to_uppercase()),
+            format!("keep.bundle.{pin}"),
+        ];
+        for name in kept.iter().cloned().chain([format!("{ID}.bundle"), format!("{ID}.bundle.{pin}")]) {
             std::fs::write(dir.path().join(name), "x").unwrap();
         }
         std::fs::create_dir(dir.path().join("0192f0c1-7b5e-7c3a-9d2e-3f4a5b6c7d8f.bundle")).unwrap();
-        assert_eq!(remove_bundles(dir.path()), 1);
+        assert_eq!(remove_bundles(dir.path()), 2, "the private copy and the link the fetch back pinned");
         let mut left: Vec<String> =
             std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         left.sort();
-        assert_eq!(left.len(), 4, "{left:?}");
-        assert!(!left.contains(&format!("{ID}.bundle")), "{left:?}");
+        let mut expected: Vec<String> =
+            kept.into_iter().chain(["0192f0c1-7b5e-7c3a-9d2e-3f4a5b6c7d8f.bundle".to_string()]).collect();
+        expected.sort();
+        assert_eq!(left, expected);
     }
 
     #[test]
