@@ -202,3 +202,41 @@ async fn a_drain_is_audited() {
     assert!(line.contains("corral::audit") && line.contains(&format!("subject=\"{name}\"")), "{line}");
     daemon.stop().await;
 }
+
+/// A call whose caller goes away before its answer (here its deadline
+/// passes while another writer holds the store) still leaves its audit
+/// line for the execution it started: what runs was always audited, and
+/// a short deadline is no way around the audit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execution_whose_caller_left_before_its_answer_is_audited() {
+    use sqlx::Connection;
+    common::require_bwrap();
+    let dir = common::data_tempdir();
+    let profiles = dir.path().join("profiles");
+    std::fs::create_dir_all(&profiles).unwrap();
+    let data = dir.path().join("data");
+    let daemon = ServeProcess::start(&data, &profiles, &[]).await;
+    let mut client = ExecutionServiceClient::new(daemon.channel().await);
+    let db = format!("sqlite://{}", data.join("corral.db").display());
+    let mut holder = sqlx::SqliteConnection::connect(&db).await.expect("the daemon's SQLite store");
+    // The write lock: the daemon's insert waits (its busy timeout is 10 s).
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut holder).await.unwrap();
+    let mut start = tonic::Request::new(common::request("builtin.shell", "echo audited"));
+    start.set_timeout(Duration::from_millis(300));
+    let gone = client.start_execution(start).await.expect_err("the deadline passed first");
+    // The client's own timer may answer first (CANCELLED), the server's
+    // (DEADLINE_EXCEEDED) otherwise: the server drops the call either way.
+    assert!(matches!(gone.code(), Code::DeadlineExceeded | Code::Cancelled), "{gone:?}");
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    let id = loop {
+        let listed = client.list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
+        if let Some(execution) = listed.executions.first() {
+            break execution.execution_id.clone();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let text = log_until(&data.with_extension("log"), &format!("subject=\"{id}\""), 1).await;
+    let line = text.lines().find(|l| l.contains(&format!("subject=\"{id}\""))).unwrap();
+    assert!(line.contains("corral::audit") && line.contains("rpc=\"StartExecution\""), "{line}");
+    daemon.stop().await;
+}

@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use super::auth::{audit, caller, denied, not_visible};
+use super::auth::{audited, caller, denied, not_visible};
 use super::page::PageTokens;
 use super::streams_end::{Listener, StreamsEnd};
 use super::{convert, limits, status, validate};
-use crate::lifecycle::{Cut, Engine, Lagged, Subscription};
+use crate::lifecycle::{Cut, Engine, Lagged, Submitted, Subscription};
 use crate::pb;
 use crate::pb_wire::execution_service_server::ExecutionService;
 use crate::store::ExecutionFilter;
@@ -254,14 +254,16 @@ impl ExecutionService for ExecutionApi {
         let mut cmd = self.command(&principal, request).await?;
         cmd.traceparent = traceparent;
         cmd.follows = true;
-        let mut submitted = self.engine.submit(cmd).await?;
+        let engine = self.engine.clone();
+        let submitting = async move { engine.submit(cmd).await };
+        let id_of = |s: &Result<Submitted, _>| s.as_ref().ok().map(|s| s.record.execution_id.clone());
+        let mut submitted = audited(&principal, "Execute", submitting, id_of).await?;
         // The answer was read: from here the stream cancels on a
         // disconnect (nothing below awaits), and a refusal below is an
         // answer, not a caller gone away.
         if let Some(guard) = submitted.unless_kept.take() {
             guard.keep();
         }
-        audit(&principal, "Execute", &submitted.record.execution_id);
         let id = submitted.record.execution_id.clone();
         // A retry (same request id, same request) follows the execution it
         // did not start: counted as a watcher, like any stream that does.
@@ -300,8 +302,10 @@ impl ExecutionService for ExecutionApi {
         }
         let mut cmd = self.command(&principal, request).await?;
         cmd.traceparent = traceparent;
-        let submitted = self.engine.submit(cmd).await?;
-        audit(&principal, "StartExecution", &submitted.record.execution_id);
+        let engine = self.engine.clone();
+        let submitting = async move { engine.submit(cmd).await };
+        let id_of = |s: &Result<Submitted, _>| s.as_ref().ok().map(|s| s.record.execution_id.clone());
+        let submitted = audited(&principal, "StartExecution", submitting, id_of).await?;
         Ok(Response::new(convert::execution(&submitted.record, None)))
     }
 
@@ -374,8 +378,11 @@ impl ExecutionService for ExecutionApi {
         let req = request.into_inner();
         validate::id("execution_id", &req.execution_id)?;
         self.visible(&principal, &req.execution_id).await?;
-        let record = self.engine.cancel(&req.execution_id).await?;
-        audit(&principal, "CancelExecution", &req.execution_id);
+        let engine = self.engine.clone();
+        let id = req.execution_id.clone();
+        let cancelling = async move { engine.cancel(&id).await };
+        let id = req.execution_id.clone();
+        let record = audited(&principal, "CancelExecution", cancelling, move |done| done.is_ok().then_some(id)).await?;
         Ok(Response::new(convert::execution(&record, None)))
     }
 

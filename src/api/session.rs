@@ -110,15 +110,16 @@ impl SessionService for SessionApi {
             quota: principal.max_running,
             traceparent: trace_parent,
         };
-        let created = self.engine.create_session(cmd).await;
         // Audited whatever came of it: a session refused or failed at its
         // start is stored too (a create refused before that, full or
         // draining, names an id nothing holds; a taken id names another's
         // session and is left out).
-        if !matches!(created, Err(crate::lifecycle::EngineError::SessionExists(_))) {
-            audit(&principal, "CreateSession", &session_id);
-        }
-        let record = created?;
+        let engine = self.engine.clone();
+        let creating = async move { engine.create_session(cmd).await };
+        let subject = move |created: &Result<_, _>| {
+            (!matches!(created, Err(crate::lifecycle::EngineError::SessionExists(_)))).then_some(session_id)
+        };
+        let record = super::auth::audited(&principal, "CreateSession", creating, subject).await?;
         Ok(Response::new(convert::session(&record, None)))
     }
 
@@ -213,12 +214,19 @@ impl SessionService for SessionApi {
         let span = tracing::info_span!("session_end", session_id = %id);
         crate::telemetry::set_parent(&span, trace_parent.as_deref());
         let ending = {
-            let (id, engine) = (id.clone(), engine.clone());
-            let end = async move { engine.end_session_with_cause(&id, EndReason::Requested).await };
+            let (id, engine, principal) = (id.clone(), engine.clone(), principal.clone());
+            let end = async move {
+                let ended = engine.end_session_with_cause(&id, EndReason::Requested).await;
+                // There, not after the wait below: a caller gone before the
+                // answer ended the session all the same.
+                if ended.is_ok() {
+                    audit(&principal, "EndSession", &id);
+                }
+                ended
+            };
             self.engine.spawn_tracked(end.instrument(span))
         };
         let (record, cause) = ending.await.map_err(|_| Status::internal("ending the session failed"))??;
-        audit(&principal, "EndSession", &id);
         // The raw cause of a failed end, for the caller that ended it when
         // that is the session's own principal or adm (as GetExecution's
         // FULL view): it is kept nowhere else.
