@@ -311,6 +311,9 @@ async fn codex_writes_a_file_that_comes_back() {
     for request in mock.model_requests() {
         assert_eq!(request.body["model"], OPENAI_MODEL, "Codex asks for the configured model");
         assert!(request.path.starts_with("/v1/responses"), "{}", request.path);
+        // Its hosted web search would run at the provider, past the gate.
+        let tools = request.body["tools"].as_array().cloned().unwrap_or_default();
+        assert!(!tools.iter().any(|t| t["type"] == "web_search"), "web_search offered: {tools:?}");
     }
 }
 

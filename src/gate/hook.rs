@@ -97,11 +97,15 @@ pub fn claude_settings(timeout_seconds: u64) -> Value {
 
 /// Managed hooks only, hooks on, one command hook on every tool (no
 /// matcher: Codex reads a matcher as a regular expression, and without one
-/// the hook applies to every tool).
+/// the hook applies to every tool); and no hosted web search, which runs
+/// at the model provider and so past any pre-tool hook (verified with
+/// Codex 0.171.0: the requirement alone takes `web_search` out of the
+/// tools it offers the model, over a `web_search = "live"` in its config).
 pub fn codex_requirements(timeout_seconds: u64) -> String {
     format!(
         "# Written by corral: every tool call asks corral's gate first.\n\
-         allow_managed_hooks_only = true\n\n\
+         allow_managed_hooks_only = true\n\
+         allowed_web_search_modes = [\"disabled\"]\n\n\
          [features]\n\
          hooks = true\n\n\
          [[hooks.PreToolUse]]\n\n\
@@ -261,6 +265,7 @@ mod tests {
     fn codex_gets_its_requirements_and_the_helper_or_nothing() {
         let parsed: toml::Table = toml::from_str(&codex_requirements(300)).unwrap();
         assert_eq!(parsed["allow_managed_hooks_only"].as_bool(), Some(true));
+        assert_eq!(parsed["allowed_web_search_modes"].as_array(), Some(&vec!["disabled".into()]));
         assert_eq!(parsed["features"]["hooks"].as_bool(), Some(true));
         let hook = &parsed["hooks"]["PreToolUse"][0]["hooks"][0];
         assert_eq!(hook["type"].as_str(), Some("command"));

@@ -269,6 +269,9 @@ pub fn codex_config(base_url: &str, model: &str, env_key: &str) -> String {
     }
     root.insert("model_provider".into(), text(CODEX_PROVIDER));
     root.insert("check_for_update_on_startup".into(), Value::Boolean(false));
+    // Its hosted web search runs at the provider, where no pre-tool hook
+    // sees it; the managed requirement (see `gate::hook`) holds it off too.
+    root.insert("web_search".into(), text("disabled"));
     let provider = table(&[
         ("name", text(CODEX_PROVIDER)),
         ("base_url", text(base_url)),
@@ -402,6 +405,7 @@ mod tests {
         assert_eq!(provider["env_key"].as_str(), Some("CODEX_KEY"));
         assert_eq!(parsed["analytics"]["enabled"].as_bool(), Some(false));
         assert_eq!(parsed["features"]["plugins"].as_bool(), Some(false));
+        assert_eq!(parsed["web_search"].as_str(), Some("disabled"));
         let vendor =
             prepare(&rein(Preset::CodexExecJson, &["codex", "exec", "-"], "", ""), &verified(), &[], false, None)
                 .unwrap();
