@@ -144,10 +144,45 @@ pub fn codex(harness: &HarnessConfig) -> (ReinSpec, SandboxSpec, Vec<String>) {
 /// How long `<cli> --version` may take before the CLI counts as broken.
 const VERSION_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The oldest version of each agent CLI whose managed pre-tool hook was
+/// verified to hold (every call asks the gate, the agent's own settings
+/// cannot switch it off, a hook that cannot reach the gate blocks the
+/// call): Claude Code 2.1.332 and Codex 0.171.0 (../shared/AGENT-HOOKS.md).
+/// An older one may not fail closed, so it is not run.
+pub fn verified_minimum(binary: &str) -> Option<[u64; 3]> {
+    match binary {
+        "claude" => Some([2, 1, 332]),
+        "codex" => Some([0, 171, 0]),
+        _ => None,
+    }
+}
+
+/// Whether the version a CLI reported (its first `x.y.z`: `2.1.332 (Claude
+/// Code)`, `codex-cli 0.171.0`) is at least `minimum`; why not otherwise,
+/// a version that cannot be read included.
+pub fn version_at_least(reported: &str, minimum: [u64; 3]) -> Result<(), String> {
+    let [a, b, c] = minimum;
+    let found = reported.split(|c: char| !(c.is_ascii_digit() || c == '.')).find_map(|word| {
+        let mut parts = word.split('.').map(|p| p.parse::<u64>().ok());
+        let version = [parts.next()??, parts.next()??, parts.next()??];
+        Some(version)
+    });
+    match found {
+        None => Err(format!("its version cannot be read from {reported:?}; {a}.{b}.{c} or later is needed")),
+        Some(version) if version < minimum => Err(format!(
+            "version {}.{}.{} is older than {a}.{b}.{c}, the oldest whose managed pre-tool hook was verified to \
+             fail closed",
+            version[0], version[1], version[2]
+        )),
+        Some(_) => Ok(()),
+    }
+}
+
 /// What this host has of a harness CLI: usable only when installed where
-/// the sandbox can see it (under /usr, bound read-only) and when it runs.
-/// The version it reports goes into the reason, so `corral profiles` says
-/// what was found (the catalog service adds the last end-to-end success).
+/// the sandbox can see it (under /usr, bound read-only), when it runs, and
+/// when it is no older than its [`verified_minimum`]. The version it
+/// reports goes into the reason, so `corral profiles` says what was found
+/// (the catalog service adds the last end-to-end success).
 pub fn cli_readiness(binary: &str, package: &str) -> Readiness {
     let blocked = |reason: String| Readiness { state: ReadinessState::Blocked, reason, ..Readiness::default() };
     let Some(path) = crate::sandbox::find_on_path(binary) else {
@@ -156,13 +191,24 @@ pub fn cli_readiness(binary: &str, package: &str) -> Readiness {
     if !path.starts_with("/usr") {
         return blocked(format!("{binary} at {} is outside /usr and not visible inside the sandbox", path.display()));
     }
-    match cli_version(&path) {
-        Ok(version) => Readiness {
-            state: ReadinessState::Unverified,
-            reason: format!("{version} at {}", path.display()),
-            ..Readiness::default()
-        },
-        Err(why) => blocked(format!("{binary} at {} does not run: {why}", path.display())),
+    judged(binary, package, &path, cli_version(&path))
+}
+
+/// The readiness of CLI `binary` found at `path`, from what its
+/// `--version` said (`Err`: it did not run).
+fn judged(binary: &str, package: &str, path: &Path, version: Result<String, String>) -> Readiness {
+    let blocked = |reason: String| Readiness { state: ReadinessState::Blocked, reason, ..Readiness::default() };
+    let version = match version {
+        Ok(version) => version,
+        Err(why) => return blocked(format!("{binary} at {} does not run: {why}", path.display())),
+    };
+    if let Some(Err(why)) = verified_minimum(binary).map(|minimum| version_at_least(&version, minimum)) {
+        return blocked(format!("{binary} at {}: {why} (install {package})", path.display()));
+    }
+    Readiness {
+        state: ReadinessState::Unverified,
+        reason: format!("{version} at {}", path.display()),
+        ..Readiness::default()
     }
 }
 
@@ -221,6 +267,53 @@ fn probe_version(path: &Path) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cli_older_than_the_verified_hooks_is_refused() {
+        let claude = verified_minimum("claude").unwrap();
+        let codex = verified_minimum("codex").unwrap();
+        assert_eq!(version_at_least("2.1.332 (Claude Code)", claude), Ok(()));
+        assert_eq!(version_at_least("2.2.0 (Claude Code)", claude), Ok(()));
+        assert_eq!(version_at_least("10.0.1", claude), Ok(()));
+        assert_eq!(
+            version_at_least("2.1.295 (Claude Code)", claude),
+            Err("version 2.1.295 is older than 2.1.332, the oldest whose managed pre-tool hook was verified to \
+                 fail closed"
+                .into())
+        );
+        assert_eq!(version_at_least("codex-cli 0.171.0", codex), Ok(()));
+        assert!(version_at_least("codex-cli 0.99.9", codex).is_err());
+        assert_eq!(
+            version_at_least("Claude Code", claude),
+            Err("its version cannot be read from \"Claude Code\"; 2.1.332 or later is needed".into())
+        );
+        assert!(version_at_least("2.1", claude).is_err(), "two numbers are no version");
+        assert_eq!(verified_minimum("sh"), None);
+        let at = Path::new("/usr/bin/claude");
+        let judge = |version: &str| {
+            let r = judged("claude", "the npm package x", at, Ok(version.into()));
+            (r.state, r.reason)
+        };
+        assert_eq!(
+            judge("2.1.332 (Claude Code)"),
+            (ReadinessState::Unverified, "2.1.332 (Claude Code) at /usr/bin/claude".into())
+        );
+        assert_eq!(
+            judge("2.1.200 (Claude Code)"),
+            (
+                ReadinessState::Blocked,
+                "claude at /usr/bin/claude: version 2.1.200 is older than 2.1.332, the oldest whose managed pre-tool \
+                 hook was verified to fail closed (install the npm package x)"
+                    .into()
+            )
+        );
+        let broken = judged("claude", "x", at, Err("exit 1".into()));
+        assert_eq!(
+            (broken.state, broken.reason.as_str()),
+            (ReadinessState::Blocked, "claude at /usr/bin/claude does not run: exit 1")
+        );
+        assert_eq!(judged("other", "x", at, Ok("0.0.1".into())).state, ReadinessState::Unverified, "no minimum known");
+    }
 
     #[test]
     fn endpoints_parse_to_exact_allow_entries() {
