@@ -79,20 +79,21 @@ pub fn audit(principal: &Principal, rpc: &str, subject: &str) {
     tracing::info!(target: "corral::audit", principal = %principal.name, kind = principal.kind.as_str(), rpc, subject, "call");
 }
 
-/// Runs `work` (what a call creates or ends) on a task of its own, and
-/// writes the call's audit line there once it is done, naming what
-/// `subject` finds in its result (none: no line). A caller that goes away
-/// before the answer (its deadline passed, it reset the stream) drops
-/// this call, not the work, and the work's line is written all the same:
-/// what runs was always audited.
+/// Runs `work` (what a call creates or ends) on a task of `engine`'s own
+/// (a shutdown waits for it), and writes the call's audit line there once
+/// it is done, naming what `subject` finds in its result (none: no line).
+/// A caller that goes away before the answer (its deadline passed, it
+/// reset the stream) drops this call, not the work, and the work's line is
+/// written all the same: what runs was always audited.
 pub async fn audited<T: Send + 'static>(
+    engine: &crate::lifecycle::Engine,
     principal: &Principal,
     rpc: &'static str,
     work: impl std::future::Future<Output = Result<T, crate::lifecycle::EngineError>> + Send + 'static,
     subject: impl FnOnce(&Result<T, crate::lifecycle::EngineError>) -> Option<String> + Send + 'static,
 ) -> Result<T, Status> {
     let principal = principal.clone();
-    let done = tokio::spawn(async move {
+    let done = engine.spawn_tracked(async move {
         let done = work.await;
         if let Some(subject) = subject(&done) {
             audit(&principal, rpc, &subject);

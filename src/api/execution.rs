@@ -257,7 +257,7 @@ impl ExecutionService for ExecutionApi {
         let engine = self.engine.clone();
         let submitting = async move { engine.submit(cmd).await };
         let id_of = |s: &Result<Submitted, _>| s.as_ref().ok().map(|s| s.record.execution_id.clone());
-        let mut submitted = audited(&principal, "Execute", submitting, id_of).await?;
+        let mut submitted = audited(&self.engine, &principal, "Execute", submitting, id_of).await?;
         // The answer was read: from here the stream cancels on a
         // disconnect (nothing below awaits), and a refusal below is an
         // answer, not a caller gone away.
@@ -305,7 +305,7 @@ impl ExecutionService for ExecutionApi {
         let engine = self.engine.clone();
         let submitting = async move { engine.submit(cmd).await };
         let id_of = |s: &Result<Submitted, _>| s.as_ref().ok().map(|s| s.record.execution_id.clone());
-        let submitted = audited(&principal, "StartExecution", submitting, id_of).await?;
+        let submitted = audited(&self.engine, &principal, "StartExecution", submitting, id_of).await?;
         Ok(Response::new(convert::execution(&submitted.record, None)))
     }
 
@@ -382,7 +382,9 @@ impl ExecutionService for ExecutionApi {
         let id = req.execution_id.clone();
         let cancelling = async move { engine.cancel(&id).await };
         let id = req.execution_id.clone();
-        let record = audited(&principal, "CancelExecution", cancelling, move |done| done.is_ok().then_some(id)).await?;
+        let record =
+            audited(&self.engine, &principal, "CancelExecution", cancelling, move |done| done.is_ok().then_some(id))
+                .await?;
         Ok(Response::new(convert::execution(&record, None)))
     }
 

@@ -119,7 +119,7 @@ impl SessionService for SessionApi {
         let subject = move |created: &Result<_, _>| {
             (!matches!(created, Err(crate::lifecycle::EngineError::SessionExists(_)))).then_some(session_id)
         };
-        let record = super::auth::audited(&principal, "CreateSession", creating, subject).await?;
+        let record = super::auth::audited(&self.engine, &principal, "CreateSession", creating, subject).await?;
         Ok(Response::new(convert::session(&record, None)))
     }
 

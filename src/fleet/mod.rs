@@ -116,6 +116,8 @@ pub fn spawn(
                     }
                 }
                 Step::Fence(reason) => {
+                    // No sweep of this start's writes goes on while it fences.
+                    drop(sweeping.take());
                     tracing::error!(%reason, "fleet: this node fences itself: killing every sandbox, then exiting");
                     let killed = engine.fence().await;
                     tracing::error!(processes_killed = killed, "fleet: fenced");

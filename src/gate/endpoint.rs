@@ -75,7 +75,7 @@ async fn respond(
     let verdict = match read_body(req.into_body(), budget, timeout).await {
         Err(why) => Verdict::deny(format!("corral's gate refused the call: {why}")),
         // The budget's share is held until the call is answered: the
-        // parsed call is as large as its body.
+        // parsed call grows with its body.
         Ok((body, _share)) => {
             let parsed = parse_call(&body);
             drop(body);

@@ -242,7 +242,13 @@ impl Engine {
         let mut place = match place.transpose() {
             Ok(place) => place,
             Err(refused) => {
-                let _ = answer.send(self.refused_unless_retry(&cmd, refused).await);
+                // A slot held for a principal with a quota goes back with
+                // the refusal (else one at its watch places could fill the
+                // node with refused Executes).
+                if slot.is_some() {
+                    self.release(&execution_id);
+                }
+                let _ = answer.send(Err(refused));
                 return;
             }
         };

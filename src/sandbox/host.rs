@@ -221,10 +221,20 @@ pub async fn kill_uid(uid: u32, timeout: Duration) -> Result<usize, String> {
         // thread of its own.
         let pids = match uid_may_have_processes(uid) {
             false => Vec::new(),
-            true => tokio::task::spawn_blocking(move || processes_of_uid(uid))
+            true => match tokio::task::spawn_blocking(move || processes_of_uid(uid))
                 .await
                 .map_err(|e| format!("processes of uid {uid} not listed: {e}"))?
-                .map_err(|e| format!("processes of uid {uid} not listed: {e}"))?,
+            {
+                Ok(pids) => pids,
+                // Read again until the deadline: never taken for none.
+                Err(e) if tokio::time::Instant::now() >= deadline => {
+                    return Err(format!("processes of uid {uid} not listed: {e}"))
+                }
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
         };
         if pids.is_empty() {
             return Ok(killed);
