@@ -209,6 +209,20 @@ pub(super) fn traceparent<T>(request: &Request<T>) -> Option<String> {
 }
 
 impl ExecutionApi {
+    /// Submits `cmd` for `principal`, audited as `rpc` by the task that
+    /// accepts it (see [`audited`]).
+    async fn submit(
+        &self,
+        principal: &crate::auth::Principal,
+        rpc: &'static str,
+        cmd: crate::records::ExecuteCommand,
+    ) -> Result<Submitted, Status> {
+        let engine = self.engine.clone();
+        let submitting = async move { engine.submit(cmd).await };
+        let id_of = |s: &Result<Submitted, _>| s.as_ref().ok().map(|s| s.record.execution_id.clone());
+        audited(&self.engine, principal, rpc, submitting, id_of).await
+    }
+
     /// The request as a command of `principal`: validated, its actor and
     /// project checked against the principal's.
     async fn command(
@@ -254,10 +268,7 @@ impl ExecutionService for ExecutionApi {
         let mut cmd = self.command(&principal, request).await?;
         cmd.traceparent = traceparent;
         cmd.follows = true;
-        let engine = self.engine.clone();
-        let submitting = async move { engine.submit(cmd).await };
-        let id_of = |s: &Result<Submitted, _>| s.as_ref().ok().map(|s| s.record.execution_id.clone());
-        let mut submitted = audited(&self.engine, &principal, "Execute", submitting, id_of).await?;
+        let mut submitted = self.submit(&principal, "Execute", cmd).await?;
         // The answer was read: from here the stream cancels on a
         // disconnect (nothing below awaits), and a refusal below is an
         // answer, not a caller gone away.
@@ -302,10 +313,7 @@ impl ExecutionService for ExecutionApi {
         }
         let mut cmd = self.command(&principal, request).await?;
         cmd.traceparent = traceparent;
-        let engine = self.engine.clone();
-        let submitting = async move { engine.submit(cmd).await };
-        let id_of = |s: &Result<Submitted, _>| s.as_ref().ok().map(|s| s.record.execution_id.clone());
-        let submitted = audited(&self.engine, &principal, "StartExecution", submitting, id_of).await?;
+        let submitted = self.submit(&principal, "StartExecution", cmd).await?;
         Ok(Response::new(convert::execution(&submitted.record, None)))
     }
 

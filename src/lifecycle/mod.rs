@@ -433,15 +433,9 @@ impl Engine {
     /// this future, never a half-stored execution or a slot still held.
     pub async fn submit(self: &Arc<Self>, cmd: ExecuteCommand) -> Result<Submitted, EngineError> {
         if self.is_draining() {
-            // A retry starts nothing: it gets its execution, draining or not
-            // (a caller whose answer was lost would otherwise never learn it).
-            if !cmd.request_id.is_empty() {
-                if let Some((record, digest)) = self.store.execution_of_request(&cmd.principal, &cmd.request_id).await?
-                {
-                    return self.existing(*record, &digest, &cmd).await;
-                }
-            }
-            return Err(EngineError::Unavailable(DRAINING.into()));
+            // A retry gets its execution, draining or not (a caller whose
+            // answer was lost would otherwise never learn it).
+            return self.refused_unless_retry(&cmd, EngineError::Unavailable(DRAINING.into())).await;
         }
         if self.store.is_shared() {
             return self.submit_to_fleet(cmd).await;
@@ -452,16 +446,9 @@ impl Engine {
         let cancel = match self.admission.reserve(&execution_id, admission::Work::Execution, &cmd.principal, cmd.quota)
         {
             Ok(cancel) => cancel,
-            // A retry starts nothing: the slot its execution holds (or the
-            // quota it fills) is no reason to refuse it. Looked up only
-            // when admission refuses, so a submit pays no read for it.
-            Err(refused) if !cmd.request_id.is_empty() => {
-                return match self.store.execution_of_request(&cmd.principal, &cmd.request_id).await? {
-                    Some((record, digest)) => self.existing(*record, &digest, &cmd).await,
-                    None => Err(EngineError::Overloaded(refused.0)),
-                };
-            }
-            Err(refused) => return Err(EngineError::Overloaded(refused.0)),
+            // The slot a retry's execution holds (or the quota it fills) is
+            // no reason to refuse it.
+            Err(refused) => return self.refused_unless_retry(&cmd, EngineError::Overloaded(refused.0)).await,
         };
         let (answer, submitted) = tokio::sync::oneshot::channel();
         let engine = self.clone();
@@ -1090,6 +1077,24 @@ impl Engine {
         F::Output: Send + 'static,
     {
         self.tasks.spawn(work)
+    }
+
+    /// `refused`, unless `cmd` is a retry (its request id names an
+    /// execution): a retry starts nothing, and gets its execution whatever
+    /// draining, admission, the queue or the fleet would say of new work
+    /// (what its first copy holds is no reason to refuse it). Looked up
+    /// only on a refusal, so a submit pays no read for it.
+    pub(super) async fn refused_unless_retry(
+        self: &Arc<Self>,
+        cmd: &ExecuteCommand,
+        refused: EngineError,
+    ) -> Result<Submitted, EngineError> {
+        if !cmd.request_id.is_empty() {
+            if let Some((record, digest)) = self.store.execution_of_request(&cmd.principal, &cmd.request_id).await? {
+                return self.existing(*record, &digest, cmd).await;
+            }
+        }
+        Err(refused)
     }
 
     /// Cancelled once this node drains: a shutdown, a DrainNode of it, or

@@ -183,24 +183,6 @@ impl Engine {
         }
     }
 
-    /// `refused`, unless `cmd` is a retry (its request id names an
-    /// execution): a retry starts nothing, and gets its execution whatever
-    /// the queue, the quota or the fleet would say of new work (what its
-    /// first copy holds is no reason to refuse it). Looked up only on a
-    /// refusal, so a submit pays no read for it.
-    async fn refused_unless_retry(
-        self: &Arc<Self>,
-        cmd: &ExecuteCommand,
-        refused: EngineError,
-    ) -> Result<Submitted, EngineError> {
-        if !cmd.request_id.is_empty() {
-            if let Some((record, digest)) = self.store.execution_of_request(&cmd.principal, &cmd.request_id).await? {
-                return self.existing(*record, &digest, cmd).await;
-            }
-        }
-        Err(refused)
-    }
-
     /// The refusal of work no active node of the fleet can run.
     pub(super) fn no_node_can_run(&self, profile_ref: &str, needs: &[String]) -> EngineError {
         EngineError::NoNodeCanRun(format!(

@@ -257,6 +257,22 @@ pub async fn kill_uid(uid: u32, timeout: Duration) -> Result<usize, String> {
 mod tests {
     use super::*;
 
+    /// Whether `pid` (its thread group's leader) shows as a zombie within
+    /// 10 s.
+    fn becomes_zombie(pid: i32) -> bool {
+        let zombie = || {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z'))
+        };
+        for _ in 0..1000 {
+            if zombie() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        zombie()
+    }
+
     #[test]
     fn the_kernel_says_which_uids_have_no_task() {
         assert!(uid_may_have_processes(unsafe { libc::getuid() }), "this test's own uid has a task");
@@ -274,17 +290,7 @@ mod tests {
         child.kill().unwrap();
         // Dead, not yet reaped: a zombie of the uid, which the walk skips
         // (waited for: on a loaded host the exit can take a while).
-        let zombie = || {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z'))
-        };
-        for _ in 0..1000 {
-            if zombie() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert!(zombie(), "pid {pid} is not a zombie after 10 s");
+        assert!(becomes_zombie(pid), "pid {pid} is not a zombie after 10 s");
         assert!(uid_may_have_processes(uid), "the zombie is still a task of the uid");
         assert_eq!(processes_of_uid(uid), Ok(Vec::new()));
         child.wait().unwrap();
@@ -308,17 +314,7 @@ mod tests {
             .spawn()
             .expect("python3 on PATH");
         let pid = child.id() as i32;
-        let leader_zombie = || {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z'))
-        };
-        for _ in 0..1000 {
-            if leader_zombie() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert!(leader_zombie(), "pid {pid}'s main thread did not exit");
+        assert!(becomes_zombie(pid), "pid {pid}'s main thread did not exit");
         assert_eq!(processes_of_uid(uid), Ok(vec![pid]), "its thread still runs");
         assert_eq!(kill_uid(uid, Duration::from_secs(10)).await, Ok(1));
         assert_eq!(processes_of_uid(uid), Ok(Vec::new()));
