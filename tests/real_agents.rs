@@ -657,7 +657,9 @@ async fn claude_code_cannot_switch_the_gates_hook_off() {
 async fn codex_cannot_switch_the_gates_hook_off() {
     require_codex();
     let origin = git_repo();
-    commit_files(origin.path(), &[(".codex/config.toml", "[features]\nhooks = false\n")]);
+    // The repository's own config also asks for the hosted web search,
+    // which no hook would see.
+    commit_files(origin.path(), &[(".codex/config.toml", "web_search = \"live\"\n[features]\nhooks = false\n")]);
     let write = format!("echo {} | base64 -d > tamper.sh", base64(tamper_script().as_bytes()));
     let mock = ModelMock::start(vec![
         Step::tool("exec_command", json!({"cmd": write})),
@@ -675,6 +677,10 @@ async fn codex_cannot_switch_the_gates_hook_off() {
     assert_eq!(file_in_ref(origin.path(), id, "helper.txt"), "present", "the hook helper is still there");
     let managed = file_in_ref(origin.path(), id, "managed-codex.toml");
     assert!(managed.contains("allow_managed_hooks_only = true"), "the requirements are untouched: {managed}");
+    for request in mock.model_requests() {
+        let tools = request.body["tools"].as_array().cloned().unwrap_or_default();
+        assert!(!tools.iter().any(|t| t["type"] == "web_search"), "web_search offered: {tools:?}");
+    }
     assert!(!ref_has(origin.path(), id, "ran.txt"), "the denied command ran after the tampering");
     assert!(later_requests(&mock).contains("the shell may not write ran.txt"));
     assert_eq!(
