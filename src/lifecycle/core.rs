@@ -22,7 +22,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::capture::CaptureJob;
 use super::limits::{
-    cgroup_hits, tree_usage, workspace_hit, EgressEvents, EventBudget, TreeBudget, TreeUsage, WorkspaceWatch,
+    cgroup_hits, small_tree_usage, tree_usage, workspace_hit, EgressEvents, EventBudget, TreeBudget, TreeUsage,
+    WorkspaceWatch, SMALL_TREE,
 };
 use super::phase::{Harness, PhaseKind, Ready, RunPhase};
 use super::{Engine, RawResult};
@@ -910,8 +911,13 @@ impl Core {
             return;
         }
         let (root, cgroup) = (ready.sandbox.root.clone(), ready.sandbox.cgroup.clone());
-        let usage =
-            tokio::task::spawn_blocking(move || tree_usage(&root, budget, cgroup.as_deref())).await.unwrap_or_default();
+        let small = cgroup.as_deref().and_then(|c| small_tree_usage(&root, budget, c, SMALL_TREE));
+        let usage = match small {
+            Some(usage) => usage,
+            None => tokio::task::spawn_blocking(move || tree_usage(&root, budget, cgroup.as_deref()))
+                .await
+                .unwrap_or_default(),
+        };
         if budget.exceeded_by(usage) {
             let raw = self.record_workspace_hit(usage, budget, "").await;
             self.failed(FailureStage::Execution, &raw);

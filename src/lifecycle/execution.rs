@@ -115,6 +115,11 @@ async fn finish(core: &mut Core, record: &mut ExecutionRecord, cancelled: bool, 
     if !store_finished(&core.engine, &mut core.recorder, record, Some(raw)).await {
         tracing::error!(execution_id = %record.execution_id, "execution record not stored");
     }
+    // The caller's stream, which the publish woke, sends `finished` before
+    // this task goes on: the reclaim spawned below would take the stream's
+    // place in this thread's next-task slot, and the caller would wait for
+    // the sandbox's cgroup, uid and files to be given back.
+    tokio::task::yield_now().await;
     core.reclaim_sandbox();
     crate::telemetry::finished_span(&tracing::Span::current(), &record.evidence);
     tracing::info!(

@@ -90,11 +90,37 @@ fn file_bytes(meta: &std::fs::Metadata) -> u64 {
 /// what is below it. A directory that cannot be read at all makes the tree
 /// [`TreeUsage::UNMEASURABLE`], over any budget.
 pub fn tree_usage(root: &Path, budget: TreeBudget, cgroup: Option<&SandboxCgroup>) -> TreeUsage {
+    walk(root, budget, cgroup, u64::MAX).unwrap_or(TreeUsage::UNMEASURABLE)
+}
+
+/// Entries a walk may read on the async worker (see [`small_tree_usage`]).
+pub const SMALL_TREE: u64 = 64;
+
+/// [`tree_usage`] of a small tree whose sandbox runs nothing: `None` once
+/// the tree has more than `max_entries` entries, or when its cgroup holds
+/// a process (or cannot say), whose deleted but open files may take long
+/// to look at. Quick enough for the async worker at the end of a run,
+/// where a hop to a blocking thread and back costs more than the walk;
+/// `None` is for [`tree_usage`] off the worker.
+pub fn small_tree_usage(
+    root: &Path,
+    budget: TreeBudget,
+    cgroup: &SandboxCgroup,
+    max_entries: u64,
+) -> Option<TreeUsage> {
+    if !cgroup.holds_no_process() {
+        return None;
+    }
+    walk(root, budget, Some(cgroup), max_entries)
+}
+
+/// [`tree_usage`], or `None` past `max_entries` entries.
+fn walk(root: &Path, budget: TreeBudget, cgroup: Option<&SandboxCgroup>, max_entries: u64) -> Option<TreeUsage> {
     let mut usage = TreeUsage::default();
-    let Ok(top) = std::fs::symlink_metadata(root) else { return usage };
+    let Ok(top) = std::fs::symlink_metadata(root) else { return Some(usage) };
     let euid = crate::sandbox::host::effective_uid();
     open_to_owner(root, &top, euid);
-    let Ok(root_dir) = open_dir(None, root.as_os_str()) else { return usage };
+    let Ok(root_dir) = open_dir(None, root.as_os_str()) else { return Some(usage) };
     // Directories still to read, each as its parent and its name: a
     // parent stays open only while a child of it waits.
     let mut pending: Vec<(Rc<File>, OsString)> = Vec::new();
@@ -108,16 +134,19 @@ pub fn tree_usage(root: &Path, budget: TreeBudget, cgroup: Option<&SandboxCgroup
                     Ok(dir) => Rc::new(dir),
                     // Removed since it was listed.
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                    Err(_) => return TreeUsage::UNMEASURABLE,
+                    Err(_) => return Some(TreeUsage::UNMEASURABLE),
                 },
             },
         };
         let Ok(entries) = std::fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd())) else {
-            return TreeUsage::UNMEASURABLE;
+            return Some(TreeUsage::UNMEASURABLE);
         };
         for entry in entries {
-            let Ok(entry) = entry else { return TreeUsage::UNMEASURABLE };
+            let Ok(entry) = entry else { return Some(TreeUsage::UNMEASURABLE) };
             usage.inodes += 1;
+            if usage.inodes > max_entries {
+                return None;
+            }
             // fstatat(2) in the directory read: no path.
             let Ok(meta) = entry.metadata() else { continue };
             usage.bytes = usage.bytes.saturating_add(file_bytes(&meta));
@@ -126,7 +155,7 @@ pub fn tree_usage(root: &Path, budget: TreeBudget, cgroup: Option<&SandboxCgroup
                 pending.push((dir.clone(), entry.file_name()));
             }
             if budget.exceeded_by(usage) {
-                return usage;
+                return Some(usage);
             }
         }
     }
@@ -138,7 +167,7 @@ pub fn tree_usage(root: &Path, budget: TreeBudget, cgroup: Option<&SandboxCgroup
         let held = unlinked_open_bytes(workspace.uid(), top.dev(), cgroup);
         usage.bytes = usage.bytes.saturating_add(held);
     }
-    usage
+    Some(usage)
 }
 
 /// Directory `name`, in `parent` when given (else a path), opened without
@@ -459,6 +488,34 @@ mod tests {
         let mut budget = EventBudget::new(100, 25);
         assert!(budget.admit(20).is_ok());
         assert!(matches!(budget.admit(6), Err(Some(EventKind::LimitHit { ref limit, .. })) if limit == "event_bytes"));
+    }
+
+    /// The walk on the async worker: the full walk's answer for a tree of
+    /// at most `max_entries` whose cgroup runs nothing, else `None` (a
+    /// process in the cgroup, a `cgroup.procs` that cannot be read, one
+    /// entry too many).
+    #[test]
+    fn a_small_tree_of_a_sandbox_that_runs_nothing_is_walked_inline() {
+        use crate::sandbox::cgroup::{tests::fixture::Tree, CgroupHost, CgroupLimits};
+        let fixture = Tree::v2(&["memory", "pids"], true);
+        let host = CgroupHost::detect(fixture.path(), "corral");
+        let cgroup =
+            host.create("sb1", &CgroupLimits { memory_bytes: 1 << 20, max_processes: 8, cpu_millis: 0 }).unwrap();
+        let procs = fixture.path().join("corral/sb1/cgroup.procs");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("workspace/d")).unwrap();
+        std::fs::create_dir(dir.path().join("home")).unwrap();
+        std::fs::write(dir.path().join("workspace/d/a"), vec![0u8; 1000]).unwrap();
+        let budget = TreeBudget { max_bytes: 1 << 20, max_inodes: 100 };
+        let full = tree_usage(dir.path(), budget, Some(&cgroup));
+        assert_eq!(full.inodes, 4, "workspace, d, a, home: {full:?}");
+        assert_eq!(small_tree_usage(dir.path(), budget, &cgroup, 4), Some(full));
+        assert_eq!(small_tree_usage(dir.path(), budget, &cgroup, 3), None, "one entry too many");
+        std::fs::write(&procs, "4242\n").unwrap();
+        assert_eq!(small_tree_usage(dir.path(), budget, &cgroup, 64), None, "a process runs");
+        std::fs::remove_file(&procs).unwrap();
+        std::fs::create_dir(&procs).unwrap();
+        assert_eq!(small_tree_usage(dir.path(), budget, &cgroup, 64), None, "cgroup.procs cannot be read");
     }
 
     #[test]

@@ -419,6 +419,11 @@ impl SandboxCgroup {
         self.read_pids().unwrap_or_default()
     }
 
+    /// Whether every `cgroup.procs` was read and named no process.
+    pub fn holds_no_process(&self) -> bool {
+        matches!(self.read_pids(), Ok(pids) if pids.is_empty())
+    }
+
     /// [`pids`](Self::pids), or the `cgroup.procs` that could not be read:
     /// a cgroup gone holds nothing, but a read that failed (a descriptor or
     /// memory short) says nothing of what runs there.
