@@ -184,10 +184,14 @@ async fn a_session_refused_at_its_start_is_audited() {
 }
 
 /// Draining a node changes what it takes: audited like the calls that
-/// start, cancel or end something (the node's name as the subject).
+/// start, cancel or end something (the node's name as the subject), by
+/// the task that drains it: here the caller's deadline passes while
+/// another writer holds the store, and the drain, done once the store is
+/// free, still has its line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_is_audited() {
     use corral::pb::catalog_service_client::CatalogServiceClient;
+    use sqlx::Connection;
     let dir = common::data_tempdir();
     let profiles = dir.path().join("profiles");
     std::fs::create_dir_all(&profiles).unwrap();
@@ -196,10 +200,20 @@ async fn a_drain_is_audited() {
     let mut catalog = CatalogServiceClient::new(daemon.channel().await);
     let nodes = catalog.list_nodes(pb::ListNodesRequest {}).await.expect("nodes").into_inner().nodes;
     let name = nodes.first().expect("this daemon's node").name.clone();
-    catalog.drain_node(pb::DrainNodeRequest { name: name.clone() }).await.expect("drained");
+    let db = format!("sqlite://{}", data.join("corral.db").display());
+    let mut holder = sqlx::SqliteConnection::connect(&db).await.expect("the daemon's SQLite store");
+    // The write lock: the daemon's drain waits (its busy timeout is 10 s).
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut holder).await.unwrap();
+    let mut drain = tonic::Request::new(pb::DrainNodeRequest { name: name.clone() });
+    drain.set_timeout(Duration::from_millis(300));
+    let gone = catalog.drain_node(drain).await.expect_err("the deadline passed first");
+    assert!(matches!(gone.code(), Code::DeadlineExceeded | Code::Cancelled), "{gone:?}");
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
     let text = log_until(&data.with_extension("log"), "rpc=\"DrainNode\"", 1).await;
     let line = text.lines().find(|l| l.contains("rpc=\"DrainNode\"")).unwrap();
     assert!(line.contains("corral::audit") && line.contains(&format!("subject=\"{name}\"")), "{line}");
+    let nodes = catalog.list_nodes(pb::ListNodesRequest {}).await.expect("nodes").into_inner().nodes;
+    assert_eq!(nodes[0].state, pb::NodeState::Draining as i32, "the audited drain was done: {nodes:?}");
     daemon.stop().await;
 }
 

@@ -105,9 +105,11 @@ pub async fn audited<T: Send + 'static>(
 
 /// `DecideToolCall` on either service, once the run is known to be
 /// visible: the run's own principal, `adm`, or an approver of its project
-/// may decide; then the call must still be waiting. One audit line each.
+/// may decide; then the call must still be waiting. One audit line each,
+/// written by the task that decides (here, or through the store on the
+/// run's node): a caller gone before the answer decided all the same.
 pub async fn decide_tool_call(
-    engine: &crate::lifecycle::Engine,
+    engine: &Arc<crate::lifecycle::Engine>,
     principal: &Principal,
     run: (&str, &crate::sandbox::Consumer),
     call_id: &str,
@@ -130,7 +132,22 @@ pub async fn decide_tool_call(
     }
     let decision = Decision { allow, by: principal.name.clone(), reason: reason.to_string() };
     // Here, or on the node of the fleet that runs it.
-    match engine.decide_tool_call(subject, call_id, decision).await? {
+    let deciding = {
+        let (engine, principal) = (engine.clone(), principal.clone());
+        let (subject, call_id) = (subject.to_string(), call_id.to_string());
+        async move {
+            let decided = engine.decide_tool_call(&subject, &call_id, decision).await;
+            if matches!(decided, Ok(Ok(()))) {
+                tracing::info!(
+                    target: "corral::audit", principal = %principal.name, kind = principal.kind.as_str(),
+                    rpc = "DecideToolCall", subject, call_id, allow, "tool call decided"
+                );
+            }
+            decided
+        }
+    };
+    let decided = engine.spawn_tracked(deciding).await;
+    match decided.map_err(|_| Status::internal("DecideToolCall failed"))?? {
         Ok(()) => {}
         Err(Undecidable::Unknown) => {
             return Err(status::with_reason(
@@ -149,9 +166,5 @@ pub async fn decide_tool_call(
             ))
         }
     }
-    tracing::info!(
-        target: "corral::audit", principal = %principal.name, kind = principal.kind.as_str(), rpc = "DecideToolCall",
-        subject, call_id, allow, "tool call decided"
-    );
     Ok(crate::pb::DecideToolCallResponse { call_id: call_id.to_string(), allow, decided_by: principal.name.clone() })
 }

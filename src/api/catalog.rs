@@ -161,16 +161,24 @@ impl CatalogService for CatalogApi {
                 "a node name is 1-200 characters, none of them control characters",
             ));
         }
-        match self.store.drain_node(name).await.map_err(store_error)? {
-            Some(node) => {
+        // Drained by a task of the engine's, which writes the audit line: a
+        // caller gone before the answer drained the node all the same.
+        let draining = {
+            let (store, engine, name) = (self.store.clone(), self.engine.clone(), name.clone());
+            async move {
+                let node = store.drain_node(&name).await?;
                 // This node learns of its own row at its next renewal: a
                 // drain of itself takes effect now, as the proto says.
-                if name == self.store.node() && self.engine.start_draining() {
+                if node.is_some() && name == store.node() && engine.start_draining() {
                     tracing::warn!("draining as asked; no new work is taken");
                 }
-                super::auth::audit(&principal, "DrainNode", name);
-                Ok(Response::new(convert::node(&node)))
+                Ok(node)
             }
+        };
+        let subject = name.clone();
+        let drained = move |done: &Result<Option<_>, _>| matches!(done, Ok(Some(_))).then_some(subject);
+        match super::auth::audited(&self.engine, &principal, "DrainNode", draining, drained).await? {
+            Some(node) => Ok(Response::new(convert::node(&node))),
             None => Err(status::with_reason(
                 Code::NotFound,
                 format!("no node named {name:?}"),

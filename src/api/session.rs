@@ -131,8 +131,15 @@ impl SessionService for SessionApi {
         validate::session_ref("session_id", &req.session_id)?;
         let (tool, arguments) = validate::tool_call(req.tool_call.as_ref())?;
         let id = self.visible(&principal, &req.session_id).await?.session_id;
-        let subscription = self.engine.send_turn(&id, tool, arguments, trace_parent, &principal.name).await?;
-        audit(&principal, "SendTurn", &id);
+        // Sent by a task of the engine's, which writes the audit line: a
+        // caller gone before the answer sent its turn all the same.
+        let sending = {
+            let (engine, id, name) = (self.engine.clone(), id.clone(), principal.name.clone());
+            async move { engine.send_turn(&id, tool, arguments, trace_parent, &name).await }
+        };
+        let subscription =
+            super::auth::audited(&self.engine, &principal, "SendTurn", sending, move |sent| sent.is_ok().then_some(id))
+                .await?;
         Ok(Response::new(event_stream(subscription, &self.shutdown, deadline)))
     }
 
@@ -180,8 +187,14 @@ impl SessionService for SessionApi {
         let req = request.into_inner();
         validate::session_ref("session_id", &req.session_id)?;
         let id = self.visible(&principal, &req.session_id).await?.session_id;
-        let record = self.engine.cancel_turn(&id).await?;
-        audit(&principal, "CancelTurn", &id);
+        let cancelling = {
+            let (engine, id) = (self.engine.clone(), id.clone());
+            async move { engine.cancel_turn(&id).await }
+        };
+        let record = super::auth::audited(&self.engine, &principal, "CancelTurn", cancelling, move |done| {
+            done.is_ok().then_some(id)
+        })
+        .await?;
         Ok(Response::new(convert::session(&record, None)))
     }
 
