@@ -2074,3 +2074,112 @@ async fn an_execute_held_back_by_its_quota_on_a_node_with_room_needs_a_watch_pla
     drop(running);
     stop_all([a]).await;
 }
+
+/// A TCP relay to PostgreSQL that cuts one connection right after
+/// relaying the `COMMIT` of a claim (a transaction that deleted from the
+/// queue), before PostgreSQL's answer: the claim lands, its answer is
+/// lost, as to a reset connection or a failover.
+struct CommitCutter {
+    /// The database URL through the relay.
+    url: String,
+    /// Set once a commit was cut.
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CommitCutter {
+    async fn start(url: &str) -> CommitCutter {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+        let (head, rest) = url.split_once('@').expect("a URL with credentials");
+        let (upstream, path) = rest.split_once('/').expect("a URL with a database");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let through = format!("{head}@{}/{path}", listener.local_addr().unwrap());
+        let cut = Arc::new(AtomicBool::new(false));
+        let (upstream, armed) = (upstream.to_string(), cut.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(Self::relay(client, upstream.clone(), armed.clone()));
+            }
+        });
+        CommitCutter { url: through, cut, task }
+    }
+
+    async fn relay(
+        client: tokio::net::TcpStream,
+        upstream: String,
+        cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else { return };
+        let (mut client_in, mut client_out) = client.into_split();
+        let (mut server_in, mut server_out) = server.into_split();
+        let silenced = std::sync::Arc::new(AtomicBool::new(false));
+        let quiet = silenced.clone();
+        let answers = async move {
+            let mut buf = vec![0u8; 1 << 16];
+            while let Ok(n @ 1..) = server_in.read(&mut buf).await {
+                if quiet.load(Ordering::SeqCst) || client_out.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        };
+        let has = |data: &[u8], what: &[u8]| data.windows(what.len()).any(|w| w == what);
+        let queries = async move {
+            let mut claiming = false;
+            let mut buf = vec![0u8; 1 << 16];
+            while let Ok(n @ 1..) = client_in.read(&mut buf).await {
+                let data = &buf[..n];
+                claiming |= has(data, b"DELETE FROM queue WHERE execution_id");
+                let commit = claiming && has(data, b"COMMIT") && !cut.swap(true, Ordering::SeqCst);
+                if commit {
+                    silenced.store(true, Ordering::SeqCst);
+                }
+                if server_out.write_all(data).await.is_err() {
+                    return;
+                }
+                if commit {
+                    // PostgreSQL commits meanwhile; then both sides close.
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    return;
+                }
+            }
+        };
+        tokio::select! { () = answers => {}, () = queries => {} }
+    }
+}
+
+impl Drop for CommitCutter {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A claim whose commit lands but whose answer is lost still runs what it
+/// claimed: the claiming node reads whether its commit landed, rather than
+/// leave the claimed run `running` on it, its queued work deleted, with
+/// nothing running it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_commit_answer_is_lost_runs_its_work() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    let relay = CommitCutter::start(&url).await;
+    let front = Node::start_configured(dir.path(), "front", &url, "capacity = 0", "").await;
+    let b = Node::start_configured(dir.path(), "node-b", &relay.url, "capacity = 1", "").await;
+    let mut client = front.executions().await;
+    let queued = client.start_execution(request("builtin.shell", "echo claimed")).await.expect("queued").into_inner();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let state = state_of(&front, &queued.execution_id).await;
+        if state == pb::ExecutionState::Succeeded {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the claimed run is {state:?}, with nothing running it");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(relay.cut.load(std::sync::atomic::Ordering::SeqCst), "no claim's commit was cut: the test tested nothing");
+    stop_all([front, b]).await;
+}

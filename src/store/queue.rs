@@ -136,7 +136,14 @@ impl Store {
             .await?;
             sqlx::query("SELECT pg_notify('corral_queue', '')").execute(&mut *tx).await?;
         }
-        tx.commit().await?;
+        if let Err(error) = tx.commit().await {
+            // Taken, an execution whose commit landed unanswered would be
+            // `running` here with nothing running it.
+            if !self.stored_as(&record.execution_id, state, node).await {
+                return Err(error.into());
+            }
+            tracing::warn!(execution_id = %record.execution_id, %error, "fleet: a commit answered an error but landed");
+        }
         Ok(if take { Enqueued::Taken } else { Enqueued::Queued })
     }
 
@@ -218,8 +225,45 @@ impl Store {
             .await?;
             claimed.push(Claimed { record: execution_from_row(&row)?, work });
         }
-        tx.commit().await?;
+        if let Err(error) = tx.commit().await {
+            // All or none landed: a claim whose commit landed unanswered
+            // would leave its executions `running` here with nothing
+            // running them, and their queued work deleted.
+            let first = claimed.first().map(|c| c.record.execution_id.as_str()).unwrap_or_default();
+            if !self.stored_as(first, ExecutionState::Running, Some(&self.node)).await {
+                return Err(error.into());
+            }
+            tracing::warn!(%error, "fleet: a claim's commit answered an error but landed");
+        }
         Ok(claimed)
+    }
+
+    /// Whether execution `id` is stored in `state` on `node` (`None`: on
+    /// none), read on a fresh connection: after a commit that answered an
+    /// error, whether it landed all the same (a PostgreSQL commit whose
+    /// answer was lost to a reset connection or a failover). Each id is
+    /// made by the node that writes it, so only that commit could have
+    /// stored it so. A read that fails a few times reads as "did not land".
+    async fn stored_as(&self, id: &str, state: ExecutionState, node: Option<&str>) -> bool {
+        for attempt in 0..3 {
+            if attempt > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            let row = sqlx::query("SELECT state, node FROM executions WHERE execution_id = $1")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await;
+            match row {
+                Ok(None) => return false,
+                Ok(Some(row)) => {
+                    let stored: String = row.get("state");
+                    let on: Option<String> = row.get("node");
+                    return stored == state.as_str() && on.as_deref() == node;
+                }
+                Err(error) => tracing::warn!(execution_id = id, %error, "fleet: cannot read whether a commit landed"),
+            }
+        }
+        false
     }
 
     /// How many executions wait in the queue (at most `usize::MAX`).
