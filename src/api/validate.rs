@@ -133,7 +133,13 @@ pub async fn repo(field: &str, value: &str, roots: &[PathBuf], principal: &Princ
         );
         invalid_argument(field, NOT_ALLOWED)
     };
-    let open = resolve(path, roots, &principal.repos).map_err(refuse)?;
+    // Off the async worker: the walk of its git directory may look at up
+    // to 100,000 directories.
+    let (owned, roots, repos) = (path.to_path_buf(), roots.to_vec(), principal.repos.clone());
+    let resolved = tokio::task::spawn_blocking(move || resolve(&owned, &roots, &repos))
+        .await
+        .map_err(|_| invalid_argument(field, NOT_ALLOWED))?;
+    let open = resolved.map_err(refuse)?;
     if !crate::sandbox::workspace::is_git_repo(&open).await {
         return Err(refuse(Refused::NotGit));
     }
