@@ -2091,7 +2091,7 @@ impl CommitCutter {
     async fn start(url: &str) -> CommitCutter {
         use std::sync::atomic::AtomicBool;
         use std::sync::Arc;
-        let (head, rest) = url.split_once('@').expect("a URL with credentials");
+        let (head, rest) = url.rsplit_once('@').expect("a URL with credentials");
         let (upstream, path) = rest.split_once('/').expect("a URL with a database");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let through = format!("{head}@{}/{path}", listener.local_addr().unwrap());
@@ -2131,8 +2131,16 @@ impl CommitCutter {
             let mut buf = vec![0u8; 1 << 16];
             while let Ok(n @ 1..) = client_in.read(&mut buf).await {
                 let data = &buf[..n];
-                claiming |= has(data, b"DELETE FROM queue WHERE execution_id");
-                let commit = claiming && has(data, b"COMMIT") && !cut.swap(true, Ordering::SeqCst);
+                // The claim's own statement (sent whole the first time a
+                // connection prepares it, which a fresh node's first claim
+                // does), up to the end of its transaction.
+                claiming |= has(data, b"DELETE FROM queue WHERE execution_id = $1 RETURNING work");
+                if has(data, b"ROLLBACK") {
+                    claiming = false;
+                }
+                let ends = has(data, b"COMMIT");
+                let commit = claiming && ends && !cut.swap(true, Ordering::SeqCst);
+                claiming &= !ends;
                 if commit {
                     silenced.store(true, Ordering::SeqCst);
                 }
@@ -2181,5 +2189,75 @@ async fn a_claim_whose_commit_answer_is_lost_runs_its_work() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(relay.cut.load(std::sync::atomic::Ordering::SeqCst), "no claim's commit was cut: the test tested nothing");
+    let log = std::fs::read_to_string(b.data.with_extension("log")).unwrap_or_default();
+    assert!(
+        log.contains("a claim's commit answered an error but landed"),
+        "node-b ran it another way:
+{log}"
+    );
     stop_all([front, b]).await;
+}
+
+/// A turn forwarded to the node that runs its session, whose caller left
+/// before the answer (its deadline passed while that node was stopped),
+/// still runs there once that node answers in time, and the node that
+/// forwarded it writes its audit line: the forward is the engine's work,
+/// not the call's, so a short deadline is no way around the audit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_turn_whose_caller_left_runs_and_is_audited() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    use corral::pb::session_service_client::SessionServiceClient;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    write_session_agent(dir.path());
+    // Leases long enough that a node stopped for a second is neither fenced nor swept.
+    let a = Node::start_leased(dir.path(), "node-a", &url, 60, "", Vec::new()).await;
+    let b = Node::start_leased(dir.path(), "node-b", &url, 60, "", Vec::new()).await;
+    let mut on_b = SessionServiceClient::new(b.process.channel().await);
+    let session = on_b.create_session(create_agent_session()).await.unwrap().into_inner();
+    let mut on_a = SessionServiceClient::new(a.process.channel().await);
+    let turn = |text: &str| pb::SendTurnRequest {
+        session_id: session.session_id.clone(),
+        tool_call: Some(pb::ToolCall { tool: "echo".into(), arguments_json: format!(r#"{{"echo": "{text}"}}"#) }),
+    };
+    // SAFETY: kill(2) on our own child, alive.
+    unsafe { libc::kill(b.process.pid(), libc::SIGSTOP) };
+    let mut left = tonic::Request::new(turn("left"));
+    left.set_timeout(Duration::from_millis(500));
+    let gone = on_a.send_turn(left).await;
+    // SAFETY: as above; well within the forward's 10 s.
+    unsafe { libc::kill(b.process.pid(), libc::SIGCONT) };
+    let status = gone.expect_err("the caller's deadline passed while node-b was stopped");
+    assert!(matches!(status.code(), tonic::Code::DeadlineExceeded | tonic::Code::Cancelled), "{status:?}");
+    let line = format!("subject=\"{}\"", session.session_id);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let log = std::fs::read_to_string(a.data.with_extension("log")).unwrap_or_default();
+        if log.lines().any(|l| l.contains("corral::audit") && l.contains("rpc=\"SendTurn\"") && l.contains(&line)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "node-a never audited the turn it forwarded:\n{log}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // It ran: the next turn is the session's second.
+    let events = loop {
+        match on_a.send_turn(turn("next")).await {
+            Ok(stream) => break stream_to_end(stream.into_inner()).await,
+            // The forwarded turn may still be in flight.
+            Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+                assert!(Instant::now() < deadline, "{status:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(status) => panic!("{status:?}"),
+        }
+    };
+    let finished = match events.last().and_then(|e| e.kind.clone()) {
+        Some(pb::lifecycle_event::Kind::TurnFinished(t)) => *t,
+        other => panic!("the turn's stream ends with turn_finished, not {other:?}"),
+    };
+    assert_eq!((finished.turn, finished.ok), (2, true), "the left caller's turn did not run first: {finished:?}");
+    let end = pb::EndSessionRequest { session_id: session.session_id.clone() };
+    on_a.end_session(end).await.expect("node-a forwards EndSession");
+    stop_all([a, b]).await;
 }

@@ -92,15 +92,31 @@ pub async fn audited<T: Send + 'static>(
     work: impl std::future::Future<Output = Result<T, crate::lifecycle::EngineError>> + Send + 'static,
     subject: impl FnOnce(&Result<T, crate::lifecycle::EngineError>) -> Option<String> + Send + 'static,
 ) -> Result<T, Status> {
+    use tracing::Instrument;
     let principal = principal.clone();
-    let done = engine.spawn_tracked(async move {
-        let done = work.await;
-        if let Some(subject) = subject(&done) {
-            audit(&principal, rpc, &subject);
+    let done = engine.spawn_tracked(
+        async move {
+            let done = work.await;
+            if let Some(subject) = subject(&done) {
+                audit(&principal, rpc, &subject);
+            }
+            done
         }
-        done
-    });
+        // In the call's span: its line and the work's logs carry its trace.
+        .instrument(tracing::Span::current()),
+    );
     done.await.map_err(|_| Status::internal(format!("{rpc} failed")))?.map_err(Status::from)
+}
+
+/// Whether a call's work is done, or may be doing: the node it was
+/// forwarded to took the request and did not answer in time. Either gets
+/// the call's audit line.
+pub fn done_or_taken<T>(result: &Result<T, crate::lifecycle::EngineError>) -> bool {
+    match result {
+        Ok(_) => true,
+        Err(crate::lifecycle::EngineError::NodeUnreachable { outcome, .. }) => *outcome == crate::lifecycle::TAKEN,
+        Err(_) => false,
+    }
 }
 
 /// `DecideToolCall` on either service, once the run is known to be
@@ -137,7 +153,7 @@ pub async fn decide_tool_call(
         let (subject, call_id) = (subject.to_string(), call_id.to_string());
         async move {
             let decided = engine.decide_tool_call(&subject, &call_id, decision).await;
-            if matches!(decided, Ok(Ok(()))) {
+            if matches!(decided, Ok(Ok(()))) || (decided.is_err() && done_or_taken(&decided)) {
                 tracing::info!(
                     target: "corral::audit", principal = %principal.name, kind = principal.kind.as_str(),
                     rpc = "DecideToolCall", subject, call_id, allow, "tool call decided"
@@ -146,7 +162,7 @@ pub async fn decide_tool_call(
             decided
         }
     };
-    let decided = engine.spawn_tracked(deciding).await;
+    let decided = engine.spawn_tracked(tracing::Instrument::instrument(deciding, tracing::Span::current())).await;
     match decided.map_err(|_| Status::internal("DecideToolCall failed"))?? {
         Ok(()) => {}
         Err(Undecidable::Unknown) => {

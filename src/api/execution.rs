@@ -390,9 +390,10 @@ impl ExecutionService for ExecutionApi {
         let id = req.execution_id.clone();
         let cancelling = async move { engine.cancel(&id).await };
         let id = req.execution_id.clone();
-        let record =
-            audited(&self.engine, &principal, "CancelExecution", cancelling, move |done| done.is_ok().then_some(id))
-                .await?;
+        let record = audited(&self.engine, &principal, "CancelExecution", cancelling, move |done| {
+            super::auth::done_or_taken(done).then_some(id)
+        })
+        .await?;
         Ok(Response::new(convert::execution(&record, None)))
     }
 

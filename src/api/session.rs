@@ -137,9 +137,10 @@ impl SessionService for SessionApi {
             let (engine, id, name) = (self.engine.clone(), id.clone(), principal.name.clone());
             async move { engine.send_turn(&id, tool, arguments, trace_parent, &name).await }
         };
-        let subscription =
-            super::auth::audited(&self.engine, &principal, "SendTurn", sending, move |sent| sent.is_ok().then_some(id))
-                .await?;
+        let subscription = super::auth::audited(&self.engine, &principal, "SendTurn", sending, move |sent| {
+            super::auth::done_or_taken(sent).then_some(id)
+        })
+        .await?;
         Ok(Response::new(event_stream(subscription, &self.shutdown, deadline)))
     }
 
@@ -192,7 +193,7 @@ impl SessionService for SessionApi {
             async move { engine.cancel_turn(&id).await }
         };
         let record = super::auth::audited(&self.engine, &principal, "CancelTurn", cancelling, move |done| {
-            done.is_ok().then_some(id)
+            super::auth::done_or_taken(done).then_some(id)
         })
         .await?;
         Ok(Response::new(convert::session(&record, None)))

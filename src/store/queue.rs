@@ -66,6 +66,12 @@ pub struct Admit<'a> {
     pub max_queued_per_principal: u64,
 }
 
+/// The id PostgreSQL gave `tx`, to ask after its commit (see
+/// [`Store::committed`]).
+async fn transaction_id(tx: &mut sqlx::Transaction<'_, sqlx::Any>) -> Result<i64, StoreError> {
+    Ok(sqlx::query("SELECT txid_current()").fetch_one(&mut **tx).await?.get::<i64, _>(0))
+}
+
 /// A claimed execution: its record (now `running` here) and its command.
 pub struct Claimed {
     /// The record, as stored when it was accepted.
@@ -136,10 +142,12 @@ impl Store {
             .await?;
             sqlx::query("SELECT pg_notify('corral_queue', '')").execute(&mut *tx).await?;
         }
+        let xid = transaction_id(&mut tx).await?;
         if let Err(error) = tx.commit().await {
             // Taken, an execution whose commit landed unanswered would be
-            // `running` here with nothing running it.
-            if !self.stored_as(&record.execution_id, state, node).await {
+            // `running` here with nothing running it; queued, it would run
+            // while its caller, told it failed, starts it again.
+            if !self.committed(xid).await {
                 return Err(error.into());
             }
             tracing::warn!(execution_id = %record.execution_id, %error, "fleet: a commit answered an error but landed");
@@ -225,12 +233,12 @@ impl Store {
             .await?;
             claimed.push(Claimed { record: execution_from_row(&row)?, work });
         }
+        let xid = transaction_id(&mut tx).await?;
         if let Err(error) = tx.commit().await {
-            // All or none landed: a claim whose commit landed unanswered
-            // would leave its executions `running` here with nothing
-            // running them, and their queued work deleted.
-            let first = claimed.first().map(|c| c.record.execution_id.as_str()).unwrap_or_default();
-            if !self.stored_as(first, ExecutionState::Running, Some(&self.node)).await {
+            // A claim whose commit landed unanswered would leave its
+            // executions `running` here with nothing running them, and
+            // their queued work deleted.
+            if !self.committed(xid).await {
                 return Err(error.into());
             }
             tracing::warn!(%error, "fleet: a claim's commit answered an error but landed");
@@ -238,32 +246,31 @@ impl Store {
         Ok(claimed)
     }
 
-    /// Whether execution `id` is stored in `state` on `node` (`None`: on
-    /// none), read on a fresh connection: after a commit that answered an
-    /// error, whether it landed all the same (a PostgreSQL commit whose
-    /// answer was lost to a reset connection or a failover). Each id is
-    /// made by the node that writes it, so only that commit could have
-    /// stored it so. A read that fails a few times reads as "did not land".
-    async fn stored_as(&self, id: &str, state: ExecutionState, node: Option<&str>) -> bool {
-        for attempt in 0..3 {
-            if attempt > 0 {
-                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    /// Whether transaction `xid` committed, asked on a fresh connection
+    /// after its commit answered an error: a PostgreSQL commit whose answer
+    /// was lost to a reset connection or a failover may have landed all the
+    /// same. Asked again while the server still says it is in progress (the
+    /// commit may not have been read yet), up to 5 s; a transaction whose
+    /// fate is still unknown then is taken as not committed, and logged.
+    async fn committed(&self, xid: i64) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let status = sqlx::query("SELECT txid_status($1)").bind(xid).fetch_one(&self.pool).await;
+            match status.map(|row| row.get::<Option<String>, _>(0)) {
+                Ok(Some(status)) if status == "committed" => return true,
+                Ok(Some(status)) if status == "aborted" => return false,
+                Ok(status) => tracing::debug!(xid, ?status, "fleet: a commit's fate is not known yet"),
+                Err(error) => tracing::warn!(xid, %error, "fleet: cannot read whether a commit landed"),
             }
-            let row = sqlx::query("SELECT state, node FROM executions WHERE execution_id = $1")
-                .bind(id)
-                .fetch_optional(&self.pool)
-                .await;
-            match row {
-                Ok(None) => return false,
-                Ok(Some(row)) => {
-                    let stored: String = row.get("state");
-                    let on: Option<String> = row.get("node");
-                    return stored == state.as_str() && on.as_deref() == node;
-                }
-                Err(error) => tracing::warn!(execution_id = id, %error, "fleet: cannot read whether a commit landed"),
+            if std::time::Instant::now() >= deadline {
+                tracing::error!(
+                    xid,
+                    "fleet: whether a commit landed is unknown; taken as not (recovery finds what it left)"
+                );
+                return false;
             }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
-        false
     }
 
     /// How many executions wait in the queue (at most `usize::MAX`).
