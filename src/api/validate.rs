@@ -105,6 +105,9 @@ pub fn text(field: &str, value: &str, max: usize) -> Result<(), Status> {
     Ok(())
 }
 
+/// Repositories resolved at once (see [`repo`]).
+static RESOLVING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
+
 /// A repository path: absolute, no `..`, beneath one of the daemon's
 /// `roots` and the principal's `repos` (if it has any), opened there
 /// without leaving the root, and a git repository. Returns the canonical
@@ -134,11 +137,19 @@ pub async fn repo(field: &str, value: &str, roots: &[PathBuf], principal: &Princ
         invalid_argument(field, NOT_ALLOWED)
     };
     // Off the async worker: the walk of its git directory may look at up
-    // to 100,000 directories.
+    // to 100,000 directories. A few at a time: a walk goes on when its
+    // caller has left, and callers that leave at once must not fill the
+    // blocking pool the end of every run's workspace check uses.
+    let turn = RESOLVING.acquire().await.map_err(|_| invalid_argument(field, NOT_ALLOWED))?;
     let (owned, roots, repos) = (path.to_path_buf(), roots.to_vec(), principal.repos.clone());
-    let resolved = tokio::task::spawn_blocking(move || resolve(&owned, &roots, &repos))
-        .await
-        .map_err(|_| invalid_argument(field, NOT_ALLOWED))?;
+    // The turn is held by the walk, not by the call.
+    let resolved = tokio::task::spawn_blocking(move || {
+        let resolved = resolve(&owned, &roots, &repos);
+        drop(turn);
+        resolved
+    })
+    .await
+    .map_err(|_| refuse(Refused::GitDir("its check failed (see the daemon's log)".into())))?;
     let open = resolved.map_err(refuse)?;
     if !crate::sandbox::workspace::is_git_repo(&open).await {
         return Err(refuse(Refused::NotGit));
