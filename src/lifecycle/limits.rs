@@ -96,8 +96,12 @@ pub fn tree_usage(root: &Path, budget: TreeBudget, cgroup: Option<&SandboxCgroup
 /// Entries a walk may read on the async worker (see [`small_tree_usage`]).
 pub const SMALL_TREE: u64 = 64;
 
+/// The largest directory (its own size) a walk on the async worker reads.
+const SMALL_DIR_BYTES: u64 = 64 << 10;
+
 /// [`tree_usage`] of a small tree whose sandbox runs nothing: `None` once
-/// the tree has more than `max_entries` entries, or when its cgroup holds
+/// the tree has more than `max_entries` entries or a directory larger
+/// than [`SMALL_DIR_BYTES`], or when its cgroup holds
 /// a process (or cannot say), whose deleted but open files may take long
 /// to look at. Quick enough for the async worker at the end of a run,
 /// where a hop to a blocking thread and back costs more than the walk;
@@ -151,6 +155,11 @@ fn walk(root: &Path, budget: TreeBudget, cgroup: Option<&SandboxCgroup>, max_ent
             let Ok(meta) = entry.metadata() else { continue };
             usage.bytes = usage.bytes.saturating_add(file_bytes(&meta));
             if meta.is_dir() {
+                // A directory that once held many entries reads slowly
+                // however few it holds now (its size stays).
+                if max_entries != u64::MAX && meta.len() > SMALL_DIR_BYTES {
+                    return None;
+                }
                 open_child_to_owner(&dir, &entry.file_name(), &meta, euid);
                 pending.push((dir.clone(), entry.file_name()));
             }
@@ -511,6 +520,16 @@ mod tests {
         assert_eq!(full.inodes, 4, "workspace, d, a, home: {full:?}");
         assert_eq!(small_tree_usage(dir.path(), budget, &cgroup, 4), Some(full));
         assert_eq!(small_tree_usage(dir.path(), budget, &cgroup, 3), None, "one entry too many");
+        // A directory larger than 64 KiB (4,000 entries, on ext4 and tmpfs
+        // alike) is not read inline, however many entries may be.
+        let big = dir.path().join("workspace/big");
+        std::fs::create_dir(&big).unwrap();
+        (0..4000).for_each(|i| std::fs::write(big.join(format!("f{i}")), "").unwrap());
+        let size = std::fs::metadata(&big).unwrap().len();
+        assert!(size > SMALL_DIR_BYTES, "{size}");
+        let roomy = TreeBudget { max_bytes: 1 << 30, max_inodes: 1 << 20 };
+        assert_eq!(small_tree_usage(dir.path(), roomy, &cgroup, 1 << 20), None, "a directory of {size} bytes");
+        std::fs::remove_dir_all(&big).unwrap();
         std::fs::write(&procs, "4242\n").unwrap();
         assert_eq!(small_tree_usage(dir.path(), budget, &cgroup, 64), None, "a process runs");
         std::fs::remove_file(&procs).unwrap();

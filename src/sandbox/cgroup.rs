@@ -419,7 +419,9 @@ impl SandboxCgroup {
         self.read_pids().unwrap_or_default()
     }
 
-    /// Whether every `cgroup.procs` was read and named no process.
+    /// Whether no `cgroup.procs` names a process: each was read, or is gone
+    /// with its cgroup (as [`Self::pids`] reads them); `false` when one
+    /// could not be read.
     pub fn holds_no_process(&self) -> bool {
         matches!(self.read_pids(), Ok(pids) if pids.is_empty())
     }
