@@ -709,7 +709,12 @@ impl Engine {
             match self.store.request_answer(&request).await? {
                 Some(Ok(json)) => return Ok((request, json)),
                 Some(Err(why)) => return Err(EngineError::FailedPrecondition(why)),
-                None if std::time::Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(20)).await,
+                None if std::time::Instant::now() < deadline => tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(20)) => {}
+                    // Past a shutdown's grace, which waits for this task,
+                    // nothing waits on another node any more.
+                    () = self.draining.cancelled() => deadline = std::time::Instant::now(),
+                },
                 // Not taken yet: withdrawn, so the owner never acts on it
                 // (it takes a request before acting, see `answer_requests`).
                 None if !taken && self.store.withdraw_request(&request).await? => {
@@ -720,7 +725,8 @@ impl Engine {
                 // answer is waited for as long again.
                 None if !taken => {
                     taken = true;
-                    deadline = std::time::Instant::now() + timeout;
+                    let again = if self.draining.is_cancelled() { Duration::ZERO } else { timeout };
+                    deadline = std::time::Instant::now() + again;
                 }
                 None => {
                     let seconds = started.elapsed().as_secs();
