@@ -2076,9 +2076,10 @@ async fn an_execute_held_back_by_its_quota_on_a_node_with_room_needs_a_watch_pla
 }
 
 /// A TCP relay to PostgreSQL that cuts one connection right after
-/// relaying the `COMMIT` of a claim (a transaction that deleted from the
-/// queue), before PostgreSQL's answer: the claim lands, its answer is
-/// lost, as to a reset connection or a failover.
+/// relaying the `COMMIT` of a transaction that ran `statement` (sent
+/// whole, NUL-terminated, the first time a connection prepares it), before
+/// PostgreSQL's answer: the transaction lands, its answer is lost, as to a
+/// reset connection or a failover.
 struct CommitCutter {
     /// The database URL through the relay.
     url: String,
@@ -2088,7 +2089,7 @@ struct CommitCutter {
 }
 
 impl CommitCutter {
-    async fn start(url: &str) -> CommitCutter {
+    async fn start(url: &str, statement: &'static [u8]) -> CommitCutter {
         use std::sync::atomic::AtomicBool;
         use std::sync::Arc;
         let (head, rest) = url.rsplit_once('@').expect("a URL with credentials");
@@ -2099,7 +2100,7 @@ impl CommitCutter {
         let (upstream, armed) = (upstream.to_string(), cut.clone());
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(Self::relay(client, upstream.clone(), armed.clone()));
+                tokio::spawn(Self::relay(client, upstream.clone(), armed.clone(), statement));
             }
         });
         CommitCutter { url: through, cut, task }
@@ -2109,6 +2110,7 @@ impl CommitCutter {
         client: tokio::net::TcpStream,
         upstream: String,
         cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        statement: &'static [u8],
     ) {
         use std::sync::atomic::{AtomicBool, Ordering};
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -2131,10 +2133,8 @@ impl CommitCutter {
             let mut buf = vec![0u8; 1 << 16];
             while let Ok(n @ 1..) = client_in.read(&mut buf).await {
                 let data = &buf[..n];
-                // The claim's own statement (sent whole the first time a
-                // connection prepares it, which a fresh node's first claim
-                // does), up to the end of its transaction.
-                claiming |= has(data, b"DELETE FROM queue WHERE execution_id = $1 RETURNING work");
+                // The statement, up to the end of its transaction.
+                claiming |= has(data, statement);
                 if has(data, b"ROLLBACK") {
                     claiming = false;
                 }
@@ -2174,7 +2174,8 @@ async fn a_claim_whose_commit_answer_is_lost_runs_its_work() {
     require_bwrap();
     let url = common::create_postgres_database(&common::postgres_admin_url()).await;
     let dir = common::data_tempdir();
-    let relay = CommitCutter::start(&url).await;
+    // The claim's own statement: a fresh node's first claim prepares it.
+    let relay = CommitCutter::start(&url, b"DELETE FROM queue WHERE execution_id = $1 RETURNING work\0").await;
     let front = Node::start_configured(dir.path(), "front", &url, "capacity = 0", "").await;
     let b = Node::start_configured(dir.path(), "node-b", &relay.url, "capacity = 1", "").await;
     let mut client = front.executions().await;
@@ -2260,4 +2261,39 @@ async fn a_forwarded_turn_whose_caller_left_runs_and_is_audited() {
     let end = pb::EndSessionRequest { session_id: session.session_id.clone() };
     on_a.end_session(end).await.expect("node-a forwards EndSession");
     stop_all([a, b]).await;
+}
+
+/// A cancel of a queued run whose commit lands but whose answer is lost
+/// still cancels it: the node that took it out of the queue asks whether
+/// its commit landed, rather than leave the run `pending` in no queue,
+/// which no node would ever claim or finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_whose_commit_answer_is_lost_still_cancels() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    // The cancel's own statement (the claim's goes on with RETURNING).
+    let relay = CommitCutter::start(&url, b"DELETE FROM queue WHERE execution_id = $1\0").await;
+    let front = Node::start_configured(dir.path(), "front", &relay.url, "capacity = 0", "").await;
+    let b = Node::start_configured(dir.path(), "node-b", &url, "capacity = 1", "").await;
+    let mut client = front.executions().await;
+    // node-b's one place is taken: the next run waits in the queue.
+    let busy = client.start_execution(request("builtin.shell", "sleep 60")).await.expect("node-b's run").into_inner();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while state_of(&front, &busy.execution_id).await != pb::ExecutionState::Running {
+        assert!(Instant::now() < deadline, "node-b never took the first run");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let queued = client.start_execution(request("builtin.shell", "echo never")).await.expect("queued").into_inner();
+    assert_eq!(queued.state, pb::ExecutionState::Pending as i32, "{queued:?}");
+    let cancel = pb::CancelExecutionRequest { execution_id: queued.execution_id.clone() };
+    let cancelled = client.cancel_execution(cancel).await.expect("cancelled, its commit landed").into_inner();
+    assert_eq!(cancelled.state, pb::ExecutionState::Cancelled as i32, "{cancelled:?}");
+    assert_eq!(state_of(&front, &queued.execution_id).await, pb::ExecutionState::Cancelled);
+    assert!(relay.cut.load(std::sync::atomic::Ordering::SeqCst), "no cancel's commit was cut: the test tested nothing");
+    let log = std::fs::read_to_string(front.data.with_extension("log")).unwrap_or_default();
+    assert!(log.contains("a cancel's commit answered an error but landed"), "the cancel went another way:\n{log}");
+    client.cancel_execution(pb::CancelExecutionRequest { execution_id: busy.execution_id }).await.expect("cancelled");
+    stop_all([front, b]).await;
 }

@@ -295,7 +295,15 @@ impl Store {
             .bind(&self.node)
             .execute(&mut *tx)
             .await?;
-        tx.commit().await?;
+        let xid = transaction_id(&mut tx).await?;
+        if let Err(error) = tx.commit().await {
+            // Landed unanswered, it would leave the run `pending` in no
+            // queue: never claimed, never finished.
+            if !self.committed(xid).await {
+                return Err(error.into());
+            }
+            tracing::warn!(execution_id, %error, "fleet: a cancel's commit answered an error but landed");
+        }
         Ok(true)
     }
 
