@@ -869,6 +869,50 @@ async fn a_watch_through_a_node_that_shuts_down_ends_with_where_to_resume() {
     assert!(b.process.stop().await.is_some_and(|s| s.success()), "node-b did not stop on SIGTERM");
 }
 
+/// Two nodes on one database with leases long enough (60 s) that a node
+/// stopped for seconds is neither fenced nor swept, an agent session on
+/// node-b, and a session client of node-a.
+struct SessionOnB {
+    a: Node,
+    b: Node,
+    session: pb::Session,
+    on_a: corral::pb::session_service_client::SessionServiceClient<tonic::transport::Channel>,
+    _dir: tempfile::TempDir,
+}
+
+async fn session_on_b() -> SessionOnB {
+    use corral::pb::session_service_client::SessionServiceClient;
+    require_bwrap();
+    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
+    let dir = common::data_tempdir();
+    write_session_agent(dir.path());
+    let a = Node::start_leased(dir.path(), "node-a", &url, 60, "", Vec::new()).await;
+    let b = Node::start_leased(dir.path(), "node-b", &url, 60, "", Vec::new()).await;
+    let mut on_b = SessionServiceClient::new(b.process.channel().await);
+    let session = on_b.create_session(create_agent_session()).await.unwrap().into_inner();
+    let on_a = SessionServiceClient::new(a.process.channel().await);
+    SessionOnB { a, b, session, on_a, _dir: dir }
+}
+
+/// A turn of `session_id` asking the agent to echo `text`.
+fn echo_turn(session_id: &str, text: &str) -> pb::SendTurnRequest {
+    pb::SendTurnRequest {
+        session_id: session_id.to_string(),
+        tool_call: Some(pb::ToolCall { tool: "echo".into(), arguments_json: format!(r#"{{"echo": "{text}"}}"#) }),
+    }
+}
+
+/// What `call` gives while `node` is stopped (SIGSTOP); it runs again
+/// (SIGCONT) once `call` returned.
+async fn while_stopped<T>(node: &Node, call: impl std::future::Future<Output = T>) -> T {
+    // SAFETY: kill(2) on our own child, alive.
+    unsafe { libc::kill(node.process.pid(), libc::SIGSTOP) };
+    let answer = call.await;
+    // SAFETY: as above.
+    unsafe { libc::kill(node.process.pid(), libc::SIGCONT) };
+    answer
+}
+
 /// A turn forwarded to an owner that does not take it in time (node-b is
 /// stopped for the forward's 10 s) is withdrawn: its caller is told that
 /// nothing was done there, and the owner, running again, never runs it, so
@@ -876,26 +920,10 @@ async fn a_watch_through_a_node_that_shuts_down_ends_with_where_to_resume() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forwarded_turn_not_taken_in_time_is_withdrawn_and_never_runs() {
     let _serial = ONE_AT_A_TIME.lock().await;
-    use corral::pb::session_service_client::SessionServiceClient;
-    require_bwrap();
-    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
-    let dir = common::data_tempdir();
-    write_session_agent(dir.path());
-    // Leases long enough that a node stopped for 10 s is neither fenced nor swept.
-    let a = Node::start_leased(dir.path(), "node-a", &url, 60, "", Vec::new()).await;
-    let b = Node::start_leased(dir.path(), "node-b", &url, 60, "", Vec::new()).await;
-    let mut on_b = SessionServiceClient::new(b.process.channel().await);
-    let session = on_b.create_session(create_agent_session()).await.unwrap().into_inner();
-    let mut on_a = SessionServiceClient::new(a.process.channel().await);
-    let turn = |text: &str| pb::SendTurnRequest {
-        session_id: session.session_id.clone(),
-        tool_call: Some(pb::ToolCall { tool: "echo".into(), arguments_json: format!(r#"{{"echo": "{text}"}}"#) }),
-    };
-    // SAFETY: kill(2) on our own child, alive.
-    unsafe { libc::kill(b.process.pid(), libc::SIGSTOP) };
-    let unanswered = on_a.send_turn(turn("withdrawn")).await;
-    // SAFETY: as above.
-    unsafe { libc::kill(b.process.pid(), libc::SIGCONT) };
+    // Stopped for the forward's 10 s.
+    let SessionOnB { a, b, session, mut on_a, _dir } = session_on_b().await;
+    let turn = |text: &str| echo_turn(&session.session_id, text);
+    let unanswered = while_stopped(&b, on_a.send_turn(turn("withdrawn"))).await;
     let status = unanswered.expect_err("node-b answers nothing while stopped");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     assert!(
@@ -2207,28 +2235,12 @@ async fn a_claim_whose_commit_answer_is_lost_runs_its_work() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forwarded_turn_whose_caller_left_runs_and_is_audited() {
     let _serial = ONE_AT_A_TIME.lock().await;
-    use corral::pb::session_service_client::SessionServiceClient;
-    require_bwrap();
-    let url = common::create_postgres_database(&common::postgres_admin_url()).await;
-    let dir = common::data_tempdir();
-    write_session_agent(dir.path());
-    // Leases long enough that a node stopped for a second is neither fenced nor swept.
-    let a = Node::start_leased(dir.path(), "node-a", &url, 60, "", Vec::new()).await;
-    let b = Node::start_leased(dir.path(), "node-b", &url, 60, "", Vec::new()).await;
-    let mut on_b = SessionServiceClient::new(b.process.channel().await);
-    let session = on_b.create_session(create_agent_session()).await.unwrap().into_inner();
-    let mut on_a = SessionServiceClient::new(a.process.channel().await);
-    let turn = |text: &str| pb::SendTurnRequest {
-        session_id: session.session_id.clone(),
-        tool_call: Some(pb::ToolCall { tool: "echo".into(), arguments_json: format!(r#"{{"echo": "{text}"}}"#) }),
-    };
-    // SAFETY: kill(2) on our own child, alive.
-    unsafe { libc::kill(b.process.pid(), libc::SIGSTOP) };
+    let SessionOnB { a, b, session, mut on_a, _dir } = session_on_b().await;
+    let turn = |text: &str| echo_turn(&session.session_id, text);
     let mut left = tonic::Request::new(turn("left"));
     left.set_timeout(Duration::from_millis(500));
-    let gone = on_a.send_turn(left).await;
-    // SAFETY: as above; well within the forward's 10 s.
-    unsafe { libc::kill(b.process.pid(), libc::SIGCONT) };
+    // Well within the forward's 10 s.
+    let gone = while_stopped(&b, on_a.send_turn(left)).await;
     let status = gone.expect_err("the caller's deadline passed while node-b was stopped");
     assert!(matches!(status.code(), tonic::Code::DeadlineExceeded | tonic::Code::Cancelled), "{status:?}");
     let line = format!("subject=\"{}\"", session.session_id);
