@@ -58,6 +58,19 @@ async fn log_until(log: &Path, needle: &str, times: usize) -> String {
     }
 }
 
+/// What `call` gives while another writer holds the write lock of the
+/// daemon's SQLite store in `data` (the daemon's writes wait: its busy
+/// timeout is 10 s); the lock is let go once `call` returned.
+async fn while_store_locked<T>(data: &Path, call: impl std::future::Future<Output = T>) -> T {
+    use sqlx::Connection;
+    let db = format!("sqlite://{}", data.join("corral.db").display());
+    let mut holder = sqlx::SqliteConnection::connect(&db).await.expect("the daemon's SQLite store");
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut holder).await.unwrap();
+    let answer = call.await;
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    answer
+}
+
 fn hup(daemon: &ServeProcess) {
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(daemon.pid(), libc::SIGHUP) };
@@ -191,7 +204,6 @@ async fn a_session_refused_at_its_start_is_audited() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_is_audited() {
     use corral::pb::catalog_service_client::CatalogServiceClient;
-    use sqlx::Connection;
     let dir = common::data_tempdir();
     let profiles = dir.path().join("profiles");
     std::fs::create_dir_all(&profiles).unwrap();
@@ -200,15 +212,10 @@ async fn a_drain_is_audited() {
     let mut catalog = CatalogServiceClient::new(daemon.channel().await);
     let nodes = catalog.list_nodes(pb::ListNodesRequest {}).await.expect("nodes").into_inner().nodes;
     let name = nodes.first().expect("this daemon's node").name.clone();
-    let db = format!("sqlite://{}", data.join("corral.db").display());
-    let mut holder = sqlx::SqliteConnection::connect(&db).await.expect("the daemon's SQLite store");
-    // The write lock: the daemon's drain waits (its busy timeout is 10 s).
-    sqlx::query("BEGIN IMMEDIATE").execute(&mut holder).await.unwrap();
     let mut drain = tonic::Request::new(pb::DrainNodeRequest { name: name.clone() });
     drain.set_timeout(Duration::from_millis(300));
-    let gone = catalog.drain_node(drain).await.expect_err("the deadline passed first");
+    let gone = while_store_locked(&data, catalog.drain_node(drain)).await.expect_err("the deadline passed first");
     assert!(matches!(gone.code(), Code::DeadlineExceeded | Code::Cancelled), "{gone:?}");
-    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
     let text = log_until(&data.with_extension("log"), "rpc=\"DrainNode\"", 1).await;
     let line = text.lines().find(|l| l.contains("rpc=\"DrainNode\"")).unwrap();
     assert!(line.contains("corral::audit") && line.contains(&format!("subject=\"{name}\"")), "{line}");
@@ -223,7 +230,6 @@ async fn a_drain_is_audited() {
 /// a short deadline is no way around the audit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_execution_whose_caller_left_before_its_answer_is_audited() {
-    use sqlx::Connection;
     common::require_bwrap();
     let dir = common::data_tempdir();
     let profiles = dir.path().join("profiles");
@@ -231,17 +237,12 @@ async fn an_execution_whose_caller_left_before_its_answer_is_audited() {
     let data = dir.path().join("data");
     let daemon = ServeProcess::start(&data, &profiles, &[]).await;
     let mut client = ExecutionServiceClient::new(daemon.channel().await);
-    let db = format!("sqlite://{}", data.join("corral.db").display());
-    let mut holder = sqlx::SqliteConnection::connect(&db).await.expect("the daemon's SQLite store");
-    // The write lock: the daemon's insert waits (its busy timeout is 10 s).
-    sqlx::query("BEGIN IMMEDIATE").execute(&mut holder).await.unwrap();
     let mut start = tonic::Request::new(common::request("builtin.shell", "echo audited"));
     start.set_timeout(Duration::from_millis(300));
-    let gone = client.start_execution(start).await.expect_err("the deadline passed first");
+    let gone = while_store_locked(&data, client.start_execution(start)).await.expect_err("the deadline passed first");
     // The client's own timer may answer first (CANCELLED), the server's
     // (DEADLINE_EXCEEDED) otherwise: the server drops the call either way.
     assert!(matches!(gone.code(), Code::DeadlineExceeded | Code::Cancelled), "{gone:?}");
-    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
     let id = loop {
         let listed = client.list_executions(pb::ListExecutionsRequest::default()).await.unwrap().into_inner();
         if let Some(execution) = listed.executions.first() {

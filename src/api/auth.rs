@@ -153,7 +153,11 @@ pub async fn decide_tool_call(
         let (subject, call_id) = (subject.to_string(), call_id.to_string());
         async move {
             let decided = engine.decide_tool_call(&subject, &call_id, decision).await;
-            if matches!(decided, Ok(Ok(()))) || (decided.is_err() && done_or_taken(&decided)) {
+            let done = match &decided {
+                Ok(decision) => decision.is_ok(),
+                Err(_) => done_or_taken(&decided),
+            };
+            if done {
                 tracing::info!(
                     target: "corral::audit", principal = %principal.name, kind = principal.kind.as_str(),
                     rpc = "DecideToolCall", subject, call_id, allow, "tool call decided"

@@ -142,16 +142,10 @@ impl Store {
             .await?;
             sqlx::query("SELECT pg_notify('corral_queue', '')").execute(&mut *tx).await?;
         }
-        let xid = transaction_id(&mut tx).await?;
-        if let Err(error) = tx.commit().await {
-            // Taken, an execution whose commit landed unanswered would be
-            // `running` here with nothing running it; queued, it would run
-            // while its caller, told it failed, starts it again.
-            if !self.committed(xid).await {
-                return Err(error.into());
-            }
-            tracing::warn!(execution_id = %record.execution_id, %error, "fleet: a commit answered an error but landed");
-        }
+        // Taken, an execution whose commit landed unanswered would be
+        // `running` here with nothing running it; queued, it would run
+        // while its caller, told it failed, starts it again.
+        self.commit_landed(tx, "a submit's").await?;
         Ok(if take { Enqueued::Taken } else { Enqueued::Queued })
     }
 
@@ -233,17 +227,24 @@ impl Store {
             .await?;
             claimed.push(Claimed { record: execution_from_row(&row)?, work });
         }
+        // A claim whose commit landed unanswered would leave its executions
+        // `running` here with nothing running them, and their queued work
+        // deleted.
+        self.commit_landed(tx, "a claim's").await?;
+        Ok(claimed)
+    }
+
+    /// Commits `tx` (`whose`: what it does, for the log), or learns that its
+    /// commit landed although it answered an error (see [`Store::committed`]).
+    async fn commit_landed(&self, mut tx: sqlx::Transaction<'_, sqlx::Any>, whose: &str) -> Result<(), StoreError> {
         let xid = transaction_id(&mut tx).await?;
         if let Err(error) = tx.commit().await {
-            // A claim whose commit landed unanswered would leave its
-            // executions `running` here with nothing running them, and
-            // their queued work deleted.
             if !self.committed(xid).await {
                 return Err(error.into());
             }
-            tracing::warn!(%error, "fleet: a claim's commit answered an error but landed");
+            tracing::warn!(%error, "fleet: {whose} commit answered an error but landed");
         }
-        Ok(claimed)
+        Ok(())
     }
 
     /// Whether transaction `xid` committed, asked on a fresh connection
@@ -295,15 +296,9 @@ impl Store {
             .bind(&self.node)
             .execute(&mut *tx)
             .await?;
-        let xid = transaction_id(&mut tx).await?;
-        if let Err(error) = tx.commit().await {
-            // Landed unanswered, it would leave the run `pending` in no
-            // queue: never claimed, never finished.
-            if !self.committed(xid).await {
-                return Err(error.into());
-            }
-            tracing::warn!(execution_id, %error, "fleet: a cancel's commit answered an error but landed");
-        }
+        // Landed unanswered, it would leave the run `pending` in no queue:
+        // never claimed, never finished.
+        self.commit_landed(tx, "a cancel's").await?;
         Ok(true)
     }
 
