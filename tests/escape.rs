@@ -482,6 +482,21 @@ async fn fails_the_workspace_budget(id: &str, script: &str) {
     daemon.stop().await;
 }
 
+/// A harness that fills its workspace and exits before the daemon's watch
+/// looks (every 250 ms) is caught by the check at the end of the run,
+/// which walks a tree this small on the async worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workspace_filled_as_the_harness_exits_fails_the_run() {
+    let daemon = daemon_with(vec![bwrap_shell("test.last", "max_workspace_bytes = 10485760")]).await;
+    // Two files, each under the file size limit.
+    let script = "head -c 6000000 /dev/zero > a; head -c 6000000 /dev/zero > b";
+    let (execution, events) = run(&daemon, "test.last", script).await;
+    assert_eq!(execution.state, pb::ExecutionState::Failed as i32, "{execution:?}");
+    assert_eq!(execution.evidence.as_ref().unwrap().failure_stage, pb::FailureStage::Execution as i32);
+    assert!(limit_events(&events).iter().any(|l| l.limit() == pb::LimitKind::Workspace), "no workspace limit event");
+    daemon.stop().await;
+}
+
 /// Blocks allocated past a file's end (`fallocate --keep-size`) show in no
 /// file size, and RLIMIT_FSIZE does not stop them: they count all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
